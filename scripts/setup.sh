@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv and install tformer with its test dependencies, CPU-only.
+# torch is pinned to the local CPU wheel (2.13.0) *before* the project so that the project's
+# torch range is already satisfied and pip never pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test]"

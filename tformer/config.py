@@ -1,0 +1,183 @@
+"""Typed model configuration: one dataclass whose fields are the family switches.
+
+Every error names the field and the allowed values, in one line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, fields
+from typing import Any, get_type_hints
+
+
+class ConfigError(ValueError):
+    """A configuration problem, stated in one line that names the field and the fix."""
+
+
+FAMILIES = ("encoder", "decoder", "encdec")
+POSITIONS = ("none", "learned", "sinusoidal", "rotary", "relative")
+NORMS = ("layernorm", "rmsnorm")
+NORM_POSITIONS = ("pre", "post")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
+ATTN_IMPLS = ("sdpa", "math")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of one model. ``family`` picks the stack; the other fields pick the blocks."""
+
+    family: str = "decoder"              # encoder (BERT-like) | decoder (GPT-like) | encdec (T5-like)
+    flavour: str = "gpt2"                # HF counterpart for export: bert | gpt2 | llama | t5 | custom
+    vocab_size: int = 50257
+    pad_vocab_multiple: int = 1          # pad the embedding rows to a multiple (64 is fast); 1 = off
+    d_model: int = 768
+    num_layers: int = 12                 # encoder layers for encdec
+    num_decoder_layers: int | None = None  # encdec only; default = num_layers
+    num_heads: int = 12
+    num_kv_heads: int | None = None      # < num_heads: grouped-query attention; 1: multi-query
+    d_head: int | None = None            # per-head width d_k = d_v; default d_model // num_heads
+    d_ff: int = 3072
+    max_seq_len: int = 1024
+    position: str = "learned"
+    rope_theta: float = 10000.0
+    rel_num_buckets: int = 32
+    rel_max_distance: int = 128
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    norm_bias: bool = True
+    norm_position: str = "pre"           # pre (GPT-2, Llama, T5) | post (the paper, BERT)
+    activation: str = "gelu_tanh"
+    bias: bool = True                    # biases in attention and FFN projections
+    attn_scale: bool = True              # 1/sqrt(d_k); T5 has none
+    attn_impl: str = "sdpa"              # sdpa (fast path) | math (explicit reference)
+    dropout: float = 0.0
+    attn_dropout: float = 0.0
+    tie_embeddings: bool = True
+    tied_output_scale: bool = False      # scale by d_model**-0.5 before a tied LM head (T5 v1.0)
+    type_vocab_size: int = 0             # token-type (segment) embeddings, BERT uses 2
+    embed_norm: bool = False             # norm right after the embedding sum (BERT)
+    embed_scale: bool = False            # multiply token embeddings by sqrt(d_model) (the paper)
+    init_std: float = 0.02
+    pad_token_id: int = 0
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    decoder_start_token_id: int = 0      # encdec: first decoder input (T5 uses pad = 0)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.d_head or self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.num_decoder_layers if self.num_decoder_layers is not None else self.num_layers
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_multiple
+        return -(-self.vocab_size // m) * m
+
+    @property
+    def pre_norm(self) -> bool:
+        return self.norm_position == "pre"
+
+    # -- validation --------------------------------------------------------------------------
+    def validate(self) -> None:
+        hints = get_type_hints(type(self))
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name), hints[f.name])
+        for name, allowed in (("family", FAMILIES), ("position", POSITIONS), ("norm", NORMS),
+                              ("norm_position", NORM_POSITIONS), ("activation", ACTIVATIONS),
+                              ("attn_impl", ATTN_IMPLS)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConfigError(f"{name}={value!r} is not allowed; use one of: {', '.join(allowed)}")
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len",
+                     "pad_vocab_multiple", "rel_num_buckets", "rel_max_distance"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be a positive integer")
+        for name in ("num_decoder_layers", "num_kv_heads", "d_head"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name}={value} must be a positive integer (or null for the default)")
+        if self.type_vocab_size < 0:
+            raise ConfigError(f"type_vocab_size={self.type_vocab_size} must be >= 0 (0 = no token types)")
+        for name in ("dropout", "attn_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")
+        if self.d_head is None and self.d_model % self.num_heads:
+            raise ConfigError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
+                              "change one of them or set d_head explicitly")
+        if self.num_heads % self.kv_heads:
+            raise ConfigError(f"num_kv_heads={self.kv_heads} must divide num_heads={self.num_heads} "
+                              f"(allowed: {', '.join(str(d) for d in _divisors(self.num_heads))})")
+        if self.position == "rotary" and self.head_dim % 2:
+            raise ConfigError(f"position='rotary' needs an even head width, got d_head={self.head_dim}")
+        if self.position == "relative" and self.family == "encoder" and self.rel_num_buckets < 2:
+            raise ConfigError("rel_num_buckets must be >= 2 for bidirectional relative positions")
+        if self.family != "encdec" and self.num_decoder_layers is not None:
+            raise ConfigError(f"num_decoder_layers is only for family='encdec' (family={self.family!r}); "
+                              "remove it or set num_layers")
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ConfigError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
+
+    # -- conversion --------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        check_keys(data, cls, "model")
+        return cls(**data)
+
+    def replace(self, **overrides: Any) -> "ModelConfig":
+        check_keys(overrides, type(self), "model")
+        return dataclasses.replace(self, **overrides)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_keys(data: dict[str, Any], cls: type, section: str) -> None:
+    """Reject unknown keys with a did-you-mean suggestion."""
+    known = [f.name for f in fields(cls)]
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {section}.{close[0]}?" if close else f"; known keys: {', '.join(known)}"
+            raise ConfigError(f"unknown config key {section}.{key}{hint}")
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    text = str(hint)
+    optional = "None" in text
+    if value is None:
+        if not optional:
+            raise ConfigError(f"{name} must not be null")
+        return
+    if "bool" in text:
+        ok = isinstance(value, bool)
+        want = "true or false"
+    elif "int" in text:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        want = "an integer"
+    elif "float" in text:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        want = "a number"
+    elif "str" in text:
+        ok = isinstance(value, str)
+        want = "a string"
+    else:
+        return
+    if not ok:
+        raise ConfigError(f"{name}={value!r} has the wrong type; expected {want}")

@@ -1,0 +1,102 @@
+"""What every family shares: the output record, embeddings, initialisation, loss, input checks."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ConfigError, ModelConfig
+from ..nn import LearnedPositions, SinusoidalPositions, make_norm
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    cache: Any = None
+    encoder_hidden: torch.Tensor | None = None
+
+
+class Embeddings(nn.Module):
+    """Token (+ absolute position) (+ token type) embeddings, optional norm, dropout."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+        self.pos = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}.get(
+            cfg.position, lambda *_: None)(cfg.max_seq_len, cfg.d_model)
+        self.types = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
+        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias) if cfg.embed_norm else None
+        self.scale = math.sqrt(cfg.d_model) if cfg.embed_scale else None
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.tok(input_ids)
+        if self.scale is not None:
+            x = x * self.scale
+        if self.pos is not None:
+            x = x + self.pos(positions)
+        if self.types is not None:
+            x = x + self.types(token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids))
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.dropout(x)
+
+
+class TformerModel(nn.Module):
+    """Base of the three families."""
+
+    config: ModelConfig
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Unique parameter elements (tied weights counted once)."""
+        skip = set()
+        if exclude_embeddings:
+            skip = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
+        return sum(p.numel() for p in self.parameters() if id(p) not in skip)
+
+    def init_weights(self) -> None:
+        """Normal(0, init_std) for matrices and embeddings, zero biases, unit norm gains; the
+        projections that write into the residual stream are scaled by 1/sqrt(2 * depth) (GPT-2)."""
+        cfg = self.config
+        depth = cfg.num_layers + (cfg.decoder_layers if cfg.family == "encdec" else 0)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = cfg.init_std
+                if name.endswith(("o_proj", "ffn.down")):
+                    std /= math.sqrt(2 * depth)
+                nn.init.normal_(module.weight, 0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif hasattr(module, "weight") and module.weight is not None and module.weight.dim() == 1:
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    def _check_length(self, seq_len: int, offset: int = 0) -> None:
+        cfg = self.config
+        if cfg.position in ("learned", "sinusoidal") and offset + seq_len > cfg.max_seq_len:
+            raise ConfigError(f"sequence length {offset + seq_len} exceeds max_seq_len={cfg.max_seq_len} "
+                              "of this model's position table; use shorter sequences or a larger max_seq_len")
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.config.padded_vocab_size != self.config.vocab_size:
+            logits = logits[..., : self.config.vocab_size]
+        return logits
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over positions whose label is not -100. Labels are aligned with the
+    logits (``labels[t]`` is the target of position ``t``); shifting is the data pipeline's job."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=-100)
+
+
+def default_positions(input_ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    return torch.arange(offset, offset + input_ids.shape[1], device=input_ids.device)

@@ -1,0 +1,38 @@
+"""Decoder-only family (GPT-like): causal stack + LM head. GPT-2 and Llama flavours differ only in
+config switches (positions, norm, FFN, KV heads, biases)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..nn import StackCache, TransformerStack
+from .base import Embeddings, ModelOutput, TformerModel, default_positions, lm_loss
+
+
+class DecoderModel(TformerModel):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = Embeddings(cfg)
+        self.decoder = TransformerStack(cfg, cfg.num_layers, causal=True)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+        self.init_weights()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.tok.weight
+
+    def new_cache(self) -> StackCache:
+        return StackCache(self.config.num_layers)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                cache: StackCache | None = None) -> ModelOutput:
+        """``labels`` are aligned with ``input_ids`` positions (already shifted), -100 = ignore.
+        With ``cache``, ``input_ids`` are the new tokens and ``attention_mask`` covers past + new."""
+        offset = cache.length if cache is not None else 0
+        self._check_length(input_ids.shape[1], offset)
+        positions = position_ids if position_ids is not None else default_positions(input_ids, offset)
+        x = self.embed(input_ids, positions)
+        h = self.decoder(x, attention_mask, positions=positions, cache=cache)
+        logits = self._logits(h)
+        return ModelOutput(logits, lm_loss(logits, labels) if labels is not None else None, cache)

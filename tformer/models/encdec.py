@@ -1,0 +1,68 @@
+"""Encoder-decoder family (T5-like): bidirectional encoder, causal decoder with cross-attention,
+one embedding shared by both stacks and (v1.0) the LM head."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..nn import StackCache, TransformerStack
+from .base import Embeddings, ModelOutput, TformerModel, default_positions, lm_loss
+
+
+def shift_right(labels: torch.Tensor, start_id: int, pad_id: int) -> torch.Tensor:
+    """Decoder inputs from targets: prepend the start token, drop the last, -100 -> pad."""
+    out = labels.new_full(labels.shape, start_id)
+    out[:, 1:] = labels[:, :-1]
+    return out.masked_fill(out == -100, pad_id)
+
+
+class EncoderDecoderModel(TformerModel):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = Embeddings(cfg)
+        self.encoder = TransformerStack(cfg, cfg.num_layers, causal=False)
+        self.decoder = TransformerStack(cfg, cfg.decoder_layers, causal=True, cross=True)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+        self.init_weights()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.tok.weight
+
+    def new_cache(self) -> StackCache:
+        return StackCache(self.config.decoder_layers, cross=True)
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_length(input_ids.shape[1])
+        positions = default_positions(input_ids)
+        return self.encoder(self.embed(input_ids, positions), attention_mask, positions=positions)
+
+    def decode(self, decoder_input_ids: torch.Tensor, memory: torch.Tensor,
+               memory_mask: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None,
+               cache: StackCache | None = None) -> torch.Tensor:
+        offset = cache.length if cache is not None else 0
+        self._check_length(decoder_input_ids.shape[1], offset)
+        positions = default_positions(decoder_input_ids, offset)
+        x = self.embed(decoder_input_ids, positions)
+        h = self.decoder(x, decoder_attention_mask, positions=positions, memory=memory,
+                         memory_mask=memory_mask, cache=cache)
+        if self.config.tie_embeddings and self.config.tied_output_scale:
+            h = h * self.config.d_model ** -0.5  # T5 rescales before the tied output projection
+        return self._logits(h)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                decoder_input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                decoder_attention_mask: torch.Tensor | None = None,
+                encoder_hidden: torch.Tensor | None = None, cache: StackCache | None = None) -> ModelOutput:
+        """``labels`` are the decoder targets; without ``decoder_input_ids`` they are shifted right
+        behind ``decoder_start_token_id`` to form the decoder input (teacher forcing)."""
+        if decoder_input_ids is None:
+            if labels is None:
+                raise ValueError("encoder-decoder forward needs decoder_input_ids or labels")
+            cfg = self.config
+            decoder_input_ids = shift_right(labels, cfg.decoder_start_token_id, cfg.pad_token_id)
+        if encoder_hidden is None:
+            encoder_hidden = self.encode(input_ids, attention_mask)
+        logits = self.decode(decoder_input_ids, encoder_hidden, attention_mask, decoder_attention_mask, cache)
+        loss = lm_loss(logits, labels) if labels is not None else None
+        return ModelOutput(logits, loss, cache, encoder_hidden)

@@ -1,0 +1,41 @@
+"""Encoder-only family (BERT-like): bidirectional stack + masked-LM head tied to the embeddings."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..nn import TransformerStack, make_norm
+from ..nn.ffn import ACTIVATIONS
+from .base import Embeddings, ModelOutput, TformerModel, default_positions, lm_loss
+
+
+class EncoderModel(TformerModel):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = Embeddings(cfg)
+        self.encoder = TransformerStack(cfg, cfg.num_layers, causal=False)
+        # BERT's MLM head: dense -> activation -> norm -> vocabulary projection (+ its own bias).
+        self.head_dense = nn.Linear(cfg.d_model, cfg.d_model)
+        self.head_act = ACTIVATIONS.get(cfg.activation, ACTIVATIONS["gelu"])
+        self.head_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=True)
+        self.init_weights()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.tok.weight
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      token_type_ids: torch.Tensor | None = None,
+                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_length(input_ids.shape[1])
+        positions = position_ids if position_ids is not None else default_positions(input_ids)
+        x = self.embed(input_ids, positions, token_type_ids)
+        return self.encoder(x, attention_mask, positions=positions)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> ModelOutput:
+        h = self.hidden_states(input_ids, attention_mask, token_type_ids, position_ids)
+        logits = self._logits(self.head_norm(self.head_act(self.head_dense(h))))
+        return ModelOutput(logits, lm_loss(logits, labels) if labels is not None else None)

@@ -1,0 +1,61 @@
+"""Named model sizes. Standard presets reproduce the published HF configurations exactly
+(parameter counts are checked against ``transformers`` in the tests); ``*-tiny`` are for tests."""
+from __future__ import annotations
+
+import difflib
+
+from ..config import ConfigError, ModelConfig
+
+BERT = dict(family="encoder", flavour="bert", vocab_size=30522, max_seq_len=512, position="learned",
+            norm="layernorm", norm_eps=1e-12, norm_position="post", activation="gelu",
+            type_vocab_size=2, embed_norm=True, tie_embeddings=True, pad_token_id=0, dropout=0.1,
+            attn_dropout=0.1)
+GPT2 = dict(family="decoder", flavour="gpt2", vocab_size=50257, max_seq_len=1024, position="learned",
+            norm="layernorm", norm_eps=1e-5, norm_position="pre", activation="gelu_tanh",
+            tie_embeddings=True, bos_token_id=50256, eos_token_id=50256, pad_token_id=50256)
+LLAMA = dict(family="decoder", flavour="llama", position="rotary", norm="rmsnorm", norm_eps=1e-5,
+             norm_position="pre", activation="swiglu", bias=False, norm_bias=False)
+T5 = dict(family="encdec", flavour="t5", vocab_size=32128, max_seq_len=512, position="relative",
+          norm="rmsnorm", norm_eps=1e-6, norm_position="pre", activation="relu", bias=False,
+          norm_bias=False, attn_scale=False, tie_embeddings=True, tied_output_scale=True,
+          rel_num_buckets=32, rel_max_distance=128, pad_token_id=0, eos_token_id=1,
+          decoder_start_token_id=0, dropout=0.1)
+T5_V11 = dict(T5, activation="geglu", tie_embeddings=False, tied_output_scale=False, dropout=0.0)
+
+PRESETS: dict[str, dict] = {
+    "bert-base": dict(BERT, d_model=768, num_layers=12, num_heads=12, d_ff=3072),
+    "bert-large": dict(BERT, d_model=1024, num_layers=24, num_heads=16, d_ff=4096),
+    "gpt2-small": dict(GPT2, d_model=768, num_layers=12, num_heads=12, d_ff=3072),
+    "gpt2-medium": dict(GPT2, d_model=1024, num_layers=24, num_heads=16, d_ff=4096),
+    "gpt2-large": dict(GPT2, d_model=1280, num_layers=36, num_heads=20, d_ff=5120),
+    "gpt2-xl": dict(GPT2, d_model=1600, num_layers=48, num_heads=25, d_ff=6400),
+    # Llama 3.2 1B shape: 16 layers, GQA 32/8, SwiGLU 8192, tied embeddings, RoPE theta 5e5.
+    "llama-1b": dict(LLAMA, vocab_size=128256, d_model=2048, num_layers=16, num_heads=32,
+                     num_kv_heads=8, d_ff=8192, max_seq_len=8192, rope_theta=500000.0,
+                     tie_embeddings=True, bos_token_id=128000, eos_token_id=128001, pad_token_id=128001),
+    "t5-small": dict(T5, d_model=512, d_head=64, num_layers=6, num_heads=8, d_ff=2048),
+    "t5-base": dict(T5, d_model=768, d_head=64, num_layers=12, num_heads=12, d_ff=3072),
+    "t5-large": dict(T5, d_model=1024, d_head=64, num_layers=24, num_heads=16, d_ff=4096),
+    "t5-v1.1-small": dict(T5_V11, d_model=512, d_head=64, num_layers=8, num_heads=6, d_ff=1024),
+    # Tiny sizes: same switches, toy widths (fast CPU tests); vocab fits the test tokenizers.
+    "bert-tiny": dict(BERT, vocab_size=1024, max_seq_len=128, d_model=64, num_layers=2, num_heads=4,
+                      d_ff=128, dropout=0.0, attn_dropout=0.0),
+    "gpt2-tiny": dict(GPT2, vocab_size=1024, max_seq_len=128, d_model=64, num_layers=2, num_heads=4,
+                      d_ff=256, bos_token_id=0, eos_token_id=0, pad_token_id=0),
+    "llama-tiny": dict(LLAMA, vocab_size=1024, max_seq_len=128, d_model=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, d_ff=176, tie_embeddings=False, bos_token_id=0, eos_token_id=0,
+                       pad_token_id=0),
+    "t5-tiny": dict(T5, vocab_size=1024, max_seq_len=128, d_model=64, d_head=16, num_layers=2,
+                    num_heads=4, d_ff=128, rel_num_buckets=8, rel_max_distance=32, dropout=0.0),
+    "t5-v1.1-tiny": dict(T5_V11, vocab_size=1024, max_seq_len=128, d_model=64, d_head=16, num_layers=2,
+                         num_decoder_layers=3, num_heads=4, d_ff=96, rel_num_buckets=8,
+                         rel_max_distance=32),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        close = difflib.get_close_matches(name, PRESETS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown preset {name!r}{hint} (available: {', '.join(PRESETS)})")
+    return ModelConfig.from_dict({**PRESETS[name], **overrides})

@@ -1,0 +1,181 @@
+"""Multi-head attention: self, causal and cross; padding + causal masks; GQA; KV cache.
+
+``softmax(Q K^T / sqrt(d_k) + M) V`` per head, heads concatenated and projected by ``W^O``.
+Two interchangeable implementations: ``F.scaled_dot_product_attention`` (fast path) and the
+explicit math path (the reference the tests hold the fast path to).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .position import apply_rotary
+
+ATTN_IMPLS = ("sdpa", "math")
+
+
+class KVCache:
+    """Keys and values of past positions for one attention layer.
+
+    Self-attention appends the newest token's K/V each step; cross-attention stores the encoder's
+    K/V once (``static``) and reuses them for every decoding step.
+    """
+
+    def __init__(self, static: bool = False):
+        self.static = static
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None:
+            self.k, self.v = k, v
+        else:
+            self.k = torch.cat((self.k, k), dim=2)
+            self.v = torch.cat((self.v, v), dim=2)
+        return self.k, self.v
+
+    def reorder(self, index: torch.Tensor) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[index], self.v[index]
+
+
+def build_mask(padding_mask: torch.Tensor | None, causal: bool, q_len: int, k_len: int,
+               device: torch.device) -> torch.Tensor | None:
+    """Boolean "may attend" mask broadcastable to (B, h, S_q, S_k), or None if nothing is masked.
+
+    ``padding_mask`` is (B, S_k) with 1 = real token. For causal attention the queries are the
+    last ``q_len`` positions of the ``k_len`` keys (so a KV-cached query sees the whole past).
+    """
+    allowed = None
+    if padding_mask is not None:
+        if padding_mask.dim() != 2 or padding_mask.shape[1] != k_len:
+            raise ValueError(f"padding_mask must be (batch, {k_len}) with 1 = real token, "
+                             f"got shape {tuple(padding_mask.shape)}")
+        allowed = padding_mask.bool()[:, None, None, :]
+    if causal:
+        q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+        tri = torch.arange(k_len, device=device)[None, :] <= q_pos
+        allowed = tri if allowed is None else allowed & tri
+    return allowed
+
+
+def additive_mask(allowed: torch.Tensor | None, bias: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor | None:
+    """Merge a boolean mask and an additive bias into one additive ``M``.
+
+    Masked scores get the dtype's most negative finite value, not -inf, so a query whose keys are
+    all masked (e.g. a padding query) gets a uniform, finite softmax instead of NaN.
+    """
+    if bias is None and allowed is None:
+        return None
+    if bias is None:
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min)
+    bias = bias.to(dtype)
+    return bias if allowed is None else bias.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def math_attention(q, k, v, mask, scale: float, dropout_p: float = 0.0, training: bool = False):
+    """The textbook formula, written out: the reference implementation."""
+    if k.shape[1] != q.shape[1]:  # grouped KV heads serve several query heads each
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    probs = F.dropout(probs, dropout_p, training)
+    return torch.matmul(probs, v)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention over ``(B, S, d_model)`` inputs.
+
+    ``num_heads`` query heads of width ``d_k`` (default ``d_model // num_heads``); ``num_kv_heads``
+    key/value heads (fewer = grouped-query / multi-query attention); values of width ``d_v``.
+    ``scale=False`` drops the ``1/sqrt(d_k)`` factor (T5 folds it into the initialisation).
+    ``kv_dim`` is the width of the key/value inputs for cross-attention from a different stream.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 d_k: int | None = None, d_v: int | None = None, kv_dim: int | None = None,
+                 bias: bool = True, scale: bool = True, dropout: float = 0.0,
+                 attn_dropout: float = 0.0, impl: str = "sdpa"):
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        if d_k is None:
+            if d_model % num_heads:
+                raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; "
+                                 "change one of them or set d_k explicitly")
+            d_k = d_model // num_heads
+        d_v = d_v or d_k
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if impl not in ATTN_IMPLS:
+            raise ValueError(f"unknown attention impl {impl!r}; allowed: {', '.join(ATTN_IMPLS)}")
+        kv_dim = kv_dim or d_model
+        self.num_heads, self.num_kv_heads, self.d_k, self.d_v = num_heads, num_kv_heads, d_k, d_v
+        self.scale = 1.0 / math.sqrt(d_k) if scale else 1.0
+        self.attn_dropout = attn_dropout
+        self.impl = impl
+        self.q_proj = nn.Linear(d_model, num_heads * d_k, bias=bias)
+        self.k_proj = nn.Linear(kv_dim, num_kv_heads * d_k, bias=bias)
+        self.v_proj = nn.Linear(kv_dim, num_kv_heads * d_v, bias=bias)
+        self.o_proj = nn.Linear(num_heads * d_v, d_model, bias=bias)
+        self.out_dropout = nn.Dropout(dropout)
+
+    def _heads(self, x: torch.Tensor, n: int, d: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        return x.view(b, s, n, d).transpose(1, 2)  # (B, n, S, d)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
+                causal: bool = False, *, attn_bias: torch.Tensor | None = None,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """``query`` (B, S_q, d_model); ``key``/``value`` (B, S_k, kv_dim), default = ``query``.
+
+        ``padding_mask`` (B, S_k_total), 1 = real token, where S_k_total includes cached keys.
+        ``attn_bias`` is added to the scores (T5 relative positions). ``rotary`` = (cos, sin) for
+        the new positions, applied to queries and the new keys. With ``cache`` the new keys/values
+        are appended (self-attention) or, for a static cache already filled, reused as they are.
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        b, q_len, _ = query.shape
+        q = self._heads(self.q_proj(query), self.num_heads, self.d_k)
+        if cache is not None and cache.static and cache.k is not None:
+            k, v = cache.k, cache.v
+        else:
+            k = self._heads(self.k_proj(key), self.num_kv_heads, self.d_k)
+            v = self._heads(self.v_proj(value), self.num_kv_heads, self.d_v)
+            if rotary is not None:
+                k = apply_rotary(k, *rotary)
+            if cache is not None:
+                k, v = cache.update(k, v)
+        if rotary is not None:
+            q = apply_rotary(q, *rotary)
+        k_len = k.shape[2]
+        dropout_p = self.attn_dropout if self.training else 0.0
+        only_causal = causal and padding_mask is None and attn_bias is None and q_len == k_len
+        if self.impl == "sdpa" and only_causal:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                                 scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
+        else:
+            allowed = build_mask(padding_mask, causal and q_len > 1, q_len, k_len, q.device)
+            mask = additive_mask(allowed, attn_bias, q.dtype)
+            if self.impl == "sdpa":
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                     scale=self.scale,
+                                                     enable_gqa=self.num_kv_heads != self.num_heads)
+            else:
+                out = math_attention(q, k, v, mask, self.scale, dropout_p, self.training)
+        out = out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.d_v)
+        return self.out_dropout(self.o_proj(out))

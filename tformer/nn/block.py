@@ -1,0 +1,111 @@
+"""The transformer block and the stack of blocks, shared by all three families.
+
+Encoder, decoder and encoder-decoder differ only in two switches: ``causal`` self-attention,
+and whether a ``cross`` attention to an encoder's output sits between self-attention and the FFN.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import KVCache, MultiHeadAttention
+from .ffn import FeedForward
+from .norm import make_norm, residual
+from .position import RelativePositionBias, Rotary
+
+
+class StackCache:
+    """KV caches of every layer of a stack, for incremental decoding."""
+
+    def __init__(self, num_layers: int, cross: bool = False):
+        self.self_kv = [KVCache() for _ in range(num_layers)]
+        self.cross_kv = [KVCache(static=True) for _ in range(num_layers)] if cross else None
+
+    @property
+    def length(self) -> int:
+        """Number of positions already cached (the offset of the next token)."""
+        return self.self_kv[0].length
+
+    def layer(self, i: int) -> tuple[KVCache, KVCache | None]:
+        return self.self_kv[i], (self.cross_kv[i] if self.cross_kv is not None else None)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        for c in self.self_kv + (self.cross_kv or []):
+            c.reorder(index)
+
+
+def _attention(cfg, **extra) -> MultiHeadAttention:
+    return MultiHeadAttention(cfg.d_model, cfg.num_heads, num_kv_heads=cfg.kv_heads, d_k=cfg.head_dim,
+                              bias=cfg.bias, scale=cfg.attn_scale, dropout=cfg.dropout,
+                              attn_dropout=cfg.attn_dropout, impl=cfg.attn_impl, **extra)
+
+
+class TransformerBlock(nn.Module):
+    """Self-attention (+ optional cross-attention) + FFN, each a residual sub-layer."""
+
+    def __init__(self, cfg, *, causal: bool, cross: bool):
+        super().__init__()
+        self.causal = causal
+        self.pre_norm = cfg.pre_norm
+
+        def norm():
+            return make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
+
+        self.attn = _attention(cfg)
+        self.attn_norm = norm()
+        self.cross_attn = _attention(cfg) if cross else None
+        self.cross_norm = norm() if cross else None
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation, cfg.bias, cfg.dropout)
+        self.ffn_norm = norm()
+
+    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None, *,
+                attn_bias: torch.Tensor | None = None, rotary=None, memory: torch.Tensor | None = None,
+                memory_mask: torch.Tensor | None = None,
+                cache: tuple[KVCache, KVCache | None] | None = None) -> torch.Tensor:
+        self_cache, cross_cache = cache if cache is not None else (None, None)
+        x = residual(x, self.attn_norm, lambda h: self.attn(
+            h, h, h, padding_mask, self.causal, attn_bias=attn_bias, rotary=rotary, cache=self_cache),
+            self.pre_norm)
+        if self.cross_attn is not None:
+            x = residual(x, self.cross_norm, lambda h: self.cross_attn(
+                h, memory, memory, memory_mask, cache=cross_cache), self.pre_norm)
+        return residual(x, self.ffn_norm, self.ffn, self.pre_norm)
+
+
+class TransformerStack(nn.Module):
+    """``num_layers`` blocks plus what they share: relative bias or rotary tables, final norm."""
+
+    def __init__(self, cfg, num_layers: int, *, causal: bool, cross: bool = False):
+        super().__init__()
+        self.causal = causal
+        self.layers = nn.ModuleList(TransformerBlock(cfg, causal=causal, cross=cross)
+                                    for _ in range(num_layers))
+        # T5 keeps one bias table per stack (HF stores it in block 0 and reuses it).
+        self.rel_bias = (RelativePositionBias(cfg.num_heads, not causal, cfg.rel_num_buckets,
+                                              cfg.rel_max_distance)
+                         if cfg.position == "relative" else None)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if cfg.position == "rotary" else None
+        # Pre-norm stacks end with a norm; post-norm blocks already end normalised.
+        self.final_norm = (make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
+                           if cfg.pre_norm else None)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None, memory: torch.Tensor | None = None,
+                memory_mask: torch.Tensor | None = None, cache: StackCache | None = None) -> torch.Tensor:
+        """``x`` (B, S, d); ``positions`` (S,) or (B, S) absolute positions of ``x`` (for rotary);
+        ``padding_mask`` covers cached + new keys."""
+        offset = cache.length if cache is not None else 0
+        seq = x.shape[1]
+        bias = self.rel_bias(seq, offset + seq, offset) if self.rel_bias is not None else None
+        rotary = None
+        if self.rotary is not None:
+            if positions is None:
+                positions = torch.arange(offset, offset + seq, device=x.device)
+            rotary = self.rotary(positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, padding_mask, attn_bias=bias, rotary=rotary, memory=memory,
+                      memory_mask=memory_mask, cache=cache.layer(i) if cache is not None else None)
+        if self.final_norm is not None:
+            x = self.dropout(self.final_norm(x))
+        return x

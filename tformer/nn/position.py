@@ -1,0 +1,107 @@
+"""Position schemes: sinusoidal and learned absolute embeddings, rotary (RoPE), T5 relative bias."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def sinusoidal_table(max_len: int, dim: int) -> torch.Tensor:
+    """The paper's table: ``PE[pos, 2i] = sin(pos / 10000^(2i/d))``, ``PE[pos, 2i+1] = cos(...)``."""
+    pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
+    inv = torch.exp(-math.log(10000.0) * torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    table = torch.zeros(max_len, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * inv)
+    table[:, 1::2] = torch.cos(pos * inv)[:, : dim // 2]
+    return table.float()
+
+
+class SinusoidalPositions(nn.Module):
+    """Fixed sinusoidal position embeddings (no parameters)."""
+
+    def __init__(self, max_len: int, dim: int):
+        super().__init__()
+        self.register_buffer("table", sinusoidal_table(max_len, dim), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.table[positions]
+
+
+class LearnedPositions(nn.Embedding):
+    """Learned absolute position embeddings (GPT-2, BERT)."""
+
+    def __init__(self, max_len: int, dim: int):
+        super().__init__(max_len, dim)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding in HF's rotate-half layout.
+
+    The head dimension is split in two halves ``(x1, x2)`` and rotated as
+    ``(x1 cos - x2 sin, x2 cos + x1 sin)`` with frequency ``theta^(-2i/d)`` for pair ``i``.
+    ``forward(positions)`` returns ``(cos, sin)`` shaped to broadcast over ``(B, h, S, d)``.
+    """
+
+    def __init__(self, head_dim: int, theta: float = 10000.0):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary needs an even head dimension, got {head_dim}")
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: (S,) or (B, S) -> cos/sin (1 or B, 1, S, head_dim)
+        pos = positions if positions.dim() == 2 else positions.unsqueeze(0)
+        angles = pos.float().unsqueeze(-1) * self.inv_freq  # (B, S, d/2)
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
+        return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape (B, h, S, d) by the angles of its positions."""
+    return (x * cos.to(x.dtype)) + (rotate_half(x) * sin.to(x.dtype))
+
+
+def relative_bucket(relative: torch.Tensor, bidirectional: bool, num_buckets: int,
+                    max_distance: int) -> torch.Tensor:
+    """T5's bucketing of ``key_pos - query_pos``: exact buckets for small distances,
+    logarithmically wider ones up to ``max_distance``; causal mode folds the future into bucket 0."""
+    bucket = torch.zeros_like(relative)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + (relative > 0).long() * num_buckets
+        distance = relative.abs()
+    else:
+        distance = (-relative).clamp(min=0)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    log_ratio = torch.log(distance.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
+    large = max_exact + (log_ratio * (num_buckets - max_exact)).long()
+    large = large.clamp(max=num_buckets - 1)
+    return bucket + torch.where(is_small, distance, large)
+
+
+class RelativePositionBias(nn.Module):
+    """T5 relative attention bias: a learned scalar per (bucket, head), added to the scores."""
+
+    def __init__(self, num_heads: int, bidirectional: bool, num_buckets: int = 32,
+                 max_distance: int = 128):
+        super().__init__()
+        self.bidirectional = bidirectional
+        self.num_buckets = num_buckets
+        self.max_distance = max_distance
+        self.embedding = nn.Embedding(num_buckets, num_heads)
+
+    def forward(self, q_len: int, k_len: int, q_offset: int = 0) -> torch.Tensor:
+        """Bias of shape (1, h, q_len, k_len); query ``i`` sits at absolute position ``q_offset + i``."""
+        device = self.embedding.weight.device
+        q_pos = torch.arange(q_offset, q_offset + q_len, device=device)[:, None]
+        k_pos = torch.arange(k_len, device=device)[None, :]
+        buckets = relative_bucket(k_pos - q_pos, self.bidirectional, self.num_buckets, self.max_distance)
+        return self.embedding(buckets).permute(2, 0, 1).unsqueeze(0)
