@@ -151,11 +151,12 @@ def _divisors(n: int) -> list[int]:
 def check_keys(data: dict[str, Any], cls: type, section: str) -> None:
     """Reject unknown keys with a did-you-mean suggestion."""
     known = [f.name for f in fields(cls)]
+    prefix = f"{section}." if section else ""
     for key in data:
         if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"; did you mean {section}.{close[0]}?" if close else f"; known keys: {', '.join(known)}"
-            raise ConfigError(f"unknown config key {section}.{key}{hint}")
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known keys: {', '.join(known)}"
+            raise ConfigError(f"unknown config key {prefix}{key}{hint}")
 
 
 def _check_type(name: str, value: Any, hint: Any) -> None:

@@ -1,0 +1,155 @@
+"""Data path vs training: can tokenize-and-pack keep a GPT-2-small trainer fed on this machine?
+
+    python bench/bench_data.py [--seq-len 1024] [--num-proc 2] [--train-steps 2]
+
+Measures, on the bundled World English Bible (train split):
+  1. tokenizer training (one-off, byte-level BPE) -- reported, not part of the ratios;
+  2. first start, in a fresh process: tokenize with `datasets` (num_proc) into the token cache,
+     then pack every sample into seq_len windows and collate batches;
+  3. second start, in a fresh process: the same call hits the cache (np.memmap);
+  4. training consumption: fwd + bwd + AdamW steps of HF GPT2LMHeadModel built from the default
+     GPT2Config (124M, 12 x 768, 1024 positions; no hub access), fp32 and bf16 autocast.
+Prints data tokens/s beside training tokens/s and checks data/train >= 20x and
+cached/first start < 5%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def start(tokenizer_path: str, cache_dir: str, seq_len: int, num_proc: int, batch_size: int) -> dict:
+    """One data start: corpus -> token cache (or cache hit) -> packed dataset -> every batch."""
+    import torch
+
+    from tformer.data import (Collator, PackedCausalLM, ResumableSampler, default_corpus_path,
+                              load_tokenizer, special_tokens, tokenize_corpus)
+
+    tok = load_tokenizer(tokenizer_path)
+    eos = special_tokens(tok).eos_id
+    t0 = time.perf_counter()
+    corpus = tokenize_corpus(default_corpus_path(), tok, cache_dir, split="train", num_proc=num_proc)
+    t_tokenize = time.perf_counter() - t0
+    ds = PackedCausalLM(corpus, seq_len, eos_id=eos)
+    loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, collate_fn=Collator(eos),
+                                         sampler=ResumableSampler(len(ds), seed=0, num_epochs=1))
+    first_batch = None
+    tokens = 0
+    for batch in loader:
+        if first_batch is None:
+            first_batch = time.perf_counter() - t0
+        tokens += batch["input_ids"].numel()
+    total = time.perf_counter() - t0
+    return dict(corpus_tokens=corpus.num_tokens, docs=corpus.num_docs, samples=len(ds),
+                packed_tokens=tokens, tokenize_s=t_tokenize, pack_s=total - t_tokenize,
+                first_batch_s=first_batch, total_s=total)
+
+
+def run_start(args, tokenizer_path: str, cache_dir: str) -> dict:
+    cmd = [sys.executable, __file__, "--phase", "start", "--tokenizer", tokenizer_path,
+           "--cache", cache_dir, "--seq-len", str(args.seq_len), "--num-proc", str(args.num_proc),
+           "--batch-size", str(args.batch_size)]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                         env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+                              "HF_HOME": str(Path(cache_dir).parent / "hf_home")})
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["process_s"] = time.perf_counter() - t0
+    return result
+
+
+def train_rate(seq_len: int, steps: int, dtype: str) -> float:
+    """Tokens/s of GPT-2-small fwd + bwd + AdamW at batch 1 on this machine."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_positions=max(1024, seq_len)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, model.config.vocab_size, (1, seq_len))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # warm-up: allocations, optimizer state
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return steps * seq_len / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--num-proc", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--vocab-size", type=int, default=32768, help="BPE tokenizer trained for the bench")
+    p.add_argument("--train-steps", type=int, default=2)
+    p.add_argument("--work-dir", default=None, help="default: a temporary directory")
+    p.add_argument("--phase", default="all", choices=["all", "start"], help=argparse.SUPPRESS)
+    p.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    p.add_argument("--cache", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.phase == "start":
+        print(json.dumps(start(args.tokenizer, args.cache, args.seq_len, args.num_proc, args.batch_size)))
+        return
+
+    import torch
+
+    from tformer.data import check_vocab, default_corpus_path, train_tokenizer
+
+    torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
+        work = Path(work)
+        t0 = time.perf_counter()
+        tok = train_tokenizer("bpe", default_corpus_path(), args.vocab_size, work / "tok")
+        t_tok = time.perf_counter() - t0
+        check_vocab(tok, 50257)
+        first = run_start(args, str(work / "tok"), str(work / "cache"))
+        second = run_start(args, str(work / "tok"), str(work / "cache"))
+
+    rates = {d: train_rate(args.seq_len, args.train_steps, d) for d in ("fp32", "bf16")}
+    train = max(rates.values())
+    first_rate = first["corpus_tokens"] / (first["tokenize_s"] + first["pack_s"])
+    cached_rate = second["packed_tokens"] / (second["tokenize_s"] + second["pack_s"])
+    start_ratio = second["first_batch_s"] / first["first_batch_s"]
+
+    print(f"corpus: bundled WEB Bible, train split: {first['corpus_tokens']:,} tokens in "
+          f"{first['docs']:,} rows -> {first['samples']:,} packed samples of {args.seq_len}")
+    print(f"tokenizer training (one-off, bpe {tok.get_vocab_size():,} tokens): {t_tok:.1f} s")
+    print(f"{'':34}{'seconds':>10}{'tokens/s':>14}")
+    print(f"{'first start: tokenize (num_proc=' + str(args.num_proc) + ')':34}{first['tokenize_s']:10.2f}"
+          f"{first['corpus_tokens'] / first['tokenize_s']:14,.0f}")
+    print(f"{'first start: pack + collate all':34}{first['pack_s']:10.2f}"
+          f"{first['packed_tokens'] / first['pack_s']:14,.0f}")
+    print(f"{'first start: tokenize-and-pack':34}{first['tokenize_s'] + first['pack_s']:10.2f}{first_rate:14,.0f}")
+    print(f"{'cached start: open + pack all':34}{second['tokenize_s'] + second['pack_s']:10.2f}{cached_rate:14,.0f}")
+    for d, r in rates.items():
+        print(f"{'train GPT-2 small, ' + d + ', b1 x ' + str(args.seq_len):34}"
+              f"{args.seq_len / r:10.2f}{r:14,.0f}")
+    print(f"start to first batch: first {first['first_batch_s']:.2f} s, cached {second['first_batch_s']:.3f} s"
+          f" (processes incl. imports: {first['process_s']:.1f} s, {second['process_s']:.1f} s)")
+    ok_rate = first_rate >= 20 * train
+    ok_start = start_ratio < 0.05
+    print(f"data/train = {first_rate / train:,.0f}x (cached loader {cached_rate / train:,.0f}x)  "
+          f"[need >= 20x: {'ok' if ok_rate else 'FAIL'}]")
+    print(f"cached/first start = {100 * start_ratio:.2f}%  [need < 5%: {'ok' if ok_start else 'FAIL'}]")
+    sys.exit(0 if ok_rate and ok_start else 1)
+
+
+if __name__ == "__main__":
+    main()

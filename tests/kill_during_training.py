@@ -1,0 +1,36 @@
+"""Run the trainer and SIGKILL this process at a chosen point: after step N (``--kill-after N``),
+or in the middle of writing the checkpoint of step N, before it is sealed (``--kill-in-save N``)."""
+import argparse
+import logging
+import os
+import signal
+
+from tformer.checkpoint import io
+from tformer.train import trainer as trainer_mod
+from tformer.train.config import load_config
+
+p = argparse.ArgumentParser()
+p.add_argument("config")
+p.add_argument("overrides", nargs="*")
+p.add_argument("--kill-after", type=int)
+p.add_argument("--kill-in-save", type=int)
+args = p.parse_args()
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+if args.kill_in_save is not None:
+    real_commit = io.commit
+
+    def commit(root, step, keep):
+        if step == args.kill_in_save:
+            os.kill(os.getpid(), signal.SIGKILL)  # files written, marker and rename not yet done
+        return real_commit(root, step, keep)
+
+    trainer_mod.commit = commit
+
+
+def kill_after(trainer, record):
+    if args.kill_after is not None and record["step"] == args.kill_after:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+trainer_mod.Trainer(load_config(args.config, args.overrides), callbacks=[kill_after]).fit()

@@ -1,0 +1,291 @@
+"""The trainer: learning on the bundled corpus, exact resume, DDP parity, signals, atomic
+checkpoints, W&B offline, and one-line errors for bad input."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tformer.checkpoint import find_latest, list_checkpoints, load_checkpoint, verify
+from tformer.train.config import load_config
+from tformer.train.trainer import NonFiniteLoss, Trainer
+
+from train_helpers import CONFIGS, ROOT, env, losses, metrics, run_cli, small_overrides
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tformer-cache")
+    os.environ["TFORMER_CACHE"] = str(path)
+    return path
+
+
+def trainer(recipe, out, *extra, callbacks=()):
+    cfg = load_config(CONFIGS / f"{recipe}.yaml", small_overrides(recipe, out, *extra))
+    return Trainer(cfg, callbacks)
+
+
+@pytest.mark.parametrize("recipe", ["gpt2-tiny", "llama-tiny", "bert-tiny", "t5-tiny"])
+def test_tiny_recipe_lowers_validation_loss_and_writes_the_run_contract(recipe, cache, tmp_path):
+    t = trainer(recipe, tmp_path, "max_steps=40", "eval_every=0", "save_every=0", "optim.warmup_steps=5",
+                "log_every=10")
+    before = t.evaluate()["val_loss"]
+    last = t.fit()
+    assert last["val_loss"] < before - 0.5, (before, last["val_loss"])
+    assert (tmp_path / "config.yaml").is_file() and (tmp_path / "tokenizer.json").is_file()
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [10, 20, 30, 40]
+    for r in rows:
+        assert {"step", "loss", "lr", "tokens_per_s"} <= set(r)
+    ckpt = find_latest(tmp_path / "checkpoints")
+    assert ckpt.name == "step_00000040"
+    verify(ckpt)
+    # load_checkpoint gives the trained model, ready for inference
+    model = load_checkpoint(tmp_path)
+    assert not model.training
+    for (name, p), q in zip(t.model.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(p, q), name
+    resolved = load_config(tmp_path / "config.yaml")
+    assert resolved.max_steps == 40 and resolved.model_config() == t.model_cfg
+
+
+def _run(cache, out, *extra, kill_after=None, kill_in_save=None, recipe="gpt2-tiny"):
+    args = [sys.executable, str(ROOT / "tests" / "kill_during_training.py"), str(CONFIGS / f"{recipe}.yaml"),
+            *small_overrides(recipe, out, *extra)]
+    if kill_after is not None:
+        args += ["--kill-after", str(kill_after)]
+    if kill_in_save is not None:
+        args += ["--kill-in-save", str(kill_in_save)]
+    return subprocess.run(args, env=env(cache), capture_output=True, text=True, timeout=600)
+
+
+def _last_losses(run_dir):
+    out = {}
+    for r in metrics(run_dir):
+        out[r["step"]] = r["loss"]  # a resumed run re-logs the steps after its checkpoint
+    return out
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_resume_after_kill_is_bitwise_identical(cache, tmp_path, accum):
+    common = ["max_steps=8", "save_every=4", "eval_every=0", "precision=fp32", "model.dropout=0.1",
+              f"grad_accum={accum}", "micro_batch_size=4", "optim.warmup_steps=2"]
+    straight = _run(cache, tmp_path / "straight", *common)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    killed = _run(cache, tmp_path / "resumed", *common, kill_after=6)
+    assert killed.returncode == -signal.SIGKILL
+    assert find_latest(tmp_path / "resumed" / "checkpoints").name == "step_00000004"
+    resumed = _run(cache, tmp_path / "resumed", *common)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stderr
+    a, b = _last_losses(tmp_path / "straight"), _last_losses(tmp_path / "resumed")
+    assert list(a) == list(range(1, 9)) and a == b  # bitwise-equal floats, every step
+    wa = load_file(tmp_path / "straight" / "checkpoints" / "step_00000008" / "model.safetensors")
+    wb = load_file(tmp_path / "resumed" / "checkpoints" / "step_00000008" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def test_ddp_two_processes_match_one_process_with_the_same_global_batch(cache, tmp_path):
+    common = ["max_steps=6", "eval_every=0", "save_every=0", "precision=fp32", "micro_batch_size=4"]
+    one = _run(cache, tmp_path / "one", *common, "grad_accum=2")
+    assert one.returncode == 0, one.stderr[-2000:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "tformer", "train", str(CONFIGS / "gpt2-tiny.yaml"),
+           *small_overrides("gpt2-tiny", tmp_path / "two", *common, "grad_accum=1")]
+    two = subprocess.run(cmd, env=env(cache), capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "2 rank(s)" in two.stdout
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert list(a) == list(b) == list(range(1, 7))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6)
+    wa = load_file(tmp_path / "one" / "checkpoints" / "step_00000006" / "model.safetensors")
+    wb = load_file(tmp_path / "two" / "checkpoints" / "step_00000006" / "model.safetensors")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=1e-4)
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_zero(cache, tmp_path):
+    args = [sys.executable, "-m", "tformer", "train", str(CONFIGS / "gpt2-tiny.yaml"),
+            *small_overrides("gpt2-tiny", tmp_path, "max_steps=100000", "save_every=0", "eval_every=0")]
+    proc = subprocess.Popen(args, env=env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if (tmp_path / "metrics.jsonl").is_file() and len(metrics(tmp_path)) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    ckpt = find_latest(tmp_path / "checkpoints")
+    verify(ckpt)
+    state = json.loads((ckpt / "trainer.json").read_text())
+    assert state["step"] == metrics(tmp_path)[-1]["step"] >= 3
+    assert "signal SIGTERM" in out
+
+
+def test_checkpoint_killed_mid_save_is_never_chosen(cache, tmp_path):
+    common = ["max_steps=9", "save_every=3", "eval_every=0"]
+    killed = _run(cache, tmp_path, *common, kill_in_save=6)
+    assert killed.returncode == -signal.SIGKILL
+    assert (tmp_path / "checkpoints" / ".partial-step_00000006").is_dir()  # files were being written
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000003"]
+    resumed = _run(cache, tmp_path, *common)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stderr and "step_00000003" in resumed.stderr
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == [
+        "step_00000003", "step_00000006", "step_00000009"]
+
+
+def test_keep_last_n_checkpoints(cache, tmp_path):
+    trainer("gpt2-tiny", tmp_path, "max_steps=5", "save_every=1", "keep_checkpoints=2", "eval_every=0").fit()
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000004", "step_00000005"]
+
+
+def test_nonfinite_loss_is_skipped_or_stops_the_run(cache, tmp_path):
+    def poison(t, at):
+        forward = t.model.forward
+
+        def patched(*a, **kw):
+            out = forward(*a, **kw)
+            if t.step + 1 == at:
+                out.loss = out.loss * float("nan")
+            return out
+        t.model.forward = patched
+
+    t = trainer("gpt2-tiny", tmp_path / "skip", "max_steps=4", "eval_every=0", "save_every=0")
+    poison(t, 2)
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    t.fit()
+    rows = metrics(tmp_path / "skip")
+    assert math.isnan(rows[1]["loss"]) and all(math.isfinite(r["loss"]) for r in rows[2:])
+    assert any(not torch.equal(before[k], v) for k, v in t.model.state_dict().items())
+
+    t = trainer("gpt2-tiny", tmp_path / "stop", "max_steps=4", "eval_every=0", "save_every=1",
+                "on_nonfinite=stop")
+    poison(t, 3)
+    with pytest.raises(NonFiniteLoss, match=r"non-finite loss=nan at step 3; stopping .*step_00000002"):
+        t.fit()
+
+
+def test_max_tokens_and_max_time_stop_the_run(cache, tmp_path):
+    t = trainer("gpt2-tiny", tmp_path / "tok", "max_steps=1000", "eval_every=0", "save_every=0",
+                "max_tokens=1500")
+    t.fit()
+    assert t.step == 3 and t._stop_reason == "max_tokens"  # 512 tokens per step
+    t = trainer("gpt2-tiny", tmp_path / "time", "max_steps=100000", "eval_every=0", "save_every=0",
+                "max_time=2")
+    t0 = time.time()
+    t.fit()
+    assert t._stop_reason == "max_time" and time.time() - t0 < 30
+    assert find_latest(tmp_path / "time" / "checkpoints").name == f"step_{t.step:08d}"
+
+
+def test_wandb_offline_run_holds_metrics_and_config(cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    t = trainer("gpt2-tiny", tmp_path, "max_steps=3", "eval_every=0", "save_every=0", "wandb.enabled=true",
+                "wandb.mode=offline")
+    t.fit()
+    run_dirs = list((tmp_path / "wandb").glob("**/offline-run-*"))
+    assert len(run_dirs) == 1
+    from wandb_reader import read_offline_run
+    history, config = read_offline_run(run_dirs[0])
+    assert [h["loss"] for h in history] == pytest.approx([r["loss"] for r in metrics(tmp_path)])
+    assert config["max_steps"] == 3 and config["model"]["d_model"] == 64
+    state = json.loads((find_latest(tmp_path / "checkpoints") / "trainer.json").read_text())
+    assert state["wandb_id"] == t.wandb_id and run_dirs[0].name.endswith(t.wandb_id)
+
+
+def test_plot_writes_a_png(cache, tmp_path):
+    trainer("gpt2-tiny", tmp_path, "max_steps=4", "eval_every=2", "save_every=0").fit()
+    from tformer.cli import main
+    assert main(["plot", str(tmp_path)]) == 0
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_shipped_recipe_validates():
+    for path in CONFIGS.glob("*.yaml"):
+        cfg = load_config(path)
+        assert cfg.model_config().family in ("encoder", "decoder", "encdec"), path
+
+
+# -- bad input: one line, non-zero exit, good checkpoints untouched ----------------------------
+
+def _error_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) >= 1 and err[-1].startswith("error: ")
+    return err[-1]
+
+
+@pytest.mark.parametrize("content,overrides,match", [
+    ("model: {preset: gpt2-tiny\n", [], "line 2"),
+    ("model: {preset: gpt2-tiny}\nmax_steps: ten\n", [], "max_steps='ten' has the wrong type"),
+    ("model: {preset: gpt2-tiny}\nmax_step: 10\n", [], "unknown config key max_step; did you mean max_steps"),
+    ("model: {preset: gpt2-tiny}\n", ["optim.lrr=1"], "unknown config key optim.lrr; did you mean optim.lr"),
+    ("model: {preset: gpt2-tiny}\ndata: {source: /no/such/corpus.txt}\n", [], "/no/such/corpus.txt"),
+    ("model: {preset: gpt2-tiny}\nprecision: fp16\ndevice: cpu\n", [], "precision=fp16 needs a CUDA GPU"),
+])
+def test_bad_config_gives_one_clear_error_line(cache, tmp_path, capsys, content, overrides, match):
+    from tformer.cli import main
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(content)
+    assert main(["train", str(cfg), f"output_dir={tmp_path / 'run'}", *overrides]) == 2
+    assert match in _error_line(capsys)
+
+
+def test_missing_config_file(capsys, tmp_path):
+    from tformer.cli import main
+    assert main(["train", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml does not exist" in _error_line(capsys)
+
+
+def test_bad_checkpoints_are_refused_and_good_ones_survive(cache, tmp_path, capsys):
+    from tformer.cli import main
+    trainer("gpt2-tiny", tmp_path, "max_steps=2", "save_every=1", "eval_every=0").fit()
+    recipe = str(CONFIGS / "gpt2-tiny.yaml")
+    args = small_overrides("gpt2-tiny", tmp_path, "max_steps=4", "eval_every=0")
+    # a different model config
+    assert main(["train", recipe, *args, "model.d_model=96"]) == 2
+    assert "was trained with model.d_model=64 but this run has 96" in _error_line(capsys)
+    # a truncated weights file in the newest checkpoint
+    newest = tmp_path / "checkpoints" / "step_00000002"
+    weights = newest / "model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[: len(good) // 2])
+    assert main(["train", recipe, *args]) == 2
+    line = _error_line(capsys)
+    assert "truncated or corrupt" in line and "step_00000002" in line
+    # same size but garbage: the safetensors header no longer parses
+    weights.write_bytes(b"\x00" * len(good))
+    assert main(["train", recipe, *args, f"resume={newest}"]) == 2
+    assert "corrupt" in _error_line(capsys)
+    # a corrupt optimizer file
+    weights.write_bytes(good)
+    opt = newest / "optimizer.pt"
+    opt_bytes = opt.read_bytes()
+    opt.write_bytes(b"garbage".ljust(len(opt_bytes), b"\x00"))
+    assert main(["train", recipe, *args]) == 2
+    assert "optimizer.pt cannot be read" in _error_line(capsys)
+    # the older, good checkpoint is untouched and loads
+    verify(tmp_path / "checkpoints" / "step_00000001")
+    assert load_checkpoint(tmp_path / "checkpoints" / "step_00000001") is not None
+
+
+def test_cli_exit_code_in_a_real_process(cache, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {preset: gpt2-tiny}\nmicro_batch_size: 0\n")
+    proc = run_cli(["train", str(bad)], cache)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == "error: micro_batch_size=0 must be >= 1"

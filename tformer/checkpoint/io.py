@@ -1,0 +1,214 @@
+"""Writing and reading checkpoint directories (see the package docstring for the layout)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+MARKER = "COMPLETE"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, corrupt or does not fit the model (one line)."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def partial_dir(root: Path, step: int) -> Path:
+    return root / f".partial-{step_dir_name(step)}"
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_durable(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def torch_save_durable(obj, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def commit(root: Path, step: int, keep: int) -> Path:
+    """Seal the partial directory of ``step`` (marker with sizes), rename it into place, prune."""
+    tmp = partial_dir(root, step)
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    write_bytes_durable(tmp / MARKER, json.dumps({"step": step, "files": files}, indent=1).encode())
+    fsync_dir(tmp)
+    final = root / step_dir_name(step)
+    if final.exists():  # a re-save of the same step (e.g. resumed then stopped at once)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first. Partial directories are never listed."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = STEP_DIR.match(p.name)
+        if m and p.is_dir() and (p / MARKER).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def find_latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint (interrupted saves are never complete). It is verified: a
+    complete checkpoint whose files were damaged afterwards is an error, not silently skipped."""
+    found = list_checkpoints(root)
+    if not found:
+        return None
+    try:
+        verify(found[-1])
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; or delete {found[-1]} to resume from the one before") from None
+    return found[-1]
+
+
+def verify(ckpt: str | Path) -> dict:
+    """Check the marker and that every file it lists is present with its recorded size."""
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"checkpoint {ckpt} does not exist; pass a directory like "
+                              "RUN/checkpoints/step_00000100")
+    marker = ckpt / MARKER
+    if not marker.is_file():
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete (no {MARKER} marker: the save was "
+                              "interrupted); use an earlier checkpoint")
+    try:
+        info = json.loads(marker.read_text())
+        files = info["files"]
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"checkpoint {ckpt} has a corrupt {MARKER} marker; use an earlier "
+                              "checkpoint") from None
+    for name, size in files.items():
+        path = ckpt / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {ckpt} is missing {name}; use an earlier checkpoint")
+        if path.stat().st_size != size:
+            raise CheckpointError(f"checkpoint file {path} is truncated or corrupt ({path.stat().st_size} "
+                                  f"bytes, expected {size}); use an earlier checkpoint")
+    return info
+
+
+def torch_load_safe(path: Path):
+    """``torch.load`` with ``weights_only=True``: tensors and plain containers, never code."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is a corrupt file to the user
+        raise CheckpointError(f"checkpoint file {path} cannot be read ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else 'corrupt'}); use an earlier "
+                              "checkpoint") from None
+
+
+def read_trainer_state(ckpt: str | Path) -> dict:
+    path = Path(ckpt) / "trainer.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {ckpt} has no trainer.json; it is not a tformer "
+                              "checkpoint") from None
+    except ValueError:
+        raise CheckpointError(f"checkpoint file {path} is corrupt (invalid JSON); use an earlier "
+                              "checkpoint") from None
+
+
+def load_model_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
+    """Load ``model.safetensors`` into ``model``; a shape or name mismatch is one clear error."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(ckpt) / "model.safetensors"
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {ckpt} has no model.safetensors")
+    try:
+        state = load_file(path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint file {path} is corrupt or truncated ({e}); use an earlier "
+                              "checkpoint") from None
+    own = model.state_dict()
+    for name, tensor in state.items():
+        if name in own and own[name].shape != tensor.shape:
+            raise CheckpointError(f"checkpoint {ckpt} does not fit this model: {name} has shape "
+                                  f"{tuple(tensor.shape)} in the checkpoint but {tuple(own[name].shape)} "
+                                  "in the model; use the model config the checkpoint was trained with")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {n for n in missing if _is_tied_alias(model, n, state)}
+    missing = [n for n in missing if n not in tied]
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {ckpt} does not fit this model (missing: "
+                              f"{', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'}); "
+                              "use the model config the checkpoint was trained with")
+
+
+def _is_tied_alias(model: torch.nn.Module, name: str, state: dict) -> bool:
+    """True if parameter ``name`` shares storage with a parameter that the file does hold."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    target = params.get(name)
+    if target is None:
+        return False
+    return any(p is target and other in state for other, p in params.items() if other != name)
+
+
+def save_model_weights(model: torch.nn.Module, path: Path) -> None:
+    """Safetensors of the model with each tied tensor once (its first name)."""
+    from safetensors.torch import save_file
+
+    seen, state = set(), {}
+    for name, p in model.state_dict(keep_vars=True).items():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        state[name] = p.detach().contiguous().cpu()
+    save_file(state, str(path), metadata={"format": "pt"})
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
+    """The model of a checkpoint (or of a run directory's newest checkpoint), ready for inference."""
+    from ..models import build_model
+
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if (path / "checkpoints").is_dir() or (not (path / MARKER).exists() and not STEP_DIR.match(path.name)):
+        latest = find_latest(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
+        if latest is None:
+            raise CheckpointError(f"no complete checkpoint under {path}")
+        path = latest
+    verify(path)
+    state = read_trainer_state(path)
+    model_cfg = state.get("model_config")
+    if model_cfg is None:
+        raise CheckpointError(f"checkpoint {path} records no model_config")
+    model = build_model(dict(model_cfg))
+    load_model_weights(model, path)
+    return model.to(device).eval()

@@ -1,0 +1,109 @@
+"""``tformer train | tokenizer | generate | plot``: bad input ends in one ``error:`` line, exit 2."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _train(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="tformer train", description="Train a model from a YAML recipe.")
+    p.add_argument("config", help="YAML recipe, e.g. configs/gpt2-tiny.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. max_steps=100 optim.lr=1e-3")
+    args = p.parse_args(argv)
+    from .train.config import load_config
+    from .train.dist import shutdown
+    from .train.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    Trainer(cfg).fit()
+    shutdown(0)
+    return 0
+
+
+def _generate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="tformer generate", description="Generate text from a checkpoint.")
+    p.add_argument("checkpoint", help="a run directory or one of its checkpoints")
+    p.add_argument("prompt", nargs="?", default="")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    from pathlib import Path
+
+    import torch
+
+    from .checkpoint import load_checkpoint
+    from .data import load_tokenizer
+    from .generate import generate
+
+    model = load_checkpoint(args.checkpoint)
+    run = Path(args.checkpoint)
+    tok_path = next((d / "tokenizer.json" for d in (run, *run.parents) if (d / "tokenizer.json").is_file()), None)
+    if tok_path is None:
+        raise FileNotFoundError(f"no tokenizer.json in {run} or its parents; pass a run directory")
+    tok = load_tokenizer(tok_path)
+    ids = tok.encode(args.prompt, add_special_tokens=False).ids
+    if model.config.family == "decoder":
+        ids = [model.config.bos_token_id or 0] + ids
+    out = generate(model, torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed))
+    new = out[0, len(ids):] if model.config.family == "decoder" else out[0, 1:]
+    print(args.prompt + tok.decode(new.tolist()))
+    return 0
+
+
+def _plot(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="tformer plot", description="Plot a run's loss curves to PNG.")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/loss.png)")
+    args = p.parse_args(argv)
+    from .train.plot import plot_run
+
+    print(plot_run(args.run_dir, args.out))
+    return 0
+
+
+def _tokenizer(argv: list[str]) -> int:
+    from .data import tokenizer_main
+
+    return tokenizer_main(argv)
+
+
+COMMANDS = {"train": _train, "generate": _generate, "plot": _plot, "tokenizer": _tokenizer}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        known = " | ".join(COMMANDS)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"error: unknown command {argv[0]!r}; use one of: {known}", file=sys.stderr)
+            return 2
+        print(f"usage: tformer {{{known}}} ...", file=sys.stderr)
+        return 0 if argv else 2
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from .checkpoint import CheckpointError
+    from .config import ConfigError
+    from .data import DataError
+
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001
+        from .train.trainer import NonFiniteLoss
+        if isinstance(e, NonFiniteLoss):
+            print(f"error: {e}", file=sys.stderr)
+            return 3
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

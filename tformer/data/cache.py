@@ -1,0 +1,276 @@
+"""Tokenize a corpus once, in parallel, into flat memory-mapped token arrays on disk.
+
+A cache entry is a directory ``<cache_dir>/<key>/`` holding, per text column ``c``:
+
+- ``c.tokens.bin``: every row's token ids back to back, no special tokens added (uint16 when the
+  vocabulary fits, else uint32), read with ``np.memmap``;
+- ``c.offsets.npy``: int64 row boundaries, ``len = rows + 1``; row ``i`` is
+  ``tokens[offsets[i]:offsets[i+1]]``. Every row is kept, empty ones too, so columns stay aligned;
+
+plus ``meta.json`` (counts, dtype, settings). The key hashes the source's identity (resolved
+paths, sizes and mtimes; a ``datasets`` fingerprint; or a hub name), the tokenizer's JSON and the
+settings, so a second run with the same inputs opens the arrays without importing `datasets`.
+Entries are built in a temporary directory and renamed into place, so a crash leaves no half
+entry. With several ranks, build on rank 0 and barrier before the others call.
+
+Raw text that happens to spell a special token (``<|endoftext|>``, ``[SEP]``...) is tokenized as
+plain text: only the objectives insert special tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from .errors import DataError
+from .tokenizer import tokenizer_hash, vocab_size
+
+log = logging.getLogger("tformer.data")
+
+CACHE_VERSION = 1
+
+
+@dataclass
+class TokenizedCorpus:
+    """Rows of token ids stored flat: ``tokens`` (1-D) and ``offsets`` (``num_docs + 1``)."""
+    tokens: np.ndarray
+    offsets: np.ndarray
+    meta: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_docs(cls, docs: Iterable[Sequence[int]]) -> "TokenizedCorpus":
+        """Build an in-memory corpus from lists of ids (tests, small data)."""
+        docs = [np.asarray(d, dtype=np.int64) for d in docs]
+        lengths = np.array([len(d) for d in docs], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        flat = np.concatenate(docs) if docs else np.zeros(0, np.int64)
+        dtype = np.uint16 if flat.size == 0 or flat.max() < 2**16 else np.uint32
+        return cls(flat.astype(dtype), offsets)
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def doc(self, i: int) -> np.ndarray:
+        return np.asarray(self.tokens[self.offsets[i]:self.offsets[i + 1]], dtype=np.int64)
+
+
+def tokenize_corpus(source, tokenizer: Tokenizer, cache_dir: str | Path, *, column: str = "text",
+                    **options) -> TokenizedCorpus:
+    """Token ids of ``column`` in ``source``, from the cache or tokenized now and cached.
+
+    ``source`` and the options ``split`` ("train" | "validation" | "all"), ``streaming``,
+    ``val_fraction``, ``format``, ``text_unit``, ``config_name`` are those of
+    ``tformer.data.loading.load_text_dataset``. Further options:
+
+    num_proc    processes for ``Dataset.map`` (default: all cores for >= 20k rows, else 1; with
+                ``streaming`` the tokenizer's own threads are used instead).
+    cache_key   identity of the source when it cannot be derived (a streaming dataset object).
+    max_tokens  stop reading a streamed source after this many tokens (a count is logged).
+    """
+    return _cached(source, tokenizer, cache_dir, [column], **options)[column]
+
+
+def tokenize_pairs(source, tokenizer: Tokenizer, cache_dir: str | Path, *,
+                   source_column: str = "src", target_column: str = "tgt",
+                   **options) -> tuple[TokenizedCorpus, TokenizedCorpus]:
+    """Row-aligned token ids of two columns (e.g. the bundled en-es pairs), cached together."""
+    out = _cached(source, tokenizer, cache_dir, [source_column, target_column], **options)
+    return out[source_column], out[target_column]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _source_identity(source, cache_key: str | None) -> list:
+    if cache_key is not None:
+        return ["key", cache_key]
+    if type(source).__module__.startswith("datasets."):
+        fingerprint = getattr(source, "_fingerprint", None)
+        if fingerprint is None:
+            raise DataError("cannot derive a cache key for a streaming dataset object: pass "
+                            "cache_key='<name of the data and its version>'")
+        return ["dataset", fingerprint]
+    from .loading import resolve_source
+
+    kind, what = resolve_source(source)
+    if kind == "hub":
+        return ["hub", what]
+    files = sorted(f for f in what[0].rglob("*") if f.is_file()) if kind == "saved" else what
+    return [kind] + [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def _cache_key(identity: list, tok: Tokenizer, columns: list[str], settings: dict) -> str:
+    blob = json.dumps({"version": CACHE_VERSION, "source": identity, "tokenizer": tokenizer_hash(tok),
+                       "columns": columns, "settings": settings}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _open(entry: Path, columns: list[str]) -> dict[str, TokenizedCorpus]:
+    meta = json.loads((entry / "meta.json").read_text())
+    out = {}
+    for c in columns:
+        n = meta["columns"][c]["tokens"]
+        tokens = np.memmap(entry / f"{c}.tokens.bin", dtype=meta["dtype"], mode="r", shape=(n,))
+        offsets = np.load(entry / f"{c}.offsets.npy", mmap_mode="r")
+        out[c] = TokenizedCorpus(tokens, offsets, meta)
+    return out
+
+
+def _cached(source, tok: Tokenizer, cache_dir, columns: list[str], *, split: str = "train",
+            streaming: bool = False, val_fraction: float = 0.01, format: str | None = None,
+            text_unit: str = "line", config_name: str | None = None, num_proc: int | None = None,
+            cache_key: str | None = None, max_tokens: int | None = None) -> dict[str, TokenizedCorpus]:
+    settings = dict(split=split, val_fraction=val_fraction if split != "all" else None,
+                    format=format, text_unit=text_unit, config_name=config_name, max_tokens=max_tokens)
+    key = _cache_key(_source_identity(source, cache_key), tok, columns, settings)
+    cache_dir = Path(cache_dir)
+    entry = cache_dir / key
+    if (entry / "meta.json").is_file():
+        out = _open(entry, columns)
+        log.info("token cache hit %s: %s", entry, ", ".join(
+            f"{c}: {v.num_tokens:,} tokens in {v.num_docs:,} rows" for c, v in out.items()))
+        return out
+
+    start = time.perf_counter()
+    tmp = cache_dir / f".{key}.tmp.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        from .loading import load_text_dataset, resolve_source
+
+        local = not isinstance(source, (str, Path, list, tuple)) or resolve_source(source)[0] != "hub"
+        ds = load_text_dataset(source, columns=columns, split=split, streaming=streaming,
+                               val_fraction=val_fraction, format=format, text_unit=text_unit,
+                               config_name=config_name, cache_dir=tmp / "hf" if local else None)
+        encoder = Tokenizer.from_str(tok.to_str())
+        encoder.no_truncation()
+        encoder.no_padding()
+        dtype = np.uint16 if vocab_size(tok) <= 2**16 else np.uint32
+        if streaming or not hasattr(ds, "map") or type(ds).__name__ == "IterableDataset":
+            counts = _write_streamed(ds, encoder, columns, tmp, dtype, max_tokens, source)
+        else:
+            counts = _write_mapped(ds, encoder, columns, tmp, dtype, num_proc)
+        del ds
+        for c, n in counts.items():
+            if n["tokens"] == 0:
+                raise DataError(f"no tokens in column {c!r} of {_describe(source)}: all {n['rows']:,} "
+                                f"rows are empty; give data with text")
+            if n["empty_rows"]:
+                log.info("column %r: %d of %d rows are empty (kept in the cache; objectives skip "
+                         "them)", c, n["empty_rows"], n["rows"])
+        meta = dict(version=CACHE_VERSION, key=key, source=_describe(source), columns=counts,
+                    dtype=np.dtype(dtype).name, vocab_size=vocab_size(tok), settings=settings,
+                    build_seconds=round(time.perf_counter() - start, 3))
+        shutil.rmtree(tmp / "hf", ignore_errors=True)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            os.replace(tmp, entry)
+        except OSError:  # another process finished the same entry first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    out = _open(entry, columns)
+    log.info("token cache built %s in %.1fs: %s", entry, time.perf_counter() - start, ", ".join(
+        f"{c}: {v.num_tokens:,} tokens in {v.num_docs:,} rows" for c, v in out.items()))
+    return out
+
+
+def _describe(source) -> str:
+    if isinstance(source, (list, tuple)):
+        return ", ".join(str(s) for s in source)
+    if isinstance(source, (str, Path)):
+        return str(source)
+    return f"dataset {getattr(source, '_fingerprint', type(source).__name__)}"
+
+
+def _encode_batch(batch: dict, encoder: Tokenizer, columns: list[str]) -> dict:
+    encoder.encode_special_tokens = True  # set here: pickling to map workers drops the flag
+    out = {}
+    for c in columns:
+        texts = [t if t is not None else "" for t in batch[c]]
+        out[f"ids.{c}"] = [e.ids for e in encoder.encode_batch_fast(texts, add_special_tokens=False)]
+    return out
+
+
+def _write_mapped(ds, encoder: Tokenizer, columns, tmp: Path, dtype, num_proc) -> dict:
+    import datasets
+    import pyarrow.compute as pc
+
+    if num_proc is None:
+        num_proc = (os.cpu_count() or 1) if len(ds) >= 20_000 else 1
+    num_proc = max(1, min(num_proc, len(ds)))
+    if num_proc > 1:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked workers: one thread each
+    features = datasets.Features({f"ids.{c}": datasets.List(datasets.Value("uint32")) for c in columns})
+    mapped = ds.map(_encode_batch, batched=True, batch_size=1000, num_proc=num_proc,
+                    remove_columns=ds.column_names, features=features,
+                    fn_kwargs=dict(encoder=encoder, columns=columns),
+                    cache_file_name=str(tmp / "hf" / "tokenized.arrow"), desc="tokenizing")
+    counts = {}
+    for c in columns:
+        lengths = []
+        with open(tmp / f"{c}.tokens.bin", "wb") as fh:
+            for chunk in mapped.data.column(f"ids.{c}").chunks:
+                fh.write(chunk.flatten().to_numpy(zero_copy_only=False).astype(dtype).tobytes())
+                lengths.append(pc.list_value_length(chunk).fill_null(0).to_numpy(zero_copy_only=False))
+        counts[c] = _save_offsets(tmp, c, np.concatenate(lengths) if lengths else np.zeros(0, np.int64))
+    return counts
+
+
+def _write_streamed(ds, encoder: Tokenizer, columns, tmp: Path, dtype, max_tokens, source) -> dict:
+    files = {c: open(tmp / f"{c}.tokens.bin", "wb") for c in columns}
+    lengths = {c: [] for c in columns}
+    total, stopped = 0, False
+    try:
+        for batch in ds.iter(batch_size=1000):
+            if max_tokens is not None and total >= max_tokens:
+                stopped = True
+                break
+            encoded = _encode_batch(batch, encoder, columns)
+            for c in columns:
+                ids = encoded[f"ids.{c}"]
+                lengths[c].append(np.fromiter((len(x) for x in ids), np.int64, len(ids)))
+                if ids:
+                    files[c].write(np.concatenate([np.asarray(x, dtype) for x in ids]).tobytes())
+                total += int(lengths[c][-1].sum()) if c == columns[0] else 0
+    except UnicodeDecodeError as e:
+        raise DataError(f"{_describe(source)} is not valid UTF-8 ({e.reason} at byte {e.start} of a "
+                        "read block): convert it to UTF-8, e.g. `iconv -f latin1 -t utf-8`") from e
+    finally:
+        for fh in files.values():
+            fh.close()
+    if stopped:
+        log.warning("streaming stopped at max_tokens=%d: the rest of %s is not in the cache",
+                    max_tokens, _describe(source))
+    counts = {}
+    for c in columns:
+        counts[c] = _save_offsets(tmp, c, np.concatenate(lengths[c]) if lengths[c] else np.zeros(0, np.int64))
+    if counts[columns[0]]["rows"] == 0:
+        raise DataError(f"no rows in {_describe(source)}: the data is empty; give a file with data")
+    return counts
+
+
+def _save_offsets(tmp: Path, column: str, lengths: np.ndarray) -> dict:
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    np.save(tmp / f"{column}.offsets.npy", offsets)
+    return dict(rows=int(len(lengths)), tokens=int(offsets[-1]), empty_rows=int((lengths == 0).sum()))

@@ -1,0 +1,131 @@
+"""A sampler whose order depends only on (seed, epoch, global position): resumable at any world size.
+
+Global order: epoch ``e`` visits the samples in the permutation drawn from (seed, e). Global
+position ``g`` counts samples across epochs (``epoch = g // num_samples``). With ``world_size``
+ranks, position ``g`` goes to rank ``(g - start) % world_size``, where ``start`` is the
+``consumed`` count the iteration began at, so ranks read the global order interleaved: rank 0
+takes ``start, start + W, ...``, rank 1 ``start + 1, start + 1 + W, ...``. The state is the
+number of global samples consumed by all ranks together; resuming from it on any number of ranks
+continues the same global sequence, across epoch boundaries too.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .errors import DataError
+
+
+class ResumableSampler:
+    """Yields sample keys ``epoch * num_samples + index`` for this rank (see ``samples.py``).
+
+    ``consumed`` is the number of global samples handed out (by all ranks together); iterating
+    advances it by ``world_size`` per key yielded here, which is exact for ranks stepping in
+    lockstep. A trainer whose DataLoader prefetches (workers) should set ``sampler.consumed =
+    step * global_batch_size`` before ``state_dict()``. Iteration is endless unless
+    ``num_epochs`` is given (then ranks may get one sample fewer than others at the end).
+    """
+
+    def __init__(self, num_samples: int, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 shuffle: bool = True, consumed: int = 0, num_epochs: int | None = None):
+        if num_samples < 1:
+            raise DataError(f"the dataset has {num_samples} samples: nothing to sample; give more data "
+                            "or a shorter sequence length")
+        if not 0 <= rank < world_size:
+            raise DataError(f"rank {rank} is outside world_size {world_size}")
+        self.num_samples, self.seed, self.shuffle = num_samples, seed, shuffle
+        self.rank, self.world_size = rank, world_size
+        self.consumed = consumed
+        self.num_epochs = num_epochs
+        self._perms: dict[int, np.ndarray] = {}
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The global visiting order of sample indices in ``epoch``."""
+        if not self.shuffle:
+            return np.arange(self.num_samples)
+        if epoch not in self._perms:
+            if len(self._perms) >= 2:
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        return self._perms[epoch]
+
+    def key(self, position: int) -> int:
+        """The sample key at global position ``position``."""
+        epoch, i = divmod(position, self.num_samples)
+        return epoch * self.num_samples + int(self.order(epoch)[i])
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed // self.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        start = self.consumed
+        end = None if self.num_epochs is None else self.num_epochs * self.num_samples
+        g = start + self.rank
+        while end is None or g < end:
+            self.consumed = g - self.rank + self.world_size
+            yield self.key(g)
+            g += self.world_size
+
+    def __len__(self) -> int:
+        if self.num_epochs is None:
+            raise TypeError("an endless ResumableSampler has no length; give num_epochs")
+        left = self.num_epochs * self.num_samples - self.consumed - self.rank
+        return max(0, -(-left // self.world_size))
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed, "seed": self.seed, "num_samples": self.num_samples,
+                "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at ``state["consumed"]``; refuses a state taken over different data or seed."""
+        for name in ("num_samples", "seed", "shuffle"):
+            if name in state and state[name] != getattr(self, name):
+                raise DataError(f"the checkpoint's sampler has {name}={state[name]} but this run has "
+                                f"{getattr(self, name)}: resume with the same data, seed and "
+                                "sequence length, or start a new run")
+        self.consumed = int(state["consumed"])
+
+
+# Padding values per field; unknown fields pad with the pad id.
+PAD_VALUES = {"labels": -100, "attention_mask": 0, "token_type_ids": 0, "position_ids": 0,
+              "doc_ids": -1}
+
+
+class Collator:
+    """Pads a list of samples into a batch of ``torch.long`` tensors, per field to its longest.
+
+    input_ids pad with ``pad_id``, labels with -100, doc_ids with -1, masks/types/positions
+    with 0. ``attention_mask`` (1 = real token) is added for input_ids when absent.
+    ``pad_to_multiple_of`` rounds padded lengths up.
+    """
+
+    def __init__(self, pad_id: int = 0, pad_to_multiple_of: int | None = None):
+        self.pad_id, self.multiple = pad_id, pad_to_multiple_of
+
+    def __call__(self, samples: Sequence[dict]) -> dict[str, torch.Tensor]:
+        if not samples:
+            raise DataError("cannot collate an empty batch")
+        fields = list(samples[0])
+        if "attention_mask" not in fields and "input_ids" in fields:
+            samples = [{**s, "attention_mask": np.ones(len(s["input_ids"]), np.int64)} for s in samples]
+            fields.append("attention_mask")
+        batch = {}
+        for f in fields:
+            seqs = [np.asarray(s[f], dtype=np.int64) for s in samples]
+            n = max(len(x) for x in seqs)
+            if self.multiple:
+                n = -(-n // self.multiple) * self.multiple
+            out = np.full((len(seqs), n), PAD_VALUES.get(f, self.pad_id), dtype=np.int64)
+            for i, x in enumerate(seqs):
+                out[i, :len(x)] = x
+            batch[f] = torch.from_numpy(out)
+        return batch
+
+
+def collate(samples: Sequence[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """``Collator(pad_id)(samples)``."""
+    return Collator(pad_id)(samples)

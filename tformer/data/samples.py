@@ -1,0 +1,34 @@
+"""Sample keys: how the sampler's global indices reach a dataset.
+
+A key is ``epoch * len(dataset) + index``. Datasets are map-style with ``len`` = samples per
+epoch; indexing with a key ``>= len`` selects that epoch's version of the sample, so random
+choices (masks, spans) can differ per epoch while staying a pure function of
+(seed, epoch, index). ``ResumableSampler`` yields keys in this form.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class KeyedDataset:
+    """Map-style base: ``ds[key]`` -> ``ds.sample(index, epoch)``."""
+
+    seed: int = 0
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def sample(self, index: int, epoch: int = 0) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def __getitem__(self, key: int) -> dict[str, np.ndarray]:
+        key = int(key)
+        if key < 0:
+            raise IndexError(f"sample key must be >= 0, got {key}")
+        epoch, index = divmod(key, len(self))
+        return self.sample(index, epoch)
+
+    def rng(self, index: int, epoch: int) -> np.random.Generator:
+        """The per-sample generator; never the global RNG."""
+        return np.random.default_rng([self.seed, epoch, index])

@@ -1,0 +1,1 @@
+"""Applied to an unchanged model from outside: activation checkpointing -> compile -> sharding."""

@@ -1,0 +1,240 @@
+"""The run configuration: YAML recipe + dotted ``key=value`` overrides -> typed, validated dataclasses.
+
+Unknown keys are errors with a did-you-mean suggestion; every problem is one line naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+from ..config import ConfigError, _check_type, check_keys
+from ..models import build_config
+
+PRECISIONS = ("auto", "bf16", "fp32", "fp16")
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
+STRATEGIES = ("ddp", "fsdp", "deepspeed")
+NONFINITE = ("skip", "stop")
+OBJECTIVES = ("auto", "causal", "mlm", "span", "seq2seq")
+
+
+@dataclass
+class DataConfig:
+    source: str = "default"          # "default" (bundled corpus), a file/dir/glob, or a dataset name
+    text_column: str = "text"
+    source_column: str = "src"       # seq2seq pairs
+    target_column: str = "tgt"
+    objective: str = "auto"          # auto: decoder->causal, encoder->mlm, encdec->span
+    tokenizer: str = "auto"          # path to tokenizer.json, or "auto": train one on the source, cached
+    tokenizer_vocab_size: int | None = None  # for "auto"; default = model.vocab_size
+    seq_len: int = 128
+    target_len: int | None = None    # seq2seq decoder length (span corruption computes its own)
+    mlm_probability: float = 0.15
+    whole_word_mask: bool = False
+    noise_density: float = 0.15
+    mean_span_length: float = 3.0
+    val_fraction: float = 0.01       # ignored for the bundled corpus (its split is fixed)
+    tokenizer_max_rows: int | None = None  # "auto" trains on the first N rows (Unigram is slow)
+    num_proc: int | None = None
+    cache_dir: str | None = None     # default: $TFORMER_CACHE or ~/.cache/tformer
+    num_workers: int = 0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1        # final lr = lr * min_lr_ratio (cosine / linear / wsd)
+    weight_decay: float = 0.1        # matrices only; biases, norms and 1-D params get none
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0           # 0 = off
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    decay_steps: int | None = None   # wsd: length of the final decay (default 20% of max_steps)
+    fused: bool | None = None        # None = fused AdamW where torch supports it
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "ddp"
+    backend: str | None = None       # None: nccl on CUDA, gloo on CPU
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "tformer"
+    entity: str | None = None
+    name: str | None = None
+    mode: str | None = None          # online | offline | disabled; None = WANDB_MODE or online
+    tags: list = field(default_factory=list)
+
+
+@dataclass
+class TrainConfig:
+    model: dict = field(default_factory=lambda: {"preset": "gpt2-tiny"})
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    output_dir: str = "runs/default"
+    seed: int = 0
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    max_steps: int = 1000
+    max_tokens: int | None = None    # stop after this many tokens (all ranks together)
+    max_time: float | None = None    # stop (and save) after this many seconds
+    precision: str = "auto"          # auto: bf16 where the device computes it natively, else fp32
+    log_every: int = 10
+    eval_every: int = 100            # 0 = only at the end
+    eval_batches: int = 8
+    save_every: int = 200            # 0 = only at the end
+    keep_checkpoints: int = 3
+    resume: str = "auto"             # auto (newest complete checkpoint, if any) | none | a path
+    on_nonfinite: str = "skip"       # skip the step, or stop the run
+    max_skipped_steps: int = 10      # stop after this many consecutive non-finite steps
+    compile: bool = False
+    progress: bool = True
+    device: str = "auto"             # auto | cpu | cuda
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for section, allowed_name, allowed in (
+                ("precision", "precision", PRECISIONS), ("on_nonfinite", "on_nonfinite", NONFINITE)):
+            if getattr(self, section) not in allowed:
+                raise ConfigError(f"{allowed_name}={getattr(self, section)!r} is not allowed; "
+                                  f"use one of: {', '.join(allowed)}")
+        if self.optim.schedule not in SCHEDULES:
+            raise ConfigError(f"optim.schedule={self.optim.schedule!r} is not allowed; use one of: "
+                              f"{', '.join(SCHEDULES)}")
+        if self.parallel.strategy not in STRATEGIES:
+            raise ConfigError(f"parallel.strategy={self.parallel.strategy!r} is not allowed; use one of: "
+                              f"{', '.join(STRATEGIES)}")
+        if self.data.objective not in OBJECTIVES:
+            raise ConfigError(f"data.objective={self.data.objective!r} is not allowed; use one of: "
+                              f"{', '.join(OBJECTIVES)}")
+        for name in ("micro_batch_size", "grad_accum", "max_steps", "log_every", "eval_batches",
+                     "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0 (0 = only at the end)")
+        if self.data.seq_len < 1:
+            raise ConfigError(f"data.seq_len={self.data.seq_len} must be >= 1")
+        if self.optim.lr <= 0:
+            raise ConfigError(f"optim.lr={self.optim.lr} must be > 0")
+        self.model_config()  # the model section must build
+
+    def model_config(self):
+        return build_config(dict(self.model))
+
+    @property
+    def global_batch_per_rank(self) -> int:
+        return self.micro_batch_size * self.grad_accum
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _build(cls, data: Any, section: str):
+    """Build dataclass ``cls`` from a mapping, recursing into nested dataclass sections."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"section {section or 'top level'} must be a mapping, got {type(data).__name__}")
+    check_keys(data, cls, section)
+    hints = get_type_hints(cls)
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in data:
+            continue
+        value, hint = data[f.name], hints[f.name]
+        name = f"{section}.{f.name}" if section else f.name
+        if dataclasses.is_dataclass(hint):
+            kwargs[f.name] = _build(hint, value or {}, name)
+        elif hint is dict:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name} must be a mapping (e.g. preset: gpt2-tiny), got {value!r}")
+            kwargs[f.name] = value
+        elif hint is list:
+            if not isinstance(value, list):
+                raise ConfigError(f"{name} must be a list, got {value!r}")
+            kwargs[f.name] = value
+        else:
+            if "float" in str(hint) and not isinstance(value, bool):
+                value = _as_float(value)
+            _check_type(name, value, hint)
+            kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _as_float(value: Any) -> Any:
+    """YAML 1.1 reads ``1e-3`` as a string; accept it (and ints) where a number is expected."""
+    if isinstance(value, (int, str)):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not key=value (e.g. max_steps=100 or optim.lr=1e-3)")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = dict(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            child = dict(child) if isinstance(child, dict) else {}
+            node[part] = child
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass a recipe such as configs/gpt2-tiny.yaml")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{path}{where}: {problem}; fix the YAML syntax") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of config keys, not a {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict | None = None) -> TrainConfig:
+    data = load_yaml(path) if path is not None else dict(base or {})
+    data = apply_overrides(data, overrides or [])
+    cfg = _build(TrainConfig, data, "")
+    return cfg
+
+
+def config_from_dict(data: dict) -> TrainConfig:
+    return _build(TrainConfig, data, "")
+
+
+def dump_yaml(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

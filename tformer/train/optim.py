@@ -1,0 +1,50 @@
+"""AdamW with decay on matrices only, and the LR schedules (warmup + cosine / linear / constant / WSD)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import OptimConfig
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Matrices (weights of linears and embeddings) decay; biases, norm gains, 1-D params don't."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    fused = cfg.fused
+    if fused is None:
+        fused = device.type in ("cuda", "cpu")  # torch >= 2.4 has fused AdamW on both
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
+
+
+def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
+    """Multiplier of the peak LR at optimizer step ``step`` (0-based) of ``total``."""
+    warm = cfg.warmup_steps
+    if warm and step < warm:
+        return (step + 1) / warm
+    floor = cfg.min_lr_ratio
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "wsd":  # warmup - stable - decay (linear) over the last decay_steps
+        decay = cfg.decay_steps if cfg.decay_steps is not None else max(1, total // 5)
+        start = total - decay
+        if step < start:
+            return 1.0
+        return 1.0 - (1.0 - floor) * min(1.0, (step - start + 1) / decay)
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    if cfg.schedule == "linear":
+        return 1.0 - (1.0 - floor) * progress
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))

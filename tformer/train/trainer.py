@@ -1,0 +1,420 @@
+"""One trainer for all three families: accumulation, mixed precision, DDP, evaluation,
+checkpoints with exact resume, signals, metrics (JSONL, W&B, progress bar)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..checkpoint.io import (CheckpointError, commit, find_latest, load_model_weights, partial_dir,
+                             read_trainer_state, save_model_weights, torch_load_safe, torch_save_durable,
+                             verify, write_bytes_durable)
+from ..config import ConfigError
+from ..data import ResumableSampler
+from ..models import build_model
+from ..models.flops import training_flops
+from .config import TrainConfig, dump_yaml
+from .data import MODEL_INPUTS, build_data, copy_tokenizer
+from .dist import all_reduce, barrier, init_distributed
+from .metrics import memory_mb, peak_flops
+from .optim import build_optimizer, build_scheduler
+from .tracking import WandbTracker
+
+log = logging.getLogger("tformer.train")
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: without them bf16 matmuls on CPU are emulated and slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision != "auto":
+        return precision
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    return "bf16" if cpu_has_native_bf16() else "fp32"
+
+
+class NonFiniteLoss(RuntimeError):
+    """The run stopped on a non-finite loss (``on_nonfinite: stop``)."""
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, callbacks=()):
+        self.cfg = cfg
+        self.callbacks = list(callbacks)
+        self.dist = init_distributed(cfg.device, cfg.parallel.backend)
+        self.device = self.dist.device
+        self.precision = resolve_precision(cfg.precision, self.device)
+        self._check_support()
+        self.out = Path(cfg.output_dir)
+        self.ckpt_root = self.out / "checkpoints"
+        if self.dist.is_main:
+            self.ckpt_root.mkdir(parents=True, exist_ok=True)
+        barrier()
+
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        self.data = build_data(cfg, self.dist.rank)
+        self.model_cfg = self.data.model_config
+        self.model = build_model(self.model_cfg).to(self.device)
+        if cfg.compile:
+            from ..parallel.compile import compile_blocks
+            compile_blocks(self.model)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.max_steps)
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
+        self.wrapped = self.model
+        if self.dist.distributed:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            self.wrapped = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+        self.step = 0
+        self.consumed = 0            # global samples consumed by all ranks
+        self.tokens = 0              # global tokens consumed
+        self.skipped = 0             # consecutive non-finite steps
+        self.wandb_id: str | None = None
+        self.resumed_from: Path | None = None
+        self._stop_reason: str | None = None
+        self._signal: str | None = None
+        self._resume()
+        self.resolved = {**cfg.to_dict(), "model": self.model_cfg.to_dict()}
+        self.flops_per_step = training_flops(self.model_cfg, cfg.micro_batch_size, self.data.seq_len,
+                                             self.data.target_len) * cfg.grad_accum
+        self.peak, self.peak_source = peak_flops(self.device, DTYPES[self.precision])
+
+    # -- setup -----------------------------------------------------------------------------
+    def _check_support(self) -> None:
+        cfg = self.cfg
+        if self.precision == "fp16" and self.device.type != "cuda":
+            raise ConfigError("precision=fp16 needs a CUDA GPU (loss-scaled fp16 is not supported on "
+                              f"{self.device.type}); use precision=bf16 or precision=fp32")
+        if self.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ConfigError("precision=bf16 is not supported by this GPU; use precision=fp16")
+        if cfg.parallel.strategy != "ddp":
+            raise ConfigError(f"parallel.strategy={cfg.parallel.strategy!r} is not available in this "
+                              "version; use parallel.strategy=ddp")
+
+    def _autocast(self):
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def _resume(self) -> None:
+        target = self.cfg.resume
+        if target == "none":
+            return
+        if target == "auto":
+            path = find_latest(self.ckpt_root)
+            if path is None:
+                return
+        else:
+            path = Path(target)
+            if (path / "checkpoints").is_dir():
+                path = find_latest(path / "checkpoints")
+                if path is None:
+                    raise CheckpointError(f"no complete checkpoint under {target}")
+            verify(path)
+        state = read_trainer_state(path)
+        self._check_same_model(path, state.get("model_config") or {})
+        load_model_weights(self.model, path)
+        opt = torch_load_safe(path / "optimizer.pt")
+        try:
+            self.optimizer.load_state_dict(opt["optimizer"])
+            self.scheduler.load_state_dict(opt["scheduler"])
+            if self.scaler is not None and opt.get("scaler"):
+                self.scaler.load_state_dict(opt["scaler"])
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"optimizer state in {path} does not fit this run ({e}); start a fresh "
+                                  "output_dir or use resume=none") from None
+        rng = path / f"rng_rank{self.dist.rank}.pt"
+        if rng.is_file() and state.get("world_size") == self.dist.world_size:
+            _set_rng(torch_load_safe(rng))
+        else:
+            log.warning("rank %d: no RNG state for this world size in %s; dropout streams restart "
+                        "(data order is unaffected)", self.dist.rank, path)
+        self.step = state["step"]
+        self.consumed = state["consumed_samples"]
+        self.tokens = state["tokens"]
+        self.skipped = state.get("skipped", 0)
+        self.wandb_id = state.get("wandb_id")
+        self.resumed_from = path
+        if self.dist.is_main:
+            log.info("resumed from %s at step %d", path, self.step)
+
+    def _check_same_model(self, path: Path, saved: dict) -> None:
+        ours = self.model_cfg.to_dict()
+        for key, value in ours.items():
+            if key in saved and saved[key] != value and key not in ("attn_impl", "dropout", "attn_dropout"):
+                raise CheckpointError(f"checkpoint {path} was trained with model.{key}={saved[key]!r} but "
+                                      f"this run has {value!r}; use the checkpoint's model config or a new "
+                                      "output_dir")
+
+    def save(self) -> Path:
+        """Write a complete checkpoint of this step atomically (all ranks take part)."""
+        tmp = partial_dir(self.ckpt_root, self.step)
+        if self.dist.is_main:
+            if tmp.exists():
+                import shutil
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        barrier()
+        if self.dist.is_main:
+            save_model_weights(self.model, tmp / "model.safetensors")
+            torch_save_durable({"optimizer": self.optimizer.state_dict(),
+                                "scheduler": self.scheduler.state_dict(),
+                                "scaler": self.scaler.state_dict() if self.scaler else None},
+                               tmp / "optimizer.pt")
+            state = {"step": self.step, "consumed_samples": self.consumed, "tokens": self.tokens,
+                     "skipped": self.skipped, "world_size": self.dist.world_size,
+                     "wandb_id": self.wandb_id, "model_config": self.model_cfg.to_dict(),
+                     "family": self.model_cfg.family, "objective": self.data.objective,
+                     "seq_len": self.data.seq_len, "target_len": self.data.target_len,
+                     "time": time.time()}
+            write_bytes_durable(tmp / "trainer.json", json.dumps(state, indent=1).encode())
+            write_bytes_durable(tmp / "config.yaml", self.resolved_yaml().encode())
+        torch_save_durable(_get_rng(), tmp / f"rng_rank{self.dist.rank}.pt")
+        barrier()
+        final = self.ckpt_root / f"step_{self.step:08d}"
+        if self.dist.is_main:
+            final = commit(self.ckpt_root, self.step, self.cfg.keep_checkpoints)
+        barrier()
+        return final
+
+    def resolved_yaml(self) -> str:
+        import yaml
+        return yaml.safe_dump(self.resolved, sort_keys=False)
+
+    # -- evaluation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        ds, cfg = self.data.validation, self.cfg
+        n = min(len(ds), cfg.eval_batches * cfg.micro_batch_size)
+        keys = list(range(self.dist.rank, n, self.dist.world_size))
+        inputs_keys = MODEL_INPUTS[self.model_cfg.family]
+        was_training = self.model.training
+        self.model.eval()
+        total = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, tokens, correct
+        for i in range(0, len(keys), cfg.micro_batch_size):
+            batch = self.data.collator([ds[k] for k in keys[i:i + cfg.micro_batch_size]])
+            inputs = {k: batch[k].to(self.device) for k in inputs_keys if k in batch}
+            with self._autocast():
+                out = self.model(**inputs)
+            mask = inputs["labels"] != -100
+            count = mask.sum()
+            total[0] += out.loss.double() * count
+            total[1] += count
+            total[2] += ((out.logits.argmax(-1) == inputs["labels"]) & mask).sum()
+        self.model.train(was_training)
+        all_reduce(total)
+        loss = (total[0] / total[1].clamp(min=1)).item()
+        result = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+        if self.data.objective == "mlm":
+            result["val_mlm_acc"] = (total[2] / total[1].clamp(min=1)).item()
+        return result
+
+    # -- the loop --------------------------------------------------------------------------
+    def _batches(self):
+        cfg = self.cfg
+        sampler = ResumableSampler(len(self.data.train), seed=cfg.seed, rank=self.dist.rank,
+                                   world_size=self.dist.world_size, consumed=self.consumed)
+        loader = torch.utils.data.DataLoader(self.data.train, batch_size=cfg.micro_batch_size,
+                                             sampler=sampler, collate_fn=self.data.collator,
+                                             num_workers=cfg.data.num_workers,
+                                             persistent_workers=cfg.data.num_workers > 0)
+        return iter(loader)
+
+    def _install_signals(self):
+        def handler(signum, _frame):
+            self._signal = signal.Signals(signum).name
+        previous = {}
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                previous[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread (e.g. a notebook worker): no signal handling
+                pass
+        return previous
+
+    def fit(self) -> dict:
+        cfg, main = self.cfg, self.dist.is_main
+        if main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(self.resolved_yaml())
+            copy_tokenizer(self.data, self.out)
+            print(f"tformer: {self.model_cfg.family} model, {self.model.num_parameters():,} parameters, "
+                  f"{self.dist.world_size} rank(s) on {self.device}, precision {self.precision}, "
+                  f"objective {self.data.objective}\n--- resolved config ---\n{self.resolved_yaml()}---",
+                  flush=True)
+        previous = self._install_signals()
+        tracker = WandbTracker(cfg.wandb, self.out, self.resolved, self.wandb_id) if main else None
+        if tracker is not None:
+            self.wandb_id = tracker.run_id
+        metrics_file = open(self.out / "metrics.jsonl", "a") if main else None
+        bar = None
+        if main and cfg.progress:
+            from tqdm import tqdm
+            bar = tqdm(total=cfg.max_steps, initial=self.step, unit="step", dynamic_ncols=True,
+                       file=sys.stderr, mininterval=1.0)
+        start = time.perf_counter()
+        last = {}
+        saved_step = self.step if self.resumed_from is not None else -1
+        batches = self._batches()
+        try:
+            while self.step < cfg.max_steps and self._stop_reason is None:
+                record = self._train_step(batches)
+                stopping = self._stop_check(start)
+                due_eval = cfg.eval_every and self.step % cfg.eval_every == 0
+                final = self.step >= cfg.max_steps or stopping
+                if due_eval or final:
+                    record.update(self.evaluate())
+                if main and (self.step % cfg.log_every == 0 or final or "val_loss" in record):
+                    self._log(record, metrics_file, tracker, bar)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+                last = record
+                if (cfg.save_every and self.step % cfg.save_every == 0) or final:
+                    self.save()
+                    saved_step = self.step
+                for cb in self.callbacks:
+                    cb(self, record)
+            if self.step != saved_step and self.step > 0:
+                self.save()
+        finally:
+            if bar is not None:
+                bar.close()
+            if metrics_file is not None:
+                metrics_file.close()
+            if tracker is not None:
+                tracker.finish()
+            for sig, h in previous.items():
+                signal.signal(sig, h)
+        if main:
+            reason = self._stop_reason or "max_steps"
+            print(f"tformer: stopped at step {self.step} ({reason}); checkpoint "
+                  f"{self.ckpt_root / f'step_{self.step:08d}'}", flush=True)
+        return last
+
+    def _train_step(self, batches) -> dict:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        lr = self.optimizer.param_groups[0]["lr"]
+        keys = MODEL_INPUTS[self.model_cfg.family]
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = 0
+        self.wrapped.train()
+        for micro in range(cfg.grad_accum):
+            batch = next(batches)
+            inputs = {k: batch[k].to(self.device, non_blocking=True) for k in keys if k in batch}
+            tokens += inputs["input_ids"].numel() + (inputs["labels"].numel() if self.model_cfg.family == "encdec" else 0)
+            last = micro == cfg.grad_accum - 1
+            sync = contextlib.nullcontext() if last or not self.dist.distributed else self.wrapped.no_sync()
+            with sync:
+                with self._autocast():
+                    loss = self.wrapped(**inputs).loss / cfg.grad_accum
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            loss_sum += loss.detach().float()
+        stats = torch.stack([loss_sum, torch.tensor(float(tokens), device=self.device),
+                             torch.tensor(1.0 if self._signal else 0.0, device=self.device)])
+        all_reduce(stats)
+        loss_avg = stats[0].item() / self.dist.world_size
+        if stats[2].item() > 0 and self._stop_reason is None:
+            self._stop_reason = f"signal {self._signal or 'on another rank'}"
+        grad_norm = float("nan")
+        if math.isfinite(loss_avg):
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()
+        if math.isfinite(loss_avg) and (math.isfinite(grad_norm) or self.scaler is not None):
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            self.scheduler.step()
+            self.skipped = 0
+        else:
+            self._nonfinite(loss_avg, grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.consumed += cfg.micro_batch_size * cfg.grad_accum * self.dist.world_size
+        global_tokens = int(stats[1].item())
+        self.tokens += global_tokens
+        dt = time.perf_counter() - t0
+        return {"step": self.step, "loss": loss_avg, "lr": lr, "grad_norm": grad_norm,
+                "tokens_per_s": global_tokens / dt, "mfu": self.flops_per_step / dt / self.peak,
+                "tokens": self.tokens, "step_time": dt, "memory_mb": memory_mb(self.device)}
+
+    def _nonfinite(self, loss: float, grad_norm: float) -> None:
+        what = f"loss={loss}" if not math.isfinite(loss) else f"grad_norm={grad_norm}"
+        self.skipped += 1
+        if self.cfg.on_nonfinite == "stop" or self.skipped > self.cfg.max_skipped_steps:
+            last = find_latest(self.ckpt_root) if self.ckpt_root.is_dir() else None
+            raise NonFiniteLoss(f"non-finite {what} at step {self.step + 1}; stopping "
+                                f"(on_nonfinite={self.cfg.on_nonfinite}, {self.skipped} bad step(s) in a "
+                                f"row); the last good checkpoint is {last or 'none'}; lower optim.lr or "
+                                "check the data")
+        if self.dist.is_main:
+            log.warning("step %d: non-finite %s; update skipped (%d in a row)", self.step + 1, what,
+                        self.skipped)
+
+    def _stop_check(self, start: float) -> bool:
+        cfg = self.cfg
+        if self._stop_reason is None and cfg.max_tokens is not None and self.tokens >= cfg.max_tokens:
+            self._stop_reason = "max_tokens"
+        if self._stop_reason is None and cfg.max_time is not None:
+            flag = torch.tensor(1.0 if time.perf_counter() - start >= cfg.max_time else 0.0, device=self.device)
+            if all_reduce(flag).item() > 0:
+                self._stop_reason = "max_time"
+        return self._stop_reason is not None
+
+    def _log(self, record: dict, metrics_file, tracker, bar) -> None:
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+        if tracker is not None:
+            tracker.log(record)
+        text = (f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+                f"grad {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
+                f"MFU {100 * record['mfu']:.1f}%")
+        if "val_loss" in record:
+            text += f" | val {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})"
+        if bar is not None:
+            bar.write(text, file=sys.stdout)
+        else:
+            print(text, flush=True)
+
+
+def _get_rng() -> dict:
+    np_state = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
