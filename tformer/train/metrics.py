@@ -18,8 +18,9 @@ GPU_PEAKS = {
 def measured_matmul_peak(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
     """FLOP/s of a square matmul on this CPU (the best of a few runs): the MFU denominator on CPU,
     where no vendor table applies."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
+    g = torch.Generator().manual_seed(0)  # never the global RNG: a resumed run must not shift it
+    a = torch.randn(size, size, generator=g).to(dtype)
+    b = torch.randn(size, size, generator=g).to(dtype)
     torch.mm(a, b)
     best = float("inf")
     for _ in range(repeats):

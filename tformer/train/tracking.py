@@ -26,7 +26,7 @@ class WandbTracker:
             os.environ.setdefault(var, str(base / sub))
             Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, tags=cfg.tags or None,
-                              id=run_id or wandb.util.generate_id(), resume="allow", config=config,
+                              id=run_id, resume="allow", config=config,
                               dir=os.environ["WANDB_DIR"], mode=cfg.mode)
         self.run_id = self.run.id
 

@@ -93,11 +93,11 @@ class Trainer:
         self.resumed_from: Path | None = None
         self._stop_reason: str | None = None
         self._signal: str | None = None
-        self._resume()
         self.resolved = {**cfg.to_dict(), "model": self.model_cfg.to_dict()}
         self.flops_per_step = training_flops(self.model_cfg, cfg.micro_batch_size, self.data.seq_len,
                                              self.data.target_len) * cfg.grad_accum
         self.peak, self.peak_source = peak_flops(self.device, DTYPES[self.precision])
+        self._resume()  # last: it restores the RNG streams, which nothing may draw from afterwards
 
     # -- setup -----------------------------------------------------------------------------
     def _check_support(self) -> None:
@@ -238,7 +238,10 @@ class Trainer:
         loader = torch.utils.data.DataLoader(self.data.train, batch_size=cfg.micro_batch_size,
                                              sampler=sampler, collate_fn=self.data.collator,
                                              num_workers=cfg.data.num_workers,
-                                             persistent_workers=cfg.data.num_workers > 0)
+                                             persistent_workers=cfg.data.num_workers > 0,
+                                             # its own generator: creating the iterator must not
+                                             # draw from the global RNG that dropout uses
+                                             generator=torch.Generator().manual_seed(cfg.seed))
         return iter(loader)
 
     def _install_signals(self):
