@@ -48,7 +48,8 @@ def test_tiny_recipe_lowers_validation_loss_and_writes_the_run_contract(recipe, 
     assert ckpt.name == "step_00000040"
     verify(ckpt)
     # load_checkpoint gives the trained model, ready for inference
-    model = load_checkpoint(tmp_path)
+    import tformer
+    model = tformer.load_checkpoint(tmp_path)
     assert not model.training
     for (name, p), q in zip(t.model.state_dict().items(), model.state_dict().values()):
         assert torch.equal(p, q), name

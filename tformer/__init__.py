@@ -2,5 +2,13 @@
 from .config import ConfigError, ModelConfig
 from .models import PRESETS, build_config, build_model, preset
 
+
+def load_checkpoint(path, device="cpu"):
+    """The model of a checkpoint (or of a run directory's newest checkpoint), ready for inference."""
+    from .checkpoint import load_checkpoint as _load
+
+    return _load(path, device)
+
+
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "ModelConfig", "PRESETS", "build_config", "build_model", "preset"]
+__all__ = ["ConfigError", "ModelConfig", "PRESETS", "build_config", "build_model", "preset", "load_checkpoint"]
