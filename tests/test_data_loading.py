@@ -163,10 +163,18 @@ def test_empty_inputs(tmp_path, tok):
     assert not any((tmp_path / "cache").iterdir())  # the failed build left nothing behind
 
 
-def test_non_utf8(tmp_path, tok):
-    (tmp_path / "latin1.txt").write_bytes("line one\nse\xf1or\n".encode("latin-1"))
-    with pytest.raises(DataError, match=r"latin1\.txt is not valid UTF-8 \(byte 11, line 2\): convert it"):
-        tokenize_corpus(tmp_path / "latin1.txt", tok, tmp_path / "cache", split="all")
+@pytest.mark.parametrize("name,data,options", [
+    ("latin1.txt", b"line one\nse\xf1or\n", {}),
+    ("latin1.jsonl", b'{"text": "line one"}\n{"text": "se\xf1or"}\n', {}),  # pyarrow fails late
+    ("latin1.txt", b"line one\nse\xf1or\n", {"streaming": True}),
+])
+def test_non_utf8(tmp_path, tok, name, data, options):
+    (tmp_path / name).write_bytes(data)
+    line_start = data.index(b"\n") + 1
+    byte = data.index(b"\xf1")
+    with pytest.raises(DataError, match=rf"{name} is not valid UTF-8 \(byte {byte}, line 2\): convert it"):
+        tokenize_corpus(tmp_path / name, tok, tmp_path / "cache", split="all", **options)
+    assert line_start < byte
 
 
 def test_missing_and_non_text_columns(tmp_path):

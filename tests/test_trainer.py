@@ -268,17 +268,19 @@ def test_bad_checkpoints_are_refused_and_good_ones_survive(cache, tmp_path, caps
     assert main(["train", recipe, *args]) == 2
     line = _error_line(capsys)
     assert "truncated or corrupt" in line and "step_00000002" in line
-    # same size but garbage: the safetensors header no longer parses
+    # same size but garbage: the checksum no longer matches
     weights.write_bytes(b"\x00" * len(good))
     assert main(["train", recipe, *args, f"resume={newest}"]) == 2
-    assert "corrupt" in _error_line(capsys)
-    # a corrupt optimizer file
+    assert "corrupt (CRC-32 mismatch)" in _error_line(capsys)
+    # a damaged optimizer shard in the DCP directory
     weights.write_bytes(good)
-    opt = newest / "optimizer.pt"
-    opt_bytes = opt.read_bytes()
-    opt.write_bytes(b"garbage".ljust(len(opt_bytes), b"\x00"))
+    shard = next((newest / "dcp").glob("*.distcp"))
+    shard_bytes = shard.read_bytes()
+    shard.write_bytes(shard_bytes[:-1] + bytes([shard_bytes[-1] ^ 0xFF]))
     assert main(["train", recipe, *args]) == 2
-    assert "optimizer.pt cannot be read" in _error_line(capsys)
+    line = _error_line(capsys)
+    assert "corrupt" in line and ".distcp" in line
+    shard.write_bytes(shard_bytes)
     # the older, good checkpoint is untouched and loads
     verify(tmp_path / "checkpoints" / "step_00000001")
     assert load_checkpoint(tmp_path / "checkpoints" / "step_00000001") is not None

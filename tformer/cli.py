@@ -1,4 +1,5 @@
-"""``tformer train | tokenizer | generate | plot``: bad input ends in one ``error:`` line, exit 2."""
+"""``tformer train | tokenizer | generate | plot | export | import``: bad input ends in one
+``error:`` line, exit 2."""
 from __future__ import annotations
 
 import argparse
@@ -66,13 +67,49 @@ def _plot(argv: list[str]) -> int:
     return 0
 
 
+def _export(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="tformer export",
+                                description="Export a checkpoint to HF transformers (BERT, GPT-2, Llama, T5).")
+    p.add_argument("checkpoint", help="a run directory (its newest checkpoint) or one of its checkpoints")
+    p.add_argument("--to", choices=["hf"], default="hf", help="target format (hf: transformers)")
+    p.add_argument("out_dir", help="output directory (must not exist, or be empty)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run directory's)")
+    p.add_argument("--max-shard-size", default="5GB", help="split safetensors above this size (e.g. 2GB)")
+    args = p.parse_args(argv)
+    from .export import export_hf
+
+    out = export_hf(args.checkpoint, args.out_dir, force=args.force, tokenizer=args.tokenizer,
+                    max_shard_size=args.max_shard_size)
+    print(f"wrote {out}")
+    return 0
+
+
+def _import(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="tformer import",
+                                description="Import a HF transformers model to continue pretraining it.")
+    p.add_argument("hf_dir", help="a HF model directory (or a hub name, when online)")
+    p.add_argument("out_dir", nargs="?", default=None, help="run directory to write (default runs/NAME)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    args = p.parse_args(argv)
+    from pathlib import Path
+
+    from .export import import_hf
+
+    out = args.out_dir or str(Path("runs") / Path(args.hf_dir.rstrip("/")).name)
+    out = import_hf(args.hf_dir, out, force=args.force)
+    print(f"wrote {out}; continue pretraining with: tformer train {out}/config.yaml max_steps=N")
+    return 0
+
+
 def _tokenizer(argv: list[str]) -> int:
     from .data import tokenizer_main
 
     return tokenizer_main(argv)
 
 
-COMMANDS = {"train": _train, "generate": _generate, "plot": _plot, "tokenizer": _tokenizer}
+COMMANDS = {"train": _train, "generate": _generate, "plot": _plot, "tokenizer": _tokenizer,
+            "export": _export, "import": _import}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,10 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     from .checkpoint import CheckpointError
     from .config import ConfigError
     from .data import DataError
+    from .export import ExportError
 
     try:
         return COMMANDS[argv[0]](argv[1:])
-    except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
+    except (ConfigError, DataError, CheckpointError, ExportError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

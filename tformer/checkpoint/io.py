@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
@@ -50,10 +51,20 @@ def torch_save_durable(obj, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def crc32(path: Path) -> int:
+    value = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            value = zlib.crc32(chunk, value)
+    return value
+
+
 def commit(root: Path, step: int, keep: int) -> Path:
-    """Seal the partial directory of ``step`` (marker with sizes), rename it into place, prune."""
+    """Seal the partial directory of ``step`` (marker with each file's size and CRC-32), rename it
+    into place, prune old checkpoints."""
     tmp = partial_dir(root, step)
-    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    files = {str(p.relative_to(tmp)): [p.stat().st_size, crc32(p)]
+             for p in sorted(tmp.rglob("*")) if p.is_file()}
     write_bytes_durable(tmp / MARKER, json.dumps({"step": step, "files": files}, indent=1).encode())
     fsync_dir(tmp)
     final = root / step_dir_name(step)
@@ -86,14 +97,15 @@ def find_latest(root: str | Path) -> Path | None:
     if not found:
         return None
     try:
-        verify(found[-1])
+        verify(found[-1], deep=True)
     except CheckpointError as e:
         raise CheckpointError(f"{e}; or delete {found[-1]} to resume from the one before") from None
     return found[-1]
 
 
-def verify(ckpt: str | Path) -> dict:
-    """Check the marker and that every file it lists is present with its recorded size."""
+def verify(ckpt: str | Path, deep: bool = False) -> dict:
+    """Check the marker and that every file it lists is present with its recorded size; ``deep``
+    also compares CRC-32 checksums (done before a resume reads the files)."""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint {ckpt} does not exist; pass a directory like "
@@ -108,13 +120,17 @@ def verify(ckpt: str | Path) -> dict:
     except (ValueError, KeyError, TypeError):
         raise CheckpointError(f"checkpoint {ckpt} has a corrupt {MARKER} marker; use an earlier "
                               "checkpoint") from None
-    for name, size in files.items():
+    for name, record in files.items():
+        size, crc = record if isinstance(record, list) else (record, None)
         path = ckpt / name
         if not path.is_file():
             raise CheckpointError(f"checkpoint {ckpt} is missing {name}; use an earlier checkpoint")
         if path.stat().st_size != size:
             raise CheckpointError(f"checkpoint file {path} is truncated or corrupt ({path.stat().st_size} "
                                   f"bytes, expected {size}); use an earlier checkpoint")
+        if deep and crc is not None and crc32(path) != crc:
+            raise CheckpointError(f"checkpoint file {path} is corrupt (CRC-32 mismatch); use an earlier "
+                                  "checkpoint")
     return info
 
 
@@ -204,11 +220,31 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
         if latest is None:
             raise CheckpointError(f"no complete checkpoint under {path}")
         path = latest
-    verify(path)
+    verify(path, deep=True)
     state = read_trainer_state(path)
     model_cfg = state.get("model_config")
     if model_cfg is None:
         raise CheckpointError(f"checkpoint {path} records no model_config")
     model = build_model(dict(model_cfg))
-    load_model_weights(model, path)
+    if (path / "model.safetensors").is_file():
+        load_model_weights(model, path)
+    else:
+        load_model_from_dcp(model, path)
     return model.to(device).eval()
+
+
+def load_model_from_dcp(model: torch.nn.Module, ckpt: Path) -> None:
+    """Read the model part of a DCP checkpoint (any number of shards) into a full model in this
+    one process, on CPU: no process group and no accelerator needed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    if not (ckpt / "dcp").is_dir():
+        raise CheckpointError(f"checkpoint {ckpt} holds neither model.safetensors nor dcp/")
+    state = {"model": get_model_state_dict(model)}
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt / "dcp"))
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {ckpt / 'dcp'} cannot be read ({type(e).__name__}); use an "
+                              "earlier checkpoint") from None
+    set_model_state_dict(model, state["model"])

@@ -185,8 +185,12 @@ def _cached(source, tok: Tokenizer, cache_dir, columns: list[str], *, split: str
             os.replace(tmp, entry)
         except OSError:  # another process finished the same entry first
             shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        from .loading import utf8_error
+
+        if not isinstance(e, DataError) and (bad := utf8_error(e, source)) is not None:
+            raise bad from e
         raise
     out = _open(entry, columns)
     log.info("token cache built %s in %.1fs: %s", entry, time.perf_counter() - start, ", ".join(
@@ -252,9 +256,6 @@ def _write_streamed(ds, encoder: Tokenizer, columns, tmp: Path, dtype, max_token
                 if ids:
                     files[c].write(np.concatenate([np.asarray(x, dtype) for x in ids]).tobytes())
                 total += int(lengths[c][-1].sum()) if c == columns[0] else 0
-    except UnicodeDecodeError as e:
-        raise DataError(f"{_describe(source)} is not valid UTF-8 ({e.reason} at byte {e.start} of a "
-                        "read block): convert it to UTF-8, e.g. `iconv -f latin1 -t utf-8`") from e
     finally:
         for fh in files.values():
             fh.close()

@@ -118,6 +118,24 @@ def _cause_chain(e: BaseException):
         e = e.__cause__ or e.__context__
 
 
+def utf8_error(e: BaseException, source) -> DataError | None:
+    """A DataError naming the bad file and line if ``e`` comes from invalid UTF-8, else None.
+
+    Some readers fail late: pyarrow's JSON reader stores invalid bytes and decoding fails only
+    when rows are read, so callers that read rows (tokenization) use this too.
+    """
+    if not any(isinstance(c, UnicodeDecodeError) or "utf-8" in str(c).lower() or "utf8" in str(c).lower()
+               for c in _cause_chain(e)):
+        return None
+    where = None
+    if isinstance(source, (str, Path, list, tuple)):
+        kind, files = resolve_source(source)
+        if kind == "files":
+            where = _find_bad_utf8(files)
+    where = where or f"{source} is not valid UTF-8"
+    return DataError(f"{where}: convert it to UTF-8, e.g. `iconv -f latin1 -t utf-8`")
+
+
 def load_text_dataset(source, *, columns: Sequence[str] | None = ("text",), split: str = "train",
                       streaming: bool = False, val_fraction: float = 0.01,
                       format: str | None = None, text_unit: str = "line",
@@ -168,7 +186,14 @@ def load_text_dataset(source, *, columns: Sequence[str] | None = ("text",), spli
     if columns:
         names = ds.column_names
         if names is None and streaming:  # unknown until the first row
-            names = list(next(iter(ds)).keys())
+            try:
+                names = list(next(iter(ds)).keys())
+            except StopIteration:
+                raise DataError(f"no rows in {origin}: the data is empty; give a file with data") from None
+            except Exception as e:
+                if (bad := utf8_error(e, source)) is not None:
+                    raise bad from e
+                raise
         for c in columns:
             if c not in names:
                 raise DataError(f"column {c!r} not found in {origin} (columns: {', '.join(names)}): "
@@ -203,9 +228,8 @@ def _load_files(files: list[Path], *, split, streaming, val_fraction, format, te
                                    streaming=streaming, **kwargs,
                                    cache_dir=None if cache_dir is None else str(cache_dir))
     except Exception as e:
-        if any(isinstance(c, UnicodeDecodeError) for c in _cause_chain(e)):
-            where = _find_bad_utf8(files) or f"{names} is not valid UTF-8"
-            raise DataError(f"{where}: convert it to UTF-8, e.g. `iconv -f latin1 -t utf-8`") from e
+        if (bad := utf8_error(e, files)) is not None:
+            raise bad from e
         if isinstance(e, StopIteration) or any(type(c).__name__ == "SchemaInferenceError"
                                                for c in _cause_chain(e)):
             raise DataError(f"no rows in {names}: the data is empty; give a file with data") from e

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 import numpy as np
-import torch
 
 from .errors import DataError
 
@@ -106,7 +105,9 @@ class Collator:
     def __init__(self, pad_id: int = 0, pad_to_multiple_of: int | None = None):
         self.pad_id, self.multiple = pad_id, pad_to_multiple_of
 
-    def __call__(self, samples: Sequence[dict]) -> dict[str, torch.Tensor]:
+    def __call__(self, samples: Sequence[dict]) -> dict[str, "torch.Tensor"]:
+        import torch  # here, so that importing tformer.data (e.g. for the tokenizer CLI) stays light
+
         if not samples:
             raise DataError("cannot collate an empty batch")
         fields = list(samples[0])
@@ -126,6 +127,6 @@ class Collator:
         return batch
 
 
-def collate(samples: Sequence[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
+def collate(samples: Sequence[dict], pad_id: int = 0) -> dict[str, "torch.Tensor"]:
     """``Collator(pad_id)(samples)``."""
     return Collator(pad_id)(samples)

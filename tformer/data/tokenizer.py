@@ -136,6 +136,7 @@ def _text_batches(source, column: str, max_rows: int | None) -> tuple[Iterator[l
                         f"{', '.join(ds.column_names)}): pass column=... / --column")
     n = len(ds) if hasattr(ds, "__len__") and not _is_iterable_dataset(ds) else None
     if max_rows is not None:
+        log.info("tokenizer training reads the first %d rows only (max_rows)", max_rows)
         ds = ds.take(max_rows) if _is_iterable_dataset(ds) else ds.select(range(min(max_rows, n)))
         n = min(max_rows, n) if n is not None else None
 

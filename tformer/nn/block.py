@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .attention import KVCache, MultiHeadAttention
 from .ffn import FeedForward
@@ -89,6 +90,9 @@ class TransformerStack(nn.Module):
         self.final_norm = (make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
                            if cfg.pre_norm else None)
         self.dropout = nn.Dropout(cfg.dropout)
+        # Indices of blocks whose activations are recomputed in backward instead of stored. Set
+        # from outside (tformer.parallel.apply_activation_checkpointing); names stay unchanged.
+        self.checkpointed: frozenset[int] = frozenset()
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None, memory: torch.Tensor | None = None,
@@ -104,8 +108,12 @@ class TransformerStack(nn.Module):
                 positions = torch.arange(offset, offset + seq, device=x.device)
             rotary = self.rotary(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, padding_mask, attn_bias=bias, rotary=rotary, memory=memory,
-                      memory_mask=memory_mask, cache=cache.layer(i) if cache is not None else None)
+            kwargs = dict(attn_bias=bias, rotary=rotary, memory=memory, memory_mask=memory_mask,
+                          cache=cache.layer(i) if cache is not None else None)
+            if i in self.checkpointed and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, padding_mask, use_reentrant=False, **kwargs)
+            else:
+                x = layer(x, padding_mask, **kwargs)
         if self.final_norm is not None:
             x = self.dropout(self.final_norm(x))
         return x

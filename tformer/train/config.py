@@ -19,6 +19,7 @@ SCHEDULES = ("cosine", "linear", "constant", "wsd")
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
 NONFINITE = ("skip", "stop")
 OBJECTIVES = ("auto", "causal", "mlm", "span", "seq2seq")
+AC_MODES = ("none", "full", "selective")
 
 
 @dataclass
@@ -60,8 +61,11 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    strategy: str = "ddp"
+    strategy: str = "ddp"            # ddp | fsdp (FSDP2) | deepspeed
     backend: str | None = None       # None: nccl on CUDA, gloo on CPU
+    activation_checkpointing: str = "none"  # none | full (every block) | selective (every ac_every-th)
+    ac_every: int = 2
+    reshard_after_forward: bool = True      # fsdp: true = ZeRO-3-like, false = ZeRO-2-like
 
 
 @dataclass
@@ -116,6 +120,11 @@ class TrainConfig:
         if self.parallel.strategy not in STRATEGIES:
             raise ConfigError(f"parallel.strategy={self.parallel.strategy!r} is not allowed; use one of: "
                               f"{', '.join(STRATEGIES)}")
+        if self.parallel.activation_checkpointing not in AC_MODES:
+            raise ConfigError(f"parallel.activation_checkpointing={self.parallel.activation_checkpointing!r} "
+                              f"is not allowed; use one of: {', '.join(AC_MODES)}")
+        if self.parallel.ac_every < 1:
+            raise ConfigError(f"parallel.ac_every={self.parallel.ac_every} must be >= 1")
         if self.data.objective not in OBJECTIVES:
             raise ConfigError(f"data.objective={self.data.objective!r} is not allowed; use one of: "
                               f"{', '.join(OBJECTIVES)}")

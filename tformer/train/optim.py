@@ -18,10 +18,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device,
+                    allow_fused: bool = True) -> torch.optim.Optimizer:
     fused = cfg.fused
     if fused is None:
-        fused = device.type in ("cuda", "cpu")  # torch >= 2.4 has fused AdamW on both
+        fused = allow_fused and device.type in ("cuda", "cpu")  # torch >= 2.4: fused AdamW on both
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
 

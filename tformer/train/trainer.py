@@ -16,13 +16,14 @@ import numpy as np
 import torch
 
 from ..checkpoint.io import (CheckpointError, commit, find_latest, load_model_weights, partial_dir,
-                             read_trainer_state, save_model_weights, torch_load_safe, torch_save_durable,
-                             verify, write_bytes_durable)
+                             read_trainer_state, torch_load_safe, torch_save_durable, verify,
+                             write_bytes_durable)
 from ..config import ConfigError
 from ..data import ResumableSampler
 from ..models import build_model
 from ..models.flops import training_flops
-from .config import TrainConfig, dump_yaml
+from ..parallel.strategy import STRATEGIES
+from .config import TrainConfig
 from .data import MODEL_INPUTS, build_data, copy_tokenizer
 from .dist import all_reduce, barrier, init_distributed
 from .metrics import memory_mb, peak_flops
@@ -70,20 +71,17 @@ class Trainer:
             self.ckpt_root.mkdir(parents=True, exist_ok=True)
         barrier()
 
-        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank, before any sharding
         self.data = build_data(cfg, self.dist.rank)
         self.model_cfg = self.data.model_config
         self.model = build_model(self.model_cfg).to(self.device)
-        if cfg.compile:
-            from ..parallel.compile import compile_blocks
-            compile_blocks(self.model)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        # AC -> per-block compile -> DDP / FSDP2, then the optimizer over the (sharded) parameters
+        self.strategy = STRATEGIES[cfg.parallel.strategy](self.model, cfg, self.dist, DTYPES[self.precision])
+        self.wrapped = self.strategy.wrapped
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device,
+                                         allow_fused=self.strategy.fused_optimizer_ok())
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.max_steps)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
-        self.wrapped = self.model
-        if self.dist.distributed:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            self.wrapped = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
         self.step = 0
         self.consumed = 0            # global samples consumed by all ranks
@@ -107,9 +105,9 @@ class Trainer:
                               f"{self.device.type}); use precision=bf16 or precision=fp32")
         if self.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("precision=bf16 is not supported by this GPU; use precision=fp16")
-        if cfg.parallel.strategy != "ddp":
+        if cfg.parallel.strategy not in STRATEGIES:
             raise ConfigError(f"parallel.strategy={cfg.parallel.strategy!r} is not available in this "
-                              "version; use parallel.strategy=ddp")
+                              f"version; use one of: {', '.join(STRATEGIES)}")
 
     def _autocast(self):
         if self.precision == "fp32":
@@ -131,19 +129,16 @@ class Trainer:
                 path = find_latest(path / "checkpoints")
                 if path is None:
                     raise CheckpointError(f"no complete checkpoint under {target}")
-            verify(path)
+            verify(path, deep=True)
         state = read_trainer_state(path)
         self._check_same_model(path, state.get("model_config") or {})
-        load_model_weights(self.model, path)
-        opt = torch_load_safe(path / "optimizer.pt")
-        try:
-            self.optimizer.load_state_dict(opt["optimizer"])
-            self.scheduler.load_state_dict(opt["scheduler"])
-            if self.scaler is not None and opt.get("scaler"):
-                self.scaler.load_state_dict(opt["scaler"])
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"optimizer state in {path} does not fit this run ({e}); start a fresh "
-                                  "output_dir or use resume=none") from None
+        if state.get("weights_only"):
+            # A model imported from HF (`tformer import`, step 0): weights, no optimizer state, so
+            # AdamW's moments start at zero and the LR schedule from its beginning.
+            load_model_weights(self.model, path)
+            log.warning("%s holds weights only: the optimizer and LR schedule start fresh", path)
+        else:
+            self.strategy.load(path, self.optimizer, self.scheduler, self.scaler)
         rng = path / f"rng_rank{self.dist.rank}.pt"
         if rng.is_file() and state.get("world_size") == self.dist.world_size:
             _set_rng(torch_load_safe(rng))
@@ -176,16 +171,12 @@ class Trainer:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         barrier()
+        self.strategy.save(tmp, self.optimizer, self.scheduler, self.scaler)
         if self.dist.is_main:
-            save_model_weights(self.model, tmp / "model.safetensors")
-            torch_save_durable({"optimizer": self.optimizer.state_dict(),
-                                "scheduler": self.scheduler.state_dict(),
-                                "scaler": self.scaler.state_dict() if self.scaler else None},
-                               tmp / "optimizer.pt")
             state = {"step": self.step, "consumed_samples": self.consumed, "tokens": self.tokens,
                      "skipped": self.skipped, "world_size": self.dist.world_size,
                      "wandb_id": self.wandb_id, "model_config": self.model_cfg.to_dict(),
-                     "family": self.model_cfg.family, "objective": self.data.objective,
+                     "strategy": self.cfg.parallel.strategy, "family": self.model_cfg.family, "objective": self.data.objective,
                      "seq_len": self.data.seq_len, "target_len": self.data.target_len,
                      "time": time.time()}
             write_bytes_durable(tmp / "trainer.json", json.dumps(state, indent=1).encode())
@@ -328,8 +319,7 @@ class Trainer:
             inputs = {k: batch[k].to(self.device, non_blocking=True) for k in keys if k in batch}
             tokens += inputs["input_ids"].numel() + (inputs["labels"].numel() if self.model_cfg.family == "encdec" else 0)
             last = micro == cfg.grad_accum - 1
-            sync = contextlib.nullcontext() if last or not self.dist.distributed else self.wrapped.no_sync()
-            with sync:
+            with self.strategy.no_sync(last):
                 with self._autocast():
                     loss = self.wrapped(**inputs).loss / cfg.grad_accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -345,7 +335,7 @@ class Trainer:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
             clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()
+            grad_norm = self.strategy.clip_grad_norm(clip)
         if math.isfinite(loss_avg) and (math.isfinite(grad_norm) or self.scaler is not None):
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)

@@ -1,0 +1,364 @@
+"""What the four HF targets share: the error type, name maps, reading our checkpoints, writing an
+output directory atomically, sharded safetensors, and the tokenizer hand-off."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from ..checkpoint.io import MARKER, STEP_DIR, CheckpointError, find_latest, read_trainer_state, verify
+from ..config import ConfigError, ModelConfig
+
+
+class ExportError(ValueError):
+    """A model, checkpoint or directory that cannot be converted, stated in one line that names the
+    field (or file) and what to do."""
+
+
+# -- name maps -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One HF tensor made of one or more of ours: concatenated along dim 0 (GPT-2's fused q|k|v),
+    then transposed for HF ``Conv1D`` layers, which store weights as (in, out)."""
+    hf: str
+    ours: tuple[str, ...]
+    transpose: bool = False
+
+
+def rule(hf: str, *ours: str, transpose: bool = False) -> Rule:
+    return Rule(hf, ours, transpose)
+
+
+def linear(hf: str, ours: str, bias: bool, transpose: bool = False) -> list[Rule]:
+    """Weight (and bias) of one linear layer (or norm) named ``hf`` in HF and ``ours`` in tformer."""
+    rules = [rule(f"{hf}.weight", f"{ours}.weight", transpose=transpose)]
+    return rules + [rule(f"{hf}.bias", f"{ours}.bias")] if bias else rules
+
+
+# Plain (ungated) activations: tformer name <-> HF ACT2FN name. HF's "gelu_new" and
+# "gelu_pytorch_tanh" are both the tanh approximation (GPT-2's), "gelu" the exact erf form.
+PLAIN_ACTS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
+HF_PLAIN_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                 "relu": "relu", "silu": "silu", "swish": "silu"}
+
+
+def to_hf(state: dict[str, torch.Tensor], rules: list[Rule], target: str) -> dict[str, torch.Tensor]:
+    """Our tensors -> HF tensors. A tensor of ours that no rule takes is a feature the target
+    cannot hold: an error naming it, never a silent drop."""
+    left = dict(state)
+    out = {}
+    for r in rules:
+        missing = [o for o in r.ours if o not in left]
+        if missing:
+            raise ExportError(f"the checkpoint has no tensor {missing[0]} (needed for {target}'s {r.hf}); "
+                              "it does not match its model_config")
+        parts = [left.pop(o) for o in r.ours]
+        t = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+        out[r.hf] = (t.t() if r.transpose else t).contiguous()
+    if left:
+        raise ExportError(f"parameter {sorted(left)[0]} has no counterpart in HF {target} "
+                          f"({len(left)} such tensor(s)); the model uses a feature {target} cannot express")
+    return out
+
+
+def from_hf(state: dict[str, torch.Tensor], rules: list[Rule], shapes: dict[str, torch.Size],
+            source: str) -> dict[str, torch.Tensor]:
+    """HF tensors -> ours (the inverse of ``to_hf``); ``shapes`` are our parameters' shapes, used
+    to split fused tensors and to check every tensor lands in a place of the right size."""
+    left = dict(state)
+    out = {}
+    for r in rules:
+        if r.hf not in left:
+            raise ExportError(f"the HF model has no tensor {r.hf}; it does not match its config")
+        t = left.pop(r.hf)
+        t = t.t() if r.transpose else t
+        sizes = [shapes[o][0] for o in r.ours]
+        for name, part in zip(r.ours, torch.split(t, sizes, dim=0) if len(r.ours) > 1 else [t]):
+            if part.shape != shapes[name]:
+                raise ExportError(f"HF tensor {r.hf} has shape {tuple(t.shape)}, which does not fit "
+                                  f"{name} {tuple(shapes[name])}; the HF config and weights disagree")
+            out[name] = part.contiguous()
+    if left:
+        raise ExportError(f"HF tensor {sorted(left)[0]} of {source} has no place in a tformer model "
+                          f"({len(left)} such tensor(s)); the HF model uses a feature tformer lacks")
+    return out
+
+
+# -- config checks ---------------------------------------------------------------------------
+
+
+def need(cfg: ModelConfig, name: str, allowed: Any, fix: str) -> str | None:
+    """A problem line when field ``name`` is not ``allowed`` (a value, a tuple of values, or a
+    predicate), else None. ``fix`` says what to do."""
+    value = getattr(cfg, name)
+    if callable(allowed):
+        ok = allowed(value)
+    elif isinstance(allowed, tuple):
+        ok = value in allowed
+    else:
+        ok = value == allowed
+    return None if ok else f"{name}={value!r}: {fix}"
+
+
+def raise_problems(target: str, problems: list[str | None]) -> None:
+    found = [p for p in problems if p]
+    if found:
+        raise ExportError(f"cannot export to HF {target}: " + "; ".join(found))
+
+
+def default_head_dim(cfg: ModelConfig) -> bool:
+    return cfg.d_head is None or cfg.d_head * cfg.num_heads == cfg.d_model
+
+
+def first_id(value) -> int | None:
+    """HF allows a list of EOS ids; tformer keeps one (the first)."""
+    if isinstance(value, (list, tuple)):
+        return value[0] if value else None
+    return value
+
+
+def build_config(source: str, **fields: Any) -> ModelConfig:
+    try:
+        return ModelConfig(**fields)
+    except ConfigError as e:
+        raise ExportError(f"{source} has no tformer equivalent: {e}") from None
+
+
+# -- reading our checkpoints -----------------------------------------------------------------
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a run directory's newest complete checkpoint; verified."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist; pass a run directory or "
+                              "RUN/checkpoints/step_XXXXXXXX")
+    if (path / "checkpoints").is_dir() or (not (path / MARKER).exists() and not STEP_DIR.match(path.name)):
+        root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        latest = find_latest(root)
+        if latest is None:
+            raise CheckpointError(f"no complete checkpoint under {path}")
+        path = latest
+    verify(path)
+    return path
+
+
+def read_model_state(checkpoint: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The model config and the full (unsharded) model tensors of a checkpoint, on CPU.
+
+    The one entry point exporters read through, so sharded checkpoints (FSDP2 DCP, DeepSpeed
+    ZeRO) plug in here by consolidating their shards tensor by tensor. Tied tensors appear once,
+    under their first name (``embed.tok.weight``)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = resolve_checkpoint(checkpoint)
+    saved = read_trainer_state(path).get("model_config")
+    if saved is None:
+        raise CheckpointError(f"checkpoint {path} records no model_config in trainer.json")
+    cfg = ModelConfig.from_dict(dict(saved))
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(f"checkpoint {path} has no model.safetensors; sharded (FSDP2 / DeepSpeed) "
+                              "checkpoints cannot be exported yet: consolidate it first")
+    try:
+        state = load_file(weights)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint file {weights} is corrupt or truncated ({e})") from None
+    return cfg, state
+
+
+def model_shapes(cfg: ModelConfig) -> tuple[dict[str, torch.Size], set[str]]:
+    """Shapes of our model's tensors as saved (tied aliases dropped) and the set of alias names,
+    from a model built on the meta device (no memory, no initialisation cost)."""
+    from ..models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg)
+    seen, shapes, aliases = set(), {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            aliases.add(name)
+            continue
+        seen.add(id(t))
+        shapes[name] = t.shape
+    return shapes, aliases
+
+
+def unpad_vocab(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop the rows padding the vocabulary to ``pad_vocab_multiple``: they are never predicted
+    (our logits are sliced to ``vocab_size``) and HF models have exactly ``vocab_size`` rows."""
+    if cfg.padded_vocab_size == cfg.vocab_size:
+        return state
+    out = dict(state)
+    for name in ("embed.tok.weight", "lm_head.weight", "lm_head.bias"):
+        if name in out:
+            out[name] = out[name][: cfg.vocab_size]
+    return out
+
+
+# -- HF side ---------------------------------------------------------------------------------
+
+
+def hf_expected(hf_config, class_name: str) -> tuple[dict[str, torch.Size], set[str]]:
+    """Names and shapes of the HF model's parameters (each tied tensor once, its first name) and
+    the names of tied aliases, for the model ``from_pretrained`` will build from the saved config."""
+    import transformers
+
+    reloaded = type(hf_config).from_dict(hf_config.to_dict())
+    with torch.device("meta"):
+        model = getattr(transformers, class_name)(reloaded)
+    unique = {name: p.shape for name, p in model.named_parameters()}
+    return unique, {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(unique)
+
+
+def check_against(hf_state: dict[str, torch.Tensor], expected: tuple[dict[str, torch.Size], set[str]],
+                  target: str) -> None:
+    """Every HF parameter present with its shape; nothing else except a tied alias that holds
+    different values on purpose (an untied T5 head, which the HF loader then keeps apart)."""
+    unique, aliases = expected
+    for name, shape in unique.items():
+        if name not in hf_state:
+            raise ExportError(f"HF {target} needs {name}, which the name map does not produce; "
+                              "this is a bug in tformer.export")
+        if hf_state[name].shape != shape:
+            raise ExportError(f"{name} has shape {tuple(hf_state[name].shape)} but HF {target} expects "
+                              f"{tuple(shape)}; the config and the weights disagree")
+    extra = sorted(set(hf_state) - set(unique) - aliases)
+    if extra:
+        raise ExportError(f"tensor {extra[0]} has no place in HF {target}; the model uses a feature "
+                          f"{target} cannot express")
+
+
+def write_safetensors(state: dict[str, torch.Tensor], out: Path, max_shard_size: int) -> None:
+    """``model.safetensors``, or shards plus ``model.safetensors.index.json`` above
+    ``max_shard_size`` bytes: HF's layout, so ``from_pretrained`` reads either."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size,
+                                               filename_pattern="model{suffix}.safetensors")
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: state[n].contiguous() for n in names}, str(out / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def read_hf_weights(hf_dir: str, class_name: str, hf_config) -> tuple[dict[str, torch.Tensor], bool]:
+    """The HF model's parameters in fp32 (tformer's master weights), each tied tensor once, and
+    whether its output projection is tied to the input embeddings. Loaded through ``transformers``,
+    so sharded, legacy-named and hub checkpoints all work."""
+    import logging
+
+    import transformers
+
+    cls = getattr(transformers, class_name)
+    model, info = cls.from_pretrained(hf_dir, config=hf_config, dtype=torch.float32, output_loading_info=True)
+    missing = [k for k in info.get("missing_keys", []) if k]
+    if missing:
+        logging.getLogger("tformer.export").warning(
+            "%s lacks %d tensor(s) of %s (e.g. %s); transformers initialised them randomly",
+            hf_dir, len(missing), class_name, sorted(missing)[0])
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return {name: p.detach() for name, p in model.named_parameters()}, tied
+
+
+# -- tokenizers ------------------------------------------------------------------------------
+
+
+def find_tokenizer(ckpt: Path) -> Path | None:
+    """``tokenizer.json`` of a checkpoint: in its directory or a parent (the run directory)."""
+    for d in (ckpt, *ckpt.parents):
+        if (d / "tokenizer.json").is_file():
+            return d / "tokenizer.json"
+    return None
+
+
+def check_tokenizer(tok, cfg: ModelConfig) -> None:
+    """The tokenizer must fit the model: no id beyond the vocabulary, and the special tokens the
+    model was trained with (the trainer takes them from the tokenizer) at the same ids."""
+    from ..data.tokenizer import special_tokens, vocab_size
+
+    n = vocab_size(tok)
+    if n > cfg.vocab_size:
+        raise ExportError(f"the tokenizer has {n} tokens but model vocab_size={cfg.vocab_size}; export "
+                          "with the tokenizer the model was trained with (--tokenizer)")
+    s = special_tokens(tok)
+    pairs = [("pad_token_id", s.pad_id, "pad")]
+    if cfg.family != "encoder":
+        pairs.append(("eos_token_id", s.eos_id, "eos"))
+    if cfg.family == "decoder" and cfg.bos_token_id is not None:
+        pairs.append(("bos_token_id", s.eos_id, "bos (= end-of-text)"))
+    for field, tok_id, role in pairs:
+        ours = getattr(cfg, field)
+        if tok_id is not None and ours is not None and ours != tok_id:
+            raise ExportError(f"model {field}={ours} but the tokenizer's {role} token has id {tok_id}; "
+                              "export with the tokenizer the model was trained with (--tokenizer)")
+
+
+def save_hf_tokenizer(tok, cfg: ModelConfig, out: Path) -> None:
+    """``tokenizer.json`` + ``tokenizer_config.json`` through ``PreTrainedTokenizerFast`` with the
+    family's special-token roles, so ``AutoTokenizer`` encodes exactly as tformer does."""
+    from ..data.tokenizer import hf_tokenizer
+
+    hf_tok = hf_tokenizer(tok)
+    if cfg.position in ("learned", "sinusoidal"):
+        hf_tok.model_max_length = cfg.max_seq_len
+    hf_tok.save_pretrained(str(out))
+    # transformers 5 records the class as "TokenizersBackend", which 4.x cannot load; its alias
+    # "PreTrainedTokenizerFast" loads in both.
+    path = out / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def save_generation_config(cfg: ModelConfig, out: Path) -> None:
+    from transformers import GenerationConfig
+
+    extra = {"decoder_start_token_id": cfg.decoder_start_token_id} if cfg.family == "encdec" else {}
+    GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+                     pad_token_id=cfg.pad_token_id, **extra).save_pretrained(str(out))
+
+
+# -- atomic output directories ---------------------------------------------------------------
+
+
+def check_out_dir(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"output {out} exists and is not a directory; choose another path")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ExportError(f"output directory {out} exists and is not empty; choose another path or "
+                          "pass --force to replace it")
+
+
+@contextmanager
+def atomic_dir(out: Path, force: bool) -> Iterator[Path]:
+    """Yield a temporary sibling of ``out``; on success it replaces ``out`` in one rename, on any
+    error it is removed, so no partial output is ever left behind."""
+    check_out_dir(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".partial-{out.name}-", dir=out.parent))
+    try:
+        yield tmp
+        old = None
+        if out.exists():
+            old = out.parent / f".old-{out.name}-{os.getpid()}"
+            os.rename(out, old)
+        os.rename(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+

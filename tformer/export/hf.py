@@ -1,0 +1,144 @@
+"""Export a tformer checkpoint to a HF ``transformers`` directory, and import one back.
+
+    export_hf("runs/gpt2-tiny", "hf/gpt2-tiny")        # -> AutoModelForCausalLM.from_pretrained
+    import_hf("hf/gpt2-tiny", "runs/gpt2-continued")   # -> tformer train ... resume=runs/gpt2-continued
+
+The target is the model's ``flavour`` (bert, gpt2, llama, t5). Every config switch is checked
+against what the target class can express: anything else is an ``ExportError`` naming the field,
+never a silently dropped tensor. Output appears in one rename once complete.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from ..checkpoint.io import commit, partial_dir, write_bytes_durable
+from ..config import ModelConfig
+from . import bert, gpt2, llama, t5
+from .common import (ExportError, atomic_dir, check_against, check_out_dir, check_tokenizer, find_tokenizer,
+                     from_hf, hf_expected, model_shapes, read_hf_weights, read_model_state,
+                     resolve_checkpoint, save_generation_config, save_hf_tokenizer, to_hf, unpad_vocab,
+                     write_safetensors)
+
+log = logging.getLogger("tformer.export")
+
+# flavour (= HF model_type) -> the module that maps it
+TARGETS = {"bert": bert, "gpt2": gpt2, "llama": llama, "t5": t5}
+DEFAULT_SHARD_SIZE = "5GB"
+
+
+def target_of(cfg: ModelConfig):
+    target = TARGETS.get(cfg.flavour)
+    if target is None:
+        raise ExportError(f"model flavour={cfg.flavour!r} has no HF equivalent; exportable flavours are "
+                          f"{', '.join(TARGETS)} (set flavour to the one whose switches the model uses)")
+    return target
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False,
+              tokenizer: str | Path | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
+    """Write ``out_dir`` (config, safetensors, generation config, tokenizer) for the checkpoint
+    (or a run directory's newest one). Everything is checked before anything is written."""
+    from ..data import DataError, load_tokenizer
+
+    out = Path(out_dir)
+    check_out_dir(out, force)
+    ckpt = resolve_checkpoint(checkpoint)
+    cfg, state = read_model_state(ckpt)
+    target = target_of(cfg)
+    target.check(cfg)
+    hf_config = target.hf_config(cfg)
+    dtype = state["embed.tok.weight"].dtype
+    hf_config.dtype = str(dtype).removeprefix("torch.")
+    hf_state = to_hf(unpad_vocab(cfg, state), target.rules(cfg), target.HF_CLASS)
+    if hasattr(target, "fill"):
+        hf_state.update(target.fill(cfg, dtype))
+    check_against(hf_state, hf_expected(hf_config, target.HF_CLASS), target.HF_CLASS)
+
+    tok_path = Path(tokenizer) if tokenizer is not None else find_tokenizer(ckpt)
+    if tok_path is None:
+        raise ExportError(f"no tokenizer.json in {ckpt} or its run directory; pass the one the model was "
+                          "trained with (--tokenizer PATH)")
+    try:
+        tok = load_tokenizer(tok_path)
+    except DataError as e:
+        raise ExportError(str(e)) from None
+    check_tokenizer(tok, cfg)
+
+    with atomic_dir(out, force) as tmp:
+        hf_config.save_pretrained(str(tmp))
+        write_safetensors(hf_state, tmp, max_shard_size)
+        if cfg.family != "encoder":
+            save_generation_config(cfg, tmp)
+        save_hf_tokenizer(tok, cfg, tmp)
+    log.info("exported %s to %s (%s)", ckpt, out, target.HF_CLASS)
+    return out
+
+
+def import_hf(hf_dir: str | Path, out_dir: str | Path, force: bool = False) -> Path:
+    """Write a tformer run directory (``checkpoints/step_00000000``, ``tokenizer.json``,
+    ``config.yaml``) from a HF model directory (or hub name), to continue pretraining it.
+    The checkpoint holds weights only: the optimizer and LR schedule start fresh."""
+    from transformers import AutoConfig
+
+    out = Path(out_dir)
+    check_out_dir(out, force)
+    try:
+        hf_config = AutoConfig.from_pretrained(str(hf_dir))
+    except (OSError, ValueError) as e:
+        raise ExportError(f"cannot read a HF config from {hf_dir} ({str(e).splitlines()[0]}); pass a "
+                          "directory holding config.json") from None
+    target = TARGETS.get(hf_config.model_type)
+    if target is None:
+        raise ExportError(f"HF model_type={hf_config.model_type!r} cannot be imported; tformer imports "
+                          f"{', '.join(TARGETS)}")
+    hf_state, tied = read_hf_weights(str(hf_dir), target.HF_CLASS, hf_config)
+    cfg = target.model_config(hf_config, tied)
+    shapes, _ = model_shapes(cfg)
+    state = from_hf(hf_state, target.rules(cfg), shapes, str(hf_dir))
+    missing = sorted(set(shapes) - set(state))
+    if missing:
+        raise ExportError(f"the name map leaves tformer tensor {missing[0]} empty; this is a bug in "
+                          "tformer.export")
+    tok_file = Path(hf_dir) / "tokenizer.json"
+
+    with atomic_dir(out, force) as tmp:
+        if tok_file.is_file():
+            shutil.copyfile(tok_file, tmp / "tokenizer.json")
+        else:
+            log.warning("%s has no tokenizer.json; give the run one with data.tokenizer=PATH", hf_dir)
+        _write_checkpoint(tmp / "checkpoints", cfg, state, str(hf_dir))
+        (tmp / "config.yaml").write_text(_recipe(cfg, out, tok_file.is_file()))
+    log.info("imported %s to %s", hf_dir, out)
+    return out
+
+
+def _write_checkpoint(root: Path, cfg: ModelConfig, state: dict, source: str) -> Path:
+    """A step-0 checkpoint in the trainer's layout (marker last, renamed into place), weights only."""
+    from safetensors.torch import save_file
+
+    from ..train.config import config_from_dict, dump_yaml
+
+    tmp = partial_dir(root, 0)
+    tmp.mkdir(parents=True)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    # weights_only: the trainer resumes it with a fresh optimizer and LR schedule
+    trainer_state = {"step": 0, "consumed_samples": 0, "tokens": 0, "skipped": 0, "world_size": None,
+                     "wandb_id": None, "weights_only": True, "model_config": cfg.to_dict(),
+                     "family": cfg.family, "imported_from": source, "time": time.time()}
+    write_bytes_durable(tmp / "trainer.json", json.dumps(trainer_state, indent=1).encode())
+    write_bytes_durable(tmp / "config.yaml", dump_yaml(config_from_dict({"model": cfg.to_dict()})).encode())
+    return commit(root, 0, keep=1)
+
+
+def _recipe(cfg: ModelConfig, out: Path, has_tokenizer: bool) -> str:
+    """``config.yaml`` of the imported run: ``tformer train OUT/config.yaml`` continues pretraining
+    (resume=auto finds the step-0 checkpoint)."""
+    from ..train.config import config_from_dict, dump_yaml
+
+    out = out.resolve()
+    data = {"tokenizer": str(out / "tokenizer.json")} if has_tokenizer else {}
+    return dump_yaml(config_from_dict({"model": cfg.to_dict(), "data": data, "output_dir": str(out)}))

@@ -1,0 +1,137 @@
+"""How the model is wrapped, synchronised, stepped and checkpointed, per ``parallel.strategy``.
+
+The order of application is fixed: activation checkpointing -> per-block ``torch.compile`` ->
+sharding (FSDP2 per block, then the root) or DDP. Model code knows none of this.
+
+Checkpoints of ``ddp`` and ``fsdp`` store model + optimizer with ``torch.distributed.checkpoint``
+(DCP) in ``dcp/``: each rank writes its shards, and a load reshards to any world size and either
+strategy. ``ddp`` also writes ``model.safetensors`` (rank 0 holds the full model anyway).
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.io import CheckpointError, save_model_weights, torch_load_safe, torch_save_durable
+from ..nn import TransformerStack
+from .ac import apply_activation_checkpointing
+from .compile import compile_blocks
+
+
+class Strategy:
+    name = "ddp"
+
+    def __init__(self, model: torch.nn.Module, cfg, dist_info, dtype: torch.dtype):
+        self.model = model  # the unwrapped module (for state dicts and evaluation)
+        self.cfg = cfg
+        self.dist = dist_info
+        self.dtype = dtype
+        pcfg = cfg.parallel
+        if pcfg.activation_checkpointing != "none":
+            apply_activation_checkpointing(model, pcfg.activation_checkpointing, pcfg.ac_every)
+        if cfg.compile:
+            compile_blocks(model)
+        self.wrapped = self.wrap(model)
+
+    # -- wrapping and stepping -------------------------------------------------------------
+    def wrap(self, model):
+        if not self.dist.distributed:
+            return model
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        ids = [self.dist.device.index] if self.dist.device.type == "cuda" else None
+        return DDP(model, device_ids=ids)
+
+    def no_sync(self, last_micro: bool):
+        """Skip the gradient all-reduce on all but the last micro-batch of an accumulation."""
+        if last_micro or not self.dist.distributed:
+            return contextlib.nullcontext()
+        return self.wrapped.no_sync()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def fused_optimizer_ok(self) -> bool:
+        return True
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def _dcp_state(self, optimizer):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        msd, osd = get_state_dict(self.model, optimizer)
+        return {"model": msd, "optimizer": osd}
+
+    def save(self, tmp: Path, optimizer, scheduler, scaler) -> None:
+        import torch.distributed.checkpoint as dcp
+        dcp.save(self._dcp_state(optimizer), checkpoint_id=str(tmp / "dcp"))
+        if self.dist.is_main:
+            torch_save_durable({"scheduler": scheduler.state_dict(),
+                                "scaler": scaler.state_dict() if scaler else None}, tmp / "scheduler.pt")
+            if self.name == "ddp":
+                save_model_weights(self.model, tmp / "model.safetensors")
+
+    def load(self, path: Path, optimizer, scheduler, scaler) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        if not (path / "dcp").is_dir():
+            raise CheckpointError(f"checkpoint {path} has no dcp/ directory; it was not written by the "
+                                  "ddp or fsdp strategy (a deepspeed checkpoint needs parallel.strategy="
+                                  "deepspeed, or `tformer consolidate` first)")
+        state = self._dcp_state(optimizer)
+        try:
+            dcp.load(state, checkpoint_id=str(path / "dcp"))
+        except Exception as e:  # noqa: BLE001 - any read failure is a damaged checkpoint to the user
+            first = str(e).strip().splitlines()
+            raise CheckpointError(f"checkpoint {path / 'dcp'} cannot be read ({type(e).__name__}: "
+                                  f"{first[-1] if first else 'corrupt'}); use an earlier checkpoint") from None
+        set_state_dict(self.model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        extra = torch_load_safe(path / "scheduler.pt")
+        scheduler.load_state_dict(extra["scheduler"])
+        if scaler is not None and extra.get("scaler"):
+            scaler.load_state_dict(extra["scaler"])
+
+
+class FSDPStrategy(Strategy):
+    """FSDP2: ``fully_shard`` on every transformer block, then on the root module."""
+
+    name = "fsdp"
+
+    def wrap(self, model):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        if not dist.is_initialized():
+            from ..config import ConfigError
+            raise ConfigError("parallel.strategy=fsdp needs a process group: launch with torchrun "
+                                  "(torchrun --nproc_per_node N -m tformer train ...)")
+        mp = None
+        if self.dtype != torch.float32:
+            mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+        kwargs = {"reshard_after_forward": self.cfg.parallel.reshard_after_forward}
+        if mp is not None:
+            kwargs["mp_policy"] = mp
+        for stack in model.modules():
+            if isinstance(stack, TransformerStack):
+                for block in stack.layers:
+                    fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def no_sync(self, last_micro: bool):
+        self.model.set_requires_gradient_sync(last_micro)
+        return contextlib.nullcontext()
+
+    def fused_optimizer_ok(self) -> bool:
+        return False  # DTensor parameters: use the foreach implementation
+
+
+STRATEGIES = {"ddp": Strategy, "fsdp": FSDPStrategy}
+
+
+def local_numel(model: torch.nn.Module) -> int:
+    """Parameter elements held by this rank (the local shard of a DTensor)."""
+    total = 0
+    for p in model.parameters():
+        total += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+    return total
