@@ -98,7 +98,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--num-proc", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--vocab-size", type=int, default=32768, help="BPE tokenizer trained for the bench")
+    p.add_argument("--vocab-size", type=int, default=16384, help="BPE tokenizer trained for the bench")
     p.add_argument("--train-steps", type=int, default=2)
     p.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
     p.add_argument("--work-dir", default=None, help="default: a temporary directory")

@@ -2,8 +2,8 @@
 
 import gzip
 import json
-import logging
 import os
+import pickle
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tformer.data.loading as loading
-from tformer.data import (DataError, check_seq_len, default_corpus_path, default_pairs_path,
+from tformer.data import (DataError, PackedCausalLM, check_seq_len, default_corpus_path, default_pairs_path,
                           load_text_dataset, split_rows, tokenize_corpus, tokenize_pairs,
                           train_tokenizer)
 
@@ -73,7 +73,8 @@ def test_formats_load_the_same_rows(tmp_path, lines):
     ds = datasets.Dataset.from_dict({"text": texts})
     ds.to_parquet(str(tmp_path / "a.parquet"))
     ds.save_to_disk(str(tmp_path / "saved"))
-    for source in ["a.txt", "a.txt.gz", "a.jsonl", "a.parquet", "saved"]:
+    arrow = next((tmp_path / "saved").glob("*.arrow")).relative_to(tmp_path)
+    for source in ["a.txt", "a.txt.gz", "a.jsonl", "a.parquet", "saved", arrow]:
         got = load_text_dataset(tmp_path / source, split="all", cache_dir=tmp_path / "hf")
         assert got["text"] == texts, source
     streamed = load_text_dataset(tmp_path / "a.jsonl", split="all", streaming=True)
@@ -97,6 +98,11 @@ def test_token_cache_round_trip_and_second_start(tmp_path, tok, lines, monkeypat
     assert np.array_equal(second.tokens, first.tokens) and np.array_equal(second.offsets, first.offsets)
     assert len(list((tmp_path / "cache").iterdir())) == 1  # no temporary leftovers
     monkeypatch.undo()
+    packed = PackedCausalLM(second, 32, eos_id=0)
+    blob = pickle.dumps(packed)  # what a "spawn" DataLoader worker receives
+    assert len(blob) < second.tokens.nbytes / 2
+    clone = pickle.loads(blob)
+    assert isinstance(clone.tokens, np.memmap) and np.array_equal(clone[3]["input_ids"], packed[3]["input_ids"])
     write_text(path, lines[:10])  # changed file -> new key -> rebuilt
     assert tokenize_corpus(path, tok, tmp_path / "cache", split="all").num_docs == 10
 

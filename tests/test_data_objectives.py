@@ -230,9 +230,8 @@ def test_span_corruption_structure_and_reconstruction(unigram, lines):
         raw = corpus.tokens[i * ds.tokens_length:(i + 1) * ds.tokens_length].tolist()
         assert rebuilt == raw
         assert unigram.decode(rebuilt) == unigram.decode(raw)
-    text = "".join(unigram.decode(corpus.doc(d).tolist()) for d in range(3))
-    first = ds[0]
-    assert text.replace(" ", "").startswith(unigram.decode(first["input_ids"].tolist()[:3]).replace(" ", ""))
+        if i == 0:  # the first sample starts at the first verse
+            assert unigram.decode(rebuilt).startswith("In the beginning, God created the heavens")
 
 
 def test_span_corruption_refusals(unigram):

@@ -76,9 +76,7 @@ def _worker(rank, world, port, jobs, cache):
                 lambda t, rec: setattr(t, "_stop_reason", "test stop") if rec["step"] == stop_at else None]
             trainer = Trainer(cfg, callbacks=stop)
             if report is not None:
-                total = trainer.model_cfg and sum(
-                    p.numel() if not hasattr(p, "full_tensor") else p.full_tensor().numel()
-                    for p in trainer.model.parameters())
+                total = sum(p.numel() for p in trainer.model.parameters())  # DTensor: global size
                 Path(report + f".rank{rank}").write_text(f"{local_numel(trainer.model)} {total}")
             trainer.fit()
     finally:
@@ -104,7 +102,7 @@ def cache(tmp_path_factory):
     return path
 
 
-COMMON = ["max_steps=5", "eval_every=0", "save_every=0", "micro_batch_size=4"]
+COMMON = ["max_steps=5", "eval_every=0", "save_every=0", "micro_batch_size=4"]  # first: max_steps
 CASES = [  # (recipe, precision, fsdp reshard_after_forward)
     ("gpt2-tiny", "fp32", True), ("gpt2-tiny", "fp32", False), ("gpt2-tiny", "bf16", True),
     ("t5-tiny", "fp32", True), ("t5-tiny", "bf16", False), ("bert-tiny", "fp32", True),
@@ -139,17 +137,8 @@ def test_fsdp_resume_same_world_size_and_on_one_rank(cache, tmp_path):
     stopped = [f"output_dir={tmp_path / 'resumed'}", *common]
     run_two_ranks([("gpt2-tiny", straight, None, None), ("gpt2-tiny", stopped, 2, None),
                    ("gpt2-tiny", stopped, None, None)], cache)
-    a = {}
-    for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines():
-        import json
-        r = json.loads(line)
-        a[r["step"]] = r["loss"]
-    b = {}
-    for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines():
-        import json
-        r = json.loads(line)
-        b[r["step"]] = r["loss"]
-    assert a == b  # 2 ranks -> stop at 2 -> 2 ranks: bitwise
+    a, b = losses(tmp_path / "straight"), losses(tmp_path / "resumed")  # last record per step
+    assert list(a) == [1, 2, 3, 4, 5] and a == b  # 2 ranks -> stop at 2 -> 2 ranks: bitwise
     # a 2-rank FSDP checkpoint resumed by one process (DCP reshards on load)
     ckpt = tmp_path / "resumed" / "checkpoints" / "step_00000002"
     one = tmp_path / "one"
@@ -162,3 +151,61 @@ def test_fsdp_resume_same_world_size_and_on_one_rank(cache, tmp_path):
     assert list(c) == [3, 4, 5]
     for step in c:
         assert c[step] == pytest.approx(a[step], rel=1e-5)
+
+
+# -- DeepSpeed ------------------------------------------------------------------------------
+
+DS_CASES = [  # (recipe, precision, ZeRO stage)
+    ("gpt2-tiny", "fp32", 1), ("gpt2-tiny", "fp32", 2), ("gpt2-tiny", "fp32", 3), ("gpt2-tiny", "bf16", 3),
+    ("t5-tiny", "fp32", 2), ("t5-tiny", "bf16", 1), ("t5-tiny", "fp32", 3),
+]
+
+
+def _ds(stage):
+    return [f"parallel.strategy=deepspeed", f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / f'zero{stage}.json'}"]
+
+
+def test_deepspeed_zero_stages_match_single_process(cache, tmp_path):
+    pytest.importorskip("deepspeed")
+    jobs = [(recipe, small_overrides(recipe, tmp_path / f"ds{i}", *COMMON, f"precision={precision}", *_ds(stage)),
+             None, str(tmp_path / f"numel{i}"))
+            for i, (recipe, precision, stage) in enumerate(DS_CASES)]
+    run_two_ranks(jobs, cache)
+    for i, (recipe, precision, stage) in enumerate(DS_CASES):
+        ref = reference(recipe, tmp_path / f"ref{i}", *COMMON, f"precision={precision}")
+        got = losses(tmp_path / f"ds{i}")
+        assert list(got) == list(ref) == [1, 2, 3, 4, 5]
+        tol = 1e-5 if precision == "fp32" else 2e-2
+        for step in ref:
+            assert got[step] == pytest.approx(ref[step], rel=tol), (recipe, precision, stage, step)
+        if stage == 3:  # ZeRO-3 partitions the parameters themselves
+            for rank in (0, 1):
+                local, total = map(int, (tmp_path / f"numel{i}.rank{rank}").read_text().split())
+                assert abs(local / total - 0.5) < 0.02, (local, total)
+
+
+def run_one_rank(jobs, cache):
+    mp.start_processes(_worker, args=(1, _free_port(), jobs, cache), nprocs=1, join=True, start_method="spawn")
+
+
+def test_deepspeed_resume_same_world_size_and_on_one_rank(cache, tmp_path):
+    pytest.importorskip("deepspeed")
+    common = [*COMMON[1:], "max_steps=5", "save_every=2", "precision=fp32", "model.dropout=0.0", *_ds(3)]
+    straight = small_overrides("gpt2-tiny", tmp_path / "straight", *common)
+    stopped = small_overrides("gpt2-tiny", tmp_path / "resumed", *common)
+    run_two_ranks([("gpt2-tiny", straight, None, None), ("gpt2-tiny", stopped, 2, None),
+                   ("gpt2-tiny", stopped, None, None)], cache)
+    a, b = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    assert list(a) == [1, 2, 3, 4, 5]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-6)
+    # the 2-rank ZeRO-3 checkpoint of step 2, resumed by one rank through a universal checkpoint
+    ckpt = tmp_path / "resumed" / "checkpoints" / "step_00000002"
+    one = small_overrides("gpt2-tiny", tmp_path / "one", *common, "grad_accum=2", f"resume={ckpt}")
+    run_one_rank([("gpt2-tiny", one, None, None)], cache)
+    assert (ckpt / "deepspeed" / "state_universal").is_dir()
+    c = losses(tmp_path / "one")
+    assert list(c) == [3, 4, 5]
+    assert c[3] == pytest.approx(a[3], rel=1e-6)  # the weights come back exactly
+    for step in (4, 5):  # the Adam state through DeepSpeed's universal conversion drifts ~1e-5
+        assert c[step] == pytest.approx(a[step], rel=2e-4)

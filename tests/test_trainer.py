@@ -67,13 +67,6 @@ def _run(cache, out, *extra, kill_after=None, kill_in_save=None, recipe="gpt2-ti
     return subprocess.run(args, env=env(cache), capture_output=True, text=True, timeout=600)
 
 
-def _last_losses(run_dir):
-    out = {}
-    for r in metrics(run_dir):
-        out[r["step"]] = r["loss"]  # a resumed run re-logs the steps after its checkpoint
-    return out
-
-
 @pytest.mark.parametrize("accum", [1, 2])
 def test_resume_after_kill_is_bitwise_identical(cache, tmp_path, accum):
     common = ["max_steps=8", "save_every=4", "eval_every=0", "precision=fp32", "model.dropout=0.1",
@@ -86,7 +79,8 @@ def test_resume_after_kill_is_bitwise_identical(cache, tmp_path, accum):
     resumed = _run(cache, tmp_path / "resumed", *common)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stderr
-    a, b = _last_losses(tmp_path / "straight"), _last_losses(tmp_path / "resumed")
+    # a resumed run re-logs the steps after its checkpoint: losses() keeps the last record per step
+    a, b = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
     assert list(a) == list(range(1, 9)) and a == b  # bitwise-equal floats, every step
     wa = load_file(tmp_path / "straight" / "checkpoints" / "step_00000008" / "model.safetensors")
     wb = load_file(tmp_path / "resumed" / "checkpoints" / "step_00000008" / "model.safetensors")

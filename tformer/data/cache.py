@@ -222,13 +222,20 @@ def _write_mapped(ds, encoder: Tokenizer, columns, tmp: Path, dtype, num_proc) -
     if num_proc is None:
         num_proc = (os.cpu_count() or 1) if len(ds) >= 20_000 else 1
     num_proc = max(1, min(num_proc, len(ds)))
-    if num_proc > 1:
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked workers: one thread each
     features = datasets.Features({f"ids.{c}": datasets.List(datasets.Value("uint32")) for c in columns})
-    mapped = ds.map(_encode_batch, batched=True, batch_size=1000, num_proc=num_proc,
-                    remove_columns=ds.column_names, features=features,
-                    fn_kwargs=dict(encoder=encoder, columns=columns),
-                    cache_file_name=str(tmp / "hf" / "tokenized.arrow"), desc="tokenizing")
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    if num_proc > 1:  # forked workers: one tokenizer thread each, and no fork warning
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        mapped = ds.map(_encode_batch, batched=True, batch_size=1000, num_proc=num_proc,
+                        remove_columns=ds.column_names, features=features,
+                        fn_kwargs=dict(encoder=encoder, columns=columns),
+                        cache_file_name=str(tmp / "hf" / "tokenized.arrow"), desc="tokenizing")
+    finally:
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
     counts = {}
     for c in columns:
         lengths = []

@@ -124,15 +124,19 @@ def utf8_error(e: BaseException, source) -> DataError | None:
     Some readers fail late: pyarrow's JSON reader stores invalid bytes and decoding fails only
     when rows are read, so callers that read rows (tokenization) use this too.
     """
-    if not any(isinstance(c, UnicodeDecodeError) or "utf-8" in str(c).lower() or "utf8" in str(c).lower()
-               for c in _cause_chain(e)):
+    decode = any(isinstance(c, UnicodeDecodeError) for c in _cause_chain(e))
+    if not decode and not any("utf-8" in str(c).lower() or "utf8" in str(c).lower()
+                              for c in _cause_chain(e)):
         return None
     where = None
     if isinstance(source, (str, Path, list, tuple)):
         kind, files = resolve_source(source)
         if kind == "files":
             where = _find_bad_utf8(files)
-    where = where or f"{source} is not valid UTF-8"
+    if where is None:
+        if not decode:
+            return None
+        where = f"{source} is not valid UTF-8"
     return DataError(f"{where}: convert it to UTF-8, e.g. `iconv -f latin1 -t utf-8`")
 
 
@@ -148,7 +152,8 @@ def load_text_dataset(source, *, columns: Sequence[str] | None = ("text",), spli
     columns     columns that must exist (text files have the one column ``text``).
     split       "train" | "validation" | "all". Local files and saved datasets: validation is
                 the last ``val_fraction`` of rows in file order (the bundled corpus: its fixed
-                book split, see ``tformer.data.corpus``). Hub names: the hub's own split name.
+                book split, see ``tformer.data.corpus``). Hub names: the hub's own split name
+                ("all" means "train").
                 Streaming files cannot be split: use separate validation files and "all".
     text_unit   for text files: "line" (one row per line), "paragraph" or "document" (per file).
     cache_dir   where `datasets` keeps its Arrow copy (default: its own cache).
@@ -158,14 +163,18 @@ def load_text_dataset(source, *, columns: Sequence[str] | None = ("text",), spli
     if type(source).__module__.startswith("datasets."):
         ds = source
         origin = "the given dataset"
-        if not streaming and hasattr(ds, "select") and split != "all":
+        if split != "all":
+            if not hasattr(ds, "select"):
+                raise DataError("a streaming dataset cannot hold out validation rows: pass "
+                                "split='all' and give validation data separately")
             ds = ds.select(split_rows(len(ds), split, val_fraction))
     else:
         kind, what = resolve_source(source)
         origin = what if kind == "hub" else ", ".join(str(f) for f in what)
         if kind == "hub":
             try:
-                ds = datasets.load_dataset(what, config_name, split=split, streaming=streaming,
+                ds = datasets.load_dataset(what, config_name, split="train" if split == "all" else split,
+                                           streaming=streaming,
                                            cache_dir=None if cache_dir is None else str(cache_dir))
             except Exception as e:
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__

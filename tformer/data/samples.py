@@ -32,3 +32,23 @@ class KeyedDataset:
     def rng(self, index: int, epoch: int) -> np.random.Generator:
         """The per-sample generator; never the global RNG."""
         return np.random.default_rng([self.seed, epoch, index])
+
+    # Pickling (DataLoader workers started with "spawn") sends memory-mapped token arrays as
+    # their file path, not as a copy of the data.
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        for name, value in state.items():
+            if isinstance(value, np.memmap) and value.filename is not None:
+                state[name] = _MemmapRef(value.filename, value.dtype.str, value.shape, value.offset)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update({k: v.open() if isinstance(v, _MemmapRef) else v for k, v in state.items()})
+
+
+class _MemmapRef:
+    def __init__(self, filename: str, dtype: str, shape: tuple, offset: int):
+        self.filename, self.dtype, self.shape, self.offset = filename, dtype, shape, offset
+
+    def open(self) -> np.memmap:
+        return np.memmap(self.filename, dtype=self.dtype, mode="r", shape=self.shape, offset=self.offset)

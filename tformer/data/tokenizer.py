@@ -25,7 +25,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 from tokenizers import (AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers,
@@ -129,30 +129,16 @@ def _text_batches(source, column: str, max_rows: int | None) -> tuple[Iterator[l
     """Batches of strings from files, a hub name or a ``datasets`` dataset, and their row count."""
     from .loading import load_text_dataset
 
-    ds = load_text_dataset(source, columns=[column], split="all") \
-        if not _is_hf_dataset(source) else source
-    if _is_hf_dataset(ds) and column not in (ds.column_names or [column]):
-        raise DataError(f"column {column!r} not in the dataset (columns: "
-                        f"{', '.join(ds.column_names)}): pass column=... / --column")
-    n = len(ds) if hasattr(ds, "__len__") and not _is_iterable_dataset(ds) else None
+    ds = load_text_dataset(source, columns=[column], split="all")
+    n = None if _is_iterable_dataset(ds) else len(ds)
+    if n == 0:
+        raise DataError(f"no rows to train the tokenizer on in {source}: give data with text")
     if max_rows is not None:
         log.info("tokenizer training reads the first %d rows only (max_rows)", max_rows)
-        ds = ds.take(max_rows) if _is_iterable_dataset(ds) else ds.select(range(min(max_rows, n)))
-        n = min(max_rows, n) if n is not None else None
-
-    def gen():
-        rows = 0
-        for batch in ds.iter(batch_size=1000):
-            texts = [t for t in batch[column] if t]
-            rows += len(batch[column])
-            yield texts
-        if rows == 0:
-            raise DataError("no rows to train the tokenizer on: the dataset is empty")
-    return gen(), n
-
-
-def _is_hf_dataset(obj) -> bool:
-    return type(obj).__module__.startswith("datasets.")
+        ds = ds.take(max_rows) if n is None else ds.select(range(min(max_rows, n)))
+        n = None if n is None else min(max_rows, n)
+    batches = ([t for t in batch[column] if t] for batch in ds.iter(batch_size=1000))
+    return batches, n
 
 
 def _is_iterable_dataset(obj) -> bool:

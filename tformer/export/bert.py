@@ -61,11 +61,12 @@ def rules(cfg: ModelConfig) -> list[Rule]:
                 *linear(h + "output.dense", o + "ffn.down", True),
                 *linear(h + "output.LayerNorm", o + "ffn_norm", True)]
     out += [*linear("cls.predictions.transform.dense", "head_dense", True),
-            *linear("cls.predictions.transform.LayerNorm", "head_norm", True),
-            rule("cls.predictions.bias", "lm_head.bias")]
+            *linear("cls.predictions.transform.LayerNorm", "head_norm", True)]
     if not cfg.tie_embeddings:
-        out.append(rule("cls.predictions.decoder.weight", "lm_head.weight"))
-    return out
+        # untied, HF keeps the decoder's bias (the one its forward uses) apart from
+        # cls.predictions.bias; both get ours, as transformers 4.x ties them regardless
+        out += [*linear("cls.predictions.decoder", "lm_head", True)]
+    return out + [rule("cls.predictions.bias", "lm_head.bias")]
 
 
 def fill(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -28,7 +28,9 @@ class ExportError(ValueError):
 @dataclass(frozen=True)
 class Rule:
     """One HF tensor made of one or more of ours: concatenated along dim 0 (GPT-2's fused q|k|v),
-    then transposed for HF ``Conv1D`` layers, which store weights as (in, out)."""
+    then transposed for HF ``Conv1D`` layers, which store weights as (in, out). A tensor of ours
+    may feed several HF tensors (BERT's untied head keeps its bias twice); on import the first
+    rule naming it wins."""
     hf: str
     ours: tuple[str, ...]
     transpose: bool = False
@@ -54,16 +56,18 @@ HF_PLAIN_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "
 def to_hf(state: dict[str, torch.Tensor], rules: list[Rule], target: str) -> dict[str, torch.Tensor]:
     """Our tensors -> HF tensors. A tensor of ours that no rule takes is a feature the target
     cannot hold: an error naming it, never a silent drop."""
-    left = dict(state)
-    out = {}
+    used, out = set(), {}
     for r in rules:
-        missing = [o for o in r.ours if o not in left]
+        missing = [o for o in r.ours if o not in state]
         if missing:
             raise ExportError(f"the checkpoint has no tensor {missing[0]} (needed for {target}'s {r.hf}); "
                               "it does not match its model_config")
-        parts = [left.pop(o) for o in r.ours]
+        parts = [state[o] for o in r.ours]
         t = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
-        out[r.hf] = (t.t() if r.transpose else t).contiguous()
+        t = (t.t() if r.transpose else t).contiguous()
+        out[r.hf] = t.clone() if used.intersection(r.ours) else t  # safetensors refuses shared memory
+        used.update(r.ours)
+    left = set(state) - used
     if left:
         raise ExportError(f"parameter {sorted(left)[0]} has no counterpart in HF {target} "
                           f"({len(left)} such tensor(s)); the model uses a feature {target} cannot express")
@@ -80,6 +84,8 @@ def from_hf(state: dict[str, torch.Tensor], rules: list[Rule], shapes: dict[str,
         if r.hf not in left:
             raise ExportError(f"the HF model has no tensor {r.hf}; it does not match its config")
         t = left.pop(r.hf)
+        if all(o in out for o in r.ours):
+            continue
         t = t.t() if r.transpose else t
         sizes = [shapes[o][0] for o in r.ours]
         for name, part in zip(r.ours, torch.split(t, sizes, dim=0) if len(r.ours) > 1 else [t]):

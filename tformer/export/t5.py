@@ -1,8 +1,8 @@
 """tformer encoder-decoder <-> HF ``T5ForConditionalGeneration``.
 
 Our one relative-bias table per stack lives in HF's block 0 (later blocks reuse it). A tied head
-(T5 v1.0) is rescaled by ``d_model**-0.5`` in both; an untied one (v1.1) writes ``lm_head.weight``
-and ``tie_word_embeddings: false``.
+(T5 v1.0) is rescaled by ``d_model**-0.5`` (``tied_output_scale`` / ``scale_decoder_outputs``); an
+untied one (v1.1) writes ``lm_head.weight`` and ``tie_word_embeddings: false``.
 """
 from __future__ import annotations
 
@@ -29,9 +29,6 @@ def check(cfg: ModelConfig) -> None:
         need(cfg, "type_vocab_size", 0, "T5 has no token-type embeddings"),
         need(cfg, "embed_norm", False, "T5 has no norm after the embeddings"),
         need(cfg, "embed_scale", False, "T5 does not scale its embeddings"),
-        need(cfg, "tied_output_scale", lambda v: v or not cfg.tie_embeddings,
-             "a tied T5 head is always rescaled by d_model**-0.5; train with tied_output_scale=true "
-             "(or tie_embeddings=false)"),
     ])
 
 
@@ -46,9 +43,11 @@ def hf_config(cfg: ModelConfig):
         pad_token_id=cfg.pad_token_id, eos_token_id=cfg.eos_token_id,
         decoder_start_token_id=cfg.decoder_start_token_id, tie_word_embeddings=cfg.tie_embeddings,
         architectures=[HF_CLASS])
-    # T5Config forces tie_word_embeddings=True (and keeps the head scaling apart); an untied head
-    # must say so in config.json, or loaders tie it and older ones also rescale it.
+    # T5Config forces tie_word_embeddings=True and keeps the head scaling apart: an untied head
+    # must say so in config.json, or transformers 4.x ties and rescales it. A tied head without
+    # the rescaling (tied_output_scale=false) is expressible in transformers 5 only.
     hf.tie_word_embeddings = cfg.tie_embeddings
+    hf.scale_decoder_outputs = cfg.tie_embeddings and cfg.tied_output_scale
     return hf
 
 
@@ -82,9 +81,9 @@ def rules(cfg: ModelConfig) -> list[Rule]:
 
 def model_config(hf, tied: bool) -> ModelConfig:
     scaled = getattr(hf, "scale_decoder_outputs", tied)
-    if scaled != tied:
-        raise ExportError(f"HF T5 with a {'tied' if tied else 'separate'} lm_head and scale_decoder_outputs="
-                          f"{str(scaled).lower()} has no tformer equivalent (tformer rescales exactly the tied head)")
+    if scaled and not tied:
+        raise ExportError("HF T5 with a separate lm_head and scale_decoder_outputs=true has no tformer "
+                          "equivalent (tformer rescales only a tied head)")
     act = hf.dense_act_fn
     if hf.is_gated_act:
         gated = {"gelu_new": "geglu", "gelu_pytorch_tanh": "geglu", "silu": "swiglu", "swish": "swiglu"}
@@ -105,6 +104,6 @@ def model_config(hf, tied: bool) -> ModelConfig:
         norm="rmsnorm", norm_eps=hf.layer_norm_epsilon, norm_bias=False, norm_position="pre",
         activation=activation, bias=False, attn_scale=False, dropout=float(hf.dropout_rate),
         attn_dropout=float(hf.dropout_rate),
-        tie_embeddings=tied, tied_output_scale=tied, pad_token_id=hf.pad_token_id or 0,
+        tie_embeddings=tied, tied_output_scale=scaled, pad_token_id=hf.pad_token_id or 0,
         eos_token_id=first_id(hf.eos_token_id),
         decoder_start_token_id=start if start is not None else (hf.pad_token_id or 0))

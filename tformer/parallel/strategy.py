@@ -23,6 +23,7 @@ from .compile import compile_blocks
 
 class Strategy:
     name = "ddp"
+    owns_step = False  # True: the engine clips and steps (DeepSpeed)
 
     def __init__(self, model: torch.nn.Module, cfg, dist_info, dtype: torch.dtype):
         self.model = model  # the unwrapped module (for state dicts and evaluation)
@@ -43,6 +44,12 @@ class Strategy:
         from torch.nn.parallel import DistributedDataParallel as DDP
         ids = [self.dist.device.index] if self.dist.device.type == "cuda" else None
         return DDP(model, device_ids=ids)
+
+    def setup_optimizer(self, optimizer):
+        return optimizer
+
+    def backward(self, loss, last_micro: bool, scaler=None) -> None:
+        (scaler.scale(loss) if scaler is not None else loss).backward()
 
     def no_sync(self, last_micro: bool):
         """Skip the gradient all-reduce on all but the last micro-batch of an accumulation."""
@@ -72,7 +79,7 @@ class Strategy:
             if self.name == "ddp":
                 save_model_weights(self.model, tmp / "model.safetensors")
 
-    def load(self, path: Path, optimizer, scheduler, scaler) -> None:
+    def load(self, path: Path, optimizer, scheduler, scaler, saved_world_size: int | None = None) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
         if not (path / "dcp").is_dir():
@@ -126,7 +133,11 @@ class FSDPStrategy(Strategy):
         return False  # DTensor parameters: use the foreach implementation
 
 
-STRATEGIES = {"ddp": Strategy, "fsdp": FSDPStrategy}
+def strategy_class(name: str):
+    if name == "deepspeed":
+        from .deepspeed import DeepSpeedStrategy
+        return DeepSpeedStrategy
+    return {"ddp": Strategy, "fsdp": FSDPStrategy}[name]
 
 
 def local_numel(model: torch.nn.Module) -> int:

@@ -137,7 +137,13 @@ def build_data(cfg: TrainConfig, rank: int = 0) -> RunData:
                                      noise_density=cfg.data.noise_density,
                                      mean_span_length=cfg.data.mean_span_length)
 
+    import torch.distributed as dist
+    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if multi and rank != 0:
+        dist.barrier()  # rank 0 tokenizes and caches first; the others then read its cache
     train, validation = split("train"), split("validation")
+    if multi and rank == 0:
+        dist.barrier()
     target_len = None
     if objective == "span":
         target_len = t5_lengths(seq_len, cfg.data.noise_density, cfg.data.mean_span_length)[1]

@@ -27,8 +27,17 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_distributed(device: str = "auto", backend: str | None = None, timeout_s: float = 600) -> DistInfo:
-    """Read torchrun's environment; start the process group when there is more than one rank."""
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: str = "auto", backend: str | None = None, timeout_s: float = 600,
+                     always: bool = False) -> DistInfo:
+    """Read torchrun's environment; start the process group when there is more than one rank, or
+    (``always``) also for one rank, which FSDP2 and DeepSpeed need even then."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -39,7 +48,12 @@ def init_distributed(device: str = "auto", backend: str | None = None, timeout_s
         dev = torch.device("cuda", local)
     else:
         dev = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
+    if (world > 1 or always) and not dist.is_initialized():
+        if world == 1:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
         backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return DistInfo(rank, world, local, dev)

@@ -22,7 +22,7 @@ from ..config import ConfigError
 from ..data import ResumableSampler
 from ..models import build_model
 from ..models.flops import training_flops
-from ..parallel.strategy import STRATEGIES
+from ..parallel.strategy import strategy_class
 from .config import TrainConfig
 from .data import MODEL_INPUTS, build_data, copy_tokenizer
 from .dist import all_reduce, barrier, init_distributed
@@ -61,7 +61,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, callbacks=()):
         self.cfg = cfg
         self.callbacks = list(callbacks)
-        self.dist = init_distributed(cfg.device, cfg.parallel.backend)
+        self.dist = init_distributed(cfg.device, cfg.parallel.backend,
+                                     always=cfg.parallel.strategy != "ddp")
         self.device = self.dist.device
         self.precision = resolve_precision(cfg.precision, self.device)
         self._check_support()
@@ -76,11 +77,14 @@ class Trainer:
         self.model_cfg = self.data.model_config
         self.model = build_model(self.model_cfg).to(self.device)
         # AC -> per-block compile -> DDP / FSDP2, then the optimizer over the (sharded) parameters
-        self.strategy = STRATEGIES[cfg.parallel.strategy](self.model, cfg, self.dist, DTYPES[self.precision])
+        self.strategy = strategy_class(cfg.parallel.strategy)(self.model, cfg, self.dist,
+                                                              DTYPES[self.precision])
+        base = build_optimizer(self.model, cfg.optim, self.device,
+                               allow_fused=self.strategy.fused_optimizer_ok())
+        # The schedule drives the torch optimizer's param groups, which DeepSpeed's wrapper shares.
+        self.scheduler = build_scheduler(base, cfg.optim, cfg.max_steps)
+        self.optimizer = self.strategy.setup_optimizer(base)
         self.wrapped = self.strategy.wrapped
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device,
-                                         allow_fused=self.strategy.fused_optimizer_ok())
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.max_steps)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
 
         self.step = 0
@@ -105,9 +109,6 @@ class Trainer:
                               f"{self.device.type}); use precision=bf16 or precision=fp32")
         if self.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("precision=bf16 is not supported by this GPU; use precision=fp16")
-        if cfg.parallel.strategy not in STRATEGIES:
-            raise ConfigError(f"parallel.strategy={cfg.parallel.strategy!r} is not available in this "
-                              f"version; use one of: {', '.join(STRATEGIES)}")
 
     def _autocast(self):
         if self.precision == "fp32":
@@ -138,7 +139,7 @@ class Trainer:
             load_model_weights(self.model, path)
             log.warning("%s holds weights only: the optimizer and LR schedule start fresh", path)
         else:
-            self.strategy.load(path, self.optimizer, self.scheduler, self.scaler)
+            self.strategy.load(path, self.optimizer, self.scheduler, self.scaler, state.get("world_size"))
         rng = path / f"rng_rank{self.dist.rank}.pt"
         if rng.is_file() and state.get("world_size") == self.dist.world_size:
             _set_rng(torch_load_safe(rng))
@@ -322,7 +323,7 @@ class Trainer:
             with self.strategy.no_sync(last):
                 with self._autocast():
                     loss = self.wrapped(**inputs).loss / cfg.grad_accum
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                self.strategy.backward(loss, last, self.scaler)
             loss_sum += loss.detach().float()
         stats = torch.stack([loss_sum, torch.tensor(float(tokens), device=self.device),
                              torch.tensor(1.0 if self._signal else 0.0, device=self.device)])
@@ -330,23 +331,7 @@ class Trainer:
         loss_avg = stats[0].item() / self.dist.world_size
         if stats[2].item() > 0 and self._stop_reason is None:
             self._stop_reason = f"signal {self._signal or 'on another rank'}"
-        grad_norm = float("nan")
-        if math.isfinite(loss_avg):
-            if self.scaler is not None:
-                self.scaler.unscale_(self.optimizer)
-            clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-            grad_norm = self.strategy.clip_grad_norm(clip)
-        if math.isfinite(loss_avg) and (math.isfinite(grad_norm) or self.scaler is not None):
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                self.optimizer.step()
-            self.scheduler.step()
-            self.skipped = 0
-        else:
-            self._nonfinite(loss_avg, grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self._update(loss_avg)
         self.step += 1
         self.consumed += cfg.micro_batch_size * cfg.grad_accum * self.dist.world_size
         global_tokens = int(stats[1].item())
@@ -355,6 +340,36 @@ class Trainer:
         return {"step": self.step, "loss": loss_avg, "lr": lr, "grad_norm": grad_norm,
                 "tokens_per_s": global_tokens / dt, "mfu": self.flops_per_step / dt / self.peak,
                 "tokens": self.tokens, "step_time": dt, "memory_mb": memory_mb(self.device)}
+
+    def _update(self, loss: float) -> float:
+        """Clip, step the optimizer and the LR schedule; returns the gradient norm. A non-finite
+        loss or gradient norm skips the update (or stops the run, see ``_nonfinite``)."""
+        if self.strategy.owns_step:  # DeepSpeed clips and steps inside its engine; it cannot skip
+            if not math.isfinite(loss):
+                self.skipped = self.cfg.max_skipped_steps
+                self._nonfinite(loss, float("nan"))
+            grad_norm = self.strategy.step()
+            self.scheduler.step()
+            return grad_norm
+        grad_norm = float("nan")
+        if math.isfinite(loss):
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+            grad_norm = self.strategy.clip_grad_norm(clip)
+        # With fp16 the scaler itself skips steps whose gradients overflowed.
+        if math.isfinite(loss) and (math.isfinite(grad_norm) or self.scaler is not None):
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            self.scheduler.step()
+            self.skipped = 0
+        else:
+            self._nonfinite(loss, grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
 
     def _nonfinite(self, loss: float, grad_norm: float) -> None:
         what = f"loss={loss}" if not math.isfinite(loss) else f"grad_norm={grad_norm}"

@@ -1,0 +1,155 @@
+"""DeepSpeed ZeRO 1/2/3 (+ optional CPU offload) behind the same trainer.
+
+The engine owns the accumulation boundary, the gradient clipping and the optimizer step; the
+client optimizer is torch AdamW (DeepSpeed's FusedAdam/CPUAdam would compile C++ on first use).
+Checkpoints are DeepSpeed's own (``deepspeed/state/``); at a different world size they are
+converted once to DeepSpeed's universal format and loaded from there.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ..checkpoint.io import CheckpointError, torch_load_safe, torch_save_durable
+from ..config import ConfigError
+from .strategy import Strategy
+
+log = logging.getLogger("tformer.parallel")
+TAG = "state"
+
+
+def _import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError:
+        raise ConfigError("parallel.strategy=deepspeed needs the deepspeed package: "
+                          "DS_BUILD_OPS=0 pip install deepspeed") from None
+    if not torch.cuda.is_available():
+        # The CPU accelerator compiles a shared-memory collective on first init (80-100 s) that
+        # gloo training never uses: skip it.
+        comm = importlib.import_module("deepspeed.comm.torch")
+        comm.build_shm_op = lambda: None
+    return deepspeed
+
+
+def deepspeed_config(cfg, precision: str) -> dict:
+    pcfg = cfg.parallel
+    if pcfg.deepspeed_config:
+        path = Path(pcfg.deepspeed_config)
+        if not path.is_file():
+            raise ConfigError(f"parallel.deepspeed_config={path} does not exist; use one of "
+                              "configs/deepspeed/zero{1,2,3}.json")
+        try:
+            ds = json.loads(path.read_text())
+        except ValueError as e:
+            raise ConfigError(f"parallel.deepspeed_config={path} is not valid JSON ({e})") from None
+    else:
+        ds = {"zero_optimization": {"stage": pcfg.zero_stage}, "steps_per_print": 10**9}
+    auto = {"train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+            "gradient_accumulation_steps": cfg.grad_accum,
+            "gradient_clipping": cfg.optim.grad_clip}
+    for key, value in auto.items():
+        if ds.get(key, "auto") == "auto":
+            ds[key] = value
+    bf16 = ds.setdefault("bf16", {})
+    if bf16.get("enabled", "auto") == "auto":
+        bf16["enabled"] = precision == "bf16"
+    if precision == "fp16":
+        ds["fp16"] = {"enabled": True}
+    zero = ds.setdefault("zero_optimization", {})
+    if zero.get("stage") not in (0, 1, 2, 3):
+        raise ConfigError(f"DeepSpeed zero_optimization.stage={zero.get('stage')!r}; use 0, 1, 2 or 3")
+    if zero.get("offload_optimizer") or zero.get("offload_param"):
+        ds.setdefault("zero_force_ds_cpu_optimizer", False)  # torch AdamW steps the offloaded states
+    ds.pop("train_batch_size", None)  # derived by DeepSpeed from micro batch x accumulation x ranks
+    return ds
+
+
+class DeepSpeedStrategy(Strategy):
+    name = "deepspeed"
+    owns_step = True
+
+    def wrap(self, model):
+        self.deepspeed = _import_deepspeed()
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            raise ConfigError("parallel.strategy=deepspeed needs a process group: launch with torchrun, "
+                              "the deepspeed launcher, or accelerate launch")
+        self.ds_config = deepspeed_config(self.cfg, {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+            self.dtype, "fp32"))
+        self.engine = None
+        return model  # the engine is made with the optimizer, in setup_optimizer
+
+    def setup_optimizer(self, optimizer):
+        self.engine, ds_optimizer, _, _ = self.deepspeed.initialize(
+            model=self.model, optimizer=optimizer, config=self.ds_config)
+        self.wrapped = self.engine
+        return ds_optimizer
+
+    def no_sync(self, last_micro: bool):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def backward(self, loss, last_micro: bool, scaler=None) -> None:
+        # The trainer already divided the loss by the accumulation steps.
+        self.engine.backward(loss, scale_wrt_gas=False)
+        if not last_micro:
+            self.engine.step()  # advances DeepSpeed's micro-step count; no update off the boundary
+
+    def step(self) -> float:
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def save(self, tmp: Path, optimizer, scheduler, scaler) -> None:
+        self.engine.save_checkpoint(str(tmp / "deepspeed"), tag=TAG)
+        if self.dist.is_main:
+            torch_save_durable({"scheduler": scheduler.state_dict(), "scaler": None}, tmp / "scheduler.pt")
+
+    def load(self, path: Path, optimizer, scheduler, scaler, saved_world_size: int | None = None) -> None:
+        ds_dir = path / "deepspeed"
+        if not (ds_dir / TAG).is_dir():
+            raise CheckpointError(f"checkpoint {path} has no deepspeed/{TAG}; it was written by another "
+                                  "strategy: resume it with parallel.strategy=ddp or fsdp")
+        if saved_world_size is not None and saved_world_size != self.dist.world_size:
+            universal = self._universal(ds_dir, saved_world_size)
+            self.engine._config.load_universal_checkpoint = True
+            load_dir, tag = universal.parent, universal.name
+        else:
+            load_dir, tag = ds_dir, TAG
+        try:
+            loaded, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
+                                                    load_lr_scheduler_states=False)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"DeepSpeed checkpoint {load_dir / tag} cannot be loaded ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}); use an earlier checkpoint") from None
+        if loaded is None:
+            raise CheckpointError(f"DeepSpeed found no checkpoint in {load_dir / tag}")
+        scheduler.load_state_dict(torch_load_safe(path / "scheduler.pt")["scheduler"])
+
+    def _universal(self, ds_dir: Path, saved_world_size: int) -> Path:
+        """Convert a ZeRO checkpoint of another world size to DeepSpeed's universal format (once)."""
+        import torch.distributed as dist
+        out = ds_dir / f"{TAG}_universal"
+        if self.dist.is_main and not (out / "zero").is_dir():
+            log.info("converting the %d-rank DeepSpeed checkpoint for %d rank(s): %s -> %s",
+                     saved_world_size, self.dist.world_size, ds_dir / TAG, out)
+            cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                   str(ds_dir / TAG), "--output_folder", str(out), "--inject_missing_state"]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise CheckpointError(f"converting {ds_dir / TAG} to a universal checkpoint failed ({tail}); "
+                                      f"run `{' '.join(cmd[1:])}` by hand, or resume on "
+                                      f"{saved_world_size} ranks")
+        dist.barrier()
+        return out
+
+    def clip_grad_norm(self, max_norm: float) -> float:  # the engine clips (gradient_clipping)
+        raise RuntimeError("DeepSpeed clips inside engine.step()")
