@@ -205,6 +205,7 @@ def contenders_for(family: str, toy: bool) -> tuple:
         over.update(TOY)
         if family != "t5":
             over.pop("d_head")
+    torch.manual_seed(0)
     ours = build_model(preset, **over)
     cfg = ours.config
     hf = hf_model(family, cfg)
@@ -212,7 +213,6 @@ def contenders_for(family: str, toy: bool) -> tuple:
         raise SystemExit(f"{family}: configurations differ: tformer {num_params(ours):,} "
                          f"vs HF {num_params(hf):,} parameters")
     gen = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
     b, s, t = sizes["batch"], sizes["seq"], sizes["target_len"]
     ids = torch.randint(0, cfg.vocab_size, (b, s), generator=gen)
     if family == "gpt2":

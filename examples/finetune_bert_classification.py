@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model_dir", help="directory written by `tformer export ... --to hf`")
     p.add_argument("--out", default="runs/bert-classification")
-    p.add_argument("--pairs", default=None, help="jsonl(.gz) with src/tgt columns (default: the bundled pairs)")
+    p.add_argument("--pairs", default=None,
+                   help="jsonl(.gz) with src/tgt columns (default: the bundled pairs)")
     p.add_argument("--train-pairs", type=int, default=2000)
     p.add_argument("--eval-pairs", type=int, default=200)
     p.add_argument("--max-steps", type=int, default=200)

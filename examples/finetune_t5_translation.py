@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model_dir", help="directory written by `tformer export ... --to hf`")
     p.add_argument("--out", default="runs/t5-translation")
-    p.add_argument("--pairs", default=None, help="jsonl(.gz) with src/tgt columns (default: the bundled pairs)")
+    p.add_argument("--pairs", default=None,
+                   help="jsonl(.gz) with src/tgt columns (default: the bundled pairs)")
     p.add_argument("--train-pairs", type=int, default=4000)
     p.add_argument("--eval-pairs", type=int, default=200)
     p.add_argument("--max-steps", type=int, default=300)
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
     def encode(batch):
         # the exported tokenizer appends </s> to both sides, as T5 expects
         out = tokenizer(batch["src"], truncation=True, max_length=args.max_length)
-        out["labels"] = tokenizer(text_target=batch["tgt"], truncation=True, max_length=args.max_length)["input_ids"]
+        targets = tokenizer(text_target=batch["tgt"], truncation=True, max_length=args.max_length)
+        out["labels"] = targets["input_ids"]
         return out
 
     train = Dataset.from_dict(read_pairs(args.pairs, 0, args.train_pairs)).shuffle(seed=args.seed)

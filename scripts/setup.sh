@@ -10,4 +10,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
+# DeepSpeed ships as a source package: build it against the torch above (no isolated build env,
+# which could fetch another torch), with its C++ ops left to compile lazily if a run needs them.
+DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --no-build-isolation "deepspeed>=0.15"
 .venv/bin/python -m pip install -q -e ".[test]"

@@ -19,9 +19,9 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 import tformer
 from tformer.checkpoint import CheckpointError
-from tformer.config import ConfigError
 from tformer.checkpoint.io import commit, partial_dir, save_model_weights, write_bytes_durable
 from tformer.cli import main as cli_main
+from tformer.config import ConfigError
 from tformer.data import default_corpus_path, hf_tokenizer, load_tokenizer, train_tokenizer
 from tformer.export import ExportError, export_hf, import_hf
 from tformer.export.hf import TARGETS
@@ -339,17 +339,20 @@ def hf_configs():
                                 max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
                                 tie_word_embeddings=False), "LlamaForCausalLM", "bpe"),
         "bert": (t.BertConfig(vocab_size=512, hidden_size=40, num_hidden_layers=2, num_attention_heads=5,
-                              intermediate_size=72, max_position_embeddings=64), "BertForMaskedLM", "wordpiece"),
-        "bert-untied": (t.BertConfig(vocab_size=512, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=48, max_position_embeddings=32, type_vocab_size=3,
-                                     hidden_act="relu", tie_word_embeddings=False), "BertForMaskedLM", "wordpiece"),
+                              intermediate_size=72, max_position_embeddings=64),
+                 "BertForMaskedLM", "wordpiece"),
+        "bert-untied": (t.BertConfig(vocab_size=512, hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=48, max_position_embeddings=32,
+                                     type_vocab_size=3, hidden_act="relu", tie_word_embeddings=False),
+                        "BertForMaskedLM", "wordpiece"),
         "t5-v1.0": (t.T5Config(vocab_size=400, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
                                relative_attention_num_buckets=8, relative_attention_max_distance=20,
                                decoder_start_token_id=0), "T5ForConditionalGeneration", "unigram"),
-        "t5-v1.1": (t.T5Config(vocab_size=400, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3,
-                               num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=20,
-                               feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-                               decoder_start_token_id=0), "T5ForConditionalGeneration", "unigram"),
+        "t5-v1.1": (t.T5Config(vocab_size=400, d_model=32, d_kv=8, d_ff=48, num_layers=2,
+                               num_decoder_layers=3, num_heads=4, relative_attention_num_buckets=8,
+                               relative_attention_max_distance=20, feed_forward_proj="gated-gelu",
+                               tie_word_embeddings=False, decoder_start_token_id=0),
+                    "T5ForConditionalGeneration", "unigram"),
     }
 
 
@@ -426,7 +429,8 @@ NO_HF_EQUIVALENT = [
 
 
 @pytest.mark.parametrize("preset,overrides,field", NO_HF_EQUIVALENT,
-                         ids=[f"{p}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for p, o, _ in NO_HF_EQUIVALENT])
+                         ids=[f"{p}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
+                              for p, o, _ in NO_HF_EQUIVALENT])
 def test_config_without_hf_equivalent_is_a_one_line_error_naming_the_field(preset, overrides, field, toks,
                                                                           tmp_path):
     model = tformer.build_model(preset, vocab_size=512, **overrides)
@@ -456,6 +460,9 @@ def test_tokenizer_of_another_model_is_an_error(toks, tmp_path):
     ckpt = _gpt2_run(toks, tmp_path / "run")
     with pytest.raises(ExportError, match="tokenizer"):
         export_hf(ckpt, tmp_path / "hf", tokenizer=toks["unigram"])  # its eos </s> is id 1, not 0
+    small = save_run(tformer.build_model("gpt2-tiny", vocab_size=300), toks["bpe"], tmp_path / "small")
+    with pytest.raises(ExportError, match="the tokenizer has 512 tokens but model vocab_size=300"):
+        export_hf(small, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
 
@@ -482,6 +489,11 @@ def test_non_empty_output_needs_force_and_is_replaced_whole(toks, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]
     (tmp_path / "empty").mkdir()  # an existing empty directory is fine
     export_hf(ckpt, tmp_path / "empty")
+    with pytest.raises(ExportError, match="holds the input"):  # --force never deletes the source
+        export_hf(ckpt, tmp_path / "run", force=True)
+    with pytest.raises(ExportError, match="holds the input"):
+        import_hf(out, out, force=True)
+    assert (ckpt / "COMPLETE").is_file() and (out / "config.json").is_file()
 
 
 def test_failure_while_writing_leaves_no_partial_output(toks, tmp_path, monkeypatch):
@@ -512,10 +524,12 @@ def test_cli_export_and_import(toks, tmp_path, capsys):
     assert cli_main(["export", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")]) == 0
     assert cli_main(["export", str(ckpt), "--to", "hf", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: output directory") and sum(line.startswith("error") for line in err) == 1
+    assert err[-1].startswith("error: output directory")
+    assert sum(line.startswith("error") for line in err) == 1
     assert cli_main(["import", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
     assert (tmp_path / "imported" / "checkpoints" / "step_00000000" / "COMPLETE").is_file()
-    bad = save_run(tformer.build_model("gpt2-tiny", vocab_size=512, bias=False), toks["bpe"], tmp_path / "bad")
+    no_bias = tformer.build_model("gpt2-tiny", vocab_size=512, bias=False)
+    bad = save_run(no_bias, toks["bpe"], tmp_path / "bad")
     assert cli_main(["export", str(bad), "--to", "hf", str(tmp_path / "hf2")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: cannot export to HF GPT2LMHeadModel: bias=False")

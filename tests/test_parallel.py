@@ -68,7 +68,7 @@ def _worker(rank, world, port, jobs, cache):
                       MASTER_PORT=str(port), TFORMER_CACHE=str(cache))
     torch.set_num_threads(1)
     import torch.distributed as dist
-    from tformer.parallel.strategy import local_numel
+    from tformer.parallel.strategy import param_counts
     try:
         for recipe, overrides, stop_at, report in jobs:
             cfg = load_config(CONFIGS / f"{recipe}.yaml", overrides)
@@ -76,13 +76,32 @@ def _worker(rank, world, port, jobs, cache):
                 lambda t, rec: setattr(t, "_stop_reason", "test stop") if rec["step"] == stop_at else None]
             trainer = Trainer(cfg, callbacks=stop)
             if report is not None:
-                total = sum(p.numel() for p in trainer.model.parameters())  # DTensor: global size
-                Path(report + f".rank{rank}").write_text(f"{local_numel(trainer.model)} {total}")
+                local, total = param_counts(trainer.model)
+                Path(report + f".rank{rank}").write_text(f"{local} {total}")
             trainer.fit()
+            if report is not None and report.endswith(".full"):
+                _dump_full_model(trainer, report)
     finally:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _dump_full_model(trainer, path):
+    """The live model's full tensors, gathered from the shards (rank 0 writes them)."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    if trainer.strategy.name == "deepspeed":
+        import deepspeed
+        with deepspeed.zero.GatheredParameters(list(trainer.model.parameters())):
+            state = {k: v.detach().clone().float() for k, v in trainer.model.state_dict().items()}
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True,
+                                                                             cpu_offload=True))
+    if dist.get_rank() == 0:
+        state.pop("lm_head.weight", None)  # tied to embed.tok.weight
+        save_file({k: v.contiguous() for k, v in state.items()}, path)
 
 
 def run_two_ranks(jobs, cache):
@@ -103,31 +122,42 @@ def cache(tmp_path_factory):
 
 
 COMMON = ["max_steps=5", "eval_every=0", "save_every=0", "micro_batch_size=4"]  # first: max_steps
-CASES = [  # (recipe, precision, fsdp reshard_after_forward)
-    ("gpt2-tiny", "fp32", True), ("gpt2-tiny", "fp32", False), ("gpt2-tiny", "bf16", True),
-    ("t5-tiny", "fp32", True), ("t5-tiny", "bf16", False), ("bert-tiny", "fp32", True),
-]
+STRATEGIES = {
+    "ddp": ["parallel.strategy=ddp"],
+    "fsdp": ["parallel.strategy=fsdp", "parallel.reshard_after_forward=true"],
+    "fsdp-no-reshard": ["parallel.strategy=fsdp", "parallel.reshard_after_forward=false"],
+    **{f"zero{k}": ["parallel.strategy=deepspeed",
+                    f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / f'zero{k}.json'}"] for k in (1, 2, 3)},
+}
+CASES = [(recipe, precision, strategy) for strategy in STRATEGIES for recipe in ("gpt2-tiny", "t5-tiny")
+         for precision in ("fp32", "bf16")] + [("bert-tiny", "fp32", "fsdp"), ("bert-tiny", "fp32", "zero2")]
+SHARDED = ("fsdp", "fsdp-no-reshard", "zero3")  # parameters themselves are split across ranks
 
 
-def test_fsdp_matches_single_process_and_really_shards(cache, tmp_path):
-    jobs = []
-    for i, (recipe, precision, reshard) in enumerate(CASES):
-        jobs.append((recipe, small_overrides(recipe, tmp_path / f"fsdp{i}", *COMMON, f"precision={precision}",
-                                             "parallel.strategy=fsdp",
-                                             f"parallel.reshard_after_forward={str(reshard).lower()}"),
-                     None, str(tmp_path / f"numel{i}")))
+def test_every_strategy_matches_the_single_process_run(cache, tmp_path):
+    """ddp, fsdp (both reshard modes), ZeRO-1/2/3 on 2 ranks vs 1 process with the same global
+    batch (micro 4 x 2 ranks vs micro 4 x 2 accumulation), GPT and T5 in fp32 and bf16, BERT in fp32."""
+    pytest.importorskip("deepspeed")
+    jobs = [(recipe, small_overrides(recipe, tmp_path / f"run{i}", *COMMON, f"precision={precision}",
+                                     *STRATEGIES[strategy]), None, str(tmp_path / f"numel{i}"))
+            for i, (recipe, precision, strategy) in enumerate(CASES)]
     run_two_ranks(jobs, cache)
-    for i, (recipe, precision, reshard) in enumerate(CASES):
-        ref = reference(recipe, tmp_path / f"ref{i}", *COMMON, f"precision={precision}")
-        got = losses(tmp_path / f"fsdp{i}")
+    refs = {}
+    for i, (recipe, precision, strategy) in enumerate(CASES):
+        if (recipe, precision) not in refs:
+            refs[recipe, precision] = reference(recipe, tmp_path / f"ref-{recipe}-{precision}", *COMMON,
+                                                f"precision={precision}")
+        ref, got = refs[recipe, precision], losses(tmp_path / f"run{i}")
         assert list(got) == list(ref) == [1, 2, 3, 4, 5]
         tol = 1e-5 if precision == "fp32" else 2e-2
         for step in ref:
-            assert got[step] == pytest.approx(ref[step], rel=tol), (recipe, precision, step)
-        # each rank holds about half of the parameter elements
-        for rank in (0, 1):
-            local, total = map(int, (tmp_path / f"numel{i}.rank{rank}").read_text().split())
-            assert abs(local / total - 0.5) < 0.02, (local, total)
+            assert got[step] == pytest.approx(ref[step], rel=tol), (recipe, precision, strategy, step)
+        local, total = map(int, (tmp_path / f"numel{i}.rank0").read_text().split())
+        other, _ = map(int, (tmp_path / f"numel{i}.rank1").read_text().split())
+        if strategy in SHARDED:  # each rank holds about half of the parameter elements
+            assert abs(local / total - 0.5) < 0.02 and abs(other / total - 0.5) < 0.02, (strategy, local, total)
+        else:
+            assert local == other == total, strategy
 
 
 def test_fsdp_resume_same_world_size_and_on_one_rank(cache, tmp_path):
@@ -155,33 +185,8 @@ def test_fsdp_resume_same_world_size_and_on_one_rank(cache, tmp_path):
 
 # -- DeepSpeed ------------------------------------------------------------------------------
 
-DS_CASES = [  # (recipe, precision, ZeRO stage)
-    ("gpt2-tiny", "fp32", 1), ("gpt2-tiny", "fp32", 2), ("gpt2-tiny", "fp32", 3), ("gpt2-tiny", "bf16", 3),
-    ("t5-tiny", "fp32", 2), ("t5-tiny", "bf16", 1), ("t5-tiny", "fp32", 3),
-]
-
-
 def _ds(stage):
-    return [f"parallel.strategy=deepspeed", f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / f'zero{stage}.json'}"]
-
-
-def test_deepspeed_zero_stages_match_single_process(cache, tmp_path):
-    pytest.importorskip("deepspeed")
-    jobs = [(recipe, small_overrides(recipe, tmp_path / f"ds{i}", *COMMON, f"precision={precision}", *_ds(stage)),
-             None, str(tmp_path / f"numel{i}"))
-            for i, (recipe, precision, stage) in enumerate(DS_CASES)]
-    run_two_ranks(jobs, cache)
-    for i, (recipe, precision, stage) in enumerate(DS_CASES):
-        ref = reference(recipe, tmp_path / f"ref{i}", *COMMON, f"precision={precision}")
-        got = losses(tmp_path / f"ds{i}")
-        assert list(got) == list(ref) == [1, 2, 3, 4, 5]
-        tol = 1e-5 if precision == "fp32" else 2e-2
-        for step in ref:
-            assert got[step] == pytest.approx(ref[step], rel=tol), (recipe, precision, stage, step)
-        if stage == 3:  # ZeRO-3 partitions the parameters themselves
-            for rank in (0, 1):
-                local, total = map(int, (tmp_path / f"numel{i}.rank{rank}").read_text().split())
-                assert abs(local / total - 0.5) < 0.02, (local, total)
+    return ["parallel.strategy=deepspeed", f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / f'zero{stage}.json'}"]
 
 
 def run_one_rank(jobs, cache):
@@ -209,3 +214,37 @@ def test_deepspeed_resume_same_world_size_and_on_one_rank(cache, tmp_path):
     assert c[3] == pytest.approx(a[3], rel=1e-6)  # the weights come back exactly
     for step in (4, 5):  # the Adam state through DeepSpeed's universal conversion drifts ~1e-5
         assert c[step] == pytest.approx(a[step], rel=2e-4)
+
+
+def test_export_from_sharded_checkpoints_equals_the_unsharded_model(cache, tmp_path):
+    """A 2-rank FSDP2 checkpoint and a 2-rank ZeRO-3 checkpoint export to HF exactly as the full
+    model they hold (gathered from the live shards at the same step)."""
+    pytest.importorskip("deepspeed")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tformer.checkpoint import load_checkpoint
+    from tformer.checkpoint.consolidate import consolidate, read_model_state
+    from tformer.export import export_hf
+
+    runs = {"fsdp": STRATEGIES["fsdp"], "zero3": _ds(3)}
+    jobs = [("gpt2-tiny", small_overrides("gpt2-tiny", tmp_path / name, *COMMON[1:], "max_steps=3",
+                                          "precision=fp32", *flags), None, str(tmp_path / f"{name}.full"))
+            for name, flags in runs.items()]
+    run_two_ranks(jobs, cache)
+    ids = torch.randint(0, 2048, (2, 12))
+    for name in runs:
+        ckpt = tmp_path / name / "checkpoints" / "step_00000003"
+        full = load_file(tmp_path / f"{name}.full")
+        _, state = read_model_state(ckpt)
+        assert state.keys() == full.keys()
+        for k in full:
+            assert torch.equal(state[k], full[k]), (name, k)
+        single = load_file(consolidate(ckpt, tmp_path / f"{name}.safetensors"))
+        assert all(torch.equal(single[k], full[k]) for k in full)
+        out = tmp_path / f"hf-{name}"
+        export_hf(ckpt, out)
+        hf = AutoModelForCausalLM.from_pretrained(out).eval()
+        ours = load_checkpoint(ckpt)
+        with torch.no_grad():
+            torch.testing.assert_close(hf(ids).logits, ours(ids).logits, atol=1e-4, rtol=0)

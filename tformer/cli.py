@@ -68,8 +68,8 @@ def _plot(argv: list[str]) -> int:
 
 
 def _export(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="tformer export",
-                                description="Export a checkpoint to HF transformers (BERT, GPT-2, Llama, T5).")
+    p = argparse.ArgumentParser(prog="tformer export", description="Export a checkpoint to HF "
+                                "transformers (BERT, GPT-2, Llama, T5).")
     p.add_argument("checkpoint", help="a run directory (its newest checkpoint) or one of its checkpoints")
     p.add_argument("--to", choices=["hf"], default="hf", help="target format (hf: transformers)")
     p.add_argument("out_dir", help="output directory (must not exist, or be empty)")
@@ -108,7 +108,34 @@ def _tokenizer(argv: list[str]) -> int:
     return tokenizer_main(argv)
 
 
+def _consolidate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="tformer consolidate",
+                                description="Turn any checkpoint (DCP shards, DeepSpeed ZeRO, ...) into "
+                                            "one fp32 safetensors file, on CPU.")
+    p.add_argument("checkpoint")
+    p.add_argument("--out", default=None, help="default: CHECKPOINT/consolidated.safetensors")
+    args = p.parse_args(argv)
+    from .checkpoint.consolidate import consolidate
+
+    print(consolidate(args.checkpoint, args.out))
+    return 0
+
+
+def _plan(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="tformer plan",
+                                description="Predict per-device memory for each strategy and recommend one.")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--device-memory", default="80GB")
+    args = p.parse_args(argv)
+    from .parallel.plan import plan_main
+
+    return plan_main(args.config, args.overrides, args.devices, args.device_memory)
+
+
 COMMANDS = {"train": _train, "generate": _generate, "plot": _plot, "tokenizer": _tokenizer,
+            "consolidate": _consolidate, "plan": _plan,
             "export": _export, "import": _import}
 
 

@@ -26,7 +26,8 @@ def check(cfg: ModelConfig) -> None:
         need(cfg, "activation", tuple(PLAIN_ACTS), "BERT's feed-forward is not gated"),
         need(cfg, "bias", True, "BERT always has attention and feed-forward biases"),
         need(cfg, "attn_scale", True, "BERT always scales attention by 1/sqrt(d_head)"),
-        need(cfg, "num_kv_heads", lambda v: v in (None, cfg.num_heads), "BERT has no grouped-query attention"),
+        need(cfg, "num_kv_heads", lambda v: v in (None, cfg.num_heads),
+             "BERT has no grouped-query attention"),
         need(cfg, "d_head", lambda _: default_head_dim(cfg), "BERT's head width is d_model/num_heads"),
         need(cfg, "embed_scale", False, "BERT does not scale its embeddings"),
     ])

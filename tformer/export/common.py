@@ -125,7 +125,7 @@ def default_head_dim(cfg: ModelConfig) -> bool:
     return cfg.d_head is None or cfg.d_head * cfg.num_heads == cfg.d_model
 
 
-def first_id(value) -> int | None:
+def first_id(value: int | list[int] | None) -> int | None:
     """HF allows a list of EOS ids; tformer keeps one (the first)."""
     if isinstance(value, (list, tuple)):
         return value[0] if value else None
@@ -148,8 +148,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist; pass a run directory or "
                               "RUN/checkpoints/step_XXXXXXXX")
-    if (path / "checkpoints").is_dir() or (not (path / MARKER).exists() and not STEP_DIR.match(path.name)):
-        root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    is_run_dir = (path / "checkpoints").is_dir()
+    if is_run_dir or (not (path / MARKER).exists() and not STEP_DIR.match(path.name)):
+        root = path / "checkpoints" if is_run_dir else path
         latest = find_latest(root)
         if latest is None:
             raise CheckpointError(f"no complete checkpoint under {path}")
@@ -173,9 +174,9 @@ def read_model_state(checkpoint: str | Path) -> tuple[ModelConfig, dict[str, tor
         raise CheckpointError(f"checkpoint {path} records no model_config in trainer.json")
     cfg = ModelConfig.from_dict(dict(saved))
     weights = path / "model.safetensors"
-    if not weights.is_file():
-        raise CheckpointError(f"checkpoint {path} has no model.safetensors; sharded (FSDP2 / DeepSpeed) "
-                              "checkpoints cannot be exported yet: consolidate it first")
+    if not weights.is_file():  # FSDP2 / DDP shards in dcp/, or DeepSpeed ZeRO partitions
+        from ..checkpoint.consolidate import read_model_state as read_sharded
+        return read_sharded(path)
     try:
         state = load_file(weights)
     except (SafetensorError, OSError, ValueError) as e:
@@ -183,21 +184,19 @@ def read_model_state(checkpoint: str | Path) -> tuple[ModelConfig, dict[str, tor
     return cfg, state
 
 
-def model_shapes(cfg: ModelConfig) -> tuple[dict[str, torch.Size], set[str]]:
-    """Shapes of our model's tensors as saved (tied aliases dropped) and the set of alias names,
-    from a model built on the meta device (no memory, no initialisation cost)."""
+def model_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
+    """Shapes of our model's tensors as a checkpoint holds them (each tied tensor once, under its
+    first name), from a model built on the meta device (no memory)."""
     from ..models import build_model
 
     with torch.device("meta"):
         model = build_model(cfg)
-    seen, shapes, aliases = set(), {}, set()
+    seen, shapes = set(), {}
     for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) in seen:
-            aliases.add(name)
-            continue
-        seen.add(id(t))
-        shapes[name] = t.shape
-    return shapes, aliases
+        if id(t) not in seen:
+            seen.add(id(t))
+            shapes[name] = t.shape
+    return shapes
 
 
 def unpad_vocab(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -227,8 +226,8 @@ def hf_expected(hf_config, class_name: str) -> tuple[dict[str, torch.Size], set[
     return unique, {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(unique)
 
 
-def check_against(hf_state: dict[str, torch.Tensor], expected: tuple[dict[str, torch.Size], set[str]],
-                  target: str) -> None:
+def check_against(hf_state: dict[str, torch.Tensor],
+                  expected: tuple[dict[str, torch.Size], set[str]], target: str) -> None:
     """Every HF parameter present with its shape; nothing else except a tied alias that holds
     different values on purpose (an untied T5 head, which the HF loader then keeps apart)."""
     unique, aliases = expected
@@ -245,7 +244,7 @@ def check_against(hf_state: dict[str, torch.Tensor], expected: tuple[dict[str, t
                           f"{target} cannot express")
 
 
-def write_safetensors(state: dict[str, torch.Tensor], out: Path, max_shard_size: int) -> None:
+def write_safetensors(state: dict[str, torch.Tensor], out: Path, max_shard_size: int | str) -> None:
     """``model.safetensors``, or shards plus ``model.safetensors.index.json`` above
     ``max_shard_size`` bytes: HF's layout, so ``from_pretrained`` reads either."""
     from huggingface_hub import split_torch_state_dict_into_shards
@@ -254,10 +253,11 @@ def write_safetensors(state: dict[str, torch.Tensor], out: Path, max_shard_size:
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size,
                                                filename_pattern="model{suffix}.safetensors")
     for filename, names in split.filename_to_tensors.items():
-        save_file({n: state[n].contiguous() for n in names}, str(out / filename), metadata={"format": "pt"})
+        save_file({n: state[n] for n in names}, str(out / filename), metadata={"format": "pt"})
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+        (out / "model.safetensors.index.json").write_text(text)
 
 
 def read_hf_weights(hf_dir: str, class_name: str, hf_config) -> tuple[dict[str, torch.Tensor], bool]:
@@ -269,7 +269,8 @@ def read_hf_weights(hf_dir: str, class_name: str, hf_config) -> tuple[dict[str, 
     import transformers
 
     cls = getattr(transformers, class_name)
-    model, info = cls.from_pretrained(hf_dir, config=hf_config, dtype=torch.float32, output_loading_info=True)
+    model, info = cls.from_pretrained(hf_dir, config=hf_config, dtype=torch.float32,
+                                      output_loading_info=True)
     missing = [k for k in info.get("missing_keys", []) if k]
     if missing:
         logging.getLogger("tformer.export").warning(
@@ -283,8 +284,9 @@ def read_hf_weights(hf_dir: str, class_name: str, hf_config) -> tuple[dict[str, 
 
 
 def find_tokenizer(ckpt: Path) -> Path | None:
-    """``tokenizer.json`` of a checkpoint: in its directory or a parent (the run directory)."""
-    for d in (ckpt, *ckpt.parents):
+    """``tokenizer.json`` of a checkpoint: in its directory or up to its run directory
+    (``RUN/checkpoints/step_X``)."""
+    for d in (ckpt, *ckpt.parents[:2]):
         if (d / "tokenizer.json").is_file():
             return d / "tokenizer.json"
     return None
@@ -340,7 +342,10 @@ def save_generation_config(cfg: ModelConfig, out: Path) -> None:
 # -- atomic output directories ---------------------------------------------------------------
 
 
-def check_out_dir(out: Path, force: bool) -> None:
+def check_out_dir(out: Path, force: bool, source: Path | None = None) -> None:
+    """``out`` may not exist, be empty, or (with ``force``) be replaced; never hold ``source``."""
+    if source is not None and out.resolve() in (source.resolve(), *source.resolve().parents):
+        raise ExportError(f"output directory {out} holds the input {source}; choose another path")
     if out.exists() and not out.is_dir():
         raise ExportError(f"output {out} exists and is not a directory; choose another path")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -349,10 +354,10 @@ def check_out_dir(out: Path, force: bool) -> None:
 
 
 @contextmanager
-def atomic_dir(out: Path, force: bool) -> Iterator[Path]:
+def atomic_dir(out: Path, force: bool, source: Path | None = None) -> Iterator[Path]:
     """Yield a temporary sibling of ``out``; on success it replaces ``out`` in one rename, on any
     error it is removed, so no partial output is ever left behind."""
-    check_out_dir(out, force)
+    check_out_dir(out, force, source)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".partial-{out.name}-", dir=out.parent))
     try:

@@ -16,7 +16,8 @@ AUTO_CLASS = "AutoModelForCausalLM"
 def check(cfg: ModelConfig) -> None:
     raise_problems(HF_CLASS, [
         need(cfg, "family", "decoder", "GPT-2 is a decoder; set flavour to the family's target"),
-        need(cfg, "position", "learned", "GPT-2 has learned absolute positions; use flavour=llama for rotary"),
+        need(cfg, "position", "learned",
+             "GPT-2 has learned absolute positions; use flavour=llama for rotary"),
         need(cfg, "norm", "layernorm", "GPT-2 uses LayerNorm; use flavour=llama for RMSNorm"),
         need(cfg, "norm_bias", True, "GPT-2's LayerNorms have biases; train with norm_bias=true"),
         need(cfg, "norm_position", "pre", "GPT-2 is pre-norm; train with norm_position=pre"),

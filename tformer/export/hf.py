@@ -45,7 +45,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False,
     from ..data import DataError, load_tokenizer
 
     out = Path(out_dir)
-    check_out_dir(out, force)
+    check_out_dir(out, force, Path(checkpoint))
     ckpt = resolve_checkpoint(checkpoint)
     cfg, state = read_model_state(ckpt)
     target = target_of(cfg)
@@ -68,7 +68,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False,
         raise ExportError(str(e)) from None
     check_tokenizer(tok, cfg)
 
-    with atomic_dir(out, force) as tmp:
+    with atomic_dir(out, force, ckpt) as tmp:
         hf_config.save_pretrained(str(tmp))
         write_safetensors(hf_state, tmp, max_shard_size)
         if cfg.family != "encoder":
@@ -85,7 +85,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, force: bool = False) -> P
     from transformers import AutoConfig
 
     out = Path(out_dir)
-    check_out_dir(out, force)
+    local = Path(hf_dir) if Path(hf_dir).exists() else None  # else a hub name
+    check_out_dir(out, force, local)
     try:
         hf_config = AutoConfig.from_pretrained(str(hf_dir))
     except (OSError, ValueError) as e:
@@ -97,7 +98,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, force: bool = False) -> P
                           f"{', '.join(TARGETS)}")
     hf_state, tied = read_hf_weights(str(hf_dir), target.HF_CLASS, hf_config)
     cfg = target.model_config(hf_config, tied)
-    shapes, _ = model_shapes(cfg)
+    shapes = model_shapes(cfg)
     state = from_hf(hf_state, target.rules(cfg), shapes, str(hf_dir))
     missing = sorted(set(shapes) - set(state))
     if missing:
@@ -105,7 +106,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, force: bool = False) -> P
                           "tformer.export")
     tok_file = Path(hf_dir) / "tokenizer.json"
 
-    with atomic_dir(out, force) as tmp:
+    with atomic_dir(out, force, local) as tmp:
         if tok_file.is_file():
             shutil.copyfile(tok_file, tmp / "tokenizer.json")
         else:

@@ -71,7 +71,8 @@ def model_config(hf, tied: bool) -> ModelConfig:
                           f"{', '.join(HF_GATED_ACTS)})")
     eos = first_id(hf.eos_token_id)
     return build_config(
-        "HF Llama config", family="decoder", flavour="llama", vocab_size=hf.vocab_size, d_model=hf.hidden_size,
+        "HF Llama config", family="decoder", flavour="llama", vocab_size=hf.vocab_size,
+        d_model=hf.hidden_size,
         num_layers=hf.num_hidden_layers, num_heads=hf.num_attention_heads,
         num_kv_heads=hf.num_key_value_heads, d_head=hf.head_dim, d_ff=hf.intermediate_size,
         max_seq_len=hf.max_position_embeddings, position="rotary",

@@ -38,7 +38,8 @@ def hf_config(cfg: ModelConfig):
     hf = T5Config(
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.head_dim, d_ff=cfg.d_ff,
         num_layers=cfg.num_layers, num_decoder_layers=cfg.decoder_layers, num_heads=cfg.num_heads,
-        relative_attention_num_buckets=cfg.rel_num_buckets, relative_attention_max_distance=cfg.rel_max_distance,
+        relative_attention_num_buckets=cfg.rel_num_buckets,
+        relative_attention_max_distance=cfg.rel_max_distance,
         dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.norm_eps, feed_forward_proj=FF_PROJ[cfg.activation],
         pad_token_id=cfg.pad_token_id, eos_token_id=cfg.eos_token_id,
         decoder_start_token_id=cfg.decoder_start_token_id, tie_word_embeddings=cfg.tie_embeddings,
@@ -61,12 +62,14 @@ def rules(cfg: ModelConfig) -> list[Rule]:
             out.append(rule(h + "0.layer_norm.weight", o + "attn_norm.weight"))
             ff = 1
             if stack == "decoder":
-                out += [rule(f"{h}1.EncDecAttention.{x}.weight", f"{o}cross_attn.{x}_proj.weight") for x in "qkvo"]
+                out += [rule(f"{h}1.EncDecAttention.{x}.weight", f"{o}cross_attn.{x}_proj.weight")
+                        for x in "qkvo"]
                 out.append(rule(h + "1.layer_norm.weight", o + "cross_norm.weight"))
                 ff = 2
             d = f"{h}{ff}.DenseReluDense."
             if gated:
-                out += [rule(d + "wi_0.weight", o + "ffn.gate.weight"), rule(d + "wi_1.weight", o + "ffn.up.weight")]
+                out += [rule(d + "wi_0.weight", o + "ffn.gate.weight"),
+                        rule(d + "wi_1.weight", o + "ffn.up.weight")]
             else:
                 out.append(rule(d + "wi.weight", o + "ffn.up.weight"))
             out += [rule(d + "wo.weight", o + "ffn.down.weight"),
@@ -100,7 +103,8 @@ def model_config(hf, tied: bool) -> ModelConfig:
         "HF T5 config", family="encdec", flavour="t5", vocab_size=hf.vocab_size, d_model=hf.d_model,
         d_head=hf.d_kv, d_ff=hf.d_ff, num_layers=hf.num_layers, num_decoder_layers=hf.num_decoder_layers,
         num_heads=hf.num_heads, max_seq_len=getattr(hf, "n_positions", None) or 512, position="relative",
-        rel_num_buckets=hf.relative_attention_num_buckets, rel_max_distance=hf.relative_attention_max_distance,
+        rel_num_buckets=hf.relative_attention_num_buckets,
+        rel_max_distance=hf.relative_attention_max_distance,
         norm="rmsnorm", norm_eps=hf.layer_norm_epsilon, norm_bias=False, norm_position="pre",
         activation=activation, bias=False, attn_scale=False, dropout=float(hf.dropout_rate),
         attn_dropout=float(hf.dropout_rate),

@@ -140,9 +140,15 @@ def strategy_class(name: str):
     return {"ddp": Strategy, "fsdp": FSDPStrategy}[name]
 
 
-def local_numel(model: torch.nn.Module) -> int:
-    """Parameter elements held by this rank (the local shard of a DTensor)."""
-    total = 0
+def param_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(parameter elements this rank holds, elements of the whole model) under any strategy:
+    FSDP2 DTensors hold a local shard; ZeRO-3 parameters hold ``ds_tensor`` (their partition)."""
+    local = total = 0
     for p in model.parameters():
-        total += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-    return total
+        if hasattr(p, "ds_tensor"):
+            local, total = local + p.ds_tensor.numel(), total + p.ds_numel
+        elif hasattr(p, "to_local"):
+            local, total = local + p.to_local().numel(), total + p.numel()
+        else:
+            local, total = local + p.numel(), total + p.numel()
+    return local, total

@@ -1,0 +1,67 @@
+"""The LM loss: tformer's cross-entropy against ``F.cross_entropy``, value and gradient."""
+import pytest
+import torch
+
+from tformer import build_model
+from tformer.models.base import CrossEntropy, lm_loss
+
+
+def labels_with_ignored(n, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[::3] = -100
+    return labels
+
+
+@pytest.mark.parametrize("n,vocab", [(7, 11), (64, 1000)])
+def test_cross_entropy_matches_torch_in_value_and_gradient(n, vocab):
+    logits = (3 * torch.randn(n, vocab, dtype=torch.float64)).requires_grad_()
+    labels = labels_with_ignored(n, vocab)
+    expected = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100)
+    (want,) = torch.autograd.grad(2.5 * expected, logits)
+    got = CrossEntropy.apply(logits, labels)
+    (have,) = torch.autograd.grad(2.5 * got, logits)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(have, want)
+    assert have[labels == -100].abs().max() == 0  # ignored positions get no gradient
+
+
+def test_cross_entropy_passes_gradcheck():
+    logits = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([1, -100, 5, 0, -100])
+    # CrossEntropy overwrites its saved buffer in backward, so each gradcheck call needs a fresh graph.
+    assert torch.autograd.gradcheck(lambda x: CrossEntropy.apply(x, labels), (logits,))
+
+
+def test_lm_loss_upcasts_bf16_logits_and_returns_bf16_gradients():
+    logits = torch.randn(2, 5, 40).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, 40, (2, 5))
+    loss = lm_loss(logits, labels)
+    assert loss.dtype == torch.float32
+    expected = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 40), labels.reshape(-1))
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    assert logits.grad.dtype == torch.bfloat16
+
+
+def test_second_backward_through_the_same_loss_is_refused_loudly():
+    logits = torch.randn(4, 9, requires_grad=True)
+    loss = CrossEntropy.apply(logits, torch.tensor([1, 2, -100, 3]))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        loss.backward()
+
+
+def test_model_loss_gradients_match_torch_cross_entropy():
+    model = build_model("gpt2-tiny", pad_vocab_multiple=64, vocab_size=1000)  # padded, sliced logits
+    ids = torch.randint(0, 1000, (2, 9))
+    labels = ids.roll(-1, 1)
+    labels[:, -1] = -100
+    out = model(ids, labels=labels)
+    out.loss.backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    logits = model(ids).logits
+    torch.nn.functional.cross_entropy(logits.reshape(-1, 1000), labels.reshape(-1)).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(ours[n], p.grad, msg=n)

@@ -1,0 +1,68 @@
+"""One full-precision state dict from any checkpoint: safetensors (ddp), DCP shards (ddp/fsdp, any
+world size) or DeepSpeed ZeRO partitions. Everything happens on CPU in one process, so a sharded
+model is never gathered onto an accelerator."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from .io import CheckpointError, load_model_from_dcp, read_trainer_state, verify
+
+
+def _unique(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    seen, out = {}, {}
+    for name, t in state.items():
+        key = (t.data_ptr(), t.shape, t.dtype) if t.numel() else None
+        if key is not None and key in seen:
+            continue  # a tied alias: stored once under its first name
+        if key is not None:
+            seen[key] = name
+        out[name] = t
+    return out
+
+
+def read_model_state(ckpt: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(model config, full fp32 state dict with tied tensors once) of a tformer checkpoint."""
+    from ..models import build_model
+
+    ckpt = Path(ckpt)
+    verify(ckpt, deep=True)
+    info = read_trainer_state(ckpt)
+    if "model_config" not in info:
+        raise CheckpointError(f"checkpoint {ckpt} records no model_config; it is not a tformer checkpoint")
+    cfg = ModelConfig.from_dict(dict(info["model_config"]))
+    if (ckpt / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+        return cfg, load_file(ckpt / "model.safetensors")
+    if (ckpt / "dcp").is_dir():
+        with torch.device("meta"):
+            model = build_model(cfg)
+        model.to_empty(device="cpu")
+        if cfg.tie_embeddings:  # to_empty unties: tie again so both names read one tensor
+            model.lm_head.weight = model.embed.tok.weight
+        load_model_from_dcp(model, ckpt)
+        return cfg, _unique(dict(model.state_dict()))
+    if (ckpt / "deepspeed").is_dir():
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "deepspeed"), tag="state")
+        return cfg, _unique({k: v.float() for k, v in state.items()})
+    raise CheckpointError(f"checkpoint {ckpt} holds no model weights (model.safetensors, dcp/ or deepspeed/)")
+
+
+def consolidate(ckpt: str | Path, out: str | Path | None = None) -> Path:
+    """Write ``model.safetensors`` (one file, fp32) for any checkpoint; the model config goes in
+    the file's metadata. Written to a temporary name and renamed: never a partial file."""
+    import os
+
+    from safetensors.torch import save_file
+
+    cfg, state = read_model_state(ckpt)
+    out = Path(out) if out else Path(ckpt) / "consolidated.safetensors"
+    tmp = out.with_name(out.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
+              metadata={"format": "pt", "tformer_model_config": json.dumps(cfg.to_dict())})
+    os.replace(tmp, out)
+    return out
