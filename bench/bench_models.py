@@ -268,12 +268,11 @@ def bench_family(family: str, precision: str, args, toy: bool) -> list[dict]:
                           time.perf_counter() - t0)
     everyone = models + [mm]
     t5 = family == "t5"
-    target_text = f", target {sizes['target_len']}" if t5 else ""
+    layers = f"{cfg.num_layers}+{cfg.decoder_layers}" if t5 else f"{cfg.num_layers}"
+    tokens = f"batch {sizes['batch']}, seq {sizes['seq']}" + (f", target {sizes['target_len']}" if t5 else "")
     print(f"\n[{family} {precision}{' toy' if toy else ''}] d_model {cfg.d_model}, heads {cfg.num_heads} x "
-          f"{cfg.head_dim}, layers {cfg.num_layers}{f'+{cfg.decoder_layers}' if t5 else ''}, d_ff {cfg.d_ff}, "
-          f"vocab {cfg.vocab_size}; batch {sizes['batch']}, seq {sizes['seq']}"
-          f"{target_text}"
-          f"; {num_params(models[0].model) / 1e6:.1f}M params, {models[0].flops / 1e9:.1f} GFLOP/step; "
+          f"{cfg.head_dim}, layers {layers}, d_ff {cfg.d_ff}, vocab {cfg.vocab_size}; {tokens}; "
+          f"{num_params(models[0].model) / 1e6:.1f}M params, {models[0].flops / 1e9:.1f} GFLOP/step; "
           f"attention: tformer {cfg.attn_impl}, HF {models[1].model.config._attn_implementation}", flush=True)
     kept = None  # (spread, times by contender) of the least noisy attempt
     for attempt in range(1, args.retries + 2):

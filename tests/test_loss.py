@@ -26,13 +26,6 @@ def test_cross_entropy_matches_torch_in_value_and_gradient(n, vocab):
     assert have[labels == -100].abs().max() == 0  # ignored positions get no gradient
 
 
-def test_cross_entropy_passes_gradcheck():
-    logits = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
-    labels = torch.tensor([1, -100, 5, 0, -100])
-    # CrossEntropy overwrites its saved buffer in backward, so each gradcheck call needs a fresh graph.
-    assert torch.autograd.gradcheck(lambda x: CrossEntropy.apply(x, labels), (logits,))
-
-
 def test_lm_loss_upcasts_bf16_logits_and_returns_bf16_gradients():
     logits = torch.randn(2, 5, 40).to(torch.bfloat16).requires_grad_()
     labels = torch.randint(0, 40, (2, 5))

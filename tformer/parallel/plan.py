@@ -47,8 +47,10 @@ def _block_elements_per_token(cfg: ModelConfig, seq: int, cross_len: int | None 
 
 
 def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, target: int | None, ac: str,
-                     mixed: bool) -> float:
-    """Peak bytes of saved activations + logits for one micro-batch."""
+                     mixed: bool, transient: bool = True) -> float:
+    """Bytes of activations for one micro-batch: what autograd keeps from forward to backward, plus
+    (``transient``) the peak added during backward: the recomputed block under activation
+    checkpointing and the gradient of the logits."""
     elt = 2 if mixed else 4
     layers = [(seq, _block_elements_per_token(cfg, seq))] * cfg.num_layers
     out_tokens = seq
@@ -57,13 +59,19 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, target: int |
         layers += [(t, _block_elements_per_token(cfg, t, cross_len=seq)
                     + 2 * cfg.kv_heads * cfg.head_dim * seq / t)] * cfg.decoder_layers
         out_tokens = t
-    if ac == "full":
-        kept = sum(tokens * cfg.d_model for tokens, _ in layers) + max(tokens * e for tokens, e in layers)
+    if ac == "full":  # each block keeps only its input; one block is recomputed at a time
+        kept = sum(tokens * cfg.d_model for tokens, _ in layers)
+        recompute = max(tokens * e for tokens, e in layers)
     else:
         kept = sum(tokens * e for tokens, e in layers)
-    # logits: bf16/fp32 output, its fp32 copy for the loss, and the softmax gradient
-    logits = out_tokens * cfg.padded_vocab_size * (elt + 4 + 4)
-    return micro_batch * (kept * elt + logits)
+        recompute = 0
+    vocab = out_tokens * cfg.padded_vocab_size
+    logits_kept = vocab * ((elt if mixed else 0) + 4 + 4)  # (bf16 logits,) fp32 copy, log-softmax
+    logits_grad = vocab * 4
+    total = kept * elt + logits_kept
+    if transient:
+        total += recompute * elt + logits_grad
+    return micro_batch * total
 
 
 @dataclass

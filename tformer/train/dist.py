@@ -55,6 +55,8 @@ def init_distributed(device: str = "auto", backend: str | None = None, timeout_s
             os.environ.setdefault("RANK", "0")
             os.environ.setdefault("WORLD_SIZE", "1")
         backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
+        # TFORMER_DIST_TIMEOUT bounds every collective: a lost peer ends the job instead of hanging.
+        timeout_s = float(os.environ.get("TFORMER_DIST_TIMEOUT", timeout_s))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return DistInfo(rank, world, local, dev)
 
