@@ -228,8 +228,14 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
     model = build_model(dict(model_cfg))
     if (path / "model.safetensors").is_file():
         load_model_weights(model, path)
-    else:
-        load_model_from_dcp(model, path)
+    else:  # DCP shards or DeepSpeed partitions, consolidated on CPU
+        from .consolidate import read_model_state
+        _, state = read_model_state(path)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [n for n in missing if not _is_tied_alias(model, n, state)]
+        if missing or unexpected:
+            raise CheckpointError(f"checkpoint {path} does not fit its recorded model config (missing: "
+                                  f"{', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'})")
     return model.to(device).eval()
 
 
