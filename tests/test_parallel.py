@@ -255,3 +255,34 @@ def test_export_from_sharded_checkpoints_equals_the_unsharded_model(cache, tmp_p
         ours = load_checkpoint(ckpt)
         with torch.no_grad():
             torch.testing.assert_close(hf(ids).logits, ours(ids).logits, atol=1e-4, rtol=0)
+
+
+# -- bad input: one clear error before any work ------------------------------------------
+
+def test_missing_deepspeed_package_is_one_clear_error(monkeypatch):
+    import sys
+    from tformer.config import ConfigError
+    from tformer.parallel.deepspeed import _import_deepspeed
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed
+    with pytest.raises(ConfigError, match="needs the deepspeed package: DS_BUILD_OPS=0 pip install deepspeed"):
+        _import_deepspeed()
+
+
+def test_bad_deepspeed_config_and_fp16_on_cpu_are_refused(tmp_path, capsys):
+    from tformer.cli import main
+    from tformer.config import ConfigError
+    from tformer.parallel.deepspeed import deepspeed_config
+    cfg = load_config(CONFIGS / "gpt2-tiny.yaml", ["parallel.strategy=deepspeed",
+                                                   f"parallel.deepspeed_config={tmp_path / 'nope.json'}"])
+    with pytest.raises(ConfigError, match="nope.json does not exist"):
+        deepspeed_config(cfg, "bf16")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"zero_optimization": {"stage": 5}}')
+    cfg = load_config(CONFIGS / "gpt2-tiny.yaml", ["parallel.strategy=deepspeed", f"parallel.deepspeed_config={bad}"])
+    with pytest.raises(ConfigError, match="stage=5; use 0, 1, 2 or 3"):
+        deepspeed_config(cfg, "bf16")
+    # fp16 is refused on this CPU before any process group or model is made
+    assert main(["train", str(CONFIGS / "gpt2-tiny.yaml"), "precision=fp16", "device=cpu",
+                 "parallel.strategy=fsdp", f"output_dir={tmp_path / 'run'}"]) == 2
+    assert "precision=fp16 needs a CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())

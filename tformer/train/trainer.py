@@ -61,11 +61,14 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, callbacks=()):
         self.cfg = cfg
         self.callbacks = list(callbacks)
+        # Refuse what this device cannot run before any work (process group, data, model).
+        use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda" if use_cuda else "cpu")
+        self.precision = resolve_precision(cfg.precision, self.device)
+        self._check_support()
         self.dist = init_distributed(cfg.device, cfg.parallel.backend,
                                      always=cfg.parallel.strategy != "ddp")
         self.device = self.dist.device
-        self.precision = resolve_precision(cfg.precision, self.device)
-        self._check_support()
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
         if self.dist.is_main:
