@@ -59,6 +59,12 @@ def _worker(rank, world, port, jobs, out, cache):
         stamps = []
         t = Trainer(cfg, callbacks=[lambda tr, rec: stamps.append(time.perf_counter())])
         t.fit()
+        # Peak model state: parameters, optimizer states *and* gradients, i.e. after a backward
+        # (the trainer frees gradients after each step).
+        batch = t.data.collator([t.data.train[i] for i in range(cfg.micro_batch_size)])
+        with t._autocast():
+            loss = t.wrapped(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        t.strategy.backward(loss, True, None)
         local, total = param_counts(t.model)
         state = model_state_bytes(t.model, t.optimizer)
         rate = (len(stamps) - 1) * cfg.micro_batch_size * cfg.data.seq_len * world / (stamps[-1] - stamps[0])
@@ -74,7 +80,7 @@ def run_two(jobs, out, cache):
 
 
 def common(precision: str) -> list[str]:
-    return [*MODEL_50M, "data.seq_len=64", "micro_batch_size=2", f"precision={precision}", "eval_every=0",
+    return [*MODEL_50M, "data.seq_len=16", "micro_batch_size=1", f"precision={precision}", "eval_every=0",
             "save_every=0", "eval_batches=1", "progress=false", "log_every=1000", "resume=none"]
 
 
@@ -141,7 +147,8 @@ def throughput_part(tmp: str, cache: str) -> None:
     names = ("ddp", "fsdp", "zero2", "zero3")
     rates = {n: [] for n in names}
     for r in range(2):  # interleaved rounds
-        jobs = [(f"tp{r}-{name}", common("fp32") + STRATEGIES[name] + ["micro_batch_size=4"], 8) for name in names]
+        jobs = [(f"tp{r}-{name}", common("fp32") + STRATEGIES[name] + ["micro_batch_size=4", "data.seq_len=128"], 8)
+                for name in names]
         run_two(jobs, tmp, cache)
         for name in names:
             rates[name].append(float(open(f"{tmp}/tp{r}-{name}.txt").read().split()[2]))
