@@ -381,15 +381,15 @@ def print_table(rows: list[dict], gen: dict | None, slow_bf16: bool, probe: dict
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer steps, one retry, one generation run")
+    p.add_argument("--quick", action="store_true", help="4 timed steps, 1 warm-up, one generation run")
     p.add_argument("--family", default="gpt2,bert,t5", help="comma list of gpt2, bert, t5")
     p.add_argument("--precision", default="fp32,bf16", help="comma list of fp32, bf16")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (1 = least noise)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 8, quick 4)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 6, quick 4)")
     p.add_argument("--no-generate", action="store_true", help="skip the generation benchmark")
     args = p.parse_args(argv)
-    args.steps = args.steps or (4 if args.quick else 8)
-    args.warmup, args.retries, args.gen_repeats = (1, 1, 1) if args.quick else (2, 2, 2)
+    args.steps = args.steps or (4 if args.quick else 6)
+    args.warmup, args.retries, args.gen_repeats = (1, 1, 1) if args.quick else (2, 1, 2)
     families = [f for f in args.family.split(",") if f]
     precisions = [x for x in args.precision.split(",") if x]
     if bad := [f for f in families if f not in SHAPES]:

@@ -201,8 +201,12 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         ds, cfg = self.data.validation, self.cfg
-        n = min(len(ds), cfg.eval_batches * cfg.micro_batch_size)
-        keys = list(range(self.dist.rank, n, self.dist.world_size))
+        # Every rank evaluates the same number of samples: sharded forwards (FSDP2, ZeRO-3) are
+        # collective, so a rank with one batch fewer would leave the others waiting.
+        world = self.dist.world_size
+        n = min(len(ds), max(cfg.eval_batches * cfg.micro_batch_size, world))
+        n -= n % world
+        keys = list(range(self.dist.rank, n, world))
         inputs_keys = MODEL_INPUTS[self.model_cfg.family]
         was_training = self.model.training
         self.model.eval()
