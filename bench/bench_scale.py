@@ -84,10 +84,10 @@ def common(precision: str) -> list[str]:
             "save_every=0", "eval_batches=1", "progress=false", "log_every=1000", "resume=none"]
 
 
-def memory_part(tmp: str, cache: str) -> None:
+def memory_part(tmp: str, cache: str, precisions=("bf16", "fp32")) -> None:
     from tformer.parallel.plan import model_state_bytes as formula
     n = 2
-    for precision in ("bf16", "fp32"):
+    for precision in precisions:
         jobs = [(f"{name}-{precision}", common(precision) + flags, 2) for name, flags in STRATEGIES.items()]
         run_two(jobs, tmp, cache)
         print(f"\n=== model-state memory per rank, {precision}{' mixed (fp32 master)' if precision == 'bf16' else ''}, N=2 ===")
@@ -163,11 +163,12 @@ def throughput_part(tmp: str, cache: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--part", choices=("memory", "ac", "throughput", "all"), default="all")
+    p.add_argument("--precisions", default="bf16,fp32", help="memory part: bf16 (mixed) and/or fp32")
     args = p.parse_args()
     cache = os.environ.get("TFORMER_CACHE") or str(Path.home() / ".cache" / "tformer")
     with tempfile.TemporaryDirectory() as tmp:
         if args.part in ("memory", "all"):
-            memory_part(tmp, cache)
+            memory_part(tmp, cache, tuple(args.precisions.split(",")))
         if args.part in ("ac", "all"):
             ac_part()
         if args.part in ("throughput", "all"):
