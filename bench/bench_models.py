@@ -381,7 +381,7 @@ def print_table(rows: list[dict], gen: dict | None, slow_bf16: bool, probe: dict
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="4 timed steps, 1 warm-up, one generation run")
+    p.add_argument("--quick", action="store_true", help="4 timed steps, 1 warm-up, one generation run (~half the time)")
     p.add_argument("--family", default="gpt2,bert,t5", help="comma list of gpt2, bert, t5")
     p.add_argument("--precision", default="fp32,bf16", help="comma list of fp32, bf16")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (1 = least noise)")
@@ -407,8 +407,8 @@ def main(argv=None) -> None:
           f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}; mm probe fp32 {probe['fp32']:.1f}, "
           f"bf16 {probe['bf16']:.1f} GFLOP/s{' -> bf16 rounds use toy shapes' if slow_bf16 else ''}")
     print(f"every contender: torch.optim.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True); "
-          f"{args.steps} interleaved steps after {args.warmup} warm-up; up to {args.retries} retries "
-          f"when best and median differ by > {NOISE:.0%}")
+          f"{args.steps} interleaved steps after {args.warmup} warm-up; {args.retries} retry if best and "
+          f"median step differ by > {NOISE:.0%}")
     rows = []
     for precision in precisions:
         for family in families:
