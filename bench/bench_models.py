@@ -1,7 +1,7 @@
 """Training throughput of tformer's three families against HF ``transformers`` and a single-file GPT.
 
     python bench/bench_models.py [--quick] [--family gpt2,bert,t5] [--precision fp32,bf16]
-                                 [--threads 2] [--no-generate]
+                                 [--threads 1] [--steps N] [--no-generate]
 
 For each family and precision (fp32, and bf16 under ``torch.autocast("cpu", torch.bfloat16)``) the
 contenders -- tformer, the HF model of identical configuration and, for GPT-2, a single-file
@@ -14,8 +14,10 @@ measurement whose best and median step differ by more than 10% is repeated a bou
 times, then reported as noisy. Last, KV-cached against uncached greedy generation of 256 tokens.
 
 Ratios are taken between median steps of interleaved contenders (contention hits all of them
-alike); the best-step ratio is printed beside it. This is a benchmark, not a test: the figures
-depend on the machine and on whatever else runs on it.
+alike); the best-step ratio is printed beside it. One thread by default (``--threads 2`` for both
+cores): on a shared machine a second thread waits at every parallel op whenever another process
+preempts it, which measures the scheduler more than the model. This is a benchmark, not a test: the
+figures depend on the machine and on whatever else runs on it.
 """
 from __future__ import annotations
 
@@ -384,7 +386,9 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="4 timed steps, 1 warm-up, one generation run (~half the time)")
     p.add_argument("--family", default="gpt2,bert,t5", help="comma list of gpt2, bert, t5")
     p.add_argument("--precision", default="fp32,bf16", help="comma list of fp32, bf16")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (1 = least noise)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch.set_num_threads; 1 by default: on the shared 2-core machine two threads stall at "
+                        "every parallel op another process preempts (best-vs-median gaps of 30-300%%)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 6, quick 4)")
     p.add_argument("--no-generate", action="store_true", help="skip the generation benchmark")
     args = p.parse_args(argv)
