@@ -208,19 +208,28 @@ def save_model_weights(model: torch.nn.Module, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
-    """The model of a checkpoint (or of a run directory's newest checkpoint), ready for inference."""
-    from ..models import build_model
-
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a run directory's newest complete checkpoint; verified (sizes
+    and CRC-32)."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    if (path / "checkpoints").is_dir() or (not (path / MARKER).exists() and not STEP_DIR.match(path.name)):
-        latest = find_latest(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
+        raise CheckpointError(f"checkpoint {path} does not exist; pass a run directory or "
+                              "RUN/checkpoints/step_XXXXXXXX")
+    is_run_dir = (path / "checkpoints").is_dir()
+    if is_run_dir or (not (path / MARKER).exists() and not STEP_DIR.match(path.name)):
+        latest = find_latest(path / "checkpoints" if is_run_dir else path)
         if latest is None:
             raise CheckpointError(f"no complete checkpoint under {path}")
         path = latest
     verify(path, deep=True)
+    return path
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
+    """The model of a checkpoint (or of a run directory's newest checkpoint), ready for inference."""
+    from ..models import build_model
+
+    path = resolve_checkpoint(path)
     state = read_trainer_state(path)
     model_cfg = state.get("model_config")
     if model_cfg is None:

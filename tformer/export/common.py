@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..checkpoint.io import MARKER, STEP_DIR, CheckpointError, find_latest, read_trainer_state, verify
+from ..checkpoint.io import CheckpointError, read_trainer_state, resolve_checkpoint
 from ..config import ConfigError, ModelConfig
 
 
@@ -140,23 +140,6 @@ def build_config(source: str, **fields: Any) -> ModelConfig:
 
 
 # -- reading our checkpoints -----------------------------------------------------------------
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a run directory's newest complete checkpoint; verified."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist; pass a run directory or "
-                              "RUN/checkpoints/step_XXXXXXXX")
-    is_run_dir = (path / "checkpoints").is_dir()
-    if is_run_dir or (not (path / MARKER).exists() and not STEP_DIR.match(path.name)):
-        root = path / "checkpoints" if is_run_dir else path
-        latest = find_latest(root)
-        if latest is None:
-            raise CheckpointError(f"no complete checkpoint under {path}")
-        path = latest
-    verify(path)
-    return path
 
 
 def read_model_state(checkpoint: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
