@@ -87,6 +87,7 @@ class DeepSpeedStrategy(Strategy):
         return model  # the engine is made with the optimizer, in setup_optimizer
 
     def setup_optimizer(self, optimizer):
+        self.base_optimizer = optimizer  # the torch AdamW whose state DeepSpeed fills on load
         self.engine, ds_optimizer, _, _ = self.deepspeed.initialize(
             model=self.model, optimizer=optimizer, config=self.ds_config)
         self.wrapped = self.engine
@@ -110,7 +111,8 @@ class DeepSpeedStrategy(Strategy):
     def save(self, tmp: Path, optimizer, scheduler, scaler) -> None:
         self.engine.save_checkpoint(str(tmp / "deepspeed"), tag=TAG)
         if self.dist.is_main:
-            torch_save_durable({"scheduler": scheduler.state_dict(), "scaler": None}, tmp / "scheduler.pt")
+            torch_save_durable({"scheduler": scheduler.state_dict(), "scaler": None,
+                                "param_groups": _hyperparameters(optimizer)}, tmp / "scheduler.pt")
 
     def load(self, path: Path, optimizer, scheduler, scaler, saved_world_size: int | None = None) -> None:
         ds_dir = path / "deepspeed"
@@ -123,6 +125,7 @@ class DeepSpeedStrategy(Strategy):
             load_dir, tag = universal.parent, universal.name
         else:
             load_dir, tag = ds_dir, TAG
+        own_groups = _hyperparameters(optimizer)
         try:
             loaded, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
                                                     load_lr_scheduler_states=False)
@@ -131,7 +134,29 @@ class DeepSpeedStrategy(Strategy):
                                   f"{str(e).splitlines()[0] if str(e) else ''}); use an earlier checkpoint") from None
         if loaded is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint in {load_dir / tag}")
-        scheduler.load_state_dict(torch_load_safe(path / "scheduler.pt")["scheduler"])
+        extra = torch_load_safe(path / "scheduler.pt")
+        if tag != TAG:
+            # ZeRO-3's universal load gives *every* param group the hyperparameters of group 0
+            # (deepspeed 0.19 stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3), so the
+            # no-decay group would suddenly decay. Put back each group's own values: the saved
+            # ones (lr, weight_decay, betas, ...), else this run's.
+            saved = extra.get("param_groups") or own_groups
+            groups = optimizer.param_groups
+            if len(saved) != len(groups):
+                raise CheckpointError(f"checkpoint {path} has {len(saved)} optimizer param groups but this "
+                                      f"run has {len(groups)}; resume with the same optimizer settings")
+            for group, values in zip(groups, saved):
+                group.update(values)
+            # ...and it hands every param group the *same* ``step`` tensor object: torch's AdamW
+            # increments it in place once per group, so Adam's step count (and with it the bias
+            # correction) would advance twice per step. Give each state its own copy.
+            for state in self.base_optimizer.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
+        scheduler.load_state_dict(extra["scheduler"])
+        if tag != TAG:  # the schedule's learning rates of the saved step (not this run's start)
+            for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
 
     def _universal(self, ds_dir: Path, saved_world_size: int) -> Path:
         """Convert a ZeRO checkpoint of another world size to DeepSpeed's universal format (once)."""
@@ -153,3 +178,8 @@ class DeepSpeedStrategy(Strategy):
 
     def clip_grad_norm(self, max_norm: float) -> float:  # the engine clips (gradient_clipping)
         raise RuntimeError("DeepSpeed clips inside engine.step()")
+
+
+def _hyperparameters(optimizer) -> list[dict]:
+    """Each param group's settings without its tensors (lr, weight_decay, betas, eps, ...)."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
