@@ -1,0 +1,347 @@
+"""Cluster launch: the shipped launch/ and slurm/ scripts, run for real.
+
+A two-node SLURM cluster (Debian's slurmctld + two slurmd + munge, started by
+tests/cluster/slurm_up.sh), torchrun agents on loopback and in two network namespaces, elastic
+restarts after a SIGKILL, and the deepspeed / accelerate launchers. Every run trains the same tiny
+GPT with 2 processes in total, so every run's final loss must equal the uninterrupted 2-process
+reference: the same global batch and data order, whatever launched it or interrupted it.
+
+Run alone with `pytest -m cluster`. The SLURM and network-namespace tests need root (CI is root);
+elsewhere they are skipped with the reason.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from train_helpers import ROOT, metrics
+
+pytestmark = pytest.mark.cluster
+
+BIN = Path(sys.executable).parent
+STEPS = 160
+SAVE_EVERY = 40
+TINY = ["progress=false", "log_every=1", "eval_every=0", "eval_batches=2", "model.vocab_size=2048",
+        "model.d_model=64", "model.d_ff=128", "model.num_layers=2", "data.seq_len=64",
+        "micro_batch_size=4", f"max_steps={STEPS}", f"save_every={SAVE_EVERY}", "seed=7"]
+RECIPE = str(ROOT / "configs" / "gpt2-tiny.yaml")
+SLURM_DIR = os.environ.get("TFORMER_SLURM_DIR", "/tmp/tformer-slurm")
+IS_ROOT = os.geteuid() == 0
+
+
+def need_root(what: str):
+    if not IS_ROOT:
+        if os.environ.get("CI"):
+            pytest.fail(f"{what} needs root, and CI must run it")
+        pytest.skip(f"{what} needs root")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def launch_env(cache: Path, **extra) -> dict:
+    env = dict(os.environ)
+    env.update(TFORMER_CACHE=str(cache), OMP_NUM_THREADS="1", TFORMER_DIST_TIMEOUT="120",
+               PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def final(run_dir: Path) -> dict:
+    """The last logged step of a run, which must be the recipe's last step."""
+    rows = metrics(run_dir)
+    assert rows, f"no metrics in {run_dir}"
+    last = rows[-1]
+    assert last["step"] == STEPS, f"run stopped at step {last['step']}, not {STEPS}"
+    assert (Path(run_dir) / "checkpoints" / f"step_{STEPS:08d}" / "COMPLETE").exists()
+    return last
+
+
+def assert_same_run(run_dir: Path, reference: dict, rel: float = 1e-6):
+    last = final(run_dir)
+    assert last["loss"] == pytest.approx(reference["loss"], rel=rel)
+    assert last["val_loss"] == pytest.approx(reference["val_loss"], rel=rel)
+
+
+def run(cmd, env, timeout=600, **kw) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, **kw)
+    assert p.returncode == 0, f"{cmd[0]} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p
+
+
+@pytest.fixture(scope="module")
+def reference(cache, tmp_path_factory) -> dict:
+    """Uninterrupted 2-process run on one node: the result every other launch must reproduce."""
+    out = tmp_path_factory.mktemp("reference")
+    run([str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={out}"],
+        launch_env(cache, NPROC_PER_NODE=2))
+    last = final(out)
+    assert last["loss"] < metrics(out)[0]["loss"] - 1.0  # it really trained
+    return last
+
+
+# ---------------------------------------------------------------- torchrun: several nodes, elastic
+
+def test_two_torchrun_agents_on_loopback_train_together(cache, reference, tmp_path):
+    port = free_port()
+    procs = [subprocess.Popen([str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
+                              env=launch_env(cache, NNODES=2, NPROC_PER_NODE=1, NODE_RANK=node,
+                                             HEAD_ADDR="127.0.0.1", RDZV_PORT=port, RDZV_ID="loopback"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
+    assert "node 1/2" in logs[1] and "2 rank(s)" in logs[0]
+    assert_same_run(tmp_path, reference)
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair, each with its own address on an interface named
+    eth0: two hosts on one machine. Torn down afterwards."""
+    need_root("network namespaces")
+    if shutil.which("ip") is None:
+        pytest.fail("iproute2 (`ip`) is missing: apt-get install iproute2")
+    tag = f"tf{os.getpid() % 100000}"
+    names, addrs = [f"{tag}a", f"{tag}b"], ["10.231.7.1", "10.231.7.2"]
+
+    def ip(*args):
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+    try:
+        for n in names:
+            ip("netns", "add", n)
+        ip("link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb")
+        for n, v, a in zip(names, (f"{tag}va", f"{tag}vb"), addrs):
+            ip("link", "set", v, "netns", n)
+            ip("-n", n, "link", "set", v, "name", "eth0")
+            ip("-n", n, "addr", "add", f"{a}/24", "dev", "eth0")
+            ip("-n", n, "link", "set", "eth0", "up")
+            ip("-n", n, "link", "set", "lo", "up")
+        yield names, addrs
+    finally:
+        for n in names:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
+def _eth0_bytes(ns: str) -> int:
+    out = subprocess.run(["ip", "-n", ns, "-s", "link", "show", "eth0"], capture_output=True, text=True,
+                         check=True).stdout.split("\n")
+    tx = out[out.index(next(line for line in out if "TX:" in line)) + 1].split()
+    return int(tx[0])
+
+
+def test_two_torchrun_agents_across_network_namespaces(cache, reference, tmp_path, two_hosts):
+    names, addrs = two_hosts
+    port = free_port()
+    procs = []
+    for node, (ns, addr) in enumerate(zip(names, addrs)):
+        env = launch_env(cache, NNODES=2, NPROC_PER_NODE=1, NODE_RANK=node, HEAD_ADDR=addrs[0],
+                         LOCAL_ADDR=addr, RDZV_PORT=port, RDZV_ID="netns", GLOO_SOCKET_IFNAME="eth0")
+        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, str(ROOT / "launch" / "torchrun.sh"), RECIPE,
+                                       *TINY, f"output_dir={tmp_path}"],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
+    assert_same_run(tmp_path, reference)
+    # The gradients crossed the veth link: each host sent at least one gradient copy per step.
+    grad_bytes = 206_336 * 4  # fp32 gradients of this model
+    for ns in names:
+        assert _eth0_bytes(ns) > STEPS * grad_bytes / 2
+
+
+def _workers(pid: int) -> list:
+    import psutil
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            cmd = " ".join(child.cmdline())
+            if "tformer" in cmd and "train" in cmd and "torchrun" not in cmd:
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def test_elastic_restart_after_a_rank_is_killed_resumes_and_finishes(cache, reference, tmp_path):
+    proc = subprocess.Popen([str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
+                            env=launch_env(cache, NPROC_PER_NODE=2, MAX_RESTARTS=1),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed_at = None
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and killed_at is None:
+            time.sleep(0.2)
+            done = [r["step"] for r in metrics(tmp_path)] if (tmp_path / "metrics.jsonl").exists() else []
+            if done and done[-1] >= SAVE_EVERY + 10:
+                victims = [w for w in _workers(proc.pid) if w.environ().get("LOCAL_RANK") == "1"]
+                assert victims, "no worker with LOCAL_RANK=1 found under torchrun"
+                victims[0].send_signal(signal.SIGKILL)
+                killed_at = done[-1]
+        assert killed_at is not None, "the run never got past the first checkpoint"
+        log = proc.communicate(timeout=600)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, log[-4000:]
+    assert killed_at < STEPS
+    resumed = re.findall(r"resumed from \S+step_(\d+) at step (\d+)", log)
+    assert resumed and int(resumed[-1][1]) >= SAVE_EVERY, log[-4000:]
+    assert_same_run(tmp_path, reference)
+
+
+# ---------------------------------------------------------------- deepspeed and accelerate launchers
+
+def test_deepspeed_launcher_runs_a_two_process_job(cache, reference, tmp_path):
+    p = run([str(ROOT / "launch" / "deepspeed.sh"), RECIPE, *TINY, f"output_dir={tmp_path}",
+             "parallel.zero_stage=2"], launch_env(cache, NPROC_PER_NODE=2, MASTER_PORT=free_port()))
+    assert "2 rank(s)" in p.stdout + p.stderr
+    ckpt = tmp_path / "checkpoints" / f"step_{STEPS:08d}"
+    assert any(ckpt.rglob("*optim_states*")), "not a DeepSpeed checkpoint"
+    assert_same_run(tmp_path, reference, rel=1e-5)
+
+
+def test_accelerate_launcher_runs_a_two_process_job(cache, reference, tmp_path):
+    p = run([str(ROOT / "launch" / "accelerate.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
+            launch_env(cache, NPROC_PER_NODE=2, MAIN_PORT=free_port()))
+    assert "2 rank(s)" in p.stdout + p.stderr
+    assert_same_run(tmp_path, reference)
+
+
+def test_launchers_refuse_missing_arguments_with_one_line():
+    for script in ("torchrun.sh", "deepspeed.sh", "accelerate.sh"):
+        p = subprocess.run([str(ROOT / "launch" / script)], capture_output=True, text=True)
+        assert p.returncode == 2 and p.stderr.strip().startswith("usage:")
+    p = subprocess.run([str(ROOT / "launch" / "torchrun.sh"), RECIPE], capture_output=True, text=True,
+                       env=launch_env(Path("/tmp"), NNODES=2))
+    assert p.returncode == 2 and "needs HEAD_ADDR" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- SLURM
+
+@pytest.fixture(scope="module")
+def slurm():
+    """A running two-node SLURM cluster; returns the environment that reaches it."""
+    need_root("the SLURM test cluster")
+    p = subprocess.run(["bash", str(ROOT / "tests" / "cluster" / "slurm_up.sh")], capture_output=True,
+                       text=True, timeout=600, env=dict(os.environ, TFORMER_SLURM_DIR=SLURM_DIR))
+    assert p.returncode == 0, f"slurm_up.sh failed:\n{p.stdout}\n{p.stderr}"
+    return {"SLURM_CONF": f"{SLURM_DIR}/slurm.conf"}
+
+
+def sbatch(slurm, cache, tmp_path, script, *args, sbatch_args=(), **env) -> str:
+    e = launch_env(cache, TFORMER_HOME=ROOT, **slurm, **env)
+    p = run(["sbatch", "--parsable", f"--chdir={tmp_path}", f"--output={tmp_path}/slurm-%j.out",
+             *sbatch_args, str(ROOT / "slurm" / script), *args], e)
+    return p.stdout.strip().split(";")[0]
+
+
+def job(slurm, job_id) -> dict:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                         env=dict(os.environ, **slurm), check=True).stdout
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+def wait_job(slurm, job_id, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                                     "OUT_OF_MEMORY"), timeout=600) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        info = job(slurm, job_id)
+        if info["JobState"] in states:
+            return info
+        time.sleep(0.5)
+    pytest.fail(f"job {job_id} still {info['JobState']} after {timeout} s")
+
+
+def job_log(tmp_path, job_id) -> str:
+    return (tmp_path / f"slurm-{job_id}.out").read_text()
+
+
+def test_slurm_single_node_job_with_two_tasks(slurm, cache, reference, tmp_path):
+    out = tmp_path / "run"
+    j = sbatch(slurm, cache, tmp_path, "single_node.sbatch", RECIPE, *TINY, f"output_dir={out}",
+               NPROC_PER_NODE=2)
+    info = wait_job(slurm, j)
+    log = job_log(tmp_path, j)
+    assert info["JobState"] == "COMPLETED", log[-4000:]
+    assert "world 2" in log and "2 rank(s)" in log
+    assert_same_run(out, reference)
+
+
+def test_slurm_two_node_job(slurm, cache, reference, tmp_path):
+    out = tmp_path / "run"
+    j = sbatch(slurm, cache, tmp_path, "multi_node.sbatch", RECIPE, *TINY, f"output_dir={out}",
+               sbatch_args=["--nodes=2"], NPROC_PER_NODE=1)
+    info = wait_job(slurm, j)
+    log = job_log(tmp_path, j)
+    assert info["JobState"] == "COMPLETED", log[-4000:]
+    assert info["NumNodes"] == "2" and info["NodeList"] == "node[1-2]"
+    assert f"rendezvous 127.0.0.1:" in log and f"id {j}" in log  # head = node1's NodeAddr, id = job id
+    assert "node 0/2" in log and "node 1/2" in log and "2 rank(s)" in log
+    assert_same_run(out, reference)
+
+
+def test_slurm_failing_job_reads_failed(slurm, cache, tmp_path):
+    j = sbatch(slurm, cache, tmp_path, "single_node.sbatch", RECIPE, *TINY, "optim.lrr=1",
+               f"output_dir={tmp_path / 'run'}")
+    info = wait_job(slurm, j)
+    log = job_log(tmp_path, j)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", info
+    assert "error: unknown config key optim.lrr; did you mean optim.lr?" in log, log[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_slurm_head_node_resolution_fails_loudly(slurm):
+    p = subprocess.run(["bash", "-c", f"source {ROOT}/slurm/lib.sh; tformer_head; echo reached"],
+                       capture_output=True, text=True,
+                       env=dict(os.environ, **slurm, SLURM_JOB_ID="1", SLURM_JOB_NODELIST="node[1-"))
+    assert p.returncode == 1 and "reached" not in p.stdout
+    assert "could not resolve the head node" in p.stderr
+
+
+def test_slurm_preemption_checkpoints_requeues_and_resumes(slurm, cache, reference, tmp_path):
+    out = tmp_path / "run"
+    j = sbatch(slurm, cache, tmp_path, "single_node.sbatch", RECIPE, *TINY, f"output_dir={out}",
+               NPROC_PER_NODE=2)
+    env = dict(os.environ, **slurm)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        rows = metrics(out) if (out / "metrics.jsonl").exists() else []
+        if rows and rows[-1]["step"] >= 20:
+            break
+        assert job(slurm, j)["JobState"] in ("PENDING", "RUNNING"), job_log(tmp_path, j)[-3000:]
+        time.sleep(0.2)
+    # What SLURM sends before the time limit (#SBATCH --signal=B:USR1@120), sent now.
+    subprocess.run(["scancel", "--batch", "--signal=USR1", j], env=env, check=True)
+    info = wait_job(slurm, j, states=("PENDING", "COMPLETED", "FAILED"), timeout=300)
+    while info["JobState"] == "RUNNING" or info.get("Restarts") == "0":
+        time.sleep(0.5)
+        info = job(slurm, j)
+    assert info["JobState"] == "PENDING" and info["Restarts"] == "1", info
+    # a requeued job waits for its BeginTime (about two minutes); start it now
+    subprocess.run(["scontrol", "update", f"jobid={j}", "StartTime=now"], env=env, check=True)
+    info = wait_job(slurm, j)
+    log = job_log(tmp_path, j)
+    assert info["JobState"] == "COMPLETED", log[-4000:]
+    stopped = re.search(r"stopped at step (\d+) \(signal SIGUSR1\)", log)
+    resumed = re.search(r"resumed from \S+ at step (\d+)", log)
+    assert stopped and resumed, log[-4000:]
+    assert 20 <= int(stopped.group(1)) == int(resumed.group(1)) < STEPS
+    assert_same_run(out, reference)
