@@ -78,6 +78,13 @@ def _worker(rank, world, port, jobs, cache):
             if report is not None:
                 local, total = param_counts(trainer.model)
                 Path(report + f".rank{rank}").write_text(f"{local} {total}")
+                if trainer.strategy.name == "deepspeed":  # what the engine really runs
+                    engine = trainer.strategy.engine
+                    devices = [getattr(o, "device", None) for o in (engine.zero_offload_optimizer(),
+                                                                     engine.zero_offload_param())]
+                    Path(report + f".engine{rank}").write_text(" ".join(
+                        [type(engine.optimizer).__name__, type(engine.optimizer.optimizer).__name__,
+                         *(str(getattr(d, "value", d)) for d in devices)]))
             from torch._dynamo.utils import counters
             if cfg.compile:
                 torch._dynamo.reset()  # this run compiles its own graphs (not those of an earlier job)
@@ -257,6 +264,28 @@ def test_deepspeed_resume_same_world_size_and_on_one_rank(cache, tmp_path):
     assert [g["weight_decay"] for g in inner["param_groups"]] == [0.1, 0.0]
 
 
+def test_zero3_offload_trains_and_matches_the_single_process_run(cache, tmp_path_factory):
+    """configs/deepspeed/zero3-offload.json (optimizer + parameter CPU offload) on 2 ranks: torch
+    AdamW steps the offloaded fp32 partitions, so no DeepSpeed C++ op (CPUAdam) is needed, and the
+    losses are those of one process."""
+    pytest.importorskip("deepspeed")
+    tmp_path = tmp_path_factory.mktemp("offload")
+    flags = ["parallel.strategy=deepspeed", f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / 'zero3-offload.json'}"]
+    run_two_ranks([("gpt2-tiny", small_overrides("gpt2-tiny", tmp_path / "run", *COMMON, "precision=fp32", *flags),
+                    None, str(tmp_path / "report"))], cache)
+    for rank in (0, 1):
+        assert (tmp_path / f"report.engine{rank}").read_text() == "DeepSpeedZeroOptimizer_Stage3 AdamW cpu cpu"
+        local, total = map(int, (tmp_path / f"report.rank{rank}").read_text().split())
+        assert abs(local / total - 0.5) < 0.02
+    if ("gpt2-tiny", "fp32") not in REFERENCES:
+        REFERENCES["gpt2-tiny", "fp32"] = reference("gpt2-tiny", tmp_path_factory.mktemp("ref"), *COMMON,
+                                                    "precision=fp32")
+    ref, got = REFERENCES["gpt2-tiny", "fp32"], losses(tmp_path / "run")
+    assert list(got) == list(ref) == [1, 2, 3, 4, 5]
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+
+
 def test_export_from_sharded_checkpoints_equals_the_unsharded_model(cache, tmp_path):
     """A 2-rank FSDP2 checkpoint and a 2-rank ZeRO-3 checkpoint export to HF exactly as the full
     model they hold (gathered from the live shards at the same step)."""
@@ -320,3 +349,34 @@ def test_bad_deepspeed_config_and_fp16_on_cpu_are_refused(tmp_path, capsys):
                  "parallel.strategy=fsdp", f"output_dir={tmp_path / 'run'}"]) == 2
     assert "precision=fp16 needs a CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("case", ["nvme-without-aio", "force-ds-cpu-adam", "optimizer-section"])
+def test_offload_a_missing_op_cannot_serve_is_one_clear_error_before_any_work(tmp_path, capsys, monkeypatch, case):
+    """NVMe offload needs DeepSpeed's async_io op (not in a DS_BUILD_OPS=0 install without
+    libaio-dev, as here); DeepSpeed's own CPUAdam or optimizer section is never used. Each is one
+    line naming the problem and the fix, before a process group, data or model exists."""
+    pytest.importorskip("deepspeed")
+    import json
+
+    import tformer.parallel.deepspeed as tds
+    from tformer.cli import main
+    ds = json.loads((CONFIGS / "deepspeed" / "zero3-offload.json").read_text())
+    if case == "nvme-without-aio":
+        ds["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+        monkeypatch.setattr(tds, "_op_available", lambda builder: False)  # as on this machine
+        expected = "offload_param to nvme needs DeepSpeed's async_io op"
+    elif case == "force-ds-cpu-adam":
+        ds["zero_force_ds_cpu_optimizer"] = True
+        expected = '"zero_force_ds_cpu_optimizer": true, which demands DeepSpeed\'s CPUAdam op'
+    else:
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+        expected = 'has an "optimizer" section, but tformer makes the optimizer'
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    run = tmp_path / "run"
+    assert main(["train", str(CONFIGS / "gpt2-tiny.yaml"), "parallel.strategy=deepspeed",
+                 f"parallel.deepspeed_config={path}", f"output_dir={run}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and len(err.splitlines()) == 1, err
+    assert not run.exists()  # nothing was started

@@ -63,17 +63,51 @@ def deepspeed_config(cfg, precision: str) -> dict:
     if precision == "fp16":
         ds["fp16"] = {"enabled": True}
     zero = ds.setdefault("zero_optimization", {})
+    where = f"parallel.deepspeed_config={pcfg.deepspeed_config}" if pcfg.deepspeed_config else "DeepSpeed config"
     if zero.get("stage") not in (0, 1, 2, 3):
         raise ConfigError(f"DeepSpeed zero_optimization.stage={zero.get('stage')!r}; use 0, 1, 2 or 3")
+    for section in ("optimizer", "scheduler"):
+        if section in ds:
+            raise ConfigError(f"{where} has an \"{section}\" section, but tformer makes the optimizer and LR "
+                              f"schedule itself (torch AdamW, optim.*): remove the section")
     if zero.get("offload_optimizer") or zero.get("offload_param"):
-        ds.setdefault("zero_force_ds_cpu_optimizer", False)  # torch AdamW steps the offloaded states
+        # torch AdamW steps the offloaded states; DeepSpeed's CPUAdam (a C++ op) is never used
+        if ds.setdefault("zero_force_ds_cpu_optimizer", False):
+            raise ConfigError(f"{where} sets \"zero_force_ds_cpu_optimizer\": true, which demands DeepSpeed's "
+                              "CPUAdam op; tformer steps offloaded states with torch AdamW: set it to false")
     ds.pop("train_batch_size", None)  # derived by DeepSpeed from micro batch x accumulation x ranks
     return ds
+
+
+def _op_available(builder: str) -> bool:
+    """A DeepSpeed C++ op is prebuilt in this install, or can be compiled here on first use."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+    op = get_accelerator().create_op_builder(builder)
+    return op is not None and bool(installed_ops.get(op.NAME) or op.is_compatible(verbose=False))
+
+
+def check_offload_ops(ds: dict, where: str) -> None:
+    """ZeRO-Infinity (offload to NVMe) needs the async_io op: refuse it before any work if absent."""
+    zero = ds.get("zero_optimization", {})
+    nvme = [key for key in ("offload_optimizer", "offload_param")
+            if isinstance(zero.get(key), dict) and zero[key].get("device") == "nvme"]
+    if nvme and not _op_available("AsyncIOBuilder"):
+        raise ConfigError(f"{where}: zero_optimization.{nvme[0]} to nvme needs DeepSpeed's async_io op, which "
+                          "this install cannot load or build (libaio-dev missing?); use \"device\": \"cpu\", or "
+                          "install libaio-dev and reinstall with DS_BUILD_AIO=1 pip install deepspeed")
 
 
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
     owns_step = True
+
+    @classmethod
+    def check(cls, cfg, precision: str) -> None:
+        """Everything that can be refused before the process group, data and model exist."""
+        _import_deepspeed()
+        ds = deepspeed_config(cfg, precision)
+        check_offload_ops(ds, f"parallel.deepspeed_config={cfg.parallel.deepspeed_config}")
 
     def wrap(self, model):
         self.deepspeed = _import_deepspeed()

@@ -37,6 +37,10 @@ class Strategy:
             compile_blocks(model)
         self.wrapped = self.wrap(model)
 
+    @classmethod
+    def check(cls, cfg, precision: str) -> None:
+        """Refuse what the installed packages cannot run, before any distributed work."""
+
     # -- wrapping and stepping -------------------------------------------------------------
     def wrap(self, model):
         if not self.dist.distributed:

@@ -112,6 +112,7 @@ class Trainer:
                               f"{self.device.type}); use precision=bf16 or precision=fp32")
         if self.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("precision=bf16 is not supported by this GPU; use precision=fp16")
+        strategy_class(cfg.parallel.strategy).check(cfg, self.precision)  # e.g. DeepSpeed missing
 
     def _autocast(self):
         if self.precision == "fp32":
