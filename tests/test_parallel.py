@@ -1,5 +1,6 @@
 """Scale features on CPU: activation checkpointing, FSDP2 over 2 gloo processes, DCP resume
 (same and different world size)."""
+import math
 import os
 import socket
 from pathlib import Path
@@ -13,7 +14,7 @@ from tformer.parallel.ac import apply_activation_checkpointing
 from tformer.train.config import load_config
 from tformer.train.trainer import Trainer
 
-from train_helpers import CONFIGS, losses, small_overrides
+from train_helpers import CONFIGS, losses, metrics, small_overrides
 
 from conftest import TINY
 
@@ -70,11 +71,13 @@ def _worker(rank, world, port, jobs, cache):
     import torch.distributed as dist
     from tformer.parallel.strategy import param_counts
     try:
-        for recipe, overrides, stop_at, report in jobs:
+        for recipe, overrides, stop_at, report, *poison in jobs:
             cfg = load_config(CONFIGS / f"{recipe}.yaml", overrides)
             stop = [] if stop_at is None else [
                 lambda t, rec: setattr(t, "_stop_reason", "test stop") if rec["step"] == stop_at else None]
             trainer = Trainer(cfg, callbacks=stop)
+            if poison and poison[0][0] == rank:
+                _poison_first_micro_batch(trainer, poison[0][1])
             if report is not None:
                 local, total = param_counts(trainer.model)
                 Path(report + f".rank{rank}").write_text(f"{local} {total}")
@@ -98,6 +101,19 @@ def _worker(rank, world, port, jobs, cache):
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _poison_first_micro_batch(trainer, step):
+    """A NaN loss in the first micro-batch of optimizer step ``step`` (this rank only)."""
+    forward, seen = trainer.model.forward, []
+
+    def patched(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if trainer.step + 1 == step and torch.is_grad_enabled() and not seen:
+            seen.append(1)
+            out.loss = out.loss * float("nan")
+        return out
+    trainer.model.forward = patched
 
 
 def _dump_full_model(trainer, path):
@@ -284,6 +300,28 @@ def test_zero3_offload_trains_and_matches_the_single_process_run(cache, tmp_path
     assert list(got) == list(ref) == [1, 2, 3, 4, 5]
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+
+
+def test_deepspeed_skips_a_nonfinite_step_like_ddp_or_stops(cache, tmp_path):
+    """A NaN loss in one micro-batch on one rank at step 3: under ZeRO 1/2/3 the engine drops that
+    update on both ranks (its global gradient norm is not finite), the LR schedule does not
+    advance, and the run goes on exactly as DDP's skip does. With on_nonfinite=stop it stops."""
+    pytest.importorskip("deepspeed")
+    runs = {"ddp": STRATEGIES["ddp"], **{f"zero{k}": _ds(k) for k in (1, 2, 3)}}
+    common = [*COMMON, "precision=fp32", "model.dropout=0.0", "grad_accum=2"]
+    run_two_ranks([("gpt2-tiny", small_overrides("gpt2-tiny", tmp_path / name, *common, *flags), None, None,
+                    (1, 3)) for name, flags in runs.items()], cache)
+    ddp = metrics(tmp_path / "ddp")
+    for name in runs:
+        rows = {r["step"]: r for r in metrics(tmp_path / name)}
+        assert list(rows) == [1, 2, 3, 4, 5], name
+        assert math.isnan(rows[3]["loss"]) and rows[4]["lr"] == rows[3]["lr"], name  # skipped
+        for step in (1, 2, 4, 5):
+            assert rows[step]["loss"] == pytest.approx(ddp[step - 1]["loss"], rel=1e-5), (name, step)
+    stop = small_overrides("gpt2-tiny", tmp_path / "stop", *common, *_ds(3), "on_nonfinite=stop")
+    with pytest.raises(Exception, match=r"NonFiniteLoss: non-finite loss=nan at step 3; stopping"):
+        run_two_ranks([("gpt2-tiny", stop, None, None, (0, 3))], cache)
+    assert [r["step"] for r in metrics(tmp_path / "stop")] == [1, 2]
 
 
 def test_export_from_sharded_checkpoints_equals_the_unsharded_model(cache, tmp_path):

@@ -132,13 +132,30 @@ class DeepSpeedStrategy(Strategy):
         return contextlib.nullcontext()
 
     def backward(self, loss, last_micro: bool, scaler=None) -> None:
-        # The trainer already divided the loss by the accumulation steps.
+        # The trainer already divided the loss by the accumulation steps. A non-finite loss in any
+        # micro-batch of this rank makes the last one's gradients NaN (no host sync): the gradient
+        # reduction spreads them, the engine's global norm is then non-finite on every rank, and
+        # every rank skips the update together (see ``step``).
+        finite = torch.isfinite(loss.detach())
+        self._finite = finite if getattr(self, "_finite", None) is None else self._finite & finite
+        if last_micro:
+            loss = loss * torch.where(self._finite, 1.0, float("nan"))
+            self._finite = None
         self.engine.backward(loss, scale_wrt_gas=False)
         if not last_micro:
             self.engine.step()  # advances DeepSpeed's micro-step count; no update off the boundary
 
+    @property
+    def can_skip(self) -> bool:
+        """ZeRO 1/2/3 and DeepSpeed's bf16 optimizer discard a step whose global gradient norm is
+        not finite (and clear its gradients); a plain torch optimizer under stage 0 fp32 does not."""
+        return hasattr(self.engine.optimizer, "overflow")
+
     def step(self) -> float:
+        """Clip and update; sets ``step_applied`` (False: the engine skipped a non-finite step)."""
+        skipped = self.engine.skipped_steps
         self.engine.step()
+        self.step_applied = self.engine.skipped_steps == skipped
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 

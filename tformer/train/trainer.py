@@ -352,12 +352,18 @@ class Trainer:
     def _update(self, loss: float) -> float:
         """Clip, step the optimizer and the LR schedule; returns the gradient norm. A non-finite
         loss or gradient norm skips the update (or stops the run, see ``_nonfinite``)."""
-        if self.strategy.owns_step:  # DeepSpeed clips and steps inside its engine; it cannot skip
-            if not math.isfinite(loss):
-                self.skipped = self.cfg.max_skipped_steps
+        if self.strategy.owns_step:  # DeepSpeed clips and steps in its engine, which skips non-finite steps
+            if not math.isfinite(loss) and not self.strategy.can_skip:
+                self.skipped = self.cfg.max_skipped_steps  # stop before an update we could not undo
                 self._nonfinite(loss, float("nan"))
             grad_norm = self.strategy.step()
-            self.scheduler.step()
+            if self.strategy.step_applied and math.isfinite(loss):
+                self.scheduler.step()
+                self.skipped = 0
+            else:
+                if self.strategy.step_applied:  # the engine updated anyway: stop, don't go on
+                    self.skipped = self.cfg.max_skipped_steps
+                self._nonfinite(loss, grad_norm)
             return grad_norm
         grad_norm = float("nan")
         if math.isfinite(loss):
