@@ -215,7 +215,8 @@ def test_deepspeed_launcher_runs_a_two_process_job(cache, reference, tmp_path):
     assert "2 rank(s)" in p.stdout + p.stderr
     ckpt = tmp_path / "checkpoints" / f"step_{STEPS:08d}"
     assert any(ckpt.rglob("*optim_states*")), "not a DeepSpeed checkpoint"
-    assert_same_run(tmp_path, reference, rel=1e-5)
+    # ZeRO-2 reduces and steps on partitions: same run up to float reordering over 160 steps
+    assert_same_run(tmp_path, reference, rel=1e-3)
 
 
 def test_accelerate_launcher_runs_a_two_process_job(cache, reference, tmp_path):
@@ -309,11 +310,17 @@ def test_slurm_failing_job_reads_failed(slurm, cache, tmp_path):
 
 
 def test_slurm_head_node_resolution_fails_loudly(slurm):
-    p = subprocess.run(["bash", "-c", f"source {ROOT}/slurm/lib.sh; tformer_head; echo reached"],
-                       capture_output=True, text=True,
-                       env=dict(os.environ, **slurm, SLURM_JOB_ID="1", SLURM_JOB_NODELIST="node[1-"))
-    assert p.returncode == 1 and "reached" not in p.stdout
-    assert "could not resolve the head node" in p.stderr
+    def head(nodelist):
+        return subprocess.run(["bash", "-c", f"source {ROOT}/slurm/lib.sh; tformer_head; echo $HEAD_ADDR"],
+                              capture_output=True, text=True,
+                              env=dict(os.environ, **slurm, SLURM_JOB_ID="1", SLURM_JOB_NODELIST=nodelist))
+    assert head("node[1-2]").stdout.strip() == "127.0.0.1"  # node1's NodeAddr
+    for nodelist, message in [("", "SLURM_JOB_NODELIST is not set"),
+                              ("nosuchnode-tformer[1-2]",
+                               "could not resolve an address for head node 'nosuchnode-tformer1'")]:
+        p = head(nodelist)
+        assert p.returncode == 1 and p.stdout == "", p.stdout
+        assert message in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 
 def test_slurm_preemption_checkpoints_requeues_and_resumes(slurm, cache, reference, tmp_path):
@@ -345,3 +352,21 @@ def test_slurm_preemption_checkpoints_requeues_and_resumes(slurm, cache, referen
     assert stopped and resumed, log[-4000:]
     assert 20 <= int(stopped.group(1)) == int(resumed.group(1)) < STEPS
     assert_same_run(out, reference)
+
+
+def test_slurm_chained_jobs_continue_one_run(slurm, cache, reference, tmp_path):
+    out = tmp_path / "run"
+    env = launch_env(cache, TFORMER_HOME=ROOT, NPROC_PER_NODE=2, **slurm)
+    p = run([str(ROOT / "slurm" / "chain.sh"), "5", str(ROOT / "slurm" / "single_node.sbatch"),
+             f"--chdir={tmp_path}", f"--output={tmp_path}/slurm-%j.out", "--", RECIPE, *TINY,
+             f"output_dir={out}", "max_time=5"], env)
+    ids = p.stdout.split()
+    assert len(ids) == 5
+    for j in ids:
+        assert wait_job(slurm, j)["JobState"] == "COMPLETED", job_log(tmp_path, j)[-3000:]
+    logs = [job_log(tmp_path, j) for j in ids]
+    assert "(max_time)" in logs[0] and "resumed from" not in logs[0]
+    assert "resumed from" in logs[1]  # the second link continued the first one's run
+    assert_same_run(out, reference)
+    bad = subprocess.run([str(ROOT / "slurm" / "chain.sh"), "0", "x.sbatch", RECIPE], capture_output=True, text=True)
+    assert bad.returncode == 2 and "N must be a positive number" in bad.stderr
