@@ -199,7 +199,8 @@ def matmul_contender(dtype: torch.dtype, n: int, budget_s: float) -> Contender:
 
 
 def contenders_for(family: str, toy: bool) -> tuple:
-    """tformer, HF and (GPT-2) the baseline, all fed the same batch."""
+    """tformer, HF and (GPT-2) the baseline, all fed the same batch. tformer runs as its trainer does
+    (``return_logits=False``: loss only; for BERT the MLM head at the masked positions only)."""
     over = dict(SHAPES[family])
     preset = over.pop("preset")
     sizes = TOY_SIZES if toy else SIZES
@@ -223,18 +224,18 @@ def contenders_for(family: str, toy: bool) -> tuple:
         base = MiniGPT(cfg.vocab_size, cfg.max_seq_len, cfg.d_model, cfg.num_heads, cfg.num_layers, cfg.d_ff)
         if num_params(base) != num_params(ours):
             raise SystemExit(f"baseline has {num_params(base):,} parameters, tformer {num_params(ours):,}")
-        contenders = [Contender("tformer", ours, lambda: ours(ids, labels=shifted).loss, flops, tokens),
+        contenders = [Contender("tformer", ours, lambda: ours(ids, labels=shifted, return_logits=False).loss, flops, tokens),
                       Contender("HF", hf, lambda: hf(input_ids=ids, labels=ids).loss, flops, tokens),
                       Contender("baseline", base, lambda: base(ids, shifted), flops, tokens)]
     elif family == "bert":
         labels = ids.masked_fill(torch.rand(b, s, generator=gen) >= 0.15, -100)
         flops, tokens = training_flops(cfg, b, s), b * s
-        contenders = [Contender("tformer", ours, lambda: ours(ids, labels=labels).loss, flops, tokens),
+        contenders = [Contender("tformer", ours, lambda: ours(ids, labels=labels, return_logits=False).loss, flops, tokens),
                       Contender("HF", hf, lambda: hf(input_ids=ids, labels=labels).loss, flops, tokens)]
     else:
         target = torch.randint(2, cfg.vocab_size, (b, t), generator=gen)
         flops, tokens = training_flops(cfg, b, s, t), b * (s + t)
-        contenders = [Contender("tformer", ours, lambda: ours(ids, labels=target).loss, flops, tokens),
+        contenders = [Contender("tformer", ours, lambda: ours(ids, labels=target, return_logits=False).loss, flops, tokens),
                       Contender("HF", hf, lambda: hf(input_ids=ids, labels=target).loss, flops, tokens)]
     return cfg, sizes, contenders
 

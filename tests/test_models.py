@@ -256,3 +256,31 @@ def test_models_never_import_torch_distributed():
     root = pathlib.Path(tformer.__file__).parent
     for path in list((root / "models").glob("*.py")) + list((root / "nn").glob("*.py")):
         assert "torch.distributed" not in path.read_text(), path
+
+
+@pytest.mark.parametrize("preset", TINY)
+def test_loss_only_forward_gives_the_same_loss_and_gradients(preset):
+    """return_logits=False (the trainer's path; for BERT the MLM head runs at masked positions
+    only) must be the full forward's loss and gradients, not an approximation."""
+    torch.manual_seed(0)
+    model = build_model(preset).double()
+    model.train(False)
+    b, s = 3, 12
+    vocab = model.config.vocab_size
+    ids = torch.randint(5, vocab, (b, s))
+    labels = ids.masked_fill(torch.rand(b, s) > 0.3, -100)  # sparse labels, as in MLM
+    labels[:, 0] = ids[:, 0]
+    mask = torch.ones(b, s, dtype=torch.long)
+    mask[1, -3:] = 0
+    results = []
+    for return_logits in (True, False):
+        model.zero_grad()
+        out = model(ids, attention_mask=mask, labels=labels, return_logits=return_logits)
+        out.loss.backward()
+        assert (out.logits is not None) == return_logits
+        results.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (full, full_grads), (only, only_grads) = results
+    # the loss itself is computed in fp32 (lm_loss): equal up to fp32 summation order
+    torch.testing.assert_close(only, full, rtol=1e-6, atol=0)
+    for name, g in full_grads.items():
+        torch.testing.assert_close(only_grads[name], g, rtol=1e-5, atol=1e-8, msg=name)

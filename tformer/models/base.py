@@ -14,7 +14,7 @@ from ..nn import LearnedPositions, SinusoidalPositions, make_norm
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor
+    logits: torch.Tensor | None      # None when the forward was asked for the loss only
     loss: torch.Tensor | None = None
     cache: Any = None
     encoder_hidden: torch.Tensor | None = None
@@ -88,6 +88,22 @@ class TformerModel(nn.Module):
         if self.config.padded_vocab_size != self.config.vocab_size:
             logits = logits[..., : self.config.vocab_size]
         return logits
+
+    def _head_and_loss(self, hidden: torch.Tensor, labels: torch.Tensor | None, return_logits: bool,
+                       head, labelled_only: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Apply the output ``head`` (hidden -> logits) and the loss.
+
+        ``return_logits=False`` (the trainer's path, labels required) returns no logits, so the
+        vocabulary-wide tensor is freed as soon as the loss has it. With ``labelled_only`` the head
+        then runs only where a label is set (masked LM: ~15% of positions); the loss and every
+        gradient are those of the full head, since unlabelled positions contribute nothing."""
+        if labels is None or return_logits:
+            logits = head(hidden)
+            return logits, (lm_loss(logits, labels) if labels is not None else None)
+        if labelled_only:
+            keep = labels != -100
+            hidden, labels = hidden[keep], labels[keep]
+        return None, lm_loss(head(hidden), labels)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..nn import StackCache, TransformerStack
-from .base import Embeddings, ModelOutput, TformerModel, default_positions, lm_loss
+from .base import Embeddings, ModelOutput, TformerModel, default_positions
 
 
 def shift_right(labels: torch.Tensor, start_id: int, pad_id: int) -> torch.Tensor:
@@ -40,12 +40,22 @@ class EncoderDecoderModel(TformerModel):
     def decode(self, decoder_input_ids: torch.Tensor, memory: torch.Tensor,
                memory_mask: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None,
                cache: StackCache | None = None) -> torch.Tensor:
+        """Decoder logits for ``decoder_input_ids`` attending to the encoder output ``memory``."""
+        return self._output_logits(self.decoder_hidden(decoder_input_ids, memory, memory_mask,
+                                                       decoder_attention_mask, cache))
+
+    def decoder_hidden(self, decoder_input_ids: torch.Tensor, memory: torch.Tensor,
+                       memory_mask: torch.Tensor | None = None,
+                       decoder_attention_mask: torch.Tensor | None = None,
+                       cache: StackCache | None = None) -> torch.Tensor:
         offset = cache.length if cache is not None else 0
         self._check_length(decoder_input_ids.shape[1], offset)
         positions = default_positions(decoder_input_ids, offset)
         x = self.embed(decoder_input_ids, positions)
-        h = self.decoder(x, decoder_attention_mask, positions=positions, memory=memory,
-                         memory_mask=memory_mask, cache=cache)
+        return self.decoder(x, decoder_attention_mask, positions=positions, memory=memory,
+                            memory_mask=memory_mask, cache=cache)
+
+    def _output_logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.config.tie_embeddings and self.config.tied_output_scale:
             h = h * self.config.d_model ** -0.5  # T5 rescales before the tied output projection
         return self._logits(h)
@@ -53,7 +63,8 @@ class EncoderDecoderModel(TformerModel):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 decoder_input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 decoder_attention_mask: torch.Tensor | None = None,
-                encoder_hidden: torch.Tensor | None = None, cache: StackCache | None = None) -> ModelOutput:
+                encoder_hidden: torch.Tensor | None = None, cache: StackCache | None = None,
+                return_logits: bool = True) -> ModelOutput:
         """``labels`` are the decoder targets; without ``decoder_input_ids`` they are shifted right
         behind ``decoder_start_token_id`` to form the decoder input (teacher forcing)."""
         if decoder_input_ids is None:
@@ -63,6 +74,6 @@ class EncoderDecoderModel(TformerModel):
             decoder_input_ids = shift_right(labels, cfg.decoder_start_token_id, cfg.pad_token_id)
         if encoder_hidden is None:
             encoder_hidden = self.encode(input_ids, attention_mask)
-        logits = self.decode(decoder_input_ids, encoder_hidden, attention_mask, decoder_attention_mask, cache)
-        loss = lm_loss(logits, labels) if labels is not None else None
+        h = self.decoder_hidden(decoder_input_ids, encoder_hidden, attention_mask, decoder_attention_mask, cache)
+        logits, loss = self._head_and_loss(h, labels, return_logits, self._output_logits)
         return ModelOutput(logits, loss, cache, encoder_hidden)

@@ -7,7 +7,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..nn import TransformerStack, make_norm
 from ..nn.ffn import ACTIVATIONS
-from .base import Embeddings, ModelOutput, TformerModel, default_positions, lm_loss
+from .base import Embeddings, ModelOutput, TformerModel, default_positions
 
 
 class EncoderModel(TformerModel):
@@ -35,7 +35,12 @@ class EncoderModel(TformerModel):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> ModelOutput:
+                position_ids: torch.Tensor | None = None, return_logits: bool = True) -> ModelOutput:
+        """``return_logits=False`` (with labels) runs the MLM head at the masked positions only and
+        returns the loss without logits: the same loss and gradients for a fraction of the head."""
         h = self.hidden_states(input_ids, attention_mask, token_type_ids, position_ids)
-        logits = self._logits(self.head_norm(self.head_act(self.head_dense(h))))
-        return ModelOutput(logits, lm_loss(logits, labels) if labels is not None else None)
+        logits, loss = self._head_and_loss(h, labels, return_logits, self._mlm_head, labelled_only=True)
+        return ModelOutput(logits, loss)
+
+    def _mlm_head(self, h: torch.Tensor) -> torch.Tensor:
+        return self._logits(self.head_norm(self.head_act(self.head_dense(h))))
