@@ -66,11 +66,12 @@ def _worker(rank, world, port, jobs, out, cache):
             loss = t.wrapped(input_ids=batch["input_ids"], labels=batch["labels"]).loss
         t.strategy.backward(loss, True, None)
         local, total = param_counts(t.model)
-        state = model_state_bytes(t.model, t.optimizer)
+        buffers = {}
+        state = model_state_bytes(t.model, t.optimizer, buffers)
         rate = (len(stamps) - 1) * cfg.micro_batch_size * cfg.data.seq_len * world / (stamps[-1] - stamps[0])
         if rank == 0:
             with open(f"{out}/{name}.txt", "w") as f:
-                f.write(f"{state} {total} {rate}\n")
+                f.write(f"{state} {total} {rate} {sum(buffers.values())}\n")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -84,6 +85,13 @@ def common(precision: str) -> list[str]:
             "save_every=0", "eval_batches=1", "progress=false", "log_every=1000", "resume=none"]
 
 
+# DeepSpeed in pure fp32 still clones the parameter partition into a separate fp32 master copy
+# (4Ψ/N more than the paper's fp32 variant), and ZeRO-1 frees the full gradients once they are
+# reduced into the partition (measured after backward, as here). Bytes per Ψ for N ranks:
+AS_BUILT_FP32 = {"zero1": ("4Ψ+16Ψ/N", lambda n: 4 + 16 / n), "zero2": ("4Ψ+16Ψ/N", lambda n: 4 + 16 / n),
+                 "zero3": ("20Ψ/N", lambda n: 20 / n)}
+
+
 def memory_part(tmp: str, cache: str, precisions=("bf16", "fp32")) -> None:
     from tformer.parallel.plan import model_state_bytes as formula
     n = 2
@@ -91,10 +99,11 @@ def memory_part(tmp: str, cache: str, precisions=("bf16", "fp32")) -> None:
         jobs = [(f"{name}-{precision}", common(precision) + flags, 2) for name, flags in STRATEGIES.items()]
         run_two(jobs, tmp, cache)
         print(f"\n=== model-state memory per rank, {precision}{' mixed (fp32 master)' if precision == 'bf16' else ''}, N=2 ===")
-        print(f"{'strategy':<8}{'Ψ (params)':>14}{'measured MB':>14}{'formula MB':>13}{'ratio':>8}  formula")
+        print(f"{'strategy':<8}{'Ψ (params)':>14}{'measured MB':>14}{'formula MB':>13}{'ratio':>8}  formula"
+              f"{'':<18}DeepSpeed buckets (not model state)")
         for name in STRATEGIES:
-            state, total, _ = open(f"{tmp}/{name}-{precision}.txt").read().split()
-            state, total = int(state), int(total)
+            state, total, _, buckets = open(f"{tmp}/{name}-{precision}.txt").read().split()
+            state, total, buckets = int(state), int(total), int(buckets)
             mixed = precision == "bf16"
             # our ddp / fsdp keep fp32 params and autocast: 16Ψ and 16Ψ/N in both precisions
             key = {"ddp": "ddp", "fsdp": "fsdp"}.get(name, name)
@@ -102,45 +111,80 @@ def memory_part(tmp: str, cache: str, precisions=("bf16", "fp32")) -> None:
             text = {"ddp": "16Ψ", "fsdp": "16Ψ/N", "zero1": "4Ψ+12Ψ/N" if mixed else "8Ψ+8Ψ/N",
                     "zero2": "2Ψ+14Ψ/N" if mixed else "4Ψ+12Ψ/N", "zero3": "16Ψ/N"}[name]
             ratio = state / want
-            print(f"{name:<8}{total:>14,}{state / 2**20:>14.1f}{want / 2**20:>13.1f}{ratio:>8.3f}  {text} "
-                  f"{'PASS' if abs(ratio - 1) <= 0.15 else 'MISS'}")
+            verdict = f"{text} {'PASS' if abs(ratio - 1) <= 0.15 else 'MISS'}"
+            extra = f"{buckets / 2**20:.0f} MB" if buckets else ""
+            print(f"{name:<8}{total:>14,}{state / 2**20:>14.1f}{want / 2**20:>13.1f}{ratio:>8.3f}  {verdict:<22}{extra}")
+            if not mixed and name in AS_BUILT_FP32:  # DeepSpeed keeps a separate fp32 master partition
+                text, per_psi = AS_BUILT_FP32[name]
+                built = per_psi(n) * total
+                print(f"{'':<8}{'':>14}{'':>14}{built / 2**20:>13.1f}{state / built:>8.3f}  {text} (DeepSpeed as "
+                      "built: an fp32 master copy of the partition even in fp32)")
 
 
-def ac_part(rounds: int = 3) -> None:
+def _activation_peak_tracker():
+    """torch's MemTracker (tensor bytes by category, per op), extended to keep the running maximum
+    of activation + temporary bytes: the peak activation memory, wherever in forward or backward
+    it occurs (MemTracker itself only snapshots the moment of the peak *total*)."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    class Tracker(MemTracker):
+        peak_activations = 0
+
+        def _update_peak_stats(self, peak_state):
+            super()._update_peak_stats(peak_state)
+            for snap in self._curr_mem_snap.values():
+                now = snap.get(_MemRefType.ACT, 0) + snap.get(_MemRefType.TEMP, 0)
+                self.peak_activations = max(self.peak_activations, now)
+    return Tracker()
+
+
+def ac_part(rounds: int = 3, d_model: int = 512, batch: int = 2) -> None:
     from tformer import build_model
     from tformer.parallel.ac import apply_activation_checkpointing
     from tformer.parallel.memory import SavedActivations
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # steadier on a shared machine
     torch.manual_seed(0)
-    model = build_model("gpt2-tiny", vocab_size=8192, d_model=512, num_layers=12, num_heads=8, d_ff=2048,
-                        max_seq_len=512, dropout=0.0)
+    model = build_model("gpt2-tiny", vocab_size=8192, d_model=d_model, num_layers=12, num_heads=8,
+                        d_ff=4 * d_model, max_seq_len=512, dropout=0.0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, 8192, (2, 512))
-    results = {"none": ([], 0), "full": ([], 0)}
+    ids = torch.randint(0, 8192, (batch, 512))
+    times = {"none": [], "full": []}
+    memory = {}
 
     def step(mode):
         apply_activation_checkpointing(model, mode)
         t0 = time.perf_counter()
-        with SavedActivations() as saved:
-            loss = model(ids, labels=ids).loss
+        loss = model(ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0, saved.bytes
+        return time.perf_counter() - t0
 
-    step("none")
-    for _ in range(rounds):  # interleaved
+    step("none")  # warm-up; AdamW's states exist from here on
+    for mode in ("none", "full"):  # memory: one forward + backward per mode, tracked op by op
+        apply_activation_checkpointing(model, mode)
+        tracker = _activation_peak_tracker()
+        tracker.track_external(model, opt)
+        with tracker, SavedActivations() as saved:
+            model(ids, labels=ids).loss.backward()
+        opt.zero_grad(set_to_none=True)
+        memory[mode] = (tracker.peak_activations, max(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+                                                      .values()), saved.bytes)
+    for _ in range(rounds):  # step time, interleaved, untracked
         for mode in ("none", "full"):
-            dt, saved = step(mode)
-            results[mode][0].append(dt)
-            results[mode] = (results[mode][0], saved)
-    t_none, m_none = statistics.median(results["none"][0]), results["none"][1]
-    t_full, m_full = statistics.median(results["full"][0]), results["full"][1]
-    print("\n=== activation checkpointing: 12 layers, d 512, seq 512, batch 2, fp32 ===")
-    print(f"saved activations: none {m_none / 2**20:.0f} MB, full AC {m_full / 2**20:.0f} MB -> "
-          f"{100 * (1 - m_full / m_none):.0f}% less (target >= 50%) {'PASS' if m_full <= 0.5 * m_none else 'MISS'}")
-    print(f"step time: none {t_none:.2f}s, full AC {t_full:.2f}s -> {100 * (t_full / t_none - 1):+.0f}% "
-          f"(target <= +40%) {'PASS' if t_full <= 1.4 * t_none else 'MISS'}")
+            times[mode].append(step(mode))
+    (a_none, p_none, s_none), (a_full, p_full, s_full) = memory["none"], memory["full"]
+    t_none, t_full = statistics.median(times["none"]), statistics.median(times["full"])
+    mb = 2 ** 20
+    print(f"\n=== activation checkpointing: 12 layers, d {d_model}, seq 512, batch {batch}, fp32, 1 thread ===")
+    print(f"peak activation memory (activations + temporaries, tensor bytes): none {a_none / mb:.0f} MB, "
+          f"full AC {a_full / mb:.0f} MB -> {100 * (1 - a_full / a_none):.0f}% less (target >= 50%) "
+          f"{'PASS' if a_full <= 0.5 * a_none else 'MISS'}")
+    print(f"peak total (params + grads + AdamW states + activations): none {p_none / mb:.0f} MB, "
+          f"full AC {p_full / mb:.0f} MB -> {100 * (1 - p_full / p_none):.0f}% less")
+    print(f"saved for backward at the end of forward: none {s_none / mb:.0f} MB, full AC {s_full / mb:.0f} MB")
+    print(f"step time (median of {rounds}): none {t_none:.2f}s, full AC {t_full:.2f}s -> "
+          f"{100 * (t_full / t_none - 1):+.0f}% (target <= +40%) {'PASS' if t_full <= 1.4 * t_none else 'MISS'}")
 
 
 def throughput_part(tmp: str, cache: str) -> None:

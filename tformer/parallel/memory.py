@@ -5,40 +5,61 @@ from __future__ import annotations
 import torch
 
 
-def _storages(obj, seen: dict, depth: int = 0) -> None:
-    """Collect the storages of every tensor reachable from ``obj`` (dicts, lists, attributes)."""
+# DeepSpeed's gradient-reduction buckets (ZeRO-3 with contiguous_gradients allocates one of
+# reduce_bucket_size elements, 5e8 by default: ~1 GB in bf16) are communication buffers, the ZeRO
+# paper's "residual states", not model states: they are counted apart.
+BUFFER_KEYS = ("ipg_bucket", "ipg_buckets", "ipg_buffer")
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t  # DTensor (FSDP2): this rank's shard
+
+
+def _storages(obj, seen: dict, depth: int = 0, buffers: dict | None = None) -> None:
+    """Collect the storages of every tensor reachable from ``obj`` (dicts, lists, attributes);
+    those under a DeepSpeed reduction bucket go to ``buffers`` instead (when given)."""
     if depth > 4:
         return
     if isinstance(obj, torch.Tensor):
-        if hasattr(obj, "to_local"):  # DTensor: this rank's shard
-            obj = obj.to_local()
+        # the tensor, its gradient (FSDP2: a DTensor too) and a ZeRO-3 partition
         for t in (obj, getattr(obj, "grad", None), getattr(obj, "ds_tensor", None)):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                s = t.untyped_storage()
-                if s.nbytes():
-                    seen[s.data_ptr()] = s.nbytes()
+            if isinstance(t, torch.Tensor):
+                t = _local(t)
+                if t.device.type != "meta":
+                    st = t.untyped_storage()
+                    if st.nbytes():
+                        seen[st.data_ptr()] = st.nbytes()
         return
     if isinstance(obj, dict):
         for v in obj.values():
-            _storages(v, seen, depth + 1)
+            _storages(v, seen, depth + 1, buffers)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            _storages(v, seen, depth + 1)
+            _storages(v, seen, depth + 1, buffers)
     elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
-        for v in vars(obj).values():
-            _storages(v, seen, depth + 1)
+        for k, v in vars(obj).items():
+            if any(key in k for key in BUFFER_KEYS):
+                if buffers is not None:
+                    _storages(v, buffers, depth + 1)
+                continue
+            _storages(v, seen, depth + 1, buffers)
 
 
-def model_state_bytes(model: torch.nn.Module, optimizer) -> int:
+def model_state_bytes(model: torch.nn.Module, optimizer, buffers: dict | None = None) -> int:
     """Bytes of parameters, gradients and optimizer states this rank holds (shared storage once).
-    Walks the optimizer object too, so DeepSpeed's fp32 master partitions and flat buffers count."""
+    Walks the optimizer object too, so DeepSpeed's fp32 master partitions and gradient partitions
+    count; its reduction buckets do not (they go to ``buffers``, storage -> bytes, if given)."""
     seen: dict[int, int] = {}
     for p in model.parameters():
         _storages(p, seen)
-    _storages(optimizer, seen)
+    _storages(optimizer, seen, buffers=buffers)
     inner = getattr(optimizer, "optimizer", None)
     if inner is not None:
         _storages(inner.state, seen)
+    if buffers is not None:
+        for ptr in list(buffers):
+            if ptr in seen:  # a bucket that is also model state stays model state
+                del buffers[ptr]
     return sum(seen.values())
 
 
