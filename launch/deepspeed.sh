@@ -13,6 +13,7 @@
 #   MASTER_PORT     [29500]
 #   DEEPSPEED       the deepspeed launcher [deepspeed]
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 if [ $# -lt 1 ]; then
     echo "usage: launch/deepspeed.sh CONFIG.yaml [key=value ...]" >&2
@@ -30,13 +31,7 @@ if [ -n "${HOSTFILE:-}" ]; then
     [ -n "${MASTER_ADDR:-}" ] && args=(--master_addr "$MASTER_ADDR" "${args[@]}")
     where="hosts from $HOSTFILE"
 else
-    if [ -z "${NPROC_PER_NODE:-}" ]; then
-        NPROC_PER_NODE=1
-        if command -v nvidia-smi >/dev/null 2>&1; then
-            n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-            [ "${n:-0}" -gt 0 ] && NPROC_PER_NODE=$n
-        fi
-    fi
+    NPROC_PER_NODE=${NPROC_PER_NODE:-$(tformer_default_nproc)}
     args=(--num_nodes 1 --num_gpus "$NPROC_PER_NODE" --master_addr "${MASTER_ADDR:-127.0.0.1}" "${args[@]}")
     where="this node, $NPROC_PER_NODE process(es)"
 fi

@@ -21,6 +21,7 @@
 # SIGTERM and SIGUSR1 sent to torchrun are forwarded to every worker: the trainer finishes its step,
 # saves a checkpoint and exits 0.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 if [ $# -lt 1 ]; then
     echo "usage: launch/torchrun.sh CONFIG.yaml [key=value ...]" >&2
@@ -28,13 +29,7 @@ if [ $# -lt 1 ]; then
 fi
 
 NNODES=${NNODES:-1}
-if [ -z "${NPROC_PER_NODE:-}" ]; then
-    NPROC_PER_NODE=1
-    if command -v nvidia-smi >/dev/null 2>&1; then
-        n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-        [ "${n:-0}" -gt 0 ] && NPROC_PER_NODE=$n
-    fi
-fi
+NPROC_PER_NODE=${NPROC_PER_NODE:-$(tformer_default_nproc)}
 NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
 RDZV_PORT=${RDZV_PORT:-29500}
 RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-tformer}}
