@@ -70,7 +70,8 @@ class SavedActivations:
         self.storages: dict[int, int] = {}
 
     def _pack(self, t: torch.Tensor):
-        if not isinstance(t, torch.nn.Parameter) and t.device.type != "meta":
+        # parameters and views of them (a linear saves ``weight.t()``) are model state, not activations
+        if not isinstance(t if t._base is None else t._base, torch.nn.Parameter) and t.device.type != "meta":
             s = t.untyped_storage()
             self.storages[s.data_ptr()] = s.nbytes()
         return t
