@@ -44,10 +44,15 @@ command -v "$TORCHRUN" >/dev/null 2>&1 \
     || { echo "launch/torchrun.sh: '$TORCHRUN' not found: activate the environment with tformer installed or set TORCHRUN=/path/to/torchrun" >&2; exit 2; }
 
 args=(--nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS")
-# Older torchrun releases have no signal forwarding options; they forward SIGTERM only.
+# Older torchrun releases have no --signals-to-handle and forward SIGTERM only (SIGUSR1 would kill
+# the agent and orphan the workers): there this script stays in between and turns USR1 into TERM,
+# which the trainer treats the same way (finish the step, save, exit 0).
 help=$("$TORCHRUN" --help 2>/dev/null || true)
-if grep -q -- "--signals-to-handle" <<<"$help"; then
+forward_usr1=torchrun
+if grep -q -- "--signals-to-handle" <<<"$help" && [ "${TFORMER_USR1_AS_TERM:-0}" != 1 ]; then
     args+=(--signals-to-handle "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+else
+    forward_usr1=term
 fi
 if grep -q -- "--shutdown-timeout" <<<"$help"; then
     args+=(--shutdown-timeout "$SHUTDOWN_TIMEOUT")
@@ -72,4 +77,15 @@ else
 fi
 
 echo "tformer launch: node $NODE_RANK/$NNODES on $(hostname), $NPROC_PER_NODE process(es), world $((NNODES * NPROC_PER_NODE)), $where, max restarts $MAX_RESTARTS" >&2
-exec "$TORCHRUN" "${args[@]}" -m tformer train "$@"
+if [ "$forward_usr1" = torchrun ]; then
+    exec "$TORCHRUN" "${args[@]}" -m tformer train "$@"
+fi
+"$TORCHRUN" "${args[@]}" -m tformer train "$@" &
+pid=$!
+trap 'kill -TERM "$pid" 2>/dev/null || true' USR1 TERM
+while true; do
+    rc=0
+    wait "$pid" || rc=$?
+    kill -0 "$pid" 2>/dev/null || break   # a trapped signal interrupted wait: keep waiting
+done
+exit "$rc"

@@ -207,6 +207,35 @@ def test_elastic_restart_after_a_rank_is_killed_resumes_and_finishes(cache, refe
     assert_same_run(tmp_path, reference)
 
 
+def test_usr1_checkpoints_through_a_torchrun_without_signal_forwarding(cache, reference, tmp_path):
+    """A torchrun without --signals-to-handle (older releases) would die on SIGUSR1 and orphan its
+    workers; launch/torchrun.sh then turns USR1 into TERM. Forced here; the run must checkpoint,
+    and a second launch must resume and end with the reference loss."""
+    proc = subprocess.Popen([str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
+                            env=launch_env(cache, NPROC_PER_NODE=2, TFORMER_USR1_AS_TERM=1),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            rows = metrics(tmp_path) if (tmp_path / "metrics.jsonl").exists() else []
+            if rows and rows[-1]["step"] >= 10:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)
+        log = proc.communicate(timeout=300)[0]
+    finally:
+        proc.kill()
+    stopped = re.search(r"stopped at step (\d+) \(signal SIGTERM\)", log)
+    assert stopped and 10 <= int(stopped.group(1)) < STEPS, log[-3000:]
+    assert (tmp_path / "checkpoints" / f"step_{int(stopped.group(1)):08d}" / "COMPLETE").exists()
+    import psutil
+    orphans = [q for q in psutil.process_iter(["cmdline"]) if f"output_dir={tmp_path}" in " ".join(q.info["cmdline"] or [])]
+    assert orphans == [], "workers outlived the launcher"
+    run([str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
+        launch_env(cache, NPROC_PER_NODE=2))
+    assert_same_run(tmp_path, reference)
+
+
 # ---------------------------------------------------------------- deepspeed and accelerate launchers
 
 def test_deepspeed_launcher_runs_a_two_process_job(cache, reference, tmp_path):
