@@ -95,8 +95,7 @@ def common(precision: str) -> list[str]:
 # DeepSpeed in pure fp32 still clones the parameter partition into a separate fp32 master copy
 # (4Ψ/N more than the paper's fp32 variant), and ZeRO-1 frees the full gradients once they are
 # reduced into the partition (measured after backward, as here). Bytes per Ψ for N ranks:
-AS_BUILT_FP32 = {"zero1": ("4Ψ+16Ψ/N", lambda n: 4 + 16 / n), "zero2": ("4Ψ+16Ψ/N", lambda n: 4 + 16 / n),
-                 "zero3": ("20Ψ/N", lambda n: 20 / n)}
+from tformer.parallel.plan import DEEPSPEED_FP32_AS_BUILT as AS_BUILT_FP32  # noqa: E402
 
 
 def memory_part(tmp: str, cache: str, precisions=("bf16", "fp32")) -> None:

@@ -369,6 +369,20 @@ def test_missing_deepspeed_package_is_one_clear_error(monkeypatch):
         _import_deepspeed()
 
 
+def test_deepspeed_auto_fields_are_filled_from_the_recipe():
+    from tformer.parallel.deepspeed import deepspeed_config
+    cfg = load_config(CONFIGS / "gpt2-tiny.yaml", ["parallel.strategy=deepspeed", "micro_batch_size=3",
+                                                   "grad_accum=2", f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / 'zero3.json'}"])
+    ds = deepspeed_config(cfg, "fp32")
+    d = cfg.model_config().d_model
+    assert ds["train_micro_batch_size_per_gpu"] == 3 and ds["gradient_accumulation_steps"] == 2
+    assert ds["bf16"]["enabled"] is False
+    zero = ds["zero_optimization"]
+    # buckets scale with the model instead of DeepSpeed's 5e8-element default (1-2 GB per rank)
+    assert zero["reduce_bucket_size"] == d * d and zero["stage3_param_persistence_threshold"] == 10 * d
+    assert "auto" not in str(ds)
+
+
 def test_bad_deepspeed_config_and_fp16_on_cpu_are_refused(tmp_path, capsys):
     from tformer.cli import main
     from tformer.config import ConfigError

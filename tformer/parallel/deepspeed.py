@@ -63,6 +63,13 @@ def deepspeed_config(cfg, precision: str) -> dict:
     if precision == "fp16":
         ds["fp16"] = {"enabled": True}
     zero = ds.setdefault("zero_optimization", {})
+    # Bucket sizes scaled to the model (DeepSpeed's fixed 5e8-element default allocates 1-2 GB per
+    # rank for its ZeRO-3 reduce bucket even for a small model): d^2 elements, as HF does for "auto".
+    d = cfg.model_config().d_model
+    for key, value in (("reduce_bucket_size", d * d), ("stage3_prefetch_bucket_size", int(0.9 * d * d)),
+                       ("stage3_param_persistence_threshold", 10 * d)):
+        if zero.get(key) == "auto":
+            zero[key] = value
     where = f"parallel.deepspeed_config={pcfg.deepspeed_config}" if pcfg.deepspeed_config else "DeepSpeed config"
     if zero.get("stage") not in (0, 1, 2, 3):
         raise ConfigError(f"DeepSpeed zero_optimization.stage={zero.get('stage')!r}; use 0, 1, 2 or 3")

@@ -7,7 +7,10 @@ tformer's ddp and fsdp keep fp32 parameters and compute in bf16 (autocast / FSDP
     ddp 16Ψ (4 param + 4 grad + 8 Adam),  fsdp 16Ψ/N (+ 2Ψ bf16 copies held between forward and
     backward when reshard_after_forward is false).
 In fp32 every strategy holds 4 (param) + 4 (grad) + 8 (Adam m, v) bytes per parameter:
-    DP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 16Ψ/N.
+    DP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 16Ψ/N (the paper's arithmetic).
+DeepSpeed as built keeps a separate fp32 master copy of each partition even in fp32, and reduces
+ZeRO-1 gradients to partitions like ZeRO-2 (measured to 0.1% by bench/bench_scale.py):
+    ZeRO-1 and ZeRO-2 4Ψ + 16Ψ/N, ZeRO-3 20Ψ/N; the planner predicts these (``as_built``).
 Activations are the tensors autograd saves for backward, counted per token and layer from the
 model's shapes; activation checkpointing keeps only each block's input plus one block's worth.
 """
@@ -19,11 +22,17 @@ from dataclasses import dataclass
 from ..config import ConfigError, ModelConfig
 
 STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-no-reshard")
+# bytes per parameter of DeepSpeed's fp32 ZeRO as built, by device count N (see the module doc)
+DEEPSPEED_FP32_AS_BUILT = {"zero1": ("4Ψ+16Ψ/N", lambda n: 4 + 16 / n), "zero2": ("4Ψ+16Ψ/N", lambda n: 4 + 16 / n),
+                           "zero3": ("20Ψ/N", lambda n: 20 / n)}
 
 
-def model_state_bytes(strategy: str, params: int, devices: int, mixed: bool) -> float:
-    """Bytes of parameters + gradients + optimizer states per device."""
+def model_state_bytes(strategy: str, params: int, devices: int, mixed: bool, as_built: bool = False) -> float:
+    """Bytes of parameters + gradients + optimizer states per device: the ZeRO paper's formulas, or
+    (``as_built``) what DeepSpeed really holds where it differs (fp32 ZeRO)."""
     n, p = devices, params
+    if not mixed and as_built and strategy in DEEPSPEED_FP32_AS_BUILT:
+        return DEEPSPEED_FP32_AS_BUILT[strategy][1](n) * p
     if not mixed:
         return {"ddp": 16 * p, "zero1": 8 * p + 8 * p / n, "zero2": 4 * p + 12 * p / n,
                 "zero3": 16 * p / n, "fsdp": 16 * p / n, "fsdp-no-reshard": 16 * p / n}[strategy]
@@ -93,7 +102,7 @@ def estimate(cfg: ModelConfig, strategy: str, devices: int, micro_batch: int, se
     import torch
     with torch.device("meta"):
         params = build_model(cfg).num_parameters()
-    return Estimate(strategy, ac, micro_batch, model_state_bytes(strategy, params, devices, mixed),
+    return Estimate(strategy, ac, micro_batch, model_state_bytes(strategy, params, devices, mixed, as_built=True),
                     activation_bytes(cfg, micro_batch, seq, target, ac, mixed))
 
 
