@@ -371,7 +371,10 @@ def test_slurm_preemption_checkpoints_requeues_and_resumes(slurm, cache, referen
         time.sleep(0.5)
         info = job(slurm, j)
     assert info["JobState"] == "PENDING" and info["Restarts"] == "1", info
-    # a requeued job waits for its BeginTime (about two minutes); start it now
+    # A requeued job waits for its BeginTime (about two minutes); start it sooner, but not within the
+    # second of the requeue: slurmd revokes the old run's credential with one-second resolution and
+    # refuses a new credential of the same second ("Job credential revoked"; the job then FAILS).
+    time.sleep(3)
     subprocess.run(["scontrol", "update", f"jobid={j}", "StartTime=now"], env=env, check=True)
     info = wait_job(slurm, j)
     log = job_log(tmp_path, j)
