@@ -34,6 +34,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def device_type(device: str) -> str:
+    """``cuda`` for device=cuda, or for auto when a GPU is visible; else ``cpu``."""
+    return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
 def init_distributed(device: str = "auto", backend: str | None = None, timeout_s: float = 600,
                      always: bool = False) -> DistInfo:
     """Read torchrun's environment; start the process group when there is more than one rank, or
@@ -41,8 +46,7 @@ def init_distributed(device: str = "auto", backend: str | None = None, timeout_s
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device_type(device)
     if device == "cuda":
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)

@@ -25,7 +25,7 @@ from ..models.flops import training_flops
 from ..parallel.strategy import strategy_class
 from .config import TrainConfig
 from .data import MODEL_INPUTS, build_data, copy_tokenizer
-from .dist import all_reduce, barrier, init_distributed
+from .dist import all_reduce, barrier, device_type, init_distributed
 from .metrics import memory_mb, peak_flops
 from .optim import build_optimizer, build_scheduler
 from .tracking import WandbTracker
@@ -62,8 +62,7 @@ class Trainer:
         self.cfg = cfg
         self.callbacks = list(callbacks)
         # Refuse what this device cannot run before any work (process group, data, model).
-        use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-        self.device = torch.device("cuda" if use_cuda else "cpu")
+        self.device = torch.device(device_type(cfg.device))
         self.precision = resolve_precision(cfg.precision, self.device)
         self._check_support()
         self.dist = init_distributed(cfg.device, cfg.parallel.backend,
