@@ -8,3 +8,14 @@ tformer_default_nproc() {
     fi
     if [ "${n:-0}" -gt 0 ]; then echo "$n"; else echo 1; fi
 }
+
+# Wait for background process PID to end and return its exit code. A signal this shell traps
+# interrupts `wait` (which then returns > 128) while the process runs on: keep waiting for it.
+tformer_wait() {
+    local rc
+    while true; do
+        rc=0
+        wait "$1" || rc=$?
+        kill -0 "$1" 2>/dev/null || return "$rc"
+    done
+}

@@ -83,9 +83,6 @@ fi
 "$TORCHRUN" "${args[@]}" -m tformer train "$@" &
 pid=$!
 trap 'kill -TERM "$pid" 2>/dev/null || true' USR1 TERM
-while true; do
-    rc=0
-    wait "$pid" || rc=$?
-    kill -0 "$pid" 2>/dev/null || break   # a trapped signal interrupted wait: keep waiting
-done
+rc=0
+tformer_wait "$pid" || rc=$?
 exit "$rc"

@@ -1,5 +1,7 @@
 # Shared by tformer's sbatch scripts (sourced, not run). Needs: SLURM_JOB_ID, TFORMER_HOME.
 
+source "$(dirname "${BASH_SOURCE[0]}")/../launch/common.sh"   # tformer_wait
+
 tformer_log() { echo "[tformer $(date -u +%H:%M:%S) job ${SLURM_JOB_ID:-?}] $*" >&2; }
 tformer_die() { tformer_log "error: $*"; exit 1; }
 
@@ -34,12 +36,8 @@ tformer_run_step() {
     pid=$!
     trap 'TFORMER_PREEMPTED=1; tformer_log "USR1: time is nearly up, asking the trainer to checkpoint"; kill -USR1 '"$pid"' 2>/dev/null || true' USR1
     trap 'tformer_log "TERM: forwarding to the job step"; kill -TERM '"$pid"' 2>/dev/null || true' TERM
-    while true; do
-        rc=0
-        wait "$pid" || rc=$?
-        # wait returns early (rc > 128) when a trapped signal arrives; keep waiting for the step.
-        kill -0 "$pid" 2>/dev/null || break
-    done
+    rc=0
+    tformer_wait "$pid" || rc=$?
     trap - USR1 TERM
     if [ "$TFORMER_PREEMPTED" = 1 ]; then
         if [ "${TFORMER_REQUEUE:-1}" = 1 ]; then
