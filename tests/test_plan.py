@@ -60,3 +60,57 @@ def test_zero_formulas_and_the_planner_choice():
         deep = build_model("gpt2-xl").config  # 48 layers: block activations dominate the logits
     assert activation_bytes(deep, 1, 1024, None, "full", True) < 0.5 * activation_bytes(deep, 1, 1024, None, "none", True)
     assert parse_bytes("80GB") == 80 * 2**30 and parse_bytes("512MiB") == 512 * 2**20
+
+
+# --- the measuring instruments the benchmarks and the test above rely on -----------------------
+def test_saved_activations_leave_out_parameters_and_their_views():
+    lin = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(8, 64, requires_grad=True)
+    with SavedActivations() as saved:
+        y = torch.nn.functional.linear(x, lin.weight) + x @ lin.weight.t()  # saves weight and weight.t()
+        z = torch.tanh(y)  # saves its output: an activation
+    assert saved.bytes == x.nbytes + z.nbytes
+    z.sum().backward()  # the hooks hand back what they were given
+
+
+def test_model_state_bytes_counts_shared_storage_once_and_buckets_apart():
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 16), torch.nn.Linear(16, 100, bias=False))
+    model[1].weight = model[0].weight  # tied: one storage
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.arange(10)).sum().backward()
+    opt.step()
+    p = model[0].weight.nbytes
+    step = 4  # Adam's step counter: a float32 scalar per parameter
+    assert model_state_bytes(model, opt) == 4 * p + step  # weight + grad + exp_avg + exp_avg_sq
+
+    class Engine:  # the shape of a DeepSpeed ZeRO optimizer: partitions plus reduction buckets
+        def __init__(self, inner):
+            self.optimizer = inner
+            self.fp32_partition = [torch.zeros(50)]
+            self.ipg_buckets = {0: torch.zeros(1000)}
+            self.ipg_buffer = [model[0].weight.grad]  # a bucket that is a model state stays one
+
+    buffers = {}
+    states = model_state_bytes(model, Engine(opt), buffers)
+    assert states == 4 * p + step + 50 * 4
+    assert sum(buffers.values()) == 1000 * 4
+
+
+def test_model_state_bytes_counts_fsdp2_sharded_gradients():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+        total = sum(p.nbytes for p in model.parameters())
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(3, 16)).sum().backward()
+        assert all(type(p.grad).__name__ == "DTensor" for p in model.parameters())
+        opt.step()
+        # params, grads, Adam's two moments and its step counters (a float32 scalar per parameter)
+        assert model_state_bytes(model, opt) == 4 * total + 4 * len(list(model.parameters()))
+    finally:
+        dist.destroy_process_group()

@@ -231,6 +231,7 @@ def _error_line(capsys):
     ("model: {preset: gpt2-tiny}\n", ["optim.lrr=1"], "unknown config key optim.lrr; did you mean optim.lr"),
     ("model: {preset: gpt2-tiny}\ndata: {source: /no/such/corpus.txt}\n", [], "/no/such/corpus.txt"),
     ("model: {preset: gpt2-tiny}\nprecision: fp16\ndevice: cpu\n", [], "precision=fp16 needs a CUDA GPU"),
+    ("model: {preset: gpt2-tiny}\n", ["device=gpu"], "device='gpu' is not allowed; use one of: auto, cpu, cuda"),
 ])
 def test_bad_config_gives_one_clear_error_line(cache, tmp_path, capsys, content, overrides, match):
     from tformer.cli import main

@@ -18,6 +18,7 @@ PRECISIONS = ("auto", "bf16", "fp32", "fp16")
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
 NONFINITE = ("skip", "stop")
+DEVICES = ("auto", "cpu", "cuda")
 OBJECTIVES = ("auto", "causal", "mlm", "span", "seq2seq")
 AC_MODES = ("none", "full", "selective")
 
@@ -112,7 +113,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         for section, allowed_name, allowed in (
-                ("precision", "precision", PRECISIONS), ("on_nonfinite", "on_nonfinite", NONFINITE)):
+                ("precision", "precision", PRECISIONS), ("on_nonfinite", "on_nonfinite", NONFINITE),
+                ("device", "device", DEVICES)):
             if getattr(self, section) not in allowed:
                 raise ConfigError(f"{allowed_name}={getattr(self, section)!r} is not allowed; "
                                   f"use one of: {', '.join(allowed)}")
