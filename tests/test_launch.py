@@ -2,11 +2,12 @@
 
 A two-node SLURM cluster (Debian's slurmctld + two slurmd + munge, started by
 tests/cluster/slurm_up.sh), torchrun agents on loopback and in two network namespaces, elastic
-restarts after a SIGKILL, and the deepspeed / accelerate launchers. Every run trains the same tiny
+restarts after a SIGKILL, the accelerate launcher and the deepspeed launcher (one node, pdsh over an
+sshd of its own to a two-host hostfile, one launch per host without ssh). Every run trains the same tiny
 GPT with 2 processes in total, so every run's final loss must equal the uninterrupted 2-process
 reference: the same global batch and data order, whatever launched it or interrupted it.
 
-Run alone with `pytest -m cluster`. The SLURM and network-namespace tests need root (CI is root);
+Run alone with `pytest -m cluster`. The SLURM, sshd and network-namespace tests need root (CI is root);
 elsewhere they are skipped with the reason.
 """
 from __future__ import annotations
@@ -248,6 +249,61 @@ def test_deepspeed_launcher_runs_a_two_process_job(cache, reference, tmp_path):
     assert_same_run(tmp_path, reference, rel=1e-3)
 
 
+@pytest.fixture(scope="module")
+def sshd():
+    """An sshd of its own on 127.0.0.1 (tests/cluster/sshd_up.sh) and the pdsh/ssh settings that reach it."""
+    need_root("the test sshd")
+    ssh_dir, port = "/tmp/tformer-ssh", str(free_port())
+    p = subprocess.run(["bash", str(ROOT / "tests" / "cluster" / "sshd_up.sh")], capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, TFORMER_SSH_DIR=ssh_dir, TFORMER_SSH_PORT=port))
+    assert p.returncode == 0, f"sshd_up.sh failed:\n{p.stdout}\n{p.stderr}"
+    yield dict(SSH_PORT=port, PDSH_SSH_ARGS_APPEND=f"-i {ssh_dir}/id -o StrictHostKeyChecking=no "
+                                                   "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR")
+    subprocess.run(["bash", str(ROOT / "tests" / "cluster" / "sshd_up.sh"), "--down"],
+                   env=dict(os.environ, TFORMER_SSH_DIR=ssh_dir))
+
+
+def two_host_hostfile(tmp_path: Path) -> Path:
+    """Two names for this machine: two hosts to DeepSpeed and pdsh."""
+    hosts = tmp_path / "hostfile"
+    hosts.write_text("127.0.0.1 slots=1\nlocalhost slots=1\n")
+    return hosts
+
+
+def test_deepspeed_launcher_reaches_the_hosts_of_a_hostfile_over_ssh(cache, reference, sshd, tmp_path):
+    """One launch on the first host; DeepSpeed starts the other host's process with pdsh over ssh,
+    which starts from a bare environment: the launcher must hand on what tformer reads."""
+    out = tmp_path / "run"
+    p = run([str(ROOT / "launch" / "deepspeed.sh"), RECIPE, *TINY, f"output_dir={out}", "parallel.zero_stage=2"],
+            launch_env(cache, HOSTFILE=two_host_hostfile(tmp_path), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=free_port(), DEEPSPEED_ARGS="--no_ssh_check", WANDB_MODE="disabled", **sshd),
+            cwd=tmp_path)
+    log = p.stdout + p.stderr
+    assert "pdsh" in log and "2 rank(s)" in log
+    for host, rank in (("127.0.0.1", 0), ("localhost", 1)):
+        assert re.search(rf"^{re.escape(host)}: .*nnodes=2, num_local_procs=1, node_rank={rank}", log, re.M), host
+    # the second host found the data where this one put it: TFORMER_CACHE reached it through ssh
+    assert re.search(rf"^localhost: .*token cache hit {re.escape(str(cache))}", log, re.M)
+    assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("tformer-ds-env.*")), "env file left behind"
+    assert_same_run(out, reference, rel=1e-3)
+
+
+def test_deepspeed_launcher_without_ssh_one_launch_per_host(cache, reference, tmp_path):
+    """What a SLURM step does: the launcher on every host at once, each with its NODE_RANK."""
+    hosts, port = two_host_hostfile(tmp_path), free_port()
+    procs = [subprocess.Popen([str(ROOT / "launch" / "deepspeed.sh"), RECIPE, *TINY, f"output_dir={tmp_path / 'run'}",
+                               "parallel.zero_stage=2"],
+                              env=launch_env(cache, HOSTFILE=hosts, NODE_RANK=node, MASTER_ADDR="127.0.0.1",
+                                             MASTER_PORT=port),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
+    assert "pdsh" not in logs[0] + logs[1]
+    assert "node_rank=1" in logs[1] and "2 rank(s)" in logs[0]
+    assert_same_run(tmp_path / "run", reference, rel=1e-3)
+
+
 def test_accelerate_launcher_runs_a_two_process_job(cache, reference, tmp_path):
     p = run([str(ROOT / "launch" / "accelerate.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
             launch_env(cache, NPROC_PER_NODE=2, MAIN_PORT=free_port()))
@@ -262,6 +318,11 @@ def test_launchers_refuse_missing_arguments_with_one_line():
     p = subprocess.run([str(ROOT / "launch" / "torchrun.sh"), RECIPE], capture_output=True, text=True,
                        env=launch_env(Path("/tmp"), NNODES=2))
     assert p.returncode == 2 and "needs HEAD_ADDR" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    for env, says in (({"HOSTFILE": "/no/such/hostfile"}, "does not exist"),
+                      ({"HOSTFILE": RECIPE, "NODE_RANK": "1"}, "needs MASTER_ADDR")):
+        p = subprocess.run([str(ROOT / "launch" / "deepspeed.sh"), RECIPE], capture_output=True, text=True,
+                           env=launch_env(Path("/tmp"), **env))
+        assert p.returncode == 2 and says in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
 # ---------------------------------------------------------------- SLURM
