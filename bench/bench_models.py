@@ -1,6 +1,6 @@
 """Training throughput of tformer's three families against HF ``transformers`` and a single-file GPT.
 
-    python bench/bench_models.py [--quick] [--family gpt2,bert,t5] [--precision fp32,bf16]
+    python bench/bench_models.py [--quick] [--family gpt2,bert,t5] [--precision fp32,bf16] [--gemm-share]
                                  [--threads 1] [--steps N] [--no-generate]
 
 For each family and precision (fp32, and bf16 under ``torch.autocast("cpu", torch.bfloat16)``) the
@@ -290,6 +290,12 @@ def bench_family(family: str, precision: str, args, toy: bool) -> list[dict]:
             break
     for c in everyone:
         c.times = kept[1][c.name]
+    if args.gemm_share:
+        for g in gemm_share(models, autocast):
+            print(f"  profiled step, {g['name']}: {g['calls']} GEMM calls, {g['gemm']:.3f} s of {g['step']:.3f} s "
+                  f"in GEMMs ({g['gemm'] / g['step']:.0%})"
+                  + (f"; ceiling vs HF with every non-GEMM op free: {g['ceiling']:.2f}x" if g["name"] == "tformer" else ""),
+                  flush=True)
     by_name = {c.name: c for c in models}
     rows = []
     for c in models:
@@ -299,6 +305,32 @@ def bench_family(family: str, precision: str, args, toy: bool) -> list[dict]:
                          frac=(c.flops / c.median()) / (mm.flops / mm.median()),
                          vs={o: speedup(c, by_name[o]) for o in ("HF", "baseline")
                              if o in by_name and o != c.name}))
+    return rows
+
+
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation")
+
+
+def gemm_share(models: list[Contender], autocast, rounds: int = 3) -> list[dict]:
+    """Profiled steps of each model, interleaved: time in GEMM kernels (self time of mm/addmm/bmm),
+    their count, and the whole step (medians over ``rounds``). ``ceiling`` bounds tformer's speed-up
+    on HF: HF's step over tformer's GEMM time alone, i.e. tformer with every non-GEMM op made free."""
+    from torch.profiler import ProfilerActivity, profile
+
+    seen = {c.name: [] for c in models}
+    for _ in range(rounds):
+        for c in models:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                c.step(autocast)
+            events = prof.key_averages()
+            gemm = [e for e in events if e.key in GEMM_OPS]
+            seen[c.name].append((sum(e.self_cpu_time_total for e in events) / 1e6,
+                                 sum(e.self_cpu_time_total for e in gemm) / 1e6, sum(e.count for e in gemm)))
+    rows = [dict(name=name, step=statistics.median(s for s, _, _ in runs),
+                 gemm=statistics.median(g for _, g, _ in runs), calls=runs[0][2]) for name, runs in seen.items()]
+    hf = next((r for r in rows if r["name"] == "HF"), None)
+    for r in rows:
+        r["ceiling"] = hf["step"] / r["gemm"] if hf else float("nan")
     return rows
 
 
@@ -392,6 +424,8 @@ def main(argv=None) -> None:
                         "every parallel op another process preempts (best-vs-median gaps of 30-300%%)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 6, quick 4)")
     p.add_argument("--no-generate", action="store_true", help="skip the generation benchmark")
+    p.add_argument("--gemm-share", action="store_true",
+                   help="also profile 3 steps of each model: time in GEMM kernels and the speed-up ceiling it sets")
     args = p.parse_args(argv)
     args.steps = args.steps or (4 if args.quick else 6)
     args.warmup, args.retries, args.gen_repeats = (1, 1, 1) if args.quick else (2, 1, 2)
