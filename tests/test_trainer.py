@@ -287,3 +287,15 @@ def test_cli_exit_code_in_a_real_process(cache, tmp_path):
     proc = run_cli(["train", str(bad)], cache)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == "error: micro_batch_size=0 must be >= 1"
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_on_a_cpu_without_bf16_matmuls_warns(monkeypatch, caplog, native):
+    import tformer.train.trainer as tr
+    monkeypatch.setattr(tr, "cpu_has_native_bf16", lambda: native)
+    trainer = tr.Trainer.__new__(tr.Trainer)  # only the early device check, no run
+    trainer.cfg = load_config(base={"model": {"preset": "gpt2-tiny"}, "precision": "bf16", "device": "cpu"})
+    trainer.device, trainer.precision = torch.device("cpu"), "bf16"
+    with caplog.at_level("WARNING", logger="tformer.train"):
+        trainer._check_support()
+    assert ("emulates bf16 matmuls" in caplog.text) is not native
