@@ -293,9 +293,9 @@ def test_cli_exit_code_in_a_real_process(cache, tmp_path):
 def test_bf16_on_a_cpu_without_bf16_matmuls_warns(monkeypatch, caplog, native):
     import tformer.train.trainer as tr
     monkeypatch.setattr(tr, "cpu_has_native_bf16", lambda: native)
-    trainer = tr.Trainer.__new__(tr.Trainer)  # only the early device check, no run
-    trainer.cfg = load_config(base={"model": {"preset": "gpt2-tiny"}, "precision": "bf16", "device": "cpu"})
-    trainer.device, trainer.precision = torch.device("cpu"), "bf16"
+    from tformer.train.dist import DistInfo
+    trainer = tr.Trainer.__new__(tr.Trainer)  # only the start-up warning, no run
+    trainer.dist, trainer.device, trainer.precision = DistInfo(), torch.device("cpu"), "bf16"
     with caplog.at_level("WARNING", logger="tformer.train"):
-        trainer._check_support()
+        trainer._warn_slow_precision()
     assert ("emulates bf16 matmuls" in caplog.text) is not native

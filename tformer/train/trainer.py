@@ -6,7 +6,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import random
 import signal
 import sys
@@ -69,6 +68,7 @@ class Trainer:
         self.dist = init_distributed(cfg.device, cfg.parallel.backend,
                                      always=cfg.parallel.strategy != "ddp")
         self.device = self.dist.device
+        self._warn_slow_precision()
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
         if self.dist.is_main:
@@ -112,11 +112,13 @@ class Trainer:
                               f"{self.device.type}); use precision=bf16 or precision=fp32")
         if self.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("precision=bf16 is not supported by this GPU; use precision=fp16")
-        if (self.precision == "bf16" and self.device.type == "cpu" and not cpu_has_native_bf16()
-                and os.environ.get("RANK", "0") == "0"):
+        strategy_class(cfg.parallel.strategy).check(cfg, self.precision)  # e.g. DeepSpeed missing
+
+    def _warn_slow_precision(self) -> None:
+        if (self.dist.is_main and self.precision == "bf16" and self.device.type == "cpu"
+                and not cpu_has_native_bf16()):
             log.warning("precision=bf16 on a CPU without AVX512-BF16/AMX: torch emulates bf16 matmuls here, "
                         "30-100x slower than fp32; precision=auto picks fp32 on this CPU")
-        strategy_class(cfg.parallel.strategy).check(cfg, self.precision)  # e.g. DeepSpeed missing
 
     def _autocast(self):
         if self.precision == "fp32":
