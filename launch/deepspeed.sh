@@ -70,7 +70,6 @@ fi
 extra=(${DEEPSPEED_ARGS:-})
 
 echo "tformer launch: deepspeed on $where, master port $MASTER_PORT" >&2
-# not exec: the EXIT trap removes the environment file once the run has ended
-rc=0
-"$DEEPSPEED" "${extra[@]}" "${args[@]}" tformer train "$1" parallel.strategy=deepspeed "${@:2}" || rc=$?
-exit "$rc"
+# not exec: the EXIT trap removes the environment file once the run has ended (set -e: the exit
+# code is the launcher's)
+"$DEEPSPEED" "${extra[@]}" "${args[@]}" tformer train "$1" parallel.strategy=deepspeed "${@:2}"

@@ -83,6 +83,4 @@ fi
 "$TORCHRUN" "${args[@]}" -m tformer train "$@" &
 pid=$!
 trap 'kill -TERM "$pid" 2>/dev/null || true' USR1 TERM
-rc=0
-tformer_wait "$pid" || rc=$?
-exit "$rc"
+tformer_wait "$pid"  # set -e: exits with torchrun's code
