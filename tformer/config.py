@@ -129,6 +129,7 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
                 raise ConfigError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
+        check_ranges(self, MODEL_RANGES)
 
     # -- conversion --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -142,6 +143,42 @@ class ModelConfig:
     def replace(self, **overrides: Any) -> "ModelConfig":
         check_keys(overrides, type(self), "model")
         return dataclasses.replace(self, **overrides)
+
+
+# Allowed range of every numeric key: "[lo, hi)" style, inf for no bound. Checked at config time,
+# listed in README ("Allowed ranges"); a key that is null (where allowed) is not checked.
+MODEL_RANGES = {
+    "vocab_size": "[1, inf)", "pad_vocab_multiple": "[1, inf)", "d_model": "[1, inf)",
+    "num_layers": "[1, inf)", "num_decoder_layers": "[1, inf)", "num_heads": "[1, inf)",
+    "num_kv_heads": "[1, inf)", "d_head": "[1, inf)", "d_ff": "[1, inf)", "max_seq_len": "[1, inf)",
+    "rope_theta": "(0, inf)", "rel_num_buckets": "[1, inf)", "rel_max_distance": "[1, inf)",
+    "norm_eps": "(0, 1)", "dropout": "[0, 1)", "attn_dropout": "[0, 1)", "type_vocab_size": "[0, inf)",
+    "init_std": "(0, inf)", "pad_token_id": "[0, inf)", "bos_token_id": "[0, inf)",
+    "eos_token_id": "[0, inf)", "decoder_start_token_id": "[0, inf)",
+}
+
+
+def parse_range(spec: str) -> tuple[float, bool, float, bool]:
+    """``"[0, 1)"`` -> (0.0, True, 1.0, False): bounds and whether each is included."""
+    lo, hi = (float(x) for x in spec[1:-1].split(","))
+    return lo, spec[0] == "[", hi, spec[-1] == "]"
+
+
+def in_range(value: float, spec: str) -> bool:
+    lo, lo_in, hi, hi_in = parse_range(spec)
+    return (value > lo or (lo_in and value == lo)) and (value < hi or (hi_in and value == hi))
+
+
+def check_ranges(obj: Any, table: dict[str, str], prefix: str = "") -> None:
+    """One ConfigError for the first key of ``table`` (dotted paths into ``obj``) out of range."""
+    for key, spec in table.items():
+        value = obj
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # null where allowed; wrong types are reported by the type check
+        if value != value or not in_range(value, spec):  # NaN is in no range
+            raise ConfigError(f"{prefix}{key}={value} is out of range; use a value in {spec}")
 
 
 def _divisors(n: int) -> list[int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from .io import CheckpointError, load_model_from_dcp, read_trainer_state, verify
+from .io import CheckpointError, load_model_from_dcp, read_trainer_state, resolve_checkpoint
 
 
 def _unique(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -24,12 +24,12 @@ def _unique(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_model_state(ckpt: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(model config, full fp32 state dict with tied tensors once) of a tformer checkpoint."""
+def read_model_state(ckpt: str | Path, trust: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(model config, full fp32 state dict with tied tensors once) of a tformer checkpoint; its
+    pickles are read through an allow-list unless ``trust``."""
     from ..models import build_model
 
-    ckpt = Path(ckpt)
-    verify(ckpt, deep=True)
+    ckpt = resolve_checkpoint(ckpt)  # a run directory means its newest checkpoint; verified
     info = read_trainer_state(ckpt)
     if "model_config" not in info:
         raise CheckpointError(f"checkpoint {ckpt} records no model_config; it is not a tformer checkpoint")
@@ -43,24 +43,28 @@ def read_model_state(ckpt: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
         model.to_empty(device="cpu")
         if cfg.tie_embeddings:  # to_empty unties: tie again so both names read one tensor
             model.lm_head.weight = model.embed.tok.weight
-        load_model_from_dcp(model, ckpt)
+        load_model_from_dcp(model, ckpt, trust)
         return cfg, _unique(dict(model.state_dict()))
     if (ckpt / "deepspeed").is_dir():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        from .safe import check_deepspeed_dir
+        check_deepspeed_dir(ckpt / "deepspeed", trust)  # before DeepSpeed unpickles them freely
         state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "deepspeed"), tag="state")
         return cfg, _unique({k: v.float() for k, v in state.items()})
     raise CheckpointError(f"checkpoint {ckpt} holds no model weights (model.safetensors, dcp/ or deepspeed/)")
 
 
-def consolidate(ckpt: str | Path, out: str | Path | None = None) -> Path:
+def consolidate(ckpt: str | Path, out: str | Path | None = None, trust: bool = False) -> Path:
     """Write ``model.safetensors`` (one file, fp32) for any checkpoint; the model config goes in
     the file's metadata. Written to a temporary name and renamed: never a partial file."""
     import os
 
     from safetensors.torch import save_file
 
-    cfg, state = read_model_state(ckpt)
-    out = Path(out) if out else Path(ckpt) / "consolidated.safetensors"
+    ckpt = resolve_checkpoint(ckpt)
+    cfg, state = read_model_state(ckpt, trust)
+    out = Path(out) if out else ckpt / "consolidated.safetensors"
     tmp = out.with_name(out.name + ".tmp")
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
               metadata={"format": "pt", "tformer_model_config": json.dumps(cfg.to_dict())})

@@ -335,17 +335,19 @@ def tokenizer_main(argv: Sequence[str] | None = None) -> int:
 
     Raises DataError on bad input (the caller prints ``error: <message>`` and exits 2).
     """
-    parser = argparse.ArgumentParser(prog="tformer tokenizer",
+    from ..args import Parser, number
+
+    parser = Parser(prog="tformer tokenizer",
                                      description="Train a tokenizer for one of the model families.")
     sub = parser.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train a tokenizer and write DIR/tokenizer.json")
     tr.add_argument("--kind", choices=KINDS, required=True,
                     help="bpe (GPT, byte-level), wordpiece (BERT), unigram (T5)")
-    tr.add_argument("--vocab-size", type=int, required=True)
+    tr.add_argument("--vocab-size", type=number(int, "[1, inf)"), required=True)
     tr.add_argument("--out", required=True, help="output directory (or a .json file path)")
     tr.add_argument("--column", default="text", help="text column of jsonl/parquet/arrow input")
-    tr.add_argument("--min-frequency", type=int, default=2, help="bpe/wordpiece: rarest merge kept")
-    tr.add_argument("--max-rows", type=int, default=None, help="train on the first N rows only")
+    tr.add_argument("--min-frequency", type=number(int, "[1, inf)"), default=2, help="bpe/wordpiece: rarest merge kept")
+    tr.add_argument("--max-rows", type=number(int, "[1, inf)"), default=None, help="train on the first N rows only")
     tr.add_argument("--default-corpus", action="store_true",
                     help="train on the bundled World English Bible")
     tr.add_argument("files", nargs="*", help="text/jsonl/parquet/arrow files, globs, directories, "

@@ -142,7 +142,7 @@ def build_config(source: str, **fields: Any) -> ModelConfig:
 # -- reading our checkpoints -----------------------------------------------------------------
 
 
-def read_model_state(checkpoint: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_model_state(checkpoint: str | Path, trust: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The model config and the full (unsharded) model tensors of a checkpoint, on CPU.
 
     The one entry point exporters read through, so sharded checkpoints (FSDP2 DCP, DeepSpeed
@@ -159,7 +159,7 @@ def read_model_state(checkpoint: str | Path) -> tuple[ModelConfig, dict[str, tor
     weights = path / "model.safetensors"
     if not weights.is_file():  # FSDP2 / DDP shards in dcp/, or DeepSpeed ZeRO partitions
         from ..checkpoint.consolidate import read_model_state as read_sharded
-        return read_sharded(path)
+        return read_sharded(path, trust)
     try:
         state = load_file(weights)
     except (SafetensorError, OSError, ValueError) as e:

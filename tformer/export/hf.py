@@ -39,15 +39,17 @@ def target_of(cfg: ModelConfig):
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False,
-              tokenizer: str | Path | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
+              tokenizer: str | Path | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE,
+              trust: bool = False) -> Path:
     """Write ``out_dir`` (config, safetensors, generation config, tokenizer) for the checkpoint
-    (or a run directory's newest one). Everything is checked before anything is written."""
+    (or a run directory's newest one). Everything is checked before anything is written; the
+    checkpoint's pickles go through an allow-list unless ``trust``."""
     from ..data import DataError, load_tokenizer
 
     out = Path(out_dir)
     check_out_dir(out, force, Path(checkpoint))
     ckpt = resolve_checkpoint(checkpoint)
-    cfg, state = read_model_state(ckpt)
+    cfg, state = read_model_state(ckpt, trust)
     target = target_of(cfg)
     target.check(cfg)
     hf_config = target.hf_config(cfg)

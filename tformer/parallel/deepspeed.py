@@ -177,6 +177,9 @@ class DeepSpeedStrategy(Strategy):
         if not (ds_dir / TAG).is_dir():
             raise CheckpointError(f"checkpoint {path} has no deepspeed/{TAG}; it was written by another "
                                   "strategy: resume it with parallel.strategy=ddp or fsdp")
+        # DeepSpeed (and its universal converter) unpickle these files freely: read them first
+        from ..checkpoint.safe import check_deepspeed_dir
+        check_deepspeed_dir(ds_dir, self.cfg.checkpoint.trust)
         if saved_world_size is not None and saved_world_size != self.dist.world_size:
             universal = self._universal(ds_dir, saved_world_size)
             self.engine._config.load_universal_checkpoint = True
@@ -192,7 +195,7 @@ class DeepSpeedStrategy(Strategy):
                                   f"{str(e).splitlines()[0] if str(e) else ''}); use an earlier checkpoint") from None
         if loaded is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint in {load_dir / tag}")
-        extra = torch_load_safe(path / "scheduler.pt")
+        extra = torch_load_safe(path / "scheduler.pt", self.cfg.checkpoint.trust)
         if tag != TAG:
             # ZeRO-3's universal load gives *every* param group the hyperparameters of group 0
             # (deepspeed 0.19 stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3), so the

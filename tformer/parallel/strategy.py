@@ -84,22 +84,18 @@ class Strategy:
                 save_model_weights(self.model, tmp / "model.safetensors")
 
     def load(self, path: Path, optimizer, scheduler, scaler, saved_world_size: int | None = None) -> None:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from ..checkpoint.safe import dcp_load
         if not (path / "dcp").is_dir():
             raise CheckpointError(f"checkpoint {path} has no dcp/ directory; it was not written by the "
                                   "ddp or fsdp strategy (a deepspeed checkpoint needs parallel.strategy="
                                   "deepspeed, or `tformer consolidate` first)")
         state = self._dcp_state(optimizer)
-        try:
-            dcp.load(state, checkpoint_id=str(path / "dcp"))
-        except Exception as e:  # noqa: BLE001 - any read failure is a damaged checkpoint to the user
-            first = str(e).strip().splitlines()
-            raise CheckpointError(f"checkpoint {path / 'dcp'} cannot be read ({type(e).__name__}: "
-                                  f"{first[-1] if first else 'corrupt'}); use an earlier checkpoint") from None
+        dcp_load(state, path / "dcp", self.cfg.checkpoint.trust)
         set_state_dict(self.model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
-        extra = torch_load_safe(path / "scheduler.pt")
+        extra = torch_load_safe(path / "scheduler.pt", self.cfg.checkpoint.trust)
         scheduler.load_state_dict(extra["scheduler"])
         if scaler is not None and extra.get("scaler"):
             scaler.load_state_dict(extra["scaler"])

@@ -11,7 +11,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
-from ..config import ConfigError, _check_type, check_keys
+from ..config import ConfigError, _check_type, check_keys, check_ranges
 from ..models import build_config
 
 PRECISIONS = ("auto", "bf16", "fp32", "fp16")
@@ -21,6 +21,7 @@ NONFINITE = ("skip", "stop")
 DEVICES = ("auto", "cpu", "cuda")
 OBJECTIVES = ("auto", "causal", "mlm", "span", "seq2seq")
 AC_MODES = ("none", "full", "selective")
+SPIKE_ACTIONS = ("none", "warn", "rollback")
 
 
 @dataclass
@@ -72,6 +73,13 @@ class ParallelConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # true: load this run's checkpoints' pickles (DCP metadata, DeepSpeed states) without the
+    # allow-list. DANGEROUS: a pickle can run any code; only for checkpoints of trusted origin.
+    trust: bool = False
+
+
+@dataclass
 class WandbConfig:
     enabled: bool = False
     project: str = "tformer"
@@ -88,6 +96,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output_dir: str = "runs/default"
     seed: int = 0
     micro_batch_size: int = 8
@@ -104,6 +113,16 @@ class TrainConfig:
     resume: str = "auto"             # auto (newest complete checkpoint, if any) | none | a path
     on_nonfinite: str = "skip"       # skip the step, or stop the run
     max_skipped_steps: int = 10      # stop after this many consecutive non-finite steps
+    # no step progress for this many seconds: every rank dumps its stacks to OUTPUT/watchdog/, the
+    # stuck ranks are named, and the job exits non-zero (torchrun restarts / SLURM requeues take
+    # over); collectives time out 60 s later. null = off
+    watchdog_timeout: float | None = None
+    on_spike: str = "none"           # none | warn | rollback (to the newest checkpoint before the spike)
+    spike_factor: float = 3.0        # a loss above spike_factor x the running median is a spike
+    spike_window: int = 50           # steps in the running median
+    spike_warmup: int = 100          # no spike detection before this step
+    spike_skip_batches: int = 100    # rollback: optimizer steps' worth of data skipped after the checkpoint
+    max_rollbacks: int = 3           # rollback: at most this many per run, then stop
     compile: bool = False
     progress: bool = True
     device: str = "auto"             # auto | cpu | cuda
@@ -143,6 +162,9 @@ class TrainConfig:
             raise ConfigError(f"data.seq_len={self.data.seq_len} must be >= 1")
         if self.optim.lr <= 0:
             raise ConfigError(f"optim.lr={self.optim.lr} must be > 0")
+        if self.on_spike not in SPIKE_ACTIONS:
+            raise ConfigError(f"on_spike={self.on_spike!r} is not allowed; use one of: {', '.join(SPIKE_ACTIONS)}")
+        check_ranges(self, RANGES)
         self.model_config()  # the model section must build
 
     def model_config(self):
@@ -154,6 +176,26 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# Allowed range of every numeric key (README "Allowed ranges" lists the same); null is allowed
+# where the type says so and is not checked.
+RANGES = {
+    "seed": "[0, inf)", "micro_batch_size": "[1, inf)", "grad_accum": "[1, inf)", "max_steps": "[1, inf)",
+    "max_tokens": "[1, inf)", "max_time": "(0, inf)", "log_every": "[1, inf)", "eval_every": "[0, inf)",
+    "eval_batches": "[1, inf)", "save_every": "[0, inf)", "keep_checkpoints": "[1, inf)",
+    "max_skipped_steps": "[0, inf)", "watchdog_timeout": "(0, inf)", "spike_factor": "(1, inf)",
+    "spike_window": "[3, inf)", "spike_warmup": "[0, inf)", "spike_skip_batches": "[0, inf)",
+    "max_rollbacks": "[1, inf)",
+    "data.tokenizer_vocab_size": "[1, inf)", "data.seq_len": "[1, inf)", "data.target_len": "[1, inf)",
+    "data.mlm_probability": "(0, 1)", "data.noise_density": "(0, 1)", "data.mean_span_length": "[1, inf)",
+    "data.val_fraction": "[0, 1)", "data.tokenizer_max_rows": "[1, inf)", "data.num_proc": "[1, inf)",
+    "data.num_workers": "[0, inf)",
+    "optim.lr": "(0, inf)", "optim.min_lr_ratio": "[0, 1]", "optim.weight_decay": "[0, inf)",
+    "optim.beta1": "[0, 1)", "optim.beta2": "[0, 1)", "optim.eps": "(0, inf)", "optim.grad_clip": "[0, inf)",
+    "optim.warmup_steps": "[0, inf)", "optim.decay_steps": "[1, inf)",
+    "parallel.ac_every": "[1, inf)", "parallel.zero_stage": "[0, 3]",
+}
 
 
 def _build(cls, data: Any, section: str):

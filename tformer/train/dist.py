@@ -58,6 +58,7 @@ def init_distributed(device: str = "auto", backend: str | None = None, timeout_s
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.setdefault("RANK", "0")
             os.environ.setdefault("WORLD_SIZE", "1")
+            os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed asserts it is set
         backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
         # TFORMER_DIST_TIMEOUT bounds every collective: a lost peer ends the job instead of hanging.
         timeout_s = float(os.environ.get("TFORMER_DIST_TIMEOUT", timeout_s))

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import signal
 import sys
@@ -15,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpoint.io import (CheckpointError, commit, find_latest, load_model_weights, partial_dir,
-                             read_trainer_state, torch_load_safe, torch_save_durable, verify,
+from ..checkpoint.io import (CheckpointError, commit, find_latest, list_checkpoints, load_model_weights,
+                             partial_dir, read_trainer_state, torch_load_safe, torch_save_durable, verify,
                              write_bytes_durable)
 from ..config import ConfigError
 from ..data import ResumableSampler
@@ -28,7 +29,9 @@ from .data import MODEL_INPUTS, build_data, copy_tokenizer
 from .dist import all_reduce, barrier, device_type, init_distributed
 from .metrics import memory_mb, peak_flops
 from .optim import build_optimizer, build_scheduler
+from .spike import SpikeDetector
 from .tracking import WandbTracker
+from .watchdog import Watchdog
 
 log = logging.getLogger("tformer.train")
 
@@ -57,6 +60,10 @@ class NonFiniteLoss(RuntimeError):
     """The run stopped on a non-finite loss (``on_nonfinite: stop``)."""
 
 
+class LossSpikeError(RuntimeError):
+    """The run stopped on a loss spike it could not roll back (``on_spike: rollback``)."""
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, callbacks=()):
         self.cfg = cfg
@@ -65,7 +72,9 @@ class Trainer:
         self.device = torch.device(device_type(cfg.device))
         self.precision = resolve_precision(cfg.precision, self.device)
         self._check_support()
-        self.dist = init_distributed(cfg.device, cfg.parallel.backend,
+        # collectives outlive the watchdog by a minute, so a hang is reported before gloo/NCCL fail
+        timeout = 600 if cfg.watchdog_timeout is None else cfg.watchdog_timeout + 60
+        self.dist = init_distributed(cfg.device, cfg.parallel.backend, timeout_s=timeout,
                                      always=cfg.parallel.strategy != "ddp")
         self.device = self.dist.device
         self._warn_slow_precision()
@@ -94,6 +103,11 @@ class Trainer:
         self.consumed = 0            # global samples consumed by all ranks
         self.tokens = 0              # global tokens consumed
         self.skipped = 0             # consecutive non-finite steps
+        self.streak_start: int | None = None  # first step of the current non-finite streak
+        self.spikes = SpikeDetector(cfg.spike_factor, cfg.spike_window, cfg.spike_warmup)
+        self.rollbacks = 0           # loss-spike rollbacks done (on_spike=rollback)
+        self.watchdog: Watchdog | None = None
+        self._watchdog_warned = False
         self.wandb_id: str | None = None
         self.resumed_from: Path | None = None
         self._stop_reason: str | None = None
@@ -113,6 +127,16 @@ class Trainer:
         if self.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("precision=bf16 is not supported by this GPU; use precision=fp16")
         strategy_class(cfg.parallel.strategy).check(cfg, self.precision)  # e.g. DeepSpeed missing
+        out = Path(cfg.output_dir)
+        for p in (out, *out.parents):
+            if p.exists():
+                if not p.is_dir():
+                    raise ConfigError(f"output_dir={cfg.output_dir} cannot be created: {p} is a file; pass a "
+                                      "directory path")
+                if not os.access(p, os.W_OK | os.X_OK) and p == out:
+                    raise ConfigError(f"output_dir={cfg.output_dir} is not writable; pass a directory you can "
+                                      "write to")
+                break
 
     def _warn_slow_precision(self) -> None:
         if (self.dist.is_main and self.precision == "bf16" and self.device.type == "cpu"
@@ -141,6 +165,13 @@ class Trainer:
                 if path is None:
                     raise CheckpointError(f"no complete checkpoint under {target}")
             verify(path, deep=True)
+        self._load(path)
+        self._apply_pending_rollback()
+        if self.dist.is_main:
+            log.info("resumed from %s at step %d", path, self.step)
+
+    def _load(self, path: Path) -> None:
+        """Model, optimizer, schedule, RNG and trainer state of a verified checkpoint."""
         state = read_trainer_state(path)
         self._check_same_model(path, state.get("model_config") or {})
         if state.get("weights_only"):
@@ -152,7 +183,7 @@ class Trainer:
             self.strategy.load(path, self.optimizer, self.scheduler, self.scaler, state.get("world_size"))
         rng = path / f"rng_rank{self.dist.rank}.pt"
         if rng.is_file() and state.get("world_size") == self.dist.world_size:
-            _set_rng(torch_load_safe(rng))
+            _set_rng(torch_load_safe(rng, self.cfg.checkpoint.trust))
         else:
             log.warning("rank %d: no RNG state for this world size in %s; dropout streams restart "
                         "(data order is unaffected)", self.dist.rank, path)
@@ -161,9 +192,10 @@ class Trainer:
         self.tokens = state["tokens"]
         self.skipped = state.get("skipped", 0)
         self.wandb_id = state.get("wandb_id")
+        self.rollbacks = state.get("rollbacks", 0)
+        self.spikes.load_state_dict(state.get("spike_detector") or {})
+        self.streak_start = None
         self.resumed_from = path
-        if self.dist.is_main:
-            log.info("resumed from %s at step %d", path, self.step)
 
     def _check_same_model(self, path: Path, saved: dict) -> None:
         ours = self.model_cfg.to_dict()
@@ -186,6 +218,7 @@ class Trainer:
         if self.dist.is_main:
             state = {"step": self.step, "consumed_samples": self.consumed, "tokens": self.tokens,
                      "skipped": self.skipped, "world_size": self.dist.world_size,
+                     "rollbacks": self.rollbacks, "spike_detector": self.spikes.state_dict(),
                      "wandb_id": self.wandb_id, "model_config": self.model_cfg.to_dict(),
                      "strategy": self.cfg.parallel.strategy, "family": self.model_cfg.family, "objective": self.data.objective,
                      "seq_len": self.data.seq_len, "target_len": self.data.target_len,
@@ -285,13 +318,25 @@ class Trainer:
         last = {}
         saved_step = self.step if self.resumed_from is not None else -1
         batches = self._batches()
+        if cfg.watchdog_timeout is not None:
+            self.watchdog = Watchdog(self.out / "watchdog", self.dist.rank, self.dist.world_size,
+                                     cfg.watchdog_timeout).start()
         try:
             while self.step < cfg.max_steps and self._stop_reason is None:
                 record = self._train_step(batches)
+                if self._spike(record):  # rolled back to an earlier checkpoint: new data position
+                    if main:
+                        self._log(record, metrics_file, tracker, bar)
+                    if bar is not None:
+                        bar.n = self.step
+                    batches = self._batches()
+                    saved_step = self.step
+                    continue
                 stopping = self._stop_check(start)
                 due_eval = cfg.eval_every and self.step % cfg.eval_every == 0
                 final = self.step >= cfg.max_steps or stopping
                 if due_eval or final:
+                    self._beat("eval")
                     record.update(self.evaluate())
                 if main and (self.step % cfg.log_every == 0 or final or "val_loss" in record):
                     self._log(record, metrics_file, tracker, bar)
@@ -300,13 +345,18 @@ class Trainer:
                     bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
                 last = record
                 if (cfg.save_every and self.step % cfg.save_every == 0) or final:
-                    self.save()
+                    if self._may_save():
+                        self.save()
                     saved_step = self.step
                 for cb in self.callbacks:
                     cb(self, record)
-            if self.step != saved_step and self.step > 0:
+                self._beat("train", arm=True)
+            if self.step != saved_step and self.step > 0 and self._may_save():
                 self.save()
         finally:
+            if self.watchdog is not None:
+                self.watchdog.close()
+                self.watchdog = None
             if bar is not None:
                 bar.close()
             if metrics_file is not None:
@@ -321,6 +371,104 @@ class Trainer:
                   f"{self.ckpt_root / f'step_{self.step:08d}'}", flush=True)
         return last
 
+    def _beat(self, phase: str, arm: bool = False) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(self.step, phase)
+            if arm and not self.watchdog._armed:
+                self.watchdog.arm()
+
+    def _may_save(self) -> bool:
+        """No checkpoint while the run is in a non-finite streak: it would be offered to resume
+        from although its weights may be what makes the loss non-finite."""
+        if self.skipped == 0:
+            return True
+        if self.dist.is_main:
+            log.warning("step %d: checkpoint not written: the loss is non-finite since step %d; the newest "
+                        "good checkpoint is %s", self.step, self.streak_start, self._last_good() or "none")
+        return False
+
+    def _last_good(self) -> Path | None:
+        """The newest checkpoint saved before the non-finite streak. When the streak is longer than
+        one step, the checkpoint just before it is excluded too: its weights gave a non-finite loss
+        on several different batches (and skipped steps leave them unchanged), so resuming it would
+        fail again at once."""
+        found = list_checkpoints(self.ckpt_root)
+        if self.streak_start is not None:
+            limit = self.streak_start - (2 if self.skipped > 1 else 1)
+            found = [p for p in found if int(p.name.split("_")[1]) <= limit]
+        return found[-1] if found else None
+
+    def _spike(self, record: dict) -> bool:
+        """Judge the step's loss; on a spike with ``on_spike: rollback`` reload the newest checkpoint
+        before it and skip ``spike_skip_batches`` steps' worth of data. True if it rolled back."""
+        cfg = self.cfg
+        if cfg.on_spike == "none":
+            return False
+        median = self.spikes.check(self.step, record["loss"])
+        if median is None:
+            return False
+        spike = (f"loss spike at step {self.step}: {record['loss']:.4f} > {cfg.spike_factor:g} x running "
+                 f"median {median:.4f}")
+        record["spike"] = True
+        if cfg.on_spike == "warn":
+            if self.dist.is_main:
+                log.warning("%s (on_spike=warn)", spike)
+            return False
+        target = [p for p in list_checkpoints(self.ckpt_root) if int(p.name.split("_")[1]) < self.step]
+        if self.rollbacks >= cfg.max_rollbacks:
+            raise LossSpikeError(f"{spike}; max_rollbacks={cfg.max_rollbacks} reached; the last good checkpoint is "
+                                 f"{target[-1] if target else 'none'}; lower optim.lr or check the data")
+        if not target:
+            if self.dist.is_main:
+                log.warning("%s; no checkpoint before it to roll back to: continuing (save more often "
+                            "with save_every)", spike)
+            return False
+        spike_step, wandb_id = self.step, self.wandb_id
+        verify(target[-1], deep=True)
+        self._load(target[-1])
+        self.wandb_id = wandb_id
+        self.rollbacks += 1
+        event = {"spike_step": spike_step, "loss": record["loss"], "median": median, "to_step": self.step,
+                 "rollback": self.rollbacks, "skip_from_sample": self.consumed,
+                 "skip_samples": cfg.spike_skip_batches * self._global_batch()}
+        self._record_rollback(event)
+        self.consumed += event["skip_samples"]
+        record["rollback_to"] = self.step
+        if self.dist.is_main:
+            log.warning("%s; rolled back to %s and skipping %d batches (samples %d-%d), rollback %d of %d",
+                        spike, target[-1], cfg.spike_skip_batches, event["skip_from_sample"],
+                        self.consumed - 1, self.rollbacks, cfg.max_rollbacks)
+        return True
+
+    def _global_batch(self) -> int:
+        return self.cfg.micro_batch_size * self.cfg.grad_accum * self.dist.world_size
+
+    def _record_rollback(self, event: dict) -> None:
+        """Append to ``OUTPUT/rollbacks.json``: a run killed before its next checkpoint resumes the
+        skip from there (the checkpoint it rolled back to does not know about it)."""
+        if self.dist.is_main:
+            path = self.out / "rollbacks.json"
+            events = json.loads(path.read_text()) if path.is_file() else []
+            events.append(event)
+            tmp = path.with_suffix(".tmp")
+            write_bytes_durable(tmp, json.dumps(events, indent=1).encode())
+            os.replace(tmp, path)
+        barrier()
+
+    def _apply_pending_rollback(self) -> None:
+        """After a resume: a rollback to exactly this checkpoint that the checkpoint predates."""
+        path = self.out / "rollbacks.json"
+        if self.cfg.on_spike != "rollback" or not path.is_file():
+            return
+        for event in json.loads(path.read_text()):
+            if event["to_step"] == self.step and event["rollback"] == self.rollbacks + 1 \
+                    and event["skip_from_sample"] == self.consumed:
+                self.rollbacks += 1
+                self.consumed += event["skip_samples"]
+                if self.dist.is_main:
+                    log.info("resuming rollback %d: skipping samples %d-%d", self.rollbacks,
+                             event["skip_from_sample"], self.consumed - 1)
+
     def _train_step(self, batches) -> dict:
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -330,7 +478,9 @@ class Trainer:
         tokens = 0
         self.wrapped.train()
         for micro in range(cfg.grad_accum):
+            self._beat("data")
             batch = next(batches)
+            self._beat("forward-backward")
             inputs = {k: batch[k].to(self.device, non_blocking=True) for k in keys if k in batch}
             tokens += inputs["input_ids"].numel() + (inputs["labels"].numel() if self.model_cfg.family == "encdec" else 0)
             last = micro == cfg.grad_accum - 1
@@ -340,21 +490,32 @@ class Trainer:
                     loss = self.wrapped(**inputs, return_logits=False).loss / cfg.grad_accum
                 self.strategy.backward(loss, last, self.scaler)
             loss_sum += loss.detach().float()
+        self._beat("loss all-reduce")
         stats = torch.stack([loss_sum, torch.tensor(float(tokens), device=self.device),
                              torch.tensor(1.0 if self._signal else 0.0, device=self.device)])
         all_reduce(stats)
         loss_avg = stats[0].item() / self.dist.world_size
         if stats[2].item() > 0 and self._stop_reason is None:
             self._stop_reason = f"signal {self._signal or 'on another rank'}"
+        self._beat("optimizer step")
         grad_norm = self._update(loss_avg)
         self.step += 1
         self.consumed += cfg.micro_batch_size * cfg.grad_accum * self.dist.world_size
         global_tokens = int(stats[1].item())
         self.tokens += global_tokens
         dt = time.perf_counter() - t0
+        self._check_watchdog_margin(dt)
         return {"step": self.step, "loss": loss_avg, "lr": lr, "grad_norm": grad_norm,
                 "tokens_per_s": global_tokens / dt, "mfu": self.flops_per_step / dt / self.peak,
                 "tokens": self.tokens, "step_time": dt, "memory_mb": memory_mb(self.device)}
+
+    def _check_watchdog_margin(self, step_time: float) -> None:
+        timeout = self.cfg.watchdog_timeout
+        if (timeout is not None and self.step > 1 and step_time > timeout / 2 and self.dist.is_main
+                and not self._watchdog_warned):
+            self._watchdog_warned = True
+            log.warning("watchdog_timeout=%g s is short: a step took %.1f s here; raise it to at least %d s, or "
+                        "a slow step will be taken for a hang", timeout, step_time, math.ceil(4 * step_time))
 
     def _update(self, loss: float) -> float:
         """Clip, step the optimizer and the LR schedule; returns the gradient norm. A non-finite
@@ -367,6 +528,7 @@ class Trainer:
             if self.strategy.step_applied and math.isfinite(loss):
                 self.scheduler.step()
                 self.skipped = 0
+                self.streak_start = None
             else:
                 if self.strategy.step_applied:  # the engine updated anyway: stop, don't go on
                     self.skipped = self.cfg.max_skipped_steps
@@ -386,7 +548,7 @@ class Trainer:
             else:
                 self.optimizer.step()
             self.scheduler.step()
-            self.skipped = 0
+            self.skipped, self.streak_start = 0, None
         else:
             self._nonfinite(loss, grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
@@ -395,8 +557,10 @@ class Trainer:
     def _nonfinite(self, loss: float, grad_norm: float) -> None:
         what = f"loss={loss}" if not math.isfinite(loss) else f"grad_norm={grad_norm}"
         self.skipped += 1
+        if self.streak_start is None:
+            self.streak_start = self.step + 1
         if self.cfg.on_nonfinite == "stop" or self.skipped > self.cfg.max_skipped_steps:
-            last = find_latest(self.ckpt_root) if self.ckpt_root.is_dir() else None
+            last = self._last_good()
             raise NonFiniteLoss(f"non-finite {what} at step {self.step + 1}; stopping "
                                 f"(on_nonfinite={self.cfg.on_nonfinite}, {self.skipped} bad step(s) in a "
                                 f"row); the last good checkpoint is {last or 'none'}; lower optim.lr or "

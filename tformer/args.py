@@ -1,0 +1,56 @@
+"""Command-line argument helpers: every bad flag is one ``error:`` line, never argparse's usage
+block or a traceback."""
+from __future__ import annotations
+
+import argparse
+import math
+
+
+class UsageError(ValueError):
+    """A bad command-line argument (one line)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument as one ``error:`` line (no usage block), exit 2."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message}; see {self.prog} --help")
+
+
+def number(kind, spec: str):
+    """An argparse type: ``kind`` (int/float) within ``spec`` (e.g. "[1, inf)")."""
+    from .config import in_range
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if (isinstance(value, float) and math.isnan(value)) or not in_range(value, spec):
+            raise argparse.ArgumentTypeError(f"{text} is out of range; use a value in {spec}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def byte_size(text: str) -> str:
+    """A size such as 80GB or 24GiB."""
+    from .parallel.plan import parse_bytes
+    from .config import ConfigError
+    try:
+        if parse_bytes(text) <= 0:
+            raise ConfigError("not positive")
+    except (ConfigError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 80GB or 24GiB") from None
+    return text
+
+
+def shard_size(text: str) -> str:
+    """A safetensors shard size as HF's writer reads it (5GB, 500MB: decimal units)."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+    try:
+        if parse_size_to_int(text) <= 0:
+            raise ValueError
+    except (ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shard size; use e.g. 5GB or 500MB") from None
+    return text

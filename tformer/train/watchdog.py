@@ -1,0 +1,115 @@
+"""A hang watchdog: a rank that makes no step progress for ``watchdog_timeout`` seconds dumps the
+Python stacks of all its threads, names the ranks that stopped, and leaves the job non-zero.
+
+A rank stuck in a collective (a peer that died or froze, a dead NIC, a deadlocked data worker)
+otherwise holds the whole job until the cluster's time limit. With the watchdog the job fails
+within the timeout, so torchrun's ``--max-restarts`` or a SLURM requeue resumes it from the last
+checkpoint.
+
+Every rank keeps a heartbeat file ``OUTPUT/watchdog/heartbeat_rank{R}.json`` (written by a
+background thread about once a second: the step and phase of the last progress, and when). A
+rank whose file is no longer written is *not responding* (stopped, killed, or frozen with the
+interpreter lock held); a rank whose file is fresh but whose progress is old is *waiting* (for
+example in a collective for the rank that is not responding). The report names both, and each
+rank's stacks land in ``OUTPUT/watchdog/stacks_rank{R}.txt``.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("tformer.train")
+
+EXIT_CODE = 75  # a job that hung: torchrun restarts it, SLURM scripts requeue on non-zero
+
+
+class Watchdog:
+    def __init__(self, directory: Path, rank: int, world_size: int, timeout: float, interval: float = 1.0):
+        self.dir = Path(directory)
+        self.rank, self.world_size, self.timeout, self.interval = rank, world_size, timeout, interval
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._step, self._phase, self._progress = 0, "start-up", time.time()
+        self._armed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tformer-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self._write_heartbeat()
+        self._thread.start()
+        return self
+
+    def beat(self, step: int, phase: str) -> None:
+        """Progress: called by the training loop at each phase (cheap: no I/O)."""
+        self._step, self._phase, self._progress = step, phase, time.time()
+
+    def arm(self) -> None:
+        """Start judging progress (after the first step: start-up, compilation and the first
+        collectives may legitimately take long)."""
+        self._progress = time.time()
+        self._armed = True
+
+    def disarm(self) -> None:
+        self._armed = False
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    # -- the thread ---------------------------------------------------------------------------
+    def _write_heartbeat(self) -> None:
+        record = {"rank": self.rank, "pid": os.getpid(), "step": self._step, "phase": self._phase,
+                  "progress": self._progress, "written": time.time()}
+        path = self.dir / f"heartbeat_rank{self.rank}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._write_heartbeat()
+            except OSError:
+                pass  # a full or vanished disk must not kill training; the timeout still applies
+            if self._armed and time.time() - self._progress > self.timeout:
+                self._fire()
+
+    def _fire(self) -> None:
+        stacks = self.dir / f"stacks_rank{self.rank}.txt"
+        with open(stacks, "w") as f:
+            f.write(f"rank {self.rank} (pid {os.getpid()}): no progress for "
+                    f"{time.time() - self._progress:.0f} s, last at step {self._step} ({self._phase})\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        report = self.report()
+        try:
+            (self.dir / f"report_rank{self.rank}.txt").write_text(report + "\n")
+        except OSError:
+            pass
+        log.error("%s; stacks in %s", report, self.dir)
+        for handler in logging.getLogger().handlers + log.handlers:
+            handler.flush()
+        os._exit(EXIT_CODE)
+
+    def report(self) -> str:
+        """One line: this rank's view of which ranks stopped where."""
+        now = time.time()
+        stale, waiting = [], []
+        for r in range(self.world_size):
+            try:
+                hb = json.loads((self.dir / f"heartbeat_rank{r}.json").read_text())
+            except (OSError, ValueError):
+                stale.append(f"rank {r} (no heartbeat)")
+                continue
+            where = f"step {hb['step']} ({hb['phase']})"
+            if r != self.rank and now - hb["written"] > max(5 * self.interval, 3.0):
+                stale.append(f"rank {r} not responding for {now - hb['written']:.0f} s, last at {where}")
+            elif now - hb["progress"] > self.timeout or r == self.rank:
+                waiting.append(f"rank {r} waiting {now - hb['progress']:.0f} s at {where}")
+        stuck = "; ".join(stale) if stale else "no rank stopped responding (all wait: a collective or data hang)"
+        return (f"watchdog: no step progress for {self.timeout:g} s (watchdog_timeout) on rank {self.rank}; "
+                f"stuck: {stuck}; {'; '.join(waiting)}")
