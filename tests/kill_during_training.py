@@ -14,6 +14,8 @@ p.add_argument("config")
 p.add_argument("overrides", nargs="*")
 p.add_argument("--kill-after", type=int)
 p.add_argument("--kill-in-save", type=int)
+p.add_argument("--spike-at-sample", type=int, help="blow the loss up (x100) on the batch that starts at "
+                                                    "this global sample index")
 args = p.parse_args()
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -33,4 +35,19 @@ def kill_after(trainer, record):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-trainer_mod.Trainer(load_config(args.config, args.overrides), callbacks=[kill_after]).fit()
+def plant_spike(trainer, sample):
+    """The loss of the optimizer step whose data starts at global sample ``sample`` is x100."""
+    forward = trainer.model.forward
+
+    def patched(*a, **kw):
+        out = forward(*a, **kw)
+        if trainer.model.training and trainer.consumed == sample:
+            out.loss = out.loss * 100.0
+        return out
+    trainer.model.forward = patched
+
+
+t = trainer_mod.Trainer(load_config(args.config, args.overrides), callbacks=[kill_after])
+if args.spike_at_sample is not None:
+    plant_spike(t, args.spike_at_sample)
+t.fit()

@@ -29,7 +29,7 @@ def read_model_state(ckpt: str | Path, trust: bool = False) -> tuple[ModelConfig
     pickles are read through an allow-list unless ``trust``."""
     from ..models import build_model
 
-    ckpt = resolve_checkpoint(ckpt)  # a run directory means its newest checkpoint; verified
+    ckpt = resolve_checkpoint(ckpt, trust)  # a run directory means its newest one; verified, checked
     info = read_trainer_state(ckpt)
     if "model_config" not in info:
         raise CheckpointError(f"checkpoint {ckpt} records no model_config; it is not a tformer checkpoint")
@@ -62,7 +62,7 @@ def consolidate(ckpt: str | Path, out: str | Path | None = None, trust: bool = F
 
     from safetensors.torch import save_file
 
-    ckpt = resolve_checkpoint(ckpt)
+    ckpt = resolve_checkpoint(ckpt, trust)
     cfg, state = read_model_state(ckpt, trust)
     out = Path(out) if out else ckpt / "consolidated.safetensors"
     tmp = out.with_name(out.name + ".tmp")

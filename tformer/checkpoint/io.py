@@ -205,9 +205,9 @@ def save_model_weights(model: torch.nn.Module, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
+def resolve_checkpoint(path: str | Path, trust: bool = False) -> Path:
     """A checkpoint directory, or a run directory's newest complete checkpoint; verified (sizes
-    and CRC-32)."""
+    and CRC-32) and its pickles checked against the allow-lists unless ``trust``."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist; pass a run directory or "
@@ -219,6 +219,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
             raise CheckpointError(f"no complete checkpoint under {path}")
         path = latest
     verify(path, deep=True)
+    from .safe import check_checkpoint
+    check_checkpoint(path, trust)
     return path
 
 
@@ -227,7 +229,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", trust:
     Its pickles are read through an allow-list unless ``trust`` (see ``checkpoint/safe.py``)."""
     from ..models import build_model
 
-    path = resolve_checkpoint(path)
+    path = resolve_checkpoint(path, trust)
     state = read_trainer_state(path)
     model_cfg = state.get("model_config")
     if model_cfg is None:

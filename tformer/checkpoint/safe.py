@@ -45,8 +45,8 @@ def _refuse(path, what: str) -> UnsafeCheckpointError:
 
 # -- torch.load --------------------------------------------------------------------------------
 
-_NOT_ALLOWED = re.compile(r"GLOBAL ([\w.]+) was not an allowed global|Unsupported global: GLOBAL ([\w.]+)"
-                          r"|Trying to call reduce for ([\w.]+)|([\w.]+) is not an allowed")
+# the ways torch's weights-only unpickler names what it refused
+_NOT_ALLOWED = re.compile(r"GLOBAL ([\w.]+)|Trying to call reduce for ([\w.]+)|([\w.]+) is not an allowed")
 
 
 def _deepspeed_globals() -> list:
@@ -172,6 +172,48 @@ def safe_dcp_reader_and_planner(dcp_dir: Path, trust: bool = False):
                 self.state_dict[read_item.dest_index.fqn] = obj
 
     return SafeFileSystemReader(str(dcp_dir)), SafeLoadPlanner()
+
+
+def check_dcp_dir(dcp_dir: Path) -> None:
+    """Read DCP's metadata and every non-tensor entry of its shards through the allow-lists (the
+    entries are small: hyperparameters, step counts), whichever of them a load will ask for."""
+    import io
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = read_dcp_metadata(dcp_dir / ".metadata")
+    storage = metadata.storage_data or {}
+    for index, info in storage.items():
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue
+        if getattr(info, "transform_descriptors", None):
+            continue  # transformed (e.g. compressed) entries are checked as they load (SafeLoadPlanner)
+        where = f"{dcp_dir / info.relative_path} (entry {index.fqn})"
+        try:
+            with open(dcp_dir / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                data = f.read(info.length)
+            torch.load(io.BytesIO(data), weights_only=True)
+        except pickle.UnpicklingError as e:
+            m = _NOT_ALLOWED.search(str(e))
+            raise (_refuse(where, next(g for g in m.groups() if g)) if m else _corrupt(where, e)) from None
+        except Exception as e:  # noqa: BLE001
+            raise _corrupt(where, e) from None
+
+
+def check_checkpoint(ckpt: Path, trust: bool = False) -> None:
+    """Every pickle of a tformer checkpoint through its allow-list, before any of them is loaded:
+    ``*.pt`` files, DCP metadata and entries, DeepSpeed states. A checkpoint carrying a payload
+    anywhere is refused whole, whichever part a command would read."""
+    if trust:
+        return
+    ckpt = Path(ckpt)
+    for path in sorted(ckpt.glob("*.pt")):
+        torch_load(path, mmap=True)
+    if (ckpt / "dcp" / ".metadata").is_file():
+        check_dcp_dir(ckpt / "dcp")
+    if (ckpt / "deepspeed").is_dir():
+        check_deepspeed_dir(ckpt / "deepspeed")
 
 
 def dcp_load(state: dict, dcp_dir: Path, trust: bool = False) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -151,7 +153,7 @@ def read_model_state(checkpoint: str | Path, trust: bool = False) -> tuple[Model
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = resolve_checkpoint(checkpoint)
+    path = resolve_checkpoint(checkpoint, trust)
     saved = read_trainer_state(path).get("model_config")
     if saved is None:
         raise CheckpointError(f"checkpoint {path} records no model_config in trainer.json")
@@ -252,8 +254,16 @@ def read_hf_weights(hf_dir: str, class_name: str, hf_config) -> tuple[dict[str, 
     import transformers
 
     cls = getattr(transformers, class_name)
-    model, info = cls.from_pretrained(hf_dir, config=hf_config, dtype=torch.float32,
-                                      output_loading_info=True)
+    try:  # transformers reads pickled weights (*.bin) with weights_only=True: never code
+        model, info = cls.from_pretrained(hf_dir, config=hf_config, dtype=torch.float32,
+                                          output_loading_info=True)
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
+        pickles = sorted(p.name for p in Path(hf_dir).glob("*.bin")) if Path(hf_dir).is_dir() else []
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = (f"{'/'.join(pickles) or 'its weights'} try to load {found.group(1)}, which no weights file needs; "
+                "refused: it could run code" if found else
+                f"its weights cannot be read ({type(e).__name__}: {(str(e).strip().splitlines() or ['?'])[0]})")
+        raise ExportError(f"{hf_dir}: {what}; use a safetensors copy of the model") from None
     missing = [k for k in info.get("missing_keys", []) if k]
     if missing:
         logging.getLogger("tformer.export").warning(

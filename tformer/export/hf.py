@@ -48,7 +48,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False,
 
     out = Path(out_dir)
     check_out_dir(out, force, Path(checkpoint))
-    ckpt = resolve_checkpoint(checkpoint)
+    ckpt = resolve_checkpoint(checkpoint, trust)
     cfg, state = read_model_state(ckpt, trust)
     target = target_of(cfg)
     target.check(cfg)

@@ -172,6 +172,8 @@ class Trainer:
 
     def _load(self, path: Path) -> None:
         """Model, optimizer, schedule, RNG and trainer state of a verified checkpoint."""
+        from ..checkpoint.safe import check_checkpoint
+        check_checkpoint(path, self.cfg.checkpoint.trust)  # every pickle, before any is loaded
         state = read_trainer_state(path)
         self._check_same_model(path, state.get("model_config") or {})
         if state.get("weights_only"):
@@ -207,6 +209,7 @@ class Trainer:
 
     def save(self) -> Path:
         """Write a complete checkpoint of this step atomically (all ranks take part)."""
+        self._beat("save")
         tmp = partial_dir(self.ckpt_root, self.step)
         if self.dist.is_main:
             if tmp.exists():
@@ -231,6 +234,7 @@ class Trainer:
         if self.dist.is_main:
             final = commit(self.ckpt_root, self.step, self.cfg.keep_checkpoints)
         barrier()
+        self._beat("save done")
         return final
 
     def resolved_yaml(self) -> str:
