@@ -209,6 +209,43 @@ def test_elastic_restart_after_a_rank_is_killed_resumes_and_finishes(cache, refe
     assert_same_run(tmp_path, reference)
 
 
+def test_watchdog_ends_a_hung_job_and_torchrun_restarts_it(cache, reference, tmp_path):
+    """Rank 1 is frozen (SIGSTOP) mid-run: rank 0 waits in a collective, its watchdog dumps its
+    stacks, names rank 1 and exits non-zero within watchdog_timeout + 30 s; torchrun kills the
+    frozen rank, restarts the group, which resumes and ends with the reference loss."""
+    timeout = 10
+    proc = subprocess.Popen([str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}",
+                             f"watchdog_timeout={timeout}"],
+                            env=launch_env(cache, NPROC_PER_NODE=2, MAX_RESTARTS=1),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stacks = tmp_path / "watchdog" / "stacks_rank0.txt"
+    try:
+        deadline, stopped = time.time() + 300, None
+        while time.time() < deadline and stopped is None:
+            time.sleep(0.2)
+            done = [r["step"] for r in metrics(tmp_path)] if (tmp_path / "metrics.jsonl").exists() else []
+            if done and done[-1] >= SAVE_EVERY + 5:
+                victims = [w for w in _workers(proc.pid) if w.environ().get("LOCAL_RANK") == "1"]
+                assert victims, "no worker with LOCAL_RANK=1 found under torchrun"
+                victims[0].send_signal(signal.SIGSTOP)
+                stopped = time.time()
+        assert stopped is not None, "the run never got past the first checkpoint"
+        while not stacks.exists() and time.time() < stopped + timeout + 60:
+            time.sleep(0.2)
+        assert stacks.exists(), "the watchdog never fired"
+        assert stacks.stat().st_mtime - stopped <= timeout + 30
+        log = proc.communicate(timeout=600)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, log[-4000:]
+    report = re.search(r"watchdog: no step progress for 10 s \(watchdog_timeout\) on rank 0; stuck: ([^;]+);", log)
+    assert report and report.group(1).startswith("rank 1 not responding"), log[-4000:]
+    dump = stacks.read_text()
+    assert "rank 0" in dump and "Thread" in dump and "trainer.py" in dump  # Python stacks of every thread
+    assert re.findall(r"resumed from \S+step_(\d+)", log), log[-4000:]
+    assert_same_run(tmp_path, reference)
+
+
 def test_usr1_checkpoints_through_a_torchrun_without_signal_forwarding(cache, reference, tmp_path):
     """A torchrun without --signals-to-handle (older releases) would die on SIGUSR1 and orphan its
     workers; launch/torchrun.sh then turns USR1 into TERM. Forced here; the run must checkpoint,

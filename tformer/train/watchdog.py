@@ -101,7 +101,8 @@ class Watchdog:
         stale, waiting = [], []
         for r in range(self.world_size):
             try:
-                hb = json.loads((self.dir / f"heartbeat_rank{r}.json").read_text())
+                hb = (json.loads((self.dir / f"heartbeat_rank{r}.json").read_text()) if r != self.rank else
+                      {"step": self._step, "phase": self._phase, "progress": self._progress, "written": now})
             except (OSError, ValueError):
                 stale.append(f"rank {r} (no heartbeat)")
                 continue
