@@ -273,6 +273,11 @@ def test_out_of_range_value_is_one_error_line(key, value, tmp_path, capsys):
      "argument --kind: invalid choice"),
     (["tokenizer"], "the following arguments are required"),
     (["train", "CFG", "output_dir=FILE"], "is a file; pass a directory path"),
+    (["train", "CFG", "output_dir=OUT", "resume=MISSING"], "missing does not exist; pass a run directory"),
+    (["train", "CFG", "output_dir=OUT", "parallel.backend=smoke"], "parallel.backend='smoke' is not allowed"),
+    (["train", "CFG", "output_dir=OUT", "parallel.backend=nccl", "device=cpu"], "parallel.backend=nccl is not available"),
+    (["train", "CFG", "output_dir=OUT", "device=cuda"] if not torch.cuda.is_available() else ["train", "CFG", "device=tpu"],
+     "device=cuda but no CUDA GPU" if not torch.cuda.is_available() else "device='tpu' is not allowed"),
     (["train", "CFG", "output_dir=FILE/sub"], "is a file; pass a directory path"),
     (["generate", "MISSING"], "does not exist"),
     (["plot", "MISSING"], "MISSING"),
@@ -282,7 +287,16 @@ def test_bad_cli_flags_are_one_error_line(argv, match, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     subst = {"CFG": str(CONFIGS / "gpt2-tiny.yaml"), "RUN": str(tmp_path / "run"), "OUT": str(tmp_path / "out"),
              "MISSING": str(tmp_path / "missing")}
-    argv = [subst.get(a, a).replace("FILE", str(tmp_path / "file")) for a in argv]
+    argv = [subst.get(a, a).replace("FILE", str(tmp_path / "file")).replace("MISSING", subst["MISSING"])
+            .replace("OUT", subst["OUT"]) for a in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and match.replace("MISSING", "missing") in err[0], err
+
+
+def test_a_micro_batch_larger_than_the_data_is_one_error_line(cache, tmp_path, capsys):
+    from tformer.cli import main
+    args = small_overrides("gpt2-tiny", tmp_path / "run", "micro_batch_size=100000")
+    assert main(["train", str(CONFIGS / "gpt2-tiny.yaml"), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: micro_batch_size=100000 x 1 rank(s) needs 100000 samples"), err[-3:]

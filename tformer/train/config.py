@@ -22,6 +22,7 @@ DEVICES = ("auto", "cpu", "cuda")
 OBJECTIVES = ("auto", "causal", "mlm", "span", "seq2seq")
 AC_MODES = ("none", "full", "selective")
 SPIKE_ACTIONS = ("none", "warn", "rollback")
+BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 
 
 @dataclass
@@ -162,6 +163,9 @@ class TrainConfig:
             raise ConfigError(f"data.seq_len={self.data.seq_len} must be >= 1")
         if self.optim.lr <= 0:
             raise ConfigError(f"optim.lr={self.optim.lr} must be > 0")
+        if self.parallel.backend is not None and self.parallel.backend not in BACKENDS:
+            raise ConfigError(f"parallel.backend={self.parallel.backend!r} is not allowed; use one of: "
+                              f"{', '.join(BACKENDS)} (or null: nccl on CUDA, gloo on CPU)")
         if self.on_spike not in SPIKE_ACTIONS:
             raise ConfigError(f"on_spike={self.on_spike!r} is not allowed; use one of: {', '.join(SPIKE_ACTIONS)}")
         check_ranges(self, RANGES)

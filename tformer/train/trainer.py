@@ -86,6 +86,11 @@ class Trainer:
 
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank, before any sharding
         self.data = build_data(cfg, self.dist.rank)
+        per_step = cfg.micro_batch_size * self.dist.world_size
+        if per_step > len(self.data.train):
+            raise ConfigError(f"micro_batch_size={cfg.micro_batch_size} x {self.dist.world_size} rank(s) needs "
+                              f"{per_step} samples per micro-step but the training set has {len(self.data.train)}; "
+                              "lower micro_batch_size or use more data")
         self.model_cfg = self.data.model_config
         self.model = build_model(self.model_cfg).to(self.device)
         # AC -> per-block compile -> DDP / FSDP2, then the optimizer over the (sharded) parameters
@@ -126,6 +131,20 @@ class Trainer:
                               f"{self.device.type}); use precision=bf16 or precision=fp32")
         if self.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("precision=bf16 is not supported by this GPU; use precision=fp16")
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device=cuda but no CUDA GPU is visible (or this torch is a CPU build); use "
+                              "device=cpu or device=auto")
+        backend = cfg.parallel.backend
+        if backend is not None:
+            import torch.distributed as dist
+            available = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available,
+                         "mpi": dist.is_mpi_available, "ucc": dist.is_ucc_available}[backend]()
+            if not available or (backend == "nccl" and self.device.type != "cuda"):
+                raise ConfigError(f"parallel.backend={backend} is not available here ({'needs a CUDA GPU' if backend == 'nccl' else 'not built into this torch'}); "
+                                  "leave parallel.backend unset (nccl on CUDA, gloo on CPU)")
+        if cfg.resume not in ("auto", "none") and not Path(cfg.resume).exists():
+            raise ConfigError(f"resume={cfg.resume} does not exist; pass a run directory, one of its "
+                              "checkpoints (RUN/checkpoints/step_XXXXXXXX), auto or none")
         strategy_class(cfg.parallel.strategy).check(cfg, self.precision)  # e.g. DeepSpeed missing
         out = Path(cfg.output_dir)
         for p in (out, *out.parents):
