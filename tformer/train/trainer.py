@@ -140,12 +140,18 @@ class Trainer:
             available = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available,
                          "mpi": dist.is_mpi_available, "ucc": dist.is_ucc_available}[backend]()
             if not available or (backend == "nccl" and self.device.type != "cuda"):
-                raise ConfigError(f"parallel.backend={backend} is not available here ({'needs a CUDA GPU' if backend == 'nccl' else 'not built into this torch'}); "
-                                  "leave parallel.backend unset (nccl on CUDA, gloo on CPU)")
+                why = "needs a CUDA GPU" if backend == "nccl" else "not built into this torch"
+                raise ConfigError(f"parallel.backend={backend} is not available here ({why}); leave "
+                                  "parallel.backend unset (nccl on CUDA, gloo on CPU)")
+        strategy_class(cfg.parallel.strategy).check(cfg, self.precision)  # e.g. DeepSpeed missing
+        self._check_paths()
+
+    def _check_paths(self) -> None:
+        """The run directory can be made and written; an explicit resume path exists."""
+        cfg = self.cfg
         if cfg.resume not in ("auto", "none") and not Path(cfg.resume).exists():
             raise ConfigError(f"resume={cfg.resume} does not exist; pass a run directory, one of its "
                               "checkpoints (RUN/checkpoints/step_XXXXXXXX), auto or none")
-        strategy_class(cfg.parallel.strategy).check(cfg, self.precision)  # e.g. DeepSpeed missing
         out = Path(cfg.output_dir)
         for p in (out, *out.parents):
             if p.exists():
