@@ -6,8 +6,13 @@ import argparse
 import math
 
 
-class UsageError(ValueError):
-    """A bad command-line argument (one line)."""
+class UsageError(SystemExit):
+    """A bad command-line argument (one line). A ``SystemExit`` with code 2, like argparse's own,
+    so callers of a parser see the same exception type; ``tformer``'s main prints it as one line."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.code = 2
 
 
 class Parser(argparse.ArgumentParser):
