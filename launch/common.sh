@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by the launch/ scripts (sourced, not run).
 
 # Processes per node when NPROC_PER_NODE is not set: one per visible GPU, else 1 (CPU-only node).

@@ -25,7 +25,7 @@ fi
 [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
 
 prev=""
-for i in $(seq "$n"); do
+for _ in $(seq "$n"); do
     dep=()
     [ -n "$prev" ] && dep=(--dependency="afterany:$prev")
     # No self-requeue inside a chain: the next link continues the run.

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by tformer's sbatch scripts (sourced, not run). Needs: SLURM_JOB_ID, TFORMER_HOME.
 
 source "$(dirname "${BASH_SOURCE[0]}")/../launch/common.sh"   # tformer_wait

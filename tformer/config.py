@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, fields
 from typing import Any, get_type_hints
 
@@ -177,7 +178,7 @@ def check_ranges(obj: Any, table: dict[str, str], prefix: str = "") -> None:
             value = getattr(value, part)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue  # null where allowed; wrong types are reported by the type check
-        if value != value or not in_range(value, spec):  # NaN is in no range
+        if math.isnan(value) or not in_range(value, spec):  # NaN is in no range
             raise ConfigError(f"{prefix}{key}={value} is out of range; use a value in {spec}")
 
 
