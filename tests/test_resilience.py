@@ -300,3 +300,14 @@ def test_a_micro_batch_larger_than_the_data_is_one_error_line(cache, tmp_path, c
     assert main(["train", str(CONFIGS / "gpt2-tiny.yaml"), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: micro_batch_size=100000 x 1 rank(s) needs 100000 samples"), err[-3:]
+
+
+def test_console_shows_tformer_lines_only(cache, tmp_path):
+    """No library chatter on the console: DCP's single-process UserWarning, datasets' progress
+    bars and DeepSpeed's accelerator notice are kept at DEBUG."""
+    proc = run_cli(["train", str(CONFIGS / "gpt2-tiny.yaml"),
+                    *small_overrides("gpt2-tiny", tmp_path / "run", "max_steps=2", "eval_every=0",
+                                     "data.tokenizer_vocab_size=2000")], cache)  # a fresh tokenizer + cache
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for line in proc.stderr.splitlines():
+        assert line.startswith(("INFO tformer", "WARNING tformer")), line

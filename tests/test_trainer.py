@@ -99,6 +99,9 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(cache, t
     two = subprocess.run(cmd, env=env(cache), capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 rank(s)" in two.stdout
+    # tformer's INFO lines once (from the main rank), not once per rank
+    data_lines = [line for line in two.stderr.splitlines() if "INFO tformer.data" in line]
+    assert data_lines and len(data_lines) == len(set(data_lines)), data_lines
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert list(a) == list(b) == list(range(1, 7))
     for step in a:

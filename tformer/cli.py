@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"usage: tformer {{{known}}} ...", file=sys.stderr)
         return 0 if argv else 2
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from .logs import setup_logging
+    setup_logging()
     from .checkpoint import CheckpointError
     from .config import ConfigError
     from .data import DataError
