@@ -72,6 +72,13 @@ class ParallelConfig:
 
 
 @dataclass
+class LossConfig:
+    # tokens per chunk of the output head + cross-entropy in training (null: the whole
+    # (tokens x vocabulary) logits at once); the loss and gradients are the same either way
+    chunk_size: int | None = 1024
+
+
+@dataclass
 class WandbConfig:
     enabled: bool = False
     project: str = "tformer"
@@ -87,6 +94,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     output_dir: str = "runs/default"
     seed: int = 0
@@ -129,6 +137,9 @@ class TrainConfig:
                               f"is not allowed; use one of: {', '.join(AC_MODES)}")
         if self.parallel.ac_every < 1:
             raise ConfigError(f"parallel.ac_every={self.parallel.ac_every} must be >= 1")
+        if self.loss.chunk_size is not None and self.loss.chunk_size < 1:
+            raise ConfigError(f"loss.chunk_size={self.loss.chunk_size} must be >= 1 (tokens per chunk), or null "
+                              "for the unchunked loss")
         if self.data.objective not in OBJECTIVES:
             raise ConfigError(f"data.objective={self.data.objective!r} is not allowed; use one of: "
                               f"{', '.join(OBJECTIVES)}")

@@ -79,6 +79,7 @@ class Trainer:
         self.data = build_data(cfg, self.dist.rank)
         self.model_cfg = self.data.model_config
         self.model = build_model(self.model_cfg).to(self.device)
+        self.model.loss_chunk_size = cfg.loss.chunk_size  # the training loss's head, in chunks
         # AC -> per-block compile -> DDP / FSDP2, then the optimizer over the (sharded) parameters
         self.strategy = strategy_class(cfg.parallel.strategy)(self.model, cfg, self.dist,
                                                               DTYPES[self.precision])

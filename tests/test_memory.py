@@ -1,0 +1,118 @@
+"""Memory at the limit: the chunked head + loss, op-level selective activation checkpointing and
+activation offload change memory and time only, never the loss or a gradient."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tformer import build_model
+from tformer.models.loss import chunked_lm_loss
+
+from conftest import TINY
+
+
+# -- chunked head + loss ---------------------------------------------------------------------
+
+def _batch(model, seed, sparse):
+    """Inputs and labels for one micro-batch; ``sparse`` leaves most labels at -100."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 1000, (2, 12), generator=g)
+    family = model.config.family
+    labels = torch.randint(3, 1000, (2, 7) if family == "encdec" else (2, 12), generator=g)
+    if family == "encoder" or sparse:  # BERT: masked positions only (a fifth here)
+        drop = torch.rand(labels.shape, generator=g) > (0.2 if family == "encoder" else 0.5)
+        drop[0, 0] = False  # at least one labelled position
+        labels = labels.masked_fill(drop, -100)
+    return {"input_ids": ids, "labels": labels}
+
+
+def _loss_and_grads(model, batches, chunk):
+    """Mean of the micro-batch losses and the accumulated gradients, as the trainer does."""
+    model.loss_chunk_size = chunk
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for batch in batches:
+        loss = model(**batch, return_logits=False).loss / len(batches)
+        loss.backward()
+        total += loss.item()
+    return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_rel(got, want, what, rel=1e-6):
+    # relative to the tensor's norm; a gradient that is zero in exact arithmetic (a key bias under
+    # softmax) is rounding noise around 1e-12 and is compared against 1e-3 (1e-9 absolute)
+    err = (got - want).norm() / want.norm().clamp(min=1e-3)
+    assert err <= rel, f"{what}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("tied", [True, False])
+def test_chunked_loss_equals_unchunked_loss_and_gradients(name, tied):
+    """fp32, padded vocabulary (1000 -> 1024 rows), dense and sparse labels, BERT's masked
+    positions, two accumulated micro-batches, chunk sizes that do (8 of 24) and do not (5, 7)
+    divide the token count, and one larger than it."""
+    torch.manual_seed(0)
+    model = build_model(name, vocab_size=1000, pad_vocab_multiple=64, tie_embeddings=tied, dropout=0.0).train()
+    assert model.config.padded_vocab_size == 1024
+    assert (model.lm_head.weight is model.embed.tok.weight) == tied
+    for sparse in (False, True):
+        batches = [_batch(model, seed, sparse) for seed in (1, 2)]
+        want_loss, want = _loss_and_grads(model, batches, None)
+        for chunk in (5, 7, 8, 4096):
+            loss, grads = _loss_and_grads(model, batches, chunk)
+            assert loss == pytest.approx(want_loss, rel=1e-6), (sparse, chunk)
+            assert grads.keys() == want.keys()
+            for n in want:
+                _assert_rel(grads[n], want[n], f"{n} sparse={sparse} chunk={chunk}")
+    padded = model.lm_head.weight.grad[1000:]
+    assert padded.abs().max() == 0  # padded vocabulary rows get no gradient
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_loss_function_matches_torch_cross_entropy(smoothing, bias):
+    """Against ``F.cross_entropy(F.linear(...))`` with label smoothing, bias, ignore index,
+    padded weight rows and a non-unit incoming gradient."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 11, 16, generator=g, requires_grad=True)
+    w = (0.3 * torch.randn(70, 16, generator=g)).requires_grad_()
+    b = torch.randn(70, generator=g, requires_grad=True) if bias else None
+    labels = torch.randint(0, 64, (3, 11), generator=g)
+    labels[:, ::4] = -100
+    inputs = [t for t in (x, w, b) if t is not None]
+    logits = F.linear(x, w, b)[..., :64]
+    want = F.cross_entropy(logits.reshape(-1, 64), labels.reshape(-1), label_smoothing=smoothing)
+    want_grads = torch.autograd.grad(2.5 * want, inputs)
+    got = chunked_lm_loss(x, w, b, labels, 4, vocab_size=64, label_smoothing=smoothing)
+    got_grads = torch.autograd.grad(2.5 * got, inputs)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    for have, expected in zip(got_grads, want_grads):
+        _assert_rel(have, expected, "gradient")
+
+
+def test_chunked_loss_under_bf16_autocast_is_close_to_the_unchunked_one():
+    torch.manual_seed(0)
+    model = build_model("llama-tiny", dropout=0.0).train()
+    batches = [_batch(model, 1, False)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want_loss, want = _loss_and_grads(model, batches, None)
+        loss, grads = _loss_and_grads(model, batches, 8)
+    assert loss == pytest.approx(want_loss, rel=1e-2)
+    for n in want:
+        assert grads[n].dtype == want[n].dtype == torch.float32
+        _assert_rel(grads[n], want[n], n, rel=3e-2)
+
+
+def test_chunked_loss_without_grad_and_second_backward():
+    model = build_model("gpt2-tiny", dropout=0.0)
+    model.loss_chunk_size = 5
+    batch = _batch(model, 1, False)
+    with torch.no_grad():
+        loss = model(**batch, return_logits=False).loss
+    model.loss_chunk_size = None
+    with torch.no_grad():
+        assert loss.item() == pytest.approx(model(**batch, return_logits=False).loss.item(), rel=1e-6)
+    model.loss_chunk_size = 5
+    loss = model(**batch, return_logits=False).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward"):
+        loss.backward()
