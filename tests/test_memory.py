@@ -116,3 +116,71 @@ def test_chunked_loss_without_grad_and_second_backward():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward"):
         loss.backward()
+
+
+# -- op-level selective activation checkpointing ---------------------------------------------
+
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops that really run (ops answered from the checkpoint's cache do not)."""
+
+    def __init__(self):
+        super().__init__()
+        from collections import Counter
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(model, batch, seed=0):
+    """Gradients of one step and the ops its backward ran (recomputation included)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # the same dropout masks in every run
+    loss = model(**batch).loss
+    with OpCounter() as counter:
+        loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, counter.ops
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_op_checkpointing_changes_no_gradient_and_recomputes_only_cheap_ops(name):
+    """Dropout on (0.1 everywhere, attention dropout included): the masks are reproduced exactly.
+    Backward under ``op`` runs the forward's cheap ops again but not one more matmul or attention
+    than without checkpointing, while ``full`` recomputes the matmuls too."""
+    from tformer.parallel.ac import ATTENTION_OPS, MATMUL_OPS, apply_activation_checkpointing
+    torch.manual_seed(0)
+    model = build_model(name, dropout=0.1, attn_dropout=0.1).train()
+    batch = _batch(model, 1, False)
+    apply_activation_checkpointing(model, "none")
+    want, base = _backward_ops(model, batch)
+    marked = apply_activation_checkpointing(model, "op")
+    assert marked == sum(1 for m in model.modules() if m.__class__.__name__ == "TransformerBlock")
+    grads, ops = _backward_ops(model, batch)
+    for n in want:
+        _assert_rel(grads[n], want[n], n)
+    recomputed = ops - base
+    assert recomputed, "op-level checkpointing recomputed nothing"
+    assert not set(recomputed) & MATMUL_OPS, recomputed  # no matmul is recomputed ...
+    norm_ops = {torch.ops.aten.native_layer_norm.default, torch.ops.aten.rsqrt.default}
+    assert set(recomputed) & norm_ops, recomputed  # ... but the norms are
+    assert torch.ops.aten.bernoulli_.float in recomputed  # and the dropouts, with the same masks
+    # without attention dropout, attention is saved: only the cheap ops run again
+    model = build_model(name, dropout=0.1, attn_dropout=0.0).train()
+    apply_activation_checkpointing(model, "none")
+    want, base = _backward_ops(model, batch)
+    apply_activation_checkpointing(model, "op")
+    grads, ops = _backward_ops(model, batch)
+    for n in want:
+        _assert_rel(grads[n], want[n], n)
+    assert not set(ops - base) & SAVED, ops - base
+    with OpCounter() as forward:
+        model(**batch)
+    assert set(forward.ops) & ATTENTION_OPS  # the fused attention ran in forward ...
+    assert not set(ops - base) & ATTENTION_OPS  # ... and not again in backward
+    apply_activation_checkpointing(model, "full")
+    grads, full = _backward_ops(model, batch)
+    assert set(full - base) & MATMUL_OPS  # full AC recomputes the matmuls as well
+
+
+from tformer.parallel.ac import SAVED_OPS as SAVED  # noqa: E402

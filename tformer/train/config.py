@@ -20,7 +20,7 @@ STRATEGIES = ("ddp", "fsdp", "deepspeed")
 NONFINITE = ("skip", "stop")
 DEVICES = ("auto", "cpu", "cuda")
 OBJECTIVES = ("auto", "causal", "mlm", "span", "seq2seq")
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "op")
 
 
 @dataclass
@@ -64,7 +64,7 @@ class OptimConfig:
 class ParallelConfig:
     strategy: str = "ddp"            # ddp | fsdp (FSDP2) | deepspeed
     backend: str | None = None       # None: nccl on CUDA, gloo on CPU
-    activation_checkpointing: str = "none"  # none | full (every block) | selective (every ac_every-th)
+    activation_checkpointing: str = "none"  # none | full (every block) | selective (every ac_every-th) | op (per op: keep matmuls + attention)
     ac_every: int = 2
     reshard_after_forward: bool = True      # fsdp: true = ZeRO-3-like, false = ZeRO-2-like
     zero_stage: int = 2                     # deepspeed without deepspeed_config: ZeRO stage 0-3
