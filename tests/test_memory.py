@@ -184,3 +184,37 @@ def test_op_checkpointing_changes_no_gradient_and_recomputes_only_cheap_ops(name
 
 
 from tformer.parallel.ac import SAVED_OPS as SAVED  # noqa: E402
+
+
+# -- activation offload ------------------------------------------------------------------------
+
+def test_activation_offload_changes_no_gradient_and_keeps_parameters_in_place(caplog):
+    """The offload hooks forced on CPU (on a CPU device the setting is a no-op): the same
+    gradients, bitwise, with every saved activation copied out and no parameter copied."""
+    from tformer.parallel.offload import OffloadActivations, activation_offload
+    torch.manual_seed(0)
+    model = build_model("llama-tiny", dropout=0.1).train()
+    batch = _batch(model, 1, False)
+    model.loss_chunk_size = 8
+    torch.manual_seed(1)
+    model(**batch, return_logits=False).loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    hooks = activation_offload(torch.device("cpu"), True, force=True)
+    with hooks:
+        loss = model(**batch, return_logits=False).loss
+    loss.backward()
+    assert isinstance(hooks, OffloadActivations) and hooks.copies > 0 and hooks.kept > 0
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, want[n]), n
+    # on a CPU device it is a no-op; where memory cannot be pinned: one warning, then unpinned copies
+    assert not isinstance(activation_offload(torch.device("cpu"), True), OffloadActivations)
+    import tformer.parallel.offload as offload
+    offload._warned.clear()
+    with caplog.at_level("WARNING"):
+        first = activation_offload(torch.device("cuda"), True)
+        activation_offload(torch.device("cuda"), True)
+    if not offload.can_pin_memory():
+        assert isinstance(first, OffloadActivations)
+        assert sum("cannot pin host memory" in r.message for r in caplog.records) == 1

@@ -66,6 +66,7 @@ class ParallelConfig:
     backend: str | None = None       # None: nccl on CUDA, gloo on CPU
     activation_checkpointing: str = "none"  # none | full (every block) | selective (every ac_every-th) | op (per op: keep matmuls + attention)
     ac_every: int = 2
+    activation_offload: bool = False        # saved activations in (pinned) host memory; no-op on CPU
     reshard_after_forward: bool = True      # fsdp: true = ZeRO-3-like, false = ZeRO-2-like
     zero_stage: int = 2                     # deepspeed without deepspeed_config: ZeRO stage 0-3
     deepspeed_config: str | None = None     # deepspeed: a JSON such as configs/deepspeed/zero3.json

@@ -21,6 +21,7 @@ from ..checkpoint.io import (CheckpointError, commit, find_latest, load_model_we
 from ..config import ConfigError
 from ..data import ResumableSampler
 from ..models import build_model
+from ..parallel.offload import activation_offload
 from ..models.flops import training_flops
 from ..parallel.strategy import strategy_class
 from .config import TrainConfig
@@ -120,6 +121,9 @@ class Trainer:
                 and not cpu_has_native_bf16()):
             log.warning("precision=bf16 on a CPU without AVX512-BF16/AMX: torch emulates bf16 matmuls here, "
                         "30-100x slower than fp32; precision=auto picks fp32 on this CPU")
+
+    def _offload(self):
+        return activation_offload(self.device, self.cfg.parallel.activation_offload)
 
     def _autocast(self):
         if self.precision == "fp32":
@@ -336,7 +340,7 @@ class Trainer:
             tokens += inputs["input_ids"].numel() + (inputs["labels"].numel() if self.model_cfg.family == "encdec" else 0)
             last = micro == cfg.grad_accum - 1
             with self.strategy.no_sync(last):
-                with self._autocast():
+                with self._autocast(), self._offload():
                     # loss only: no vocabulary-wide logits kept; the MLM head runs at masked positions
                     loss = self.wrapped(**inputs, return_logits=False).loss / cfg.grad_accum
                 self.strategy.backward(loss, last, self.scaler)
