@@ -218,3 +218,59 @@ def test_activation_offload_changes_no_gradient_and_keeps_parameters_in_place(ca
     if not offload.can_pin_memory():
         assert isinstance(first, OffloadActivations)
         assert sum("cannot pin host memory" in r.message for r in caplog.records) == 1
+
+
+# -- op-level checkpointing under FSDP2 on 2 ranks ---------------------------------------------
+
+def _fsdp_worker(rank, port, out):
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from tformer.parallel.ac import MATMUL_OPS, apply_activation_checkpointing
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        results = {}
+        for name in ("bert-tiny", "gpt2-tiny", "t5-tiny"):
+            torch.manual_seed(0)  # the same full model on both ranks before sharding
+            model = build_model(name, dropout=0.1).train()
+            for block in (m for m in model.modules() if m.__class__.__name__ == "TransformerBlock"):
+                fully_shard(block)
+            fully_shard(model)
+            batch = _batch(model, 10 + rank, False)  # each rank its own data
+            grads, ops = {}, {}
+            for mode in ("none", "op"):
+                apply_activation_checkpointing(model, mode)
+                g, ops[mode] = _backward_ops(model, batch, seed=rank)
+                grads[mode] = {n: t.full_tensor() for n, t in g.items()}
+            err = max(((grads["op"][n] - grads["none"][n]).norm() / grads["none"][n].norm().clamp(min=1e-3)).item()
+                      for n in grads["none"])
+            recomputed = ops["op"] - ops["none"]
+            results[name] = (err, sorted(str(op) for op in recomputed),
+                             sorted(str(op) for op in set(recomputed) & MATMUL_OPS))
+        torch.save(results, f"{out}/rank{rank}.pt")
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def test_op_checkpointing_under_fsdp2_on_two_ranks(tmp_path):
+    """Each family sharded per block and at the root on 2 gloo ranks, dropout on: op-level
+    checkpointing gives the same (all-reduced) gradients and recomputes norms and dropouts, but no
+    matmul, while FSDP2 gathers and frees the parameters around it."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_fsdp_worker, args=(port, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    for rank in (0, 1):
+        for name, (err, recomputed, matmuls) in torch.load(tmp_path / f"rank{rank}.pt").items():
+            assert err <= 1e-6, (rank, name, err)
+            assert not matmuls, (rank, name, matmuls)
+            assert "aten.bernoulli_.float" in recomputed, (rank, name)
+            assert {"aten.native_layer_norm.default", "aten.rsqrt.default"} & set(recomputed), (rank, name)
