@@ -44,7 +44,9 @@ def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Linear head + mean cross-entropy over chunks of rows, with the gradients computed in forward
     (see the module doc). Under autocast the matmuls run in the autocast dtype, as ``F.linear``
-    would; log-softmax and the gradient arithmetic are fp32, the weight gradient is summed in fp32."""
+    would, except the weight gradient, which is accumulated in place in fp32 (a bf16 product would
+    need a (vocab x d) temporary per chunk); log-softmax and the gradient arithmetic are fp32, in one
+    (chunk x vocabulary) buffer."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, labels, chunk_size, smoothing):
@@ -64,31 +66,35 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             total = torch.zeros((), dtype=torch.float32, device=x.device)
             for start in range(0, x.shape[0], chunk_size):
                 rows = slice(start, start + chunk_size)
+                # one (chunk x vocab) fp32 buffer: logits -> shifted -> exp -> softmax -> gradient
                 z = F.linear(xc[rows], w, b).float()
-                lse = torch.logsumexp(z, dim=-1, keepdim=True)
-                loss = lse.squeeze(-1) - z.gather(-1, target[rows]).squeeze(-1)
+                z.sub_(z.amax(dim=-1, keepdim=True))
+                picked = z.gather(-1, target[rows]).squeeze(-1)
+                mean = z.mean(dim=-1) if smoothing else None
+                total_exp = z.exp_().sum(dim=-1, keepdim=True)
+                lse = total_exp.log().squeeze(-1)  # of the shifted logits
+                loss = lse - picked
                 if smoothing:  # (1-e) * nll + e * mean over classes of -log p
-                    loss = (1 - smoothing) * loss + smoothing * (lse.squeeze(-1) - z.mean(-1))
+                    loss = (1 - smoothing) * loss + smoothing * (lse - mean)
                 keep = valid[rows]
                 total += (loss * keep).sum()
                 if not (need_x or need_w or need_b):
+                    del z
                     continue
                 # d(sum of losses)/dz = softmax - (1-e) onehot - e/V, zero on ignored rows; / count later
-                g = z.sub_(lse).exp_()
-                g.scatter_add_(-1, target[rows], torch.full_like(lse, smoothing - 1))
+                g = z.div_(total_exp)
+                g.scatter_add_(-1, target[rows], torch.full_like(total_exp, smoothing - 1))
                 if smoothing:
                     g.sub_(smoothing / vocab)
                 g.mul_(keep[:, None])
                 g_low = g.to(dtype)
                 if need_x:
                     grad_x[rows] = g_low @ w
-                if need_w:
-                    if dtype == torch.float32:
-                        grad_w.addmm_(g.t(), xc[rows])
-                    else:
-                        grad_w += g_low.t() @ xc[rows]
+                if need_w:  # in place, in fp32: no (vocab x d) temporary per chunk
+                    grad_w.addmm_(g.t(), x[rows].float())
                 if need_b:
                     grad_b += g.sum(0)
+                del z, g, g_low  # before the next chunk's logits exist: one buffer at a time
             # as in F.cross_entropy, no labelled position at all gives 0 / 0 = nan
             scale = 1.0 / count
             for grad in (grad_x, grad_w, grad_b):
@@ -118,5 +124,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def _is_one(t: torch.Tensor) -> bool:
-    # the trainer backpropagates loss / grad_accum: a multiply is needed then; loss.backward() alone not
-    return t.device.type == "cpu" and t.numel() == 1 and t.item() == 1.0
+    """A unit incoming gradient (``loss.backward()``) needs no pass over the weight gradient; on an
+    accelerator (no host sync) and for fake tensors (memory estimates) the multiply just runs."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return t.device.type == "cpu" and not isinstance(t, FakeTensor) and t.numel() == 1 and t.item() == 1.0
