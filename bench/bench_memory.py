@@ -19,6 +19,7 @@ measured in the same run; tensor bytes are tracked op by op with torch's MemTrac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -34,13 +35,14 @@ sys.path.insert(0, str(ROOT))
 MB = 2**20
 
 
-def _tracked(fn, *modules_or_tensors, fake: bool = False):
-    """Run ``fn`` under MemTracker: (peak total bytes, bytes at the end, peak activations+temps)."""
+def _tracked(fn, *modules_or_tensors, outer=None):
+    """Run ``fn`` under MemTracker (inside ``outer``, e.g. a FakeTensorMode, when given): (peak total
+    bytes, bytes at the end, peak activations + temporaries)."""
     sys.path.insert(0, str(ROOT / "bench"))
     from bench_scale import _activation_peak_tracker
     tracker = _activation_peak_tracker()
     tracker.track_external(*modules_or_tensors)
-    with tracker:
+    with outer or contextlib.nullcontext(), tracker:
         fn()
     peak = tracker.get_tracker_snapshot("peak")
     now = tracker.get_tracker_snapshot()
@@ -52,7 +54,8 @@ def _head_loss(vocab, d, tokens, chunk, fake=False):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from tformer.models.base import lm_loss
     from tformer.models.loss import chunked_lm_loss
-    with (FakeTensorMode() if fake else torch.device("cpu")):
+    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    with mode:
         head = nn.Linear(d, vocab, bias=False)
         hidden = torch.randn(tokens, d, requires_grad=True)
         labels = torch.randint(0, vocab, (tokens,))
@@ -60,7 +63,7 @@ def _head_loss(vocab, d, tokens, chunk, fake=False):
     def step():
         loss = lm_loss(head(hidden), labels) if chunk is None else chunked_lm_loss(hidden, head.weight, None, labels, chunk)
         loss.backward()
-    return head, hidden, step
+    return step, head, hidden, mode
 
 
 def head_part(rounds: int, chunks=(128, 256, 1024), time_tokens: int = 512) -> None:
@@ -71,15 +74,18 @@ def head_part(rounds: int, chunks=(128, 256, 1024), time_tokens: int = 512) -> N
         cfg = build_model("llama-1b").config
     print(f"\n=== head + loss at the llama-1b shape: vocab {vocab:,}, d {d}, {tokens} tokens, fp32 ===")
     # fake tensors count what real ones would: checked at a small shape first
-    small = [_tracked(s, h, x) for h, x, s in (_head_loss(8192, 256, 512, c, fake) for c in (None, 128) for fake in (False, True))]
+    small = [_tracked(step, head, x, outer=mode) for step, head, x, mode in
+             (_head_loss(8192, 256, 512, c, fake) for c in (None, 128) for fake in (False, True))]
     assert small[0][:2] == small[1][:2] and small[2][:2] == small[3][:2], small
-    base_peak, base_end, _ = _tracked(*(lambda h, x, s: (s, h, x))(*_head_loss(vocab, d, tokens, None, fake=True)))
+    step, head, x, mode = _head_loss(vocab, d, tokens, None, fake=True)
+    base_peak, base_end, _ = _tracked(step, head, x, outer=mode)
     base = base_peak - base_end
     predicted = head_bytes(cfg, tokens, mixed=False)
     print(f"unchunked: transient {base / MB:,.0f} MB (planner {predicted / MB:,.0f} MB, {predicted / base:.2f}x)")
     results = {}
     for chunk in chunks:
-        peak, end, _ = _tracked(*(lambda h, x, s: (s, h, x))(*_head_loss(vocab, d, tokens, chunk, fake=True)))
+        step, head, x, mode = _head_loss(vocab, d, tokens, chunk, fake=True)
+        peak, end, _ = _tracked(step, head, x, outer=mode)
         results[chunk] = peak - end
         predicted = head_bytes(cfg, tokens, mixed=False, chunk=chunk)
         ratio = results[chunk] / base
@@ -89,7 +95,7 @@ def head_part(rounds: int, chunks=(128, 256, 1024), time_tokens: int = 512) -> N
     # step time on real tensors, interleaved, one thread
     torch.set_num_threads(1)
     variants = [None, *chunks]
-    steps = {c: _head_loss(vocab, d, time_tokens, c)[2] for c in variants}
+    steps = {c: _head_loss(vocab, d, time_tokens, c)[0] for c in variants}
     for c in variants:
         steps[c]()  # warm-up
     times = {c: [] for c in variants}

@@ -67,14 +67,14 @@ def _block_elements_op_ac(cfg: ModelConfig, cross_len: int | None = None) -> flo
 
 
 def head_bytes(cfg: ModelConfig, tokens: int, mixed: bool, chunk: int | None = None) -> float:
-    """Peak bytes of the training loss's head for ``tokens`` labelled positions (all samples of a
-    micro-batch): the logits (bf16 and their fp32 copy, or fp32) and their log-softmax, which
-    backward overwrites with the gradient; chunked, the same for ``chunk`` rows at a time plus the
-    (tokens x d) input gradient it carries (the weight gradient is a model state)."""
-    per_logit = 10 if mixed else 8
-    if chunk is None:
-        return tokens * cfg.padded_vocab_size * per_logit
-    return min(chunk, tokens) * cfg.padded_vocab_size * per_logit + tokens * cfg.d_model * 4
+    """Peak bytes the training loss's head adds on top of the model states, for ``tokens`` labelled
+    positions (all samples of a micro-batch). Its peak is in backward, next to the weight gradient
+    (a model state): the log-softmax, overwritten by the logits' gradient, plus its bf16 cast under
+    mixed precision. (Forward holds the logits and their log-softmax too, but before any gradient
+    exists.) Chunked, the same for ``chunk`` rows at a time (measured: bench/bench_memory.py)."""
+    per_logit = 6 if mixed else 4
+    rows = tokens if chunk is None else min(chunk, tokens)
+    return rows * cfg.padded_vocab_size * per_logit
 
 
 def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, target: int | None, ac: str,

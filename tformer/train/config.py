@@ -76,7 +76,7 @@ class ParallelConfig:
 class LossConfig:
     # tokens per chunk of the output head + cross-entropy in training (null: the whole
     # (tokens x vocabulary) logits at once); the loss and gradients are the same either way
-    chunk_size: int | None = 1024
+    chunk_size: int | None = 128
 
 
 @dataclass
