@@ -127,6 +127,8 @@ else:
     from tformer import build_model
     model = build_model("gpt2-small", dropout=0.0)
     model.loss_chunk_size = {chunk}
+    from tformer.parallel.ac import apply_activation_checkpointing
+    apply_activation_checkpointing(model, {ac!r})
 model.train()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 ids = torch.randint(0, 50257, (batch, seq))
@@ -148,8 +150,8 @@ print(json.dumps({{"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrs
 """
 
 
-def _fresh_step(which: str, batch: int, seq: int, chunk, threads: int) -> dict:
-    code = STEP_SCRIPT.format(root=str(ROOT), which=which, batch=batch, seq=seq, chunk=chunk, threads=threads)
+def _fresh_step(which: str, batch: int, seq: int, chunk, threads: int, ac: str = "none") -> dict:
+    code = STEP_SCRIPT.format(root=str(ROOT), which=which, batch=batch, seq=seq, chunk=chunk, threads=threads, ac=ac)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -161,18 +163,19 @@ def step_part(batch: int = 4, seq: int = 1024, threads: int = 2, chunk: int | No
     chunk = chunk or LossConfig().chunk_size
     print(f"\n=== whole training step, gpt2-small, seq {seq}, micro-batch {batch}, fp32, AdamW, no AC: peak RSS "
           f"of a fresh process over two steps ===")
-    runs = {"tformer (defaults: chunk %d)" % chunk: ("tformer", chunk), "tformer unchunked": ("tformer", None),
-            "HF GPT2LMHeadModel": ("hf", None)}
-    res = {name: _fresh_step(which, batch, seq, c, threads) for name, (which, c) in runs.items()}
+    runs = {"tformer (defaults: chunk %d)" % chunk: ("tformer", chunk, "none"),
+            "tformer unchunked": ("tformer", None, "none"), "tformer + AC op": ("tformer", chunk, "op"),
+            "HF GPT2LMHeadModel": ("hf", None, "none")}
+    res = {name: _fresh_step(which, batch, seq, c, threads, ac) for name, (which, c, ac) in runs.items()}
     hf = res["HF GPT2LMHeadModel"]["peak_rss"]
     cfg = build_model("gpt2-small", dropout=0.0).config
     for name, r in res.items():
         line = (f"{name:<28} peak RSS {r['peak_rss'] / 2**30:5.2f} GB ({r['peak_rss'] / hf:.2f}x HF); before the "
                 f"steps {r['rss_before'] / 2**30:4.2f} GB; step times {', '.join(f'{t:.1f}s' for t in r['times'])}")
         if name.startswith("tformer"):
-            c = runs[name][1]
+            _, c, ac = runs[name]
             planned = (r["rss_before"] + 12 * r["params"]  # + grads and AdamW m, v
-                       + activation_bytes(cfg, batch, seq, None, "none", False, chunk=c, return_logits=False))
+                       + activation_bytes(cfg, batch, seq, None, ac, False, chunk=c, return_logits=False))
             line += f"; planner (RSS before + 12 B/param + activations) {planned / r['peak_rss']:.2f}x"
         print(line)
     ours = res[next(iter(res))]["peak_rss"]

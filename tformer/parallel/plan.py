@@ -107,6 +107,9 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, target: int |
     else:
         kept = sum(tokens * e for tokens, e in layers)
         recompute = 0
+    if ac in ("op", "full"):  # the rebuilt block is whole when its backward starts making gradients
+        ffn_grads = (3 if cfg.activation in ("swiglu", "geglu") else 2) * cfg.d_ff + 2 * cfg.d_model
+        recompute += max(tokens for tokens, _ in layers) * ffn_grads
     if offload:  # kept in host memory; a block's saved tensors come back for its backward
         recompute += max(tokens * e for tokens, e in layers) if ac == "none" else max(
             tokens * cfg.d_model for tokens, _ in layers)
