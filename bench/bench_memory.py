@@ -92,6 +92,8 @@ def head_part(rounds: int, chunks=(128, 256, 1024), time_tokens: int = 512) -> N
         print(f"chunk {chunk:>5}: transient {results[chunk] / MB:,.0f} MB = {ratio:.1%} of unchunked "
               f"(target <= 10%) {'PASS' if ratio <= 0.10 else 'MISS'}; planner {predicted / MB:,.0f} MB "
               f"({predicted / results[chunk]:.2f}x)")
+    if not time_tokens:
+        return
     # step time on real tensors, interleaved, one thread
     torch.set_num_threads(1)
     variants = [None, *chunks]
@@ -234,9 +236,10 @@ def main() -> None:
     p.add_argument("--part", choices=("head", "step", "ac", "all"), default="all")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="step part: threads per process")
+    p.add_argument("--head-time-tokens", type=int, default=512, help="head part: tokens of the timed steps (0: memory only)")
     args = p.parse_args()
     if args.part in ("head", "all"):
-        head_part(args.rounds)
+        head_part(args.rounds, time_tokens=args.head_time_tokens)
     if args.part in ("ac", "all"):
         ac_part(args.rounds)
     if args.part in ("step", "all"):

@@ -33,12 +33,8 @@ def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if type(weight).__name__ == "DTensor":
         raise ConfigError("loss.chunk_size does not compose with a vocabulary-sharded (tensor-parallel) "
                           "output head yet; set loss.chunk_size=null to use loss parallelism")
-    vocab = vocab_size or weight.shape[0]
-    if vocab != weight.shape[0]:  # autograd gives the padded rows a zero gradient
-        weight = weight[:vocab]
-        bias = bias[:vocab] if bias is not None else None
     return ChunkedLinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, bias, labels.reshape(-1),
-                                           chunk_size, float(label_smoothing))
+                                           chunk_size, vocab_size or weight.shape[0], float(label_smoothing))
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -49,16 +45,17 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     (chunk x vocabulary) buffer."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, labels, chunk_size, smoothing):
+    def forward(ctx, x, weight, bias, labels, chunk_size, vocab, smoothing):
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         with torch.autocast(device, enabled=False):
-            xc, w = x.to(dtype), weight.to(dtype)
-            b = bias.to(dtype) if bias is not None else None
+            # padded vocabulary rows are left out here and get a zero gradient (slicing outside
+            # would make autograd build a second weight-sized gradient in backward)
+            xc, w = x.to(dtype), weight[:vocab].to(dtype)
+            b = bias[:vocab].to(dtype) if bias is not None else None
             valid = labels != -100
             count = valid.sum()
             target = labels.masked_fill(~valid, 0)[:, None]
-            vocab = w.shape[0]
             need_x, need_w, need_b = ctx.needs_input_grad[:3]
             grad_x = torch.empty_like(x) if need_x else None
             grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
@@ -91,9 +88,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if need_x:
                     grad_x[rows] = g_low @ w
                 if need_w:  # in place, in fp32: no (vocab x d) temporary per chunk
-                    grad_w.addmm_(g.t(), x[rows].float())
+                    grad_w[:vocab].addmm_(g.t(), x[rows].float())
                 if need_b:
-                    grad_b += g.sum(0)
+                    grad_b[:vocab] += g.sum(0)
                 del z, g, g_low  # before the next chunk's logits exist: one buffer at a time
             # as in F.cross_entropy, no labelled position at all gives 0 / 0 = nan
             scale = 1.0 / count
@@ -120,7 +117,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad = grad.to(dtype)
             out.append(grad if _is_one(grad_out) else grad.mul_(grad_out.to(grad.dtype)))
         ctx.grads = None
-        return (*out, None, None, None)
+        return (*out, None, None, None, None)
 
 
 def _is_one(t: torch.Tensor) -> bool:
