@@ -217,6 +217,31 @@ def test_fsdp_resume_same_world_size_and_on_one_rank(cache, tmp_path):
         assert c[step] == pytest.approx(a[step], rel=1e-5)
 
 
+MEMORY_SETTINGS = {"chunked-loss": ["loss.chunk_size=7"], "op-ac": ["parallel.activation_checkpointing=op"],
+                   "offload": ["parallel.activation_offload=true"]}  # offload: a no-op on CPU, checked to run
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+def test_memory_settings_resume_bitwise_on_two_ranks(cache, tmp_path, strategy):
+    """Chunked loss (chunks that do not divide the tokens), op-level checkpointing and activation
+    offload, each on 2 ranks with gradient accumulation: stop at step 2, resume, and every step's
+    loss equals the straight run's bit for bit (DeepSpeed ZeRO-3 included: they compose with it)."""
+    if strategy == "zero3":
+        pytest.importorskip("deepspeed")
+    jobs = []
+    settings = {k: v for k, v in MEMORY_SETTINGS.items() if not (strategy == "zero3" and k == "op-ac")}  # refused
+    for name, flags in settings.items():
+        common = small_overrides("gpt2-tiny", tmp_path / "x", *COMMON, "precision=fp32", "save_every=2",
+                                 "grad_accum=2", *STRATEGIES[strategy], "model.dropout=0.0", *flags)[1:]
+        jobs += [("gpt2-tiny", [f"output_dir={tmp_path / name / 'straight'}", *common], None, None),
+                 ("gpt2-tiny", [f"output_dir={tmp_path / name / 'resumed'}", *common], 2, None),
+                 ("gpt2-tiny", [f"output_dir={tmp_path / name / 'resumed'}", *common], None, None)]
+    run_two_ranks(jobs, cache)
+    for name in settings:
+        a, b = losses(tmp_path / name / "straight"), losses(tmp_path / name / "resumed")
+        assert list(a) == [1, 2, 3, 4, 5] and a == b, name
+
+
 def test_compile_with_activation_checkpointing_and_fsdp2(cache, tmp_path):
     """Per-block torch.compile (inductor) inside activation checkpointing, under FSDP2 with both
     reshard modes, on 2 ranks: the losses are those of the same run in eager mode."""
@@ -224,13 +249,15 @@ def test_compile_with_activation_checkpointing_and_fsdp2(cache, tmp_path):
               "parallel.activation_checkpointing=full", "parallel.strategy=fsdp"]
     runs = {"eager": ["compile=false"],
             "compiled": ["compile=true", "parallel.reshard_after_forward=true"],
-            "compiled-no-reshard": ["compile=true", "parallel.reshard_after_forward=false"]}
+            "compiled-no-reshard": ["compile=true", "parallel.reshard_after_forward=false"],
+            # op-level checkpointing traced into each compiled block (its policy marks the graph)
+            "compiled-op": ["compile=true", "parallel.activation_checkpointing=op"]}
     jobs = [("gpt2-tiny", small_overrides("gpt2-tiny", tmp_path / name, *common, *flags), None,
              str(tmp_path / name)) for name, flags in runs.items()]
     run_two_ranks(jobs, cache)
     eager = losses(tmp_path / "eager")
     assert list(eager) == [1, 2, 3]
-    for name in ("compiled", "compiled-no-reshard"):
+    for name in ("compiled", "compiled-no-reshard", "compiled-op"):
         got = losses(tmp_path / name)
         assert list(got) == [1, 2, 3]
         for step in eager:  # inductor fuses and reorders float math: not bitwise

@@ -114,3 +114,34 @@ def test_model_state_bytes_counts_fsdp2_sharded_gradients():
         assert model_state_bytes(model, opt) == 4 * total + 4 * len(list(model.parameters()))
     finally:
         dist.destroy_process_group()
+
+
+def test_planner_models_the_chunked_head_op_checkpointing_and_offload(tmp_path, capsys):
+    """Each memory setting lowers the planned activations, in the order of what it keeps, and
+    `tformer plan` shows the saving of each; BERT's head counts its labelled share only."""
+    with torch.device("meta"):
+        cfg = build_model("llama-1b").config
+    kw = dict(return_logits=False)
+
+    def act(ac="none", **extra):
+        return activation_bytes(cfg, 1, 2048, None, ac, True, **kw, **extra)
+    assert act(chunk=128) < act()
+    # the unchunked head is (tokens x vocab); a chunk of 128 rows is 1/16 of it (+ the input gradient)
+    assert act() - act(chunk=128) == pytest.approx((1 - 1 / 16) * 2048 * cfg.padded_vocab_size * 6, rel=0.02)
+    assert act("full") < act("op") < act("none")
+    assert act(offload=True) < act("full") and act("op", chunk=128, offload=True) < act(offload=True)
+    with torch.device("meta"):
+        bert = build_model("bert-base").config
+    assert (activation_bytes(bert, 8, 512, None, "none", False, return_logits=False, labelled=0.15)
+            < activation_bytes(bert, 8, 512, None, "none", False, return_logits=False))
+    from tformer.cli import main
+    assert main(["plan", str(CONFIGS / "llama-1b.yaml"), "micro_batch_size=1", "loss.chunk_size=256",
+                 "--devices", "8", "--device-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "loss.chunk_size=256" in out and "what each memory setting saves per device" in out
+    for row in ("activation_checkpointing=op", "activation_offload=true", "chunk 256 + op + offload"):
+        assert row in out
+    assert any(line.startswith("ddp") and " op " in line for line in out.splitlines())
+
+
+from train_helpers import CONFIGS  # noqa: E402

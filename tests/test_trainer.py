@@ -235,6 +235,11 @@ def _error_line(capsys):
     ("model: {preset: gpt2-tiny}\ndata: {source: /no/such/corpus.txt}\n", [], "/no/such/corpus.txt"),
     ("model: {preset: gpt2-tiny}\nprecision: fp16\ndevice: cpu\n", [], "precision=fp16 needs a CUDA GPU"),
     ("model: {preset: gpt2-tiny}\n", ["device=gpu"], "device='gpu' is not allowed; use one of: auto, cpu, cuda"),
+    ("model: {preset: gpt2-tiny}\n", ["loss.chunk_size=0"], "loss.chunk_size=0 must be >= 1"),
+    ("model: {preset: gpt2-tiny}\n", ["loss.chunk_size=-5"], "loss.chunk_size=-5 must be >= 1"),
+    ("model: {preset: gpt2-tiny}\n", ["parallel.activation_checkpointing=op", "parallel.strategy=deepspeed",
+                                      f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / 'zero3.json'}"],
+     "parallel.activation_checkpointing=op does not compose with DeepSpeed ZeRO-3"),
 ])
 def test_bad_config_gives_one_clear_error_line(cache, tmp_path, capsys, content, overrides, match):
     from tformer.cli import main

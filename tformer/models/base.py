@@ -10,6 +10,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from ..nn import LearnedPositions, SinusoidalPositions, make_norm
+from .loss import chunked_lm_loss
 
 
 @dataclass
@@ -51,6 +52,9 @@ class TformerModel(nn.Module):
     """Base of the three families."""
 
     config: ModelConfig
+    # Tokens per chunk of the training loss's head (None: one piece). Set from outside, like the
+    # blocks' activation checkpointing: it changes memory and time, never the loss or a gradient.
+    loss_chunk_size: int | None = None
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Unique parameter elements (tied weights counted once)."""
@@ -89,21 +93,30 @@ class TformerModel(nn.Module):
             logits = logits[..., : self.config.vocab_size]
         return logits
 
-    def _head_and_loss(self, hidden: torch.Tensor, labels: torch.Tensor | None, return_logits: bool,
-                       head, labelled_only: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Apply the output ``head`` (hidden -> logits) and the loss.
+    def _head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What a family does to the hidden states before the vocabulary projection ``lm_head``."""
+        return hidden
 
-        ``return_logits=False`` (the trainer's path, labels required) returns no logits, so the
-        vocabulary-wide tensor is freed as soon as the loss has it. With ``labelled_only`` the head
-        then runs only where a label is set (masked LM: ~15% of positions); the loss and every
-        gradient are those of the full head, since unlabelled positions contribute nothing."""
+    def _head_and_loss(self, hidden: torch.Tensor, labels: torch.Tensor | None, return_logits: bool,
+                       labelled_only: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Apply the output head (``_head_input``, then ``lm_head``) and the loss.
+
+        ``return_logits=False`` (the trainer's path, labels required) returns no logits. With
+        ``labelled_only`` the head then runs only where a label is set (masked LM: ~15% of
+        positions); the loss and every gradient are those of the full head, since unlabelled
+        positions contribute nothing. With ``loss_chunk_size`` set (the trainer's ``loss.chunk_size``)
+        no vocabulary-wide tensor exists at all: see ``models/loss.py``."""
         if labels is None or return_logits:
-            logits = head(hidden)
+            logits = self._logits(self._head_input(hidden))
             return logits, (lm_loss(logits, labels) if labels is not None else None)
         if labelled_only:
             keep = labels != -100
             hidden, labels = hidden[keep], labels[keep]
-        return None, lm_loss(head(hidden), labels)
+        x = self._head_input(hidden)
+        if self.loss_chunk_size is None:
+            return None, lm_loss(self._logits(x), labels)
+        return None, chunked_lm_loss(x, self.lm_head.weight, self.lm_head.bias, labels, self.loss_chunk_size,
+                                     self.config.vocab_size)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

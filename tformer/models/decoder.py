@@ -34,5 +34,5 @@ class DecoderModel(TformerModel):
         positions = position_ids if position_ids is not None else default_positions(input_ids, offset)
         x = self.embed(input_ids, positions)
         h = self.decoder(x, attention_mask, positions=positions, cache=cache)
-        logits, loss = self._head_and_loss(h, labels, return_logits, self._logits)
+        logits, loss = self._head_and_loss(h, labels, return_logits)
         return ModelOutput(logits, loss, cache)

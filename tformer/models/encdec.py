@@ -56,9 +56,12 @@ class EncoderDecoderModel(TformerModel):
                             memory_mask=memory_mask, cache=cache)
 
     def _output_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self._logits(self._head_input(h))
+
+    def _head_input(self, h: torch.Tensor) -> torch.Tensor:
         if self.config.tie_embeddings and self.config.tied_output_scale:
             h = h * self.config.d_model ** -0.5  # T5 rescales before the tied output projection
-        return self._logits(h)
+        return h
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 decoder_input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -75,5 +78,5 @@ class EncoderDecoderModel(TformerModel):
         if encoder_hidden is None:
             encoder_hidden = self.encode(input_ids, attention_mask)
         h = self.decoder_hidden(decoder_input_ids, encoder_hidden, attention_mask, decoder_attention_mask, cache)
-        logits, loss = self._head_and_loss(h, labels, return_logits, self._output_logits)
+        logits, loss = self._head_and_loss(h, labels, return_logits)
         return ModelOutput(logits, loss, cache, encoder_hidden)

@@ -39,8 +39,8 @@ class EncoderModel(TformerModel):
         """``return_logits=False`` (with labels) runs the MLM head at the masked positions only and
         returns the loss without logits: the same loss and gradients for a fraction of the head."""
         h = self.hidden_states(input_ids, attention_mask, token_type_ids, position_ids)
-        logits, loss = self._head_and_loss(h, labels, return_logits, self._mlm_head, labelled_only=True)
+        logits, loss = self._head_and_loss(h, labels, return_logits, labelled_only=True)
         return ModelOutput(logits, loss)
 
-    def _mlm_head(self, h: torch.Tensor) -> torch.Tensor:
-        return self._logits(self.head_norm(self.head_act(self.head_dense(h))))
+    def _head_input(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head_norm(self.head_act(self.head_dense(h)))

@@ -58,11 +58,21 @@ class TransformerBlock(nn.Module):
         self.cross_norm = norm() if cross else None
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation, cfg.bias, cfg.dropout)
         self.ffn_norm = norm()
+        # Op-level checkpointing, set from outside (tformer.parallel.apply_activation_checkpointing):
+        # a torch.utils.checkpoint ``context_fn`` that decides op by op what backward keeps. It
+        # runs inside the block's forward, so a compiled block traces the policy into its graph.
+        self.checkpoint_context = None
 
-    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None, *,
-                attn_bias: torch.Tensor | None = None, rotary=None, memory: torch.Tensor | None = None,
-                memory_mask: torch.Tensor | None = None,
-                cache: tuple[KVCache, KVCache | None] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        if self.checkpoint_context is not None and self.training and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, padding_mask, use_reentrant=False,
+                              context_fn=self.checkpoint_context, **kwargs)
+        return self._forward(x, padding_mask, **kwargs)
+
+    def _forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None, *,
+                 attn_bias: torch.Tensor | None = None, rotary=None, memory: torch.Tensor | None = None,
+                 memory_mask: torch.Tensor | None = None,
+                 cache: tuple[KVCache, KVCache | None] | None = None) -> torch.Tensor:
         self_cache, cross_cache = cache if cache is not None else (None, None)
         x = residual(x, self.attn_norm, lambda h: self.attn(
             h, h, h, padding_mask, self.causal, attn_bias=attn_bias, rotary=rotary, cache=self_cache),

@@ -115,6 +115,12 @@ class DeepSpeedStrategy(Strategy):
         _import_deepspeed()
         ds = deepspeed_config(cfg, precision)
         check_offload_ops(ds, f"parallel.deepspeed_config={cfg.parallel.deepspeed_config}")
+        if cfg.parallel.activation_checkpointing == "op" and ds["zero_optimization"].get("stage") == 3:
+            # ZeRO-3 gathers a layer's partitioned weight in module hooks and its own linear
+            # autograd function; the op-level recomputation replays the block's ops outside them
+            raise ConfigError("parallel.activation_checkpointing=op does not compose with DeepSpeed ZeRO-3 "
+                              "(its partitioned weights are not gathered for the op-level recomputation); use "
+                              "parallel.strategy=fsdp, ZeRO stage 0-2, or activation_checkpointing=full")
 
     def wrap(self, model):
         self.deepspeed = _import_deepspeed()

@@ -20,7 +20,7 @@ STRATEGIES = ("ddp", "fsdp", "deepspeed")
 NONFINITE = ("skip", "stop")
 DEVICES = ("auto", "cpu", "cuda")
 OBJECTIVES = ("auto", "causal", "mlm", "span", "seq2seq")
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "op")
 SPIKE_ACTIONS = ("none", "warn", "rollback")
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 
@@ -66,8 +66,9 @@ class OptimConfig:
 class ParallelConfig:
     strategy: str = "ddp"            # ddp | fsdp (FSDP2) | deepspeed
     backend: str | None = None       # None: nccl on CUDA, gloo on CPU
-    activation_checkpointing: str = "none"  # none | full (every block) | selective (every ac_every-th)
+    activation_checkpointing: str = "none"  # none | full (every block) | selective (every ac_every-th) | op (per op: keep matmuls + attention)
     ac_every: int = 2
+    activation_offload: bool = False        # saved activations in (pinned) host memory; no-op on CPU
     reshard_after_forward: bool = True      # fsdp: true = ZeRO-3-like, false = ZeRO-2-like
     zero_stage: int = 2                     # deepspeed without deepspeed_config: ZeRO stage 0-3
     deepspeed_config: str | None = None     # deepspeed: a JSON such as configs/deepspeed/zero3.json
@@ -78,6 +79,13 @@ class CheckpointConfig:
     # true: load this run's checkpoints' pickles (DCP metadata, DeepSpeed states) without the
     # allow-list. DANGEROUS: a pickle can run any code; only for checkpoints of trusted origin.
     trust: bool = False
+
+
+@dataclass
+class LossConfig:
+    # tokens per chunk of the output head + cross-entropy in training (null: the whole
+    # (tokens x vocabulary) logits at once); the loss and gradients are the same either way
+    chunk_size: int | None = 128
 
 
 @dataclass
@@ -96,6 +104,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output_dir: str = "runs/default"
@@ -149,6 +158,9 @@ class TrainConfig:
                               f"is not allowed; use one of: {', '.join(AC_MODES)}")
         if self.parallel.ac_every < 1:
             raise ConfigError(f"parallel.ac_every={self.parallel.ac_every} must be >= 1")
+        if self.loss.chunk_size is not None and self.loss.chunk_size < 1:
+            raise ConfigError(f"loss.chunk_size={self.loss.chunk_size} must be >= 1 (tokens per chunk), or null "
+                              "for the unchunked loss")
         if self.data.objective not in OBJECTIVES:
             raise ConfigError(f"data.objective={self.data.objective!r} is not allowed; use one of: "
                               f"{', '.join(OBJECTIVES)}")
@@ -198,7 +210,7 @@ RANGES = {
     "optim.lr": "(0, inf)", "optim.min_lr_ratio": "[0, 1]", "optim.weight_decay": "[0, inf)",
     "optim.beta1": "[0, 1)", "optim.beta2": "[0, 1)", "optim.eps": "(0, inf)", "optim.grad_clip": "[0, inf)",
     "optim.warmup_steps": "[0, inf)", "optim.decay_steps": "[1, inf)",
-    "parallel.ac_every": "[1, inf)", "parallel.zero_stage": "[0, 3]",
+    "parallel.ac_every": "[1, inf)", "parallel.zero_stage": "[0, 3]", "loss.chunk_size": "[1, inf)",
 }
 
 

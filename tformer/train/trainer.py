@@ -22,6 +22,7 @@ from ..checkpoint.io import (CheckpointError, commit, find_latest, list_checkpoi
 from ..config import ConfigError
 from ..data import ResumableSampler
 from ..models import build_model
+from ..parallel.offload import activation_offload
 from ..models.flops import training_flops
 from ..parallel.strategy import strategy_class
 from .config import TrainConfig
@@ -93,6 +94,7 @@ class Trainer:
                               "lower micro_batch_size or use more data")
         self.model_cfg = self.data.model_config
         self.model = build_model(self.model_cfg).to(self.device)
+        self.model.loss_chunk_size = cfg.loss.chunk_size  # the training loss's head, in chunks
         # AC -> per-block compile -> DDP / FSDP2, then the optimizer over the (sharded) parameters
         self.strategy = strategy_class(cfg.parallel.strategy)(self.model, cfg, self.dist,
                                                               DTYPES[self.precision])
@@ -168,6 +170,9 @@ class Trainer:
                 and not cpu_has_native_bf16()):
             log.warning("precision=bf16 on a CPU without AVX512-BF16/AMX: torch emulates bf16 matmuls here, "
                         "30-100x slower than fp32; precision=auto picks fp32 on this CPU")
+
+    def _offload(self):
+        return activation_offload(self.device, self.cfg.parallel.activation_offload)
 
     def _autocast(self):
         if self.precision == "fp32":
@@ -514,7 +519,7 @@ class Trainer:
             tokens += inputs["input_ids"].numel() + (inputs["labels"].numel() if self.model_cfg.family == "encdec" else 0)
             last = micro == cfg.grad_accum - 1
             with self.strategy.no_sync(last):
-                with self._autocast():
+                with self._autocast(), self._offload():
                     # loss only: no vocabulary-wide logits kept; the MLM head runs at masked positions
                     loss = self.wrapped(**inputs, return_logits=False).loss / cfg.grad_accum
                 self.strategy.backward(loss, last, self.scaler)

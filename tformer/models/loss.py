@@ -1,0 +1,127 @@
+"""The chunked output head + cross-entropy: the training loss without a (tokens x vocabulary) tensor.
+
+At Llama-3's 128k vocabulary and 2,048 tokens, the logits, their log-softmax and their gradient are
+~1 GB each in fp32 per sample. Here ``chunk_size`` tokens at a time go through the output projection
+and the loss, so at most one (chunk x vocabulary) block exists at any moment.
+
+The gradients are *carried*, not recomputed: the loss is a scalar at the very end of the forward, so
+each chunk's gradients (w.r.t. its hidden rows, the weight and the bias) are computed while its
+logits are at hand, and backward only multiplies them by the incoming scalar. That costs the same
+three matmuls per chunk as the unchunked head (forward, input gradient, weight gradient); recomputing
+the logits in backward would cost a fourth, +33% on the head's FLOPs, for no memory gain: the
+carried gradients are the (tokens x d) input gradient and the weight gradient, which backward must
+produce anyway. The price is the one ``CrossEntropy`` already pays: a single backward per graph.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ConfigError
+
+
+def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                    chunk_size: int, vocab_size: int | None = None, label_smoothing: float = 0.0) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(x, weight, bias)[..., :vocab_size], labels, ignore_index=-100,
+    label_smoothing=label_smoothing)`` (mean over labelled positions), ``chunk_size`` rows at a time.
+
+    ``x`` (..., d) is the head's input (after any head transform), ``labels`` (...) aligned with it;
+    ``vocab_size`` drops the padded rows of ``weight`` (they get a zero gradient, as when the logits
+    are sliced)."""
+    if chunk_size < 1:
+        raise ConfigError(f"loss.chunk_size={chunk_size} must be >= 1 (or null for the unchunked loss)")
+    if type(weight).__name__ == "DTensor":
+        raise ConfigError("loss.chunk_size does not compose with a vocabulary-sharded (tensor-parallel) "
+                          "output head yet; set loss.chunk_size=null to use loss parallelism")
+    return ChunkedLinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, bias, labels.reshape(-1),
+                                           chunk_size, vocab_size or weight.shape[0], float(label_smoothing))
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Linear head + mean cross-entropy over chunks of rows, with the gradients computed in forward
+    (see the module doc). Under autocast the matmuls run in the autocast dtype, as ``F.linear``
+    would, except the weight gradient, which is accumulated in place in fp32 (a bf16 product would
+    need a (vocab x d) temporary per chunk); log-softmax and the gradient arithmetic are fp32, in one
+    (chunk x vocabulary) buffer."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, labels, chunk_size, vocab, smoothing):
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        with torch.autocast(device, enabled=False):
+            # padded vocabulary rows are left out here and get a zero gradient (slicing outside
+            # would make autograd build a second weight-sized gradient in backward)
+            xc, w = x.to(dtype), weight[:vocab].to(dtype)
+            b = bias[:vocab].to(dtype) if bias is not None else None
+            valid = labels != -100
+            count = valid.sum()
+            target = labels.masked_fill(~valid, 0)[:, None]
+            need_x, need_w, need_b = ctx.needs_input_grad[:3]
+            grad_x = torch.empty_like(x) if need_x else None
+            grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+            grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+            total = torch.zeros((), dtype=torch.float32, device=x.device)
+            for start in range(0, x.shape[0], chunk_size):
+                rows = slice(start, start + chunk_size)
+                # one (chunk x vocab) fp32 buffer: logits -> shifted -> exp -> softmax -> gradient
+                z = F.linear(xc[rows], w, b).float()
+                z.sub_(z.amax(dim=-1, keepdim=True))
+                picked = z.gather(-1, target[rows]).squeeze(-1)
+                mean = z.mean(dim=-1) if smoothing else None
+                total_exp = z.exp_().sum(dim=-1, keepdim=True)
+                lse = total_exp.log().squeeze(-1)  # of the shifted logits
+                loss = lse - picked
+                if smoothing:  # (1-e) * nll + e * mean over classes of -log p
+                    loss = (1 - smoothing) * loss + smoothing * (lse - mean)
+                keep = valid[rows]
+                total += (loss * keep).sum()
+                if not (need_x or need_w or need_b):
+                    del z
+                    continue
+                # d(sum of losses)/dz = softmax - (1-e) onehot - e/V, zero on ignored rows; / count later
+                g = z.div_(total_exp)
+                g.scatter_add_(-1, target[rows], torch.full_like(total_exp, smoothing - 1))
+                if smoothing:
+                    g.sub_(smoothing / vocab)
+                g.mul_(keep[:, None])
+                g_low = g.to(dtype)
+                if need_x:
+                    grad_x[rows] = g_low @ w
+                if need_w:  # in place, in fp32: no (vocab x d) temporary per chunk
+                    grad_w[:vocab].addmm_(g.t(), x[rows].float())
+                if need_b:
+                    grad_b[:vocab] += g.sum(0)
+                del z, g, g_low  # before the next chunk's logits exist: one buffer at a time
+            # as in F.cross_entropy, no labelled position at all gives 0 / 0 = nan
+            scale = 1.0 / count
+            for grad in (grad_x, grad_w, grad_b):
+                if grad is not None:
+                    grad.mul_(scale.to(grad.dtype))
+        # kept on ctx, not saved: saved-tensor hooks (activation offload, memory counters) are for
+        # activations, and these are gradients that backward hands over at once
+        ctx.grads = (grad_x, grad_w, grad_b)
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.grads is None:
+            raise RuntimeError("the chunked loss supports one backward per forward (its gradients are "
+                               "computed in forward and handed over once)")
+        out = []
+        for grad, dtype in zip(ctx.grads, ctx.dtypes):
+            if grad is None:
+                out.append(None)
+                continue
+            if grad.dtype != dtype:
+                grad = grad.to(dtype)
+            out.append(grad if _is_one(grad_out) else grad.mul_(grad_out.to(grad.dtype)))
+        ctx.grads = None
+        return (*out, None, None, None, None)
+
+
+def _is_one(t: torch.Tensor) -> bool:
+    """A unit incoming gradient (``loss.backward()``) needs no pass over the weight gradient; on an
+    accelerator (no host sync) and for fake tensors (memory estimates) the multiply just runs."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return t.device.type == "cpu" and not isinstance(t, FakeTensor) and t.numel() == 1 and t.item() == 1.0
