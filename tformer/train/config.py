@@ -15,7 +15,7 @@ from ..config import ConfigError, _check_type, check_keys
 from ..models import build_config
 
 PRECISIONS = ("auto", "bf16", "fp32", "fp16")
-SCHEDULES = ("cosine", "linear", "constant", "wsd")
+SCHEDULES = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
 NONFINITE = ("skip", "stop")
 DEVICES = ("auto", "cpu", "cuda")
@@ -54,10 +54,12 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0           # 0 = off
-    schedule: str = "cosine"
+    schedule: str = "cosine"         # inverse_sqrt: lr * min(t / warmup, sqrt(warmup / t)) (the paper's)
     warmup_steps: int = 0
     decay_steps: int | None = None   # wsd: length of the final decay (default 20% of max_steps)
     fused: bool | None = None        # None = fused AdamW where torch supports it
+    label_smoothing: float = 0.0     # the paper's epsilon_ls = 0.1; the logged train loss is the
+                                     # smoothed objective, val_loss / val_ppl the plain NLL
 
 
 @dataclass
@@ -143,6 +145,12 @@ class TrainConfig:
             raise ConfigError(f"data.seq_len={self.data.seq_len} must be >= 1")
         if self.optim.lr <= 0:
             raise ConfigError(f"optim.lr={self.optim.lr} must be > 0")
+        if self.optim.schedule == "inverse_sqrt" and self.optim.warmup_steps < 1:
+            raise ConfigError("optim.schedule=inverse_sqrt needs optim.warmup_steps >= 1 (its peak is at the end "
+                              "of warmup; the paper uses 4000)")
+        if not 0.0 <= self.optim.label_smoothing < 1.0:
+            raise ConfigError(f"optim.label_smoothing={self.optim.label_smoothing} must be in [0, 1) "
+                              "(the paper uses 0.1)")
         self.model_config()  # the model section must build
 
     def model_config(self):

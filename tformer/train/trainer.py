@@ -337,7 +337,8 @@ class Trainer:
             with self.strategy.no_sync(last):
                 with self._autocast():
                     # loss only: no vocabulary-wide logits kept; the MLM head runs at masked positions
-                    loss = self.wrapped(**inputs, return_logits=False).loss / cfg.grad_accum
+                    loss = self.wrapped(**inputs, return_logits=False,
+                                        label_smoothing=cfg.optim.label_smoothing).loss / cfg.grad_accum
                 self.strategy.backward(loss, last, self.scaler)
             loss_sum += loss.detach().float()
         stats = torch.stack([loss_sum, torch.tensor(float(tokens), device=self.device),
