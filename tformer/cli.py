@@ -23,13 +23,21 @@ def _train(argv: list[str]) -> int:
 
 
 def _generate(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="tformer generate", description="Generate text from a checkpoint.")
+    p = argparse.ArgumentParser(prog="tformer generate", description="Generate text from a checkpoint: a "
+                                "continuation (decoder) or a translation (encoder-decoder).")
     p.add_argument("checkpoint", help="a run directory or one of its checkpoints")
-    p.add_argument("prompt", nargs="?", default="")
+    p.add_argument("prompt", nargs="?", default="", help="the prompt (decoder) or the source text (encoder-decoder)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--num-beams", type=int, default=1, help="beam search with this many beams (1 = greedy)")
+    p.add_argument("--length-penalty", type=float, default=None,
+                   help="beam search: alpha of the length normalisation (the paper: 0.6)")
+    p.add_argument("--length-norm", choices=["gnmt", "power"], default="gnmt",
+                   help="gnmt: ((5 + len) / 6) ** alpha (the paper's); power: len ** alpha (HF's)")
+    p.add_argument("--translation-only", action="store_true",
+                   help="encoder-decoder: print only the generated text, not the labelled source line")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     from pathlib import Path
@@ -37,22 +45,42 @@ def _generate(argv: list[str]) -> int:
     import torch
 
     from .checkpoint import load_checkpoint
+    from .config import ConfigError
     from .data import load_tokenizer
     from .generate import generate
 
+    if args.num_beams < 1:
+        raise ConfigError(f"--num-beams={args.num_beams} must be >= 1 (1 = greedy)")
+    if args.length_penalty is not None and args.num_beams == 1:
+        print(f"warning: --length-penalty {args.length_penalty} has no effect without beam search "
+              "(--num-beams > 1); ignored", file=sys.stderr)
+        args.length_penalty = None
+    if args.num_beams > 1 and args.temperature > 0:
+        raise ConfigError("--temperature samples, beam search is deterministic: use one of "
+                          "--num-beams > 1 or --temperature > 0")
     model = load_checkpoint(args.checkpoint)
     run = Path(args.checkpoint)
     tok_path = next((d / "tokenizer.json" for d in (run, *run.parents) if (d / "tokenizer.json").is_file()), None)
     if tok_path is None:
         raise FileNotFoundError(f"no tokenizer.json in {run} or its parents; pass a run directory")
     tok = load_tokenizer(tok_path)
+    cfg = model.config
     ids = tok.encode(args.prompt, add_special_tokens=False).ids
-    if model.config.family == "decoder":
-        ids = [model.config.bos_token_id or 0] + ids
+    if cfg.family == "decoder":
+        ids = [cfg.bos_token_id or 0] + ids
+    elif cfg.eos_token_id is not None:
+        ids = ids + [cfg.eos_token_id]  # sources end in EOS, as in training (Seq2SeqPairs)
     out = generate(model, torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed))
-    new = out[0, len(ids):] if model.config.family == "decoder" else out[0, 1:]
-    print(args.prompt + tok.decode(new.tolist()))
+                   top_k=args.top_k, top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed),
+                   num_beams=args.num_beams, length_penalty=args.length_penalty, length_norm=args.length_norm)
+    if cfg.family == "decoder":
+        print(args.prompt + tok.decode(out[0, len(ids):].tolist()))
+        return 0
+    text = tok.decode(out[0, 1:].tolist(), skip_special_tokens=True)
+    if args.translation_only:
+        print(text)
+    else:
+        print(f"source:      {args.prompt}\ntranslation: {text}")
     return 0
 
 
