@@ -181,6 +181,11 @@ CASES = {
                                                activation="gelu_tanh", num_layers=3)),
     "t5-v1.0-tied": ("t5-tiny", dict(vocab_size=400)),
     "t5-v1.1-untied-geglu-deeper-decoder": ("t5-v1.1-tiny", dict(vocab_size=400)),
+    # the paper's model: d_model permuted into HF Marian's sines-then-cosines order on export
+    "transformer-paper": ("transformer-tiny", dict(vocab_size=400)),
+    "transformer-odd-heads-deeper-decoder-gelu": ("transformer-tiny", dict(
+        vocab_size=400, d_model=48, num_heads=6, d_ff=72, num_decoder_layers=3, activation="gelu",
+        embed_scale=False)),
     "t5-tied-unscaled-swiglu": ("t5-tiny", dict(vocab_size=400, tied_output_scale=False, activation="swiglu",
                                                 d_head=12, num_heads=3)),
 }
@@ -231,7 +236,7 @@ def test_every_model_config_field_is_considered():
     assert set(FLIPS) == {f.name for f in dataclasses.fields(tformer.ModelConfig)}
 
 
-@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny", "bert-tiny", "t5-tiny"])
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny", "bert-tiny", "t5-tiny", "transformer-tiny"])
 def test_each_switch_exports_faithfully_or_fails_naming_it(preset, toks, tmp_path):
     base = tformer.build_config(preset, vocab_size=512, init_std=0.1)
     outcomes = {}
@@ -353,10 +358,16 @@ def hf_configs():
                                relative_attention_max_distance=20, feed_forward_proj="gated-gelu",
                                tie_word_embeddings=False, decoder_start_token_id=0),
                     "T5ForConditionalGeneration", "unigram"),
+        "marian": (t.MarianConfig(vocab_size=400, d_model=32, encoder_layers=2, decoder_layers=3,
+                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
+                                  decoder_ffn_dim=48, max_position_embeddings=64, activation_function="relu",
+                                  scale_embedding=True, pad_token_id=0, eos_token_id=1,
+                                  decoder_start_token_id=0, forced_eos_token_id=None),
+                   "MarianMTModel", "unigram"),
     }
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "bert-untied", "t5-v1.0", "t5-v1.1"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "bert-untied", "t5-v1.0", "t5-v1.1", "marian"])
 def test_import_then_export_is_the_identity_on_tensors(name, toks, tmp_path):
     config, cls, kind = hf_configs()[name]
     torch.manual_seed(0)
@@ -418,6 +429,9 @@ NO_HF_EQUIVALENT = [
     ("llama-tiny", dict(attn_scale=False), "attn_scale"),
     ("llama-tiny", dict(position="learned"), "position"),
     ("bert-tiny", dict(norm_position="pre"), "norm_position"),
+    ("transformer-tiny", dict(norm_position="pre"), "norm_position"),
+    ("transformer-tiny", dict(position="learned"), "position"),
+    ("transformer-tiny", dict(tie_embeddings=False), "tie_embeddings"),
     ("bert-tiny", dict(embed_norm=False), "embed_norm"),
     ("t5-tiny", dict(attn_scale=True), "attn_scale"),
     ("t5-tiny", dict(bias=True), "bias"),

@@ -58,3 +58,43 @@ def test_model_loss_gradients_match_torch_cross_entropy():
     torch.nn.functional.cross_entropy(logits.reshape(-1, 1000), labels.reshape(-1)).backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(ours[n], p.grad, msg=n)
+
+
+# -- label smoothing (the paper's epsilon_ls) ----------------------------------------------------
+
+@pytest.mark.parametrize("eps", [0.1, 0.35])
+@pytest.mark.parametrize("n,vocab", [(7, 11), (64, 1000)])
+def test_label_smoothing_matches_torch_in_value_and_gradient(eps, n, vocab):
+    logits = (3 * torch.randn(n, vocab, dtype=torch.float64)).requires_grad_()
+    labels = labels_with_ignored(n, vocab)
+    expected = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, label_smoothing=eps)
+    (want,) = torch.autograd.grad(1.5 * expected, logits)
+    got = CrossEntropy.apply(logits, labels, eps)
+    (have,) = torch.autograd.grad(1.5 * got, logits)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(have, want, atol=1e-6, rtol=0)
+    assert have[labels == -100].abs().max() == 0
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "bert-tiny", "transformer-tiny"])
+def test_label_smoothing_through_the_model_on_full_and_loss_only_paths(preset):
+    """The logits path and the loss-only path (MLM head at labelled positions only) both give
+    torch's smoothed loss and gradients, padded vocabulary rows sliced away."""
+    torch.manual_seed(0)
+    model = build_model(preset, vocab_size=500, pad_vocab_multiple=64)  # fp32, as lm_loss computes
+    ids = torch.randint(3, 500, (2, 9))
+    labels = torch.randint(3, 500, (2, 9))
+    labels[0, :4] = -100
+    kw = {"decoder_input_ids": ids} if model.config.family == "encdec" else {}
+    logits = model(ids, **kw).logits
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 500), labels.reshape(-1),
+                                                 label_smoothing=0.1)
+    expected.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for return_logits in (True, False):
+        model.zero_grad()
+        out = model(ids, labels=labels, label_smoothing=0.1, return_logits=return_logits, **kw)
+        torch.testing.assert_close(out.loss, expected, atol=1e-6, rtol=0)
+        out.loss.backward()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[n], atol=1e-6, rtol=0, msg=n)

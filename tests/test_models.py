@@ -193,6 +193,13 @@ def _hf_reference(name):
             vocab_size=p["vocab_size"], hidden_size=p["d_model"], intermediate_size=p["d_ff"],
             num_hidden_layers=p["num_layers"], num_attention_heads=p["num_heads"],
             num_key_value_heads=p["num_kv_heads"], tie_word_embeddings=True))
+    if p["flavour"] == "marian":
+        return T.MarianMTModel(T.MarianConfig(
+            vocab_size=p["vocab_size"], d_model=p["d_model"], encoder_layers=p["num_layers"],
+            decoder_layers=p["num_layers"], encoder_attention_heads=p["num_heads"],
+            decoder_attention_heads=p["num_heads"], encoder_ffn_dim=p["d_ff"], decoder_ffn_dim=p["d_ff"],
+            max_position_embeddings=p["max_seq_len"], activation_function="relu", scale_embedding=True,
+            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
     return T.T5ForConditionalGeneration(T.T5Config(
         d_model=p["d_model"], d_kv=p["d_head"], d_ff=p["d_ff"], num_layers=p["num_layers"],
         num_heads=p["num_heads"], feed_forward_proj="gated-gelu" if p["activation"] == "geglu" else "relu",
@@ -209,6 +216,11 @@ def test_standard_presets_have_exactly_the_hf_parameter_count(name):
         # transformers 5 re-ties a freshly built T5 despite tie_word_embeddings=False; the released
         # v1.1 checkpoints have a separate lm_head, which we count.
         expected += hf.lm_head.weight.numel()
+    if PRESETS[name]["flavour"] == "marian":
+        # HF Marian keeps its fixed sinusoidal tables as frozen parameters; tformer as buffers
+        tables = 2 * PRESETS[name]["max_seq_len"] * PRESETS[name]["d_model"]
+        assert hf.num_parameters() - hf.num_parameters(only_trainable=True) == tables
+        expected = hf.num_parameters(only_trainable=True)
     assert ours.num_parameters() == expected
 
 
@@ -217,6 +229,9 @@ def test_well_known_sizes():
         assert build_model("gpt2-small").num_parameters() == 124_439_808
         assert 109e6 < build_model("bert-base").num_parameters() < 110e6
         assert 60.4e6 < build_model("t5-small").num_parameters() < 60.6e6
+        # the paper's Table 3: base 65M, big 213M (for its 37000-token joint vocabulary)
+        assert 62e6 < build_model("transformer-base").num_parameters() < 66e6
+        assert 210e6 < build_model("transformer-big").num_parameters() < 216e6
 
 
 @pytest.mark.parametrize("overrides,match", [

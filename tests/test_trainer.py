@@ -240,6 +240,9 @@ def _error_line(capsys):
     ("model: {preset: gpt2-tiny}\n", ["parallel.activation_checkpointing=op", "parallel.strategy=deepspeed",
                                       f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / 'zero3.json'}"],
      "parallel.activation_checkpointing=op does not compose with DeepSpeed ZeRO-3"),
+    ("model: {preset: gpt2-tiny}\n", ["optim.schedule=inverse_sqrt"],
+     "optim.schedule=inverse_sqrt needs optim.warmup_steps >= 1"),
+    ("model: {preset: gpt2-tiny}\n", ["optim.label_smoothing=1.2"], "optim.label_smoothing=1.2 must be in [0, 1)"),
 ])
 def test_bad_config_gives_one_clear_error_line(cache, tmp_path, capsys, content, overrides, match):
     from tformer.cli import main
@@ -247,6 +250,19 @@ def test_bad_config_gives_one_clear_error_line(cache, tmp_path, capsys, content,
     cfg.write_text(content)
     assert main(["train", str(cfg), f"output_dir={tmp_path / 'run'}", *overrides]) == 2
     assert match in _error_line(capsys)
+
+
+def test_inverse_sqrt_schedule_is_the_papers():
+    """lr(t) = peak * min(t / warmup, sqrt(warmup / t)) at 1-based step t; with peak
+    (d_model * warmup)**-0.5 it is the paper's d_model**-0.5 * min(t**-0.5, t * warmup**-1.5)."""
+    from tformer.train.config import OptimConfig
+    from tformer.train.optim import lr_factor
+    cfg = OptimConfig(schedule="inverse_sqrt", warmup_steps=4000, lr=(512 * 4000) ** -0.5)
+    for t, want in [(1, 1 / 4000), (2000, 0.5), (4000, 1.0), (16000, 0.5), (64000, 0.25)]:
+        assert lr_factor(t - 1, 100_000, cfg) == pytest.approx(want, rel=1e-12)
+    for t in (1, 100, 4000, 4001, 25000):
+        paper = 512 ** -0.5 * min(t ** -0.5, t * 4000 ** -1.5)
+        assert cfg.lr * lr_factor(t - 1, 100_000, cfg) == pytest.approx(paper, rel=1e-12)
 
 
 def test_missing_config_file(capsys, tmp_path):

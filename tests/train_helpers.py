@@ -16,6 +16,10 @@ def small_overrides(recipe: str, out: Path, *extra: str) -> list[str]:
             "micro_batch_size=8"]
     if recipe.startswith("t5"):
         base += ["model.d_head=16", "data.tokenizer_max_rows=4000"]
+    if recipe.startswith("transformer"):
+        base += ["data.tokenizer_max_rows=3000", "data.target_len=64", "data.tokens_per_batch=256",
+                 "model.max_seq_len=64", "max_time=null", "bleu_samples=4", "decode.max_new_tokens=8",
+                 "decode.num_beams=2"]
     if recipe.startswith("llama"):
         base += ["model.d_ff=96"]
     return base + list(extra)

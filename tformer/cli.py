@@ -1,4 +1,4 @@
-"""``tformer train | tokenizer | generate | plot | export | import``: bad input ends in one
+"""``tformer train | tokenizer | generate | evaluate | plot | export | import``: bad input ends in one
 ``error:`` line, exit 2."""
 from __future__ import annotations
 
@@ -30,13 +30,21 @@ def _train(argv: list[str]) -> int:
 
 
 def _generate(argv: list[str]) -> int:
-    p = _Parser(prog="tformer generate", description="Generate text from a checkpoint.")
+    p = _Parser(prog="tformer generate", description="Generate text from a checkpoint: a "
+                "continuation (decoder) or a translation (encoder-decoder).")
     p.add_argument("checkpoint", help="a run directory or one of its checkpoints")
-    p.add_argument("prompt", nargs="?", default="")
+    p.add_argument("prompt", nargs="?", default="", help="the prompt (decoder) or the source text (encoder-decoder)")
     p.add_argument("--max-new-tokens", type=_number(int, "[1, inf)"), default=64)
     p.add_argument("--temperature", type=_number(float, "[0, inf)"), default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=_number(int, "[1, inf)"), default=None)
     p.add_argument("--top-p", type=_number(float, "(0, 1]"), default=None)
+    p.add_argument("--num-beams", type=int, default=1, help="beam search with this many beams (1 = greedy)")
+    p.add_argument("--length-penalty", type=_number(float, "[0, inf)"), default=None,
+                   help="beam search: alpha of the length normalisation (the paper: 0.6)")
+    p.add_argument("--length-norm", choices=["gnmt", "power"], default="gnmt",
+                   help="gnmt: ((5 + len) / 6) ** alpha (the paper's); power: len ** alpha (HF's)")
+    p.add_argument("--translation-only", action="store_true",
+                   help="encoder-decoder: print only the generated text, not the labelled source line")
     p.add_argument("--seed", type=_number(int, "[0, inf)"), default=0)
     p.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     args = p.parse_args(argv)
@@ -45,22 +53,111 @@ def _generate(argv: list[str]) -> int:
     import torch
 
     from .checkpoint import load_checkpoint
+    from .config import ConfigError
     from .data import load_tokenizer
     from .generate import generate
 
+    if args.num_beams < 1:
+        raise ConfigError(f"--num-beams={args.num_beams} must be >= 1 (1 = greedy)")
+    if args.length_penalty is not None and args.num_beams == 1:
+        print(f"warning: --length-penalty {args.length_penalty} has no effect without beam search "
+              "(--num-beams > 1); ignored", file=sys.stderr)
+        args.length_penalty = None
+    if args.num_beams > 1 and args.temperature > 0:
+        raise ConfigError("--temperature samples, beam search is deterministic: use one of "
+                          "--num-beams > 1 or --temperature > 0")
     model = load_checkpoint(args.checkpoint, trust=args.trust_checkpoint)
     run = Path(args.checkpoint)
     tok_path = next((d / "tokenizer.json" for d in (run, *run.parents) if (d / "tokenizer.json").is_file()), None)
     if tok_path is None:
         raise FileNotFoundError(f"no tokenizer.json in {run} or its parents; pass a run directory")
     tok = load_tokenizer(tok_path)
+    cfg = model.config
     ids = tok.encode(args.prompt, add_special_tokens=False).ids
-    if model.config.family == "decoder":
-        ids = [model.config.bos_token_id or 0] + ids
+    if cfg.family == "decoder":
+        ids = [cfg.bos_token_id or 0] + ids
+    elif cfg.eos_token_id is not None:
+        ids = ids + [cfg.eos_token_id]  # sources end in EOS, as in training (Seq2SeqPairs)
     out = generate(model, torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed))
-    new = out[0, len(ids):] if model.config.family == "decoder" else out[0, 1:]
-    print(args.prompt + tok.decode(new.tolist()))
+                   top_k=args.top_k, top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed),
+                   num_beams=args.num_beams, length_penalty=args.length_penalty, length_norm=args.length_norm)
+    if cfg.family == "decoder":
+        print(args.prompt + tok.decode(out[0, len(ids):].tolist()))
+        return 0
+    text = tok.decode(out[0, 1:].tolist(), skip_special_tokens=True)
+    if args.translation_only:
+        print(text)
+    else:
+        print(f"source:      {args.prompt}\ntranslation: {text}")
+    return 0
+
+
+def _evaluate(argv: list[str]) -> int:
+    p = _Parser(prog="tformer evaluate",
+                description="Score a run on its validation split: loss and perplexity, and with --bleu "
+                            "(seq2seq runs) BLEU and chrF of its translations.")
+    p.add_argument("run_dir", help="a run directory (its newest checkpoint is used)")
+    p.add_argument("--bleu", action="store_true", help="decode the validation pairs and score them with sacrebleu")
+    p.add_argument("--samples", type=_number(int, "[1, inf)"), default=None,
+                   help="only the first N validation pairs (default: all)")
+    p.add_argument("--num-beams", type=_number(int, "[1, inf)"), default=None, help="override the run's decode.num_beams")
+    p.add_argument("--length-penalty", type=_number(float, "[0, inf)"), default=None,
+                   help="override decode.length_penalty")
+    p.add_argument("--show", type=_number(int, "[0, inf)"), default=3, help="print this many source / hypothesis / reference triples")
+    args = p.parse_args(argv)
+    import json
+    import math
+    from pathlib import Path
+
+    import torch
+
+    from .checkpoint import load_checkpoint
+    from .config import ConfigError
+    from .train.config import load_config
+    from .train.data import MODEL_INPUTS, build_data
+
+    run = Path(args.run_dir)
+    if not (run / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run} holds no config.yaml; pass a run directory written by tformer train")
+    overrides = [f"data.tokenizer={run / 'tokenizer.json'}", f"output_dir={run}"]
+    if args.num_beams is not None:
+        overrides.append(f"decode.num_beams={args.num_beams}")
+    if args.length_penalty is not None:
+        overrides.append(f"decode.length_penalty={args.length_penalty}")
+    cfg = load_config(run / "config.yaml", overrides)
+    if args.samples is not None and args.samples < 1:
+        raise ConfigError(f"--samples={args.samples} must be >= 1")
+    if args.bleu and cfg.data.objective != "seq2seq":
+        raise ConfigError(f"--bleu needs a translation run (data.objective=seq2seq); {run} was trained with "
+                          f"data.objective={cfg.data.objective!r}")
+    model = load_checkpoint(run)
+    data = build_data(cfg)
+    val = data.validation
+    n = len(val) if args.samples is None else min(args.samples, len(val))
+    total, count = 0.0, 0
+    keys = MODEL_INPUTS[model.config.family]
+    with torch.no_grad():
+        for i in range(0, n, cfg.micro_batch_size):
+            batch = data.collator([val[k] for k in range(i, min(n, i + cfg.micro_batch_size))])
+            out = model(**{k: batch[k] for k in keys if k in batch})
+            c = int((batch["labels"] != -100).sum())
+            total, count = total + out.loss.item() * c, count + c
+    result = {"val_loss": total / max(count, 1), "val_ppl": math.exp(min(total / max(count, 1), 50.0)),
+              "samples": n}
+    if args.bleu:
+        from .evaluate import bleu
+        d = cfg.decode
+        scored = bleu(model, val, data.tokenizer, range(n), batch_size=d.batch_size, num_beams=d.num_beams,
+                      length_penalty=d.length_penalty, length_norm=d.length_norm, max_new_tokens=d.max_new_tokens)
+        result.update(scored.record(), num_beams=d.num_beams, length_penalty=d.length_penalty)
+        for k in range(min(args.show, n)):
+            src = data.tokenizer.decode([t for t in val.sample(k)["input_ids"].tolist()], skip_special_tokens=True)
+            print(f"source:      {src}\ntranslation: {scored.hypotheses[k]}\nreference:   {scored.references[k]}\n")
+    line = f"{run}: val_loss {result['val_loss']:.4f} (ppl {result['val_ppl']:.1f}) on {n} pairs"
+    if args.bleu:
+        line += f"; BLEU {result['val_bleu']:.2f}, chrF {result['val_chrf']:.2f} ({result['bleu_signature']})"
+    print(line)
+    (run / "evaluate.json").write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 
@@ -145,7 +242,7 @@ def _plan(argv: list[str]) -> int:
     return plan_main(args.config, args.overrides, args.devices, args.device_memory)
 
 
-COMMANDS = {"train": _train, "generate": _generate, "plot": _plot, "tokenizer": _tokenizer,
+COMMANDS = {"train": _train, "generate": _generate, "evaluate": _evaluate, "plot": _plot, "tokenizer": _tokenizer,
             "consolidate": _consolidate, "plan": _plan,
             "export": _export, "import": _import}
 

@@ -28,7 +28,7 @@ class ModelConfig:
     """Architecture of one model. ``family`` picks the stack; the other fields pick the blocks."""
 
     family: str = "decoder"              # encoder (BERT-like) | decoder (GPT-like) | encdec (T5-like)
-    flavour: str = "gpt2"                # HF counterpart for export: bert | gpt2 | llama | t5 | custom
+    flavour: str = "gpt2"                # HF counterpart for export: bert | gpt2 | llama | t5 | marian | custom
     vocab_size: int = 50257
     pad_vocab_multiple: int = 1          # pad the embedding rows to a multiple (64 is fast); 1 = off
     d_model: int = 768

@@ -89,6 +89,90 @@ class ResumableSampler:
         self.consumed = int(state["consumed"])
 
 
+class TokenBudgetSampler:
+    """Batches of similar-length pairs holding at most ``tokens_per_batch`` source tokens and at most
+    as many target tokens, padding included (``size * longest <= budget`` on each side): the paper's
+    batches of ~25000 source and target tokens. Yields one list of sample keys per batch.
+
+    Epoch ``e`` is fixed by (seed, e): the pairs are permuted, cut into pools of ``pool`` pairs, each
+    pool sorted by length and cut greedily into batches, and the batches shuffled. Every pair is in
+    exactly one batch per epoch. Like ``ResumableSampler``, positions count globally (here in
+    batches): rank ``r`` of ``W`` takes batches ``start + r, start + r + W, ...``, and ``consumed``
+    (global batches handed out) resumes the same sequence on any number of ranks.
+    """
+
+    def __init__(self, source_lengths, target_lengths, tokens_per_batch: int, seed: int = 0, rank: int = 0,
+                 world_size: int = 1, consumed: int = 0, pool: int = 2048):
+        self.src = np.asarray(source_lengths, dtype=np.int64)
+        self.tgt = np.asarray(target_lengths, dtype=np.int64)
+        self.num_samples = len(self.src)
+        if self.num_samples < 1:
+            raise DataError("no pairs to batch: give more data or longer maximum lengths")
+        longest = int(max(self.src.max(), self.tgt.max()))
+        if tokens_per_batch < longest:
+            raise DataError(f"data.tokens_per_batch={tokens_per_batch} is smaller than the longest pair "
+                            f"({longest} tokens); raise it or lower data.seq_len / data.target_len")
+        if not 0 <= rank < world_size:
+            raise DataError(f"rank {rank} is outside world_size {world_size}")
+        self.budget, self.seed, self.rank, self.world_size = tokens_per_batch, seed, rank, world_size
+        self.consumed, self.pool = consumed, pool
+        self._epochs: dict[int, list[np.ndarray]] = {}
+
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        """The batches (arrays of sample indices) of ``epoch``, in their visiting order."""
+        if epoch not in self._epochs:
+            if len(self._epochs) >= 2:
+                self._epochs.pop(min(self._epochs))
+            rng = np.random.default_rng([self.seed, epoch])
+            order = rng.permutation(self.num_samples)
+            longest = np.maximum(self.src, self.tgt)
+            batches = []
+            for start in range(0, self.num_samples, self.pool):
+                chunk = order[start:start + self.pool]
+                chunk = chunk[np.argsort(longest[chunk], kind="stable")]
+                first, src_max, tgt_max = 0, 0, 0
+                for i, idx in enumerate(chunk):
+                    s, t = max(src_max, self.src[idx]), max(tgt_max, self.tgt[idx])
+                    if (i - first + 1) * max(s, t) > self.budget:
+                        batches.append(chunk[first:i])
+                        first, s, t = i, self.src[idx], self.tgt[idx]
+                    src_max, tgt_max = s, t
+                batches.append(chunk[first:])
+            self._epochs[epoch] = [batches[i] for i in rng.permutation(len(batches))]
+        return self._epochs[epoch]
+
+    def locate(self, position: int) -> tuple[int, int]:
+        """(epoch, batch index in it) of global batch ``position``."""
+        epoch = 0
+        while position >= len(self.epoch_batches(epoch)):
+            position -= len(self.epoch_batches(epoch))
+            epoch += 1
+        return epoch, position
+
+    def batch(self, position: int) -> list[int]:
+        epoch, i = self.locate(position)
+        return [epoch * self.num_samples + int(j) for j in self.epoch_batches(epoch)[i]]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        g = self.consumed + self.rank
+        while True:
+            self.consumed = g - self.rank + self.world_size
+            yield self.batch(g)
+            g += self.world_size
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed, "seed": self.seed, "num_samples": self.num_samples,
+                "tokens_per_batch": self.budget}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, ours in (("num_samples", self.num_samples), ("seed", self.seed),
+                           ("tokens_per_batch", self.budget)):
+            if name in state and state[name] != ours:
+                raise DataError(f"the checkpoint's sampler has {name}={state[name]} but this run has {ours}: "
+                                "resume with the same data and batching, or start a new run")
+        self.consumed = int(state["consumed"])
+
+
 # Padding values per field; unknown fields pad with the pad id.
 PAD_VALUES = {"labels": -100, "attention_mask": 0, "token_type_ids": 0, "position_ids": 0,
               "doc_ids": -1}

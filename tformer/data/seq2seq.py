@@ -60,6 +60,12 @@ class Seq2SeqPairs(KeyedDataset):
     def __len__(self) -> int:
         return len(self.rows)
 
+    def lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """Source and target lengths of every sample (as ``sample`` returns them), for batching."""
+        src = self.source.lengths()[self.rows] + len(self.prefix) + 1
+        tgt = self.target.lengths()[self.rows] + 1
+        return np.minimum(src, self.max_source_length), np.minimum(tgt, self.max_target_length)
+
     def sample(self, index: int, epoch: int = 0) -> dict[str, np.ndarray]:
         row = int(self.rows[index])
         src = np.concatenate([self.prefix, self.source.doc(row)])[:self.max_source_length - 1]

@@ -129,7 +129,8 @@ def _text_batches(source, column: str, max_rows: int | None) -> tuple[Iterator[l
     """Batches of strings from files, a hub name or a ``datasets`` dataset, and their row count."""
     from .loading import load_text_dataset
 
-    ds = load_text_dataset(source, columns=[column], split="all")
+    columns = [column] if isinstance(column, str) else list(column)  # several: a joint vocabulary
+    ds = load_text_dataset(source, columns=columns, split="all")
     n = None if _is_iterable_dataset(ds) else len(ds)
     if n == 0:
         raise DataError(f"no rows to train the tokenizer on in {source}: give data with text")
@@ -137,7 +138,7 @@ def _text_batches(source, column: str, max_rows: int | None) -> tuple[Iterator[l
         log.info("tokenizer training reads the first %d rows only (max_rows)", max_rows)
         ds = ds.take(max_rows) if n is None else ds.select(range(min(max_rows, n)))
         n = None if n is None else min(max_rows, n)
-    batches = ([t for t in batch[column] if t] for batch in ds.iter(batch_size=1000))
+    batches = ([t for c in columns for t in batch[c] if t] for batch in ds.iter(batch_size=1000))
     return batches, n
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..checkpoint.io import commit, partial_dir, write_bytes_durable
 from ..config import ModelConfig
-from . import bert, gpt2, llama, t5
+from . import bert, gpt2, llama, marian, t5
 from .common import (ExportError, atomic_dir, check_against, check_out_dir, check_tokenizer, find_tokenizer,
                      from_hf, hf_expected, model_shapes, read_hf_weights, read_model_state,
                      resolve_checkpoint, save_generation_config, save_hf_tokenizer, to_hf, unpad_vocab,
@@ -26,7 +26,7 @@ from .common import (ExportError, atomic_dir, check_against, check_out_dir, chec
 log = logging.getLogger("tformer.export")
 
 # flavour (= HF model_type) -> the module that maps it
-TARGETS = {"bert": bert, "gpt2": gpt2, "llama": llama, "t5": t5}
+TARGETS = {"bert": bert, "gpt2": gpt2, "llama": llama, "t5": t5, "marian": marian}
 DEFAULT_SHARD_SIZE = "5GB"
 
 
@@ -55,10 +55,18 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False,
     hf_config = target.hf_config(cfg)
     dtype = state["embed.tok.weight"].dtype
     hf_config.dtype = str(dtype).removeprefix("torch.")
-    hf_state = to_hf(unpad_vocab(cfg, state), target.rules(cfg), target.HF_CLASS)
+    state = unpad_vocab(cfg, state)
+    if hasattr(target, "before_export"):  # e.g. Marian: our d_model order -> HF's
+        state = target.before_export(cfg, state)
+    hf_state = to_hf(state, target.rules(cfg), target.HF_CLASS)
     if hasattr(target, "fill"):
         hf_state.update(target.fill(cfg, dtype))
-    check_against(hf_state, hf_expected(hf_config, target.HF_CLASS), target.HF_CLASS)
+    unique, aliases = hf_expected(hf_config, target.HF_CLASS)
+    # parameters HF itself does not save but recomputes on load (Marian's sinusoidal tables)
+    unique = {k: v for k, v in unique.items() if k not in getattr(target, "NOT_SAVED", ())}
+    check_against(hf_state, (unique, aliases), target.HF_CLASS)
+    if hasattr(target, "buffers"):  # persistent HF buffers (Marian's final_logits_bias)
+        hf_state.update(target.buffers(cfg, dtype))
 
     tok_path = Path(tokenizer) if tokenizer is not None else find_tokenizer(ckpt)
     if tok_path is None:
@@ -101,7 +109,11 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, force: bool = False) -> P
     hf_state, tied = read_hf_weights(str(hf_dir), target.HF_CLASS, hf_config)
     cfg = target.model_config(hf_config, tied)
     shapes = model_shapes(cfg)
+    if hasattr(target, "drop_on_import"):  # fixed tensors HF stores and tformer computes
+        hf_state = target.drop_on_import(cfg, hf_state, str(hf_dir))
     state = from_hf(hf_state, target.rules(cfg), shapes, str(hf_dir))
+    if hasattr(target, "after_import"):
+        state = target.after_import(cfg, state)
     missing = sorted(set(shapes) - set(state))
     if missing:
         raise ExportError(f"the name map leaves tformer tensor {missing[0]} empty; this is a bug in "

@@ -98,7 +98,8 @@ class TformerModel(nn.Module):
         return hidden
 
     def _head_and_loss(self, hidden: torch.Tensor, labels: torch.Tensor | None, return_logits: bool,
-                       labelled_only: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                       labelled_only: bool = False,
+                       label_smoothing: float = 0.0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Apply the output head (``_head_input``, then ``lm_head``) and the loss.
 
         ``return_logits=False`` (the trainer's path, labels required) returns no logits. With
@@ -108,26 +109,29 @@ class TformerModel(nn.Module):
         no vocabulary-wide tensor exists at all: see ``models/loss.py``."""
         if labels is None or return_logits:
             logits = self._logits(self._head_input(hidden))
-            return logits, (lm_loss(logits, labels) if labels is not None else None)
+            return logits, (lm_loss(logits, labels, label_smoothing) if labels is not None else None)
         if labelled_only:
             keep = labels != -100
             hidden, labels = hidden[keep], labels[keep]
         x = self._head_input(hidden)
         if self.loss_chunk_size is None:
-            return None, lm_loss(self._logits(x), labels)
+            return None, lm_loss(self._logits(x), labels, label_smoothing)
         return None, chunked_lm_loss(x, self.lm_head.weight, self.lm_head.bias, labels, self.loss_chunk_size,
-                                     self.config.vocab_size)
+                                     self.config.vocab_size, label_smoothing)
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
     """Mean cross-entropy over positions whose label is not -100. Labels are aligned with the
-    logits (``labels[t]`` is the target of position ``t``); shifting is the data pipeline's job."""
-    return CrossEntropy.apply(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    logits (``labels[t]`` is the target of position ``t``); shifting is the data pipeline's job.
+    ``label_smoothing`` = epsilon mixes the target with the uniform distribution, as
+    ``F.cross_entropy(..., label_smoothing=epsilon)`` does: ``(1 - e) * nll + e * mean_j(-log p_j)``."""
+    return CrossEntropy.apply(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                              float(label_smoothing))
 
 
 class CrossEntropy(torch.autograd.Function):
-    """``F.cross_entropy(logits, labels, ignore_index=-100)`` (mean), with the gradient
-    ``(softmax - onehot) / count`` written into the saved log-probabilities.
+    """``F.cross_entropy(logits, labels, ignore_index=-100, label_smoothing=e)`` (mean), with the
+    gradient ``(softmax - (1 - e) onehot - e / V) / count`` written into the saved log-probabilities.
 
     ``F.cross_entropy``'s backward allocates two more (tokens, vocab) tensors (nll_loss's zero-filled
     gradient, then log_softmax's); at vocabulary width each is a fresh mmap whose page faults cost as
@@ -136,20 +140,28 @@ class CrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
         valid = labels != -100
         target = labels.masked_fill(~valid, 0)[:, None]
         logp = torch.log_softmax(logits, dim=-1)
         count = valid.sum()
         ctx.save_for_backward(logp, target, valid, count)
-        return -(logp.gather(-1, target).squeeze(-1) * valid).sum() / count
+        ctx.smoothing = smoothing
+        nll = -(logp.gather(-1, target).squeeze(-1) * valid).sum() / count
+        if not smoothing:
+            return nll
+        uniform = -(logp.mean(-1) * valid).sum() / count
+        return (1.0 - smoothing) * nll + smoothing * uniform
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logp, target, valid, count = ctx.saved_tensors
+        e = ctx.smoothing
         scale = (grad / count * valid)[:, None]
         dlogits = logp.exp_().mul_(scale)
-        return dlogits.scatter_add_(-1, target, -scale), None
+        if e:
+            dlogits.sub_(scale * (e / logp.shape[-1]))
+        return dlogits.scatter_add_(-1, target, -(1.0 - e) * scale), None, None
 
 
 def default_positions(input_ids: torch.Tensor, offset: int = 0) -> torch.Tensor:

@@ -26,7 +26,8 @@ class DecoderModel(TformerModel):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                cache: StackCache | None = None, return_logits: bool = True) -> ModelOutput:
+                cache: StackCache | None = None, return_logits: bool = True,
+                label_smoothing: float = 0.0) -> ModelOutput:
         """``labels`` are aligned with ``input_ids`` positions (already shifted), -100 = ignore.
         With ``cache``, ``input_ids`` are the new tokens and ``attention_mask`` covers past + new."""
         offset = cache.length if cache is not None else 0
@@ -34,5 +35,5 @@ class DecoderModel(TformerModel):
         positions = position_ids if position_ids is not None else default_positions(input_ids, offset)
         x = self.embed(input_ids, positions)
         h = self.decoder(x, attention_mask, positions=positions, cache=cache)
-        logits, loss = self._head_and_loss(h, labels, return_logits)
+        logits, loss = self._head_and_loss(h, labels, return_logits, label_smoothing=label_smoothing)
         return ModelOutput(logits, loss, cache)

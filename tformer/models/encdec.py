@@ -67,7 +67,7 @@ class EncoderDecoderModel(TformerModel):
                 decoder_input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 decoder_attention_mask: torch.Tensor | None = None,
                 encoder_hidden: torch.Tensor | None = None, cache: StackCache | None = None,
-                return_logits: bool = True) -> ModelOutput:
+                return_logits: bool = True, label_smoothing: float = 0.0) -> ModelOutput:
         """``labels`` are the decoder targets; without ``decoder_input_ids`` they are shifted right
         behind ``decoder_start_token_id`` to form the decoder input (teacher forcing)."""
         if decoder_input_ids is None:
@@ -78,5 +78,5 @@ class EncoderDecoderModel(TformerModel):
         if encoder_hidden is None:
             encoder_hidden = self.encode(input_ids, attention_mask)
         h = self.decoder_hidden(decoder_input_ids, encoder_hidden, attention_mask, decoder_attention_mask, cache)
-        logits, loss = self._head_and_loss(h, labels, return_logits)
+        logits, loss = self._head_and_loss(h, labels, return_logits, label_smoothing=label_smoothing)
         return ModelOutput(logits, loss, cache, encoder_hidden)

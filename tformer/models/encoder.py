@@ -35,11 +35,13 @@ class EncoderModel(TformerModel):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, return_logits: bool = True) -> ModelOutput:
+                position_ids: torch.Tensor | None = None, return_logits: bool = True,
+                label_smoothing: float = 0.0) -> ModelOutput:
         """``return_logits=False`` (with labels) runs the MLM head at the masked positions only and
         returns the loss without logits: the same loss and gradients for a fraction of the head."""
         h = self.hidden_states(input_ids, attention_mask, token_type_ids, position_ids)
-        logits, loss = self._head_and_loss(h, labels, return_logits, labelled_only=True)
+        logits, loss = self._head_and_loss(h, labels, return_logits, labelled_only=True,
+                                           label_smoothing=label_smoothing)
         return ModelOutput(logits, loss)
 
     def _head_input(self, h: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,14 @@ T5 = dict(family="encdec", flavour="t5", vocab_size=32128, max_seq_len=512, posi
           norm_bias=False, attn_scale=False, tie_embeddings=True, tied_output_scale=True,
           rel_num_buckets=32, rel_max_distance=128, pad_token_id=0, eos_token_id=1,
           decoder_start_token_id=0, dropout=0.1)
+# "Attention Is All You Need": post-norm LayerNorm, sinusoidal positions, ReLU, embeddings scaled by
+# sqrt(d_model) and shared by source, target and the pre-softmax projection (a joint vocabulary of
+# 37000 BPE tokens for English-German). HF counterpart: MarianMTModel (see tformer/export/marian.py).
+TRANSFORMER = dict(family="encdec", flavour="marian", vocab_size=37000, max_seq_len=1024,
+                   position="sinusoidal", norm="layernorm", norm_eps=1e-5, norm_position="post",
+                   activation="relu", bias=True, attn_scale=True, embed_scale=True, tie_embeddings=True,
+                   tied_output_scale=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+                   dropout=0.1, attn_dropout=0.0)
 T5_V11 = dict(T5, activation="geglu", tie_embeddings=False, tied_output_scale=False, dropout=0.0)
 
 PRESETS: dict[str, dict] = {
@@ -37,6 +45,8 @@ PRESETS: dict[str, dict] = {
     "t5-base": dict(T5, d_model=768, d_head=64, num_layers=12, num_heads=12, d_ff=3072),
     "t5-large": dict(T5, d_model=1024, d_head=64, num_layers=24, num_heads=16, d_ff=4096),
     "t5-v1.1-small": dict(T5_V11, d_model=512, d_head=64, num_layers=8, num_heads=6, d_ff=1024),
+    "transformer-base": dict(TRANSFORMER, d_model=512, num_layers=6, num_heads=8, d_ff=2048),
+    "transformer-big": dict(TRANSFORMER, d_model=1024, num_layers=6, num_heads=16, d_ff=4096, dropout=0.3),
     # Tiny sizes: same switches, toy widths (fast CPU tests); vocab fits the test tokenizers.
     "bert-tiny": dict(BERT, vocab_size=1024, max_seq_len=128, d_model=64, num_layers=2, num_heads=4,
                       d_ff=128, dropout=0.0, attn_dropout=0.0),
@@ -50,6 +60,8 @@ PRESETS: dict[str, dict] = {
     "t5-v1.1-tiny": dict(T5_V11, vocab_size=1024, max_seq_len=128, d_model=64, d_head=16, num_layers=2,
                          num_decoder_layers=3, num_heads=4, d_ff=96, rel_num_buckets=8,
                          rel_max_distance=32),
+    "transformer-tiny": dict(TRANSFORMER, vocab_size=1024, max_seq_len=128, d_model=64, num_layers=2,
+                             num_heads=4, d_ff=128, dropout=0.0),
 }
 
 

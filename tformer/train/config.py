@@ -15,7 +15,7 @@ from ..config import ConfigError, _check_type, check_keys, check_ranges
 from ..models import build_config
 
 PRECISIONS = ("auto", "bf16", "fp32", "fp16")
-SCHEDULES = ("cosine", "linear", "constant", "wsd")
+SCHEDULES = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
 NONFINITE = ("skip", "stop")
 DEVICES = ("auto", "cpu", "cuda")
@@ -36,6 +36,9 @@ class DataConfig:
     tokenizer_vocab_size: int | None = None  # for "auto"; default = model.vocab_size
     seq_len: int = 128
     target_len: int | None = None    # seq2seq decoder length (span corruption computes its own)
+    tokens_per_batch: int | None = None  # seq2seq: batches of similar-length pairs up to this many
+                                         # source (and target) tokens, padding included; replaces
+                                         # micro_batch_size for training
     mlm_probability: float = 0.15
     whole_word_mask: bool = False
     noise_density: float = 0.15
@@ -56,10 +59,22 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0           # 0 = off
-    schedule: str = "cosine"
+    schedule: str = "cosine"         # inverse_sqrt: lr * min(t / warmup, sqrt(warmup / t)) (the paper's)
     warmup_steps: int = 0
     decay_steps: int | None = None   # wsd: length of the final decay (default 20% of max_steps)
     fused: bool | None = None        # None = fused AdamW where torch supports it
+    label_smoothing: float = 0.0     # the paper's epsilon_ls = 0.1; the logged train loss is the
+                                     # smoothed objective, val_loss / val_ppl the plain NLL
+
+
+@dataclass
+class DecodeConfig:
+    """How the run translates when BLEU is measured (``eval_bleu``, ``tformer evaluate --bleu``)."""
+    num_beams: int = 4               # the paper: 4
+    length_penalty: float = 0.6      # the paper: alpha 0.6
+    length_norm: str = "gnmt"        # gnmt: ((5 + len) / 6) ** alpha; power: len ** alpha (HF's)
+    max_new_tokens: int | None = None  # default: the run's target length
+    batch_size: int = 32
 
 
 @dataclass
@@ -105,6 +120,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output_dir: str = "runs/default"
@@ -118,6 +134,8 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100            # 0 = only at the end
     eval_batches: int = 8
+    eval_bleu: bool = False          # seq2seq: also decode validation pairs and log BLEU / chrF
+    bleu_samples: int | None = 200   # validation pairs decoded for eval_bleu (None = all)
     save_every: int = 200            # 0 = only at the end
     keep_checkpoints: int = 3
     resume: str = "auto"             # auto (newest complete checkpoint, if any) | none | a path
@@ -175,6 +193,30 @@ class TrainConfig:
             raise ConfigError(f"data.seq_len={self.data.seq_len} must be >= 1")
         if self.optim.lr <= 0:
             raise ConfigError(f"optim.lr={self.optim.lr} must be > 0")
+        if self.data.tokens_per_batch is not None and self.data.objective != "seq2seq":
+            raise ConfigError(f"data.tokens_per_batch={self.data.tokens_per_batch} batches translation pairs (data.objective=seq2seq), not "
+                              f"data.objective={self.data.objective!r}; use micro_batch_size")
+        if self.data.tokens_per_batch is not None and self.data.tokens_per_batch < max(
+                self.data.seq_len, self.data.target_len or self.data.seq_len):
+            raise ConfigError(f"data.tokens_per_batch={self.data.tokens_per_batch} is smaller than the longest "
+                              f"allowed pair ({max(self.data.seq_len, self.data.target_len or self.data.seq_len)} "
+                              "tokens: data.seq_len / data.target_len); raise it or lower those")
+        if self.eval_bleu and self.data.objective != "seq2seq":
+            raise ConfigError(f"eval_bleu=true needs translation pairs (data.objective=seq2seq), not "
+                              f"data.objective={self.data.objective!r}; set eval_bleu=false")
+        if self.decode.num_beams < 1:
+            raise ConfigError(f"decode.num_beams={self.decode.num_beams} must be >= 1 (1 = greedy)")
+        if self.decode.length_norm not in ("gnmt", "power"):
+            raise ConfigError(f"decode.length_norm={self.decode.length_norm!r} is not allowed; use one of: "
+                              "gnmt, power")
+        if self.bleu_samples is not None and self.bleu_samples < 1:
+            raise ConfigError(f"bleu_samples={self.bleu_samples} must be >= 1 (or null for all pairs)")
+        if self.optim.schedule == "inverse_sqrt" and self.optim.warmup_steps < 1:
+            raise ConfigError("optim.schedule=inverse_sqrt needs optim.warmup_steps >= 1 (its peak is at the end "
+                              "of warmup; the paper uses 4000)")
+        if not 0.0 <= self.optim.label_smoothing < 1.0:
+            raise ConfigError(f"optim.label_smoothing={self.optim.label_smoothing} must be in [0, 1) "
+                              "(the paper uses 0.1)")
         if self.parallel.backend is not None and self.parallel.backend not in BACKENDS:
             raise ConfigError(f"parallel.backend={self.parallel.backend!r} is not allowed; use one of: "
                               f"{', '.join(BACKENDS)} (or null: nccl on CUDA, gloo on CPU)")
@@ -211,6 +253,9 @@ RANGES = {
     "optim.beta1": "[0, 1)", "optim.beta2": "[0, 1)", "optim.eps": "(0, inf)", "optim.grad_clip": "[0, inf)",
     "optim.warmup_steps": "[0, inf)", "optim.decay_steps": "[1, inf)",
     "parallel.ac_every": "[1, inf)", "parallel.zero_stage": "[0, 3]", "loss.chunk_size": "[1, inf)",
+    "optim.label_smoothing": "[0, 1)", "data.tokens_per_batch": "[1, inf)", "bleu_samples": "[1, inf)",
+    "decode.num_beams": "[1, inf)", "decode.length_penalty": "[0, inf)", "decode.max_new_tokens": "[1, inf)",
+    "decode.batch_size": "[1, inf)",
 }
 
 

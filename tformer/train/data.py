@@ -92,7 +92,9 @@ def build_data(cfg: TrainConfig, rank: int = 0) -> RunData:
         raise DataError(f"data.objective={objective!r} does not fit a {family} model; use "
                         f"{' or '.join(allowed)}")
     source = _source(cfg, objective)
-    column = cfg.data.source_column if objective == "seq2seq" else cfg.data.text_column
+    # translation pairs: one joint vocabulary over both sides (the paper's shared source/target BPE)
+    column = ([cfg.data.source_column, cfg.data.target_column] if objective == "seq2seq"
+              else cfg.data.text_column)
     if cfg.data.tokenizer == "auto":
         tok_path = _auto_tokenizer(cfg, family, source, column,
                                    cfg.data.tokenizer_vocab_size or model_cfg.vocab_size, rank)

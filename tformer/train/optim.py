@@ -1,4 +1,5 @@
-"""AdamW with decay on matrices only, and the LR schedules (warmup + cosine / linear / constant / WSD)."""
+"""AdamW with decay on matrices only, and the LR schedules (warmup + cosine / linear / constant / WSD,
+and the paper's inverse square root)."""
 from __future__ import annotations
 
 import math
@@ -28,8 +29,15 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
 
 
 def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
-    """Multiplier of the peak LR at optimizer step ``step`` (0-based) of ``total``."""
+    """Multiplier of the peak LR at optimizer step ``step`` (0-based) of ``total``.
+
+    ``inverse_sqrt`` is the paper's schedule: with ``t = step + 1``, ``min(t / warmup, sqrt(warmup / t))``
+    (linear warmup, then decay as 1/sqrt(t)). The paper's ``d_model**-0.5 * min(t**-0.5, t *
+    warmup**-1.5)`` is this with peak ``lr = (d_model * warmup)**-0.5`` (7.0e-4 for 512 and 4000)."""
     warm = cfg.warmup_steps
+    if cfg.schedule == "inverse_sqrt":
+        t = step + 1
+        return min(t / warm, math.sqrt(warm / t))
     if warm and step < warm:
         return (step + 1) / warm
     floor = cfg.min_lr_ratio

@@ -32,7 +32,11 @@ class WandbTracker:
 
     def log(self, record: dict) -> None:
         if self.run is not None:
-            self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            self.run.log({k: v for k, v in record.items() if k != "step" and not isinstance(v, str)},
+                         step=record["step"])
+            for k, v in record.items():  # text (sacrebleu's signature) goes to the run summary
+                if isinstance(v, str):
+                    self.run.summary[k] = v
 
     def finish(self) -> None:
         if self.run is not None:

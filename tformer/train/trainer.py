@@ -301,11 +301,37 @@ class Trainer:
         result = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
         if self.data.objective == "mlm":
             result["val_mlm_acc"] = (total[2] / total[1].clamp(min=1)).item()
+        if cfg.eval_bleu:
+            result.update(self.evaluate_bleu(cfg.bleu_samples).record())
+        return result
+
+    def evaluate_bleu(self, samples: int | None = None):
+        """BLEU / chrF of the first ``samples`` validation pairs, decoded with ``cfg.decode``. Every
+        rank decodes the same pairs (sharded forwards are collective); the scores are identical."""
+        from ..evaluate import bleu
+
+        ds, d = self.data.validation, self.cfg.decode
+        n = len(ds) if samples is None else min(samples, len(ds))
+        was_training = self.model.training
+        with self._autocast():
+            result = bleu(self.model, ds, self.data.tokenizer, range(n), batch_size=d.batch_size,
+                          num_beams=d.num_beams, length_penalty=d.length_penalty, length_norm=d.length_norm,
+                          max_new_tokens=d.max_new_tokens, device=self.device)
+        self.model.train(was_training)
         return result
 
     # -- the loop --------------------------------------------------------------------------
     def _batches(self):
         cfg = self.cfg
+        if cfg.data.tokens_per_batch is not None:
+            from ..data import TokenBudgetSampler
+            src, tgt = self.data.train.lengths()
+            sampler = TokenBudgetSampler(src, tgt, cfg.data.tokens_per_batch, seed=cfg.seed, rank=self.dist.rank,
+                                         world_size=self.dist.world_size, consumed=self.consumed)
+            return iter(torch.utils.data.DataLoader(
+                self.data.train, batch_sampler=sampler, collate_fn=self.data.collator,
+                num_workers=cfg.data.num_workers, persistent_workers=cfg.data.num_workers > 0,
+                generator=torch.Generator().manual_seed(cfg.seed)))
         sampler = ResumableSampler(len(self.data.train), seed=cfg.seed, rank=self.dist.rank,
                                    world_size=self.dist.world_size, consumed=self.consumed)
         loader = torch.utils.data.DataLoader(self.data.train, batch_size=cfg.micro_batch_size,
@@ -521,7 +547,8 @@ class Trainer:
             with self.strategy.no_sync(last):
                 with self._autocast(), self._offload():
                     # loss only: no vocabulary-wide logits kept; the MLM head runs at masked positions
-                    loss = self.wrapped(**inputs, return_logits=False).loss / cfg.grad_accum
+                    loss = self.wrapped(**inputs, return_logits=False,
+                                        label_smoothing=cfg.optim.label_smoothing).loss / cfg.grad_accum
                 self.strategy.backward(loss, last, self.scaler)
             loss_sum += loss.detach().float()
         self._beat("loss all-reduce")
@@ -534,7 +561,9 @@ class Trainer:
         self._beat("optimizer step")
         grad_norm = self._update(loss_avg)
         self.step += 1
-        self.consumed += cfg.micro_batch_size * cfg.grad_accum * self.dist.world_size
+        # samples consumed, or with token-budget batches, batches consumed (the sampler's unit)
+        per_batch = 1 if cfg.data.tokens_per_batch is not None else cfg.micro_batch_size
+        self.consumed += per_batch * cfg.grad_accum * self.dist.world_size
         global_tokens = int(stats[1].item())
         self.tokens += global_tokens
         dt = time.perf_counter() - t0
@@ -623,6 +652,8 @@ class Trainer:
                 f"MFU {100 * record['mfu']:.1f}%")
         if "val_loss" in record:
             text += f" | val {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})"
+        if "val_bleu" in record:
+            text += f" | BLEU {record['val_bleu']:.2f} chrF {record['val_chrf']:.1f} ({record['bleu_signature']})"
         if bar is not None:
             bar.write(text, file=sys.stdout)
         else:
