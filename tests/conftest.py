@@ -14,3 +14,12 @@ TINY = ["bert-tiny", "gpt2-tiny", "llama-tiny", "t5-tiny", "t5-v1.1-tiny"]
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and lose a lot when the cores are shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

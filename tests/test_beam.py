@@ -14,12 +14,7 @@ from tformer.data import default_corpus_path, train_tokenizer
 from tformer.generate import beam_search, generate, length_normaliser
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def paper_model(seed=0, **overrides):
