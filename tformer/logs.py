@@ -2,8 +2,9 @@
 
 Library chatter is kept out of the way: Python warnings raised inside libraries (DCP's
 single-process notice, deprecations) go to the log at DEBUG, `datasets`' progress bars are off,
-and under torchrun only the main rank prints tformer's INFO lines (every rank still prints its
-warnings and errors). ``TFORMER_LOG_LEVEL=DEBUG`` shows everything.
+and under torchrun only the first rank of each node prints tformer's INFO lines (its data caches
+are the node's; every rank still prints its warnings and errors). ``TFORMER_LOG_LEVEL=DEBUG``
+shows everything.
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ def setup_logging() -> None:
     logging.basicConfig(level=level, format=FORMAT)
     if level == "DEBUG":
         return
-    if int(os.environ.get("RANK", "0") or 0) != 0:
-        logging.getLogger("tformer").setLevel(logging.WARNING)  # the main rank speaks for all
+    if int(os.environ.get("LOCAL_RANK", "0") or 0) != 0:
+        # the first rank of each node speaks for the node (caches and data are per node)
+        logging.getLogger("tformer").setLevel(logging.WARNING)
     library = logging.getLogger("tformer.lib")
 
     def to_debug_log(message, category, filename, lineno, file=None, line=None):
