@@ -25,11 +25,16 @@ def _unique(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def read_model_state(ckpt: str | Path, trust: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(model config, full fp32 state dict with tied tensors once) of a tformer checkpoint; its
-    pickles are read through an allow-list unless ``trust``."""
+    """(model config, full fp32 state dict with tied tensors once) of a tformer checkpoint (a run
+    directory means its newest one); its pickles are read through an allow-list unless ``trust``."""
+    return read_resolved_model_state(resolve_checkpoint(ckpt, trust), trust)
+
+
+def read_resolved_model_state(ckpt: Path, trust: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """:func:`read_model_state` of a checkpoint already resolved by ``resolve_checkpoint`` (sizes,
+    CRC-32 and every pickle checked once there, not again here)."""
     from ..models import build_model
 
-    ckpt = resolve_checkpoint(ckpt, trust)  # a run directory means its newest one; verified, checked
     info = read_trainer_state(ckpt)
     if "model_config" not in info:
         raise CheckpointError(f"checkpoint {ckpt} records no model_config; it is not a tformer checkpoint")
@@ -47,9 +52,7 @@ def read_model_state(ckpt: str | Path, trust: bool = False) -> tuple[ModelConfig
         return cfg, _unique(dict(model.state_dict()))
     if (ckpt / "deepspeed").is_dir():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        from .safe import check_deepspeed_dir
-        check_deepspeed_dir(ckpt / "deepspeed", trust)  # before DeepSpeed unpickles them freely
+        # its pickles were read through the allow-list by resolve_checkpoint (check_checkpoint)
         state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "deepspeed"), tag="state")
         return cfg, _unique({k: v.float() for k, v in state.items()})
     raise CheckpointError(f"checkpoint {ckpt} holds no model weights (model.safetensors, dcp/ or deepspeed/)")
@@ -63,7 +66,7 @@ def consolidate(ckpt: str | Path, out: str | Path | None = None, trust: bool = F
     from safetensors.torch import save_file
 
     ckpt = resolve_checkpoint(ckpt, trust)
-    cfg, state = read_model_state(ckpt, trust)
+    cfg, state = read_resolved_model_state(ckpt, trust)
     out = Path(out) if out else ckpt / "consolidated.safetensors"
     tmp = out.with_name(out.name + ".tmp")
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),

@@ -238,8 +238,8 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", trust:
     if (path / "model.safetensors").is_file():
         load_model_weights(model, path)
     else:  # DCP shards or DeepSpeed partitions, consolidated on CPU
-        from .consolidate import read_model_state
-        _, state = read_model_state(path, trust=trust)
+        from .consolidate import read_resolved_model_state
+        _, state = read_resolved_model_state(path, trust)
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [n for n in missing if not _is_tied_alias(model, n, state)]
         if missing or unexpected:

@@ -64,20 +64,27 @@ def _deepspeed_globals() -> list:
     return found
 
 
+def _weights_only(source, where, extra_globals=(), mmap: bool = False):
+    """``torch.load(source, weights_only=True)`` with ``extra_globals`` allowed; a refusal names
+    ``where`` and what the pickle tried to load, any other failure is a damaged file (one line)."""
+    try:
+        with torch.serialization.safe_globals(list(extra_globals)):
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        m = _NOT_ALLOWED.search(str(e))
+        raise (_refuse(where, next(g for g in m.groups() if g)) if m else _corrupt(where, e)) from None
+    except Exception as e:  # noqa: BLE001 - any other failure is a damaged file to the user
+        raise _corrupt(where, e) from None
+
+
 def torch_load(path: Path, trust: bool = False, extra_globals=(), mmap: bool = False):
     """``torch.load`` that never runs code: ``weights_only=True`` plus ``extra_globals``; a file
     naming anything else is refused with one line (``trust`` loads it freely)."""
+    if not trust:
+        return _weights_only(path, path, extra_globals, mmap)
     try:
-        if trust:
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-        with torch.serialization.safe_globals(list(extra_globals)):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as e:
-        m = _NOT_ALLOWED.search(str(e))
-        if m:
-            raise _refuse(path, next(g for g in m.groups() if g)) from None
-        raise _corrupt(path, e) from None
-    except Exception as e:  # noqa: BLE001 - any other failure is a damaged file to the user
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    except Exception as e:  # noqa: BLE001
         raise _corrupt(path, e) from None
 
 
@@ -159,12 +166,7 @@ def safe_dcp_reader_and_planner(dcp_dir: Path, trust: bool = False):
             info = (self.metadata.storage_data or {}).get(read_item.storage_index) if self.metadata else None
             if info is not None:
                 where = dcp_dir / info.relative_path
-            where = f"{where} (entry {read_item.dest_index.fqn})"
-            try:
-                obj = torch.load(value, weights_only=True)
-            except pickle.UnpicklingError as e:
-                m = _NOT_ALLOWED.search(str(e))
-                raise (_refuse(where, next(g for g in m.groups() if g)) if m else _corrupt(where, e)) from None
+            obj = _weights_only(value, f"{where} (entry {read_item.dest_index.fqn})")
             if self.flatten_state_dict:
                 from torch.distributed.checkpoint._traverse import set_element
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
@@ -188,17 +190,10 @@ def check_dcp_dir(dcp_dir: Path) -> None:
             continue
         if getattr(info, "transform_descriptors", None):
             continue  # transformed (e.g. compressed) entries are checked as they load (SafeLoadPlanner)
-        where = f"{dcp_dir / info.relative_path} (entry {index.fqn})"
-        try:
-            with open(dcp_dir / info.relative_path, "rb") as f:
-                f.seek(info.offset)
-                data = f.read(info.length)
-            torch.load(io.BytesIO(data), weights_only=True)
-        except pickle.UnpicklingError as e:
-            m = _NOT_ALLOWED.search(str(e))
-            raise (_refuse(where, next(g for g in m.groups() if g)) if m else _corrupt(where, e)) from None
-        except Exception as e:  # noqa: BLE001
-            raise _corrupt(where, e) from None
+        with open(dcp_dir / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        _weights_only(io.BytesIO(data), f"{dcp_dir / info.relative_path} (entry {index.fqn})")
 
 
 def check_checkpoint(ckpt: Path, trust: bool = False) -> None:

@@ -160,8 +160,8 @@ def read_model_state(checkpoint: str | Path, trust: bool = False) -> tuple[Model
     cfg = ModelConfig.from_dict(dict(saved))
     weights = path / "model.safetensors"
     if not weights.is_file():  # FSDP2 / DDP shards in dcp/, or DeepSpeed ZeRO partitions
-        from ..checkpoint.consolidate import read_model_state as read_sharded
-        return read_sharded(path, trust)
+        from ..checkpoint.consolidate import read_resolved_model_state
+        return read_resolved_model_state(path, trust)
     try:
         state = load_file(weights)
     except (SafetensorError, OSError, ValueError) as e:
