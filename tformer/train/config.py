@@ -87,6 +87,12 @@ class ParallelConfig:
     reshard_after_forward: bool = True      # fsdp: true = ZeRO-3-like, false = ZeRO-2-like
     zero_stage: int = 2                     # deepspeed without deepspeed_config: ZeRO stage 0-3
     deepspeed_config: str | None = None     # deepspeed: a JSON such as configs/deepspeed/zero3.json
+    # The device mesh (tformer/parallel/mesh.py): world size = dp_replicate x dp_shard x tp.
+    dp_replicate: int = 1                   # HSDP replicas (e.g. one per node); > 1 needs strategy=fsdp
+    dp_shard: int = -1                      # data-parallel (FSDP2 shard) group size; -1 = whatever is left
+    tp: int = 1                             # tensor-parallel degree (heads, FFN width, vocabulary split)
+    sp: bool = False                        # tp: sequence parallel for norms, dropout and residual adds
+    loss_parallel: bool = True              # tp: cross-entropy over the vocabulary-sharded logits
 
 
 @dataclass
@@ -174,6 +180,9 @@ class TrainConfig:
         if self.parallel.activation_checkpointing not in AC_MODES:
             raise ConfigError(f"parallel.activation_checkpointing={self.parallel.activation_checkpointing!r} "
                               f"is not allowed; use one of: {', '.join(AC_MODES)}")
+        if self.parallel.dp_shard == 0:
+            raise ConfigError("parallel.dp_shard=0 is not allowed; use a positive shard-group size, or -1 for "
+                              "whatever the world size leaves after dp_replicate x tp")
         if self.parallel.ac_every < 1:
             raise ConfigError(f"parallel.ac_every={self.parallel.ac_every} must be >= 1")
         if self.loss.chunk_size is not None and self.loss.chunk_size < 1:
@@ -252,7 +261,8 @@ RANGES = {
     "optim.lr": "(0, inf)", "optim.min_lr_ratio": "[0, 1]", "optim.weight_decay": "[0, inf)",
     "optim.beta1": "[0, 1)", "optim.beta2": "[0, 1)", "optim.eps": "(0, inf)", "optim.grad_clip": "[0, inf)",
     "optim.warmup_steps": "[0, inf)", "optim.decay_steps": "[1, inf)",
-    "parallel.ac_every": "[1, inf)", "parallel.zero_stage": "[0, 3]", "loss.chunk_size": "[1, inf)",
+    "parallel.ac_every": "[1, inf)", "parallel.zero_stage": "[0, 3]",
+    "parallel.dp_replicate": "[1, inf)", "parallel.dp_shard": "[-1, inf)", "parallel.tp": "[1, inf)", "loss.chunk_size": "[1, inf)",
     "optim.label_smoothing": "[0, 1)", "data.tokens_per_batch": "[1, inf)", "bleu_samples": "[1, inf)",
     "decode.num_beams": "[1, inf)", "decode.length_penalty": "[0, inf)", "decode.max_new_tokens": "[1, inf)",
     "decode.batch_size": "[1, inf)",
