@@ -55,6 +55,12 @@ class TformerModel(nn.Module):
     # Tokens per chunk of the training loss's head (None: one piece). Set from outside, like the
     # blocks' activation checkpointing: it changes memory and time, never the loss or a gradient.
     loss_chunk_size: int | None = None
+    # Set from outside by a tensor-parallel layout (tformer/parallel/tp.py), whose ``lm_head`` then
+    # returns vocabulary-sharded logits: ``sharded_loss(logits, labels, vocab_size, label_smoothing)``
+    # computes the training loss on them without gathering them ("loss parallel"), and
+    # ``gather_logits`` makes them whole where logits are returned (evaluation, generation).
+    sharded_loss: Any = None
+    gather_logits: Any = None
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Unique parameter elements (tied weights counted once)."""
@@ -89,6 +95,8 @@ class TformerModel(nn.Module):
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
+        if self.gather_logits is not None:
+            logits = self.gather_logits(logits)
         if self.config.padded_vocab_size != self.config.vocab_size:
             logits = logits[..., : self.config.vocab_size]
         return logits
@@ -114,6 +122,8 @@ class TformerModel(nn.Module):
             keep = labels != -100
             hidden, labels = hidden[keep], labels[keep]
         x = self._head_input(hidden)
+        if self.sharded_loss is not None:
+            return None, self.sharded_loss(self.lm_head(x), labels, self.config.vocab_size, label_smoothing)
         if self.loss_chunk_size is None:
             return None, lm_loss(self._logits(x), labels, label_smoothing)
         return None, chunked_lm_loss(x, self.lm_head.weight, self.lm_head.bias, labels, self.loss_chunk_size,

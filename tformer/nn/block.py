@@ -74,12 +74,14 @@ class TransformerBlock(nn.Module):
                  memory_mask: torch.Tensor | None = None,
                  cache: tuple[KVCache, KVCache | None] | None = None) -> torch.Tensor:
         self_cache, cross_cache = cache if cache is not None else (None, None)
+        # One positional input per stream (the query; cross-attention's memory): a parallel layout
+        # that gathers a sequence-sharded input does it once per call (tformer/parallel/tp.py).
         x = residual(x, self.attn_norm, lambda h: self.attn(
-            h, h, h, padding_mask, self.causal, attn_bias=attn_bias, rotary=rotary, cache=self_cache),
-            self.pre_norm)
+            h, padding_mask=padding_mask, causal=self.causal, attn_bias=attn_bias, rotary=rotary,
+            cache=self_cache), self.pre_norm)
         if self.cross_attn is not None:
             x = residual(x, self.cross_norm, lambda h: self.cross_attn(
-                h, memory, memory, memory_mask, cache=cross_cache), self.pre_norm)
+                h, memory, padding_mask=memory_mask, cache=cross_cache), self.pre_norm)
         return residual(x, self.ffn_norm, self.ffn, self.pre_norm)
 
 

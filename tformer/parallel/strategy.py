@@ -1,7 +1,9 @@
 """How the model is wrapped, synchronised, stepped and checkpointed, per ``parallel.strategy``.
 
-The order of application is fixed: activation checkpointing -> per-block ``torch.compile`` ->
-sharding (FSDP2 per block, then the root) or DDP. Model code knows none of this.
+The order of application is fixed: tensor parallelism (+ sequence parallelism, ``parallel.tp``,
+see ``tp.py``) -> activation checkpointing -> per-block ``torch.compile`` -> sharding (FSDP2 per
+block, then the root, on the mesh's data-parallel dimensions: HSDP when ``dp_replicate > 1``) or
+DDP. Model code knows none of this. The run's ``DeviceMesh`` (``mesh.py``) arrives on ``dist_info``.
 
 Checkpoints of ``ddp`` and ``fsdp`` store model + optimizer with ``torch.distributed.checkpoint``
 (DCP) in ``dcp/``: each rank writes its shards, and a load reshards to any world size and either
@@ -31,6 +33,12 @@ class Strategy:
         self.dist = dist_info
         self.dtype = dtype
         pcfg = cfg.parallel
+        self.mesh = getattr(dist_info, "mesh", None)
+        self.tp = self.mesh["tp"].size() if self.mesh is not None else 1
+        self.loss_parallel = self.tp > 1 and pcfg.loss_parallel
+        if self.tp > 1:
+            from .tp import apply_tensor_parallel
+            apply_tensor_parallel(model, self.mesh["tp"], pcfg.sp, pcfg.loss_parallel)
         if pcfg.activation_checkpointing != "none":
             apply_activation_checkpointing(model, pcfg.activation_checkpointing, pcfg.ac_every)
         if cfg.compile:
@@ -43,7 +51,7 @@ class Strategy:
 
     # -- wrapping and stepping -------------------------------------------------------------
     def wrap(self, model):
-        if not self.dist.distributed:
+        if not self.dist.distributed or self.tp > 1:  # tensor parallel alone: no data-parallel peer
             return model
         from torch.nn.parallel import DistributedDataParallel as DDP
         ids = [self.dist.device.index] if self.dist.device.type == "cuda" else None
@@ -57,16 +65,25 @@ class Strategy:
 
     def no_sync(self, last_micro: bool):
         """Skip the gradient all-reduce on all but the last micro-batch of an accumulation."""
-        if last_micro or not self.dist.distributed:
+        if last_micro or self.wrapped is self.model:
             return contextlib.nullcontext()
         return self.wrapped.no_sync()
 
+    def loss_context(self):
+        """Where the forward and backward of a micro-batch run: torch's ``loss_parallel`` under
+        tensor parallelism (the cross-entropy over vocabulary-sharded logits), else nothing."""
+        from .tp import loss_context
+        return loss_context(self.loss_parallel)
+
     def clip_grad_norm(self, max_norm: float) -> float:
+        if self.tp > 1:  # parameters on several meshes (TP, TP x FSDP, replicated)
+            from .tp import grad_norm_and_clip
+            return grad_norm_and_clip(self.model.parameters(), max_norm)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def fused_optimizer_ok(self) -> bool:
-        return True
+        return self.tp == 1  # DTensor parameters: the foreach implementation
 
     # -- checkpoints -------------------------------------------------------------------------
     def _dcp_state(self, optimizer):
@@ -80,7 +97,7 @@ class Strategy:
         if self.dist.is_main:
             torch_save_durable({"scheduler": scheduler.state_dict(),
                                 "scaler": scaler.state_dict() if scaler else None}, tmp / "scheduler.pt")
-            if self.name == "ddp":
+            if self.name == "ddp" and self.tp == 1:
                 save_model_weights(self.model, tmp / "model.safetensors")
 
     def load(self, path: Path, optimizer, scheduler, scaler, saved_world_size: int | None = None) -> None:
@@ -116,6 +133,9 @@ class FSDPStrategy(Strategy):
         if self.dtype != torch.float32:
             mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         kwargs = {"reshard_after_forward": self.cfg.parallel.reshard_after_forward}
+        if self.mesh is not None:  # 1-D: shard over dp_shard; 2-D (HSDP): replicate x shard
+            dims = ("dp_replicate", "dp_shard") if self.mesh["dp_replicate"].size() > 1 else ("dp_shard",)
+            kwargs["mesh"] = self.mesh[dims]
         if mp is not None:
             kwargs["mp_policy"] = mp
         for stack in model.modules():

@@ -6,6 +6,7 @@ import datetime
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,21 @@ class DistInfo:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    dims: Any = None   # tformer.parallel.mesh.ParallelDims (None: one process, no mesh)
+    mesh: Any = None   # its DeviceMesh, once a process group exists
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data this rank sees: the ``tp`` ranks of one group see the same batches."""
+        return self.rank if self.dims is None else self.dims.dp_rank(self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size if self.dims is None else self.dims.dp_size
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.dims is None else self.dims.tp
 
     @property
     def is_main(self) -> bool:

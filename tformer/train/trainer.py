@@ -24,7 +24,9 @@ from ..data import ResumableSampler
 from ..models import build_model
 from ..parallel.offload import activation_offload
 from ..models.flops import training_flops
+from ..parallel.mesh import ParallelDims, check_strategy
 from ..parallel.strategy import strategy_class
+from ..parallel.tp import check_tp, pad_for_sequence_parallel
 from .config import TrainConfig
 from .data import MODEL_INPUTS, build_data, copy_tokenizer
 from .dist import all_reduce, barrier, device_type, init_distributed
@@ -76,8 +78,11 @@ class Trainer:
         # collectives outlive the watchdog by a minute, so a hang is reported before gloo/NCCL fail
         timeout = 600 if cfg.watchdog_timeout is None else cfg.watchdog_timeout + 60
         self.dist = init_distributed(cfg.device, cfg.parallel.backend, timeout_s=timeout,
-                                     always=cfg.parallel.strategy != "ddp")
+                                     always=cfg.parallel.strategy != "ddp" or self.dims.tp > 1)
         self.device = self.dist.device
+        self.dist.dims = self.dims
+        if torch.distributed.is_initialized():  # one mesh for the whole run (tformer/parallel/mesh.py)
+            self.dist.mesh = self.dims.build_mesh(self.device.type)
         self._warn_slow_precision()
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
@@ -87,12 +92,13 @@ class Trainer:
 
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank, before any sharding
         self.data = build_data(cfg, self.dist.rank)
-        per_step = cfg.micro_batch_size * self.dist.world_size
+        per_step = cfg.micro_batch_size * self.dist.dp_size
         if per_step > len(self.data.train):
-            raise ConfigError(f"micro_batch_size={cfg.micro_batch_size} x {self.dist.world_size} rank(s) needs "
+            raise ConfigError(f"micro_batch_size={cfg.micro_batch_size} x {self.dist.dp_size} data-parallel rank(s) needs "
                               f"{per_step} samples per micro-step but the training set has {len(self.data.train)}; "
                               "lower micro_batch_size or use more data")
         self.model_cfg = self.data.model_config
+        check_tp(self.model_cfg, self.dims.tp)  # the tokenizer may have set the vocabulary
         self.model = build_model(self.model_cfg).to(self.device)
         self.model.loss_chunk_size = cfg.loss.chunk_size  # the training loss's head, in chunks
         # AC -> per-block compile -> DDP / FSDP2, then the optimizer over the (sharded) parameters
@@ -146,6 +152,10 @@ class Trainer:
                 raise ConfigError(f"parallel.backend={backend} is not available here ({why}); leave "
                                   "parallel.backend unset (nccl on CUDA, gloo on CPU)")
         strategy_class(cfg.parallel.strategy).check(cfg, self.precision)  # e.g. DeepSpeed missing
+        # the mesh's arithmetic and what the strategy and model shapes allow, before any process group
+        self.dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
+        check_strategy(self.dims, cfg.parallel.strategy)
+        check_tp(cfg.model_config(), self.dims.tp)
         self._check_paths()
 
     def _check_paths(self) -> None:
@@ -277,10 +287,10 @@ class Trainer:
         ds, cfg = self.data.validation, self.cfg
         # Every rank evaluates the same number of samples: sharded forwards (FSDP2, ZeRO-3) are
         # collective, so a rank with one batch fewer would leave the others waiting.
-        world = self.dist.world_size
+        world = self.dist.dp_size  # the tp ranks of a group evaluate the same samples
         n = min(len(ds), max(cfg.eval_batches * cfg.micro_batch_size, world))
         n -= n % world
-        keys = list(range(self.dist.rank, n, world))
+        keys = list(range(self.dist.dp_rank, n, world))
         inputs_keys = MODEL_INPUTS[self.model_cfg.family]
         was_training = self.model.training
         self.model.eval()
@@ -326,14 +336,14 @@ class Trainer:
         if cfg.data.tokens_per_batch is not None:
             from ..data import TokenBudgetSampler
             src, tgt = self.data.train.lengths()
-            sampler = TokenBudgetSampler(src, tgt, cfg.data.tokens_per_batch, seed=cfg.seed, rank=self.dist.rank,
-                                         world_size=self.dist.world_size, consumed=self.consumed)
+            sampler = TokenBudgetSampler(src, tgt, cfg.data.tokens_per_batch, seed=cfg.seed, rank=self.dist.dp_rank,
+                                         world_size=self.dist.dp_size, consumed=self.consumed)
             return iter(torch.utils.data.DataLoader(
                 self.data.train, batch_sampler=sampler, collate_fn=self.data.collator,
                 num_workers=cfg.data.num_workers, persistent_workers=cfg.data.num_workers > 0,
                 generator=torch.Generator().manual_seed(cfg.seed)))
-        sampler = ResumableSampler(len(self.data.train), seed=cfg.seed, rank=self.dist.rank,
-                                   world_size=self.dist.world_size, consumed=self.consumed)
+        sampler = ResumableSampler(len(self.data.train), seed=cfg.seed, rank=self.dist.dp_rank,
+                                   world_size=self.dist.dp_size, consumed=self.consumed)
         loader = torch.utils.data.DataLoader(self.data.train, batch_size=cfg.micro_batch_size,
                                              sampler=sampler, collate_fn=self.data.collator,
                                              num_workers=cfg.data.num_workers,
@@ -362,7 +372,8 @@ class Trainer:
             copy_tokenizer(self.data, self.out)
             print(f"tformer: {self.model_cfg.family} model, {self.model.num_parameters():,} parameters, "
                   f"{self.dist.world_size} rank(s) on {self.device}, precision {self.precision}, "
-                  f"objective {self.data.objective}\n--- resolved config ---\n{self.resolved_yaml()}---",
+                  f"objective {self.data.objective}\nmesh: {self.dims.describe()}"
+                  f"{' sp' if self.dims.tp > 1 and cfg.parallel.sp else ''}\n--- resolved config ---\n{self.resolved_yaml()}---",
                   flush=True)
         previous = self._install_signals()
         tracker = WandbTracker(cfg.wandb, self.out, self.resolved, self.wandb_id) if main else None
@@ -501,7 +512,7 @@ class Trainer:
         return True
 
     def _global_batch(self) -> int:
-        return self.cfg.micro_batch_size * self.cfg.grad_accum * self.dist.world_size
+        return self.cfg.micro_batch_size * self.cfg.grad_accum * self.dist.dp_size
 
     def _record_rollback(self, event: dict) -> None:
         """Append to ``OUTPUT/rollbacks.json``: a run killed before its next checkpoint resumes the
@@ -544,7 +555,10 @@ class Trainer:
             inputs = {k: batch[k].to(self.device, non_blocking=True) for k in keys if k in batch}
             tokens += inputs["input_ids"].numel() + (inputs["labels"].numel() if self.model_cfg.family == "encdec" else 0)
             last = micro == cfg.grad_accum - 1
-            with self.strategy.no_sync(last):
+            if self.dims.tp > 1 and cfg.parallel.sp:
+                inputs = pad_for_sequence_parallel(inputs, self.dims.tp, self.model_cfg.pad_token_id,
+                                                   self.model_cfg.family)
+            with self.strategy.no_sync(last), self.strategy.loss_context():
                 with self._autocast(), self._offload():
                     # loss only: no vocabulary-wide logits kept; the MLM head runs at masked positions
                     loss = self.wrapped(**inputs, return_logits=False,
@@ -555,7 +569,7 @@ class Trainer:
         stats = torch.stack([loss_sum, torch.tensor(float(tokens), device=self.device),
                              torch.tensor(1.0 if self._signal else 0.0, device=self.device)])
         all_reduce(stats)
-        loss_avg = stats[0].item() / self.dist.world_size
+        loss_avg = stats[0].item() / self.dist.world_size  # the tp ranks of a group agree
         if stats[2].item() > 0 and self._stop_reason is None:
             self._stop_reason = f"signal {self._signal or 'on another rank'}"
         self._beat("optimizer step")
@@ -563,13 +577,13 @@ class Trainer:
         self.step += 1
         # samples consumed, or with token-budget batches, batches consumed (the sampler's unit)
         per_batch = 1 if cfg.data.tokens_per_batch is not None else cfg.micro_batch_size
-        self.consumed += per_batch * cfg.grad_accum * self.dist.world_size
-        global_tokens = int(stats[1].item())
+        self.consumed += per_batch * cfg.grad_accum * self.dist.dp_size
+        global_tokens = int(stats[1].item()) // self.dims.tp  # each tp rank counted its group's batch
         self.tokens += global_tokens
         dt = time.perf_counter() - t0
         self._check_watchdog_margin(dt)
         return {"step": self.step, "loss": loss_avg, "lr": lr, "grad_norm": grad_norm,
-                "tokens_per_s": global_tokens / dt, "mfu": self.flops_per_step / dt / self.peak,
+                "tokens_per_s": global_tokens / dt, "mfu": self.flops_per_step / self.dims.tp / dt / self.peak,
                 "tokens": self.tokens, "step_time": dt, "memory_mb": memory_mb(self.device)}
 
     def _check_watchdog_margin(self, step_time: float) -> None:

