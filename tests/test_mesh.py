@@ -177,8 +177,8 @@ def test_tp2_equals_the_single_process_run_for_every_family(cache, tmp_path_fact
 
 # -- 4 processes: FSDP2 x TP and HSDP -----------------------------------------------------------
 
-MESH_CASES = [("gpt2", ["parallel.strategy=fsdp", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sp=true"], 4),
-              ("t5", ["parallel.strategy=fsdp", "parallel.dp_shard=2", "parallel.tp=2"], 4),
+MESH_CASES = [("gpt2", ["parallel.strategy=fsdp", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sp=true"], 2),
+              ("t5", ["parallel.strategy=fsdp", "parallel.dp_shard=2", "parallel.tp=2"], 2),
               ("llama", ["parallel.strategy=fsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"], 4),
               ("bert", ["parallel.strategy=fsdp", "parallel.dp_replicate=2", "parallel.tp=2", "parallel.sp=true"], 2)]
 
