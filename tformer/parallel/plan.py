@@ -162,7 +162,8 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, target: int |
         head_kept, head_peak = vocab * ((elt if mixed else 0) + 4 + 4), vocab * 4
     else:
         head_kept = 0
-        head_peak = head_bytes(cfg, round(micro_batch * out_tokens * labelled), mixed, chunk) / micro_batch / vocab_split
+        labelled_tokens = round(micro_batch * out_tokens * labelled)
+        head_peak = head_bytes(cfg, labelled_tokens, mixed, chunk) / micro_batch / vocab_split
     total = kept * elt + head_kept
     if transient:
         total += recompute * elt + head_peak
@@ -195,8 +196,9 @@ def num_parameters(cfg: ModelConfig) -> int:
 
 @functools.lru_cache(maxsize=16)
 def _count_parameters(fields: tuple) -> int:
-    from ..models import build_model
     import torch
+
+    from ..models import build_model
     with torch.device("meta"):
         return build_model(ModelConfig(**dict(fields))).num_parameters()
 
