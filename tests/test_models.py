@@ -192,7 +192,7 @@ def _hf_reference(name):
         return T.LlamaForCausalLM(T.LlamaConfig(
             vocab_size=p["vocab_size"], hidden_size=p["d_model"], intermediate_size=p["d_ff"],
             num_hidden_layers=p["num_layers"], num_attention_heads=p["num_heads"],
-            num_key_value_heads=p["num_kv_heads"], tie_word_embeddings=True))
+            num_key_value_heads=p["num_kv_heads"], tie_word_embeddings=p["tie_embeddings"]))
     if p["flavour"] == "marian":
         return T.MarianMTModel(T.MarianConfig(
             vocab_size=p["vocab_size"], d_model=p["d_model"], encoder_layers=p["num_layers"],
@@ -212,7 +212,7 @@ def test_standard_presets_have_exactly_the_hf_parameter_count(name):
         ours = build_model(name)
         hf = _hf_reference(name)
     expected = hf.num_parameters()
-    if not PRESETS[name]["tie_embeddings"] and hf.lm_head.weight is hf.shared.weight:
+    if not PRESETS[name]["tie_embeddings"] and hf.lm_head.weight is hf.get_input_embeddings().weight:
         # transformers 5 re-ties a freshly built T5 despite tie_word_embeddings=False; the released
         # v1.1 checkpoints have a separate lm_head, which we count.
         expected += hf.lm_head.weight.numel()
@@ -232,6 +232,11 @@ def test_well_known_sizes():
         # the paper's Table 3: base 65M, big 213M (for its 37000-token joint vocabulary)
         assert 62e6 < build_model("transformer-base").num_parameters() < 66e6
         assert 210e6 < build_model("transformer-big").num_parameters() < 216e6
+        # config-only sizes (meta device, nothing allocated): the published Llama 3 and T5 counts
+        assert build_model("llama-8b").num_parameters() == 8_030_261_248
+        assert build_model("llama-70b").num_parameters() == 70_553_706_496
+        assert build_model("t5-3b").num_parameters() == 2_851_598_336
+        assert build_model("t5-11b").num_parameters() == 11_307_321_344
 
 
 @pytest.mark.parametrize("overrides,match", [

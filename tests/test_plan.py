@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tformer import build_model
+from tformer import ConfigError, build_model
 from tformer.parallel.memory import SavedActivations, model_state_bytes
 from tformer.parallel.plan import activation_bytes, estimate, model_state_bytes as formula, parse_bytes
 
@@ -142,6 +142,146 @@ def test_planner_models_the_chunked_head_op_checkpointing_and_offload(tmp_path, 
     for row in ("activation_checkpointing=op", "activation_offload=true", "chunk 256 + op + offload"):
         assert row in out
     assert any(line.startswith("ddp") and " op " in line for line in out.splitlines())
+
+
+# --- the device mesh: tensor parallel (+ sequence parallel) x FSDP2 / HSDP ------------------------
+COLUMN_WISE = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
+               "ffn.up.weight", "ffn.up.bias", "ffn.gate.weight", "ffn.gate.bias")
+ROW_WISE = ("o_proj.weight", "ffn.down.weight")
+VOCABULARY = ("embed.tok.weight", "lm_head.weight", "lm_head.bias")
+
+
+def tp_rank_elements(model, tp):
+    """Elements one TP rank holds, from the parameter shapes by the sharding rules: column-wise
+    (q/k/v, FFN up/gate: weight rows and bias) and vocabulary rows split dim 0, row-wise weights
+    (o_proj, FFN down) dim 1, T5's relative bias (buckets, heads) by head; the rest is whole. A tied
+    head is one tensor (named_parameters yields it once)."""
+    total = 0
+    for name, p in model.named_parameters():
+        dim = (0 if name.endswith(COLUMN_WISE) or name in VOCABULARY else 1 if name.endswith(ROW_WISE)
+               else 1 if name.endswith("rel_bias.embedding.weight") else None)
+        if dim is None:
+            total += p.numel()
+        else:
+            assert p.shape[dim] % tp == 0, (name, tuple(p.shape), tp)
+            total += p.numel() // tp
+    return total
+
+
+MESH_MODELS = [("gpt2-tiny", {}), ("llama-tiny", {}), ("bert-tiny", {}), ("t5-tiny", {}), ("t5-v1.1-tiny", {}),
+               ("transformer-tiny", {}), ("bert-tiny", dict(tie_embeddings=False)),
+               ("llama-tiny", dict(num_kv_heads=4, bias=True, vocab_size=1000, pad_vocab_multiple=64)),
+               ("t5-tiny", dict(num_decoder_layers=3, attn_impl="math"))]
+
+
+@pytest.mark.parametrize("name,extra", MESH_MODELS)
+def test_model_states_per_rank_are_the_tp_and_fsdp_shards_of_each_parameter(name, extra):
+    from tformer.parallel.plan import rank_memory, tp_local_parameters
+    with torch.device("meta"):
+        model = build_model(name, **extra)
+    cfg = model.config
+    for tp in (2, 4):
+        if tp == 4 and cfg.kv_heads % 4:
+            continue
+        local = tp_rank_elements(model, tp)
+        assert tp_local_parameters(cfg, tp) == local
+        # fp32: 4 param + 4 grad + 8 AdamW bytes per element a rank holds; FSDP2 shards its TP shard
+        assert rank_memory(cfg, seq_len=16, tp=tp, precision="fp32").model_states == 16 * local
+        assert rank_memory(cfg, seq_len=16, tp=tp, dp_shard=2, precision="fp32").model_states == 16 * local / 2
+        # HSDP replicates the shard group: the same bytes per rank
+        assert rank_memory(cfg, seq_len=16, tp=tp, dp_shard=2, dp_replicate=2,
+                           precision="fp32").model_states == 16 * local / 2
+    assert tp_local_parameters(cfg, 1) == model.num_parameters()
+
+
+def test_tp_and_sp_activation_formulas():
+    """Per token and block: the column-wise projections' inputs (the two norm outputs) stay whole
+    on every TP rank; q, k, v, attention and the FFN width split by tp; norm inputs and the residual
+    split along the sequence only with SP. The logits split by tp with loss parallelism."""
+    from tformer.parallel.plan import rank_memory
+    with torch.device("meta"):
+        cfg = build_model("gpt2-small", pad_vocab_multiple=64).config
+    d, ff, L, b, s = cfg.d_model, cfg.d_ff, cfg.num_layers, 2, 256
+    whole, sequence, heads = 2 * d, 4 * d, 5 * d + 2 * ff  # MHA: q, k, v, attention, o_proj input
+
+    def kept(tp, sp, **kw):
+        return rank_memory(cfg, seq_len=s, micro_batch=b, tp=tp, sp=sp, precision="fp32", transient=False,
+                           return_logits=False, **kw).activations
+
+    assert kept(1, False) == L * b * s * 4 * (whole + sequence + heads)
+    assert kept(2, False) == L * b * s * 4 * (whole + sequence + heads / 2)
+    assert kept(2, True) == L * b * s * 4 * (whole + sequence / 2 + heads / 2)
+    assert kept(4, True) == L * b * s * 4 * (whole + sequence / 4 + heads / 4)
+    # full AC keeps each block's input: sequence-sharded under SP
+    assert kept(2, True, ac="full") == L * b * s * 4 * d / 2 and kept(2, False, ac="full") == L * b * s * 4 * d
+    # the head: an unchunked (tokens x vocabulary) fp32 buffer at the backward peak, split by loss parallelism
+    vocab = b * s * cfg.padded_vocab_size * 4
+
+    def head(tp, **kw):
+        return rank_memory(cfg, seq_len=s, micro_batch=b, tp=tp, sp=True, precision="fp32", return_logits=False,
+                           chunk=None, **kw).activations - kept(tp, True)
+    assert head(1) == vocab and head(2) == vocab / 2 and head(4) == vocab / 4
+    assert head(2, loss_parallel=False) - head(2) == pytest.approx(vocab / 2)
+    # a TP head is never chunked (the chunked loss does not take a vocabulary-sharded head)
+    assert head(2) == rank_memory(cfg, seq_len=s, micro_batch=b, tp=2, sp=True, precision="fp32",
+                                  return_logits=False, chunk=128).activations - kept(2, True)
+
+
+def test_only_tp_degrees_that_split_the_model_are_candidates():
+    from tformer.parallel.plan import layouts, rank_memory, recommend, tp_degrees
+    with torch.device("meta"):
+        llama = build_model("llama-70b").config
+        gpt2 = build_model("gpt2-small").config
+    assert tp_degrees(llama, 64) == ([1, 2, 4, 8], {16: "num_kv_heads=8", 32: "num_kv_heads=8", 64: "num_kv_heads=8"})
+    assert tp_degrees(gpt2, 8) == ([1], {2: "padded vocab_size=50257", 4: "padded vocab_size=50257",
+                                         8: "num_heads=12"})
+    padded = gpt2.replace(pad_vocab_multiple=64)
+    assert tp_degrees(padded, 8)[0] == [1, 2, 4] and tp_degrees(padded, 8)[1] == {8: "num_heads=12"}
+    assert {tp for _, _, tp in layouts(llama, 64)} == {1, 2, 4, 8}
+    assert all(e.tp in (1, 2, 4, 8) for e in recommend(llama, 64, 80 * 2**30, 8192, None))
+    with pytest.raises(ConfigError, match=r"^parallel.tp=3 does not divide num_heads=16; use one of: 1, 2, 4, 8, 16$"):
+        rank_memory(gpt2.replace(num_heads=16, pad_vocab_multiple=64), seq_len=16, tp=3)
+    with pytest.raises(ConfigError, match="parallel.tp=2 does not divide padded vocab_size=50257; use one of: 1; "
+                                          "or pad the vocabulary: model.pad_vocab_multiple=64"):
+        rank_memory(gpt2, seq_len=16, tp=2)
+    with pytest.raises(ConfigError, match="parallel.dp_replicate=2 needs parallel.strategy=fsdp"):
+        rank_memory(gpt2, seq_len=16, dp_replicate=2, strategy="ddp")
+
+
+def test_recommendation_is_tp_for_llama_70b_and_none_for_gpt2_small():
+    from tformer.parallel.plan import recommend
+    trainer = dict(return_logits=False, chunk=128)
+    with torch.device("meta"):
+        llama = build_model("llama-70b").config
+        gpt2 = build_model("gpt2-small").config
+    # Llama 3's 8192-token sequences on 64 x 80 GB: without TP only full recomputation fits
+    fits = recommend(llama, 64, 80 * 2**30, 8192, None, settings=trainer)
+    best = fits[0]
+    assert best.tp in (2, 4, 8) and best.sp and best.ac != "full" and best.dp_shard * best.tp == 64
+    assert any(e.tp == 1 and e.ac == "full" for e in fits)  # it fits, at ~1/3 more compute per step
+    assert all(e.total <= 0.9 * 80 * 2**30 for e in fits)
+    # before it: nothing without full AC at a smaller tp
+    assert not any(e.tp < best.tp and e.ac != "full" for e in fits)
+    for model in (gpt2, gpt2.replace(pad_vocab_multiple=64)):  # TP would be possible on the padded one
+        best = recommend(model, 8, 80 * 2**30, 1024, None, settings=trainer)[0]
+        assert best.tp == 1 and best.dp_replicate == 1 and best.ac == "none"
+
+
+def test_plan_cli_prints_the_mesh_columns_and_a_tp_recommendation(capsys):
+    from tformer.cli import main
+    assert main(["plan", str(CONFIGS / "llama-1b.yaml"), "model.preset=llama-70b", "data.seq_len=8192",
+                 "micro_batch_size=1", "--devices", "64", "--device-memory", "80GB", "--gpus-per-node", "8"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("strategy"))
+    assert header.split()[:6] == ["strategy", "dp_rep", "dp_shard", "tp", "sp", "AC"]
+    assert "tp skipped" in out and "16 (num_kv_heads=8)" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("ddp", "zero", "fsdp"))]
+    assert {row[3] for row in rows} == {"1", "2", "4", "8"}
+    assert ["fsdp", "8", "8", "1", "-", "none"] == rows[12][:6]  # HSDP: one replica per node
+    assert all(row[4] == ("on" if row[3] != "1" else "-") for row in rows)
+    rec = out[out.index("recommendation:"):]
+    assert "mesh dp_replicate=1" in rec and "parallel.sp=true" in rec and "loss.chunk_size=null" in rec
+    assert main(["plan", str(CONFIGS / "llama-1b.yaml"), "--gpus-per-node", "0"]) == 2
 
 
 from train_helpers import CONFIGS  # noqa: E402

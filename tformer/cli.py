@@ -231,15 +231,17 @@ def _consolidate(argv: list[str]) -> int:
 
 def _plan(argv: list[str]) -> int:
     p = _Parser(prog="tformer plan",
-                                description="Predict per-device memory for each strategy and recommend one.")
+                                description="Predict per-device memory for each strategy and mesh layout (dp_replicate x dp_shard x tp) and recommend one.")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--devices", type=_number(int, "[1, inf)"), default=8)
     p.add_argument("--device-memory", type=_byte_size, default="80GB")
+    p.add_argument("--gpus-per-node", type=_number(int, "[1, inf)"), default=8,
+                   help="tensor parallelism within a node is preferred; HSDP replicates across nodes")
     args = p.parse_args(argv)
     from .parallel.plan import plan_main
 
-    return plan_main(args.config, args.overrides, args.devices, args.device_memory)
+    return plan_main(args.config, args.overrides, args.devices, args.device_memory, args.gpus_per_node)
 
 
 COMMANDS = {"train": _train, "generate": _generate, "evaluate": _evaluate, "plot": _plot, "tokenizer": _tokenizer,

@@ -41,9 +41,20 @@ PRESETS: dict[str, dict] = {
     "llama-1b": dict(LLAMA, vocab_size=128256, d_model=2048, num_layers=16, num_heads=32,
                      num_kv_heads=8, d_ff=8192, max_seq_len=8192, rope_theta=500000.0,
                      tie_embeddings=True, bos_token_id=128000, eos_token_id=128001, pad_token_id=128001),
+    # Llama 3 8B / 70B shapes (config only: planned, exported, never built at full size in tests):
+    # GQA with 8 KV heads, SwiGLU, RoPE theta 5e5, untied output head.
+    "llama-8b": dict(LLAMA, vocab_size=128256, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                     d_ff=14336, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False,
+                     bos_token_id=128000, eos_token_id=128001, pad_token_id=128001),
+    "llama-70b": dict(LLAMA, vocab_size=128256, d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                      d_ff=28672, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False,
+                      bos_token_id=128000, eos_token_id=128001, pad_token_id=128001),
     "t5-small": dict(T5, d_model=512, d_head=64, num_layers=6, num_heads=8, d_ff=2048),
     "t5-base": dict(T5, d_model=768, d_head=64, num_layers=12, num_heads=12, d_ff=3072),
     "t5-large": dict(T5, d_model=1024, d_head=64, num_layers=24, num_heads=16, d_ff=4096),
+    # T5 v1.0 3B / 11B: d_model 1024 with wide heads (d_kv 128) and a wide ReLU FFN (config only)
+    "t5-3b": dict(T5, d_model=1024, d_head=128, num_layers=24, num_heads=32, d_ff=16384),
+    "t5-11b": dict(T5, d_model=1024, d_head=128, num_layers=24, num_heads=128, d_ff=65536),
     "t5-v1.1-small": dict(T5_V11, d_model=512, d_head=64, num_layers=8, num_heads=6, d_ff=1024),
     "transformer-base": dict(TRANSFORMER, d_model=512, num_layers=6, num_heads=8, d_ff=2048),
     "transformer-big": dict(TRANSFORMER, d_model=1024, num_layers=6, num_heads=16, d_ff=4096, dropout=0.3),

@@ -13,9 +13,21 @@ ZeRO-1 gradients to partitions like ZeRO-2 (measured to 0.1% by bench/bench_scal
     ZeRO-1 and ZeRO-2 4Ψ + 16Ψ/N, ZeRO-3 20Ψ/N; the planner predicts these (``as_built``).
 Activations are the tensors autograd saves for backward, counted per token and layer from the
 model's shapes; activation checkpointing keeps only each block's input plus one block's worth.
+
+The device mesh (dp_replicate x dp_shard x tp ranks). Tensor parallelism of degree t gives each rank
+1/t of the q/k/v and FFN up/gate weights and biases, of the o_proj and FFN down weights, of the
+token embedding and LM head rows (BERT's head bias too) and of T5's relative-bias table; norms,
+learned positions, token types, BERT's head dense/norm and the row-wise biases stay whole. FSDP2
+then shards each rank's TP-local tensors over dp_shard (HSDP: dp_replicate copies of that), so the
+model states per rank are the formulas above for the TP-local Ψ with N = dp_shard. Activations per
+token split into what TP divides by t (heads, FFN width), the inputs of the column-wise projections
+(whole on every rank, all-gathered under sequence parallelism) and the norms, residuals and dropout
+masks (whole, or split along the sequence by t with SP); the logits are split by t with loss
+parallelism.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -40,30 +52,54 @@ def model_state_bytes(strategy: str, params: int, devices: int, mixed: bool, as_
             "fsdp": 16 * p / n, "fsdp-no-reshard": 16 * p / n + 2 * p}[strategy]
 
 
-def _block_elements_per_token(cfg: ModelConfig, seq: int, cross_len: int | None = None) -> float:
-    """Elements autograd keeps per token for one block (SDPA attention: no S x S scores kept)."""
+def _block_parts(cfg: ModelConfig, seq: int, cross_len: int | None = None) -> tuple[float, float, float]:
+    """Elements autograd keeps per token for one block (SDPA attention: no S x S scores kept), as
+    (whole, sequence, heads) by what tensor parallelism does to them: ``whole``, the norm outputs
+    that feed the column-wise projections, stays whole on every TP rank (all-gathered, then saved,
+    under SP); ``sequence``, the norm inputs and residual adds, is split along the sequence by SP
+    only; ``heads``, q, k, v, attention and the FFN's hidden width, is split by tp."""
     d, h, dk, ff = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff
     kv = cfg.kv_heads * dk
-    attn = d + d + h * dk + 2 * kv + h * dk + h * dk  # norm in/out, q, k, v, attn out, o_proj input
-    ffn = 2 * d + (3 * ff if cfg.activation in ("swiglu", "geglu") else 2 * ff)  # norm, up(/gate), act
-    residual = 2 * d
-    total = attn + ffn + residual
+    whole = 2 * d  # attention and FFN norm outputs
+    sequence = 2 * d + 2 * d  # attention and FFN norm inputs, residual
+    heads = h * dk + 2 * kv + h * dk + h * dk  # q, k, v, attn out, o_proj input
+    heads += 3 * ff if cfg.activation in ("swiglu", "geglu") else 2 * ff  # up(/gate), act
     if cfg.attn_impl == "math":
-        total += 2 * h * seq  # scores and probabilities
-    if cross_len is not None:
-        total += 2 * d + 2 * h * dk  # cross-attention queries / output (its K/V counted per source token)
-    return total
+        heads += 2 * h * seq  # scores and probabilities
+    if cross_len is not None:  # cross-attention norm, queries, output (its K/V counted per source token)
+        whole, sequence, heads = whole + d, sequence + d, heads + 2 * h * dk
+    return whole, sequence, heads
 
 
-def _block_elements_op_ac(cfg: ModelConfig, cross_len: int | None = None) -> float:
-    """Elements per token one block keeps under op-level checkpointing: its input and the outputs
-    of its matmuls and attention (q, k, v, attention, o_proj, FFN up(/gate) and down)."""
+def _op_ac_parts(cfg: ModelConfig, cross_len: int | None = None) -> tuple[float, float, float]:
+    """``_block_parts`` of what one block keeps under op-level checkpointing: its input and the
+    outputs of its matmuls and attention. The row-wise o_proj and FFN down outputs are whole on
+    every TP rank: each rank's matmul gives (S x d) partial sums, and the reduction after it is
+    recomputed, not saved."""
     d, h, dk, ff = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff
     kv = cfg.kv_heads * cfg.head_dim
-    total = d + (h * dk + 2 * kv) + h * dk + d + (2 * ff if cfg.activation in ("swiglu", "geglu") else ff) + d
+    heads = (h * dk + 2 * kv) + h * dk + (2 * ff if cfg.activation in ("swiglu", "geglu") else ff)
+    whole, sequence = 2 * d, d  # o_proj and down outputs; the block input
     if cross_len is not None:
-        total += h * dk + h * dk + d  # cross-attention q, attention output, o_proj output
-    return total
+        whole, heads = whole + d, heads + h * dk + h * dk  # cross o_proj output; q, attention
+    return whole, sequence, heads
+
+
+def _split(parts: tuple[float, float, float], tp: int, sp: bool) -> float:
+    whole, sequence, heads = parts
+    return whole + sequence / (tp if sp else 1) + heads / tp
+
+
+def _block_elements_per_token(cfg: ModelConfig, seq: int, cross_len: int | None = None, tp: int = 1,
+                              sp: bool = False) -> float:
+    """Elements autograd keeps per token for one block on one TP rank."""
+    return _split(_block_parts(cfg, seq, cross_len), tp, sp)
+
+
+def _block_elements_op_ac(cfg: ModelConfig, cross_len: int | None = None, tp: int = 1, sp: bool = False) -> float:
+    """Elements per token one block keeps under op-level checkpointing on one TP rank: its input and
+    the outputs of its matmuls and attention (q, k, v, attention, o_proj, FFN up(/gate) and down)."""
+    return _split(_op_ac_parts(cfg, cross_len), tp, sp)
 
 
 def head_bytes(cfg: ModelConfig, tokens: int, mixed: bool, chunk: int | None = None) -> float:
@@ -79,7 +115,8 @@ def head_bytes(cfg: ModelConfig, tokens: int, mixed: bool, chunk: int | None = N
 
 def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, target: int | None, ac: str,
                      mixed: bool, transient: bool = True, chunk: int | None = None, offload: bool = False,
-                     labelled: float = 1.0, return_logits: bool = True) -> float:
+                     labelled: float = 1.0, return_logits: bool = True, tp: int = 1, sp: bool = False,
+                     loss_parallel: bool = True) -> float:
     """Bytes of activations for one micro-batch: what autograd keeps from forward to backward, plus
     (``transient``) the peak added during backward: the recomputed block under activation
     checkpointing, the head and loss.
@@ -87,19 +124,24 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, target: int |
     ``chunk``: the chunked head + loss (``loss.chunk_size``); ``offload``: saved activations wait in
     host memory (on the device: one block's worth at a time, brought back for its backward);
     ``labelled``: the share of output positions with a label (BERT's head runs only there);
-    ``return_logits``: the evaluation path, which keeps the whole logits (and so cannot chunk)."""
+    ``return_logits``: the evaluation path, which keeps the whole logits (and so cannot chunk).
+    ``tp``, ``sp``, ``loss_parallel``: one rank of a tensor-parallel group (module doc); its head is
+    vocabulary-sharded, which the chunked loss does not take, so ``chunk`` is ignored there."""
     elt = 2 if mixed else 4
-    op_elements = [_block_elements_op_ac(cfg)] * cfg.num_layers
-    layers = [(seq, _block_elements_per_token(cfg, seq))] * cfg.num_layers
+    if tp > 1:
+        chunk = None
+    block_input = cfg.d_model / (tp if sp else 1)  # in the sequence-parallel region
+    op_elements = [_block_elements_op_ac(cfg, tp=tp, sp=sp)] * cfg.num_layers
+    layers = [(seq, _block_elements_per_token(cfg, seq, tp=tp, sp=sp))] * cfg.num_layers
     out_tokens = seq
     if cfg.family == "encdec":
         t = target or seq
-        memory_kv = 2 * cfg.kv_heads * cfg.head_dim * seq / t
-        layers += [(t, _block_elements_per_token(cfg, t, cross_len=seq) + memory_kv)] * cfg.decoder_layers
-        op_elements += [_block_elements_op_ac(cfg, cross_len=seq) + memory_kv] * cfg.decoder_layers
+        memory_kv = 2 * cfg.kv_heads * cfg.head_dim * seq / t / tp
+        layers += [(t, _block_elements_per_token(cfg, t, cross_len=seq, tp=tp, sp=sp) + memory_kv)] * cfg.decoder_layers
+        op_elements += [_block_elements_op_ac(cfg, cross_len=seq, tp=tp, sp=sp) + memory_kv] * cfg.decoder_layers
         out_tokens = t
     if ac == "full":  # each block keeps only its input; one block is recomputed at a time
-        kept = sum(tokens * cfg.d_model for tokens, _ in layers)
+        kept = sum(tokens * block_input for tokens, _ in layers)
         recompute = max(tokens * e for tokens, e in layers)
     elif ac == "op":  # each block keeps its matmul and attention outputs; the rest is recomputed
         kept = sum(tokens * e for (tokens, _), e in zip(layers, op_elements))
@@ -108,18 +150,20 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, target: int |
         kept = sum(tokens * e for tokens, e in layers)
         recompute = 0
     if ac in ("op", "full"):  # the rebuilt block is whole when its backward starts making gradients
-        ffn_grads = (3 if cfg.activation in ("swiglu", "geglu") else 2) * cfg.d_ff + 2 * cfg.d_model
+        ffn_grads = (3 if cfg.activation in ("swiglu", "geglu") else 2) * cfg.d_ff / tp + 2 * cfg.d_model
         recompute += max(tokens for tokens, _ in layers) * ffn_grads
     if offload:  # kept in host memory; a block's saved tensors come back for its backward
         recompute += max(tokens * e for tokens, e in layers) if ac == "none" else max(
-            tokens * cfg.d_model for tokens, _ in layers)
+            tokens * block_input for tokens, _ in layers)
         kept = 0
+    vocab_split = tp if loss_parallel else 1  # without loss parallelism the logits are gathered
     if return_logits:  # the logits are returned: fp32 copy and log-softmax kept, then the gradient
-        vocab = out_tokens * cfg.padded_vocab_size
+        vocab = out_tokens * cfg.padded_vocab_size / vocab_split
         head_kept, head_peak = vocab * ((elt if mixed else 0) + 4 + 4), vocab * 4
     else:
         head_kept = 0
-        head_peak = head_bytes(cfg, round(micro_batch * out_tokens * labelled), mixed, chunk) / micro_batch
+        labelled_tokens = round(micro_batch * out_tokens * labelled)
+        head_peak = head_bytes(cfg, labelled_tokens, mixed, chunk) / micro_batch / vocab_split
     total = kept * elt + head_kept
     if transient:
         total += recompute * elt + head_peak
@@ -133,21 +177,132 @@ class Estimate:
     micro_batch: int
     model_states: float
     activations: float
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    sp: bool = False
 
     @property
     def total(self) -> float:
         return self.model_states + self.activations
 
 
-def estimate(cfg: ModelConfig, strategy: str, devices: int, micro_batch: int, seq: int,
-             target: int | None = None, ac: str = "none", mixed: bool = True, **memory) -> Estimate:
-    """``memory``: the head and offload settings of ``activation_bytes`` (chunk, offload, ...)."""
-    from ..models import build_model
+# --- the device mesh: tensor parallel (+ sequence parallel) x FSDP2 / HSDP -------------------------
+def num_parameters(cfg: ModelConfig) -> int:
+    """Parameters of the model, counted on the meta device (nothing allocated; cached: the search
+    asks for the same model hundreds of times, and a 70B model takes seconds to build)."""
+    return _count_parameters(tuple(sorted(cfg.to_dict().items())))
+
+
+@functools.lru_cache(maxsize=16)
+def _count_parameters(fields: tuple) -> int:
     import torch
+
+    from ..models import build_model
     with torch.device("meta"):
-        params = build_model(cfg).num_parameters()
-    return Estimate(strategy, ac, micro_batch, model_state_bytes(strategy, params, devices, mixed, as_built=True),
-                    activation_bytes(cfg, micro_batch, seq, target, ac, mixed, **memory))
+        return build_model(ModelConfig(**dict(fields))).num_parameters()
+
+
+def tp_blocker(cfg: ModelConfig, tp: int) -> str | None:
+    """The first size that ``tp`` does not divide (TP splits heads, KV heads, the FFN width and the
+    vocabulary rows), as ``name=value``; None when ``tp`` can split them all."""
+    for name, value in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.kv_heads), ("d_ff", cfg.d_ff),
+                        ("padded vocab_size", cfg.padded_vocab_size)):
+        if value % tp:
+            return f"{name}={value}"
+    return None
+
+
+def tp_degrees(cfg: ModelConfig, devices: int) -> tuple[list[int], dict[int, str]]:
+    """The tp values a layout of ``devices`` can use (divisors of the device count that split the
+    model), and the others with what they do not divide."""
+    usable, skipped = [], {}
+    for tp in (t for t in range(1, devices + 1) if devices % t == 0):
+        blocker = tp_blocker(cfg, tp)
+        if blocker:
+            skipped[tp] = blocker
+        else:
+            usable.append(tp)
+    return usable, skipped
+
+
+def tp_sharded_parameters(cfg: ModelConfig) -> int:
+    """Parameters tensor parallelism splits over the TP ranks (the rest is whole on every rank):
+    q/k/v weights and biases, o_proj and FFN down weights, FFN up/gate weights and biases, in self-
+    and cross-attention; the token embedding, an untied LM head, BERT's head bias; T5's relative-
+    bias tables (one per stack)."""
+    d, h, kv, dk, ff, vocab = (cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff,
+                               cfg.padded_vocab_size)
+    bias = int(cfg.bias)
+    attention = (h + 2 * kv) * dk * (d + bias) + h * dk * d
+    ffn = (2 if cfg.activation in ("swiglu", "geglu") else 1) * ff * (d + bias) + ff * d
+    blocks = cfg.num_layers * (attention + ffn)
+    stacks = 1
+    if cfg.family == "encdec":
+        blocks += cfg.decoder_layers * (2 * attention + ffn)
+        stacks = 2
+    relative = stacks * cfg.rel_num_buckets * h if cfg.position == "relative" else 0
+    head = (0 if cfg.tie_embeddings else vocab * d) + (vocab if cfg.family == "encoder" else 0)
+    return blocks + relative + vocab * d + head
+
+
+def tp_local_parameters(cfg: ModelConfig, tp: int) -> int:
+    """Parameters one TP rank holds: the sharded ones / tp plus the replicated ones."""
+    sharded = tp_sharded_parameters(cfg)
+    return num_parameters(cfg) - sharded + sharded // tp
+
+
+def estimate(cfg: ModelConfig, strategy: str, devices: int, micro_batch: int, seq: int,
+             target: int | None = None, ac: str = "none", mixed: bool = True, dp_replicate: int = 1,
+             tp: int = 1, sp: bool = False, **memory) -> Estimate:
+    """One rank of ``devices`` = dp_replicate x dp_shard x tp. ``memory``: the head and offload
+    settings of ``activation_bytes`` (chunk, offload, loss_parallel, ...)."""
+    dp_shard = devices // (dp_replicate * tp)
+    states = model_state_bytes(strategy, tp_local_parameters(cfg, tp), dp_shard, mixed, as_built=True)
+    return Estimate(strategy, ac, micro_batch, states,
+                    activation_bytes(cfg, micro_batch, seq, target, ac, mixed, tp=tp, sp=sp, **memory),
+                    dp_replicate, dp_shard, tp, sp)
+
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def rank_memory(cfg: ModelConfig, *, seq_len: int, micro_batch: int = 1, dp_replicate: int = 1,
+                dp_shard: int = 1, tp: int = 1, sp: bool = False, precision: str = "bf16", ac: str = "none",
+                strategy: str = "fsdp", target_len: int | None = None, **memory) -> Estimate:
+    """Predicted bytes one rank holds on the mesh dp_replicate x dp_shard x tp: ``model_states``
+    (parameters, gradients, AdamW) and ``activations`` (kept for backward plus the backward peak),
+    for ``bench/bench_scale.py`` to hold against measured per-rank peaks. ``precision`` fp32 or
+    bf16 (mixed); ``ac`` none | op | full; ``memory``: ``activation_bytes``'s head settings
+    (``return_logits=False`` and ``chunk`` for the trainer's loss path, ``loss_parallel``)."""
+    blocker = tp_blocker(cfg, tp)
+    if blocker:
+        usable = ", ".join(str(t) for t in range(1, cfg.num_heads + 1) if tp_blocker(cfg, t) is None)
+        pad = "; or pad the vocabulary: model.pad_vocab_multiple=64" if blocker.startswith("padded") else ""
+        raise ConfigError(f"parallel.tp={tp} does not divide {blocker}; use one of: {usable}{pad}")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision={precision!r} is not allowed; use one of: {', '.join(PRECISIONS)}")
+    if dp_replicate > 1 and not strategy.startswith("fsdp"):
+        raise ConfigError(f"parallel.dp_replicate={dp_replicate} needs parallel.strategy=fsdp (HSDP), "
+                          f"not {strategy!r}; set parallel.dp_replicate=1")
+    return estimate(cfg, strategy, dp_replicate * dp_shard * tp, micro_batch, seq_len, target_len, ac,
+                    precision != "fp32", dp_replicate=dp_replicate, tp=tp, sp=sp, **memory)
+
+
+def layouts(cfg: ModelConfig, devices: int, gpus_per_node: int = 8) -> list[tuple[str, int, int]]:
+    """(strategy, dp_replicate, tp) of every layout the planner tries, cheapest communication first
+    within one tp: without TP each strategy, HSDP (one replica per node, FSDP2 inside it) before
+    FSDP2 over every device; with TP (sequence parallel on) FSDP2 on the rest, HSDP first."""
+    nodes = devices // gpus_per_node if devices % gpus_per_node == 0 else 1
+    out = []
+    for tp in tp_degrees(cfg, devices)[0]:
+        hsdp = nodes > 1 and gpus_per_node % tp == 0 and gpus_per_node // tp > 1
+        strategies = STRATEGY_NAMES if tp == 1 else ("fsdp",)
+        for strategy in strategies:
+            if strategy == "fsdp" and hsdp:
+                out.append((strategy, nodes, tp))
+            out.append((strategy, 1, tp))
+    return out
 
 
 def training_memory(cfg) -> dict:
@@ -190,21 +345,43 @@ def parse_bytes(text: str) -> float:
 
 
 def recommend(cfg: ModelConfig, devices: int, memory: float, seq: int, target: int | None,
-              mixed: bool = True, headroom: float = 0.9, settings: dict | None = None) -> list[Estimate]:
-    """Every (strategy, AC, micro-batch) that fits, cheapest communication first, then the
-    cheapest recomputation (none, op, full), largest micro-batch first."""
+              mixed: bool = True, headroom: float = 0.9, settings: dict | None = None,
+              gpus_per_node: int = 8) -> list[Estimate]:
+    """Every layout (``layouts``) and AC that fits, each with its largest micro-batch, best first:
+    1. no full recomputation: AC full runs the forward twice (~1/3 more compute per step), more than
+       TP with sequence parallelism costs inside a node (Korthikanti et al., 2022);
+    2. no TP, then the smallest tp; a tp within a node (``gpus_per_node``) before one across nodes;
+    3. the cheapest communication (ddp, ZeRO-1/2/3, HSDP, FSDP2: the order of ``layouts``);
+    4. the cheapest recomputation (none, op, full);
+    5. the largest micro-batch.
+    TP layouts run sequence parallel (it only removes memory) and the unchunked, vocabulary-
+    sharded head (the chunked loss does not take a TP head)."""
     fits = []
-    for strategy in STRATEGY_NAMES:
-        for ac in ("none", "op", "full"):
+    for index, (strategy, replicate, tp) in enumerate(layouts(cfg, devices, gpus_per_node)):
+        for ac_rank, ac in enumerate(("none", "op", "full")):
             for mb in (64, 32, 16, 8, 4, 2, 1):
-                e = estimate(cfg, strategy, devices, mb, seq, target, ac, mixed, **(settings or {}))
+                e = estimate(cfg, strategy, devices, mb, seq, target, ac, mixed, dp_replicate=replicate, tp=tp,
+                             sp=tp > 1, **(settings or {}))
                 if e.total <= headroom * memory:
-                    fits.append(e)
+                    fits.append(((ac == "full", tp > gpus_per_node, tp, index, ac_rank, -mb), e))
                     break
-    return fits
+    return [e for _, e in sorted(fits, key=lambda pair: pair[0])]
 
 
-def plan_main(config: str, overrides: list[str], devices: int, device_memory: str) -> int:
+def _overrides(e: Estimate, chunked: bool) -> str:
+    if e.tp == 1 and e.dp_replicate == 1:
+        flag = {"ddp": "parallel.strategy=ddp", "fsdp": "parallel.strategy=fsdp",
+                "fsdp-no-reshard": "parallel.strategy=fsdp parallel.reshard_after_forward=false"}.get(
+            e.strategy, f"parallel.strategy=deepspeed parallel.deepspeed_config=configs/deepspeed/{e.strategy}.json")
+    else:
+        flag = (f"parallel.strategy=fsdp parallel.dp_replicate={e.dp_replicate} parallel.dp_shard={e.dp_shard} "
+                f"parallel.tp={e.tp}" + (" parallel.sp=true" if e.sp else "")
+                + (" loss.chunk_size=null" if chunked and e.tp > 1 else ""))
+    ac = "" if e.ac == "none" else f" parallel.activation_checkpointing={e.ac}"
+    return f"{flag} micro_batch_size={e.micro_batch}{ac}"
+
+
+def plan_main(config: str, overrides: list[str], devices: int, device_memory: str, gpus_per_node: int = 8) -> int:
     from ..train.config import load_config
 
     cfg = load_config(config, overrides)
@@ -216,27 +393,35 @@ def plan_main(config: str, overrides: list[str], devices: int, device_memory: st
         from ..data import t5_lengths
         target = cfg.data.target_len or t5_lengths(cfg.data.seq_len)[1]
     gib = 2**30
-    settings = training_memory(cfg)
+    settings = {**training_memory(cfg), "loss_parallel": cfg.parallel.loss_parallel}
     print(f"model: {model_cfg.family}, {config}; {devices} devices x {memory / gib:.1f} GiB; seq "
           f"{cfg.data.seq_len}; {'bf16 mixed' if mixed else 'fp32'}; loss.chunk_size={cfg.loss.chunk_size}; "
           f"activation_offload={'on' if settings['offload'] else 'off'}")
-    print(f"{'strategy':<16}{'AC':<6}{'micro':>6}{'states GiB':>12}{'activ. GiB':>12}{'total GiB':>11}  fits")
-    for strategy in STRATEGY_NAMES:
+    usable, skipped = tp_degrees(model_cfg, devices)
+    print(f"{num_parameters(model_cfg) / 1e9:.2f}B parameters; tp candidates {', '.join(map(str, usable))} "
+          f"({gpus_per_node} GPUs per node; tp > 1 with sequence parallel and an unchunked vocabulary-sharded head)")
+    if skipped:
+        print("tp skipped (it must divide num_heads, num_kv_heads, d_ff and the padded vocabulary): "
+              + ", ".join(f"{tp} ({why})" for tp, why in skipped.items()))
+    print(f"{'strategy':<16}{'dp_rep':>7}{'dp_shard':>9}{'tp':>4}{'sp':>4}  {'AC':<6}{'micro':>6}{'states GiB':>12}"
+          f"{'activ. GiB':>12}{'total GiB':>11}  fits")
+    for strategy, replicate, tp in layouts(model_cfg, devices, gpus_per_node):
         for ac in ("none", "op", "full"):
             e = estimate(model_cfg, strategy, devices, cfg.micro_batch_size, cfg.data.seq_len, target, ac, mixed,
-                         **settings)
-            print(f"{strategy:<16}{ac:<6}{e.micro_batch:>6}{e.model_states / gib:>12.2f}"
-                  f"{e.activations / gib:>12.2f}{e.total / gib:>11.2f}  {'yes' if e.total <= 0.9 * memory else 'no'}")
+                         dp_replicate=replicate, tp=tp, sp=tp > 1, **settings)
+            print(f"{strategy:<16}{replicate:>7}{e.dp_shard:>9}{tp:>4}{'on' if e.sp else '-':>4}  {ac:<6}"
+                  f"{e.micro_batch:>6}{e.model_states / gib:>12.2f}{e.activations / gib:>12.2f}{e.total / gib:>11.2f}"
+                  f"  {'yes' if e.total <= 0.9 * memory else 'no'}")
     print_savings(model_cfg, cfg.micro_batch_size, cfg.data.seq_len, target, mixed, settings)
-    fits = recommend(model_cfg, devices, memory, cfg.data.seq_len, target, mixed, settings=settings)
+    fits = recommend(model_cfg, devices, memory, cfg.data.seq_len, target, mixed, settings=settings,
+                     gpus_per_node=gpus_per_node)
     if not fits:
         print("recommendation: nothing fits; use more devices, a shorter sequence or a smaller model")
         return 1
     best = fits[0]
-    flag = {"ddp": "parallel.strategy=ddp", "fsdp": "parallel.strategy=fsdp",
-            "fsdp-no-reshard": "parallel.strategy=fsdp parallel.reshard_after_forward=false"}.get(
-        best.strategy, f"parallel.strategy=deepspeed parallel.deepspeed_config=configs/deepspeed/{best.strategy}.json")
-    ac = "" if best.ac == "none" else f" parallel.activation_checkpointing={best.ac}"
-    print(f"recommendation: {best.strategy}, micro_batch_size={best.micro_batch}, AC {best.ac} "
-          f"({best.total / gib:.2f} GiB per device)\n  overrides: {flag} micro_batch_size={best.micro_batch}{ac}")
+    mesh = "" if best.tp == 1 and best.dp_replicate == 1 else (
+        f", mesh dp_replicate={best.dp_replicate} dp_shard={best.dp_shard} tp={best.tp}"
+        + (" sp" if best.sp else "") + (" (tp across nodes)" if best.tp > gpus_per_node else ""))
+    print(f"recommendation: {best.strategy}{mesh}, micro_batch_size={best.micro_batch}, AC {best.ac} "
+          f"({best.total / gib:.2f} GiB per device)\n  overrides: {_overrides(best, cfg.loss.chunk_size is not None)}")
     return 0
