@@ -163,16 +163,50 @@ TP_CASES = [("gpt2", ["parallel.sp=true"]), ("gpt2", ["parallel.sp=false", "para
             ("t5-v1.1", ["parallel.sp=true"])]
 
 
-def test_tp2_equals_the_single_process_run_for_every_family(cache, tmp_path_factory):
+@pytest.fixture(scope="module")
+def tp2_runs(cache, tmp_path_factory):
+    """Every TP case trained for 4 steps on 2 ranks (each run ends with a tp=2 checkpoint)."""
     tmp = tmp_path_factory.mktemp("tp2")
     jobs = []
     for i, (name, flags) in enumerate(TP_CASES):
         recipe, overrides = _overrides(name, tmp / f"run{i}", "parallel.tp=2", *flags)
         jobs.append((recipe, overrides, str(tmp / f"report{i}")))
     run_ranks(2, jobs, cache)
+    return tmp
+
+
+def test_tp2_equals_the_single_process_run_for_every_family(tp2_runs, tmp_path_factory):
+    tmp = tp2_runs
     for i, (name, flags) in enumerate(TP_CASES):
         assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, 1))
         assert_counts(tmp / f"report{i}", 2, 2)  # 1/tp of every TP-sharded parameter, exactly
+    log = (tmp / "run0" / "config.yaml").read_text()
+    assert "tp: 2" in log
+
+
+def test_tp2_checkpoints_load_consolidate_and_export_with_hf_parity(tp2_runs, tmp_path):
+    """A tp=2 checkpoint of every family: ``load_checkpoint`` and ``tformer consolidate`` give the
+    full model the run held; ``export --to hf`` loads in transformers with logit parity (1e-4)."""
+    from safetensors.torch import load_file
+    from test_export import assert_logits_match, hf_model
+
+    from tformer.checkpoint import load_checkpoint
+    from tformer.checkpoint.consolidate import consolidate
+    from tformer.export import export_hf
+    done = set()
+    for i, (name, _) in enumerate(TP_CASES):
+        if name in done:
+            continue
+        done.add(name)
+        ckpt = tp2_runs / f"run{i}" / "checkpoints" / "step_00000004"
+        full = load_file(tp2_runs / f"report{i}.safetensors")
+        ours = load_checkpoint(ckpt).eval()
+        state = ours.state_dict()
+        single = load_file(consolidate(ckpt, tmp_path / f"{name}.safetensors"))
+        for k in full:
+            assert torch.equal(state[k], full[k]) and torch.equal(single[k], full[k]), (name, k)
+        export_hf(ckpt, tmp_path / f"hf-{name}")
+        assert_logits_match(ours, hf_model(tmp_path / f"hf-{name}", ours.config.family), ours.config)
 
 
 # -- 4 processes: FSDP2 x TP and HSDP -----------------------------------------------------------
