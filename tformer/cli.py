@@ -238,8 +238,9 @@ def _plan(argv: list[str]) -> int:
     p.add_argument("--device-memory", type=_byte_size, default="80GB")
     args = p.parse_args(argv)
     from .parallel.plan import plan_main
+    from .train.config import load_config
 
-    return plan_main(args.config, args.overrides, args.devices, args.device_memory)
+    return plan_main(load_config(args.config, args.overrides), args.config, args.devices, args.device_memory)
 
 
 COMMANDS = {"train": _train, "generate": _generate, "evaluate": _evaluate, "plot": _plot, "tokenizer": _tokenizer,

@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+from ..files import atomic_write
+
 log = logging.getLogger("tformer.train")
 
 EXIT_CODE = 75  # a job that hung: torchrun restarts it, SLURM scripts requeue on non-zero
@@ -65,9 +67,8 @@ class Watchdog:
         record = {"rank": self.rank, "pid": os.getpid(), "step": self._step, "phase": self._phase,
                   "progress": self._progress, "written": time.time()}
         path = self.dir / f"heartbeat_rank{self.rank}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
+        with atomic_write(path) as tmp:
+            tmp.write_text(json.dumps(record))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
