@@ -2,7 +2,6 @@
 ``error:`` line, exit 2."""
 from __future__ import annotations
 
-import logging
 import sys
 
 from .args import Parser as _Parser
@@ -103,7 +102,8 @@ def _evaluate(argv: list[str]) -> int:
     p.add_argument("--num-beams", type=_number(int, "[1, inf)"), default=None, help="override the run's decode.num_beams")
     p.add_argument("--length-penalty", type=_number(float, "[0, inf)"), default=None,
                    help="override decode.length_penalty")
-    p.add_argument("--show", type=_number(int, "[0, inf)"), default=3, help="print this many source / hypothesis / reference triples")
+    p.add_argument("--show", type=_number(int, "[0, inf)"), default=3,
+                   help="print this many source / hypothesis / reference triples")
     args = p.parse_args(argv)
     import json
     import math

@@ -56,7 +56,8 @@ HF_PLAIN_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "
 def to_hf(state: dict[str, torch.Tensor], rules: list[Rule], target: str) -> dict[str, torch.Tensor]:
     """Our tensors -> HF tensors. A tensor of ours that no rule takes is a feature the target
     cannot hold: an error naming it, never a silent drop."""
-    used, out = set(), {}
+    used: set[str] = set()
+    out: dict[str, Any] = {}
     for r in rules:
         missing = [o for o in r.ours if o not in state]
         if missing:

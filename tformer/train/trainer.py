@@ -254,7 +254,8 @@ class Trainer:
                      "skipped": self.skipped, "world_size": self.dist.world_size,
                      "rollbacks": self.rollbacks, "spike_detector": self.spikes.state_dict(),
                      "wandb_id": self.wandb_id, "model_config": self.model_cfg.to_dict(),
-                     "strategy": self.cfg.parallel.strategy, "family": self.model_cfg.family, "objective": self.data.objective,
+                     "strategy": self.cfg.parallel.strategy, "family": self.model_cfg.family,
+                     "objective": self.data.objective,
                      "seq_len": self.data.seq_len, "target_len": self.data.target_len,
                      "time": time.time()}
             write_bytes_durable(tmp / "trainer.json", json.dumps(state, indent=1).encode())

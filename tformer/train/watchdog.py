@@ -22,6 +22,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from ..files import atomic_write
 
@@ -102,7 +103,7 @@ class Watchdog:
         stale, waiting = [], []
         for r in range(self.world_size):
             try:
-                hb = (json.loads((self.dir / f"heartbeat_rank{r}.json").read_text()) if r != self.rank else
+                hb: dict[str, Any] = (json.loads((self.dir / f"heartbeat_rank{r}.json").read_text()) if r != self.rank else
                       {"step": self._step, "phase": self._phase, "progress": self._progress, "written": now})
             except (OSError, ValueError):
                 stale.append(f"rank {r} (no heartbeat)")
