@@ -63,7 +63,7 @@ def _worker(rank, world, port, jobs, out, cache):
         cfg = load_config(ROOT / "configs" / "gpt2-tiny.yaml", overrides + [f"output_dir={out}/{name}",
                                                                             f"max_steps={steps}"])
         step_times = []  # the trainer's own step time (no evaluation or checkpoint in it)
-        t = Trainer(cfg, callbacks=[lambda tr, rec: step_times.append(rec["step_time"])])
+        t = Trainer(cfg, callbacks=[lambda tr, rec, times=step_times: times.append(rec["step_time"])])
         t.fit()
         # Peak model state: parameters, optimizer states *and* gradients, i.e. after a backward
         # (the trainer frees gradients after each step).
@@ -75,7 +75,8 @@ def _worker(rank, world, port, jobs, out, cache):
         buffers = {}
         state = model_state_bytes(t.model, t.optimizer, buffers)
         # tokens/s of the median step after two warm-up steps
-        rate = cfg.micro_batch_size * cfg.grad_accum * cfg.data.seq_len * world / statistics.median(step_times[2:] or step_times)
+        tokens = cfg.micro_batch_size * cfg.grad_accum * cfg.data.seq_len * world
+        rate = tokens / statistics.median(step_times[2:] or step_times)
         if rank == 0:
             with open(f"{out}/{name}.txt", "w") as f:
                 f.write(f"{state} {total} {rate} {sum(buffers.values())}\n")
@@ -104,7 +105,8 @@ def memory_part(tmp: str, cache: str, precisions=("bf16", "fp32")) -> None:
     for precision in precisions:
         jobs = [(f"{name}-{precision}", common(precision) + flags, 2) for name, flags in STRATEGIES.items()]
         run_two(jobs, tmp, cache)
-        print(f"\n=== model-state memory per rank, {precision}{' mixed (fp32 master)' if precision == 'bf16' else ''}, N=2 ===")
+        master = " mixed (fp32 master)" if precision == "bf16" else ""
+        print(f"\n=== model-state memory per rank, {precision}{master}, N=2 ===")
         print(f"{'strategy':<8}{'Ψ (params)':>14}{'measured MB':>14}{'formula MB':>13}{'ratio':>8}  formula"
               f"{'':<18}DeepSpeed buckets (not model state)")
         for name in STRATEGIES:

@@ -422,7 +422,7 @@ def test_slurm_two_node_job(slurm, cache, reference, tmp_path):
     log = job_log(tmp_path, j)
     assert info["JobState"] == "COMPLETED", log[-4000:]
     assert info["NumNodes"] == "2" and info["NodeList"] == "node[1-2]"
-    assert f"rendezvous 127.0.0.1:" in log and f"id {j}" in log  # head = node1's NodeAddr, id = job id
+    assert "rendezvous 127.0.0.1:" in log and f"id {j}" in log  # head = node1's NodeAddr, id = job id
     assert "node 0/2" in log and "node 1/2" in log and "2 rank(s)" in log
     assert_same_run(out, reference)
 

@@ -74,7 +74,7 @@ def _worker(rank, world, port, jobs, cache):
         for recipe, overrides, stop_at, report, *poison in jobs:
             cfg = load_config(CONFIGS / f"{recipe}.yaml", overrides)
             stop = [] if stop_at is None else [
-                lambda t, rec: setattr(t, "_stop_reason", "test stop") if rec["step"] == stop_at else None]
+                lambda t, rec, stop_at=stop_at: setattr(t, "_stop_reason", "test stop") if rec["step"] == stop_at else None]
             trainer = Trainer(cfg, callbacks=stop)
             if poison and poison[0][0] == rank:
                 _poison_first_micro_batch(trainer, poison[0][1])
@@ -398,8 +398,8 @@ def test_missing_deepspeed_package_is_one_clear_error(monkeypatch):
 
 def test_deepspeed_auto_fields_are_filled_from_the_recipe():
     from tformer.parallel.deepspeed import deepspeed_config
-    cfg = load_config(CONFIGS / "gpt2-tiny.yaml", ["parallel.strategy=deepspeed", "micro_batch_size=3",
-                                                   "grad_accum=2", f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / 'zero3.json'}"])
+    cfg = load_config(CONFIGS / "gpt2-tiny.yaml", ["parallel.strategy=deepspeed", "micro_batch_size=3", "grad_accum=2",
+                                                   f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / 'zero3.json'}"])
     ds = deepspeed_config(cfg, "fp32")
     d = cfg.model_config().d_model
     assert ds["train_micro_batch_size_per_gpu"] == 3 and ds["gradient_accumulation_steps"] == 2

@@ -48,7 +48,8 @@ def test_zero_formulas_and_the_planner_choice():
     # what the planner predicts for fp32 DeepSpeed: its fp32 master copy of the partition
     assert formula("zero3", p, n, mixed=False, as_built=True) == 20 * p / n
     assert formula("zero2", p, n, mixed=False, as_built=True) == 4 * p + 16 * p / n
-    assert estimate(build_model("gpt2-tiny").config, "zero3", n, 1, 64, mixed=False).model_states == 20 * build_model("gpt2-tiny").num_parameters() / n
+    tiny = build_model("gpt2-tiny")
+    assert estimate(tiny.config, "zero3", n, 1, 64, mixed=False).model_states == 20 * tiny.num_parameters() / n
     with torch.device("meta"):
         cfg = build_model("llama-1b").config
     # A 1.2B model does not fit plain DDP on 16 GiB with Adam; the planner must shard

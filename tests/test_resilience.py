@@ -224,7 +224,6 @@ INT_KEYS = None
 def _cases():
     from tformer.config import ModelConfig
     from tformer.train.config import TrainConfig
-    import dataclasses
     from typing import get_type_hints
 
     def is_int(key):

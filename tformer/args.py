@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 
 
 class UsageError(SystemExit):
@@ -40,7 +41,6 @@ def number(kind, spec: str):
 
 def byte_size(text: str) -> str:
     """A size such as 80GB or 24GiB."""
-    from .parallel.plan import parse_bytes
     from .config import ConfigError
     try:
         if parse_bytes(text) <= 0:
@@ -48,6 +48,17 @@ def byte_size(text: str) -> str:
     except (ConfigError, KeyError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 80GB or 24GiB") from None
     return text
+
+
+def parse_bytes(text: str) -> float:
+    """Bytes in a size such as 80GB, 24GiB or 512M (binary units either way)."""
+    from .config import ConfigError
+
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"--device-memory {text!r} is not a size; write e.g. 80GB or 24GiB")
+    unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
+    return float(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit]
 
 
 def shard_size(text: str) -> str:

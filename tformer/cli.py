@@ -2,7 +2,6 @@
 ``error:`` line, exit 2."""
 from __future__ import annotations
 
-import logging
 import sys
 
 from .args import Parser as _Parser
@@ -103,7 +102,8 @@ def _evaluate(argv: list[str]) -> int:
     p.add_argument("--num-beams", type=_number(int, "[1, inf)"), default=None, help="override the run's decode.num_beams")
     p.add_argument("--length-penalty", type=_number(float, "[0, inf)"), default=None,
                    help="override decode.length_penalty")
-    p.add_argument("--show", type=_number(int, "[0, inf)"), default=3, help="print this many source / hypothesis / reference triples")
+    p.add_argument("--show", type=_number(int, "[0, inf)"), default=3,
+                   help="print this many source / hypothesis / reference triples")
     args = p.parse_args(argv)
     import json
     import math
@@ -240,8 +240,10 @@ def _plan(argv: list[str]) -> int:
                    help="tensor parallelism within a node is preferred; HSDP replicates across nodes")
     args = p.parse_args(argv)
     from .parallel.plan import plan_main
+    from .train.config import load_config
 
-    return plan_main(args.config, args.overrides, args.devices, args.device_memory, args.gpus_per_node)
+    return plan_main(load_config(args.config, args.overrides), args.config, args.devices, args.device_memory,
+                     args.gpus_per_node)
 
 
 COMMANDS = {"train": _train, "generate": _generate, "evaluate": _evaluate, "plot": _plot, "tokenizer": _tokenizer,

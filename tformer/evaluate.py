@@ -48,7 +48,7 @@ def translate_pairs(model, pairs, tokenizer, indices, *, batch_size: int = 32, n
     samples = [pairs.sample(int(i)) for i in indices]
     order = sorted(range(len(samples)), key=lambda j: len(samples[j]["input_ids"]))
     limit = max_new_tokens or pairs.max_target_length
-    hyps: list[str | None] = [None] * len(samples)
+    hyps = [""] * len(samples)  # every slot is filled below: ``order`` is a permutation
     for start in range(0, len(order), batch_size):
         group = order[start:start + batch_size]
         width = max(len(samples[j]["input_ids"]) for j in group)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
+from ..files import atomic_write
 from .io import CheckpointError, load_model_from_dcp, read_trainer_state, resolve_checkpoint
 
 
@@ -61,15 +62,12 @@ def read_resolved_model_state(ckpt: Path, trust: bool = False) -> tuple[ModelCon
 def consolidate(ckpt: str | Path, out: str | Path | None = None, trust: bool = False) -> Path:
     """Write ``model.safetensors`` (one file, fp32) for any checkpoint; the model config goes in
     the file's metadata. Written to a temporary name and renamed: never a partial file."""
-    import os
-
     from safetensors.torch import save_file
 
     ckpt = resolve_checkpoint(ckpt, trust)
     cfg, state = read_resolved_model_state(ckpt, trust)
     out = Path(out) if out else ckpt / "consolidated.safetensors"
-    tmp = out.with_name(out.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
-              metadata={"format": "pt", "tformer_model_config": json.dumps(cfg.to_dict())})
-    os.replace(tmp, out)
+    with atomic_write(out) as tmp:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
+                  metadata={"format": "pt", "tformer_model_config": json.dumps(cfg.to_dict())})
     return out

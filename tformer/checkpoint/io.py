@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import zlib
@@ -10,12 +9,12 @@ from pathlib import Path
 
 import torch
 
+# the writers and the error live below parallel/, whose strategies use them; the old names stay here
+from ..files import fsync_dir, publish, save_model_weights, torch_save_durable, write_bytes_durable  # noqa: F401
+from ..safeload import CheckpointError, torch_load_safe  # noqa: F401
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MARKER = "COMPLETE"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete, corrupt or does not fit the model (one line)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -24,31 +23,6 @@ def step_dir_name(step: int) -> str:
 
 def partial_dir(root: Path, step: int) -> Path:
     return root / f".partial-{step_dir_name(step)}"
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_bytes_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def torch_save_durable(obj, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def crc32(path: Path) -> int:
@@ -66,12 +40,8 @@ def commit(root: Path, step: int, keep: int) -> Path:
     files = {str(p.relative_to(tmp)): [p.stat().st_size, crc32(p)]
              for p in sorted(tmp.rglob("*")) if p.is_file()}
     write_bytes_durable(tmp / MARKER, json.dumps({"step": step, "files": files}, indent=1).encode())
-    fsync_dir(tmp)
-    final = root / step_dir_name(step)
-    if final.exists():  # a re-save of the same step (e.g. resumed then stopped at once)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    fsync_dir(root)
+    # a re-save of the same step (e.g. resumed then stopped at once) replaces the older copy
+    final = publish(tmp, root / step_dir_name(step), durable=True)
     for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -134,13 +104,6 @@ def verify(ckpt: str | Path, deep: bool = False) -> dict:
     return info
 
 
-def torch_load_safe(path: Path, trust: bool = False):
-    """``torch.load`` with ``weights_only=True``: tensors and plain containers, never code (a file
-    that names anything else is refused in one line; see ``safe.py``)."""
-    from .safe import torch_load
-    return torch_load(path, trust=trust)
-
-
 def read_trainer_state(ckpt: str | Path) -> dict:
     path = Path(ckpt) / "trainer.json"
     try:
@@ -190,21 +153,6 @@ def _is_tied_alias(model: torch.nn.Module, name: str, state: dict) -> bool:
     return any(p is target and other in state for other, p in params.items() if other != name)
 
 
-def save_model_weights(model: torch.nn.Module, path: Path) -> None:
-    """Safetensors of the model with each tied tensor once (its first name)."""
-    from safetensors.torch import save_file
-
-    seen, state = set(), {}
-    for name, p in model.state_dict(keep_vars=True).items():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        state[name] = p.detach().contiguous().cpu()
-    save_file(state, str(path), metadata={"format": "pt"})
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
 def resolve_checkpoint(path: str | Path, trust: bool = False) -> Path:
     """A checkpoint directory, or a run directory's newest complete checkpoint; verified (sizes
     and CRC-32) and its pickles checked against the allow-lists unless ``trust``."""
@@ -219,14 +167,14 @@ def resolve_checkpoint(path: str | Path, trust: bool = False) -> Path:
             raise CheckpointError(f"no complete checkpoint under {path}")
         path = latest
     verify(path, deep=True)
-    from .safe import check_checkpoint
+    from ..safeload import check_checkpoint
     check_checkpoint(path, trust)
     return path
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", trust: bool = False):
     """The model of a checkpoint (or of a run directory's newest checkpoint), ready for inference.
-    Its pickles are read through an allow-list unless ``trust`` (see ``checkpoint/safe.py``)."""
+    Its pickles are read through an allow-list unless ``trust`` (see ``tformer/safeload.py``)."""
     from ..models import build_model
 
     path = resolve_checkpoint(path, trust)
@@ -253,7 +201,7 @@ def load_model_from_dcp(model: torch.nn.Module, ckpt: Path, trust: bool = False)
     one process, on CPU: no process group and no accelerator needed."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from .safe import dcp_load
+    from ..safeload import dcp_load
 
     if not (ckpt / "dcp").is_dir():
         raise CheckpointError(f"checkpoint {ckpt} holds neither model.safetensors nor dcp/")

@@ -32,6 +32,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
+from ..files import publish
 from .errors import DataError
 from .tokenizer import tokenizer_hash, vocab_size
 
@@ -181,10 +182,7 @@ def _cached(source, tok: Tokenizer, cache_dir, columns: list[str], *, split: str
                     build_seconds=round(time.perf_counter() - start, 3))
         shutil.rmtree(tmp / "hf", ignore_errors=True)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        try:
-            os.replace(tmp, entry)
-        except OSError:  # another process finished the same entry first
-            shutil.rmtree(tmp, ignore_errors=True)
+        publish(tmp, entry, keep_existing=True)  # another process may have finished the same entry first
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         from .loading import utf8_error

@@ -11,11 +11,14 @@ continues the same global sequence, across epoch boundaries too.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
 from .errors import DataError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ResumableSampler:

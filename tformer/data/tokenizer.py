@@ -19,7 +19,6 @@ near the vocabulary cutoff: train once and keep the file (token caches are keyed
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
 import time

@@ -3,11 +3,8 @@ output directory atomically, sharded safetensors, and the tokenizer hand-off."""
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import re
-import shutil
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +14,7 @@ import torch
 
 from ..checkpoint.io import CheckpointError, read_trainer_state, resolve_checkpoint
 from ..config import ConfigError, ModelConfig
+from ..files import atomic_write
 
 
 class ExportError(ValueError):
@@ -58,7 +56,8 @@ HF_PLAIN_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "
 def to_hf(state: dict[str, torch.Tensor], rules: list[Rule], target: str) -> dict[str, torch.Tensor]:
     """Our tensors -> HF tensors. A tensor of ours that no rule takes is a feature the target
     cannot hold: an error naming it, never a silent drop."""
-    used, out = set(), {}
+    used: set[str] = set()
+    out: dict[str, Any] = {}
     for r in rules:
         missing = [o for o in r.ours if o not in state]
         if missing:
@@ -351,18 +350,6 @@ def atomic_dir(out: Path, force: bool, source: Path | None = None) -> Iterator[P
     """Yield a temporary sibling of ``out``; on success it replaces ``out`` in one rename, on any
     error it is removed, so no partial output is ever left behind."""
     check_out_dir(out, force, source)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".partial-{out.name}-", dir=out.parent))
-    try:
+    with atomic_write(out, directory=True) as tmp:
         yield tmp
-        old = None
-        if out.exists():
-            old = out.parent / f".old-{out.name}-{os.getpid()}"
-            os.rename(out, old)
-        os.rename(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 

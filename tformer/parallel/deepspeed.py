@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.io import CheckpointError, torch_load_safe, torch_save_durable
 from ..config import ConfigError
+from ..files import torch_save_durable
+from ..safeload import CheckpointError, torch_load_safe
 from .strategy import Strategy
 
 log = logging.getLogger("tformer.parallel")
@@ -184,7 +185,7 @@ class DeepSpeedStrategy(Strategy):
             raise CheckpointError(f"checkpoint {path} has no deepspeed/{TAG}; it was written by another "
                                   "strategy: resume it with parallel.strategy=ddp or fsdp")
         # DeepSpeed (and its universal converter) unpickle these files freely: read them first
-        from ..checkpoint.safe import check_deepspeed_dir
+        from ..safeload import check_deepspeed_dir
         check_deepspeed_dir(ds_dir, self.cfg.checkpoint.trust)
         if saved_world_size is not None and saved_world_size != self.dist.world_size:
             universal = self._universal(ds_dir, saved_world_size)

@@ -28,10 +28,10 @@ parallelism.
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 
-from ..config import ConfigError, ModelConfig
+from ..args import parse_bytes
+from ..config import ModelConfig
 
 STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-no-reshard")
 # bytes per parameter of DeepSpeed's fp32 ZeRO as built, by device count N (see the module doc)
@@ -336,14 +336,6 @@ def print_savings(cfg: ModelConfig, micro_batch: int, seq: int, target: int | No
         print(f"{name:<38}{value / gib:>11.2f}{(base - value) / gib:>11.2f}{1 - value / base:>7.0%}")
 
 
-def parse_bytes(text: str) -> float:
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise ConfigError(f"--device-memory {text!r} is not a size; write e.g. 80GB or 24GiB")
-    unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
-    return float(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit]
-
-
 def recommend(cfg: ModelConfig, devices: int, memory: float, seq: int, target: int | None,
               mixed: bool = True, headroom: float = 0.9, settings: dict | None = None,
               gpus_per_node: int = 8) -> list[Estimate]:
@@ -381,10 +373,9 @@ def _overrides(e: Estimate, chunked: bool) -> str:
     return f"{flag} micro_batch_size={e.micro_batch}{ac}"
 
 
-def plan_main(config: str, overrides: list[str], devices: int, device_memory: str, gpus_per_node: int = 8) -> int:
-    from ..train.config import load_config
-
-    cfg = load_config(config, overrides)
+def plan_main(cfg, config: str, devices: int, device_memory: str, gpus_per_node: int = 8) -> int:
+    """Print the table and the recommendation for ``cfg``, the run config (a ``TrainConfig``,
+    loaded by the CLI from the file ``config``: train/ is a layer above this one)."""
     model_cfg = cfg.model_config()
     memory = parse_bytes(device_memory)
     mixed = cfg.precision != "fp32"

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.io import CheckpointError, save_model_weights, torch_load_safe, torch_save_durable
+from ..files import save_model_weights, torch_save_durable
 from ..nn import TransformerStack
+from ..safeload import CheckpointError, torch_load_safe
 from .ac import apply_activation_checkpointing
 from .compile import compile_blocks
 
@@ -103,7 +104,7 @@ class Strategy:
     def load(self, path: Path, optimizer, scheduler, scaler, saved_world_size: int | None = None) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        from ..checkpoint.safe import dcp_load
+        from ..safeload import dcp_load
         if not (path / "dcp").is_dir():
             raise CheckpointError(f"checkpoint {path} has no dcp/ directory; it was not written by the "
                                   "ddp or fsdp strategy (a deepspeed checkpoint needs parallel.strategy="

@@ -81,7 +81,8 @@ class DecodeConfig:
 class ParallelConfig:
     strategy: str = "ddp"            # ddp | fsdp (FSDP2) | deepspeed
     backend: str | None = None       # None: nccl on CUDA, gloo on CPU
-    activation_checkpointing: str = "none"  # none | full (every block) | selective (every ac_every-th) | op (per op: keep matmuls + attention)
+    # none | full (every block) | selective (every ac_every-th) | op (per op: keep matmuls + attention)
+    activation_checkpointing: str = "none"
     ac_every: int = 2
     activation_offload: bool = False        # saved activations in (pinned) host memory; no-op on CPU
     reshard_after_forward: bool = True      # fsdp: true = ZeRO-3-like, false = ZeRO-2-like
@@ -203,8 +204,8 @@ class TrainConfig:
         if self.optim.lr <= 0:
             raise ConfigError(f"optim.lr={self.optim.lr} must be > 0")
         if self.data.tokens_per_batch is not None and self.data.objective != "seq2seq":
-            raise ConfigError(f"data.tokens_per_batch={self.data.tokens_per_batch} batches translation pairs (data.objective=seq2seq), not "
-                              f"data.objective={self.data.objective!r}; use micro_batch_size")
+            raise ConfigError(f"data.tokens_per_batch={self.data.tokens_per_batch} batches translation pairs "
+                              f"(data.objective=seq2seq), not data.objective={self.data.objective!r}; use micro_batch_size")
         if self.data.tokens_per_batch is not None and self.data.tokens_per_batch < max(
                 self.data.seq_len, self.data.target_len or self.data.seq_len):
             raise ConfigError(f"data.tokens_per_batch={self.data.tokens_per_batch} is smaller than the longest "
@@ -262,7 +263,8 @@ RANGES = {
     "optim.beta1": "[0, 1)", "optim.beta2": "[0, 1)", "optim.eps": "(0, inf)", "optim.grad_clip": "[0, inf)",
     "optim.warmup_steps": "[0, inf)", "optim.decay_steps": "[1, inf)",
     "parallel.ac_every": "[1, inf)", "parallel.zero_stage": "[0, 3]",
-    "parallel.dp_replicate": "[1, inf)", "parallel.dp_shard": "[-1, inf)", "parallel.tp": "[1, inf)", "loss.chunk_size": "[1, inf)",
+    "parallel.dp_replicate": "[1, inf)", "parallel.dp_shard": "[-1, inf)", "parallel.tp": "[1, inf)",
+    "loss.chunk_size": "[1, inf)",
     "optim.label_smoothing": "[0, 1)", "data.tokens_per_batch": "[1, inf)", "bleu_samples": "[1, inf)",
     "decode.num_beams": "[1, inf)", "decode.length_penalty": "[0, inf)", "decode.max_new_tokens": "[1, inf)",
     "decode.batch_size": "[1, inf)",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ModelConfig
+from ..files import atomic_write
 from ..data import (Collator, DataError, MLMDataset, PackedCausalLM, Seq2SeqPairs,
                     SpanCorruptionDataset, check_seq_len, check_vocab, default_corpus_path,
                     default_pairs_path, load_tokenizer, special_tokens, t5_lengths, tokenize_corpus,
@@ -67,9 +68,8 @@ def _auto_tokenizer(cfg: TrainConfig, family: str, source, column: str, vocab_si
             max_rows = 20000  # Unigram is ~30x slower per MB than BPE; 20k rows is plenty for tests
         tok = train_tokenizer(kind, source, vocab_size, None, column=column, max_rows=max_rows)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tok.save(str(tmp))
-        os.replace(tmp, path)
+        with atomic_write(path) as tmp:
+            tok.save(str(tmp))
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return path

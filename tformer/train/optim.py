@@ -11,7 +11,8 @@ from .config import OptimConfig
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Matrices (weights of linears and embeddings) decay; biases, norm gains, 1-D params don't."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)

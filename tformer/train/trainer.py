@@ -21,6 +21,7 @@ from ..checkpoint.io import (CheckpointError, commit, find_latest, list_checkpoi
                              write_bytes_durable)
 from ..config import ConfigError
 from ..data import ResumableSampler
+from ..files import atomic_write
 from ..models import build_model
 from ..parallel.offload import activation_offload
 from ..models.flops import training_flops
@@ -263,7 +264,8 @@ class Trainer:
                      "skipped": self.skipped, "world_size": self.dist.world_size,
                      "rollbacks": self.rollbacks, "spike_detector": self.spikes.state_dict(),
                      "wandb_id": self.wandb_id, "model_config": self.model_cfg.to_dict(),
-                     "strategy": self.cfg.parallel.strategy, "family": self.model_cfg.family, "objective": self.data.objective,
+                     "strategy": self.cfg.parallel.strategy, "family": self.model_cfg.family,
+                     "objective": self.data.objective,
                      "seq_len": self.data.seq_len, "target_len": self.data.target_len,
                      "time": time.time()}
             write_bytes_durable(tmp / "trainer.json", json.dumps(state, indent=1).encode())
@@ -521,9 +523,8 @@ class Trainer:
             path = self.out / "rollbacks.json"
             events = json.loads(path.read_text()) if path.is_file() else []
             events.append(event)
-            tmp = path.with_suffix(".tmp")
-            write_bytes_durable(tmp, json.dumps(events, indent=1).encode())
-            os.replace(tmp, path)
+            with atomic_write(path, durable=True) as tmp:
+                tmp.write_bytes(json.dumps(events, indent=1).encode())
         barrier()
 
     def _apply_pending_rollback(self) -> None:

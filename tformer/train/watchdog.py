@@ -22,6 +22,9 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
+
+from ..files import atomic_write
 
 log = logging.getLogger("tformer.train")
 
@@ -65,9 +68,8 @@ class Watchdog:
         record = {"rank": self.rank, "pid": os.getpid(), "step": self._step, "phase": self._phase,
                   "progress": self._progress, "written": time.time()}
         path = self.dir / f"heartbeat_rank{self.rank}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
+        with atomic_write(path) as tmp:
+            tmp.write_text(json.dumps(record))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -101,7 +103,7 @@ class Watchdog:
         stale, waiting = [], []
         for r in range(self.world_size):
             try:
-                hb = (json.loads((self.dir / f"heartbeat_rank{r}.json").read_text()) if r != self.rank else
+                hb: dict[str, Any] = (json.loads((self.dir / f"heartbeat_rank{r}.json").read_text()) if r != self.rank else
                       {"step": self._step, "phase": self._phase, "progress": self._progress, "written": now})
             except (OSError, ValueError):
                 stale.append(f"rank {r} (no heartbeat)")

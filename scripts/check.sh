@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The habits CI keeps before the tests (.ci/run): ruff lint, mypy, shellcheck. The tools come from
+# the "lint" extra that scripts/setup.sh installs into .venv (PYTHON= picks another interpreter).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+BIN=$(dirname "$PY")
+
+echo "ruff check"
+"$PY" -m ruff check .
+# Turned on once the tree is formatted (`ruff format .`, see CONTRIBUTING.md):
+# echo "ruff format --check"
+# "$PY" -m ruff format --check .
+echo "mypy"
+"$PY" -m mypy
+echo "shellcheck"
+mapfile -t scripts < <(find launch slurm scripts tests/cluster -type f \( -name '*.sh' -o -name '*.sbatch' \) | sort)
+"$BIN/shellcheck" "${scripts[@]}" .ci/run

@@ -1,0 +1,141 @@
+"""Files written whole or not at all: the one atomic-write helper every writer uses.
+
+A reader (a resume, an export consumer, another rank, a second run sharing a cache) must see the
+old file or directory or the new one, never half of one. Every writer therefore builds its output
+under a ``.partial-`` sibling and renames it into place (:func:`atomic_write`, or
+:func:`temp_sibling` + :func:`publish` where the building code has its own error handling).
+``durable`` adds the fsyncs that make the result survive a power cut, not only a crash: checkpoints
+and run records use it; exports, caches and heartbeats are cheap to redo and skip it.
+
+It sits at the bottom of the layers (with ``config.py``): checkpoints, strategies, exports, the data
+cache and the trainer all write through it.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+PARTIAL = ".partial-"  # the prefix of everything being written; never a complete output
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename into it, a new file) durable; a no-op where the
+    platform cannot open directories."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def write_bytes_durable(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def torch_save_durable(obj: Any, path: Path) -> None:
+    import torch
+
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_model_weights(model: Any, path: Path) -> None:
+    """Safetensors of the model with each tied tensor once (its first name), made durable."""
+    from safetensors.torch import save_file
+
+    seen, state = set(), {}
+    for name, p in model.state_dict(keep_vars=True).items():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        state[name] = p.detach().contiguous().cpu()
+    save_file(state, str(path), metadata={"format": "pt"})
+    fsync_file(path)
+
+
+def temp_sibling(path: Path, directory: bool = False) -> Path:
+    """A fresh ``.partial-`` name next to ``path`` (created as an empty directory if
+    ``directory``), so the final rename never crosses a filesystem. Unlike ``tempfile``'s, the
+    output gets the umask's permissions, as if written in place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        tmp = path.with_name(f"{PARTIAL}{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
+        if not tmp.exists():
+            break
+    if directory:
+        tmp.mkdir()
+    return tmp
+
+
+def remove(path: Path) -> None:
+    """Remove a file or a directory tree if it is there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def publish(tmp: Path, path: Path, durable: bool = False, keep_existing: bool = False) -> Path:
+    """Rename the finished ``tmp`` to ``path`` in one step. A file replaces a file atomically. A
+    directory replaces an existing one by moving it aside first (it is removed afterwards), or,
+    with ``keep_existing``, yields to it: another writer finished the same content first and
+    ``tmp`` is dropped. ``durable``: ``tmp`` (a file's content, a directory's entries) and the
+    rename are fsynced."""
+    if durable:
+        if tmp.is_dir():
+            fsync_dir(tmp)
+        else:
+            fsync_file(tmp)
+    if tmp.is_dir() and keep_existing:
+        try:
+            os.rename(tmp, path)  # refused when another writer's ``path`` is already in place
+        except OSError:
+            if not path.exists():
+                raise
+            remove(tmp)
+            return path
+    elif tmp.is_dir() and path.exists():
+        old = path.with_name(f".old-{path.name}-{os.getpid()}")
+        remove(old)
+        os.rename(path, old)
+        os.rename(tmp, path)
+        remove(old)
+    else:
+        os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+    return path
+
+
+@contextmanager
+def atomic_write(path: str | Path, directory: bool = False, durable: bool = False,
+                 keep_existing: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling of ``path`` (an empty directory if ``directory``) to write; when
+    the block ends it takes ``path``'s place (:func:`publish`), and on any error it is removed,
+    so no partial output is ever left behind."""
+    path = Path(path)
+    tmp = temp_sibling(path, directory)
+    try:
+        yield tmp
+        publish(tmp, path, durable=durable, keep_existing=keep_existing)
+    except BaseException:
+        remove(tmp)
+        raise
