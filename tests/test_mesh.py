@@ -177,7 +177,7 @@ def tp2_runs(cache, tmp_path_factory):
 
 def test_tp2_equals_the_single_process_run_for_every_family(tp2_runs, tmp_path_factory):
     tmp = tp2_runs
-    for i, (name, flags) in enumerate(TP_CASES):
+    for i, (name, _) in enumerate(TP_CASES):
         assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, 1))
         assert_counts(tmp / f"report{i}", 2, 2)  # 1/tp of every TP-sharded parameter, exactly
     log = (tmp / "run0" / "config.yaml").read_text()
@@ -227,7 +227,7 @@ def test_fsdp_x_tp_and_hsdp_equal_the_single_process_run(cache, tmp_path_factory
         recipe, overrides = _overrides(name, tmp / f"run{i}", *flags)
         jobs.append((recipe, overrides, str(tmp / f"report{i}")))
     run_ranks(4, jobs, cache)
-    for i, (name, flags, dp) in enumerate(MESH_CASES):
+    for i, (name, _, dp) in enumerate(MESH_CASES):
         assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, dp))
     assert_counts(tmp / "report0", 4, 4, 2)  # dp_shard 2 x tp 2
     assert_counts(tmp / "report2", 4, 2, 2)  # HSDP: sharded within a replica of 2
@@ -241,7 +241,8 @@ def test_fsdp_x_tp_and_hsdp_equal_the_single_process_run(cache, tmp_path_factory
     (4, ["parallel.tp=4", "model.num_heads=2", "model.d_model=64"], "parallel.tp=4 does not divide model.num_heads=2"),
     (2, ["parallel.tp=2", "model.num_heads=4", "model.num_kv_heads=1"], "does not divide model.num_kv_heads=1"),
     (2, ["parallel.tp=2", "model.d_ff=127"], "does not divide model.d_ff=127"),
-    (2, ["parallel.tp=2", "model.vocab_size=2047"], "does not divide the vocabulary (model.vocab_size=2047, padded to 2047)"),
+    (2, ["parallel.tp=2", "model.vocab_size=2047"],
+     "does not divide the vocabulary (model.vocab_size=2047, padded to 2047)"),
     (2, ["parallel.tp=2", "parallel.strategy=deepspeed"], "parallel.strategy=deepspeed does not compose"),
     (2, ["parallel.dp_replicate=2"], "parallel.dp_replicate=2 (HSDP) needs parallel.strategy=fsdp"),
     (4, ["parallel.tp=2"], "parallel.tp=2 with 2 data-parallel ranks needs parallel.strategy=fsdp"),

@@ -230,8 +230,8 @@ def _consolidate(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
-    p = _Parser(prog="tformer plan",
-                                description="Predict per-device memory for each strategy and mesh layout (dp_replicate x dp_shard x tp) and recommend one.")
+    p = _Parser(prog="tformer plan", description="Predict per-device memory for each strategy and mesh layout "
+                "(dp_replicate x dp_shard x tp) and recommend one.")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--devices", type=_number(int, "[1, inf)"), default=8)

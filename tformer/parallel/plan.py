@@ -31,7 +31,7 @@ import functools
 from dataclasses import dataclass
 
 from ..args import parse_bytes
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 
 STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-no-reshard")
 # bytes per parameter of DeepSpeed's fp32 ZeRO as built, by device count N (see the module doc)

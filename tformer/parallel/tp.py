@@ -110,16 +110,17 @@ def tp_plan(model, sp: bool, loss_parallel: bool) -> dict:
                                                   use_local_output=True)
             # stack boundaries: the first block keeps its slice of the sequence (no communication),
             # the last one gathers it (block inputs: x, padding_mask)
-            into = dict(input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None),
-                        use_local_input=True)
-            out = dict(output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)
             if i == 0 and i == last:
-                plan[p] = PrepareModuleInputOutput(**into, **out)
+                plan[p] = PrepareModuleInputOutput(input_layouts=(Replicate(), None),
+                                                   desired_input_layouts=(Shard(1), None), use_local_input=True,
+                                                   output_layouts=Shard(1), desired_output_layouts=Replicate(),
+                                                   use_local_output=True)
             elif i == 0:
-                plan[p] = PrepareModuleInput(**{k: v for k, v in into.items() if k != "use_local_input"},
+                plan[p] = PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None),
                                              use_local_output=True)
             elif i == last:
-                plan[p] = PrepareModuleOutput(**out)
+                plan[p] = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
+                                              use_local_output=True)
     return plan
 
 

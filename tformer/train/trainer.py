@@ -375,7 +375,8 @@ class Trainer:
             print(f"tformer: {self.model_cfg.family} model, {self.model.num_parameters():,} parameters, "
                   f"{self.dist.world_size} rank(s) on {self.device}, precision {self.precision}, "
                   f"objective {self.data.objective}\nmesh: {self.dims.describe()}"
-                  f"{' sp' if self.dims.tp > 1 and cfg.parallel.sp else ''}\n--- resolved config ---\n{self.resolved_yaml()}---",
+                  f"{' sp' if self.dims.tp > 1 and cfg.parallel.sp else ''}\n"
+                  f"--- resolved config ---\n{self.resolved_yaml()}---",
                   flush=True)
         previous = self._install_signals()
         tracker = WandbTracker(cfg.wandb, self.out, self.resolved, self.wandb_id) if main else None
