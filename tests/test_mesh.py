@@ -36,11 +36,16 @@ def _worker(rank, world, port, jobs, cache):
     torch.set_num_threads(1)
     import torch.distributed as dist
     try:
+        from torch._dynamo.utils import counters
         for recipe, overrides, report in jobs:
             trainer = Trainer(load_config(CONFIGS / f"{recipe}.yaml", overrides))
+            if trainer.cfg.compile:
+                torch._dynamo.reset()  # this run compiles its own graphs
+            graphs = counters["stats"]["unique_graphs"]
             trainer.fit()
             if report is not None:
                 _report(trainer, rank, report)
+                Path(f"{report}.graphs{rank}").write_text(str(counters["stats"]["unique_graphs"] - graphs))
     finally:
         if dist.is_initialized():
             dist.barrier()
@@ -160,7 +165,7 @@ TP_CASES = [("gpt2", ["parallel.sp=true"]), ("gpt2", ["parallel.sp=false", "para
             ("llama", ["parallel.sp=true"]), ("llama", ["parallel.sp=false"]),
             ("bert", ["parallel.sp=true"]), ("bert", ["parallel.sp=false", "parallel.loss_parallel=false"]),
             ("t5", ["parallel.sp=true"]), ("t5", ["parallel.sp=false", "parallel.loss_parallel=false"]),
-            ("t5-v1.1", ["parallel.sp=true"])]
+            ("t5-v1.1", ["parallel.sp=true"]), ("t5-v1.1", ["parallel.sp=false", "parallel.loss_parallel=false"])]
 
 
 @pytest.fixture(scope="module")
@@ -209,11 +214,33 @@ def test_tp2_checkpoints_load_consolidate_and_export_with_hf_parity(tp2_runs, tm
         assert_logits_match(ours, hf_model(tmp_path / f"hf-{name}", ours.config.family), ours.config)
 
 
+def test_tp_with_compile_and_activation_checkpointing(cache, tmp_path, tmp_path_factory):
+    """tp=2 + SP with per-block compile inside full and op-level activation checkpointing: the
+    1-process run's losses and parameters (inductor reorders float math: 1e-5, not bitwise)."""
+    runs = {"compiled-full": ["compile=true", "parallel.activation_checkpointing=full"],
+            "compiled-op": ["compile=true", "parallel.activation_checkpointing=op"],
+            "selective": ["parallel.activation_checkpointing=selective", "parallel.ac_every=2"]}
+    jobs = []
+    for name, flags in runs.items():
+        recipe, overrides = _overrides("gpt2", tmp_path / name, "parallel.tp=2", "parallel.sp=true", *flags)
+        jobs.append((recipe, overrides, str(tmp_path / f"{name}-report")))
+    run_ranks(2, jobs, cache)
+    for name in runs:
+        assert_same_run(name, tmp_path / name, tmp_path / f"{name}-report", reference("gpt2", tmp_path_factory, 1))
+        if name.startswith("compiled"):
+            for rank in (0, 1):  # the blocks really ran compiled (2 blocks, at least one graph each)
+                assert int((tmp_path / f"{name}-report.graphs{rank}").read_text()) >= 2, name
+
+
 # -- 4 processes: FSDP2 x TP and HSDP -----------------------------------------------------------
 
-MESH_CASES = [("gpt2", ["parallel.strategy=fsdp", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sp=true"], 2),
-              ("t5", ["parallel.strategy=fsdp", "parallel.dp_shard=2", "parallel.tp=2"], 2),
-              ("llama", ["parallel.strategy=fsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"], 4),
+FSDP_TP = ["parallel.strategy=fsdp", "parallel.dp_shard=2", "parallel.tp=2"]
+HSDP = ["parallel.strategy=fsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"]
+# (family, flags, data-parallel ranks): every family at dp_shard 2 x tp 2 and at HSDP 2 x 2, plus
+# HSDP 2 x tp 2
+MESH_CASES = [("gpt2", [*FSDP_TP, "parallel.sp=true"], 2), ("llama", FSDP_TP, 2), ("bert", FSDP_TP, 2),
+              ("t5", [*FSDP_TP, "parallel.sp=true"], 2), ("t5-v1.1", FSDP_TP, 2),
+              *((name, HSDP, 4) for name in FAMILIES),
               ("bert", ["parallel.strategy=fsdp", "parallel.dp_replicate=2", "parallel.tp=2", "parallel.sp=true"], 2)]
 
 
@@ -229,8 +256,11 @@ def test_fsdp_x_tp_and_hsdp_equal_the_single_process_run(cache, tmp_path_factory
     run_ranks(4, jobs, cache)
     for i, (name, _, dp) in enumerate(MESH_CASES):
         assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, dp))
-    assert_counts(tmp / "report0", 4, 4, 2)  # dp_shard 2 x tp 2
-    assert_counts(tmp / "report2", 4, 2, 2)  # HSDP: sharded within a replica of 2
+    for i, (_, flags, _) in enumerate(MESH_CASES):
+        if flags == FSDP_TP or flags[:3] == FSDP_TP:
+            assert_counts(tmp / f"report{i}", 4, 4, 2)  # dp_shard 2 x tp 2
+        elif flags == HSDP:
+            assert_counts(tmp / f"report{i}", 4, 2, 2)  # HSDP: sharded within a replica of 2
 
 
 # -- bad input: one line, before any process group -------------------------------------------------
@@ -275,3 +305,40 @@ def test_parallel_dims_arithmetic():
     assert [dims.tp_rank(r) for r in range(8)] == [0, 1] * 4
     with pytest.raises(ConfigError):
         ParallelDims.resolve(8, dp_shard=0)
+
+
+# -- DCP resharding across layouts ------------------------------------------------------------------
+
+def _resume(name, out, ckpt, *flags):
+    return _overrides(name, out, "save_every=2", f"resume={ckpt}", *flags)
+
+
+def test_checkpoints_reshard_between_mesh_layouts(cache, tmp_path, tmp_path_factory):
+    """A run saved at (dp_shard 2, tp 2) resumes at (dp 1, tp 2), (dp 2, tp 1) and on one process;
+    a 1-process checkpoint resumes at (dp_shard 2, tp 2). Every resumed step's loss is the
+    uninterrupted run's at 1e-5: the arithmetic order changes with the layout (TP's partial sums,
+    the order of the data-parallel gradient reduction), so not bitwise. The global batch stays 8:
+    micro 4 x dp ranks x accumulation."""
+    mesh = ["parallel.strategy=fsdp", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sp=true"]
+    # the 1-process run, saved at step 2
+    recipe, one = _overrides("gpt2", tmp_path / "one", "save_every=2", "grad_accum=2")
+    Trainer(load_config(CONFIGS / f"{recipe}.yaml", one)).fit()
+    one_ckpt = tmp_path / "one" / "checkpoints" / "step_00000002"
+    straight = tmp_path / "straight"
+    run_ranks(4, [(recipe, _overrides("gpt2", straight, "save_every=2", *mesh)[1], None),
+                  (recipe, _resume("gpt2", tmp_path / "from-one", one_ckpt, *mesh)[1], None)], cache)
+    ckpt = straight / "checkpoints" / "step_00000002"
+    run_ranks(2, [(recipe, _resume("gpt2", tmp_path / "tp2", ckpt, "parallel.strategy=fsdp", "parallel.tp=2",
+                                   "grad_accum=2")[1], None),
+                  (recipe, _resume("gpt2", tmp_path / "dp2", ckpt, "parallel.strategy=fsdp",
+                                   "parallel.dp_shard=2")[1], None)], cache)
+    Trainer(load_config(CONFIGS / f"{recipe}.yaml", _resume("gpt2", tmp_path / "single", ckpt, "grad_accum=2")[1])).fit()
+    base, mesh_losses = losses(tmp_path / "one"), losses(straight)
+    assert list(base) == list(mesh_losses) == [1, 2, 3, 4]
+    for step in base:
+        assert mesh_losses[step] == pytest.approx(base[step], rel=1e-5), step
+    for run, expected in (("tp2", mesh_losses), ("dp2", mesh_losses), ("single", mesh_losses), ("from-one", base)):
+        got = losses(tmp_path / run)
+        assert list(got) == [3, 4], run
+        for step in got:
+            assert got[step] == pytest.approx(expected[step], rel=1e-5), (run, step)

@@ -262,6 +262,7 @@ class Trainer:
         if self.dist.is_main:
             state = {"step": self.step, "consumed_samples": self.consumed, "tokens": self.tokens,
                      "skipped": self.skipped, "world_size": self.dist.world_size,
+                     "mesh": self.dims.describe(),
                      "rollbacks": self.rollbacks, "spike_detector": self.spikes.state_dict(),
                      "wandb_id": self.wandb_id, "model_config": self.model_cfg.to_dict(),
                      "strategy": self.cfg.parallel.strategy, "family": self.model_cfg.family,
