@@ -60,10 +60,13 @@ def _report(trainer, rank, path):
     counts = {n: [p.to_local().numel() if hasattr(p, "to_local") else p.numel(), p.numel()]
               for n, p in trainer.model.named_parameters()}
     Path(f"{path}.rank{rank}.json").write_text(json.dumps(counts))
-    state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
+    from tformer.parallel.pipeline import Parts
+    # every rank gets the full tensors (with cpu_offload only rank 0 would)
+    state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+    state = {Parts.strip(k): v for k, v in state.items()}  # a pipeline rank: its stages' tensors
+    if dist.get_rank() == 0 or trainer.dims.pp > 1:
         save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"
-                   or not trainer.model_cfg.tie_embeddings}, f"{path}.safetensors")
+                   or not trainer.model_cfg.tie_embeddings}, f"{path}.full{dist.get_rank()}.safetensors")
 
 
 def run_ranks(world, jobs, cache):
@@ -108,15 +111,16 @@ def _overrides(name, out, *extra):
     return recipe, small_overrides(recipe, out, *COMMON, *own, *extra)
 
 
-def reference(name, tmp_path_factory, grad_accum):
-    """The 1-process run with the same global batch (cached per family and accumulation)."""
-    if (name, grad_accum) not in REFS:
+def reference(name, tmp_path_factory, grad_accum, *extra):
+    """The 1-process run with the same global batch (cached per family, accumulation and extras)."""
+    key = (name, grad_accum, *extra)
+    if key not in REFS:
         out = tmp_path_factory.mktemp(f"ref-{name}")
-        recipe, overrides = _overrides(name, out, f"grad_accum={grad_accum}")
+        recipe, overrides = _overrides(name, out, f"grad_accum={grad_accum}", *extra)
         trainer = Trainer(load_config(CONFIGS / f"{recipe}.yaml", overrides))
         trainer.fit()
-        REFS[name, grad_accum] = (losses(out), {k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
-    return REFS[name, grad_accum]
+        REFS[key] = (losses(out), {k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
+    return REFS[key]
 
 
 def assert_same_run(name, got_dir, report, ref, tol=1e-5):
@@ -126,8 +130,10 @@ def assert_same_run(name, got_dir, report, ref, tol=1e-5):
     for step in got:
         assert got[step] == pytest.approx(ref_losses[step], rel=tol), (name, step, got, ref_losses)
     from safetensors.torch import load_file
-    state = load_file(f"{report}.safetensors")
-    assert state, name
+    state = {}
+    for part in sorted(Path(report).parent.glob(f"{Path(report).name}.full*.safetensors")):
+        state.update(load_file(part))  # pipeline ranks: each wrote its stages
+    assert state.keys() >= {k for k in ref_state if k != "lm_head.weight"}, (name, set(ref_state) - set(state))
     errs = {}
     for k, v in state.items():
         if k.endswith("k_proj.bias"):  # zero true gradient (softmax ignores a per-query constant):
@@ -204,7 +210,7 @@ def test_tp2_checkpoints_load_consolidate_and_export_with_hf_parity(tp2_runs, tm
             continue
         done.add(name)
         ckpt = tp2_runs / f"run{i}" / "checkpoints" / "step_00000004"
-        full = load_file(tp2_runs / f"report{i}.safetensors")
+        full = load_file(tp2_runs / f"report{i}.full0.safetensors")
         ours = load_checkpoint(ckpt).eval()
         state = ours.state_dict()
         single = load_file(consolidate(ckpt, tmp_path / f"{name}.safetensors"))

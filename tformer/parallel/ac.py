@@ -61,7 +61,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every: 
     marked = 0
     for stack in model.modules():
         if isinstance(stack, TransformerStack):
-            chosen = frozenset(range(step - 1, len(stack.layers), step)) if mode in ("full", "selective") else frozenset()
+            chosen = frozenset(i for i in range(step - 1, len(stack.layers), step)  # (a pipeline stage's
+                               if isinstance(stack.layers[i], TransformerBlock)  # blocks only)
+                               ) if mode in ("full", "selective") else frozenset()
             stack.checkpointed = chosen
             marked += len(chosen)
     for block in model.modules():

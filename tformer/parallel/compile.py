@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from ..nn import TransformerStack
+from ..nn import TransformerBlock, TransformerStack
 
 
 def compile_blocks(model: torch.nn.Module, **options) -> torch.nn.Module:
     for module in model.modules():
         if isinstance(module, TransformerStack):
             for block in module.layers:
-                block.compile(**options)  # in place: parameter names stay as they are
+                if isinstance(block, TransformerBlock):  # not another pipeline stage's placeholder
+                    block.compile(**options)  # in place: parameter names stay as they are
     return model

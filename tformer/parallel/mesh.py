@@ -1,13 +1,14 @@
 """The device mesh of a run: how its ranks split into data-parallel replicas, shard groups and
 tensor-parallel groups, decided once from the world size and the ``parallel.*`` keys.
 
-    world size = dp_replicate x dp_shard x tp
+    world size = pp x dp_replicate x dp_shard x tp
 
-Ranks are laid out row-major over (dp_replicate, dp_shard, tp), so the ``tp`` ranks of one group are
-neighbours (one node's GPUs, whose links tensor parallelism needs) and a replica is a contiguous
-block of ranks (one node or a few, for HSDP: shard within, all-reduce across). Everything that
-needs to know "which data does this rank see" reads ``dp_rank``/``dp_size`` here, never the global
-rank: the ``tp`` ranks of a group see the same batch.
+Ranks are laid out row-major over (pp, dp_replicate, dp_shard, tp), so the ``tp`` ranks of one group
+are neighbours (one node's GPUs, whose links tensor parallelism needs), a replica is a contiguous
+block of ranks (one node or a few, for HSDP: shard within, all-reduce across), and pipeline stages
+are the outermost split (point-to-point traffic only, the cheapest to send across nodes). Everything
+that needs to know "which data does this rank see" reads ``dp_rank``/``dp_size`` here, never the
+global rank: the ``tp`` ranks of a group and the ``pp`` stages of a pipeline see the same batch.
 
 ``ParallelDims`` is plain arithmetic, checked before any process group exists; ``build_mesh`` then
 creates the named ``DeviceMesh`` that the strategies (FSDP2, HSDP, tensor parallel) and the
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from ..config import ConfigError
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
@@ -27,36 +28,41 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     tp: int
+    pp: int = 1
 
     @classmethod
-    def resolve(cls, world_size: int, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1) -> ParallelDims:
-        """The dims for ``world_size`` ranks; ``dp_shard=-1`` takes what dp_replicate x tp leave."""
-        for name, value in (("dp_replicate", dp_replicate), ("tp", tp)):
+    def resolve(cls, world_size: int, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
+                pp: int = 1) -> ParallelDims:
+        """The dims for ``world_size`` ranks; ``dp_shard=-1`` takes what pp x dp_replicate x tp leave."""
+        for name, value in (("dp_replicate", dp_replicate), ("tp", tp), ("pp", pp)):
             if value < 1:
                 raise ConfigError(f"parallel.{name}={value} must be >= 1")
         if dp_shard == -1:
-            if world_size % (dp_replicate * tp):
-                raise ConfigError(
-                    f"world size {world_size} is not divisible by parallel.dp_replicate x parallel.tp = "
-                    f"{dp_replicate} x {tp}; launch a multiple of {dp_replicate * tp} ranks or change them")
-            dp_shard = world_size // (dp_replicate * tp)
+            fixed = pp * dp_replicate * tp
+            if world_size % fixed:
+                what = "parallel.dp_replicate x parallel.tp" + (" x parallel.pp" if pp > 1 else "")
+                sizes = f"{dp_replicate} x {tp}" + (f" x {pp}" if pp > 1 else "")
+                raise ConfigError(f"world size {world_size} is not divisible by {what} = {sizes}; launch a "
+                                  f"multiple of {fixed} ranks or change them")
+            dp_shard = world_size // fixed
         elif dp_shard < 1:
             raise ConfigError(f"parallel.dp_shard={dp_shard} must be >= 1, or -1 for what the world size "
                               "leaves after dp_replicate x tp")
-        if dp_replicate * dp_shard * tp != world_size:
+        if pp * dp_replicate * dp_shard * tp != world_size:
             raise ConfigError(
-                f"world size {world_size} != parallel.dp_replicate x dp_shard x tp = {dp_replicate} x "
-                f"{dp_shard} x {tp} = {dp_replicate * dp_shard * tp}; launch that many ranks or set "
-                "parallel.dp_shard=-1 to use whatever is left")
-        return cls(dp_replicate, dp_shard, tp)
+                f"world size {world_size} != parallel.{'pp x ' if pp > 1 else ''}dp_replicate x dp_shard x tp = "
+                f"{f'{pp} x ' if pp > 1 else ''}{dp_replicate} x {dp_shard} x {tp} = "
+                f"{pp * dp_replicate * dp_shard * tp}; launch that many ranks or set parallel.dp_shard=-1 to "
+                "use whatever is left")
+        return cls(dp_replicate, dp_shard, tp, pp)
 
     @classmethod
     def from_config(cls, pcfg, world_size: int) -> ParallelDims:
-        return cls.resolve(world_size, pcfg.dp_replicate, pcfg.dp_shard, pcfg.tp)
+        return cls.resolve(world_size, pcfg.dp_replicate, pcfg.dp_shard, pcfg.tp, pcfg.pp)
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def dp_size(self) -> int:
@@ -64,29 +70,34 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def dp_rank(self, rank: int) -> int:
-        return rank // self.tp
+        return (rank // self.tp) % self.dp_size
+
+    def pp_rank(self, rank: int) -> int:
+        return rank // (self.dp_size * self.tp)
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 
     def describe(self) -> str:
-        return f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp}"
+        return (f"{f'pp={self.pp} ' if self.pp > 1 else ''}dp_replicate={self.dp_replicate} "
+                f"dp_shard={self.dp_shard} tp={self.tp}")
 
     def build_mesh(self, device_type: str):
-        """The named 3-D ``DeviceMesh`` (dp_replicate, dp_shard, tp), plus a flattened ``dp``
+        """The named 4-D ``DeviceMesh`` (pp, dp_replicate, dp_shard, tp), plus a flattened ``dp``
         dimension (replicate x shard), for a started process group."""
         from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=MESH_DIMS)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return mesh
 
 
 def check_strategy(dims: ParallelDims, strategy: str) -> None:
     """Layouts a strategy cannot run, refused in one line before any process group exists."""
-    if strategy == "deepspeed" and (dims.tp > 1 or dims.dp_replicate > 1):
+    if strategy == "deepspeed" and (dims.tp > 1 or dims.dp_replicate > 1 or dims.pp > 1):
         raise ConfigError(f"parallel.strategy=deepspeed does not compose with the device mesh "
                           f"({dims.describe()}): DeepSpeed partitions over all ranks itself; use "
-                          "parallel.strategy=fsdp for tensor parallelism or HSDP")
+                          "parallel.strategy=fsdp for tensor or pipeline parallelism and HSDP")
     if dims.dp_replicate > 1 and strategy != "fsdp":
         raise ConfigError(f"parallel.dp_replicate={dims.dp_replicate} (HSDP) needs parallel.strategy=fsdp, "
                           f"not {strategy}; set parallel.strategy=fsdp or parallel.dp_replicate=1")
@@ -94,3 +105,6 @@ def check_strategy(dims: ParallelDims, strategy: str) -> None:
         raise ConfigError(f"parallel.tp={dims.tp} with {dims.dp_size} data-parallel ranks needs "
                           "parallel.strategy=fsdp (DDP does not replicate tensor-parallel parameters); "
                           "set parallel.strategy=fsdp, or launch parallel.tp ranks for tensor parallelism alone")
+    if strategy == "ddp" and dims.pp > 1 and dims.dp_size > 1:
+        raise ConfigError(f"parallel.pp={dims.pp} with {dims.dp_size} data-parallel ranks needs "
+                          "parallel.strategy=fsdp (FSDP2 per stage); set parallel.strategy=fsdp")

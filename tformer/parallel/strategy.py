@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..files import save_model_weights, torch_save_durable
-from ..nn import TransformerStack
+from ..nn import TransformerBlock, TransformerStack
 from ..safeload import CheckpointError, torch_load_safe
 from .ac import apply_activation_checkpointing
 from .compile import compile_blocks
@@ -36,15 +36,35 @@ class Strategy:
         pcfg = cfg.parallel
         self.mesh = getattr(dist_info, "mesh", None)
         self.tp = self.mesh["tp"].size() if self.mesh is not None else 1
+        self.pp = self.mesh["pp"].size() if self.mesh is not None else 1
         self.loss_parallel = self.tp > 1 and pcfg.loss_parallel
+        if self.pp == 1:
+            self.wrapped = self.wrap(self._prepare(model))
+            return
+        # pipeline: this rank's stages, each prepared and wrapped like a whole model
+        from . import pipeline
+        stages = pipeline.num_stages(pcfg)
+        self.stage_ids = pipeline.stages_of_rank(self.mesh["pp"].get_local_rank(), self.pp, stages)
+        parts = [self.wrap(self._prepare(pipeline.build_stage(model, s, stages, pcfg.pp_layers,
+                                                                cfg.optim.label_smoothing)))
+                 for s in self.stage_ids]
+        self.model = self.wrapped = pipeline.Parts(parts)
+        self.is_last_stage = stages - 1 in self.stage_ids
+        self.schedule = pipeline.make_schedule(parts, self.stage_ids, stages, pcfg, cfg.grad_accum,
+                                               dist_info.device, self.mesh["pp"].get_group())
+        self.shared = pipeline.shared_parameters(self.model, self.mesh["pp"].get_group())
+
+    def _prepare(self, model):
+        """TP (+SP) -> activation checkpointing -> per-block compile, in place."""
+        pcfg = self.cfg.parallel
         if self.tp > 1:
             from .tp import apply_tensor_parallel
             apply_tensor_parallel(model, self.mesh["tp"], pcfg.sp, pcfg.loss_parallel)
         if pcfg.activation_checkpointing != "none":
             apply_activation_checkpointing(model, pcfg.activation_checkpointing, pcfg.ac_every)
-        if cfg.compile:
+        if self.cfg.compile:
             compile_blocks(model)
-        self.wrapped = self.wrap(model)
+        return model
 
     @classmethod
     def check(cls, cfg, precision: str) -> None:
@@ -52,7 +72,7 @@ class Strategy:
 
     # -- wrapping and stepping -------------------------------------------------------------
     def wrap(self, model):
-        if not self.dist.distributed or self.tp > 1:  # tensor parallel alone: no data-parallel peer
+        if not self.dist.distributed or self.tp > 1 or self.pp > 1:  # TP / PP alone: no data-parallel peer
             return model
         from torch.nn.parallel import DistributedDataParallel as DDP
         ids = [self.dist.device.index] if self.dist.device.type == "cuda" else None
@@ -77,19 +97,45 @@ class Strategy:
         return loss_context(self.loss_parallel)
 
     def clip_grad_norm(self, max_norm: float) -> float:
+        if self.pp > 1:  # shared weights' gradients summed over the stages; the norm over all stages
+            from .pipeline import sync_shared_grads
+            from .tp import grad_norm_and_clip
+            sync_shared_grads(self.model, self.shared, self.mesh["pp"].get_group())
+            return grad_norm_and_clip(self.model.named_parameters(), max_norm, group=self.mesh["pp"].get_group(),
+                                      skip=self.shared.counted_elsewhere)
         if self.tp > 1:  # parameters on several meshes (TP, TP x FSDP, replicated)
             from .tp import grad_norm_and_clip
-            return grad_norm_and_clip(self.model.parameters(), max_norm)
+            return grad_norm_and_clip(self.model.named_parameters(), max_norm)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def fused_optimizer_ok(self) -> bool:
-        return self.tp == 1  # DTensor parameters: the foreach implementation
+        return self.tp == 1 and self.pp == 1  # DTensor parameters: the foreach implementation
+
+    # -- pipeline --------------------------------------------------------------------------------
+    def pipeline_step(self, inputs: dict, train: bool = True) -> torch.Tensor | None:
+        """One pass of the schedule over the step's micro-batches (forward and, when training,
+        backward). Returns the mean of the micro-batch losses on the last stage, else None."""
+        from .pipeline import stage_kwargs
+        losses: list = []
+        kwargs = stage_kwargs(inputs)
+        run = self.schedule.step if train else self.schedule.eval
+        run(inputs["input_ids"], target=inputs["labels"], losses=losses, return_outputs=False, **kwargs)
+        if not self.is_last_stage:
+            return None
+        return torch.stack([loss.detach().float() for loss in losses]).mean()
 
     # -- checkpoints -------------------------------------------------------------------------
     def _dcp_state(self, optimizer):
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-        msd, osd = get_state_dict(self.model, optimizer)
+        """Model and optimizer state by parameter name (optimizer states flattened to one key per
+        tensor, ``state.NAME.exp_avg``), so any layout loads any other: the names are the unsplit
+        model's under every strategy, mesh and pipeline split."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        msd, osd = get_state_dict(self.model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        if self.pp > 1:
+            from .pipeline import Parts
+            msd = {Parts.strip(k): v for k, v in msd.items()}
+            osd = {_strip_optimizer_key(k): v for k, v in osd.items()}
         return {"model": msd, "optimizer": osd}
 
     def save(self, tmp: Path, optimizer, scheduler, scaler) -> None:
@@ -109,10 +155,18 @@ class Strategy:
             raise CheckpointError(f"checkpoint {path} has no dcp/ directory; it was not written by the "
                                   "ddp or fsdp strategy (a deepspeed checkpoint needs parallel.strategy="
                                   "deepspeed, or `tformer consolidate` first)")
-        state = self._dcp_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        msd, osd = get_state_dict(self.model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        state = self._dcp_state(optimizer)  # the same tensors, by the unsplit model's names
         dcp_load(state, path / "dcp", self.cfg.checkpoint.trust)
-        set_state_dict(self.model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        if self.pp > 1:  # back to this rank's names (the loaded tensors are the same objects)
+            from .pipeline import Parts
+            msd = {k: state["model"][Parts.strip(k)] for k in msd}
+            osd = {k: state["optimizer"][_strip_optimizer_key(k)] for k in osd}
+        else:
+            msd, osd = state["model"], state["optimizer"]
+        set_state_dict(self.model, optimizer, model_state_dict=msd, optim_state_dict=osd,
+                       options=StateDictOptions(flatten_optimizer_state_dict=True))
         extra = torch_load_safe(path / "scheduler.pt", self.cfg.checkpoint.trust)
         scheduler.load_state_dict(extra["scheduler"])
         if scaler is not None and extra.get("scaler"):
@@ -142,7 +196,8 @@ class FSDPStrategy(Strategy):
         for stack in model.modules():
             if isinstance(stack, TransformerStack):
                 for block in stack.layers:
-                    fully_shard(block, **kwargs)
+                    if isinstance(block, TransformerBlock):  # not another pipeline stage's placeholder
+                        fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
         return model
 
@@ -152,6 +207,14 @@ class FSDPStrategy(Strategy):
 
     def fused_optimizer_ok(self) -> bool:
         return False  # DTensor parameters: use the foreach implementation
+
+
+def _strip_optimizer_key(key: str) -> str:
+    """``state.parts.1.NAME.exp_avg`` -> ``state.NAME.exp_avg`` (and ``param_groups.`` keys)."""
+    head, _, rest = key.partition(".")
+    if rest.startswith("parts."):
+        rest = rest.split(".", 2)[2]
+    return f"{head}.{rest}"
 
 
 def strategy_class(name: str):

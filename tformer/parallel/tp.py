@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError, ModelConfig
-from ..nn import MultiHeadAttention, TransformerStack
+from ..nn import MultiHeadAttention, TransformerBlock, TransformerStack
 
 
 def check_tp(cfg: ModelConfig, tp: int, sp: bool = False) -> None:
@@ -74,18 +74,22 @@ def tp_plan(model, sp: bool, loss_parallel: bool) -> dict:
                                                    RowwiseParallel, SequenceParallel)
 
     between = Shard(1) if sp else Replicate()  # the residual stream's layout between sub-layers
-    plan: dict = {"embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
-    if loss_parallel:
+    plan: dict = {}
+    if getattr(model, "embed", None) is not None:  # (a pipeline stage may hold neither of these)
+        plan["embed.tok"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if getattr(model, "lm_head", None) is not None and loss_parallel:
         plan["lm_head"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
                                           use_local_output=False)
-    else:
+    elif getattr(model, "lm_head", None) is not None:
         plan["lm_head"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     for stack_name, stack in _stacks(model):
         if stack.rel_bias is not None:  # (buckets, heads) table: split by head
             plan[f"{stack_name}.rel_bias.embedding"] = ColwiseParallel(input_layouts=Replicate(),
                                                                        output_layouts=Shard(-1))
-        last = len(stack.layers) - 1
-        for i, block in enumerate(stack.layers):
+        owned = [i for i, block in enumerate(stack.layers) if isinstance(block, TransformerBlock)]
+        first, last = owned[0], owned[-1]  # this stack's first and last block (of this pipeline stage)
+        for i in owned:
+            block = stack.layers[i]
             p = f"{stack_name}.layers.{i}"
             for attn in ("attn", "cross_attn") if block.cross_attn is not None else ("attn",):
                 for proj in ("q_proj", "k_proj", "v_proj"):
@@ -110,12 +114,12 @@ def tp_plan(model, sp: bool, loss_parallel: bool) -> dict:
                                                   use_local_output=True)
             # stack boundaries: the first block keeps its slice of the sequence (no communication),
             # the last one gathers it (block inputs: x, padding_mask)
-            if i == 0 and i == last:
+            if i == first and i == last:
                 plan[p] = PrepareModuleInputOutput(input_layouts=(Replicate(), None),
                                                    desired_input_layouts=(Shard(1), None), use_local_input=True,
                                                    output_layouts=Shard(1), desired_output_layouts=Replicate(),
                                                    use_local_output=True)
-            elif i == 0:
+            elif i == first:
                 plan[p] = PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None),
                                              use_local_output=True)
             elif i == last:
@@ -131,8 +135,8 @@ def apply_tensor_parallel(model, mesh, sp: bool = False, loss_parallel: bool = T
     cfg = model.config
     check_tp(cfg, tp, sp)
     parallelize_module(model, mesh, tp_plan(model, sp, loss_parallel))
-    if cfg.tie_embeddings:  # both layouts split the vocabulary rows: keep one tensor
-        model.lm_head.weight = model.embed.tok.weight
+    if cfg.tie_embeddings and getattr(model, "embed", None) is not None and getattr(model, "lm_head", None) is not None:
+        model.lm_head.weight = model.embed.tok.weight  # both layouts split the vocabulary rows: one tensor
     for m in model.modules():
         if isinstance(m, MultiHeadAttention):  # this rank's heads
             m.num_heads //= tp
@@ -192,23 +196,33 @@ def vocab_parallel_loss(logits, labels: torch.Tensor, vocab_size: int, label_smo
     return loss + label_smoothing * extra
 
 
-def grad_norm_and_clip(params, max_norm: float) -> float:
-    """The global L2 norm of the gradients of ``params`` (plain tensors, TP DTensors, FSDP2 DTensors,
-    mixed: grouped by mesh and placements, each group reduced over its own shards), clipped to
-    ``max_norm`` when it is > 0."""
+def grad_norm_and_clip(named_params, max_norm: float, group=None, skip=frozenset()) -> float:
+    """The global L2 norm of the gradients of ``named_params`` (plain tensors, TP DTensors, FSDP2
+    DTensors, mixed: grouped by mesh and placements, each group reduced over its own shards), clipped
+    to ``max_norm`` when it is > 0, as ``torch.nn.utils.clip_grad_norm_`` does. ``group``: the
+    squares are also summed over that process group (pipeline stages, each with its own parameters);
+    names in ``skip`` are clipped but counted by another stage (a weight two stages share)."""
+    import torch.distributed as dist
     groups: dict = {}
-    for p in params:
+    counted: dict = {}
+    for name, p in named_params:
         g = p.grad
         if g is None:
             continue
         key = (g.device_mesh, tuple(g.placements)) if hasattr(g, "device_mesh") else None
         groups.setdefault(key, []).append(g)
-    total_sq = 0.0
-    for grads in groups.values():
+        if name not in skip:
+            counted.setdefault(key, []).append(g)
+    total_sq = torch.zeros((), dtype=torch.float64)
+    for grads in counted.values():
         norm = torch.nn.utils.get_total_norm(grads, 2.0)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        total_sq += float(norm) ** 2
-    total = total_sq ** 0.5
+        total_sq += norm.double().cpu() ** 2
+    if group is not None:
+        device = next(iter(next(iter(groups.values())))).device if groups else torch.device("cpu")
+        total_sq = total_sq.to(device)
+        dist.all_reduce(total_sq, group=group)
+    total = float(total_sq) ** 0.5
     coef = max_norm / (total + 1e-6)  # as torch.nn.utils.clip_grad_norm_
     if max_norm > 0 and coef < 1.0:
         for grads in groups.values():

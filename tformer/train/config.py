@@ -94,6 +94,12 @@ class ParallelConfig:
     tp: int = 1                             # tensor-parallel degree (heads, FFN width, vocabulary split)
     sp: bool = False                        # tp: sequence parallel for norms, dropout and residual adds
     loss_parallel: bool = True              # tp: cross-entropy over the vocabulary-sharded logits
+    # Pipeline parallelism (tformer/parallel/pipeline.py): pp stages, outermost mesh dimension. The
+    # pipeline's micro-batches are the grad_accum micro-batches of micro_batch_size samples each.
+    pp: int = 1
+    pp_schedule: str = "1f1b"               # gpipe | 1f1b | interleaved_1f1b
+    pp_stages_per_rank: int = 1             # interleaved_1f1b: stages (virtual stages) per rank, >= 2
+    pp_layers: list | None = None           # blocks per stage, e.g. [3, 5] (default: as even as possible)
 
 
 @dataclass
@@ -264,6 +270,7 @@ RANGES = {
     "optim.warmup_steps": "[0, inf)", "optim.decay_steps": "[1, inf)",
     "parallel.ac_every": "[1, inf)", "parallel.zero_stage": "[0, 3]",
     "parallel.dp_replicate": "[1, inf)", "parallel.dp_shard": "[-1, inf)", "parallel.tp": "[1, inf)",
+    "parallel.pp": "[1, inf)", "parallel.pp_stages_per_rank": "[1, inf)",
     "loss.chunk_size": "[1, inf)",
     "optim.label_smoothing": "[0, 1)", "data.tokens_per_batch": "[1, inf)", "bleu_samples": "[1, inf)",
     "decode.num_beams": "[1, inf)", "decode.length_penalty": "[0, inf)", "decode.max_new_tokens": "[1, inf)",

@@ -26,6 +26,7 @@ from ..models import build_model
 from ..parallel.offload import activation_offload
 from ..models.flops import training_flops
 from ..parallel.mesh import ParallelDims, check_strategy
+from ..parallel.pipeline import check_pipeline
 from ..parallel.strategy import strategy_class
 from ..parallel.tp import check_tp, pad_for_sequence_parallel
 from .config import TrainConfig
@@ -79,7 +80,7 @@ class Trainer:
         # collectives outlive the watchdog by a minute, so a hang is reported before gloo/NCCL fail
         timeout = 600 if cfg.watchdog_timeout is None else cfg.watchdog_timeout + 60
         self.dist = init_distributed(cfg.device, cfg.parallel.backend, timeout_s=timeout,
-                                     always=cfg.parallel.strategy != "ddp" or self.dims.tp > 1)
+                                     always=cfg.parallel.strategy != "ddp" or self.dims.tp > 1 or self.dims.pp > 1)
         self.device = self.dist.device
         self.dist.dims = self.dims
         if torch.distributed.is_initialized():  # one mesh for the whole run (tformer/parallel/mesh.py)
@@ -101,10 +102,12 @@ class Trainer:
         self.model_cfg = self.data.model_config
         check_tp(self.model_cfg, self.dims.tp)  # the tokenizer may have set the vocabulary
         self.model = build_model(self.model_cfg).to(self.device)
+        self.num_parameters = self.model.num_parameters()  # the whole model's, before any split
         self.model.loss_chunk_size = cfg.loss.chunk_size  # the training loss's head, in chunks
         # AC -> per-block compile -> DDP / FSDP2, then the optimizer over the (sharded) parameters
         self.strategy = strategy_class(cfg.parallel.strategy)(self.model, cfg, self.dist,
                                                               DTYPES[self.precision])
+        self.model = self.strategy.model  # under pipeline parallelism: this rank's stages
         base = build_optimizer(self.model, cfg.optim, self.device,
                                allow_fused=self.strategy.fused_optimizer_ok())
         # The schedule drives the torch optimizer's param groups, which DeepSpeed's wrapper shares.
@@ -153,6 +156,14 @@ class Trainer:
                 raise ConfigError(f"parallel.backend={backend} is not available here ({why}); leave "
                                   "parallel.backend unset (nccl on CUDA, gloo on CPU)")
         strategy_class(cfg.parallel.strategy).check(cfg, self.precision)  # e.g. DeepSpeed missing
+        check_pipeline(cfg.model_config(), cfg.parallel, cfg.parallel.strategy)
+        if cfg.parallel.pp > 1 and cfg.data.tokens_per_batch is not None:
+            raise ConfigError("parallel.pp needs micro-batches of micro_batch_size samples (the schedule splits "
+                              "the step's batch evenly); set data.tokens_per_batch=null")
+        if cfg.parallel.pp > 1 and (self.precision == "fp16" or cfg.eval_bleu):
+            raise ConfigError("parallel.pp does not compose with " + ("precision=fp16 (its loss scaler); use bf16"
+                              if self.precision == "fp16" else "eval_bleu=true (decoding needs the whole model); "
+                              "set eval_bleu=false and decode a consolidated checkpoint with tformer evaluate"))
         # the mesh's arithmetic and what the strategy and model shapes allow, before any process group
         self.dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
         check_strategy(self.dims, cfg.parallel.strategy)
@@ -291,6 +302,8 @@ class Trainer:
         # Every rank evaluates the same number of samples: sharded forwards (FSDP2, ZeRO-3) are
         # collective, so a rank with one batch fewer would leave the others waiting.
         world = self.dist.dp_size  # the tp ranks of a group evaluate the same samples
+        if self.dims.pp > 1:
+            return self._evaluate_pipelined()
         n = min(len(ds), max(cfg.eval_batches * cfg.micro_batch_size, world))
         n -= n % world
         keys = list(range(self.dist.dp_rank, n, world))
@@ -317,6 +330,34 @@ class Trainer:
         if cfg.eval_bleu:
             result.update(self.evaluate_bleu(cfg.bleu_samples).record())
         return result
+
+    def _evaluate_pipelined(self) -> dict:
+        """Validation loss through the pipeline schedule (forward only), in whole steps of
+        ``grad_accum`` micro-batches per data-parallel rank; the micro-batch losses are weighted
+        by their labelled tokens, as the unsplit evaluation weights its batches."""
+        ds, cfg = self.data.validation, self.cfg
+        world, chunk = self.dist.dp_size, cfg.micro_batch_size * cfg.grad_accum
+        n = min(len(ds), max(cfg.eval_batches * cfg.micro_batch_size, world * chunk))
+        n -= n % (world * chunk)
+        keys = list(range(self.dist.dp_rank, n, world))
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
+        self.model.eval()
+        for i in range(0, len(keys), chunk):
+            batch = self.data.collator([ds[k] for k in keys[i:i + chunk]])
+            inputs = {k: batch[k].to(self.device) for k in MODEL_INPUTS[self.model_cfg.family] if k in batch}
+            losses: list = []
+            with self._autocast():
+                from ..parallel.pipeline import stage_kwargs
+                self.strategy.schedule.eval(inputs["input_ids"], target=inputs["labels"], losses=losses,
+                                            return_outputs=False, **stage_kwargs(inputs))
+            if self.strategy.is_last_stage:
+                counts = (inputs["labels"] != -100).reshape(cfg.grad_accum, -1).sum(-1)
+                total[0] += (torch.stack([x.double() for x in losses]) * counts).sum()
+                total[1] += counts.sum()
+        self.model.train()
+        all_reduce(total)
+        loss = (total[0] / total[1].clamp(min=1)).item() if n else float("nan")
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
     def evaluate_bleu(self, samples: int | None = None):
         """BLEU / chrF of the first ``samples`` validation pairs, decoded with ``cfg.decode``. Every
@@ -373,7 +414,7 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(self.resolved_yaml())
             copy_tokenizer(self.data, self.out)
-            print(f"tformer: {self.model_cfg.family} model, {self.model.num_parameters():,} parameters, "
+            print(f"tformer: {self.model_cfg.family} model, {self.num_parameters:,} parameters, "
                   f"{self.dist.world_size} rank(s) on {self.device}, precision {self.precision}, "
                   f"objective {self.data.objective}\nmesh: {self.dims.describe()}"
                   f"{' sp' if self.dims.tp > 1 and cfg.parallel.sp else ''}\n"
@@ -551,6 +592,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
         self.wrapped.train()
+        pipelined = []  # pipeline parallel: the step's micro-batches go through the schedule together
         for micro in range(cfg.grad_accum):
             self._beat("data")
             batch = next(batches)
@@ -561,6 +603,14 @@ class Trainer:
             if self.dims.tp > 1 and cfg.parallel.sp:
                 inputs = pad_for_sequence_parallel(inputs, self.dims.tp, self.model_cfg.pad_token_id,
                                                    self.model_cfg.family)
+            if self.dims.pp > 1:
+                pipelined.append(inputs)
+                if last:
+                    with self.strategy.loss_context(), self._autocast():
+                        loss = self.strategy.pipeline_step(_concat(pipelined))
+                    if loss is not None:  # the last stage's ranks hold the loss
+                        loss_sum += loss
+                continue
             with self.strategy.no_sync(last), self.strategy.loss_context():
                 with self._autocast(), self._offload():
                     # loss only: no vocabulary-wide logits kept; the MLM head runs at masked positions
@@ -572,7 +622,8 @@ class Trainer:
         stats = torch.stack([loss_sum, torch.tensor(float(tokens), device=self.device),
                              torch.tensor(1.0 if self._signal else 0.0, device=self.device)])
         all_reduce(stats)
-        loss_avg = stats[0].item() / self.dist.world_size  # the tp ranks of a group agree
+        # the tp ranks of a group agree; of a pipeline, only the last stage's ranks hold the loss
+        loss_avg = stats[0].item() / (self.dist.world_size // self.dims.pp)
         if stats[2].item() > 0 and self._stop_reason is None:
             self._stop_reason = f"signal {self._signal or 'on another rank'}"
         self._beat("optimizer step")
@@ -581,12 +632,12 @@ class Trainer:
         # samples consumed, or with token-budget batches, batches consumed (the sampler's unit)
         per_batch = 1 if cfg.data.tokens_per_batch is not None else cfg.micro_batch_size
         self.consumed += per_batch * cfg.grad_accum * self.dist.dp_size
-        global_tokens = int(stats[1].item()) // self.dims.tp  # each tp rank counted its group's batch
+        global_tokens = int(stats[1].item()) // (self.dims.tp * self.dims.pp)  # each counted its group's batch
         self.tokens += global_tokens
         dt = time.perf_counter() - t0
         self._check_watchdog_margin(dt)
         return {"step": self.step, "loss": loss_avg, "lr": lr, "grad_norm": grad_norm,
-                "tokens_per_s": global_tokens / dt, "mfu": self.flops_per_step / self.dims.tp / dt / self.peak,
+                "tokens_per_s": global_tokens / dt, "mfu": self.flops_per_step / (self.dims.tp * self.dims.pp) / dt / self.peak,
                 "tokens": self.tokens, "step_time": dt, "memory_mb": memory_mb(self.device)}
 
     def _check_watchdog_margin(self, step_time: float) -> None:
@@ -693,3 +744,18 @@ def _set_rng(state: dict) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _concat(batches: list[dict]) -> dict:
+    """One batch of the step's micro-batches, in order (the pipeline schedule splits it again)."""
+    if len(batches) == 1:
+        return batches[0]
+    out = {}
+    for k in batches[0]:
+        parts = [b[k] for b in batches]
+        width = max(p.shape[1] for p in parts) if parts[0].dim() > 1 else None
+        if width is not None and any(p.shape[1] != width for p in parts):
+            raise ConfigError(f"pipeline parallelism needs micro-batches of one sequence length ({k} has "
+                              f"lengths {[p.shape[1] for p in parts]}); use fixed-length batches")
+        out[k] = torch.cat(parts)
+    return out

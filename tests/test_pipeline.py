@@ -1,0 +1,117 @@
+"""Pipeline parallelism (torch.distributed.pipelining) on the mesh: pp=2 under gpipe, 1f1b and
+interleaved 1f1b equals the 1-process run for GPT-2, Llama, BERT and T5 (split at the
+encoder/decoder boundary); pp x dp_shard and pp x tp on 4 processes; checkpoints reshard between pp
+degrees. Every spawned group has a timeout that fails the test (see test_mesh.run_ranks): gloo's
+point-to-point operations must never hang CI."""
+import json
+from pathlib import Path
+
+import pytest
+
+from tformer.config import ConfigError
+from tformer.parallel.pipeline import stage_layers
+from tformer.train.config import load_config
+from tformer.train.trainer import Trainer
+
+from test_mesh import (CONFIGS, _overrides, assert_same_run, cache, losses, reference,  # noqa: F401
+                       run_ranks, small_overrides)
+
+DEEP = ["model.num_layers=4"]  # interleaved: 2 ranks x 2 stages, one block each
+# (family, flags, extra model flags shared with the reference, data-parallel ranks x accumulation)
+PP2 = [("gpt2", ["parallel.pp_schedule=gpipe"], []), ("gpt2", ["parallel.pp_schedule=1f1b"], []),
+       ("gpt2", ["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"], DEEP),
+       ("llama", ["parallel.pp_schedule=1f1b"], []), ("llama", ["parallel.pp_schedule=gpipe"], []),
+       ("llama", ["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"], DEEP),
+       ("bert", ["parallel.pp_schedule=gpipe"], []), ("bert", ["parallel.pp_schedule=1f1b"], []),
+       ("bert", ["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"], DEEP),
+       ("t5", ["parallel.pp_schedule=1f1b"], []), ("t5-v1.1", ["parallel.pp_schedule=gpipe"], [])]
+
+
+def test_pp2_equals_the_single_process_run(cache, tmp_path_factory):
+    """pp=2 on 2 ranks with 2 pipeline micro-batches (grad_accum=2) against 1 process accumulating
+    the same 2 micro-batches: losses and updated parameters at 1e-5 (fp32)."""
+    tmp = tmp_path_factory.mktemp("pp2")
+    jobs = []
+    for i, (name, flags, extra) in enumerate(PP2):
+        recipe, overrides = _overrides(name, tmp / f"run{i}", "parallel.pp=2", "grad_accum=2", *flags, *extra)
+        jobs.append((recipe, overrides, str(tmp / f"report{i}")))
+    run_ranks(2, jobs, cache)
+    for i, (name, flags, extra) in enumerate(PP2):
+        assert_same_run(f"{name} {flags}", tmp / f"run{i}", tmp / f"report{i}",
+                        reference(name, tmp_path_factory, 2, *extra))
+        # each rank holds its stages' parameters only (shared embedding on both ends)
+        counts = [json.loads(Path(f"{tmp}/report{i}.rank{r}.json").read_text()) for r in (0, 1)]
+        assert set(counts[0]) != set(counts[1])
+
+
+PP4 = [("gpt2", ["parallel.strategy=fsdp", "parallel.pp=2", "parallel.dp_shard=2", "grad_accum=2"], 4),
+       ("bert", ["parallel.strategy=fsdp", "parallel.pp=2", "parallel.dp_shard=2", "grad_accum=2",
+                 "parallel.pp_schedule=gpipe"], 4),
+       ("t5", ["parallel.strategy=fsdp", "parallel.pp=2", "parallel.dp_shard=2", "grad_accum=2"], 4),
+       ("llama", ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "grad_accum=2"], 2),
+       ("gpt2", ["parallel.pp=2", "parallel.tp=2", "grad_accum=2", "parallel.activation_checkpointing=full"], 2)]
+
+
+def test_pp_with_dp_shard_and_tp_on_four_ranks(cache, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pp4")
+    jobs = []
+    for i, (name, flags, _) in enumerate(PP4):
+        recipe, overrides = _overrides(name, tmp / f"run{i}", *flags)
+        jobs.append((recipe, overrides, str(tmp / f"report{i}")))
+    run_ranks(4, jobs, cache)
+    for i, (name, flags, accum) in enumerate(PP4):
+        assert_same_run(f"{name} {flags}", tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, accum))
+
+
+def test_pipeline_checkpoints_reshard_to_one_process_and_back(cache, tmp_path):
+    """Saved at pp=2 (step 2) -> resumed on one process; saved on one process -> resumed at pp=2:
+    each resumed step's loss equals the uninterrupted run's (1e-5)."""
+    recipe, one = _overrides("gpt2", tmp_path / "one", "save_every=2", "grad_accum=2")
+    Trainer(load_config(CONFIGS / f"{recipe}.yaml", one)).fit()
+    pp = ["parallel.pp=2", "grad_accum=2", "save_every=2"]
+    run_ranks(2, [(recipe, _overrides("gpt2", tmp_path / "pp", *pp)[1], None),
+                  (recipe, _overrides("gpt2", tmp_path / "pp-from-one", *pp,
+                                      f"resume={tmp_path / 'one' / 'checkpoints' / 'step_00000002'}")[1], None)],
+              cache)
+    Trainer(load_config(CONFIGS / f"{recipe}.yaml", _overrides(
+        "gpt2", tmp_path / "one-from-pp", "grad_accum=2",
+        f"resume={tmp_path / 'pp' / 'checkpoints' / 'step_00000002'}")[1])).fit()
+    base, piped = losses(tmp_path / "one"), losses(tmp_path / "pp")
+    assert list(base) == list(piped) == [1, 2, 3, 4]
+    for run, expected in (("pp-from-one", base), ("one-from-pp", piped)):
+        got = losses(tmp_path / run)
+        assert list(got) == [3, 4], run
+        for step in got:
+            assert got[step] == pytest.approx(expected[step], rel=1e-5), (run, step)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["parallel.pp=4"], "4 pipeline stages (parallel.pp=4) exceed the model's 2 blocks"),
+    (["parallel.pp=2", "parallel.pp_layers=[1,2]"], "parallel.pp_layers=[1, 2] must list 2 positive block counts"),
+    (["parallel.pp=2", "parallel.pp_schedule=zb"], "parallel.pp_schedule='zb' is not known"),
+    (["parallel.pp=2", "parallel.strategy=deepspeed"], "parallel.pp does not compose with parallel.strategy=deepspeed"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
+      "model.num_layers=6"], "with 4 stages does not divide the model's 6 blocks evenly"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], "needs parallel.pp_stages_per_rank >= 2"),
+])
+def test_bad_pipeline_is_one_line_before_any_process_group(tmp_path, monkeypatch, flags, needle):
+    import torch.distributed as dist
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = load_config(CONFIGS / "gpt2-tiny.yaml", small_overrides("gpt2-tiny", tmp_path, *flags))
+    with pytest.raises(ConfigError) as err:
+        Trainer(cfg)
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert not dist.is_initialized()
+
+
+def test_t5_layouts_other_than_the_boundary_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg = load_config(CONFIGS / "t5-tiny.yaml", small_overrides("t5-tiny", tmp_path, "parallel.pp=4"))
+    with pytest.raises(ConfigError, match="split only at the encoder/decoder boundary"):
+        Trainer(cfg)
+
+
+def test_stage_layers_split_evenly_or_as_listed():
+    assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
+    assert stage_layers(4, 4) == [range(i, i + 1) for i in range(4)]
+    assert stage_layers(6, 2, [2, 4]) == [range(0, 2), range(2, 6)]

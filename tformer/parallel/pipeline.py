@@ -1,0 +1,260 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``, split from outside the model.
+
+``parallel.pp`` stages, the outermost dimension of the mesh. Each stage is a copy of the model with
+what the stage does not run removed; the blocks it keeps stay at their places in their stack's
+``layers`` (the others become parameter-free placeholders), so every parameter name (FQN) equals
+the unsplit model's: DCP checkpoints reshard between pp degrees, and consolidate / export see the
+usual names.
+
+- decoder and encoder: blocks divided as evenly as possible (or ``parallel.pp_layers``), embeddings
+  on the first stage, final norm + head + loss on the last;
+- encoder-decoder: split at the encoder/decoder boundary only (``pp=2``, Megatron's split): stage 0
+  embeds and encodes, stage 1 receives the encoder output and runs the decoder, the head and the
+  loss. A finer split would send the encoder output through every decoder stage, which the
+  pipelining API's one-tensor-stream stages do not express well; it is refused in one line.
+
+Weights used on two stages (the token embedding tied to the head of GPT-2/BERT/T5 v1.0, the
+embedding T5 shares between encoder and decoder) live on both, start equal, get their gradients
+summed over the pipeline group before the update (Megatron's embedding group), count once in the
+gradient norm, and so stay equal.
+
+Schedules: ``gpipe``, ``1f1b`` (one stage per rank) and ``interleaved_1f1b`` (``pp_stages_per_rank``
+stages per rank, stage ``s`` on rank ``s % pp``). The pipeline's micro-batches are the step's
+``grad_accum`` micro-batches of ``micro_batch_size`` samples (the same ones the unsplit run
+accumulates over), and every stage receives the batch's masks and labels as keyword arguments.
+The last stage computes the loss inside its forward (the head stays in the stage module, under its
+FSDP2/TP hooks); the schedule's loss function passes it through.
+"""
+from __future__ import annotations
+
+import copy
+import types
+
+import torch
+from torch import nn
+
+from ..config import ConfigError, ModelConfig
+from ..nn import TransformerStack
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def num_stages(pcfg) -> int:
+    return pcfg.pp * (pcfg.pp_stages_per_rank if pcfg.pp_schedule == "interleaved_1f1b" else 1)
+
+
+def stage_layers(num_layers: int, stages: int, pp_layers: list | None = None) -> list[range]:
+    """Block indices of each stage: ``pp_layers`` counts, or as even as possible (earlier stages
+    take the remainder: the last stage also runs the head and the loss)."""
+    counts = list(pp_layers) if pp_layers else [num_layers // stages + (i < num_layers % stages)
+                                                for i in range(stages)]
+    out, start = [], 0
+    for n in counts:
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def check_pipeline(cfg: ModelConfig, pcfg, strategy: str) -> None:
+    """One line for each pipeline layout that cannot be built, before any process group."""
+    if pcfg.pp_schedule not in PP_SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule={pcfg.pp_schedule!r} is not known; use one of: "
+                          f"{', '.join(PP_SCHEDULES)}")
+    if pcfg.pp == 1:
+        return
+    if strategy == "deepspeed":
+        raise ConfigError("parallel.pp does not compose with parallel.strategy=deepspeed (DeepSpeed has its own "
+                          "pipeline engine); use parallel.strategy=fsdp or ddp")
+    interleaved = pcfg.pp_schedule == "interleaved_1f1b"
+    if interleaved and pcfg.pp_stages_per_rank < 2:
+        raise ConfigError(f"parallel.pp_schedule=interleaved_1f1b needs parallel.pp_stages_per_rank >= 2 (got "
+                          f"{pcfg.pp_stages_per_rank}); set it, or use parallel.pp_schedule=1f1b")
+    if not interleaved and pcfg.pp_stages_per_rank != 1:
+        raise ConfigError(f"parallel.pp_stages_per_rank={pcfg.pp_stages_per_rank} needs "
+                          "parallel.pp_schedule=interleaved_1f1b; set it, or parallel.pp_stages_per_rank=1")
+    stages = num_stages(pcfg)
+    if cfg.family == "encdec":
+        if stages != 2 or pcfg.pp_layers:
+            raise ConfigError(f"encoder-decoder models split only at the encoder/decoder boundary: "
+                              f"parallel.pp=2 with one stage per rank and no parallel.pp_layers (got {stages} "
+                              "stages); the decoder's every block needs the encoder output")
+        return
+    blocks = cfg.num_layers
+    if pcfg.pp_layers:
+        layers = pcfg.pp_layers
+        if (len(layers) != stages or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in layers)
+                or sum(layers) != blocks):
+            raise ConfigError(f"parallel.pp_layers={layers} must list {stages} positive block counts (one per "
+                              f"stage) that add up to the model's {blocks} blocks")
+    elif stages > blocks:
+        raise ConfigError(f"{stages} pipeline stages (parallel.pp={pcfg.pp}"
+                          f"{f' x pp_stages_per_rank={pcfg.pp_stages_per_rank}' if interleaved else ''}) exceed the "
+                          f"model's {blocks} blocks; lower parallel.pp or use a deeper model")
+    elif interleaved and blocks % stages:
+        raise ConfigError(f"parallel.pp_schedule=interleaved_1f1b with {stages} stages does not divide the "
+                          f"model's {blocks} blocks evenly; change parallel.pp_stages_per_rank or give "
+                          "parallel.pp_layers")
+
+
+class _Skip(nn.Module):
+    """A block another stage runs: passes the hidden states through, holds nothing."""
+
+    def forward(self, x, *args, **kwargs):
+        return x
+
+
+def _keep_blocks(stack: TransformerStack, keep: range, last: bool) -> None:
+    for i in range(len(stack.layers)):
+        if i not in keep:
+            stack.layers[i] = _Skip()
+    if not last:
+        stack.final_norm = None
+
+
+def _decoder_forward(self, x, labels=None):
+    if self.embed is not None and self.pp_first:
+        positions = torch.arange(x.shape[1], device=x.device)
+        x = self.embed(x, positions)
+    positions = torch.arange(x.shape[1], device=x.device)
+    h = self.decoder(x, None, positions=positions)
+    if not self.pp_last:
+        return h
+    return self._head_and_loss(h, labels, False, label_smoothing=self.pp_smoothing)[1]
+
+
+def _encoder_forward(self, x, attention_mask=None, token_type_ids=None, labels=None):
+    positions = torch.arange(x.shape[1], device=x.device)
+    if self.pp_first:
+        x = self.embed(x, positions, token_type_ids)
+    h = self.encoder(x, attention_mask, positions=positions)
+    if not self.pp_last:
+        return h
+    return self._head_and_loss(h, labels, False, labelled_only=True, label_smoothing=self.pp_smoothing)[1]
+
+
+def _encdec_forward(self, x, attention_mask=None, labels=None):
+    if self.pp_first:  # input ids -> encoder output
+        return self.encode(x, attention_mask)
+    from ..models.encdec import shift_right
+    cfg = self.config
+    h = self.decoder_hidden(shift_right(labels, cfg.decoder_start_token_id, cfg.pad_token_id), x, attention_mask)
+    return self._head_and_loss(h, labels, False, label_smoothing=self.pp_smoothing)[1]
+
+
+def build_stage(model, stage: int, stages: int, pp_layers: list | None, label_smoothing: float) -> nn.Module:
+    """Stage ``stage`` of ``stages``: a pruned copy of ``model`` whose forward runs that stage."""
+    cfg = model.config
+    first, last = stage == 0, stage == stages - 1
+    part = copy.deepcopy(model)
+    part.pp_first, part.pp_last, part.pp_smoothing = first, last, label_smoothing
+    tied = cfg.tie_embeddings
+    if cfg.family == "encdec":
+        if first:
+            part.decoder = None
+            part.lm_head = None
+        else:  # the decoder embeds its inputs with the shared embedding
+            part.encoder = None
+        part.forward = types.MethodType(_encdec_forward, part)
+        return part
+    stack = part.decoder if cfg.family == "decoder" else part.encoder
+    _keep_blocks(stack, stage_layers(len(stack.layers), stages, pp_layers)[stage], last)
+    if not last:
+        part.lm_head = None
+        for name in ("head_dense", "head_norm"):
+            if hasattr(part, name):
+                setattr(part, name, None)
+    if not first:
+        if last and tied:  # the head's weight is the embedding's: keep that one tensor, by its name
+            emb = part.embed
+            emb.pos, emb.types, emb.norm = None, None, None
+        else:
+            part.embed = None
+    part.forward = types.MethodType(_decoder_forward if cfg.family == "decoder" else _encoder_forward, part)
+    return part
+
+
+def stages_of_rank(pp_rank: int, pp: int, stages: int) -> list[int]:
+    """Stage indices a pipeline rank runs (interleaved: ``pp_rank``, ``pp_rank + pp``, ...)."""
+    return list(range(pp_rank, stages, pp))
+
+
+class Parts(nn.Module):
+    """This rank's stage modules, as children ``"0"``, ``"1"``...; parameter names without that
+    prefix (``strip``) are the unsplit model's."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.config = parts[0].config
+
+    @staticmethod
+    def strip(name: str) -> str:
+        return name.split(".", 2)[2] if name.startswith("parts.") else name
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def make_schedule(stage_modules: list[nn.Module], stage_ids: list[int], stages: int, pcfg, n_micro: int,
+                  device, group):
+    """torch's ``PipelineStage`` per module and the configured schedule over them."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    pipe_stages = [PipelineStage(m, s, stages, device, group=group) for m, s in zip(stage_modules, stage_ids)]
+
+    def passthrough(loss, _target):  # the last stage's forward already returns the loss
+        return loss
+
+    if pcfg.pp_schedule == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(pipe_stages, n_micro, loss_fn=passthrough)
+    cls = ScheduleGPipe if pcfg.pp_schedule == "gpipe" else Schedule1F1B
+    return cls(pipe_stages[0], n_micro, loss_fn=passthrough)
+
+
+MODEL_KWARGS = ("attention_mask", "token_type_ids", "labels")
+
+
+def stage_kwargs(inputs: dict) -> dict:
+    """What every stage receives besides the first stage's input ids (chunked like them)."""
+    return {k: inputs[k] for k in MODEL_KWARGS if k in inputs}
+
+
+class Shared:
+    """Parameters that more than one pipeline rank holds (by unsplit name), with their local shapes."""
+
+    def __init__(self, shapes: dict[str, tuple], counted_elsewhere: frozenset):
+        self.shapes = shapes                        # name -> local gradient shape, in a fixed order
+        self.counted_elsewhere = counted_elsewhere  # this rank's names (prefixed) another rank counts
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def shared_parameters(parts: Parts, group) -> Shared:
+    import torch.distributed as dist
+    mine = {Parts.strip(n): tuple(_local(p).shape) for n, p in parts.named_parameters()}
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    owners: dict[str, list[int]] = {}
+    for rank, names in enumerate(everyone):
+        for name in names:
+            owners.setdefault(name, []).append(rank)
+    me = dist.get_rank(group)
+    shapes = {name: everyone[ranks[0]][name] for name, ranks in sorted(owners.items()) if len(ranks) > 1}
+    elsewhere = frozenset(n for n, _ in parts.named_parameters()
+                          if Parts.strip(n) in shapes and owners[Parts.strip(n)][0] != me)
+    return Shared(shapes, elsewhere)
+
+
+def sync_shared_grads(parts: Parts, shared: Shared, group) -> None:
+    """Sum the gradients of weights several stages hold (each computed its share of the use)."""
+    import torch.distributed as dist
+    if not shared.shapes:
+        return
+    params = {Parts.strip(n): p for n, p in parts.named_parameters()}
+    device = next(parts.parameters()).device
+    for name, shape in shared.shapes.items():
+        p = params.get(name)
+        grad = _local(p.grad) if p is not None and p.grad is not None else None
+        buf = grad if grad is not None else torch.zeros(shape, device=device)
+        dist.all_reduce(buf, group=group)
