@@ -255,6 +255,9 @@ def sync_shared_grads(parts: Parts, shared: Shared, group) -> None:
     device = next(parts.parameters()).device
     for name, shape in shared.shapes.items():
         p = params.get(name)
+        if p is not None and p.grad is not None and hasattr(p.grad, "placements") and p.grad.placements != p.placements:
+            # e.g. a vocabulary-parallel embedding's gradient may arrive replicated: shard it like the weight
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         grad = _local(p.grad) if p is not None and p.grad is not None else None
         buf = grad if grad is not None else torch.zeros(shape, device=device)
         dist.all_reduce(buf, group=group)

@@ -96,7 +96,7 @@ class Trainer:
         self.data = build_data(cfg, self.dist.rank)
         per_step = cfg.micro_batch_size * self.dist.dp_size
         if per_step > len(self.data.train):
-            raise ConfigError(f"micro_batch_size={cfg.micro_batch_size} x {self.dist.dp_size} data-parallel rank(s) needs "
+            raise ConfigError(f"micro_batch_size={cfg.micro_batch_size} x {self.dist.dp_size} rank(s) needs "
                               f"{per_step} samples per micro-step but the training set has {len(self.data.train)}; "
                               "lower micro_batch_size or use more data")
         self.model_cfg = self.data.model_config
@@ -346,7 +346,7 @@ class Trainer:
             batch = self.data.collator([ds[k] for k in keys[i:i + chunk]])
             inputs = {k: batch[k].to(self.device) for k in MODEL_INPUTS[self.model_cfg.family] if k in batch}
             losses: list = []
-            with self._autocast():
+            with self._autocast(), self.strategy.loss_context():
                 from ..parallel.pipeline import stage_kwargs
                 self.strategy.schedule.eval(inputs["input_ids"], target=inputs["labels"], losses=losses,
                                             return_outputs=False, **stage_kwargs(inputs))
