@@ -13,8 +13,15 @@ from tformer.parallel.pipeline import stage_layers
 from tformer.train.config import load_config
 from tformer.train.trainer import Trainer
 
-from test_mesh import (CONFIGS, _overrides, assert_same_run, cache, losses, reference,  # noqa: F401
-                       run_ranks, small_overrides)
+from test_mesh import CONFIGS, _overrides, assert_same_run, losses, reference, run_ranks, small_overrides
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    import os
+    path = tmp_path_factory.mktemp("tformer-cache-pipeline")
+    os.environ["TFORMER_CACHE"] = str(path)
+    return path
 
 DEEP = ["model.num_layers=4"]  # interleaved: 2 ranks x 2 stages, one block each
 # (family, flags, extra model flags shared with the reference, data-parallel ranks x accumulation)

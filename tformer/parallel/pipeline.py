@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import types
+from typing import Any
 
 import torch
 from torch import nn
@@ -199,7 +200,7 @@ def make_schedule(stage_modules: list[nn.Module], stage_ids: list[int], stages: 
                   device, group):
     """torch's ``PipelineStage`` per module and the configured schedule over them."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-    pipe_stages = [PipelineStage(m, s, stages, device, group=group) for m, s in zip(stage_modules, stage_ids)]
+    pipe_stages: list[Any] = [PipelineStage(m, s, stages, device, group=group) for m, s in zip(stage_modules, stage_ids)]
 
     def passthrough(loss, _target):  # the last stage's forward already returns the loss
         return loss
@@ -254,7 +255,7 @@ def sync_shared_grads(parts: Parts, shared: Shared, group) -> None:
     params = {Parts.strip(n): p for n, p in parts.named_parameters()}
     device = next(parts.parameters()).device
     for name, shape in shared.shapes.items():
-        p = params.get(name)
+        p: Any = params.get(name)
         if p is not None and p.grad is not None and hasattr(p.grad, "placements") and p.grad.placements != p.placements:
             # e.g. a vocabulary-parallel embedding's gradient may arrive replicated: shard it like the weight
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)

@@ -637,7 +637,8 @@ class Trainer:
         dt = time.perf_counter() - t0
         self._check_watchdog_margin(dt)
         return {"step": self.step, "loss": loss_avg, "lr": lr, "grad_norm": grad_norm,
-                "tokens_per_s": global_tokens / dt, "mfu": self.flops_per_step / (self.dims.tp * self.dims.pp) / dt / self.peak,
+                "tokens_per_s": global_tokens / dt,
+                "mfu": self.flops_per_step / (self.dims.tp * self.dims.pp) / dt / self.peak,
                 "tokens": self.tokens, "step_time": dt, "memory_mb": memory_mb(self.device)}
 
     def _check_watchdog_margin(self, step_time: float) -> None:
