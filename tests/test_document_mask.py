@@ -1,0 +1,191 @@
+"""Document-masked packing: a packed row computes exactly what its documents (pairs) compute alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tformer.models import build_model
+from tformer.nn import DocumentMask, positions_from_doc_ids
+
+ATOL = 1e-5
+DOCS = [5, 7, 3]          # document lengths packed into row 0; row 1 holds 6 + 4 and padding
+ROW1 = [6, 4]
+S = 16
+
+
+def _ids(lengths, total=S):
+    ids = sum(([d] * n for d, n in enumerate(lengths)), [])
+    return ids + [-1] * (total - len(ids))
+
+
+def _rows(vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    doc_ids = torch.tensor([_ids(DOCS), _ids(ROW1)])
+    tokens = torch.randint(3, vocab, doc_ids.shape, generator=g)
+    return tokens.masked_fill(doc_ids < 0, 0), doc_ids
+
+
+def _spans(doc_ids_row):
+    row = doc_ids_row.tolist()
+    return [(row.index(d), len(row) - row[::-1].index(d)) for d in sorted(set(row) - {-1})]
+
+
+def _model(name, **kw):
+    torch.manual_seed(0)
+    return build_model(name, **kw).float().eval()
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _check_grads(packed, alone):
+    assert packed.keys() == alone.keys()
+    for n in packed:
+        torch.testing.assert_close(packed[n], alone[n], atol=ATOL, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_decoder_packed_equals_documents_alone(preset):
+    model = _model(preset)
+    tokens, doc_ids = _rows(model.config.vocab_size)
+    weight = torch.randn(*tokens.shape, model.config.vocab_size, generator=torch.Generator().manual_seed(1)) / 64
+    real = (doc_ids >= 0)[..., None]
+    logits = model(tokens, doc_ids=doc_ids).logits
+    (logits * weight * real).sum().backward()
+    packed_grads = _grads(model)
+    model.zero_grad()
+    for b in range(2):
+        for a, e in _spans(doc_ids[b]):
+            alone = model(tokens[b:b + 1, a:e]).logits
+            torch.testing.assert_close(logits[b:b + 1, a:e], alone, atol=ATOL, rtol=0)
+            (alone * weight[b:b + 1, a:e]).sum().backward()
+    _check_grads(packed_grads, _grads(model))
+
+
+def test_encoder_packed_equals_documents_alone():
+    model = _model("bert-tiny")
+    tokens, doc_ids = _rows(model.config.vocab_size)
+    mask = (doc_ids >= 0).long()
+    weight = torch.randn(*tokens.shape, model.config.vocab_size, generator=torch.Generator().manual_seed(1)) / 64
+    logits = model(tokens, attention_mask=mask, doc_ids=doc_ids).logits
+    (logits * weight * mask[..., None]).sum().backward()
+    packed_grads = _grads(model)
+    model.zero_grad()
+    for b in range(2):
+        for a, e in _spans(doc_ids[b]):
+            alone = model(tokens[b:b + 1, a:e]).logits
+            torch.testing.assert_close(logits[b:b + 1, a:e], alone, atol=ATOL, rtol=0)
+            (alone * weight[b:b + 1, a:e]).sum().backward()
+    _check_grads(packed_grads, _grads(model))
+
+
+def _pairs(vocab, start_id):
+    """Two rows of packed (source, target) pairs: sources 4+6 | 5, targets 3+5 | 7."""
+    g = torch.Generator().manual_seed(2)
+    src_ids = torch.tensor([_ids([4, 6], 12), _ids([5], 12)])
+    tgt_ids = torch.tensor([_ids([3, 5], 9), _ids([7], 9)])
+    src = torch.randint(3, vocab, src_ids.shape, generator=g).masked_fill(src_ids < 0, 0)
+    labels = torch.randint(3, vocab, tgt_ids.shape, generator=g).masked_fill(tgt_ids < 0, -100)
+    dec_in = torch.zeros_like(labels)
+    for b in range(2):
+        for a, e in _spans(tgt_ids[b]):
+            dec_in[b, a] = start_id
+            dec_in[b, a + 1:e] = labels[b, a:e - 1]
+    return src, src_ids, labels, dec_in, tgt_ids
+
+
+@pytest.mark.parametrize("preset", ["t5-tiny", "transformer-tiny"])
+def test_encdec_packed_pairs_equal_pairs_alone(preset):
+    model = _model(preset)
+    cfg = model.config
+    src, src_ids, labels, dec_in, tgt_ids = _pairs(cfg.vocab_size, cfg.decoder_start_token_id)
+    weight = torch.randn(*labels.shape, cfg.vocab_size, generator=torch.Generator().manual_seed(1)) / 64
+    out = model(src, attention_mask=(src_ids >= 0).long(), decoder_input_ids=dec_in, labels=labels,
+                doc_ids=src_ids, decoder_doc_ids=tgt_ids)
+    (out.logits * weight * (tgt_ids >= 0)[..., None]).sum().backward()
+    packed_grads = _grads(model)
+    model.zero_grad()
+    for b in range(2):
+        for (sa, se), (ta, te) in zip(_spans(src_ids[b]), _spans(tgt_ids[b])):
+            alone = model(src[b:b + 1, sa:se], decoder_input_ids=dec_in[b:b + 1, ta:te]).logits
+            torch.testing.assert_close(out.logits[b:b + 1, ta:te], alone, atol=ATOL, rtol=0)
+            (alone * weight[b:b + 1, ta:te]).sum().backward()
+    _check_grads(packed_grads, _grads(model))
+
+
+def _run(model, family, tokens, doc_ids):
+    if family == "encdec":
+        src, src_ids, labels, dec_in, tgt_ids = tokens
+        return model(src, attention_mask=(src_ids >= 0).long(), decoder_input_ids=dec_in,
+                     doc_ids=src_ids, decoder_doc_ids=tgt_ids).logits
+    return model(tokens, doc_ids=doc_ids).logits
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "bert-tiny", "t5-tiny"])
+def test_changing_document_one_leaves_document_two_alone(preset):
+    model = _model(preset)
+    family = model.config.family
+    if family == "encdec":
+        inputs = _pairs(model.config.vocab_size, 0)
+        changed = list(inputs)
+        changed[0] = inputs[0].clone()
+        changed[0][0, 1] += 1                  # a source token of pair 0
+        changed[3] = inputs[3].clone()
+        changed[3][0, 2] += 1                  # a target input of pair 0
+        later = inputs[4][0] == 1
+        a, b = _run(model, family, inputs, None), _run(model, family, changed, None)
+    else:
+        tokens, doc_ids = _rows(model.config.vocab_size)
+        changed = tokens.clone()
+        changed[0, 2] += 1                     # document 0
+        later = doc_ids[0] >= 1
+        a, b = _run(model, family, tokens, doc_ids), _run(model, family, changed, doc_ids)
+    assert not torch.equal(a[0, ~later], b[0, ~later])  # the change is visible in its own document
+    torch.testing.assert_close(a[0, later], b[0, later], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "bert-tiny", "t5-tiny"])
+def test_mask_path_equals_math_reference(preset):
+    fast = _model(preset)
+    ref = _model(preset, attn_impl="math")
+    ref.load_state_dict(fast.state_dict())
+    family = fast.config.family
+    inputs = _pairs(fast.config.vocab_size, 0) if family == "encdec" else _rows(fast.config.vocab_size)
+    args = (inputs, None) if family == "encdec" else inputs
+    torch.testing.assert_close(_run(fast, family, *args), _run(ref, family, *args), atol=ATOL, rtol=0)
+
+
+def test_unmasked_causal_path_is_unchanged():
+    """Without doc_ids the decoder takes SDPA's is_causal fast path, bit for bit as before."""
+    model = _model("gpt2-tiny")
+    tokens, _ = _rows(model.config.vocab_size)
+    one_doc = torch.zeros_like(tokens)
+    torch.testing.assert_close(model(tokens).logits, model(tokens, doc_ids=one_doc).logits, atol=ATOL, rtol=0)
+
+
+def test_positions_restart_per_document():
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2, -1, -1]])
+    assert positions_from_doc_ids(ids).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("causal", [True, False])
+def test_flex_mask_mod_matches_boolean_mask(causal):
+    """The CUDA path's mask_mod, evaluated by FlexAttention's own dense helper on CPU, is the mask
+    the CPU path applies; and eager flex_attention (forward) with its block mask equals SDPA."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    q_ids = torch.tensor([_ids(DOCS), _ids(ROW1)])
+    k_ids = torch.tensor([_ids([4, 6, 3]), _ids([2, 2])]) if not causal else q_ids
+    dm = DocumentMask(q_ids, k_ids, flex=False)
+    dense = create_mask(dm.mask_mod(causal), 2, 1, S, S, device="cpu")
+    assert torch.equal(dense, dm.allowed(causal))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, S, 8, generator=g) for _ in range(3))
+    bias = torch.randn(1, 4, S, S, generator=g)
+    flex = DocumentMask(q_ids, k_ids, flex=True).attend(q, k, v, causal, 0.5, bias)
+    add = torch.zeros(2, 1, S, S).masked_fill(~dm.allowed(causal), torch.finfo(torch.float32).min) + bias
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=add, scale=0.5)
+    real = (q_ids >= 0)[:, None, :, None]
+    torch.testing.assert_close(flex * real, sdpa * real, atol=1e-5, rtol=0)
