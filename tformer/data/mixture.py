@@ -204,3 +204,19 @@ class MixtureSampler:
 def mixture_keys(dataset: MixtureDataset, start: int, count: int) -> list[tuple[int, int]]:
     """(source, key) of positions ``[start, start + count)`` (tests, inspection)."""
     return [dataset.key(g) for g in range(start, start + count)]
+
+
+class ConcatKeyed(KeyedDataset):
+    """Keyed datasets one after another (e.g. every source's validation set)."""
+
+    def __init__(self, datasets: Sequence[KeyedDataset]):
+        self.datasets = list(datasets)
+        self.ends = np.cumsum([len(d) for d in self.datasets])
+
+    def __len__(self) -> int:
+        return int(self.ends[-1])
+
+    def sample(self, index: int, epoch: int = 0) -> dict[str, np.ndarray]:
+        d = int(np.searchsorted(self.ends, index, side="right"))
+        start = int(self.ends[d - 1]) if d else 0
+        return self.datasets[d].sample(index - start, epoch)

@@ -73,3 +73,58 @@ class Seq2SeqPairs(KeyedDataset):
         input_ids = np.append(src, self.eos_id)
         return {"input_ids": input_ids, "attention_mask": np.ones_like(input_ids),
                 "labels": np.append(tgt, self.eos_id)}
+
+
+class PackedSeq2Seq(KeyedDataset):
+    """Several (source, target) pairs per row, for document-masked encoder-decoder training.
+
+    The pairs of ``pairs`` are visited in one order fixed by ``seed`` and cut greedily into rows:
+    a row takes the next pair while its sources fit ``max_source_length`` and its targets
+    ``max_target_length`` tokens. Each sample holds
+
+    input_ids / labels      the pairs' sources / targets (with EOS) back to back
+    decoder_input_ids       each target shifted right behind its own ``start_id``
+    doc_ids                 pair number (0, 1, ...) of every source token
+    decoder_doc_ids         pair number of every target token
+
+    The model confines encoder, decoder and cross-attention to each pair (``DocumentMask``), so a
+    packed row trains exactly like its pairs run one by one, without the padding. Every pair sits
+    in exactly one row; the row order is the sampler's to shuffle.
+    """
+
+    def __init__(self, pairs: Seq2SeqPairs, start_id: int, seed: int = 0):
+        self.pairs, self.start_id = pairs, start_id
+        src, tgt = pairs.lengths()
+        order = np.random.default_rng([seed, 7]).permutation(len(pairs))
+        bounds, s_used, t_used = [0], 0, 0
+        for i, idx in enumerate(order):
+            if i > bounds[-1] and (s_used + src[idx] > pairs.max_source_length
+                                   or t_used + tgt[idx] > pairs.max_target_length):
+                bounds.append(i)
+                s_used, t_used = 0, 0
+            s_used += src[idx]
+            t_used += tgt[idx]
+        bounds.append(len(order))
+        self.order, self.bounds = order, np.asarray(bounds, np.int64)
+        real = int(tgt.sum())
+        log.info("seq2seq packing: %d pairs -> %d rows (%.1f pairs per row; %.1f%% of target slots hold "
+                 "tokens)", len(order), len(self), len(order) / len(self),
+                 100.0 * real / (len(self) * pairs.max_target_length))
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def sample(self, index: int, epoch: int = 0) -> dict[str, np.ndarray]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"row {index} out of range [0, {len(self)})")
+        parts = [self.pairs.sample(int(i)) for i in self.order[self.bounds[index]:self.bounds[index + 1]]]
+        src = [p["input_ids"] for p in parts]
+        tgt = [p["labels"] for p in parts]
+        return {
+            "input_ids": np.concatenate(src),
+            "attention_mask": np.ones(sum(len(s) for s in src), np.int64),
+            "labels": np.concatenate(tgt),
+            "decoder_input_ids": np.concatenate([np.concatenate([[self.start_id], t[:-1]]) for t in tgt]),
+            "doc_ids": np.concatenate([np.full(len(s), d, np.int64) for d, s in enumerate(src)]),
+            "decoder_doc_ids": np.concatenate([np.full(len(t), d, np.int64) for d, t in enumerate(tgt)]),
+        }

@@ -20,13 +20,13 @@ from ..checkpoint.io import (CheckpointError, commit, find_latest, list_checkpoi
                              partial_dir, read_trainer_state, torch_load_safe, torch_save_durable, verify,
                              write_bytes_durable)
 from ..config import ConfigError
-from ..data import ResumableSampler
+from ..data import DataError, MixtureDataset, MixtureSampler, ResumableSampler
 from ..models import build_model
 from ..parallel.offload import activation_offload
 from ..models.flops import training_flops
 from ..parallel.strategy import strategy_class
 from .config import TrainConfig
-from .data import MODEL_INPUTS, build_data, copy_tokenizer
+from .data import build_data, copy_tokenizer
 from .dist import all_reduce, barrier, device_type, init_distributed
 from .metrics import memory_mb, peak_flops
 from .optim import build_optimizer, build_scheduler
@@ -86,7 +86,9 @@ class Trainer:
         barrier()
 
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank, before any sharding
-        self.data = build_data(cfg, self.dist.rank)
+        self.data = build_data(cfg, self.dist.rank, self.dist.world_size)
+        if isinstance(self.data.train, MixtureDataset):  # refuse (on_exhausted=stop) or log re-epochs now
+            self.data.train.check_exhaustion(cfg.max_steps * self._global_batch())
         per_step = cfg.micro_batch_size * self.dist.world_size
         if per_step > len(self.data.train):
             raise ConfigError(f"micro_batch_size={cfg.micro_batch_size} x {self.dist.world_size} rank(s) needs "
@@ -219,6 +221,11 @@ class Trainer:
         else:
             log.warning("rank %d: no RNG state for this world size in %s; dropout streams restart "
                         "(data order is unaffected)", self.dist.rank, path)
+        mixture = state.get("data_mixture")
+        if mixture is not None and mixture != self._mixture_fingerprint():
+            raise DataError(f"checkpoint {path} was trained on the data mixture {mixture} but this run's is "
+                            f"{self._mixture_fingerprint()}: resume with the same sources, weights, stages and "
+                            "global batch size, or start a new run")
         self.step = state["step"]
         self.consumed = state["consumed_samples"]
         self.tokens = state["tokens"]
@@ -255,6 +262,7 @@ class Trainer:
                      "wandb_id": self.wandb_id, "model_config": self.model_cfg.to_dict(),
                      "strategy": self.cfg.parallel.strategy, "family": self.model_cfg.family, "objective": self.data.objective,
                      "seq_len": self.data.seq_len, "target_len": self.data.target_len,
+                     "data_mixture": self._mixture_fingerprint(),
                      "time": time.time()}
             write_bytes_durable(tmp / "trainer.json", json.dumps(state, indent=1).encode())
             write_bytes_durable(tmp / "config.yaml", self.resolved_yaml().encode())
@@ -267,6 +275,12 @@ class Trainer:
         self._beat("save done")
         return final
 
+    def _mixture_fingerprint(self):
+        train = self.data.train
+        if not isinstance(train, MixtureDataset):
+            return None
+        return MixtureSampler(train).state_dict()["mixture"] + [train.lengths, train.seed]
+
     def resolved_yaml(self) -> str:
         import yaml
         return yaml.safe_dump(self.resolved, sort_keys=False)
@@ -274,20 +288,38 @@ class Trainer:
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
-        ds, cfg = self.data.validation, self.cfg
+        """Validation loss (and perplexity, MLM accuracy); with a mixture also ``val_loss/NAME`` per
+        source, the overall loss then being over the tokens of every source's evaluated samples."""
+        sources = self.data.validation_sources or {None: self.data.validation}
+        was_training = self.model.training
+        self.model.eval()
+        totals = {name: self._eval_sums(ds) for name, ds in sources.items()}
+        self.model.train(was_training)
+        total = sum(totals.values())
+        loss = (total[0] / total[1].clamp(min=1)).item()
+        result = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+        if self.data.validation_sources:
+            for name, t in totals.items():
+                result[f"val_loss/{name}"] = (t[0] / t[1].clamp(min=1)).item()
+        if self.data.objective == "mlm":
+            result["val_mlm_acc"] = (total[2] / total[1].clamp(min=1)).item()
+        if self.cfg.eval_bleu:
+            result.update(self.evaluate_bleu(self.cfg.bleu_samples).record())
+        return result
+
+    def _eval_sums(self, ds) -> torch.Tensor:
+        """(loss sum, label count, correct) over the first validation samples of ``ds``, all ranks."""
+        cfg = self.cfg
         # Every rank evaluates the same number of samples: sharded forwards (FSDP2, ZeRO-3) are
         # collective, so a rank with one batch fewer would leave the others waiting.
         world = self.dist.world_size
         n = min(len(ds), max(cfg.eval_batches * cfg.micro_batch_size, world))
         n -= n % world
         keys = list(range(self.dist.rank, n, world))
-        inputs_keys = MODEL_INPUTS[self.model_cfg.family]
-        was_training = self.model.training
-        self.model.eval()
         total = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, tokens, correct
         for i in range(0, len(keys), cfg.micro_batch_size):
             batch = self.data.collator([ds[k] for k in keys[i:i + cfg.micro_batch_size]])
-            inputs = {k: batch[k].to(self.device) for k in inputs_keys if k in batch}
+            inputs = {k: batch[k].to(self.device) for k in self.data.model_inputs if k in batch}
             with self._autocast():
                 out = self.model(**inputs)
             mask = inputs["labels"] != -100
@@ -295,15 +327,8 @@ class Trainer:
             total[0] += out.loss.double() * count
             total[1] += count
             total[2] += ((out.logits.argmax(-1) == inputs["labels"]) & mask).sum()
-        self.model.train(was_training)
         all_reduce(total)
-        loss = (total[0] / total[1].clamp(min=1)).item()
-        result = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
-        if self.data.objective == "mlm":
-            result["val_mlm_acc"] = (total[2] / total[1].clamp(min=1)).item()
-        if cfg.eval_bleu:
-            result.update(self.evaluate_bleu(cfg.bleu_samples).record())
-        return result
+        return total
 
     def evaluate_bleu(self, samples: int | None = None):
         """BLEU / chrF of the first ``samples`` validation pairs, decoded with ``cfg.decode``. Every
@@ -332,8 +357,12 @@ class Trainer:
                 self.data.train, batch_sampler=sampler, collate_fn=self.data.collator,
                 num_workers=cfg.data.num_workers, persistent_workers=cfg.data.num_workers > 0,
                 generator=torch.Generator().manual_seed(cfg.seed)))
-        sampler = ResumableSampler(len(self.data.train), seed=cfg.seed, rank=self.dist.rank,
-                                   world_size=self.dist.world_size, consumed=self.consumed)
+        if isinstance(self.data.train, MixtureDataset):
+            sampler = MixtureSampler(self.data.train, rank=self.dist.rank, world_size=self.dist.world_size,
+                                     consumed=self.consumed)
+        else:
+            sampler = ResumableSampler(len(self.data.train), seed=cfg.seed, rank=self.dist.rank,
+                                       world_size=self.dist.world_size, consumed=self.consumed)
         loader = torch.utils.data.DataLoader(self.data.train, batch_size=cfg.micro_batch_size,
                                              sampler=sampler, collate_fn=self.data.collator,
                                              num_workers=cfg.data.num_workers,
@@ -533,7 +562,7 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
-        keys = MODEL_INPUTS[self.model_cfg.family]
+        keys = self.data.model_inputs
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
         self.wrapped.train()
