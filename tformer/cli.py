@@ -37,15 +37,17 @@ def _data(argv: list[str]) -> int:
     p.add_argument("config", help="YAML recipe, e.g. configs/gpt2-tiny.yaml")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.seq_len=512")
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+    p.add_argument("--shard-rows", type=int, default=20000, help="rows per shard, the unit of work and of "
+                   "resumption (default 20000)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-    if args.workers < 1:
-        raise UsageError(f"--workers={args.workers} must be >= 1")
+    args = p.parse_intermixed_args(argv)
+    if args.workers < 1 or args.shard_rows < 1:
+        raise UsageError(f"--workers={args.workers} and --shard-rows={args.shard_rows} must be >= 1")
     from .train.config import load_config
     from .train.data import prepare_data
 
     cfg = load_config(args.config, args.overrides)
-    report = prepare_data(cfg, workers=args.workers, progress=not args.no_progress)
+    report = prepare_data(cfg, workers=args.workers, shard_rows=args.shard_rows, progress=not args.no_progress)
     for r in report:
         print(f"{r['name']:<16} {r['split']:<10} {r['tokens']:>14,} tokens {r['documents']:>12,} documents "
               f"{r['bytes']:>14,} bytes", flush=True)

@@ -222,7 +222,8 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
                    objective, seq_len, target_len, model_inputs(family, masked), validation_sources)
 
 
-def prepare_data(cfg: TrainConfig, workers: int = 1, progress: bool = True) -> list[dict]:
+def prepare_data(cfg: TrainConfig, workers: int = 1, progress: bool = True,
+                 shard_rows: int = 20_000) -> list[dict]:
     """Tokenize every source of a recipe (train and validation splits) into the token cache, as a
     training run with the same config and ``TFORMER_CACHE`` will look for it. Returns one record per
     source and split: tokens, documents (rows) and bytes on disk."""
@@ -249,7 +250,8 @@ def prepare_data(cfg: TrainConfig, workers: int = 1, progress: bool = True) -> l
     for e, source, cols in zip(entries, sources, columns):
         for split in ("train", "validation"):
             out = prepare_columns(source, tok, cache, cols, split=split, val_fraction=cfg.data.val_fraction,
-                                  workers=workers, progress=progress, tokenizer_path=str(tok_path))
+                                  workers=workers, progress=progress, tokenizer_path=str(tok_path),
+                                  shard_rows=shard_rows)
             first = next(iter(out.values()))
             entry = cache / first.meta["key"]
             report.append({"name": e["name"], "split": split, "tokens": sum(c.num_tokens for c in out.values()),
