@@ -1,6 +1,7 @@
 """Document-masked packing: a packed row computes exactly what its documents (pairs) compute alone."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -189,3 +190,52 @@ def test_flex_mask_mod_matches_boolean_mask(causal):
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=add, scale=0.5)
     real = (q_ids >= 0)[:, None, :, None]
     torch.testing.assert_close(flex * real, sdpa * real, atol=1e-5, rtol=0)
+
+
+# -- the data side: packed rows carry what the masks need --------------------------------------
+
+def test_packed_pairs_hold_every_pair_once_within_the_limits():
+    import numpy as np
+    from tformer.data import Collator, PackedSeq2Seq, Seq2SeqPairs, TokenizedCorpus
+
+    rng = np.random.default_rng(0)
+    src = [rng.integers(3, 90, rng.integers(1, 30)).tolist() for _ in range(300)]
+    tgt = [rng.integers(3, 90, rng.integers(1, 20)).tolist() for _ in range(300)]
+    pairs = Seq2SeqPairs(TokenizedCorpus.from_docs(src), TokenizedCorpus.from_docs(tgt), 1,
+                         max_source_length=40, max_target_length=32)
+    packed = PackedSeq2Seq(pairs, start_id=0, seed=0)
+    assert len(packed) < len(pairs) / 2  # several pairs per row
+    seen = []
+    for r in range(len(packed)):
+        row = packed[r]
+        assert len(row["input_ids"]) <= 40 and len(row["labels"]) <= 32
+        for d in range(row["doc_ids"].max() + 1):
+            s, t = row["input_ids"][row["doc_ids"] == d], row["labels"][row["decoder_doc_ids"] == d]
+            dec = row["decoder_input_ids"][row["decoder_doc_ids"] == d]
+            assert dec[0] == 0 and (dec[1:] == t[:-1]).all()  # each target behind its own start
+            seen.append((tuple(s), tuple(t)))
+    assert sorted(seen) == sorted((tuple(pairs[i]["input_ids"]), tuple(pairs[i]["labels"]))
+                                  for i in range(len(pairs)))
+    batch = Collator(pad_id=0)([packed[0], packed[1]])
+    assert (batch["doc_ids"][batch["attention_mask"] == 0] == -1).all()
+
+
+def test_mlm_document_ids_follow_the_corpus_documents():
+    import gzip
+
+    import datasets
+
+    from tformer.data import MLMDataset, TokenizedCorpus, default_corpus_path, train_tokenizer
+
+    with gzip.open(default_corpus_path(), "rt") as f:
+        lines = [next(f).rstrip("\n") for _ in range(300)]
+    tok = train_tokenizer("wordpiece", datasets.Dataset.from_dict({"text": lines}), 800)
+    corpus = TokenizedCorpus.from_docs(tok.encode(t, add_special_tokens=False).ids for t in lines)
+    ds = MLMDataset(corpus, tok, 64, pairs=False, document_mask=True)
+    s = ds[3]
+    a = 3 * ds.chunk
+    doc = np.searchsorted(np.asarray(corpus.offsets), np.arange(a, a + ds.chunk), side="right") - 1
+    assert (s["doc_ids"][1:-1] == doc - doc[0]).all() and s["doc_ids"][0] == 0
+    assert (s["position_ids"] == positions_from_doc_ids(torch.from_numpy(s["doc_ids"])[None])[0].numpy()).all()
+    with pytest.raises(Exception, match="single-segment layout"):
+        MLMDataset(corpus, tok, 64, pairs=True, document_mask=True)

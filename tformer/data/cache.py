@@ -284,22 +284,23 @@ def _prepare_entry(source, tok, cache_dir: Path, key: str, columns, settings, wo
                    desc=f"{Path(str(_describe(source))).name} {settings['split']}")
     try:
         workers = max(1, min(workers, len(todo)))
-        if workers == 1:
-            for i in todo:
-                _tokenize_shard(i)
-                bar is not None and bar.update(1)
-        else:
-            saved = os.environ.get("TOKENIZERS_PARALLELISM")
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one tokenizer thread per forked worker
-            try:
+        # One tokenizer thread per worker: --workers is the number of cores prepare uses.
+        saved = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        try:
+            if workers == 1:
+                for i in todo:
+                    _tokenize_shard(i)
+                    bar is not None and bar.update(1)
+            else:
                 with multiprocessing.get_context("fork").Pool(workers) as pool:
                     for _ in pool.imap_unordered(_tokenize_shard, todo):
                         bar is not None and bar.update(1)
-            finally:
-                if saved is None:
-                    os.environ.pop("TOKENIZERS_PARALLELISM", None)
-                else:
-                    os.environ["TOKENIZERS_PARALLELISM"] = saved
+        finally:
+            if saved is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = saved
     finally:
         _JOB.clear()
         if bar is not None:

@@ -78,9 +78,10 @@ class Seq2SeqPairs(KeyedDataset):
 class PackedSeq2Seq(KeyedDataset):
     """Several (source, target) pairs per row, for document-masked encoder-decoder training.
 
-    The pairs of ``pairs`` are visited in one order fixed by ``seed`` and cut greedily into rows:
-    a row takes the next pair while its sources fit ``max_source_length`` and its targets
-    ``max_target_length`` tokens. Each sample holds
+    The pairs of ``pairs`` are visited in one order fixed by ``seed``, in pools of ``pool`` pairs;
+    each pool is packed first-fit decreasing: longest pairs first, each into the first row where its
+    source and its target still fit ``row_length`` tokens (default, and at least, the pairs' own
+    maximum lengths; longer rows fill better). Each sample holds
 
     input_ids / labels      the pairs' sources / targets (with EOS) back to back
     decoder_input_ids       each target shifted right behind its own ``start_id``
@@ -92,24 +93,24 @@ class PackedSeq2Seq(KeyedDataset):
     in exactly one row; the row order is the sampler's to shuffle.
     """
 
-    def __init__(self, pairs: Seq2SeqPairs, start_id: int, seed: int = 0):
+    def __init__(self, pairs: Seq2SeqPairs, start_id: int, seed: int = 0, pool: int = 2048,
+                 row_length: int | None = None):
         self.pairs, self.start_id = pairs, start_id
         src, tgt = pairs.lengths()
+        # rows may be longer than the longest pair: short bins waste their tails
+        self.row_source = max(row_length or 0, pairs.max_source_length)
+        self.row_target = max(row_length or 0, pairs.max_target_length)
         order = np.random.default_rng([seed, 7]).permutation(len(pairs))
-        bounds, s_used, t_used = [0], 0, 0
-        for i, idx in enumerate(order):
-            if i > bounds[-1] and (s_used + src[idx] > pairs.max_source_length
-                                   or t_used + tgt[idx] > pairs.max_target_length):
-                bounds.append(i)
-                s_used, t_used = 0, 0
-            s_used += src[idx]
-            t_used += tgt[idx]
-        bounds.append(len(order))
-        self.order, self.bounds = order, np.asarray(bounds, np.int64)
+        rows: list[np.ndarray] = []
+        for a in range(0, len(order), pool):
+            rows += _first_fit_decreasing(order[a:a + pool], src, tgt, self.row_source, self.row_target)
+        self.order = np.concatenate(rows)
+        self.bounds = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum([len(r) for r in rows], out=self.bounds[1:])
         real = int(tgt.sum())
         log.info("seq2seq packing: %d pairs -> %d rows (%.1f pairs per row; %.1f%% of target slots hold "
                  "tokens)", len(order), len(self), len(order) / len(self),
-                 100.0 * real / (len(self) * pairs.max_target_length))
+                 100.0 * real / (len(self) * self.row_target))
 
     def __len__(self) -> int:
         return len(self.bounds) - 1
@@ -128,3 +129,24 @@ class PackedSeq2Seq(KeyedDataset):
             "doc_ids": np.concatenate([np.full(len(s), d, np.int64) for d, s in enumerate(src)]),
             "decoder_doc_ids": np.concatenate([np.full(len(t), d, np.int64) for d, t in enumerate(tgt)]),
         }
+
+
+def _first_fit_decreasing(items: np.ndarray, src: np.ndarray, tgt: np.ndarray, max_src: int,
+                          max_tgt: int) -> list[np.ndarray]:
+    items = items[np.argsort(-(src[items] + tgt[items]), kind="stable")]
+    src_free = np.empty(len(items), np.int64)
+    tgt_free = np.empty(len(items), np.int64)
+    members: list[list[int]] = []
+    for idx in items:
+        s, t = src[idx], tgt[idx]
+        n = len(members)
+        fits = np.flatnonzero((src_free[:n] >= s) & (tgt_free[:n] >= t))
+        if len(fits):
+            r = int(fits[0])
+            members[r].append(int(idx))
+            src_free[r] -= s
+            tgt_free[r] -= t
+        else:
+            members.append([int(idx)])
+            src_free[n], tgt_free[n] = max_src - s, max_tgt - t
+    return [np.asarray(m, np.int64) for m in members]

@@ -59,6 +59,8 @@ class DataConfig:
     stages: list = field(default_factory=list)
     on_exhausted: str = "repeat"     # a mixture source read to its end: repeat (re-epoch, logged) | stop
     document_mask: bool = False      # packed documents (pairs) attend only within themselves
+    pack_len: int | None = None      # seq2seq + document_mask: source / target tokens per packed row
+                                     # (default: data.seq_len / data.target_len, the longest pair)
     prepared: bool = False           # require the token cache of `tformer data prepare`; never tokenize here
 
 
@@ -271,7 +273,7 @@ RANGES = {
     "data.tokenizer_vocab_size": "[1, inf)", "data.seq_len": "[1, inf)", "data.target_len": "[1, inf)",
     "data.mlm_probability": "(0, 1)", "data.noise_density": "(0, 1)", "data.mean_span_length": "[1, inf)",
     "data.val_fraction": "[0, 1)", "data.tokenizer_max_rows": "[1, inf)", "data.num_proc": "[1, inf)",
-    "data.num_workers": "[0, inf)",
+    "data.num_workers": "[0, inf)", "data.pack_len": "[1, inf)",
     "optim.lr": "(0, inf)", "optim.min_lr_ratio": "[0, 1]", "optim.weight_decay": "[0, inf)",
     "optim.beta1": "[0, 1)", "optim.beta2": "[0, 1)", "optim.eps": "(0, inf)", "optim.grad_clip": "[0, inf)",
     "optim.warmup_steps": "[0, inf)", "optim.decay_steps": "[1, inf)",
@@ -355,6 +357,8 @@ def check_mixture(cfg: "TrainConfig") -> None:
 def check_document_mask(cfg: "TrainConfig", model) -> None:
     d = cfg.data
     if not d.document_mask:
+        if d.pack_len is not None:
+            raise ConfigError(f"data.pack_len={d.pack_len} sizes packed rows; it needs data.document_mask=true")
         return
     objective = d.objective if d.objective != "auto" else {"decoder": "causal", "encoder": "mlm",
                                                            "encdec": "span"}[model.family]
@@ -365,6 +369,9 @@ def check_document_mask(cfg: "TrainConfig", model) -> None:
     if d.tokens_per_batch is not None:
         raise ConfigError("data.document_mask=true packs pairs into rows; unset data.tokens_per_batch "
                           "(padded token-budget batches) or set data.document_mask=false")
+    if d.pack_len is not None and objective != "seq2seq":
+        raise ConfigError(f"data.pack_len={d.pack_len} sizes rows of packed pairs (data.objective=seq2seq); "
+                          f"{objective} packing fills data.seq_len: unset data.pack_len")
     if model.attn_impl not in DOC_MASK_IMPLS:
         raise ConfigError(f"data.document_mask=true needs model.attn_impl in {', '.join(DOC_MASK_IMPLS)}, not "
                           f"{model.attn_impl!r}")

@@ -182,7 +182,10 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
                                       target_column=cfg.data.target_column, split=name, **opts)
             pairs = Seq2SeqPairs(src, tgt, ids.require("eos_id", "seq2seq targets"),
                                  max_source_length=seq_len, max_target_length=cfg.data.target_len or seq_len)
-            return PackedSeq2Seq(pairs, model_cfg.decoder_start_token_id, seed=cfg.seed) if masked else pairs
+            if not masked:
+                return pairs
+            return PackedSeq2Seq(pairs, model_cfg.decoder_start_token_id, seed=cfg.seed,
+                                 row_length=cfg.data.pack_len)
         corpus = tokenize_corpus(source, tok, cache, column=column, split=name, **opts)
         if objective == "causal":
             return PackedCausalLM(corpus, seq_len, ids.require("eos_id", "causal LM packing"))
