@@ -115,27 +115,38 @@ def _best_of(fns: dict, rounds: int) -> dict:
 
 
 def bench_prepare(work: Path) -> None:
-    from tformer.data import default_corpus_path, train_tokenizer
+    import resource
+
+    from tformer.data import default_corpus_path, default_pairs_path, train_tokenizer
     from tformer.data.cache import prepare_columns
 
     tok = train_tokenizer("bpe", default_corpus_path(), 8000, None)
-    tokens = {}
+    jobs = [(default_corpus_path(), ["text"]), (default_pairs_path(), ["src", "tgt"])]
+    tokens, cpu = {}, {}
+
+    def cpu_s():
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
     def run(workers):
         def go():
             cache = work / f"prepare-{workers}-{time.perf_counter_ns()}"
-            t0 = time.perf_counter()
-            out = prepare_columns(default_corpus_path(), tok, cache, ["text"], workers=workers, shard_rows=4000,
-                                  progress=False)
+            t0, c0, n = time.perf_counter(), cpu_s(), 0
+            for source, columns in jobs:
+                out = prepare_columns(source, tok, cache, columns, split="all", workers=workers,
+                                      shard_rows=4000, progress=False)
+                n += sum(c.num_tokens for c in out.values())
             dt = time.perf_counter() - t0
-            tokens[workers] = out["text"].num_tokens
+            tokens[workers] = n
+            cpu[workers] = min(cpu.get(workers, float("inf")), cpu_s() - c0)
             return dt
         return go
     best = _best_of({1: run(1), 2: run(2)}, 2)
     rate = {w: tokens[w] / best[w] for w in best}
-    print(f"prepare (WEB Bible train, {tokens[1]:,} tokens, shards of 4000 rows, incl. Arrow load):")
+    print(f"prepare (WEB Bible + en-es pairs, all rows, {tokens[1]:,} tokens, shards of 4000 rows, incl. "
+          f"Arrow load; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores):")
     for w in (1, 2):
-        print(f"  workers={w}: {best[w]:6.2f} s  {rate[w]:12,.0f} tokens/s")
+        print(f"  workers={w}: {best[w]:6.2f} s wall, {cpu[w]:6.2f} s CPU  {rate[w]:12,.0f} tokens/s")
     print(f"  2 workers / 1 worker = {rate[2] / rate[1]:.2f}x")
 
 

@@ -117,6 +117,9 @@ def test_an_exhausted_source_repeats_or_stops(caplog):
      "data.stages end at until_step=5 but max_steps=10"),
     (["data.sources=[{source: default, wieght: 1}]"], r"unknown key\(s\) wieght"),
     (["model.preset=t5-tiny", "data.document_mask=true"], "cannot be honoured by span corruption"),
+    (["model.preset=transformer-tiny", "data.objective=seq2seq", "data.document_mask=true", "data.pack_len=256"],
+     "data.pack_len=256 exceeds model.max_seq_len=128"),
+    (["data.pack_len=256"], "needs data.document_mask=true"),
 ])
 def test_bad_mixture_recipes_are_refused_in_one_line(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -372,6 +372,10 @@ def check_document_mask(cfg: "TrainConfig", model) -> None:
     if d.pack_len is not None and objective != "seq2seq":
         raise ConfigError(f"data.pack_len={d.pack_len} sizes rows of packed pairs (data.objective=seq2seq); "
                           f"{objective} packing fills data.seq_len: unset data.pack_len")
+    if (d.pack_len is not None and model.position in ("learned", "sinusoidal")
+            and d.pack_len > model.max_seq_len):
+        raise ConfigError(f"data.pack_len={d.pack_len} exceeds model.max_seq_len={model.max_seq_len} (the "
+                          f"position table); use data.pack_len <= {model.max_seq_len}")
     if model.attn_impl not in DOC_MASK_IMPLS:
         raise ConfigError(f"data.document_mask=true needs model.attn_impl in {', '.join(DOC_MASK_IMPLS)}, not "
                           f"{model.attn_impl!r}")

@@ -221,6 +221,8 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
         target_len = cfg.data.target_len or seq_len
     if target_len is not None:
         check_seq_len(target_len, max_len, "decoder target length")
+    if objective == "seq2seq" and masked:  # packed rows: the lengths the model sees (FLOPs, MFU)
+        seq_len, target_len = max(seq_len, cfg.data.pack_len or 0), max(target_len, cfg.data.pack_len or 0)
     return RunData(tok, tok_path, model_cfg, train, validation, Collator(pad_id=ids.pad_id or 0),
                    objective, seq_len, target_len, model_inputs(family, masked), validation_sources)
 
