@@ -174,10 +174,11 @@ class MultiHeadAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                                  scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
         else:
-            allowed = build_mask(padding_mask, causal and q_len > 1, q_len, k_len, q.device)
             if doc_mask is not None:
-                allowed = doc_mask.restrict(allowed, causal)
-            mask = additive_mask(allowed, attn_bias, q.dtype)
+                mask = doc_mask.additive(padding_mask, causal, attn_bias, q.dtype, additive_mask)
+            else:
+                allowed = build_mask(padding_mask, causal and q_len > 1, q_len, k_len, q.device)
+                mask = additive_mask(allowed, attn_bias, q.dtype)
             if self.impl == "sdpa":
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                                      scale=self.scale,

@@ -38,6 +38,7 @@ class DocumentMask:
         self.flex = q_ids.is_cuda if flex is None else flex
         self._dense: dict[bool, torch.Tensor] = {}
         self._blocks: dict[bool, object] = {}
+        self._additive: tuple | None = None
 
     def mask_mod(self, causal: bool):
         """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> may attend``."""
@@ -59,10 +60,18 @@ class DocumentMask:
                 torch.arange(sk, device=dev)[None, None, None, :])
         return self._dense[causal]
 
-    def restrict(self, allowed: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """``allowed`` (padding / causal mask or None) narrowed to same-document pairs."""
-        doc = self.allowed(causal)
-        return doc if allowed is None else allowed & doc
+    def additive(self, padding_mask, causal: bool, bias, dtype, build) -> torch.Tensor:
+        """The additive mask for SDPA / math: ``build(allowed, bias, dtype)`` of this mask narrowed by
+        ``padding_mask``. Every layer of a stack passes the same padding mask and bias, so the
+        ``(B, h, S_q, S_k)`` tensor is built once per forward and shared (autograd sums the bias's
+        gradient over the layers as before)."""
+        key = (causal, padding_mask, bias, dtype)
+        if self._additive is None or any(a is not b for a, b in zip(self._additive[0], key)):
+            allowed = self.allowed(causal)
+            if padding_mask is not None:
+                allowed = allowed & padding_mask.bool()[:, None, None, :]
+            self._additive = (key, build(allowed, bias, dtype))
+        return self._additive[1]
 
     def block_mask(self, causal: bool):
         if causal not in self._blocks:
