@@ -288,6 +288,11 @@ RANGES = {
 SOURCE_KEYS = ("source", "weight", "name", "text_column")
 
 
+def source_name(entry: dict) -> str:
+    """A mixture source's name: its ``name``, else its file name up to the first dot."""
+    return entry.get("name") or Path(str(entry["source"])).name.split(".")[0]
+
+
 def _check_sources(entries: Any, where: str) -> list[str]:
     """One mixture's source list: a non-empty list of {source, weight, name}; returns the names."""
     if not isinstance(entries, list) or not entries:
@@ -305,7 +310,7 @@ def _check_sources(entries: Any, where: str) -> list[str]:
         w = e.get("weight", 1.0)
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
             raise ConfigError(f"{at}.weight={w!r} must be a number >= 0")
-        name = e.get("name") or Path(str(e["source"])).name.split(".")[0]
+        name = source_name(e)
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
             raise ConfigError(f"{at}.name={name!r} may hold only letters, digits, _ . - (it names val_loss/NAME)")
         if name in names:

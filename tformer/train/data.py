@@ -17,7 +17,7 @@ from ..data import (Collator, DataError, MLMDataset, MixtureDataset, MixtureSche
                     tokenize_pairs, train_tokenizer)
 from ..data.loading import resolve_source
 from ..data.mixture import ConcatKeyed
-from .config import TrainConfig
+from .config import TrainConfig, source_name
 
 log = logging.getLogger("tformer.train")
 
@@ -63,7 +63,7 @@ def mixture_sources(cfg: TrainConfig) -> list[dict]:
     found: dict[str, dict] = {}
     for entries in lists:
         for e in entries:
-            name = e.get("name") or Path(str(e["source"])).name.split(".")[0]
+            name = source_name(e)
             entry = {"name": name, "source": e["source"], "text_column": e.get("text_column", d.text_column)}
             if name in found and found[name] != entry:
                 raise DataError(f"mixture source name {name!r} stands for {found[name]['source']} and for "
@@ -79,8 +79,7 @@ def mixture_schedule(cfg: TrainConfig, names: list[str], world_size: int) -> Mix
     stages = [{"until_step": None, "sources": d.sources}] if d.sources else d.stages
 
     def weights(entries):
-        by_name = {(e.get("name") or Path(str(e["source"])).name.split(".")[0]): float(e.get("weight", 1.0))
-                   for e in entries}
+        by_name = {source_name(e): float(e.get("weight", 1.0)) for e in entries}
         return [by_name.get(n, 0.0) for n in names]
     return MixtureSchedule(names, [(None if st["until_step"] is None else st["until_step"] * batch,
                                     weights(st["sources"])) for st in stages])

@@ -279,7 +279,7 @@ class Trainer:
         train = self.data.train
         if not isinstance(train, MixtureDataset):
             return None
-        return MixtureSampler(train).state_dict()["mixture"] + [train.lengths, train.seed]
+        return train.schedule.fingerprint() + [train.lengths, train.seed]
 
     def resolved_yaml(self) -> str:
         import yaml
