@@ -250,6 +250,7 @@ def test_killed_prepare_resumes_to_a_byte_identical_cache(tmp_path, tokenizer, s
     assert done, "the kill came before any shard finished"
     again = _prepare(tmp_path / "killed", tokenizer, small)
     assert again.returncode == 0, again.stderr
+    assert f"{len(done)} of " in again.stderr and "shards already done" in again.stderr
     assert again.stdout == clean.stdout
     assert _tree(tmp_path / "killed" / "tokens") == _tree(tmp_path / "clean" / "tokens")
 
