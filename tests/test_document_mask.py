@@ -239,3 +239,23 @@ def test_mlm_document_ids_follow_the_corpus_documents():
     assert (s["position_ids"] == positions_from_doc_ids(torch.from_numpy(s["doc_ids"])[None])[0].numpy()).all()
     with pytest.raises(Exception, match="single-segment layout"):
         MLMDataset(corpus, tok, 64, pairs=True, document_mask=True)
+
+
+@pytest.mark.parametrize("recipe", ["gpt2-tiny", "bert-tiny", "t5-tiny-translate"])
+def test_the_trainer_feeds_packed_documents_to_every_family(recipe, tmp_path, monkeypatch):
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+    from train_helpers import CONFIGS, metrics, small_overrides
+
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path / "cache"))
+    extra = ["data.tokenizer_max_rows=2000", "data.target_len=64"] if "t5" in recipe else []
+    cfg = load_config(CONFIGS / f"{recipe}.yaml", small_overrides(
+        recipe, tmp_path / "run", "data.document_mask=true", "max_steps=2", "eval_every=2", "save_every=0",
+        "eval_batches=1", "micro_batch_size=4", *extra))
+    t = Trainer(cfg)
+    batch = next(t._batches())
+    assert "doc_ids" in t.data.model_inputs and set(t.data.model_inputs) <= set(batch)
+    assert (batch["doc_ids"].amax(dim=1) >= 1).any()  # rows really hold several documents
+    t.fit()
+    last = metrics(tmp_path / "run")[-1]
+    assert np.isfinite(last["loss"]) and np.isfinite(last["val_loss"])
