@@ -41,8 +41,9 @@ def _data(argv: list[str]) -> int:
                    "resumption (default 20000)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_intermixed_args(argv)
-    if args.workers < 1 or args.shard_rows < 1:
-        raise UsageError(f"--workers={args.workers} and --shard-rows={args.shard_rows} must be >= 1")
+    for flag, value in (("--workers", args.workers), ("--shard-rows", args.shard_rows)):
+        if value < 1:
+            raise UsageError(f"tformer data prepare: {flag}={value} must be >= 1")
     from .train.config import load_config
     from .train.data import prepare_data
 

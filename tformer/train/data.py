@@ -236,7 +236,8 @@ def prepare_data(cfg: TrainConfig, workers: int = 1, progress: bool = True,
     family = cfg.model_config().family
     objective = OBJECTIVE[family] if cfg.data.objective == "auto" else cfg.data.objective
     entries = mixture_sources(cfg) if (cfg.data.sources or cfg.data.stages) else [
-        {"name": "source", "source": str(_source(cfg, objective)), "text_column": cfg.data.text_column}]
+        {"name": source_name({"source": _source(cfg, objective)}), "source": str(_source(cfg, objective)),
+         "text_column": cfg.data.text_column}]
     for e in entries:
         if e["source"] != "default":
             resolve_source(e["source"])
