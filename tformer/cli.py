@@ -28,6 +28,32 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
+def _data(argv: list[str]) -> int:
+    p = _Parser(prog="tformer data", description="Data preparation: `tformer data prepare CONFIG` tokenizes "
+                "every source of a recipe into the token cache ($TFORMER_CACHE or data.cache_dir) ahead of "
+                "time; a training run with the same recipe and cache then starts without tokenizing.")
+    p.add_argument("action", choices=["prepare"], help="prepare: tokenize every source into the cache")
+    p.add_argument("config", help="YAML recipe, e.g. configs/gpt2-tiny.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.seq_len=512")
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+    p.add_argument("--shard-rows", type=int, default=20000, help="rows per shard, the unit of work and of "
+                   "resumption (default 20000)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_intermixed_args(argv)
+    for flag, value in (("--workers", args.workers), ("--shard-rows", args.shard_rows)):
+        if value < 1:
+            raise UsageError(f"tformer data prepare: {flag}={value} must be >= 1")
+    from .train.config import load_config
+    from .train.data import prepare_data
+
+    cfg = load_config(args.config, args.overrides)
+    report = prepare_data(cfg, workers=args.workers, shard_rows=args.shard_rows, progress=not args.no_progress)
+    for r in report:
+        print(f"{r['name']:<16} {r['split']:<10} {r['tokens']:>14,} tokens {r['documents']:>12,} documents "
+              f"{r['bytes']:>14,} bytes", flush=True)
+    return 0
+
+
 def _generate(argv: list[str]) -> int:
     p = _Parser(prog="tformer generate", description="Generate text from a checkpoint: a "
                 "continuation (decoder) or a translation (encoder-decoder).")
@@ -114,7 +140,7 @@ def _evaluate(argv: list[str]) -> int:
     from .checkpoint import load_checkpoint
     from .config import ConfigError
     from .train.config import load_config
-    from .train.data import MODEL_INPUTS, build_data
+    from .train.data import build_data
 
     run = Path(args.run_dir)
     if not (run / "config.yaml").is_file():
@@ -135,7 +161,7 @@ def _evaluate(argv: list[str]) -> int:
     val = data.validation
     n = len(val) if args.samples is None else min(args.samples, len(val))
     total, count = 0.0, 0
-    keys = MODEL_INPUTS[model.config.family]
+    keys = data.model_inputs
     with torch.no_grad():
         for i in range(0, n, cfg.micro_batch_size):
             batch = data.collator([val[k] for k in range(i, min(n, i + cfg.micro_batch_size))])
@@ -246,7 +272,8 @@ def _plan(argv: list[str]) -> int:
                      args.gpus_per_node)
 
 
-COMMANDS = {"train": _train, "generate": _generate, "evaluate": _evaluate, "plot": _plot, "tokenizer": _tokenizer,
+COMMANDS = {"train": _train, "data": _data, "generate": _generate, "evaluate": _evaluate, "plot": _plot,
+            "tokenizer": _tokenizer,
             "consolidate": _consolidate, "plan": _plan,
             "export": _export, "import": _import}
 

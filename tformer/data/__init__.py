@@ -19,7 +19,8 @@ from .errors import DataError, check_seq_len
 from .loading import load_text_dataset
 from .mlm import MLMDataset
 from .sampler import Collator, ResumableSampler, TokenBudgetSampler, collate
-from .seq2seq import Seq2SeqPairs
+from .mixture import MixtureDataset, MixtureSampler, MixtureSchedule
+from .seq2seq import PackedSeq2Seq, Seq2SeqPairs
 from .span import SpanCorruptionDataset, t5_lengths
 from .tokenizer import (SpecialTokens, check_vocab, hf_tokenizer, load_tokenizer, special_tokens,
                         tokenizer_main, train_tokenizer)
@@ -29,5 +30,6 @@ __all__ = [
     "special_tokens", "SpecialTokens", "hf_tokenizer", "tokenizer_main", "default_corpus_path",
     "default_pairs_path", "split_rows", "load_text_dataset", "TokenizedCorpus", "tokenize_corpus",
     "tokenize_pairs", "PackedCausalLM", "MLMDataset", "SpanCorruptionDataset", "t5_lengths",
-    "Seq2SeqPairs", "ResumableSampler", "TokenBudgetSampler", "Collator", "collate",
+    "Seq2SeqPairs", "PackedSeq2Seq", "MixtureDataset", "MixtureSampler", "MixtureSchedule", "ResumableSampler",
+    "TokenBudgetSampler", "Collator", "collate",
 ]

@@ -138,10 +138,12 @@ def _open(entry: Path, columns: list[str]) -> dict[str, TokenizedCorpus]:
 def _cached(source, tok: Tokenizer, cache_dir, columns: list[str], *, split: str = "train",
             streaming: bool = False, val_fraction: float = 0.01, format: str | None = None,
             text_unit: str = "line", config_name: str | None = None, num_proc: int | None = None,
-            cache_key: str | None = None, max_tokens: int | None = None) -> dict[str, TokenizedCorpus]:
+            cache_key: str | None = None, max_tokens: int | None = None,
+            require_prepared: bool = False) -> dict[str, TokenizedCorpus]:
     settings = dict(split=split, val_fraction=val_fraction if split != "all" else None,
                     format=format, text_unit=text_unit, config_name=config_name, max_tokens=max_tokens)
-    key = _cache_key(_source_identity(source, cache_key), tok, columns, settings)
+    identity = _source_identity(source, cache_key)
+    key = _cache_key(identity, tok, columns, settings)
     cache_dir = Path(cache_dir)
     entry = cache_dir / key
     if (entry / "meta.json").is_file():
@@ -149,6 +151,8 @@ def _cached(source, tok: Tokenizer, cache_dir, columns: list[str], *, split: str
         log.info("token cache hit %s: %s", entry, ", ".join(
             f"{c}: {v.num_tokens:,} tokens in {v.num_docs:,} rows" for c, v in out.items()))
         return out
+    if require_prepared:
+        _refuse_unprepared(source, tok, cache_dir, identity, columns, settings)
 
     start = time.perf_counter()
     tmp = cache_dir / f".{key}.tmp.{os.getpid()}"
@@ -178,8 +182,7 @@ def _cached(source, tok: Tokenizer, cache_dir, columns: list[str], *, split: str
                 log.info("column %r: %d of %d rows are empty (kept in the cache; objectives skip "
                          "them)", c, n["empty_rows"], n["rows"])
         meta = dict(version=CACHE_VERSION, key=key, source=_describe(source), columns=counts,
-                    dtype=np.dtype(dtype).name, vocab_size=vocab_size(tok), settings=settings,
-                    build_seconds=round(time.perf_counter() - start, 3))
+                    dtype=np.dtype(dtype).name, vocab_size=vocab_size(tok), settings=settings)
         shutil.rmtree(tmp / "hf", ignore_errors=True)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         publish(tmp, entry, keep_existing=True)  # another process may have finished the same entry first
@@ -194,6 +197,163 @@ def _cached(source, tok: Tokenizer, cache_dir, columns: list[str], *, split: str
     log.info("token cache built %s in %.1fs: %s", entry, time.perf_counter() - start, ", ".join(
         f"{c}: {v.num_tokens:,} tokens in {v.num_docs:,} rows" for c, v in out.items()))
     return out
+
+
+def _manifest_path(cache_dir: Path, identity: list, columns: list[str], settings: dict) -> Path:
+    """Where `prepare` notes which tokenizer made a source's entry (one file per source + split)."""
+    blob = json.dumps({"source": identity, "columns": columns, "settings": settings}, sort_keys=True)
+    return cache_dir / "prepared" / f"{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
+
+
+def _refuse_unprepared(source, tok, cache_dir: Path, identity, columns, settings) -> None:
+    manifest = _manifest_path(cache_dir, identity, columns, settings)
+    if manifest.is_file():
+        made = json.loads(manifest.read_text())
+        raise DataError(f"the prepared token cache for {_describe(source)} ({settings['split']}) in {cache_dir} was "
+                        f"made with another tokenizer ({made['tokenizer_hash'][:12]}, {made.get('tokenizer_path')}; "
+                        f"this run's is {tokenizer_hash(tok)[:12]}): prepare again with this run's config, or set "
+                        "data.tokenizer to the tokenizer the cache was made with")
+    raise DataError(f"data.prepared=true but {cache_dir} holds no prepared tokens for {_describe(source)} "
+                    f"({settings['split']}): run `tformer data prepare CONFIG` with TFORMER_CACHE={cache_dir.parent}, "
+                    "or set data.prepared=false to tokenize here")
+
+
+SHARD_ROWS = 20_000
+_JOB: dict = {}  # what forked prepare workers inherit: the dataset, encoder and shard layout
+
+
+def prepare_columns(source, tokenizer: Tokenizer, cache_dir: str | Path, columns: list[str], *,
+                    split: str = "train", val_fraction: float = 0.01, workers: int = 1,
+                    shard_rows: int = SHARD_ROWS, progress: bool = True, tokenizer_path: str | None = None,
+                    format: str | None = None, text_unit: str = "line",
+                    config_name: str | None = None) -> dict[str, TokenizedCorpus]:
+    """Tokenize ``columns`` of ``source`` into the same cache entry ``tokenize_corpus`` would build,
+    ahead of time: in shards of ``shard_rows`` rows over ``workers`` forked processes, resumable.
+
+    The rows are read from `datasets`' memory-mapped Arrow copy one batch at a time, so a source
+    larger than memory streams through. Each finished shard is renamed into
+    ``<cache>/.<key>.prepare/`` at once; a re-run after a crash (even SIGKILL) keeps finished shards
+    and redoes only the rest, and the assembled entry is byte-identical to an uninterrupted build.
+    """
+    settings = dict(split=split, val_fraction=val_fraction if split != "all" else None,
+                    format=format, text_unit=text_unit, config_name=config_name, max_tokens=None)
+    identity = _source_identity(source, None)
+    key = _cache_key(identity, tokenizer, columns, settings)
+    cache_dir = Path(cache_dir)
+    entry = cache_dir / key
+    if not (entry / "meta.json").is_file():
+        _prepare_entry(source, tokenizer, cache_dir, key, columns, settings, workers, shard_rows, progress)
+    manifest = _manifest_path(cache_dir, identity, columns, settings)
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = manifest.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"key": key, "tokenizer_hash": tokenizer_hash(tokenizer),
+                               "tokenizer_path": tokenizer_path, "source": _describe(source)}, indent=1))
+    os.replace(tmp, manifest)
+    return _open(entry, columns)
+
+
+def _prepare_entry(source, tok, cache_dir: Path, key: str, columns, settings, workers, shard_rows, progress):
+    import multiprocessing
+
+    from .loading import load_text_dataset
+
+    work = cache_dir / f".{key}.prepare"
+    work.mkdir(parents=True, exist_ok=True)
+    for stale in work.glob("*.tmp*"):  # a shard a killed run was writing
+        shutil.rmtree(stale, ignore_errors=True)
+    ds = load_text_dataset(source, columns=columns, split=settings["split"],
+                           val_fraction=settings["val_fraction"] or 0.01, format=settings["format"],
+                           text_unit=settings["text_unit"], config_name=settings["config_name"],
+                           cache_dir=work / "hf")
+    encoder = Tokenizer.from_str(tok.to_str())
+    encoder.no_truncation()
+    encoder.no_padding()
+    dtype = np.uint16 if vocab_size(tok) <= 2**16 else np.uint32
+    shards = max(1, -(-len(ds) // shard_rows))
+    todo = [i for i in range(shards) if not (work / f"shard{i:06d}").is_dir()]
+    _JOB.update(ds=ds, encoder=encoder, columns=columns, work=work, dtype=dtype, rows=shard_rows)
+    if todo and len(todo) < shards:
+        log.info("prepare %s: %d of %d shards already done, tokenizing the other %d", _describe(source),
+                 shards - len(todo), shards, len(todo))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=shards, initial=shards - len(todo), unit="shard",
+                   desc=f"{Path(str(_describe(source))).name} {settings['split']}")
+    try:
+        workers = max(1, min(workers, len(todo)))
+        # One tokenizer thread per worker: --workers is the number of cores prepare uses.
+        saved = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        try:
+            if workers == 1:
+                for i in todo:
+                    _tokenize_shard(i)
+                    bar is not None and bar.update(1)
+            else:
+                with multiprocessing.get_context("fork").Pool(workers) as pool:
+                    for _ in pool.imap_unordered(_tokenize_shard, todo):
+                        bar is not None and bar.update(1)
+        finally:
+            if saved is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = saved
+    finally:
+        _JOB.clear()
+        if bar is not None:
+            bar.close()
+    del ds
+    tmp = cache_dir / f".{key}.tmp.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    counts = {}
+    for c in columns:
+        lengths = []
+        with open(tmp / f"{c}.tokens.bin", "wb") as out:
+            for i in range(shards):
+                with open(work / f"shard{i:06d}" / f"{c}.tokens.bin", "rb") as fh:
+                    shutil.copyfileobj(fh, out, 1 << 24)
+                lengths.append(np.load(work / f"shard{i:06d}" / f"{c}.lengths.npy"))
+        counts[c] = _save_offsets(tmp, c, np.concatenate(lengths))
+        if counts[c]["tokens"] == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise DataError(f"no tokens in column {c!r} of {_describe(source)}: all {counts[c]['rows']:,} rows "
+                            "are empty; give data with text")
+    meta = dict(version=CACHE_VERSION, key=key, source=_describe(source), columns=counts,
+                dtype=np.dtype(dtype).name, vocab_size=vocab_size(tok), settings=settings)
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    try:
+        os.replace(tmp, cache_dir / key)
+    except OSError:  # another process finished the same entry first
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _tokenize_shard(i: int) -> int:
+    job = _JOB
+    ds, columns, rows = job["ds"], job["columns"], job["rows"]
+    final = job["work"] / f"shard{i:06d}"
+    tmp = job["work"] / f"shard{i:06d}.tmp{os.getpid()}"
+    tmp.mkdir()
+    files = {c: open(tmp / f"{c}.tokens.bin", "wb") for c in columns}
+    lengths = {c: [] for c in columns}
+    try:
+        for a in range(i * rows, min((i + 1) * rows, len(ds)), 1000):
+            batch = ds[a:min(a + 1000, (i + 1) * rows, len(ds))]
+            encoded = _encode_batch(batch, job["encoder"], columns)
+            for c in columns:
+                ids = encoded[f"ids.{c}"]
+                lengths[c].append(np.fromiter((len(x) for x in ids), np.int64, len(ids)))
+                if ids:
+                    files[c].write(np.concatenate([np.asarray(x, job["dtype"]) for x in ids]).tobytes())
+    finally:
+        for fh in files.values():
+            fh.close()
+    for c in columns:
+        np.save(tmp / f"{c}.lengths.npy", np.concatenate(lengths[c]) if lengths[c] else np.zeros(0, np.int64))
+    os.replace(tmp, final)
+    return i
 
 
 def _describe(source) -> str:

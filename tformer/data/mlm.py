@@ -33,10 +33,19 @@ class MLMDataset(KeyedDataset):
 
     Randomness comes from a generator seeded by (seed, epoch, index) only. Returns input_ids,
     token_type_ids, attention_mask, labels (numpy int64, length ``seq_len``).
+
+    ``document_mask=True`` (single-segment layout only) adds ``doc_ids`` (document of every position,
+    from 0; ``[CLS]`` joins the first document, the final ``[SEP]`` the last) and ``position_ids``
+    restarting at each document, so the model can keep the packed documents apart.
     """
 
     def __init__(self, corpus: TokenizedCorpus, tokenizer: Tokenizer, seq_len: int, *, seed: int = 0,
-                 mask_prob: float = 0.15, whole_word: bool = False, pairs: bool = True):
+                 mask_prob: float = 0.15, whole_word: bool = False, pairs: bool = True,
+                 document_mask: bool = False):
+        if document_mask and pairs:
+            raise DataError("MLM document masking needs the single-segment layout (pairs=False): the "
+                            "[CLS] A [SEP] B [SEP] layout relates A and B across documents")
+        self.document_mask = document_mask
         ids = special_tokens(tokenizer)
         self.cls_id = ids.require("cls_id", "MLM samples")
         self.sep_id = ids.require("sep_id", "MLM samples")
@@ -84,8 +93,17 @@ class MLMDataset(KeyedDataset):
             input_ids = np.concatenate([[self.cls_id], chunk, [self.sep_id]])
             token_type_ids = np.zeros(self.seq_len, np.int64)
         input_ids, labels = self._mask(input_ids, rng)
-        return {"input_ids": input_ids, "token_type_ids": token_type_ids,
-                "attention_mask": np.ones(self.seq_len, np.int64), "labels": labels}
+        out = {"input_ids": input_ids, "token_type_ids": token_type_ids,
+               "attention_mask": np.ones(self.seq_len, np.int64), "labels": labels}
+        if self.document_mask:
+            doc = np.searchsorted(self.offsets, np.arange(a, b), side="right") - 1
+            doc = np.concatenate([doc[:1], doc, doc[-1:]]) - doc[0]
+            start = np.ones(len(doc), bool)
+            start[1:] = doc[1:] != doc[:-1]
+            idx = np.arange(len(doc))
+            out["doc_ids"] = doc
+            out["position_ids"] = idx - np.maximum.accumulate(np.where(start, idx, 0))
+        return out
 
     def _mask(self, ids: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         candidates = np.flatnonzero(~self.is_special[ids])

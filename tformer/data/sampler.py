@@ -178,13 +178,13 @@ class TokenBudgetSampler:
 
 # Padding values per field; unknown fields pad with the pad id.
 PAD_VALUES = {"labels": -100, "attention_mask": 0, "token_type_ids": 0, "position_ids": 0,
-              "doc_ids": -1}
+              "doc_ids": -1, "decoder_doc_ids": -1, "source": -1}
 
 
 class Collator:
     """Pads a list of samples into a batch of ``torch.long`` tensors, per field to its longest.
 
-    input_ids pad with ``pad_id``, labels with -100, doc_ids with -1, masks/types/positions
+    input_ids pad with ``pad_id``, labels with -100, doc_ids (any ``*doc_ids``) with -1, masks/types/positions
     with 0. ``attention_mask`` (1 = real token) is added for input_ids when absent.
     ``pad_to_multiple_of`` rounds padded lengths up.
     """

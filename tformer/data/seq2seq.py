@@ -73,3 +73,80 @@ class Seq2SeqPairs(KeyedDataset):
         input_ids = np.append(src, self.eos_id)
         return {"input_ids": input_ids, "attention_mask": np.ones_like(input_ids),
                 "labels": np.append(tgt, self.eos_id)}
+
+
+class PackedSeq2Seq(KeyedDataset):
+    """Several (source, target) pairs per row, for document-masked encoder-decoder training.
+
+    The pairs of ``pairs`` are visited in one order fixed by ``seed``, in pools of ``pool`` pairs;
+    each pool is packed first-fit decreasing: longest pairs first, each into the first row where its
+    source and its target still fit ``row_length`` tokens (default, and at least, the pairs' own
+    maximum lengths; longer rows fill better). Each sample holds
+
+    input_ids / labels      the pairs' sources / targets (with EOS) back to back
+    decoder_input_ids       each target shifted right behind its own ``start_id``
+    doc_ids                 pair number (0, 1, ...) of every source token
+    decoder_doc_ids         pair number of every target token
+
+    The model confines encoder, decoder and cross-attention to each pair (``DocumentMask``), so a
+    packed row trains exactly like its pairs run one by one, without the padding. Every pair sits
+    in exactly one row; the row order is the sampler's to shuffle.
+    """
+
+    def __init__(self, pairs: Seq2SeqPairs, start_id: int, seed: int = 0, pool: int = 2048,
+                 row_length: int | None = None):
+        self.pairs, self.start_id = pairs, start_id
+        src, tgt = pairs.lengths()
+        # rows may be longer than the longest pair: short bins waste their tails
+        self.row_source = max(row_length or 0, pairs.max_source_length)
+        self.row_target = max(row_length or 0, pairs.max_target_length)
+        order = np.random.default_rng([seed, 7]).permutation(len(pairs))
+        rows: list[np.ndarray] = []
+        for a in range(0, len(order), pool):
+            rows += _first_fit_decreasing(order[a:a + pool], src, tgt, self.row_source, self.row_target)
+        self.order = np.concatenate(rows)
+        self.bounds = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum([len(r) for r in rows], out=self.bounds[1:])
+        real = int(tgt.sum())
+        log.info("seq2seq packing: %d pairs -> %d rows (%.1f pairs per row; %.1f%% of target slots hold "
+                 "tokens)", len(order), len(self), len(order) / len(self),
+                 100.0 * real / (len(self) * self.row_target))
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def sample(self, index: int, epoch: int = 0) -> dict[str, np.ndarray]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"row {index} out of range [0, {len(self)})")
+        parts = [self.pairs.sample(int(i)) for i in self.order[self.bounds[index]:self.bounds[index + 1]]]
+        src = [p["input_ids"] for p in parts]
+        tgt = [p["labels"] for p in parts]
+        return {
+            "input_ids": np.concatenate(src),
+            "attention_mask": np.ones(sum(len(s) for s in src), np.int64),
+            "labels": np.concatenate(tgt),
+            "decoder_input_ids": np.concatenate([np.concatenate([[self.start_id], t[:-1]]) for t in tgt]),
+            "doc_ids": np.concatenate([np.full(len(s), d, np.int64) for d, s in enumerate(src)]),
+            "decoder_doc_ids": np.concatenate([np.full(len(t), d, np.int64) for d, t in enumerate(tgt)]),
+        }
+
+
+def _first_fit_decreasing(items: np.ndarray, src: np.ndarray, tgt: np.ndarray, max_src: int,
+                          max_tgt: int) -> list[np.ndarray]:
+    items = items[np.argsort(-(src[items] + tgt[items]), kind="stable")]
+    src_free = np.empty(len(items), np.int64)
+    tgt_free = np.empty(len(items), np.int64)
+    members: list[list[int]] = []
+    for idx in items:
+        s, t = src[idx], tgt[idx]
+        n = len(members)
+        fits = np.flatnonzero((src_free[:n] >= s) & (tgt_free[:n] >= t))
+        if len(fits):
+            r = int(fits[0])
+            members[r].append(int(idx))
+            src_free[r] -= s
+            tgt_free[r] -= t
+        else:
+            members.append([int(idx)])
+            src_free[n], tgt_free[n] = max_src - s, max_tgt - t
+    return [np.asarray(m, np.int64) for m in members]

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..nn import StackCache, TransformerStack
+from ..nn import DocumentMask, StackCache, TransformerStack, positions_from_doc_ids
 from .base import Embeddings, ModelOutput, TformerModel, default_positions
 
 
@@ -27,13 +27,18 @@ class DecoderModel(TformerModel):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 cache: StackCache | None = None, return_logits: bool = True,
-                label_smoothing: float = 0.0) -> ModelOutput:
+                label_smoothing: float = 0.0, doc_ids: torch.Tensor | None = None) -> ModelOutput:
         """``labels`` are aligned with ``input_ids`` positions (already shifted), -100 = ignore.
-        With ``cache``, ``input_ids`` are the new tokens and ``attention_mask`` covers past + new."""
+        With ``cache``, ``input_ids`` are the new tokens and ``attention_mask`` covers past + new.
+        ``doc_ids`` (B, S) packs documents: attention stays inside each, and positions (unless given)
+        restart at every document."""
         offset = cache.length if cache is not None else 0
         self._check_length(input_ids.shape[1], offset)
+        doc_mask = DocumentMask(doc_ids) if doc_ids is not None else None
+        if position_ids is None and doc_ids is not None:
+            position_ids = positions_from_doc_ids(doc_ids)
         positions = position_ids if position_ids is not None else default_positions(input_ids, offset)
         x = self.embed(input_ids, positions)
-        h = self.decoder(x, attention_mask, positions=positions, cache=cache)
+        h = self.decoder(x, attention_mask, positions=positions, cache=cache, doc_mask=doc_mask)
         logits, loss = self._head_and_loss(h, labels, return_logits, label_smoothing=label_smoothing)
         return ModelOutput(logits, loss, cache)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..nn import StackCache, TransformerStack
+from ..nn import DocumentMask, StackCache, TransformerStack, positions_from_doc_ids
 from .base import Embeddings, ModelOutput, TformerModel, default_positions
 
 
@@ -32,10 +32,14 @@ class EncoderDecoderModel(TformerModel):
     def new_cache(self) -> StackCache:
         return StackCache(self.config.decoder_layers, cross=True)
 
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``doc_ids`` (B, S): packed sources, each attending only to itself, positions per source."""
         self._check_length(input_ids.shape[1])
-        positions = default_positions(input_ids)
-        return self.encoder(self.embed(input_ids, positions), attention_mask, positions=positions)
+        positions = default_positions(input_ids) if doc_ids is None else positions_from_doc_ids(doc_ids)
+        doc_mask = DocumentMask(doc_ids) if doc_ids is not None else None
+        return self.encoder(self.embed(input_ids, positions), attention_mask, positions=positions,
+                            doc_mask=doc_mask)
 
     def decode(self, decoder_input_ids: torch.Tensor, memory: torch.Tensor,
                memory_mask: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None,
@@ -47,13 +51,21 @@ class EncoderDecoderModel(TformerModel):
     def decoder_hidden(self, decoder_input_ids: torch.Tensor, memory: torch.Tensor,
                        memory_mask: torch.Tensor | None = None,
                        decoder_attention_mask: torch.Tensor | None = None,
-                       cache: StackCache | None = None) -> torch.Tensor:
+                       cache: StackCache | None = None, doc_ids: torch.Tensor | None = None,
+                       memory_doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``doc_ids`` (B, T) / ``memory_doc_ids`` (B, S): packed pairs; each target attends to its
+        own earlier tokens and its own source only."""
         offset = cache.length if cache is not None else 0
         self._check_length(decoder_input_ids.shape[1], offset)
-        positions = default_positions(decoder_input_ids, offset)
+        positions = (default_positions(decoder_input_ids, offset) if doc_ids is None
+                     else positions_from_doc_ids(doc_ids))
         x = self.embed(decoder_input_ids, positions)
+        doc_mask = cross = None
+        if doc_ids is not None:
+            doc_mask = DocumentMask(doc_ids)
+            cross = DocumentMask(doc_ids, memory_doc_ids, flex=doc_mask.flex)
         return self.decoder(x, decoder_attention_mask, positions=positions, memory=memory,
-                            memory_mask=memory_mask, cache=cache)
+                            memory_mask=memory_mask, cache=cache, doc_mask=doc_mask, memory_doc_mask=cross)
 
     def _output_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self._logits(self._head_input(h))
@@ -67,16 +79,22 @@ class EncoderDecoderModel(TformerModel):
                 decoder_input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 decoder_attention_mask: torch.Tensor | None = None,
                 encoder_hidden: torch.Tensor | None = None, cache: StackCache | None = None,
-                return_logits: bool = True, label_smoothing: float = 0.0) -> ModelOutput:
+                return_logits: bool = True, label_smoothing: float = 0.0,
+                doc_ids: torch.Tensor | None = None, decoder_doc_ids: torch.Tensor | None = None) -> ModelOutput:
         """``labels`` are the decoder targets; without ``decoder_input_ids`` they are shifted right
-        behind ``decoder_start_token_id`` to form the decoder input (teacher forcing)."""
+        behind ``decoder_start_token_id`` to form the decoder input (teacher forcing). Packed pairs
+        give ``doc_ids`` (sources), ``decoder_doc_ids`` (targets) and ``decoder_input_ids`` (each
+        target shifted behind its own start token)."""
+        if (doc_ids is None) != (decoder_doc_ids is None):
+            raise ValueError("packed pairs need both doc_ids (sources) and decoder_doc_ids (targets)")
         if decoder_input_ids is None:
             if labels is None:
                 raise ValueError("encoder-decoder forward needs decoder_input_ids or labels")
             cfg = self.config
             decoder_input_ids = shift_right(labels, cfg.decoder_start_token_id, cfg.pad_token_id)
         if encoder_hidden is None:
-            encoder_hidden = self.encode(input_ids, attention_mask)
-        h = self.decoder_hidden(decoder_input_ids, encoder_hidden, attention_mask, decoder_attention_mask, cache)
+            encoder_hidden = self.encode(input_ids, attention_mask, doc_ids)
+        h = self.decoder_hidden(decoder_input_ids, encoder_hidden, attention_mask, decoder_attention_mask, cache,
+                                decoder_doc_ids, doc_ids)
         logits, loss = self._head_and_loss(h, labels, return_logits, label_smoothing=label_smoothing)
         return ModelOutput(logits, loss, cache, encoder_hidden)

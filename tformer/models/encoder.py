@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..nn import TransformerStack, make_norm
+from ..nn import DocumentMask, TransformerStack, make_norm, positions_from_doc_ids
 from ..nn.ffn import ACTIVATIONS
 from .base import Embeddings, ModelOutput, TformerModel, default_positions
 
@@ -27,19 +27,24 @@ class EncoderModel(TformerModel):
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                       token_type_ids: torch.Tensor | None = None,
-                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      position_ids: torch.Tensor | None = None,
+                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         self._check_length(input_ids.shape[1])
+        if position_ids is None and doc_ids is not None:
+            position_ids = positions_from_doc_ids(doc_ids)
         positions = position_ids if position_ids is not None else default_positions(input_ids)
         x = self.embed(input_ids, positions, token_type_ids)
-        return self.encoder(x, attention_mask, positions=positions)
+        doc_mask = DocumentMask(doc_ids) if doc_ids is not None else None
+        return self.encoder(x, attention_mask, positions=positions, doc_mask=doc_mask)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, return_logits: bool = True,
-                label_smoothing: float = 0.0) -> ModelOutput:
+                label_smoothing: float = 0.0, doc_ids: torch.Tensor | None = None) -> ModelOutput:
         """``return_logits=False`` (with labels) runs the MLM head at the masked positions only and
-        returns the loss without logits: the same loss and gradients for a fraction of the head."""
-        h = self.hidden_states(input_ids, attention_mask, token_type_ids, position_ids)
+        returns the loss without logits: the same loss and gradients for a fraction of the head.
+        ``doc_ids`` (B, S) packs documents that do not attend to each other (see the decoder)."""
+        h = self.hidden_states(input_ids, attention_mask, token_type_ids, position_ids, doc_ids)
         logits, loss = self._head_and_loss(h, labels, return_logits, labelled_only=True,
                                            label_smoothing=label_smoothing)
         return ModelOutput(logits, loss)

@@ -139,13 +139,15 @@ class MultiHeadAttention(nn.Module):
                 value: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
                 causal: bool = False, *, attn_bias: torch.Tensor | None = None,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, doc_mask=None) -> torch.Tensor:
         """``query`` (B, S_q, d_model); ``key``/``value`` (B, S_k, kv_dim), default = ``query``.
 
         ``padding_mask`` (B, S_k_total), 1 = real token, where S_k_total includes cached keys.
         ``attn_bias`` is added to the scores (T5 relative positions). ``rotary`` = (cos, sin) for
         the new positions, applied to queries and the new keys. With ``cache`` the new keys/values
         are appended (self-attention) or, for a static cache already filled, reused as they are.
+        ``doc_mask`` (a ``tformer.nn.docmask.DocumentMask``) keeps packed documents apart: on CUDA
+        through FlexAttention, elsewhere as a boolean mask for SDPA / math.
         """
         key = query if key is None else key
         value = key if value is None else value
@@ -164,13 +166,19 @@ class MultiHeadAttention(nn.Module):
             q = apply_rotary(q, *rotary)
         k_len = k.shape[2]
         dropout_p = self.attn_dropout if self.training else 0.0
-        only_causal = causal and padding_mask is None and attn_bias is None and q_len == k_len
-        if self.impl == "sdpa" and only_causal:
+        only_causal = (causal and padding_mask is None and attn_bias is None and doc_mask is None
+                       and q_len == k_len)
+        if doc_mask is not None and doc_mask.flex and self.impl == "sdpa" and not dropout_p:
+            out = doc_mask.attend(q, k, v, causal, self.scale, attn_bias)
+        elif self.impl == "sdpa" and only_causal:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                                  scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
         else:
-            allowed = build_mask(padding_mask, causal and q_len > 1, q_len, k_len, q.device)
-            mask = additive_mask(allowed, attn_bias, q.dtype)
+            if doc_mask is not None:
+                mask = doc_mask.additive(padding_mask, causal, attn_bias, q.dtype, additive_mask)
+            else:
+                allowed = build_mask(padding_mask, causal and q_len > 1, q_len, k_len, q.device)
+                mask = additive_mask(allowed, attn_bias, q.dtype)
             if self.impl == "sdpa":
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                                      scale=self.scale,

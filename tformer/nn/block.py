@@ -72,16 +72,17 @@ class TransformerBlock(nn.Module):
     def _forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None, *,
                  attn_bias: torch.Tensor | None = None, rotary=None, memory: torch.Tensor | None = None,
                  memory_mask: torch.Tensor | None = None,
-                 cache: tuple[KVCache, KVCache | None] | None = None) -> torch.Tensor:
+                 cache: tuple[KVCache, KVCache | None] | None = None,
+                 doc_mask=None, memory_doc_mask=None) -> torch.Tensor:
         self_cache, cross_cache = cache if cache is not None else (None, None)
         # One positional input per stream (the query; cross-attention's memory): a parallel layout
         # that gathers a sequence-sharded input does it once per call (tformer/parallel/tp.py).
         x = residual(x, self.attn_norm, lambda h: self.attn(
             h, padding_mask=padding_mask, causal=self.causal, attn_bias=attn_bias, rotary=rotary,
-            cache=self_cache), self.pre_norm)
+            cache=self_cache, doc_mask=doc_mask), self.pre_norm)
         if self.cross_attn is not None:
             x = residual(x, self.cross_norm, lambda h: self.cross_attn(
-                h, memory, padding_mask=memory_mask, cache=cross_cache), self.pre_norm)
+                h, memory, padding_mask=memory_mask, cache=cross_cache, doc_mask=memory_doc_mask), self.pre_norm)
         return residual(x, self.ffn_norm, self.ffn, self.pre_norm)
 
 
@@ -108,9 +109,11 @@ class TransformerStack(nn.Module):
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None, memory: torch.Tensor | None = None,
-                memory_mask: torch.Tensor | None = None, cache: StackCache | None = None) -> torch.Tensor:
+                memory_mask: torch.Tensor | None = None, cache: StackCache | None = None,
+                doc_mask=None, memory_doc_mask=None) -> torch.Tensor:
         """``x`` (B, S, d); ``positions`` (S,) or (B, S) absolute positions of ``x`` (for rotary);
-        ``padding_mask`` covers cached + new keys."""
+        ``padding_mask`` covers cached + new keys. ``doc_mask`` / ``memory_doc_mask``
+        (``DocumentMask``) confine self- / cross-attention to each packed document."""
         offset = cache.length if cache is not None else 0
         seq = x.shape[1]
         bias = self.rel_bias(seq, offset + seq, offset) if self.rel_bias is not None else None
@@ -121,7 +124,8 @@ class TransformerStack(nn.Module):
             rotary = self.rotary(positions)
         for i, layer in enumerate(self.layers):
             kwargs = dict(attn_bias=bias, rotary=rotary, memory=memory, memory_mask=memory_mask,
-                          cache=cache.layer(i) if cache is not None else None)
+                          cache=cache.layer(i) if cache is not None else None, doc_mask=doc_mask,
+                          memory_doc_mask=memory_doc_mask)
             if i in self.checkpointed and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, x, padding_mask, use_reentrant=False, **kwargs)
             else:

@@ -5,6 +5,8 @@ Unknown keys are errors with a did-you-mean suggestion; every problem is one lin
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -23,6 +25,7 @@ OBJECTIVES = ("auto", "causal", "mlm", "span", "seq2seq")
 AC_MODES = ("none", "full", "selective", "op")
 SPIKE_ACTIONS = ("none", "warn", "rollback")
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+DOC_MASK_IMPLS = ("sdpa", "math")  # attention implementations that take a document mask
 
 
 @dataclass
@@ -48,6 +51,17 @@ class DataConfig:
     num_proc: int | None = None
     cache_dir: str | None = None     # default: $TFORMER_CACHE or ~/.cache/tformer
     num_workers: int = 0
+    # A weighted mixture instead of one source: [{source: PATH|NAME|default, weight: W, name: web,
+    # text_column: text (optional)}, ...]; see tformer/data/mixture.py
+    sources: list = field(default_factory=list)
+    # The mixture changing at given steps: [{until_step: N, sources: [...]}, ...]; the last stage
+    # must reach max_steps. Sources are matched across stages by name.
+    stages: list = field(default_factory=list)
+    on_exhausted: str = "repeat"     # a mixture source read to its end: repeat (re-epoch, logged) | stop
+    document_mask: bool = False      # packed documents (pairs) attend only within themselves
+    pack_len: int | None = None      # seq2seq + document_mask: source / target tokens per packed row
+                                     # (default: data.seq_len / data.target_len, the longest pair)
+    prepared: bool = False           # require the token cache of `tformer data prepare`; never tokenize here
 
 
 @dataclass
@@ -239,7 +253,9 @@ class TrainConfig:
         if self.on_spike not in SPIKE_ACTIONS:
             raise ConfigError(f"on_spike={self.on_spike!r} is not allowed; use one of: {', '.join(SPIKE_ACTIONS)}")
         check_ranges(self, RANGES)
-        self.model_config()  # the model section must build
+        model = self.model_config()  # the model section must build
+        check_mixture(self)
+        check_document_mask(self, model)
 
     def model_config(self):
         return build_config(dict(self.model))
@@ -264,7 +280,7 @@ RANGES = {
     "data.tokenizer_vocab_size": "[1, inf)", "data.seq_len": "[1, inf)", "data.target_len": "[1, inf)",
     "data.mlm_probability": "(0, 1)", "data.noise_density": "(0, 1)", "data.mean_span_length": "[1, inf)",
     "data.val_fraction": "[0, 1)", "data.tokenizer_max_rows": "[1, inf)", "data.num_proc": "[1, inf)",
-    "data.num_workers": "[0, inf)",
+    "data.num_workers": "[0, inf)", "data.pack_len": "[1, inf)",
     "optim.lr": "(0, inf)", "optim.min_lr_ratio": "[0, 1]", "optim.weight_decay": "[0, inf)",
     "optim.beta1": "[0, 1)", "optim.beta2": "[0, 1)", "optim.eps": "(0, inf)", "optim.grad_clip": "[0, inf)",
     "optim.warmup_steps": "[0, inf)", "optim.decay_steps": "[1, inf)",
@@ -276,6 +292,107 @@ RANGES = {
     "decode.num_beams": "[1, inf)", "decode.length_penalty": "[0, inf)", "decode.max_new_tokens": "[1, inf)",
     "decode.batch_size": "[1, inf)",
 }
+
+
+SOURCE_KEYS = ("source", "weight", "name", "text_column")
+
+
+def source_name(entry: dict) -> str:
+    """A mixture source's name: its ``name``, else its file name up to the first dot."""
+    return entry.get("name") or Path(str(entry["source"])).name.split(".")[0]
+
+
+def _check_sources(entries: Any, where: str) -> list[str]:
+    """One mixture's source list: a non-empty list of {source, weight, name}; returns the names."""
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(f"{where} must be a non-empty list of {{source: PATH, weight: W, name: NAME}}")
+    names = []
+    for i, e in enumerate(entries):
+        at = f"{where}[{i}]"
+        if not isinstance(e, dict):
+            raise ConfigError(f"{at} must be a mapping like {{source: data/web.jsonl, weight: 0.7, name: web}}")
+        unknown = sorted(set(e) - set(SOURCE_KEYS))
+        if unknown:
+            raise ConfigError(f"{at} has unknown key(s) {', '.join(unknown)}; allowed: {', '.join(SOURCE_KEYS)}")
+        if not isinstance(e.get("source"), str) or not e["source"]:
+            raise ConfigError(f"{at}.source is missing: give a file, directory, glob, dataset name or default")
+        w = e.get("weight", 1.0)
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+            raise ConfigError(f"{at}.weight={w!r} must be a number >= 0")
+        name = source_name(e)
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            raise ConfigError(f"{at}.name={name!r} may hold only letters, digits, _ . - (it names val_loss/NAME)")
+        if name in names:
+            raise ConfigError(f"{at}.name={name!r} is used twice in {where}; give each source its own name")
+        names.append(name)
+    if sum(float(e.get("weight", 1.0)) for e in entries) <= 0:
+        raise ConfigError(f"{where}: the weights are all zero; give at least one source a weight > 0")
+    return names
+
+
+def check_mixture(cfg: "TrainConfig") -> None:
+    d = cfg.data
+    if d.on_exhausted not in ("repeat", "stop"):
+        raise ConfigError(f"data.on_exhausted={d.on_exhausted!r} is not allowed; use one of: repeat, stop")
+    if (d.sources or d.stages) and d.source != "default":
+        raise ConfigError("data.source and data.sources/data.stages are both set; give one (a single source, or "
+                          "a mixture)")
+    if d.sources and d.stages:
+        raise ConfigError("data.sources and data.stages are both set; put the sources in the stages")
+    if (d.sources or d.stages) and d.objective == "seq2seq":
+        raise ConfigError("data.sources/data.stages mix text corpora; data.objective=seq2seq takes one "
+                          "data.source of pairs")
+    if (d.sources or d.stages) and d.tokens_per_batch is not None:
+        raise ConfigError("data.tokens_per_batch batches one source of pairs; unset it for a mixture")
+    if d.sources:
+        _check_sources(d.sources, "data.sources")
+    if not d.stages:
+        return
+    if not isinstance(d.stages, list):
+        raise ConfigError("data.stages must be a list of {until_step: N, sources: [...]}")
+    last = 0
+    for i, st in enumerate(d.stages):
+        at = f"data.stages[{i}]"
+        if not isinstance(st, dict) or set(st) - {"until_step", "sources"}:
+            raise ConfigError(f"{at} must be a mapping with keys until_step and sources")
+        step = st.get("until_step")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ConfigError(f"{at}.until_step={step!r} must be an integer step")
+        if step <= last:
+            raise ConfigError(f"{at}.until_step={step} must be greater than the previous stage's ({last}); "
+                              "list the stages in order of increasing until_step")
+        last = step
+        _check_sources(st.get("sources"), f"{at}.sources")
+    if last < cfg.max_steps:
+        raise ConfigError(f"data.stages end at until_step={last} but max_steps={cfg.max_steps}; raise the last "
+                          f"stage's until_step to >= {cfg.max_steps}")
+
+
+def check_document_mask(cfg: "TrainConfig", model) -> None:
+    d = cfg.data
+    if not d.document_mask:
+        if d.pack_len is not None:
+            raise ConfigError(f"data.pack_len={d.pack_len} sizes packed rows; it needs data.document_mask=true")
+        return
+    objective = d.objective if d.objective != "auto" else {"decoder": "causal", "encoder": "mlm",
+                                                           "encdec": "span"}[model.family]
+    if objective == "span":
+        raise ConfigError("data.document_mask=true cannot be honoured by span corruption (its spans are cut "
+                          "across documents); use data.objective=seq2seq for packed pairs, or "
+                          "data.document_mask=false")
+    if d.tokens_per_batch is not None:
+        raise ConfigError("data.document_mask=true packs pairs into rows; unset data.tokens_per_batch "
+                          "(padded token-budget batches) or set data.document_mask=false")
+    if d.pack_len is not None and objective != "seq2seq":
+        raise ConfigError(f"data.pack_len={d.pack_len} sizes rows of packed pairs (data.objective=seq2seq); "
+                          f"{objective} packing fills data.seq_len: unset data.pack_len")
+    if (d.pack_len is not None and model.position in ("learned", "sinusoidal")
+            and d.pack_len > model.max_seq_len):
+        raise ConfigError(f"data.pack_len={d.pack_len} exceeds model.max_seq_len={model.max_seq_len} (the "
+                          f"position table); use data.pack_len <= {model.max_seq_len}")
+    if model.attn_impl not in DOC_MASK_IMPLS:
+        raise ConfigError(f"data.document_mask=true needs model.attn_impl in {', '.join(DOC_MASK_IMPLS)}, not "
+                          f"{model.attn_impl!r}")
 
 
 def _build(cls, data: Any, section: str):

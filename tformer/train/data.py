@@ -11,11 +11,14 @@ from pathlib import Path
 
 from ..config import ModelConfig
 from ..files import atomic_write
-from ..data import (Collator, DataError, MLMDataset, PackedCausalLM, Seq2SeqPairs,
+from ..data import (Collator, DataError, MLMDataset, MixtureDataset, MixtureSchedule, PackedCausalLM,
+                    PackedSeq2Seq, Seq2SeqPairs,
                     SpanCorruptionDataset, check_seq_len, check_vocab, default_corpus_path,
                     default_pairs_path, load_tokenizer, special_tokens, t5_lengths, tokenize_corpus,
                     tokenize_pairs, train_tokenizer)
-from .config import TrainConfig
+from ..data.loading import resolve_source
+from ..data.mixture import ConcatKeyed
+from .config import TrainConfig, source_name
 
 log = logging.getLogger("tformer.train")
 
@@ -26,6 +29,12 @@ MODEL_INPUTS = {
     "decoder": ("input_ids", "labels"),
     "encoder": ("input_ids", "attention_mask", "token_type_ids", "labels"),
     "encdec": ("input_ids", "attention_mask", "labels"),
+}
+# What document-masked packing adds (data.document_mask=true).
+DOC_INPUTS = {
+    "decoder": ("doc_ids", "position_ids"),
+    "encoder": ("doc_ids", "position_ids"),
+    "encdec": ("decoder_input_ids", "doc_ids", "decoder_doc_ids"),
 }
 
 
@@ -40,6 +49,41 @@ class RunData:
     objective: str
     seq_len: int                      # tokens per sample on the model's (encoder) input
     target_len: int | None            # decoder tokens per sample (encoder-decoder)
+    model_inputs: tuple = ()          # batch keys the model's forward takes
+    validation_sources: dict | None = None  # a mixture: name -> that source's validation set
+
+
+def model_inputs(family: str, document_mask: bool) -> tuple:
+    return MODEL_INPUTS[family] + (DOC_INPUTS[family] if document_mask else ())
+
+
+def mixture_sources(cfg: TrainConfig) -> list[dict]:
+    """Every source of ``data.sources`` / ``data.stages``, once per name: {name, source, text_column}."""
+    d = cfg.data
+    lists = [d.sources] if d.sources else [st["sources"] for st in d.stages]
+    found: dict[str, dict] = {}
+    for entries in lists:
+        for e in entries:
+            name = source_name(e)
+            entry = {"name": name, "source": e["source"], "text_column": e.get("text_column", d.text_column)}
+            if name in found and found[name] != entry:
+                raise DataError(f"mixture source name {name!r} stands for {found[name]['source']} and for "
+                                f"{entry['source']}; give different sources different names")
+            found[name] = entry
+    return list(found.values())
+
+
+def mixture_schedule(cfg: TrainConfig, names: list[str], world_size: int) -> MixtureSchedule:
+    """Stage ends in global sample positions: ``until_step`` x the global batch."""
+    d = cfg.data
+    batch = cfg.micro_batch_size * cfg.grad_accum * world_size
+    stages = [{"until_step": None, "sources": d.sources}] if d.sources else d.stages
+
+    def weights(entries):
+        by_name = {source_name(e): float(e.get("weight", 1.0)) for e in entries}
+        return [by_name.get(n, 0.0) for n in names]
+    return MixtureSchedule(names, [(None if st["until_step"] is None else st["until_step"] * batch,
+                                    weights(st["sources"])) for st in stages])
 
 
 def cache_root(cfg: TrainConfig) -> Path:
@@ -83,7 +127,7 @@ def _file_identity(source) -> list:
     return []
 
 
-def build_data(cfg: TrainConfig, rank: int = 0) -> RunData:
+def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
     model_cfg = cfg.model_config()
     family = model_cfg.family
     objective = OBJECTIVE[family] if cfg.data.objective == "auto" else cfg.data.objective
@@ -91,10 +135,17 @@ def build_data(cfg: TrainConfig, rank: int = 0) -> RunData:
     if objective not in allowed:
         raise DataError(f"data.objective={objective!r} does not fit a {family} model; use "
                         f"{' or '.join(allowed)}")
-    source = _source(cfg, objective)
+    entries = mixture_sources(cfg) if (cfg.data.sources or cfg.data.stages) else []
+    for e in entries:  # an unknown source fails here, before any tokenizer or token work
+        if e["source"] != "default":
+            resolve_source(e["source"])
+    if entries:  # the tokenizer ("auto") is trained on the first source
+        source = default_corpus_path() if entries[0]["source"] == "default" else entries[0]["source"]
+    else:
+        source = _source(cfg, objective)
     # translation pairs: one joint vocabulary over both sides (the paper's shared source/target BPE)
     column = ([cfg.data.source_column, cfg.data.target_column] if objective == "seq2seq"
-              else cfg.data.text_column)
+              else entries[0]["text_column"] if entries else cfg.data.text_column)
     if cfg.data.tokenizer == "auto":
         tok_path = _auto_tokenizer(cfg, family, source, column,
                                    cfg.data.tokenizer_vocab_size or model_cfg.vocab_size, rank)
@@ -120,21 +171,26 @@ def build_data(cfg: TrainConfig, rank: int = 0) -> RunData:
     seq_len = cfg.data.seq_len
     check_seq_len(seq_len, max_len, "data.seq_len")
     cache = cache_root(cfg) / "tokens"
-    opts = dict(val_fraction=cfg.data.val_fraction, num_proc=cfg.data.num_proc)
+    opts = dict(val_fraction=cfg.data.val_fraction, num_proc=cfg.data.num_proc,
+                require_prepared=cfg.data.prepared)
+    masked = cfg.data.document_mask
 
-    def split(name):
+    def split(name, source=source, column=column):
         if objective == "seq2seq":
             src, tgt = tokenize_pairs(source, tok, cache, source_column=cfg.data.source_column,
                                       target_column=cfg.data.target_column, split=name, **opts)
-            return Seq2SeqPairs(src, tgt, ids.require("eos_id", "seq2seq targets"),
-                                max_source_length=seq_len,
-                                max_target_length=cfg.data.target_len or seq_len)
+            pairs = Seq2SeqPairs(src, tgt, ids.require("eos_id", "seq2seq targets"),
+                                 max_source_length=seq_len, max_target_length=cfg.data.target_len or seq_len)
+            if not masked:
+                return pairs
+            return PackedSeq2Seq(pairs, model_cfg.decoder_start_token_id, seed=cfg.seed,
+                                 row_length=cfg.data.pack_len)
         corpus = tokenize_corpus(source, tok, cache, column=column, split=name, **opts)
         if objective == "causal":
             return PackedCausalLM(corpus, seq_len, ids.require("eos_id", "causal LM packing"))
         if objective == "mlm":
             return MLMDataset(corpus, tok, seq_len, seed=cfg.seed, mask_prob=cfg.data.mlm_probability,
-                              whole_word=cfg.data.whole_word_mask)
+                              whole_word=cfg.data.whole_word_mask, pairs=not masked, document_mask=masked)
         return SpanCorruptionDataset(corpus, tok, seq_len, seed=cfg.seed,
                                      noise_density=cfg.data.noise_density,
                                      mean_span_length=cfg.data.mean_span_length)
@@ -143,7 +199,18 @@ def build_data(cfg: TrainConfig, rank: int = 0) -> RunData:
     multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if multi and rank != 0:
         dist.barrier()  # rank 0 tokenizes and caches first; the others then read its cache
-    train, validation = split("train"), split("validation")
+    validation_sources = None
+    if entries:
+        parts = [(default_corpus_path() if e["source"] == "default" else e["source"], e["text_column"])
+                 for e in entries]
+        trains = [split("train", *p) for p in parts]
+        vals = [split("validation", *p) for p in parts]
+        names = [e["name"] for e in entries]
+        train = MixtureDataset(trains, mixture_schedule(cfg, names, world_size), seed=cfg.seed,
+                               on_exhausted=cfg.data.on_exhausted)
+        validation, validation_sources = ConcatKeyed(vals), dict(zip(names, vals))
+    else:
+        train, validation = split("train"), split("validation")
     if multi and rank == 0:
         dist.barrier()
     target_len = None
@@ -153,8 +220,49 @@ def build_data(cfg: TrainConfig, rank: int = 0) -> RunData:
         target_len = cfg.data.target_len or seq_len
     if target_len is not None:
         check_seq_len(target_len, max_len, "decoder target length")
+    if objective == "seq2seq" and masked:  # packed rows: the lengths the model sees (FLOPs, MFU)
+        seq_len, target_len = max(seq_len, cfg.data.pack_len or 0), max(target_len, cfg.data.pack_len or 0)
     return RunData(tok, tok_path, model_cfg, train, validation, Collator(pad_id=ids.pad_id or 0),
-                   objective, seq_len, target_len)
+                   objective, seq_len, target_len, model_inputs(family, masked), validation_sources)
+
+
+def prepare_data(cfg: TrainConfig, workers: int = 1, progress: bool = True,
+                 shard_rows: int = 20_000) -> list[dict]:
+    """Tokenize every source of a recipe (train and validation splits) into the token cache, as a
+    training run with the same config and ``TFORMER_CACHE`` will look for it. Returns one record per
+    source and split: tokens, documents (rows) and bytes on disk."""
+    from ..data.cache import prepare_columns
+
+    family = cfg.model_config().family
+    objective = OBJECTIVE[family] if cfg.data.objective == "auto" else cfg.data.objective
+    entries = mixture_sources(cfg) if (cfg.data.sources or cfg.data.stages) else [
+        {"name": source_name({"source": _source(cfg, objective)}), "source": str(_source(cfg, objective)),
+         "text_column": cfg.data.text_column}]
+    for e in entries:
+        if e["source"] != "default":
+            resolve_source(e["source"])
+    sources = [default_corpus_path() if e["source"] == "default" else e["source"] for e in entries]
+    pairs = objective == "seq2seq"
+    columns = [[cfg.data.source_column, cfg.data.target_column] if pairs else [e["text_column"]] for e in entries]
+    if cfg.data.tokenizer == "auto":
+        tok_path = _auto_tokenizer(cfg, family, sources[0], columns[0] if pairs else columns[0][0],
+                                   cfg.data.tokenizer_vocab_size or cfg.model_config().vocab_size, 0)
+    else:
+        tok_path = Path(cfg.data.tokenizer)
+    tok = load_tokenizer(tok_path)
+    cache = cache_root(cfg) / "tokens"
+    report = []
+    for e, source, cols in zip(entries, sources, columns):
+        for split in ("train", "validation"):
+            out = prepare_columns(source, tok, cache, cols, split=split, val_fraction=cfg.data.val_fraction,
+                                  workers=workers, progress=progress, tokenizer_path=str(tok_path),
+                                  shard_rows=shard_rows)
+            first = next(iter(out.values()))
+            entry = cache / first.meta["key"]
+            report.append({"name": e["name"], "split": split, "tokens": sum(c.num_tokens for c in out.values()),
+                           "documents": first.num_docs,
+                           "bytes": sum(f.stat().st_size for f in entry.iterdir() if f.is_file())})
+    return report
 
 
 def copy_tokenizer(data: RunData, output_dir: Path) -> None:

@@ -20,7 +20,7 @@ from ..checkpoint.io import (CheckpointError, commit, find_latest, list_checkpoi
                              partial_dir, read_trainer_state, torch_load_safe, torch_save_durable, verify,
                              write_bytes_durable)
 from ..config import ConfigError
-from ..data import ResumableSampler
+from ..data import DataError, MixtureDataset, MixtureSampler, ResumableSampler
 from ..files import atomic_write
 from ..models import build_model
 from ..parallel.offload import activation_offload
@@ -30,7 +30,7 @@ from ..parallel.pipeline import check_pipeline
 from ..parallel.strategy import strategy_class
 from ..parallel.tp import check_tp, pad_for_sequence_parallel
 from .config import TrainConfig
-from .data import MODEL_INPUTS, build_data, copy_tokenizer
+from .data import build_data, copy_tokenizer
 from .dist import all_reduce, barrier, device_type, init_distributed
 from .metrics import memory_mb, peak_flops
 from .optim import build_optimizer, build_scheduler
@@ -93,7 +93,9 @@ class Trainer:
         barrier()
 
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank, before any sharding
-        self.data = build_data(cfg, self.dist.rank)
+        self.data = build_data(cfg, self.dist.rank, self.dist.dp_size)
+        if isinstance(self.data.train, MixtureDataset):  # refuse (on_exhausted=stop) or log re-epochs now
+            self.data.train.check_exhaustion(cfg.max_steps * self._global_batch())
         per_step = cfg.micro_batch_size * self.dist.dp_size
         if per_step > len(self.data.train):
             raise ConfigError(f"micro_batch_size={cfg.micro_batch_size} x {self.dist.dp_size} rank(s) needs "
@@ -157,6 +159,10 @@ class Trainer:
                                   "parallel.backend unset (nccl on CUDA, gloo on CPU)")
         strategy_class(cfg.parallel.strategy).check(cfg, self.precision)  # e.g. DeepSpeed missing
         check_pipeline(cfg.model_config(), cfg.parallel, cfg.parallel.strategy)
+        if (cfg.parallel.pp > 1 or cfg.parallel.sp) and cfg.data.document_mask:
+            raise ConfigError("data.document_mask=true does not compose with parallel."
+                              f"{'pp' if cfg.parallel.pp > 1 else 'sp'} yet (the document ids are not split "
+                              "with the sequence / sent between stages); turn one of them off")
         if cfg.parallel.pp > 1 and cfg.data.tokens_per_batch is not None:
             raise ConfigError("parallel.pp needs micro-batches of micro_batch_size samples (the schedule splits "
                               "the step's batch evenly); set data.tokens_per_batch=null")
@@ -241,6 +247,11 @@ class Trainer:
         else:
             log.warning("rank %d: no RNG state for this world size in %s; dropout streams restart "
                         "(data order is unaffected)", self.dist.rank, path)
+        mixture = state.get("data_mixture")
+        if mixture is not None and mixture != self._mixture_fingerprint():
+            raise DataError(f"checkpoint {path} was trained on the data mixture {mixture} but this run's is "
+                            f"{self._mixture_fingerprint()}: resume with the same sources, weights, stages and "
+                            "global batch size, or start a new run")
         self.step = state["step"]
         self.consumed = state["consumed_samples"]
         self.tokens = state["tokens"]
@@ -279,6 +290,7 @@ class Trainer:
                      "strategy": self.cfg.parallel.strategy, "family": self.model_cfg.family,
                      "objective": self.data.objective,
                      "seq_len": self.data.seq_len, "target_len": self.data.target_len,
+                     "data_mixture": self._mixture_fingerprint(),
                      "time": time.time()}
             write_bytes_durable(tmp / "trainer.json", json.dumps(state, indent=1).encode())
             write_bytes_durable(tmp / "config.yaml", self.resolved_yaml().encode())
@@ -291,6 +303,12 @@ class Trainer:
         self._beat("save done")
         return final
 
+    def _mixture_fingerprint(self):
+        train = self.data.train
+        if not isinstance(train, MixtureDataset):
+            return None
+        return train.schedule.fingerprint() + [train.lengths, train.seed]
+
     def resolved_yaml(self) -> str:
         import yaml
         return yaml.safe_dump(self.resolved, sort_keys=False)
@@ -298,22 +316,40 @@ class Trainer:
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
-        ds, cfg = self.data.validation, self.cfg
+        """Validation loss (and perplexity, MLM accuracy); with a mixture also ``val_loss/NAME`` per
+        source, the overall loss then being over the tokens of every source's evaluated samples."""
+        sources = self.data.validation_sources or {None: self.data.validation}
+        was_training = self.model.training
+        self.model.eval()
+        totals = {name: self._eval_sums(ds) for name, ds in sources.items()}
+        self.model.train(was_training)
+        total = sum(totals.values())
+        loss = (total[0] / total[1].clamp(min=1)).item()
+        result = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+        if self.data.validation_sources:
+            for name, t in totals.items():
+                result[f"val_loss/{name}"] = (t[0] / t[1].clamp(min=1)).item()
+        if self.data.objective == "mlm" and self.dims.pp == 1:
+            result["val_mlm_acc"] = (total[2] / total[1].clamp(min=1)).item()
+        if self.cfg.eval_bleu:
+            result.update(self.evaluate_bleu(self.cfg.bleu_samples).record())
+        return result
+
+    def _eval_sums(self, ds) -> torch.Tensor:
+        """(loss sum, label count, correct) over the first validation samples of ``ds``, all ranks."""
+        cfg = self.cfg
         # Every rank evaluates the same number of samples: sharded forwards (FSDP2, ZeRO-3) are
         # collective, so a rank with one batch fewer would leave the others waiting.
         world = self.dist.dp_size  # the tp ranks of a group evaluate the same samples
         if self.dims.pp > 1:
-            return self._evaluate_pipelined()
+            return self._eval_sums_pipelined(ds)
         n = min(len(ds), max(cfg.eval_batches * cfg.micro_batch_size, world))
         n -= n % world
         keys = list(range(self.dist.dp_rank, n, world))
-        inputs_keys = MODEL_INPUTS[self.model_cfg.family]
-        was_training = self.model.training
-        self.model.eval()
         total = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, tokens, correct
         for i in range(0, len(keys), cfg.micro_batch_size):
             batch = self.data.collator([ds[k] for k in keys[i:i + cfg.micro_batch_size]])
-            inputs = {k: batch[k].to(self.device) for k in inputs_keys if k in batch}
+            inputs = {k: batch[k].to(self.device) for k in self.data.model_inputs if k in batch}
             with self._autocast():
                 out = self.model(**inputs)
             mask = inputs["labels"] != -100
@@ -321,43 +357,33 @@ class Trainer:
             total[0] += out.loss.double() * count
             total[1] += count
             total[2] += ((out.logits.argmax(-1) == inputs["labels"]) & mask).sum()
-        self.model.train(was_training)
         all_reduce(total)
-        loss = (total[0] / total[1].clamp(min=1)).item()
-        result = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
-        if self.data.objective == "mlm":
-            result["val_mlm_acc"] = (total[2] / total[1].clamp(min=1)).item()
-        if cfg.eval_bleu:
-            result.update(self.evaluate_bleu(cfg.bleu_samples).record())
-        return result
+        return total
 
-    def _evaluate_pipelined(self) -> dict:
-        """Validation loss through the pipeline schedule (forward only), in whole steps of
-        ``grad_accum`` micro-batches per data-parallel rank; the micro-batch losses are weighted
-        by their labelled tokens, as the unsplit evaluation weights its batches."""
-        ds, cfg = self.data.validation, self.cfg
+    def _eval_sums_pipelined(self, ds) -> torch.Tensor:
+        """(loss sum, label count, 0) through the pipeline schedule (forward only), in whole steps of
+        ``grad_accum`` micro-batches per data-parallel rank; each micro-batch's loss is weighted by
+        its labelled tokens, as the unsplit evaluation weights its batches (no logits: no accuracy)."""
+        from ..parallel.pipeline import stage_kwargs
+        cfg = self.cfg
         world, chunk = self.dist.dp_size, cfg.micro_batch_size * cfg.grad_accum
         n = min(len(ds), max(cfg.eval_batches * cfg.micro_batch_size, world * chunk))
         n -= n % (world * chunk)
         keys = list(range(self.dist.dp_rank, n, world))
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
-        self.model.eval()
+        total = torch.zeros(3, dtype=torch.float64, device=self.device)
         for i in range(0, len(keys), chunk):
             batch = self.data.collator([ds[k] for k in keys[i:i + chunk]])
-            inputs = {k: batch[k].to(self.device) for k in MODEL_INPUTS[self.model_cfg.family] if k in batch}
+            inputs = {k: batch[k].to(self.device) for k in self.data.model_inputs if k in batch}
             losses: list = []
             with self._autocast(), self.strategy.loss_context():
-                from ..parallel.pipeline import stage_kwargs
                 self.strategy.schedule.eval(inputs["input_ids"], target=inputs["labels"], losses=losses,
                                             return_outputs=False, **stage_kwargs(inputs))
             if self.strategy.is_last_stage:
                 counts = (inputs["labels"] != -100).reshape(cfg.grad_accum, -1).sum(-1)
                 total[0] += (torch.stack([x.double() for x in losses]) * counts).sum()
                 total[1] += counts.sum()
-        self.model.train()
         all_reduce(total)
-        loss = (total[0] / total[1].clamp(min=1)).item() if n else float("nan")
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+        return total
 
     def evaluate_bleu(self, samples: int | None = None):
         """BLEU / chrF of the first ``samples`` validation pairs, decoded with ``cfg.decode``. Every
@@ -386,8 +412,12 @@ class Trainer:
                 self.data.train, batch_sampler=sampler, collate_fn=self.data.collator,
                 num_workers=cfg.data.num_workers, persistent_workers=cfg.data.num_workers > 0,
                 generator=torch.Generator().manual_seed(cfg.seed)))
-        sampler = ResumableSampler(len(self.data.train), seed=cfg.seed, rank=self.dist.dp_rank,
-                                   world_size=self.dist.dp_size, consumed=self.consumed)
+        if isinstance(self.data.train, MixtureDataset):
+            sampler = MixtureSampler(self.data.train, rank=self.dist.dp_rank, world_size=self.dist.dp_size,
+                                     consumed=self.consumed)
+        else:
+            sampler = ResumableSampler(len(self.data.train), seed=cfg.seed, rank=self.dist.dp_rank,
+                                       world_size=self.dist.dp_size, consumed=self.consumed)
         loader = torch.utils.data.DataLoader(self.data.train, batch_size=cfg.micro_batch_size,
                                              sampler=sampler, collate_fn=self.data.collator,
                                              num_workers=cfg.data.num_workers,
@@ -588,7 +618,7 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
-        keys = MODEL_INPUTS[self.model_cfg.family]
+        keys = self.data.model_inputs
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
         self.wrapped.train()
