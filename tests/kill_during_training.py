@@ -27,7 +27,7 @@ if args.kill_in_save is not None:
             os.kill(os.getpid(), signal.SIGKILL)  # files written, marker and rename not yet done
         return real_commit(root, step, keep)
 
-    trainer_mod.commit = commit
+    io.commit = commit  # the checkpoint manager commits through the module
 
 
 def kill_after(trainer, record):
