@@ -104,7 +104,7 @@ class TrainerState:
 
 def capture_rng() -> dict:
     """This process's RNG streams (torch, Python, NumPy, CUDA): dropout and anything else random."""
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]]}
     if torch.cuda.is_available():
@@ -234,10 +234,11 @@ class CheckpointManager:
             try:
                 done = future.result()
             except Exception as e:
+                newest = self.committed()[-1] if self.committed() else "none"
                 raise CheckpointError(f"the background save of step {step} failed ({type(e).__name__}: {e}); "
                                       f"its partial directory {io.partial_dir(self.root, step)} is never "
                                       "resumed from; the newest complete checkpoint is "
-                                      f"{(self.committed() or ['none'])[-1]}") from e
+                                      f"{newest}") from e
         if sync:
             barrier()
         return done

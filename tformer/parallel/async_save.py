@@ -78,6 +78,7 @@ class AsyncSaver:
             self._stager = stager
         future = dcp.async_save(state, checkpoint_id=str(dcp_dir), process_group=self._group,
                                 async_stager=stager)
+        assert isinstance(future, Future)  # a synchronous stager: a plain future, not a staging response
         futures = [future]
         staged, stager.staged = stager.staged, None
         if weights_path is not None:
