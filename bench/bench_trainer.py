@@ -8,8 +8,9 @@
 3. Time the loop is blocked by a checkpoint save, ``checkpoint.async=true`` against a synchronous
    save, for the ``gpt2-small`` preset (124M parameters, fp32 + AdamW: ~2 GB per checkpoint) on
    CPU: one trainer after one step, its manager switched between the two modes, saves
-   interleaved. Target: async / sync <= 0.25x. Measured on a 2-core AVX2 EPYC (shared):
-   sync 10.9 s, async 0.78 s blocked (0.07x), its write done 11.6 s later in the background.
+   interleaved. Target: async / sync <= 0.25x. Measured on a 2-core AVX2 EPYC (shared), median
+   of 3: sync 6.28 s, async 0.75 s blocked (0.12x; the staging copy of ~1.5 GB is ~0.5 s of it),
+   its write and commit done 6.5 s later in the background. 0.20x with the suite running beside it.
 
     .venv/bin/python bench/bench_trainer.py [--steps 30] [--rounds 3] [--only trainer|start|save]
 """
