@@ -1,5 +1,7 @@
 """Run the trainer and SIGKILL this process at a chosen point: after step N (``--kill-after N``),
-or in the middle of writing the checkpoint of step N, before it is sealed (``--kill-in-save N``)."""
+in the middle of writing the checkpoint of step N, before it is sealed (``--kill-in-save N``), or
+while the background write of step N's checkpoint (``checkpoint.async=true``) is held up, from
+the training loop one step later (``--kill-in-async-write N``)."""
 import argparse
 import logging
 import os
@@ -14,6 +16,7 @@ p.add_argument("config")
 p.add_argument("overrides", nargs="*")
 p.add_argument("--kill-after", type=int)
 p.add_argument("--kill-in-save", type=int)
+p.add_argument("--kill-in-async-write", type=int)
 p.add_argument("--spike-at-sample", type=int, help="blow the loss up (x100) on the batch that starts at "
                                                     "this global sample index")
 args = p.parse_args()
@@ -27,11 +30,30 @@ if args.kill_in_save is not None:
             os.kill(os.getpid(), signal.SIGKILL)  # files written, marker and rename not yet done
         return real_commit(root, step, keep)
 
-    trainer_mod.commit = commit
+    io.commit = commit  # the checkpoint manager commits through the module
+
+
+if args.kill_in_async_write is not None:
+    import time
+
+    from torch.distributed.checkpoint import filesystem
+
+    real_write = filesystem._FileSystemWriter.write_data
+    held = f"step_{args.kill_in_async_write:08d}"
+
+    def slow_write(self, plan, planner):
+        if held in str(self.path):
+            time.sleep(120)  # a slow disk: the process is killed long before this ends
+        return real_write(self, plan, planner)
+
+    filesystem._FileSystemWriter.write_data = slow_write
 
 
 def kill_after(trainer, record):
     if args.kill_after is not None and record["step"] == args.kill_after:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if args.kill_in_async_write is not None and record["step"] == args.kill_in_async_write + 1:
+        assert trainer.ckpt.in_flight == args.kill_in_async_write  # the loop went on; the write did not end
         os.kill(os.getpid(), signal.SIGKILL)
 
 

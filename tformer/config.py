@@ -186,9 +186,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def config_key(f: dataclasses.Field) -> str:
+    """A field's key in YAML and overrides: its name, or ``metadata["key"]`` where the key is a
+    Python keyword (``checkpoint.async`` is the field ``async_``)."""
+    return f.metadata.get("key", f.name)
+
+
 def check_keys(data: dict[str, Any], cls: type, section: str) -> None:
     """Reject unknown keys with a did-you-mean suggestion."""
-    known = [f.name for f in fields(cls)]
+    known = [config_key(f) for f in fields(cls)]
     prefix = f"{section}." if section else ""
     for key in data:
         if key not in known:

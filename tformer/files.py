@@ -57,18 +57,33 @@ def torch_save_durable(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def save_model_weights(model: Any, path: Path) -> None:
-    """Safetensors of the model with each tied tensor once (its first name), made durable."""
+def unique_tensors(state: dict[str, Any]) -> dict[str, Any]:
+    """The one tied-tensor rule: a tensor that shares memory (same address, shape and dtype) with
+    an earlier entry is a tied alias and is kept once, under its first name. Empty tensors have
+    no address and are all kept."""
+    seen, out = set(), {}
+    for name, t in state.items():
+        key = (t.data_ptr(), tuple(t.shape), t.dtype) if t.numel() else None
+        if key is not None and key in seen:
+            continue
+        if key is not None:
+            seen.add(key)
+        out[name] = t
+    return out
+
+
+def save_weights(state: dict[str, Any], path: Path) -> None:
+    """Safetensors of a model state dict with each tied tensor once (its first name), made durable."""
     from safetensors.torch import save_file
 
-    seen, state = set(), {}
-    for name, p in model.state_dict(keep_vars=True).items():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        state[name] = p.detach().contiguous().cpu()
+    state = {name: t.detach().contiguous().cpu() for name, t in unique_tensors(state).items()}
     save_file(state, str(path), metadata={"format": "pt"})
     fsync_file(path)
+
+
+def save_model_weights(model: Any, path: Path) -> None:
+    """Safetensors of the model with each tied tensor once (its first name), made durable."""
+    save_weights(dict(model.state_dict()), path)
 
 
 def temp_sibling(path: Path, directory: bool = False) -> Path:

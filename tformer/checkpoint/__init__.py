@@ -2,18 +2,22 @@
 
 A checkpoint is ``<run>/checkpoints/step_00000100/`` holding
 
-    model.safetensors        the model weights (tied tensors stored once)
-    optimizer.pt             optimizer + LR scheduler state (loaded with weights_only=True)
+    dcp/                     model + optimizer, DCP shards of every rank (ddp, fsdp)
+    deepspeed/state/         or DeepSpeed's own files (parallel.strategy=deepspeed)
+    model.safetensors        ddp (no tensor parallelism) and imports: the weights, tied tensors once
+    scheduler.pt             LR schedule and loss-scaler state (loaded with weights_only=True)
     rng_rank{R}.pt           RNG state of every rank (weights_only=True)
-    trainer.json             step, tokens, data position, W&B id, ...
+    trainer.json             step, tokens, data position, W&B id, mesh, ... (``manager.TrainerState``)
     config.yaml              the resolved run config
-    COMPLETE                 written last: the list of files and their sizes
+    COMPLETE                 written last: the list of files with their sizes and CRC-32
 
 It is assembled in ``.partial-step_...`` and renamed into place only when complete, so a crash
-during a save never leaves a directory that ``resume: auto`` would pick.
+during a save never leaves a directory that ``resume: auto`` would pick. ``manager.py`` owns the
+protocol (also for saves written in the background, ``checkpoint.async``); ``io.py`` the files.
 """
 from .io import (CheckpointError, find_latest, list_checkpoints, load_checkpoint, load_model_weights,
                  read_trainer_state, verify)
+from .manager import CheckpointManager, TrainerState
 
 __all__ = ["CheckpointError", "find_latest", "list_checkpoints", "load_checkpoint",
-           "load_model_weights", "read_trainer_state", "verify"]
+           "load_model_weights", "read_trainer_state", "verify", "CheckpointManager", "TrainerState"]

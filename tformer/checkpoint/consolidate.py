@@ -9,20 +9,9 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from ..files import atomic_write
-from .io import CheckpointError, load_model_from_dcp, read_trainer_state, resolve_checkpoint
-
-
-def _unique(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    seen, out = {}, {}
-    for name, t in state.items():
-        key = (t.data_ptr(), t.shape, t.dtype) if t.numel() else None
-        if key is not None and key in seen:
-            continue  # a tied alias: stored once under its first name
-        if key is not None:
-            seen[key] = name
-        out[name] = t
-    return out
+from ..files import atomic_write, unique_tensors
+from .io import CheckpointError, load_model_from_dcp, resolve_checkpoint
+from .manager import TrainerState
 
 
 def read_model_state(ckpt: str | Path, trust: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -36,10 +25,10 @@ def read_resolved_model_state(ckpt: Path, trust: bool = False) -> tuple[ModelCon
     CRC-32 and every pickle checked once there, not again here)."""
     from ..models import build_model
 
-    info = read_trainer_state(ckpt)
-    if "model_config" not in info:
+    saved = TrainerState.read(ckpt).model_config
+    if saved is None:
         raise CheckpointError(f"checkpoint {ckpt} records no model_config; it is not a tformer checkpoint")
-    cfg = ModelConfig.from_dict(dict(info["model_config"]))
+    cfg = ModelConfig.from_dict(dict(saved))
     if (ckpt / "model.safetensors").is_file():
         from safetensors.torch import load_file
         return cfg, load_file(ckpt / "model.safetensors")
@@ -50,12 +39,12 @@ def read_resolved_model_state(ckpt: Path, trust: bool = False) -> tuple[ModelCon
         if cfg.tie_embeddings:  # to_empty unties: tie again so both names read one tensor
             model.lm_head.weight = model.embed.tok.weight
         load_model_from_dcp(model, ckpt, trust)
-        return cfg, _unique(dict(model.state_dict()))
+        return cfg, unique_tensors(dict(model.state_dict()))
     if (ckpt / "deepspeed").is_dir():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         # its pickles were read through the allow-list by resolve_checkpoint (check_checkpoint)
         state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "deepspeed"), tag="state")
-        return cfg, _unique({k: v.float() for k, v in state.items()})
+        return cfg, unique_tensors({k: v.float() for k, v in state.items()})
     raise CheckpointError(f"checkpoint {ckpt} holds no model weights (model.safetensors, dcp/ or deepspeed/)")
 
 

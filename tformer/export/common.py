@@ -12,7 +12,8 @@ from typing import Any, Iterator
 
 import torch
 
-from ..checkpoint.io import CheckpointError, read_trainer_state, resolve_checkpoint
+from ..checkpoint.io import CheckpointError, resolve_checkpoint
+from ..checkpoint.manager import TrainerState
 from ..config import ConfigError, ModelConfig
 from ..files import atomic_write
 
@@ -153,7 +154,7 @@ def read_model_state(checkpoint: str | Path, trust: bool = False) -> tuple[Model
     from safetensors.torch import load_file
 
     path = resolve_checkpoint(checkpoint, trust)
-    saved = read_trainer_state(path).get("model_config")
+    saved = TrainerState.read(path).model_config
     if saved is None:
         raise CheckpointError(f"checkpoint {path} records no model_config in trainer.json")
     cfg = ModelConfig.from_dict(dict(saved))

@@ -9,13 +9,12 @@ never a silently dropped tensor. Output appears in one rename once complete.
 """
 from __future__ import annotations
 
-import json
 import logging
 import shutil
-import time
 from pathlib import Path
 
 from ..checkpoint.io import commit, partial_dir, write_bytes_durable
+from ..checkpoint.manager import TrainerState
 from ..config import ModelConfig
 from . import bert, gpt2, llama, marian, t5
 from .common import (ExportError, atomic_dir, check_against, check_out_dir, check_tokenizer, find_tokenizer,
@@ -141,10 +140,8 @@ def _write_checkpoint(root: Path, cfg: ModelConfig, state: dict, source: str) ->
     tmp.mkdir(parents=True)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     # weights_only: the trainer resumes it with a fresh optimizer and LR schedule
-    trainer_state = {"step": 0, "consumed_samples": 0, "tokens": 0, "skipped": 0, "world_size": None,
-                     "wandb_id": None, "weights_only": True, "model_config": cfg.to_dict(),
-                     "family": cfg.family, "imported_from": source, "time": time.time()}
-    write_bytes_durable(tmp / "trainer.json", json.dumps(trainer_state, indent=1).encode())
+    TrainerState(step=0, weights_only=True, model_config=cfg.to_dict(), family=cfg.family,
+                 imported_from=source).write(tmp)
     write_bytes_durable(tmp / "config.yaml", dump_yaml(config_from_dict({"model": cfg.to_dict()})).encode())
     return commit(root, 0, keep=1)
 

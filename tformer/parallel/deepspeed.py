@@ -109,6 +109,7 @@ def check_offload_ops(ds: dict, where: str) -> None:
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
     owns_step = True
+    async_save = False
 
     @classmethod
     def check(cls, cfg, precision: str) -> None:
@@ -173,7 +174,9 @@ class DeepSpeedStrategy(Strategy):
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
-    def save(self, tmp: Path, optimizer, scheduler, scaler) -> None:
+    def save(self, tmp: Path, optimizer, scheduler, scaler, background: bool = False) -> None:
+        """Always synchronous: DeepSpeed's ``save_checkpoint`` has no background mode that hands
+        back a completion to commit on (``checkpoint.async`` is ignored, with a warning)."""
         self.engine.save_checkpoint(str(tmp / "deepspeed"), tag=TAG)
         if self.dist.is_main:
             torch_save_durable({"scheduler": scheduler.state_dict(), "scaler": None,

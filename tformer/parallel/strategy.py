@@ -7,7 +7,8 @@ DDP. Model code knows none of this. The run's ``DeviceMesh`` (``mesh.py``) arriv
 
 Checkpoints of ``ddp`` and ``fsdp`` store model + optimizer with ``torch.distributed.checkpoint``
 (DCP) in ``dcp/``: each rank writes its shards, and a load reshards to any world size and either
-strategy. ``ddp`` also writes ``model.safetensors`` (rank 0 holds the full model anyway).
+strategy. ``ddp`` also writes ``model.safetensors`` (rank 0 holds the full model anyway). With
+``checkpoint.async=true`` both are written in the background from a staged copy (``async_save.py``).
 """
 from __future__ import annotations
 
@@ -21,12 +22,15 @@ from ..files import save_model_weights, torch_save_durable
 from ..nn import TransformerBlock, TransformerStack
 from ..safeload import CheckpointError, torch_load_safe
 from .ac import apply_activation_checkpointing
+from .async_save import AsyncSaver, BackgroundWrite
 from .compile import compile_blocks
 
 
 class Strategy:
     name = "ddp"
     owns_step = False  # True: the engine clips and steps (DeepSpeed)
+    async_save = True  # checkpoint.async: DCP writes in the background (DeepSpeed: synchronous)
+    _saver: AsyncSaver | None = None  # made at the first background save
 
     def __init__(self, model: torch.nn.Module, cfg, dist_info, dtype: torch.dtype):
         self.model = model  # the unwrapped module (for state dicts and evaluation)
@@ -138,14 +142,25 @@ class Strategy:
             osd = {_strip_optimizer_key(k): v for k, v in osd.items()}
         return {"model": msd, "optimizer": osd}
 
-    def save(self, tmp: Path, optimizer, scheduler, scaler) -> None:
+    def save(self, tmp: Path, optimizer, scheduler, scaler, background: bool = False) -> BackgroundWrite | None:
+        """Write this rank's part of the checkpoint into ``tmp``. ``background`` (checkpoint.async):
+        return once the state is copied to host memory; the files are complete when the returned
+        write's ``result()`` returns (``async_save.py``)."""
         import torch.distributed.checkpoint as dcp
-        dcp.save(self._dcp_state(optimizer), checkpoint_id=str(tmp / "dcp"))
+        weights = self.dist.is_main and self.name == "ddp" and self.tp == 1 and self.pp == 1
+        if background:
+            if self._saver is None:
+                self._saver = AsyncSaver(self.dist.device)
+            write = self._saver.save(self._dcp_state(optimizer), tmp / "dcp",
+                                     tmp / "model.safetensors" if weights else None)
+        else:
+            dcp.save(self._dcp_state(optimizer), checkpoint_id=str(tmp / "dcp"))
         if self.dist.is_main:
             torch_save_durable({"scheduler": scheduler.state_dict(),
                                 "scaler": scaler.state_dict() if scaler else None}, tmp / "scheduler.pt")
-            if self.name == "ddp" and self.tp == 1:
+            if weights and not background:
                 save_model_weights(self.model, tmp / "model.safetensors")
+        return write if background else None
 
     def load(self, path: Path, optimizer, scheduler, scaler, saved_world_size: int | None = None) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict

@@ -13,7 +13,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
-from ..config import ConfigError, _check_type, check_keys, check_ranges
+from ..config import ConfigError, _check_type, check_keys, check_ranges, config_key
 from ..models import build_config
 
 PRECISIONS = ("auto", "bf16", "fp32", "fp16")
@@ -121,6 +121,9 @@ class CheckpointConfig:
     # true: load this run's checkpoints' pickles (DCP metadata, DeepSpeed states) without the
     # allow-list. DANGEROUS: a pickle can run any code; only for checkpoints of trusted origin.
     trust: bool = False
+    # true: ddp/fsdp write with DCP's async_save; the loop waits only for the copy of the state
+    # to host memory, the write and the commit happen in the background (DeepSpeed: synchronous)
+    async_: bool = field(default=False, metadata={"key": "async"})
 
 
 @dataclass
@@ -265,7 +268,18 @@ class TrainConfig:
         return self.micro_batch_size * self.grad_accum
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return _to_dict(self)
+
+
+def _to_dict(obj: Any) -> Any:
+    """``dataclasses.asdict`` with each field under its config key (``checkpoint.async``)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {config_key(f): _to_dict(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_dict(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _to_dict(v) for k, v in obj.items()}
+    return obj
 
 
 # Allowed range of every numeric key (README "Allowed ranges" lists the same); null is allowed
@@ -403,10 +417,11 @@ def _build(cls, data: Any, section: str):
     hints = get_type_hints(cls)
     kwargs = {}
     for f in fields(cls):
-        if f.name not in data:
+        key = config_key(f)
+        if key not in data:
             continue
-        value, hint = data[f.name], hints[f.name]
-        name = f"{section}.{f.name}" if section else f.name
+        value, hint = data[key], hints[f.name]
+        name = f"{section}.{key}" if section else key
         if dataclasses.is_dataclass(hint):
             kwargs[f.name] = _build(hint, value or {}, name)
         elif hint is dict:

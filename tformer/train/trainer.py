@@ -7,18 +7,15 @@ import json
 import logging
 import math
 import os
-import random
 import signal
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from ..checkpoint.io import (CheckpointError, commit, find_latest, list_checkpoints, load_model_weights,
-                             partial_dir, read_trainer_state, torch_load_safe, torch_save_durable, verify,
-                             write_bytes_durable)
+from ..checkpoint.io import CheckpointError, load_model_weights, verify
+from ..checkpoint.manager import CheckpointManager, TrainerState
 from ..config import ConfigError
 from ..data import DataError, MixtureDataset, MixtureSampler, ResumableSampler
 from ..files import atomic_write
@@ -117,6 +114,12 @@ class Trainer:
         self.optimizer = self.strategy.setup_optimizer(base)
         self.wrapped = self.strategy.wrapped
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
+        background = cfg.checkpoint.async_ and self.strategy.async_save
+        if cfg.checkpoint.async_ and not background and self.dist.is_main:
+            log.warning("checkpoint.async=true: parallel.strategy=%s saves synchronously (DeepSpeed writes its "
+                        "own checkpoint files); the loop waits for each save", cfg.parallel.strategy)
+        self.ckpt = CheckpointManager(self.ckpt_root, self.dist.rank, self.dist.world_size, cfg.keep_checkpoints,
+                                      background)
 
         self.step = 0
         self.consumed = 0            # global samples consumed by all ranks
@@ -209,20 +212,9 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------
     def _resume(self) -> None:
-        target = self.cfg.resume
-        if target == "none":
+        path = self.ckpt.resolve(self.cfg.resume)
+        if path is None:
             return
-        if target == "auto":
-            path = find_latest(self.ckpt_root)
-            if path is None:
-                return
-        else:
-            path = Path(target)
-            if (path / "checkpoints").is_dir():
-                path = find_latest(path / "checkpoints")
-                if path is None:
-                    raise CheckpointError(f"no complete checkpoint under {target}")
-            verify(path, deep=True)
         self._load(path)
         self._apply_pending_rollback()
         if self.dist.is_main:
@@ -232,33 +224,30 @@ class Trainer:
         """Model, optimizer, schedule, RNG and trainer state of a verified checkpoint."""
         from ..checkpoint.safe import check_checkpoint
         check_checkpoint(path, self.cfg.checkpoint.trust)  # every pickle, before any is loaded
-        state = read_trainer_state(path)
-        self._check_same_model(path, state.get("model_config") or {})
-        if state.get("weights_only"):
+        state = self.ckpt.read(path)
+        self._check_same_model(path, state.model_config or {})
+        if state.weights_only:
             # A model imported from HF (`tformer import`, step 0): weights, no optimizer state, so
             # AdamW's moments start at zero and the LR schedule from its beginning.
             load_model_weights(self.model, path)
             log.warning("%s holds weights only: the optimizer and LR schedule start fresh", path)
         else:
-            self.strategy.load(path, self.optimizer, self.scheduler, self.scaler, state.get("world_size"))
-        rng = path / f"rng_rank{self.dist.rank}.pt"
-        if rng.is_file() and state.get("world_size") == self.dist.world_size:
-            _set_rng(torch_load_safe(rng, self.cfg.checkpoint.trust))
-        else:
+            self.strategy.load(path, self.optimizer, self.scheduler, self.scaler, state.world_size)
+        if not self.ckpt.restore_rng(path, state, self.cfg.checkpoint.trust):
             log.warning("rank %d: no RNG state for this world size in %s; dropout streams restart "
                         "(data order is unaffected)", self.dist.rank, path)
-        mixture = state.get("data_mixture")
+        mixture = state.data_mixture
         if mixture is not None and mixture != self._mixture_fingerprint():
             raise DataError(f"checkpoint {path} was trained on the data mixture {mixture} but this run's is "
                             f"{self._mixture_fingerprint()}: resume with the same sources, weights, stages and "
                             "global batch size, or start a new run")
-        self.step = state["step"]
-        self.consumed = state["consumed_samples"]
-        self.tokens = state["tokens"]
-        self.skipped = state.get("skipped", 0)
-        self.wandb_id = state.get("wandb_id")
-        self.rollbacks = state.get("rollbacks", 0)
-        self.spikes.load_state_dict(state.get("spike_detector") or {})
+        self.step = state.step
+        self.consumed = state.consumed_samples
+        self.tokens = state.tokens
+        self.skipped = state.skipped
+        self.wandb_id = state.wandb_id
+        self.rollbacks = state.rollbacks
+        self.spikes.load_state_dict(state.spike_detector)
         self.streak_start = None
         self.resumed_from = path
 
@@ -271,37 +260,29 @@ class Trainer:
                                       "output_dir")
 
     def save(self) -> Path:
-        """Write a complete checkpoint of this step atomically (all ranks take part)."""
+        """A checkpoint of this step (all ranks take part); with ``checkpoint.async`` it returns
+        once the state is copied to host memory, and is committed when its write ends."""
         self._beat("save")
-        tmp = partial_dir(self.ckpt_root, self.step)
-        if self.dist.is_main:
-            if tmp.exists():
-                import shutil
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        barrier()
-        self.strategy.save(tmp, self.optimizer, self.scheduler, self.scaler)
-        if self.dist.is_main:
-            state = {"step": self.step, "consumed_samples": self.consumed, "tokens": self.tokens,
-                     "skipped": self.skipped, "world_size": self.dist.world_size,
-                     "mesh": self.dims.describe(),
-                     "rollbacks": self.rollbacks, "spike_detector": self.spikes.state_dict(),
-                     "wandb_id": self.wandb_id, "model_config": self.model_cfg.to_dict(),
-                     "strategy": self.cfg.parallel.strategy, "family": self.model_cfg.family,
-                     "objective": self.data.objective,
-                     "seq_len": self.data.seq_len, "target_len": self.data.target_len,
-                     "data_mixture": self._mixture_fingerprint(),
-                     "time": time.time()}
-            write_bytes_durable(tmp / "trainer.json", json.dumps(state, indent=1).encode())
-            write_bytes_durable(tmp / "config.yaml", self.resolved_yaml().encode())
-        torch_save_durable(_get_rng(), tmp / f"rng_rank{self.dist.rank}.pt")
-        barrier()
-        final = self.ckpt_root / f"step_{self.step:08d}"
-        if self.dist.is_main:
-            final = commit(self.ckpt_root, self.step, self.cfg.keep_checkpoints)
-        barrier()
+        final = self.ckpt.save(self.state(), self.resolved_yaml(),
+                               lambda tmp: self.strategy.save(tmp, self.optimizer, self.scheduler, self.scaler,
+                                                              background=self.ckpt.background))
         self._beat("save done")
         return final
+
+    def state(self) -> TrainerState:
+        """The record of ``trainer.json``: where the run stands, and what it trains."""
+        return TrainerState(step=self.step, consumed_samples=self.consumed, tokens=self.tokens,
+                            skipped=self.skipped, world_size=self.dist.world_size, mesh=self.dims.describe(),
+                            rollbacks=self.rollbacks, spike_detector=self.spikes.state_dict(),
+                            wandb_id=self.wandb_id, model_config=self.model_cfg.to_dict(),
+                            strategy=self.cfg.parallel.strategy, family=self.model_cfg.family,
+                            objective=self.data.objective, seq_len=self.data.seq_len,
+                            target_len=self.data.target_len, data_mixture=self._mixture_fingerprint())
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Finish the background save in flight, if any (all ranks)."""
+        self._beat("save wait")
+        return self.ckpt.wait()
 
     def _mixture_fingerprint(self):
         train = self.data.train
@@ -496,9 +477,14 @@ class Trainer:
                     saved_step = self.step
                 for cb in self.callbacks:
                     cb(self, record)
+                self.ckpt.poll()  # commits, in the background, need no collective
                 self._beat("train", arm=True)
             if self.step != saved_step and self.step > 0 and self._may_save():
                 self.save()
+            self.wait_for_checkpoint()  # never leave with a save in flight
+        except BaseException:
+            self._close_checkpoints()
+            raise
         finally:
             if self.watchdog is not None:
                 self.watchdog.close()
@@ -516,6 +502,14 @@ class Trainer:
             print(f"tformer: stopped at step {self.step} ({reason}); checkpoint "
                   f"{self.ckpt_root / f'step_{self.step:08d}'}", flush=True)
         return last
+
+    def _close_checkpoints(self) -> None:
+        """On the way out of ``fit`` after an error: still commit a save in flight (its state was
+        good when it was taken), without waiting for ranks that may be gone."""
+        try:
+            self.ckpt.close()
+        except Exception as e:  # noqa: BLE001 - the error that ended the run matters more
+            log.error("rank %d: %s", self.dist.rank, e)
 
     def _beat(self, phase: str, arm: bool = False) -> None:
         if self.watchdog is not None:
@@ -538,7 +532,9 @@ class Trainer:
         one step, the checkpoint just before it is excluded too: its weights gave a non-finite loss
         on several different batches (and skipped steps leave them unchanged), so resuming it would
         fail again at once."""
-        found = list_checkpoints(self.ckpt_root)
+        found = self.ckpt.committed()
+        if self.ckpt.in_flight is not None:  # a good state, being written: committed before the run ends
+            found.append(self.ckpt.path(self.ckpt.in_flight))
         if self.streak_start is not None:
             limit = self.streak_start - (2 if self.skipped > 1 else 1)
             found = [p for p in found if int(p.name.split("_")[1]) <= limit]
@@ -560,7 +556,8 @@ class Trainer:
             if self.dist.is_main:
                 log.warning("%s (on_spike=warn)", spike)
             return False
-        target = [p for p in list_checkpoints(self.ckpt_root) if int(p.name.split("_")[1]) < self.step]
+        self.wait_for_checkpoint()  # every rank then lists the same checkpoints
+        target = [p for p in self.ckpt.committed() if int(p.name.split("_")[1]) < self.step]
         if self.rollbacks >= cfg.max_rollbacks:
             raise LossSpikeError(f"{spike}; max_rollbacks={cfg.max_rollbacks} reached; the last good checkpoint is "
                                  f"{target[-1] if target else 'none'}; lower optim.lr or check the data")
@@ -757,24 +754,6 @@ class Trainer:
             bar.write(text, file=sys.stdout)
         else:
             print(text, flush=True)
-
-
-def _get_rng() -> dict:
-    np_state = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]]}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _concat(batches: list[dict]) -> dict:

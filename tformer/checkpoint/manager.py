@@ -1,0 +1,254 @@
+"""The one owner of a run's checkpoints: where they live, how a save becomes complete, which one
+a resume picks, and what ``trainer.json`` holds.
+
+A save (every rank takes part) is
+
+1. ``begin``: finish the save still in flight, if any; rank 0 makes a fresh
+   ``checkpoints/.partial-step_XXXXXXXX/``; barrier;
+2. the strategy writes model and optimizer state into it (DCP shards or DeepSpeed's files) --
+   in the background with ``checkpoint.async=true``, after a copy to host memory;
+3. rank 0 writes ``trainer.json`` (a :class:`TrainerState`) and ``config.yaml``, every rank its
+   ``rng_rank{R}.pt``; barrier;
+4. the commit (rank 0): the ``COMPLETE`` marker with every file's size and CRC-32, the rename to
+   ``step_XXXXXXXX``, pruning to ``keep_checkpoints`` complete ones. A synchronous save commits at
+   once; a background one in its own thread, when the write has ended -- never earlier.
+
+Rank 0's commit needs no other rank: DCP ends a save with a collective that returns only after
+every rank's files are written, and the RNG files are in place before step 3's barrier. A save in
+flight is finished before the next one starts (``begin``), before a rollback reads the list
+(``wait``), and before the trainer returns or leaves on an error; its thread is not a daemon, so
+even a caller that forgets ``wait`` does not exit before the commit.
+
+This module sits below ``train/``: the trainer hands it a state record and a function that writes
+the strategy's part; it imports nothing above ``parallel/``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..files import torch_save_durable, write_bytes_durable
+from ..parallel.dist import barrier
+from . import io
+from .io import CheckpointError
+
+log = logging.getLogger("tformer.checkpoint")
+
+TRAINER_STATE = "trainer.json"
+# keys written only when set: a weights-only import's, absent from a trainer's file
+_ONLY_WHEN_SET = ("weights_only", "imported_from")
+
+
+@dataclass
+class TrainerState:
+    """``trainer.json``: where a run stands, written by the trainer at every save and by
+    ``tformer import`` (a weights-only step-0 checkpoint)."""
+
+    step: int = 0
+    consumed_samples: int = 0        # global samples (token-budget batches: batches) consumed
+    tokens: int = 0                  # global tokens consumed
+    skipped: int = 0                 # consecutive non-finite steps at the save
+    world_size: int | None = None    # ranks that wrote it (None: an import)
+    mesh: str | None = None          # the parallel layout, e.g. "dp_replicate=1 dp_shard=2 tp=1"
+    rollbacks: int = 0               # loss-spike rollbacks done
+    spike_detector: dict = field(default_factory=dict)
+    wandb_id: str | None = None
+    model_config: dict | None = None
+    strategy: str | None = None
+    family: str | None = None
+    objective: str | None = None
+    seq_len: int | None = None
+    target_len: int | None = None
+    data_mixture: list | None = None  # a mixture run: its sources' schedule, lengths and seed
+    weights_only: bool = False       # an import: weights, no optimizer state
+    imported_from: str | None = None
+    time: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        for key in _ONLY_WHEN_SET:
+            if not data[key]:
+                del data[key]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str | Path = "trainer.json") -> TrainerState:
+        """Tolerant of older files (missing keys take their defaults) and of newer ones (unknown
+        keys are ignored); a missing step is an error."""
+        if not isinstance(data, dict) or "step" not in data:
+            raise CheckpointError(f"{where} records no step; it is not a tformer checkpoint")
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        if values.get("spike_detector") is None:
+            values.pop("spike_detector", None)
+        return cls(**values)
+
+    def write(self, directory: Path) -> None:
+        write_bytes_durable(directory / TRAINER_STATE, json.dumps(self.to_dict(), indent=1).encode())
+
+    @classmethod
+    def read(cls, ckpt: str | Path) -> TrainerState:
+        return cls.from_dict(io.read_trainer_state(ckpt), Path(ckpt) / TRAINER_STATE)
+
+
+def capture_rng() -> dict:
+    """This process's RNG streams (torch, Python, NumPy, CUDA): dropout and anything else random."""
+    np_state: Any = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def rng_file(ckpt: Path, rank: int) -> Path:
+    return ckpt / f"rng_rank{rank}.pt"
+
+
+class CheckpointManager:
+    """Saves, commits, finds and verifies the checkpoints under ``root`` for one rank."""
+
+    def __init__(self, root: str | Path, rank: int = 0, world_size: int = 1, keep: int = 0,
+                 background: bool = False):
+        self.root = Path(root)
+        self.rank, self.world_size, self.keep = rank, world_size, keep
+        self.background = background   # the strategy writes in the background (checkpoint.async)
+        self._pending: tuple[int, Future] | None = None  # (step, its commit) while in flight
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def path(self, step: int) -> Path:
+        return self.root / io.step_dir_name(step)
+
+    # -- discovery -------------------------------------------------------------------------
+    def committed(self) -> list[Path]:
+        """Complete checkpoints, oldest first (a save in flight is not one yet)."""
+        return io.list_checkpoints(self.root)
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the save being written in the background, if any."""
+        return self._pending[0] if self._pending is not None else None
+
+    def resolve(self, target: str) -> Path | None:
+        """The checkpoint a ``resume`` value names, verified (sizes and CRC-32): ``auto`` the newest
+        complete one here (None if there is none), ``none`` None, a run directory its newest, or a
+        checkpoint directory."""
+        if target == "none":
+            return None
+        if target == "auto":
+            return io.find_latest(self.root)
+        path = Path(target)
+        if (path / "checkpoints").is_dir():
+            found = io.find_latest(path / "checkpoints")
+            if found is None:
+                raise CheckpointError(f"no complete checkpoint under {target}")
+            return found
+        io.verify(path, deep=True)
+        return path
+
+    def read(self, ckpt: Path) -> TrainerState:
+        return TrainerState.read(ckpt)
+
+    def restore_rng(self, ckpt: Path, state: TrainerState, trust: bool = False) -> bool:
+        """This rank's RNG streams from ``ckpt`` if it was written by as many ranks; False if not."""
+        path = rng_file(ckpt, self.rank)
+        if not path.is_file() or state.world_size != self.world_size:
+            return False
+        restore_rng(io.torch_load_safe(path, trust))
+        return True
+
+    # -- saving ----------------------------------------------------------------------------
+    def save(self, state: TrainerState, config_yaml: str, write: Callable[[Path], Any]) -> Path:
+        """One checkpoint of ``state.step`` (all ranks call it). ``write(tmp)`` writes the strategy's
+        part into the partial directory and returns None (done) or a background write with
+        ``result()``; the path returned is where the checkpoint is (or will be, once committed)."""
+        step = state.step
+        self.wait(sync=False)  # one save at a time; this save's barrier follows
+        tmp = io.partial_dir(self.root, step)
+        if self.is_main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        barrier()
+        pending = write(tmp)
+        if self.is_main:
+            state.write(tmp)
+            write_bytes_durable(tmp / "config.yaml", config_yaml.encode())
+        torch_save_durable(capture_rng(), rng_file(tmp, self.rank))
+        barrier()
+        if pending is None:
+            final = self._commit(step)
+            barrier()
+            return final
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tformer-commit")
+        self._pending = (step, self._pool.submit(self._finish, step, pending))
+        return self.path(step)
+
+    def _commit(self, step: int) -> Path:
+        # through the module: tests stop a save here (tests/kill_during_training.py)
+        return io.commit(self.root, step, self.keep) if self.is_main else self.path(step)
+
+    def _finish(self, step: int, pending: Any) -> Path:
+        pending.result()  # every file of this rank written (rank 0: of every rank, see above)
+        return self._commit(step)
+
+    def poll(self) -> Path | None:
+        """Non-blocking: take note of a background save that has ended (its error, if any, is
+        raised here). Returns the committed path, else None. No collective."""
+        if self._pending is None or not self._pending[1].done():
+            return None
+        return self.wait(sync=False)
+
+    def wait(self, sync: bool = True) -> Path | None:
+        """Block until the save in flight (if any) is written and committed; with ``sync``, all
+        ranks then leave together (so every rank lists the same checkpoints afterwards)."""
+        done = None
+        if self._pending is not None:
+            step, future = self._pending
+            self._pending = None
+            try:
+                done = future.result()
+            except Exception as e:
+                newest = self.committed()[-1] if self.committed() else "none"
+                raise CheckpointError(f"the background save of step {step} failed ({type(e).__name__}: {e}); "
+                                      f"its partial directory {io.partial_dir(self.root, step)} is never "
+                                      "resumed from; the newest complete checkpoint is "
+                                      f"{newest}") from e
+        if sync:
+            barrier()
+        return done
+
+    def close(self) -> None:
+        """Finish what is in flight without waiting for the other ranks (for error paths)."""
+        try:
+            self.wait(sync=False)
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
