@@ -122,3 +122,26 @@ def test_stage_layers_split_evenly_or_as_listed():
     assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
     assert stage_layers(4, 4) == [range(i, i + 1) for i in range(4)]
     assert stage_layers(6, 2, [2, 4]) == [range(0, 2), range(2, 6)]
+
+
+def test_an_imported_hf_checkpoint_starts_tp_and_pp_runs(cache, tmp_path):
+    """A weights-only checkpoint (``tformer import`` of an HF export) resumed under tp=2 and pp=2:
+    each rank takes its shard / its stages, and the runs continue as the 1-process run does."""
+    from tformer.export import export_hf, import_hf
+    recipe, first = _overrides("llama", tmp_path / "first", "max_steps=2")
+    Trainer(load_config(CONFIGS / f"{recipe}.yaml", first)).fit()
+    imported = import_hf(export_hf(tmp_path / "first" / "checkpoints" / "step_00000002", tmp_path / "hf"),
+                         tmp_path / "imported")
+    ckpt = imported / "checkpoints" / "step_00000000"
+    runs = {"one": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"]}
+    flags = {name: _overrides("llama", tmp_path / name, "grad_accum=2", f"resume={ckpt}", *extra)[1]
+             for name, extra in runs.items()}
+    Trainer(load_config(CONFIGS / f"{recipe}.yaml", flags["one"])).fit()
+    run_ranks(2, [(recipe, flags["tp2"], None), (recipe, flags["pp2"], None)], cache)
+    base = losses(tmp_path / "one")
+    assert list(base) == [1, 2, 3, 4]
+    for name in ("tp2", "pp2"):
+        got = losses(tmp_path / name)
+        assert list(got) == [1, 2, 3, 4], name
+        for step in got:
+            assert got[step] == pytest.approx(base[step], rel=1e-5), (name, step)

@@ -162,6 +162,31 @@ class Strategy:
                 save_model_weights(self.model, tmp / "model.safetensors")
         return write if background else None
 
+    def load_weights(self, path: Path) -> None:
+        """A weights-only checkpoint (``tformer import``: one full ``model.safetensors``) into the
+        live model, sharded (FSDP2, TP) or split into pipeline stages: each rank takes its part."""
+        from ..checkpoint.io import load_model_weights
+        if self.tp == 1 and self.pp == 1:
+            load_model_weights(self.model, path)
+            return
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from .pipeline import Parts
+        full = load_file(path / "model.safetensors")
+        own = self.model.state_dict()
+        if self.model_config_tied():  # the file stores the tied head once, as the embedding
+            full.setdefault("lm_head.weight", full.get("embed.tok.weight"))
+        missing = [k for k in own if Parts.strip(k) not in full]
+        if missing:
+            raise CheckpointError(f"checkpoint {path} does not fit this model (missing: {', '.join(missing[:3])}); "
+                                  "use the model config the checkpoint was trained with")
+        set_model_state_dict(self.model, {k: full[Parts.strip(k)] for k in own},
+                             options=StateDictOptions(full_state_dict=True))
+
+    def model_config_tied(self) -> bool:
+        return bool(getattr(getattr(self.model, "config", None), "tie_embeddings", False))
+
     def load(self, path: Path, optimizer, scheduler, scaler, saved_world_size: int | None = None) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
