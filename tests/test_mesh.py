@@ -355,6 +355,7 @@ def test_sequence_parallel_keeps_gathered_inputs_as_shards(cache, tmp_path):
     (2, ["parallel.tp=2", "parallel.strategy=deepspeed"], "parallel.strategy=deepspeed does not compose"),
     (2, ["parallel.dp_replicate=2"], "parallel.dp_replicate=2 (HSDP) needs parallel.strategy=fsdp"),
     (4, ["parallel.tp=2"], "parallel.tp=2 with 2 data-parallel ranks needs parallel.strategy=fsdp"),
+    (2, ["parallel.tp=2", "compile=true", "model.position=rotary"], "compile=true with parallel.tp > 1 fails"),
 ])
 def test_bad_mesh_is_one_line_before_any_process_group(tmp_path, monkeypatch, world, flags, needle):
     import torch.distributed as dist

@@ -128,13 +128,14 @@ def test_an_imported_hf_checkpoint_starts_tp_and_pp_runs(cache, tmp_path):
     """A weights-only checkpoint (``tformer import`` of an HF export) resumed under tp=2 and pp=2:
     each rank takes its shard / its stages, and the runs continue as the 1-process run does."""
     from tformer.export import export_hf, import_hf
-    recipe, first = _overrides("llama", tmp_path / "first", "max_steps=2")
+    recipe, first = _overrides("llama", tmp_path / "first", "max_steps=2", "model.d_head=16")
     Trainer(load_config(CONFIGS / f"{recipe}.yaml", first)).fit()
     imported = import_hf(export_hf(tmp_path / "first" / "checkpoints" / "step_00000002", tmp_path / "hf"),
                          tmp_path / "imported")
     ckpt = imported / "checkpoints" / "step_00000000"
     runs = {"one": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"]}
-    flags = {name: _overrides("llama", tmp_path / name, "grad_accum=2", f"resume={ckpt}", *extra)[1]
+    flags = {name: _overrides("llama", tmp_path / name, "grad_accum=2", "model.d_head=16", f"resume={ckpt}",
+                              *extra)[1]
              for name, extra in runs.items()}
     Trainer(load_config(CONFIGS / f"{recipe}.yaml", flags["one"])).fit()
     run_ranks(2, [(recipe, flags["tp2"], None), (recipe, flags["pp2"], None)], cache)

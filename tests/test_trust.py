@@ -96,7 +96,9 @@ def plant(run: Path, rel: str, dest: Path, marker: Path) -> Path:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
         dcp_to_torch_save(str(ckpt / "dcp"), str(dest / "full.pt"))
         state = torch.load(dest / "full.pt", weights_only=False)
-        state["optimizer"]["param_groups"][0]["lr"] = Payload(marker)
+        # optimizer states are stored flattened by parameter name: "param_groups.NAME.lr"
+        lr = next(k for k in state["optimizer"] if k.startswith("param_groups.") and k.endswith(".lr"))
+        state["optimizer"][lr] = Payload(marker)
         shutil.rmtree(ckpt / "dcp")
         dcp.save(state, checkpoint_id=str(ckpt / "dcp"))
         (dest / "full.pt").unlink()
