@@ -11,8 +11,18 @@
 3. Step throughput of FSDP2 and DeepSpeed relative to DDP on 2 processes x 1 thread, fp32, ~50M
    params: the trainer's median step time after two warm-up steps, best of interleaved rounds
    (the machine is shared). Target: >= 0.8x.
+4. The device mesh (``--part mesh``; 2 and 4 CPU processes, gloo, fp32) on an 8-layer, d-512 GPT at
+   seq 512, one sequence per data-parallel rank, from real trainer runs: ddp (2 ranks), tp=2,
+   tp=2 + sequence parallel (and torch's sequence parallel alone, without tformer's re-gather),
+   dp_shard=2 x tp=2 (FSDP2, 4 ranks). Measured per rank: model states after a backward (as part
+   1), bytes saved for backward by one training forward (saved-tensor hooks, unique storages, each
+   DTensor's local shard), the trainer's step time. Targets: model states within 5% of the formula
+   (16 bytes per TP-local parameter / dp_shard); SP's saved activations <= 0.6x of tp=2 without SP;
+   ``tformer plan``'s rank_memory total within 15% of the measured per-rank peak, taken as model
+   states + saved activations (tensor bytes: what a rank holds at the end of forward, plus its
+   gradients); tp=2 throughput against DDP printed (informational).
 
-    .venv/bin/python bench/bench_scale.py [--part memory|ac|throughput] [--micro 8 --seq 256 --rounds 2]
+    .venv/bin/python bench/bench_scale.py [--part memory|ac|throughput|mesh] [--micro 8 --seq 256 --rounds 2]
 """
 from __future__ import annotations
 
@@ -215,9 +225,133 @@ def throughput_part(tmp: str, cache: str, micro: int = 8, seq: int = 256, steps:
               f"   (rounds: {', '.join(f'{x:,.0f}' for x in rates[name])})")
 
 
+MESH_MODEL = ["model.preset=gpt2-tiny", "model.vocab_size=8192", "model.d_model=512", "model.num_layers=8",
+              "model.num_heads=8", "model.d_ff=2048", "model.max_seq_len=512", "model.dropout=0.0",
+              "data.tokenizer_vocab_size=8192", "data.seq_len=512", "micro_batch_size=1", "precision=fp32",
+              "eval_every=0", "save_every=0", "eval_batches=1", "progress=false", "log_every=1000", "resume=none"]
+# name: (ranks, overrides, torch's sequence parallel alone: without tformer's re-gather in backward)
+MESH_LAYOUTS = {
+    "ddp": (2, ["parallel.strategy=ddp"], False),
+    "tp2": (2, ["parallel.strategy=ddp", "parallel.tp=2", "parallel.sp=false"], False),
+    "tp2+sp": (2, ["parallel.strategy=ddp", "parallel.tp=2", "parallel.sp=true"], False),
+    "tp2+sp (torch alone)": (2, ["parallel.strategy=ddp", "parallel.tp=2", "parallel.sp=true"], True),
+    "dp_shard2 x tp2+sp": (4, ["parallel.strategy=fsdp", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sp=true"],
+                           False),
+}
+
+
+def _mesh_worker(rank, world, port, jobs, out, cache):
+    import json
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TFORMER_CACHE=cache, TFORMER_DIST_TIMEOUT="600")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import tformer.parallel.tp as tp_module
+    from tformer.parallel.memory import SavedActivations, model_state_bytes
+    from tformer.parallel.plan import _block_parts, rank_memory, training_memory
+    from tformer.parallel.strategy import param_counts
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+    keep = tp_module.keep_gathered_inputs_sharded
+    for index, (_name, overrides, steps, torch_sp_alone) in enumerate(jobs):
+        tp_module.keep_gathered_inputs_sharded = (lambda *a: 0) if torch_sp_alone else keep
+        cfg = load_config(ROOT / "configs" / "gpt2-tiny.yaml", overrides + [f"output_dir={out}/mesh{index}",
+                                                                            f"max_steps={steps}"])
+        step_times = []
+        t = Trainer(cfg, callbacks=[lambda tr, rec, times=step_times: times.append(rec["step_time"])])
+        t.fit()
+        # one more training forward + backward, as the trainer runs it, counting what it saves
+        batch = t.data.collator([t.data.train[i] for i in range(cfg.micro_batch_size)])
+        inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+        if t.dims.tp > 1 and cfg.parallel.sp:
+            inputs = tp_module.pad_for_sequence_parallel(inputs, t.dims.tp, t.model_cfg.pad_token_id, "decoder")
+        with t.strategy.loss_context():
+            with SavedActivations() as saved:
+                loss = t.wrapped(**inputs, return_logits=False).loss
+            t.strategy.backward(loss, True, None)
+        local, _ = param_counts(t.model)
+        states = model_state_bytes(t.model, t.optimizer)
+        pcfg = cfg.parallel
+        plan = rank_memory(t.model_cfg, seq_len=inputs["input_ids"].shape[1], micro_batch=cfg.micro_batch_size,
+                           dp_shard=t.dims.dp_shard, tp=t.dims.tp, sp=pcfg.sp and t.dims.tp > 1,
+                           precision="fp32", strategy=pcfg.strategy, loss_parallel=pcfg.loss_parallel,
+                           **training_memory(cfg))
+        # what tensor parallelism already splits by tp, whatever SP does: q, k, v, attention, the
+        # FFN width (every block) and the vocabulary-sharded log-softmax: SP's floor
+        _, _, heads = _block_parts(t.model_cfg, inputs["input_ids"].shape[1])
+        split = rank_memory(t.model_cfg, seq_len=inputs["input_ids"].shape[1], tp=t.dims.tp, precision="fp32",
+                            strategy=pcfg.strategy, **training_memory(cfg)).activations
+        split -= rank_memory(t.model_cfg, seq_len=inputs["input_ids"].shape[1], tp=t.dims.tp, precision="fp32",
+                             strategy=pcfg.strategy, transient=False, **training_memory(cfg)).activations
+        split += t.model_cfg.num_layers * inputs["input_ids"].numel() * heads / t.dims.tp * 4
+        tokens = cfg.micro_batch_size * cfg.grad_accum * cfg.data.seq_len * t.dims.dp_size
+        Path(f"{out}/mesh{index}.rank{rank}.json").write_text(json.dumps({
+            "states": states, "local_params": local, "saved": saved.bytes, "plan_states": plan.model_states,
+            "plan_activations": plan.activations, "floor": split,
+            "rate": tokens / statistics.median(step_times[2:] or step_times)}))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def mesh_part(tmp: str, cache: str, steps: int = 5) -> None:
+    """The device mesh's memory and throughput, per rank (module doc, part 4)."""
+    import json
+    names = list(MESH_LAYOUTS)
+    for world in (2, 4):
+        jobs = [(name, MESH_MODEL + MESH_LAYOUTS[name][1], steps, MESH_LAYOUTS[name][2]) for name in names
+                if MESH_LAYOUTS[name][0] == world]
+        mp.start_processes(_mesh_worker, args=(world, _port(), jobs, f"{tmp}/w{world}", cache), nprocs=world,
+                           join=True, start_method="spawn")
+    got = {}
+    for name in names:
+        world = MESH_LAYOUTS[name][0]
+        index = [n for n in names if MESH_LAYOUTS[n][0] == world].index(name)
+        ranks = [json.loads(Path(f"{tmp}/w{world}/mesh{index}.rank{r}.json").read_text()) for r in range(world)]
+        got[name] = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the fullest rank
+    mb = 2 ** 20
+
+    def verdict(ok):
+        return "PASS" if ok else "MISS"
+    print(f"\n=== device mesh: GPT d 512, 8 layers, seq 512, vocab 8192, fp32, 1 sequence per dp rank, "
+          f"{steps} trainer steps, per rank (the fullest), tensor bytes ===")
+    print(f"{'layout':<22}{'states MB':>10}{'16Ψ/N MB':>10}{'ratio':>7}{'saved MB':>10}{'peak MB':>9}{'plan MB':>9}"
+          f"{'ratio':>7}{'tok/s':>8}")
+    for name in names:
+        g = got[name]
+        exact = 16 * g["local_params"]  # fp32 parameter, gradient, AdamW m and v of each local element
+        peak = g["states"] + g["saved"]
+        plan = g["plan_states"] + g["plan_activations"]
+        planned = "" if MESH_LAYOUTS[name][2] else f"{plan / mb:>9.1f}{plan / peak:>7.3f}"  # plans tformer's SP
+        print(f"{name:<22}{g['states'] / mb:>10.1f}{g['plan_states'] / mb:>10.1f}{g['states'] / g['plan_states']:>7.3f}"
+              f"{g['saved'] / mb:>10.1f}{peak / mb:>9.1f}{planned:>16}{g['rate']:>8.0f}")
+        got[name].update(exact=exact, peak=peak, plan=plan)
+    print("\ntargets:")
+    for name in ("tp2", "dp_shard2 x tp2+sp"):
+        g = got[name]
+        r, e = g["states"] / g["plan_states"], g["states"] / g["exact"]
+        print(f"  model states per rank, {name}: {r:.3f}x the formula (rank_memory; exact per-rank count "
+              f"16 x {g['local_params']:,} local elements: {e:.3f}x), target within 5%: {verdict(abs(r - 1) <= 0.05)}")
+    sp, no_sp, alone, ddp = (got[n]["saved"] for n in ("tp2+sp", "tp2", "tp2+sp (torch alone)", "ddp"))
+    print(f"  saved activations per rank, tp=2 with SP against without: {sp / no_sp:.3f}x (target <= 0.6x): "
+          f"{verdict(sp <= 0.6 * no_sp)}; torch's SP alone {alone / no_sp:.3f}x; against no TP (a DDP rank, same "
+          f"micro-batch): tp=2 {no_sp / ddp:.3f}x, tp=2 + SP {sp / ddp:.3f}x")
+    floor = got["tp2+sp"]["floor"]
+    print(f"    (what tp=2 splits already, SP or not: q, k, v, attention, FFN width, sharded log-softmax = "
+          f"{floor / mb:.1f} MB by the planner's formula, {floor / no_sp:.3f}x of tp=2 without SP: the least SP "
+          "could reach at tp=2 if it kept nothing else)")
+    for name in ("tp2", "tp2+sp", "dp_shard2 x tp2+sp"):
+        g = got[name]
+        r = g["plan"] / g["peak"]
+        print(f"  tformer plan against the measured peak, {name}: {r:.3f}x (target within 15%): "
+              f"{verdict(abs(r - 1) <= 0.15)}")
+    ratio = got["tp2"]["rate"] / got["ddp"]["rate"]
+    print(f"  step throughput, tp=2 against DDP on 2 processes (tokens/s; informational): {ratio:.2f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--part", choices=("memory", "ac", "throughput", "all"), default="all")
+    p.add_argument("--part", choices=("memory", "ac", "throughput", "mesh", "all"), default="all")
     p.add_argument("--precisions", default="bf16,fp32", help="memory part: bf16 (mixed) and/or fp32")
     p.add_argument("--micro", type=int, default=8, help="throughput part: micro-batch per rank")
     p.add_argument("--seq", type=int, default=256, help="throughput part: sequence length")
@@ -233,6 +367,8 @@ def main() -> None:
             ac_part()
         if args.part in ("throughput", "all"):
             throughput_part(tmp, cache, args.micro, args.seq, args.steps, args.rounds, tuple(args.strategies.split(",")))
+        if args.part in ("mesh", "all"):
+            mesh_part(tmp, cache, args.steps)
 
 
 if __name__ == "__main__":

@@ -69,8 +69,8 @@ def _report(trainer, rank, path):
                    or not trainer.model_cfg.tie_embeddings}, f"{path}.full{dist.get_rank()}.safetensors")
 
 
-def run_ranks(world, jobs, cache):
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), jobs, cache), nprocs=world, join=False,
+def run_ranks(world, jobs, cache, worker=_worker):
+    ctx = mp.start_processes(worker, args=(world, _free_port(), jobs, cache), nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + GROUP_TIMEOUT
     while not ctx.join(timeout=5):
@@ -267,6 +267,79 @@ def test_fsdp_x_tp_and_hsdp_equal_the_single_process_run(cache, tmp_path_factory
             assert_counts(tmp / f"report{i}", 4, 4, 2)  # dp_shard 2 x tp 2
         elif flags == HSDP:
             assert_counts(tmp / f"report{i}", 4, 2, 2)  # HSDP: sharded within a replica of 2
+
+
+# -- sequence parallel keeps the gathered inputs as shards for backward ------------------------------
+
+SP_CASES = {  # name: (sp, tformer's re-gather, activation checkpointing)
+    "tp": (False, True, "none"), "sp, torch alone": (True, False, "none"), "sp": (True, True, "none"),
+    "sp + selective": (True, True, "selective"), "sp + op": (True, True, "op"), "sp + full": (True, True, "full")}
+SP_SHAPE = {"d_model": 64, "num_layers": 2, "batch": 2, "seq": 64}
+
+
+def _sp_worker(rank, world, port, out, cache):
+    """One forward + backward of a small GPT per case on the tp=2 mesh: bytes saved for backward,
+    loss and full gradients (rank 0 writes them)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TFORMER_CACHE=str(cache))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import tformer.parallel.tp as tp_module
+    from tformer import build_model
+    from tformer.parallel.ac import apply_activation_checkpointing
+    from tformer.parallel.memory import SavedActivations
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        keep = tp_module.keep_gathered_inputs_sharded
+        d, layers, b, s = (SP_SHAPE[k] for k in ("d_model", "num_layers", "batch", "seq"))
+        ids = torch.randint(0, 512, (b, s), generator=torch.Generator().manual_seed(0))
+        results = {}
+        for name, (sp, regather, ac) in SP_CASES.items():
+            tp_module.keep_gathered_inputs_sharded = keep if regather else (lambda *a: 0)
+            torch.manual_seed(0)
+            model = build_model("gpt2-tiny", vocab_size=512, d_model=d, num_layers=layers, num_heads=4,
+                                d_ff=4 * d, max_seq_len=s, dropout=0.0)
+            tp_module.apply_tensor_parallel(model, mesh, sp=sp)
+            apply_activation_checkpointing(model, ac, every=2)
+            with tp_module.loss_context(True):
+                with SavedActivations() as saved:
+                    loss = model(ids, labels=ids, return_logits=False).loss
+                loss.backward()
+            grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                     for n, p in model.named_parameters()}
+            results[name] = (saved.bytes, loss.item(), grads)
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def test_sequence_parallel_keeps_gathered_inputs_as_shards(cache, tmp_path):
+    """Under SP, torch keeps the all-gathered input of each attention and FFN whole on every rank for
+    the projections' weight gradients; tformer keeps this rank's shard and gathers it again in
+    backward: the saved bytes per rank fall by exactly (1 - 1/tp) of a gathered input per
+    sub-layer, the loss and every gradient stay bit for bit those of torch's SP, and activation
+    checkpointing (selective, op, full) composes with it (same gradients; what checkpointed blocks
+    keep is hidden from saved-tensor hooks, so their bytes are not compared here)."""
+    out = tmp_path / "sp.pt"
+    run_ranks(2, str(out), cache, worker=_sp_worker)
+    results = torch.load(out)
+    d, layers, b, s = (SP_SHAPE[k] for k in ("d_model", "num_layers", "batch", "seq"))
+    saved = {name: r[0] for name, r in results.items()}
+    gathered = 2 * layers * b * s * d * 4  # fp32, two sub-layers per block
+    assert saved["sp, torch alone"] - saved["sp"] == gathered - gathered // 2
+    assert saved["sp"] < saved["sp, torch alone"] < saved["tp"]
+    ref_loss, ref_grads = results["sp, torch alone"][1:]
+    for name, (_, loss, grads) in results.items():
+        exact = name.startswith("sp")  # the same collectives in the same order (tp: an all-reduce instead)
+        assert loss == pytest.approx(ref_loss, rel=0 if exact else 1e-6), name
+        for n, g in grads.items():
+            assert torch.allclose(g, ref_grads[n], rtol=0 if exact else 1e-5, atol=0 if exact else 1e-7), (name, n)
+    print({name: round(v / saved["tp"], 3) for name, v in saved.items()})
 
 
 # -- bad input: one line, before any process group -------------------------------------------------

@@ -197,8 +197,9 @@ def test_model_states_per_rank_are_the_tp_and_fsdp_shards_of_each_parameter(name
 
 def test_tp_and_sp_activation_formulas():
     """Per token and block: the column-wise projections' inputs (the two norm outputs) stay whole
-    on every TP rank; q, k, v, attention and the FFN width split by tp; norm inputs and the residual
-    split along the sequence only with SP. The logits split by tp with loss parallelism."""
+    on every TP rank without SP, and are kept as sequence shards with it (gathered again in
+    backward); q, k, v, attention and the FFN width split by tp; norm inputs and the residual split
+    along the sequence only with SP. The logits split by tp with loss parallelism."""
     from tformer.parallel.plan import rank_memory
     with torch.device("meta"):
         cfg = build_model("gpt2-small", pad_vocab_multiple=64).config
@@ -211,8 +212,8 @@ def test_tp_and_sp_activation_formulas():
 
     assert kept(1, False) == L * b * s * 4 * (whole + sequence + heads)
     assert kept(2, False) == L * b * s * 4 * (whole + sequence + heads / 2)
-    assert kept(2, True) == L * b * s * 4 * (whole + sequence / 2 + heads / 2)
-    assert kept(4, True) == L * b * s * 4 * (whole + sequence / 4 + heads / 4)
+    assert kept(2, True) == L * b * s * 4 * ((whole + sequence) / 2 + heads / 2)
+    assert kept(4, True) == L * b * s * 4 * ((whole + sequence) / 4 + heads / 4)
     # full AC keeps each block's input: sequence-sharded under SP
     assert kept(2, True, ac="full") == L * b * s * 4 * d / 2 and kept(2, False, ac="full") == L * b * s * 4 * d
     # the head: an unchunked (tokens x vocabulary) fp32 buffer at the backward peak, split by loss parallelism

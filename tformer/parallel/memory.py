@@ -11,8 +11,17 @@ import torch
 BUFFER_KEYS = ("ipg_bucket", "ipg_buckets", "ipg_buffer")
 
 
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t  # DTensor (FSDP2): this rank's shard
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding ``t``'s bytes on this rank: a DTensor's local shard (FSDP2, tensor
+    parallel), the result inside funcol's AsyncCollectiveTensor; read without an autograd op, so
+    that saved-tensor hooks can call it."""
+    while True:
+        inner = getattr(t, "_local_tensor", None)  # DTensor
+        if inner is None:
+            inner = getattr(t, "elem", None)  # AsyncCollectiveTensor
+        if not isinstance(inner, torch.Tensor):
+            return t
+        t = inner
 
 
 def _storages(obj, seen: dict, depth: int = 0, buffers: dict | None = None) -> None:
@@ -24,7 +33,7 @@ def _storages(obj, seen: dict, depth: int = 0, buffers: dict | None = None) -> N
         # the tensor, its gradient (FSDP2: a DTensor too) and a ZeRO-3 partition
         for t in (obj, getattr(obj, "grad", None), getattr(obj, "ds_tensor", None)):
             if isinstance(t, torch.Tensor):
-                t = _local(t)
+                t = local_part(t)
                 if t.device.type != "meta":
                     st = t.untyped_storage()
                     if st.nbytes():
@@ -72,7 +81,7 @@ class SavedActivations:
     def _pack(self, t: torch.Tensor):
         # parameters and views of them (a linear saves ``weight.t()``) are model state, not activations
         if not isinstance(t if t._base is None else t._base, torch.nn.Parameter) and t.device.type != "meta":
-            s = t.untyped_storage()
+            s = local_part(t).untyped_storage()  # a DTensor (tensor parallel): this rank's part
             self.storages[s.data_ptr()] = s.nbytes()
         return t
 

@@ -62,9 +62,10 @@ def model_state_bytes(strategy: str, params: int, devices: int, mixed: bool, as_
 def _block_parts(cfg: ModelConfig, seq: int, cross_len: int | None = None) -> tuple[float, float, float]:
     """Elements autograd keeps per token for one block (SDPA attention: no S x S scores kept), as
     (whole, sequence, heads) by what tensor parallelism does to them: ``whole``, the norm outputs
-    that feed the column-wise projections, stays whole on every TP rank (all-gathered, then saved,
-    under SP); ``sequence``, the norm inputs and residual adds, is split along the sequence by SP
-    only; ``heads``, q, k, v, attention and the FFN's hidden width, is split by tp."""
+    that feed the column-wise projections, stays whole on every TP rank without SP (under SP it is
+    all-gathered, but backward keeps only this rank's sequence shard and gathers it again:
+    tp.KeepSequenceShard); ``sequence``, the norm inputs and residual adds, is split along the
+    sequence by SP only; ``heads``, q, k, v, attention and the FFN's hidden width, is split by tp."""
     d, h, dk, ff = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff
     kv = cfg.kv_heads * dk
     whole = 2 * d  # attention and FFN norm outputs
@@ -100,7 +101,10 @@ def _split(parts: tuple[float, float, float], tp: int, sp: bool) -> float:
 def _block_elements_per_token(cfg: ModelConfig, seq: int, cross_len: int | None = None, tp: int = 1,
                               sp: bool = False) -> float:
     """Elements autograd keeps per token for one block on one TP rank."""
-    return _split(_block_parts(cfg, seq, cross_len), tp, sp)
+    whole, sequence, heads = _block_parts(cfg, seq, cross_len)
+    if sp:  # the gathered norm outputs are kept as sequence shards (tp.KeepSequenceShard)
+        whole, sequence = 0, sequence + whole
+    return _split((whole, sequence, heads), tp, sp)
 
 
 def _block_elements_op_ac(cfg: ModelConfig, cross_len: int | None = None, tp: int = 1, sp: bool = False) -> float:

@@ -164,11 +164,7 @@ class Strategy:
 
     def load_weights(self, path: Path) -> None:
         """A weights-only checkpoint (``tformer import``: one full ``model.safetensors``) into the
-        live model, sharded (FSDP2, TP) or split into pipeline stages: each rank takes its part."""
-        from ..checkpoint.io import load_model_weights
-        if self.tp == 1 and self.pp == 1:
-            load_model_weights(self.model, path)
-            return
+        live model, tensor-parallel or split into pipeline stages: each rank takes its part."""
         from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 

@@ -24,6 +24,9 @@ With degree ``t`` on the mesh's ``tp`` dimension:
   Each stack's first block takes the full sequence and keeps its slice, its last block gathers
   the sequence again, so embeddings, final norms, heads and cross-attention memories see whole
   sequences. Sequence lengths must then be multiples of ``t`` (the trainer pads batches).
+  Backward keeps each gathered input as this rank's sequence shard and all-gathers it again when
+  the projections' weight gradients need it (``KeepSequenceShard``, Megatron-LM's way): torch's
+  sequence parallel alone would keep the whole gathered input of every sub-layer on every rank.
 
 What stays replicated on every TP rank: norms (their gradients are summed over the sequence shards
 under SP), position and token-type embeddings, BERT's MLM transform, and the biases of row-wise
@@ -37,12 +40,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError, ModelConfig
 from ..nn import MultiHeadAttention, TransformerBlock, TransformerStack
+from .memory import local_part
 
 
 def check_tp(cfg: ModelConfig, tp: int, sp: bool = False) -> None:
@@ -135,6 +140,8 @@ def apply_tensor_parallel(model, mesh, sp: bool = False, loss_parallel: bool = T
     cfg = model.config
     check_tp(cfg, tp, sp)
     parallelize_module(model, mesh, tp_plan(model, sp, loss_parallel))
+    if sp:
+        keep_gathered_inputs_sharded(model, mesh)
     if cfg.tie_embeddings and getattr(model, "embed", None) is not None and getattr(model, "lm_head", None) is not None:
         model.lm_head.weight = model.embed.tok.weight  # both layouts split the vocabulary rows: one tensor
     for m in model.modules():
@@ -146,6 +153,136 @@ def apply_tensor_parallel(model, mesh, sp: bool = False, loss_parallel: bool = T
         model.sharded_loss = functools.partial(vocab_parallel_loss, mesh=mesh)
         model.gather_logits = _full
     model.tp_mesh = mesh
+
+
+class KeepSequenceShard(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks around one sequence-parallel sub-layer call (attention, cross-attention's
+    query stream, FFN), entered after its input was all-gathered.
+
+    Autograd saves the gathered (whole-sequence) input for the weight gradients of the column-wise
+    projections that read it (q/k/v, up/gate): d values per token on every rank, twice per block,
+    as much as all the sequence-sharded norms and residuals together. Each saved tensor that lives
+    in the gathered input's storage is stored instead as this rank's shard of it, which the caller
+    had before the gather; backward all-gathers the shard again the first time one of them is
+    needed and keeps that copy until the last one is unpacked (q, k and v share one gather). The
+    forward and every gradient are unchanged: an all-gather is exact. The cost is one all-gather
+    per sub-layer in backward (Korthikanti et al., 2022, do the same in Megatron-LM).
+
+    Every other saved tensor, and the shard itself, goes through the hooks active outside
+    (activation offload, a memory count) as if these hooks were not there."""
+
+    def __init__(self, shard: torch.Tensor, gathered: torch.Tensor, mesh):
+        self.shard: Any = shard
+        self.mesh = mesh
+        self.ptr = _storage_ptr(local_part(gathered))
+        self.packed_shard: Any = None  # the shard as the outer hooks packed it (once)
+        self.whole = None  # the input gathered again, from the first unpack to the last
+        self.pending = 0
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.outer_pack: Any
+        self.outer_unpack: Any
+        self.outer_pack, self.outer_unpack = outer if outer is not None else (None, None)
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        local = local_part(t)
+        if self.ptr is None or _storage_ptr(local) != self.ptr:
+            return False, self.outer_pack(t) if self.outer_pack else t
+        if self.packed_shard is None:
+            self.packed_shard = self.outer_pack(self.shard) if self.outer_pack else self.shard
+            self.shard = None
+        self.pending += 1
+        spec = getattr(t, "_spec", None)  # a DTensor (the projection's replicated input): rebuild it
+        return True, (spec, local.size(), local.stride(), local.storage_offset(), t.requires_grad)
+
+    def _unpack(self, packed):
+        from_shard, data = packed
+        if not from_shard:
+            return self.outer_unpack(data) if self.outer_unpack else data
+        whole = self.whole
+        if whole is None:
+            shard = self.outer_unpack(self.packed_shard) if self.outer_unpack else self.packed_shard
+            with torch.no_grad():
+                whole = _gather_sequence(shard, self.mesh)
+            self.whole = whole
+        self.pending -= 1
+        if self.pending <= 0:
+            self.whole = None
+        spec, size, stride, offset, requires_grad = data
+        local = whole.as_strided(size, stride, offset)
+        if spec is None:
+            return local
+        from torch.distributed.tensor import DTensor
+        return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    if t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without one storage of its own
+        return None
+
+
+def _gather_sequence(shard: torch.Tensor, mesh) -> torch.Tensor:
+    """The sequence-sharded (dim 1) local tensor gathered whole, by the ops ``PrepareModuleInput``
+    uses in forward (so the result has the forward's layout)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    whole = DTensor.from_local(shard, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
+    return whole.to_local().contiguous()
+
+
+class _ShardedSaves:
+    """The hooks of one sequence-parallel sub-layer module that enter ``KeepSequenceShard`` around
+    its forward: one forward pre-hook before the gather (it sees the shard), one after it (the
+    gathered input), a forward hook that leaves. Blocks that activation checkpointing recomputes
+    are left alone (full: backward keeps only the block input; op: its policy already recomputes
+    the gather), and so is a compiled block (the compiler's partitioner chooses what it keeps)."""
+
+    def __init__(self, module, stack, index: int, mesh):
+        self.stack, self.index, self.block, self.mesh = stack, index, stack.layers[index], mesh
+        self.shard = None
+        self.active: list = []
+        module.register_forward_pre_hook(self.before_gather, prepend=True)
+        module.register_forward_pre_hook(self.after_gather)
+        module.register_forward_hook(self.after, always_call=True)
+
+    def _wanted(self) -> bool:
+        return (torch.is_grad_enabled() and self.index not in self.stack.checkpointed
+                and self.block.checkpoint_context is None)
+
+    def before_gather(self, module, args):
+        if not torch.compiler.is_compiling() and self._wanted():
+            self.shard = args[0]
+
+    def after_gather(self, module, args):
+        if self.shard is None or torch.compiler.is_compiling():
+            return
+        hooks = KeepSequenceShard(self.shard, args[0], self.mesh)
+        self.shard = None
+        hooks.__enter__()
+        self.active.append(hooks)
+
+    def after(self, module, args, output):
+        if self.active and not torch.compiler.is_compiling():
+            self.active.pop().__exit__(None, None, None)
+
+
+def keep_gathered_inputs_sharded(model, mesh) -> int:
+    """``KeepSequenceShard`` on every sequence-parallel sub-layer of ``model`` (after
+    ``parallelize_module`` installed their gathers); returns how many."""
+    count = 0
+    for _, stack in _stacks(model):
+        for i, block in enumerate(stack.layers):
+            if not isinstance(block, TransformerBlock):
+                continue
+            for name in ("attn", "cross_attn", "ffn"):
+                module = getattr(block, name)
+                if module is not None:
+                    _ShardedSaves(module, stack, i, mesh)
+                    count += 1
+    return count
 
 
 def _full(t):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.io import CheckpointError, verify
+from ..checkpoint.io import CheckpointError, load_model_weights, verify
 from ..checkpoint.manager import CheckpointManager, TrainerState
 from ..config import ConfigError
 from ..data import DataError, MixtureDataset, MixtureSampler, ResumableSampler
@@ -229,7 +229,10 @@ class Trainer:
         if state.weights_only:
             # A model imported from HF (`tformer import`, step 0): weights, no optimizer state, so
             # AdamW's moments start at zero and the LR schedule from its beginning.
-            self.strategy.load_weights(path)  # whole, sharded or split into pipeline stages
+            if self.dims.tp == 1 and self.dims.pp == 1:
+                load_model_weights(self.model, path)
+            else:  # each rank takes its shard / its stages
+                self.strategy.load_weights(path)
             log.warning("%s holds weights only: the optimizer and LR schedule start fresh", path)
         else:
             self.strategy.load(path, self.optimizer, self.scheduler, self.scaler, state.world_size)
