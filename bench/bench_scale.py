@@ -22,7 +22,15 @@
    states + saved activations (tensor bytes: what a rank holds at the end of forward, plus its
    gradients); tp=2 throughput against DDP printed (informational).
 
-    .venv/bin/python bench/bench_scale.py [--part memory|ac|throughput|mesh] [--micro 8 --seq 256 --rounds 2]
+5. Pipeline parallelism (``--part pipeline``; 2 CPU processes, gloo, fp32) on the same 8-layer GPT
+   at pp=2 with 4 micro-batches per step, for gpipe, 1f1b and interleaved 1f1b (2 stages per rank),
+   and the same model on one process: per rank, the model states after a step against the
+   planner's ``rank_memory(pp=2, pp_rank=r)``, the peak of live saved activations during one
+   schedule step (saved-tensor hooks; a saved storage counts from its save until autograd frees it,
+   so the micro-batches a schedule keeps in flight show) against the planner's in-flight estimate,
+   both within 15%; each schedule's step time against the 1-process step (informational on CPU).
+
+    .venv/bin/python bench/bench_scale.py [--part memory|ac|throughput|mesh|pipeline] [--micro 8 --seq 256 --rounds 2]
 """
 from __future__ import annotations
 
@@ -349,9 +357,143 @@ def mesh_part(tmp: str, cache: str, steps: int = 5) -> None:
     print(f"  step throughput, tp=2 against DDP on 2 processes (tokens/s; informational): {ratio:.2f}x")
 
 
+PP_LAYOUTS = {  # name: (ranks, overrides)
+    "1 process": (1, ["grad_accum=4"]),
+    "pp2 gpipe": (2, ["parallel.pp=2", "parallel.pp_schedule=gpipe", "grad_accum=4"]),
+    "pp2 1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b", "grad_accum=4"]),
+    "pp2 interleaved": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
+                            "grad_accum=4"]),
+}
+
+
+class LiveSaved:
+    """Peak bytes of activations saved for backward and not yet freed (unique storages, this rank's
+    part of a DTensor; parameters excluded)."""
+
+    def __init__(self):
+        self.live: dict[int, list] = {}
+        self.current = self.peak = 0
+
+    def _pack(self, t):
+        import weakref
+
+        from tformer.parallel.memory import local_part
+        if isinstance(t if t._base is None else t._base, torch.nn.Parameter):
+            return t
+        storage = local_part(t).untyped_storage()
+        key = storage.data_ptr()
+        entry = self.live.setdefault(key, [0, storage.nbytes()])
+        if entry[0] == 0:
+            self.current += entry[1]
+            self.peak = max(self.peak, self.current)
+        entry[0] += 1
+        box = _Box(t)
+        weakref.finalize(box, self._release, key)
+        return box
+
+    def _release(self, key):
+        entry = self.live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self.live[key]
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda b: b.t if isinstance(b, _Box) else b)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+
+class _Box:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t):
+        self.t = t
+
+
+def _pp_worker(rank, world, port, jobs, out, cache):
+    import json
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TFORMER_CACHE=cache, TFORMER_DIST_TIMEOUT="600")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from tformer.parallel.memory import model_state_bytes
+    from tformer.parallel.plan import rank_memory, training_memory
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer, _concat
+    for index, overrides in enumerate(jobs):
+        cfg = load_config(ROOT / "configs" / "gpt2-tiny.yaml", MESH_MODEL + overrides + [
+            f"output_dir={out}/pp{index}", "max_steps=4", "loss.chunk_size=null"])
+        step_times: list = []
+        t = Trainer(cfg, callbacks=[lambda tr, rec, times=step_times: times.append(rec["step_time"])])
+        t.fit()
+        batches = [t.data.collator([t.data.train[i + k * cfg.micro_batch_size] for i in range(cfg.micro_batch_size)])
+                   for k in range(cfg.grad_accum)]
+        inputs = _concat([{"input_ids": b["input_ids"], "labels": b["labels"]} for b in batches])
+        with LiveSaved() as live:
+            if t.dims.pp > 1:
+                t.strategy.pipeline_step(inputs)
+            else:
+                for b in batches:
+                    (t.wrapped(input_ids=b["input_ids"], labels=b["labels"], return_logits=False).loss
+                     / cfg.grad_accum).backward()
+        states = model_state_bytes(t.model, t.optimizer)
+        pcfg = cfg.parallel
+        plan = rank_memory(t.model_cfg, seq_len=cfg.data.seq_len, micro_batch=cfg.micro_batch_size, precision="fp32",
+                           strategy=pcfg.strategy, pp=t.dims.pp, pp_schedule=pcfg.pp_schedule,
+                           pp_stages_per_rank=pcfg.pp_stages_per_rank, n_micro=cfg.grad_accum,
+                           pp_rank=t.dims.pp_rank(rank), **training_memory(cfg))
+        Path(f"{out}/pp{index}.rank{rank}.json").write_text(json.dumps({
+            "states": states, "saved_peak": live.peak, "plan_states": plan.model_states,
+            "plan_activations": plan.activations, "in_flight": getattr(plan, "in_flight", None),
+            "step": statistics.median(step_times[1:] or step_times)}))
+        if dist.is_initialized():
+            dist.barrier()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def pipeline_part(tmp: str, cache: str) -> None:
+    """Pipeline parallelism's per-rank memory against the planner, and each schedule's step time
+    (module doc, part 5)."""
+    import json
+    one = [o for n, (w, o) in PP_LAYOUTS.items() if w == 1]
+    two = [o for n, (w, o) in PP_LAYOUTS.items() if w == 2]
+    _pp_worker(0, 1, _port(), one, f"{tmp}/one", cache)
+    mp.start_processes(_pp_worker, args=(2, _port(), two, f"{tmp}/two", cache), nprocs=2, join=True,
+                       start_method="spawn")
+    mb = 2 ** 20
+
+    def verdict(ok):
+        return "PASS" if ok else "MISS"
+    base = json.loads(Path(f"{tmp}/one/pp0.rank0.json").read_text())
+    print("\n=== pipeline: GPT d 512, 8 layers, seq 512, vocab 8192, fp32, 4 micro-batches of 1 sequence per step, "
+          "per rank ===")
+    print(f"{'layout':<18}{'rank':>5}{'states MB':>10}{'plan':>8}{'ratio':>7}{'act. peak MB':>13}{'plan':>8}{'ratio':>7}"
+          f"{'in flight':>10}{'step s':>8}{'vs 1 proc':>10}")
+    misses = []
+    for index, name in enumerate(n for n, (w, _) in PP_LAYOUTS.items() if w == 2):
+        for rank in (0, 1):
+            g = json.loads(Path(f"{tmp}/two/pp{index}.rank{rank}.json").read_text())
+            rs, ra = g["states"] / g["plan_states"], g["saved_peak"] / g["plan_activations"]
+            misses += [abs(1 / rs - 1) > 0.15, abs(1 / ra - 1) > 0.15]
+            print(f"{name:<18}{rank:>5}{g['states'] / mb:>10.1f}{g['plan_states'] / mb:>8.1f}{1 / rs:>7.3f}"
+                  f"{g['saved_peak'] / mb:>13.1f}{g['plan_activations'] / mb:>8.1f}{1 / ra:>7.3f}"
+                  f"{g['in_flight'] if g['in_flight'] is not None else '-':>10}{g['step']:>8.2f}"
+                  f"{g['step'] / base['step']:>10.2f}")
+    print(f"{'1 process':<18}{0:>5}{base['states'] / mb:>10.1f}{'':>15}{base['saved_peak'] / mb:>13.1f}{'':>25}"
+          f"{base['step']:>8.2f}{1.0:>10.2f}")
+    print(f"\ntargets: per-rank model states and activation peak within 15% of tformer plan (plan / measured): "
+          f"{verdict(not any(misses))}; step times are informational on a shared 2-core CPU")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--part", choices=("memory", "ac", "throughput", "mesh", "all"), default="all")
+    p.add_argument("--part", choices=("memory", "ac", "throughput", "mesh", "pipeline", "all"), default="all")
     p.add_argument("--precisions", default="bf16,fp32", help="memory part: bf16 (mixed) and/or fp32")
     p.add_argument("--micro", type=int, default=8, help="throughput part: micro-batch per rank")
     p.add_argument("--seq", type=int, default=256, help="throughput part: sequence length")
@@ -369,6 +511,8 @@ def main() -> None:
             throughput_part(tmp, cache, args.micro, args.seq, args.steps, args.rounds, tuple(args.strategies.split(",")))
         if args.part in ("mesh", "all"):
             mesh_part(tmp, cache, args.steps)
+        if args.part in ("pipeline", "all"):
+            pipeline_part(tmp, cache)
 
 
 if __name__ == "__main__":

@@ -287,3 +287,155 @@ def test_plan_cli_prints_the_mesh_columns_and_a_tp_recommendation(capsys):
 
 
 from train_helpers import CONFIGS  # noqa: E402
+
+
+# --- pipeline parallelism: per-stage parameters, micro-batches in flight, the bubble --------------
+PP_MODELS = [("gpt2-tiny", dict(num_layers=5)), ("llama-tiny", dict(num_layers=5, tie_embeddings=False)),
+             ("llama-tiny", dict(num_layers=6)), ("bert-tiny", dict(num_layers=5)),
+             ("bert-tiny", dict(num_layers=4, tie_embeddings=False)), ("t5-tiny", {}), ("t5-v1.1-tiny", {})]
+
+
+@pytest.mark.parametrize("name,extra", PP_MODELS)
+def test_stage_parameters_are_those_of_the_split_model(name, extra):
+    """Each stage's parameters on one TP rank, as the planner counts them, equal the elements of
+    the stage build_stage makes (a pruned copy: no process group), sharded by the TP rules above:
+    uneven splits, a tied embedding/head on the first and last stage, BERT's head, T5's halves."""
+    from tformer.parallel.pipeline import build_stage, stages_of_rank
+    from tformer.parallel.plan import rank_memory, stage_parameters
+    with torch.device("meta"):
+        model = build_model(name, **extra)
+    cfg = model.config
+    for stages in ((2,) if cfg.family == "encdec" else (2, 3, cfg.num_layers)):
+        parts = [build_stage(model, s, stages, None, 0.0) for s in range(stages)]
+        for tp in (1, 2):
+            assert stage_parameters(cfg, stages, tp) == [tp_rank_elements(part, tp) for part in parts]
+    assert stage_parameters(cfg, 1) == [model.num_parameters()]
+    # a rank's model states are its stages' (interleaved: stages r, r + pp, ...), sharded by FSDP2
+    pp, v = (2, 1) if cfg.family == "encdec" else (2, 2) if cfg.num_layers % 4 == 0 else (2, 1)
+    schedule = "interleaved_1f1b" if v > 1 else "1f1b"
+    counts = stage_parameters(cfg, pp * v)
+    for rank in range(pp):
+        held = sum(counts[s] for s in stages_of_rank(rank, pp, pp * v))
+        e = rank_memory(cfg, seq_len=16, pp=pp, pp_schedule=schedule, pp_stages_per_rank=v, pp_rank=rank,
+                        dp_shard=2, precision="fp32")
+        assert e.model_states == 16 * held / 2 and e.pp_rank == rank
+
+
+def _torch_interleaved_peak(pp, v, m, rank):
+    """Stage micro-batches rank ``rank`` holds at its peak in torch's own interleaved 1F1B order."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+    fake = SimpleNamespace(n_local_stages=v, pp_group_size=pp, _n_microbatches=m,
+                           microbatches_per_round=m // max(1, m // pp))
+    held = peak = 0
+    for action in ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, rank):
+        if action is not None:
+            held += {_ComputationType.FORWARD: 1, _ComputationType.FULL_BACKWARD: -1}[action.computation_type]
+            peak = max(peak, held)
+    assert held == 0
+    return peak
+
+
+def test_micro_batches_in_flight_per_schedule_and_the_bubble():
+    from tformer.parallel.plan import bubble, in_flight
+    # GPipe: every forward first; 1F1B: pp - rank warm-up forwards, then backward before forward
+    assert [in_flight("gpipe", 4, 16, r) for r in range(4)] == [16] * 4
+    assert [in_flight("1f1b", 4, 16, r) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight("1f1b", 4, 2, 0) == 2
+    # interleaved 1F1B: as torch orders it, in stage micro-batches
+    for pp, v, m in ((2, 2, 4), (2, 2, 8), (4, 2, 4), (4, 2, 8), (4, 2, 16), (4, 3, 10), (4, 2, 6), (8, 2, 32)):
+        for rank in range(pp):
+            assert in_flight("interleaved_1f1b", pp, m, rank, v) == _torch_interleaved_peak(pp, v, m, rank), (pp, v, m)
+    assert in_flight("interleaved_1f1b", 4, 16, 0, 2) == 11  # 5.5 micro-batches through the rank's blocks
+    assert bubble("gpipe", 4, 16) == bubble("1f1b", 4, 16) == 3 / 19
+    assert bubble("interleaved_1f1b", 4, 16, 2) == 3 / 35 and bubble("1f1b", 8, 32) == 7 / 39
+
+
+def test_pipeline_activations_are_the_micro_batches_in_flight():
+    """The first rank holds its blocks' activations of each micro-batch in flight; the last rank
+    one micro-batch's, plus the head and loss."""
+    from tformer.parallel.plan import activation_bytes, rank_memory
+    with torch.device("meta"):
+        cfg = build_model("llama-1b").config  # 16 blocks
+    kw = dict(seq_len=1024, micro_batch=2, precision="bf16", return_logits=False, chunk=None)
+
+    def blocks(n, **extra):
+        return activation_bytes(cfg, 2, 1024, None, "none", True, return_logits=False, chunk=None, blocks=(n, 0),
+                                **extra)
+    kept, peak_last = blocks(4, transient=False, head=False), blocks(4, head=True)
+    for schedule, first in (("gpipe", 16), ("1f1b", 4)):
+        e0 = rank_memory(cfg, pp=4, pp_schedule=schedule, n_micro=16, pp_rank=0, **kw)
+        assert e0.activations == pytest.approx(first * kept) and e0.in_flight == first
+        assert rank_memory(cfg, pp=4, pp_schedule="1f1b", n_micro=16, pp_rank=3, **kw).activations == peak_last
+    # unsplit, one micro-batch of all 16 blocks, with its head: what 1F1B's first rank holds, but the head
+    whole = rank_memory(cfg, **kw).activations
+    assert whole == pytest.approx(rank_memory(cfg, pp=4, n_micro=16, **kw).activations + peak_last - kept, rel=1e-9)
+    inter = rank_memory(cfg, pp=4, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, n_micro=16, **kw)
+    assert inter.in_flight == 5.5 and inter.activations == pytest.approx(11 * blocks(2, transient=False, head=False))
+
+
+def test_invalid_pipeline_degrees_are_skipped_with_a_reason():
+    from tformer.parallel.plan import pp_layouts, rank_memory
+    with torch.device("meta"):
+        gpt2 = build_model("gpt2-small").config  # 12 blocks
+        t5 = build_model("t5-small").config
+    layouts, skipped = pp_layouts(gpt2, 64)
+    assert sorted({pp for _, _, _, pp, _, _, _ in layouts}) == [2, 4, 8]
+    assert skipped == {16: "16 pipeline stages (parallel.pp=16) exceed the model's 12 blocks",
+                       32: "32 pipeline stages (parallel.pp=32) exceed the model's 12 blocks",
+                       64: "64 pipeline stages (parallel.pp=64) exceed the model's 12 blocks"}
+    # interleaving at 2 stages per rank where 2 x pp divides the 12 blocks
+    assert {(pp, s) for _, _, _, pp, s, _, _ in layouts} == {(2, "1f1b"), (2, "interleaved_1f1b"), (4, "1f1b"),
+                                                             (8, "1f1b")}
+    layouts, skipped = pp_layouts(t5, 8)
+    assert {(pp, s) for _, _, _, pp, s, _, _ in layouts} == {(2, "1f1b")}
+    assert set(skipped) == {4, 8} and skipped[4].startswith("encoder-decoder models split only at the "
+                                                            "encoder/decoder boundary")
+    assert pp_layouts(gpt2, 8, n_micro=2)[1] == {4: "1f1b needs grad_accum >= pp micro-batches (got 2)",
+                                                 8: "1f1b needs grad_accum >= pp micro-batches (got 2)"}
+    with pytest.raises(ConfigError, match="encoder-decoder models split only"):
+        rank_memory(t5, seq_len=16, pp=4)
+
+
+def test_pipelines_come_after_tp_within_a_node_and_before_full_recomputation():
+    from tformer.parallel.plan import MAX_BUBBLE, recommend
+    trainer = dict(return_logits=False, chunk=None)
+    with torch.device("meta"):
+        llama = build_model("llama-70b").config
+        # one KV head: TP cannot split it; the unchunked head at 16k tokens is what does not fit
+        mqa = build_model("llama-8b", num_kv_heads=1).config
+    best = recommend(llama, 64, 80 * 2**30, 8192, None, settings=trainer, max_pp=64)[0]
+    assert best.pp == 1 and best.tp in (2, 4, 8) and best.ac != "full"  # TP within a node: no pipeline
+    unsplit = recommend(mqa, 8, 80 * 2**30, 16384, None, settings=trainer)[0]
+    assert unsplit.tp == 1 and unsplit.ac == "full"
+    fits = recommend(mqa, 8, 80 * 2**30, 16384, None, settings=trainer, max_pp=8)
+    best = fits[0]
+    assert best.pp == 2 and best.ac != "full" and best.bubble == pytest.approx(1 / 9) and best.n_micro == 8
+    assert best.pp * best.dp_shard == 8 and best.total <= 0.9 * 80 * 2**30
+    assert all(e.total <= 0.9 * 80 * 2**30 for e in fits)
+    assert not any(e.pp == 1 and e.ac != "full" for e in fits)
+    # a bubble longer than full recomputation's second forward ranks with it: at 2 micro-batches
+    # 1F1B idles 1/3 of the step, interleaving (2 stages per rank) 1/5
+    few = recommend(mqa, 8, 80 * 2**30, 16384, None, settings=trainer, max_pp=8, n_micro=2)
+    assert any(e.schedule == "1f1b" and e.bubble == pytest.approx(1 / 3) and e.ac != "full" for e in few)
+    assert 1 / 3 > MAX_BUBBLE and few[0].schedule == "interleaved_1f1b" and few[0].bubble == pytest.approx(1 / 5)
+
+
+def test_plan_cli_prints_pipeline_layouts_and_the_bubble(capsys):
+    from tformer.cli import main
+    assert main(["plan", str(CONFIGS / "llama-1b.yaml"), "model.preset=llama-8b", "model.num_kv_heads=1",
+                 "data.seq_len=16384", "loss.chunk_size=null", "micro_batch_size=1", "--devices", "8",
+                 "--device-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline layouts" in out
+    header = [line.split() for line in out.splitlines() if line.startswith("strategy")][1]
+    assert header[:9] == ["strategy", "dp_rep", "dp_shard", "tp", "sp", "pp", "schedule", "v", "m"]
+    rec = out[out.index("recommendation:"):]
+    assert "mesh pp=2 dp_replicate=1 dp_shard=4 tp=1" in rec and "parallel.pp=2 parallel.pp_schedule=1f1b" in rec
+    assert "grad_accum=8" in rec and "bubble 11.1% of the step idle (pp-1)/(m+pp-1)" in rec
+    assert main(["plan", str(CONFIGS / "t5-small.yaml"), "--devices", "8", "--device-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "pp skipped: 4 (encoder-decoder models split only at the encoder/decoder boundary" in out
+    assert main(["plan", str(CONFIGS / "llama-1b.yaml"), "--max-pp", "1", "--devices", "8"]) == 0
+    assert "pipeline layouts" not in capsys.readouterr().out

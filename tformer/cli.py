@@ -257,19 +257,23 @@ def _consolidate(argv: list[str]) -> int:
 
 def _plan(argv: list[str]) -> int:
     p = _Parser(prog="tformer plan", description="Predict per-device memory for each strategy and mesh layout "
-                "(dp_replicate x dp_shard x tp) and recommend one.")
+                "(pp x dp_replicate x dp_shard x tp) and recommend one.")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--devices", type=_number(int, "[1, inf)"), default=8)
     p.add_argument("--device-memory", type=_byte_size, default="80GB")
     p.add_argument("--gpus-per-node", type=_number(int, "[1, inf)"), default=8,
                    help="tensor parallelism within a node is preferred; HSDP replicates across nodes")
+    p.add_argument("--pp-microbatches", type=_number(int, "[1, inf)"), default=None,
+                   help="micro-batches per step (grad_accum) of the pipeline layouts (default: 4 x pp)")
+    p.add_argument("--max-pp", type=_number(int, "[1, inf)"), default=None,
+                   help="the largest pipeline degree tried (default: the device count; 1: no pipelines)")
     args = p.parse_args(argv)
     from .parallel.plan import plan_main
     from .train.config import load_config
 
     return plan_main(load_config(args.config, args.overrides), args.config, args.devices, args.device_memory,
-                     args.gpus_per_node)
+                     args.gpus_per_node, args.pp_microbatches, args.max_pp)
 
 
 COMMANDS = {"train": _train, "data": _data, "generate": _generate, "evaluate": _evaluate, "plot": _plot,

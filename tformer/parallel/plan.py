@@ -24,6 +24,13 @@ token split into what TP divides by t (heads, FFN width), the inputs of the colu
 (whole on every rank, all-gathered under sequence parallelism) and the norms, residuals and dropout
 masks (whole, or split along the sequence by t with SP); the logits are split by t with loss
 parallelism.
+
+Pipeline parallelism (``parallel.pp`` ranks, tformer/parallel/pipeline.py) gives each rank its
+stages' parameters (blocks split as evenly as possible, earlier stages taking the remainder;
+embeddings on the first stage, final norm and head on the last, a tied embedding/head on both) and
+the activations of the micro-batches in flight there at the schedule's peak (``in_flight``): GPipe
+keeps all m of a step, 1F1B at most pp - rank, interleaved 1F1B what torch's
+``ScheduleInterleaved1F1B`` warms up plus one. The step's idle share is the bubble (``bubble``).
 """
 from __future__ import annotations
 
@@ -120,7 +127,7 @@ def head_bytes(cfg: ModelConfig, tokens: int, mixed: bool, chunk: int | None = N
 def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, target: int | None, ac: str,
                      mixed: bool, transient: bool = True, chunk: int | None = None, offload: bool = False,
                      labelled: float = 1.0, return_logits: bool = True, tp: int = 1, sp: bool = False,
-                     loss_parallel: bool = True) -> float:
+                     loss_parallel: bool = True, blocks: tuple[int, int] | None = None, head: bool = True) -> float:
     """Bytes of activations for one micro-batch: what autograd keeps from forward to backward, plus
     (``transient``) the peak added during backward: the recomputed block under activation
     checkpointing, the head and loss.
@@ -130,19 +137,22 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, target: int |
     ``labelled``: the share of output positions with a label (BERT's head runs only there);
     ``return_logits``: the evaluation path, which keeps the whole logits (and so cannot chunk).
     ``tp``, ``sp``, ``loss_parallel``: one rank of a tensor-parallel group (module doc); its head is
-    vocabulary-sharded, which the chunked loss does not take, so ``chunk`` is ignored there."""
+    vocabulary-sharded, which the chunked loss does not take, so ``chunk`` is ignored there.
+    ``blocks`` (encoder or only stack, decoder stack) and ``head``: a pipeline stage's part of the
+    model (default: all of it)."""
     elt = 2 if mixed else 4
     if tp > 1:
         chunk = None
     block_input = cfg.d_model / (tp if sp else 1)  # in the sequence-parallel region
-    op_elements = [_block_elements_op_ac(cfg, tp=tp, sp=sp)] * cfg.num_layers
-    layers = [(seq, _block_elements_per_token(cfg, seq, tp=tp, sp=sp))] * cfg.num_layers
+    first, second = blocks if blocks is not None else (cfg.num_layers, cfg.decoder_layers)
+    op_elements = [_block_elements_op_ac(cfg, tp=tp, sp=sp)] * first
+    layers = [(seq, _block_elements_per_token(cfg, seq, tp=tp, sp=sp))] * first
     out_tokens = seq
     if cfg.family == "encdec":
         t = target or seq
         memory_kv = 2 * cfg.kv_heads * cfg.head_dim * seq / t / tp
-        layers += [(t, _block_elements_per_token(cfg, t, cross_len=seq, tp=tp, sp=sp) + memory_kv)] * cfg.decoder_layers
-        op_elements += [_block_elements_op_ac(cfg, cross_len=seq, tp=tp, sp=sp) + memory_kv] * cfg.decoder_layers
+        layers += [(t, _block_elements_per_token(cfg, t, cross_len=seq, tp=tp, sp=sp) + memory_kv)] * second
+        op_elements += [_block_elements_op_ac(cfg, cross_len=seq, tp=tp, sp=sp) + memory_kv] * second
         out_tokens = t
     if ac == "full":  # each block keeps only its input; one block is recomputed at a time
         kept = sum(tokens * block_input for tokens, _ in layers)
@@ -168,6 +178,8 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, target: int |
         head_kept = 0
         labelled_tokens = round(micro_batch * out_tokens * labelled)
         head_peak = head_bytes(cfg, labelled_tokens, mixed, chunk) / micro_batch / vocab_split
+    if not head:
+        head_kept = head_peak = 0
     total = kept * elt + head_kept
     if transient:
         total += recompute * elt + head_peak
@@ -185,6 +197,13 @@ class Estimate:
     dp_shard: int = 1
     tp: int = 1
     sp: bool = False
+    pp: int = 1
+    schedule: str = ""           # pp > 1: gpipe | 1f1b | interleaved_1f1b
+    stages_per_rank: int = 1
+    n_micro: int = 1             # pp > 1: the pipeline's micro-batches per step (grad_accum)
+    pp_rank: int = 0             # the pipeline rank these bytes are of (the layout's worst one)
+    in_flight: float = 1         # micro-batches (through all of the rank's blocks) held at the peak
+    bubble: float = 0.0          # the step's idle share
 
     @property
     def total(self) -> float:
@@ -195,16 +214,42 @@ class Estimate:
 def num_parameters(cfg: ModelConfig) -> int:
     """Parameters of the model, counted on the meta device (nothing allocated; cached: the search
     asks for the same model hundreds of times, and a 70B model takes seconds to build)."""
-    return _count_parameters(tuple(sorted(cfg.to_dict().items())))
+    return _module_counts(_fields(cfg))["all"]
+
+
+def _fields(cfg: ModelConfig) -> tuple:
+    return tuple(sorted(cfg.to_dict().items()))
 
 
 @functools.lru_cache(maxsize=16)
-def _count_parameters(fields: tuple) -> int:
+def _module_counts(fields: tuple) -> dict[str, int]:
+    """Elements of the model's parts, by module: ``all``; ``embed`` (token, position, type
+    embeddings and their norm) and ``tok`` (the token embedding alone); per stack i (encoder or the
+    one stack, then T5's decoder) ``block{i}`` (one block), ``norm{i}`` (its final norm) and
+    ``stack{i}`` (what every stage of it holds: T5's relative-bias table); ``head`` (an untied LM
+    head weight, the head's bias, BERT's head dense and norm; a tied weight counts in ``embed``)."""
     import torch
 
     from ..models import build_model
     with torch.device("meta"):
-        return build_model(ModelConfig(**dict(fields))).num_parameters()
+        model = build_model(ModelConfig(**dict(fields)))
+    cfg = model.config
+
+    def count(module) -> int:
+        return sum(p.numel() for p in module.parameters()) if module is not None else 0
+
+    out = {"all": model.num_parameters(), "embed": count(model.embed), "tok": model.embed.tok.weight.numel()}
+    stacks = [model.encoder, model.decoder] if cfg.family == "encdec" else [
+        model.decoder if cfg.family == "decoder" else model.encoder]
+    for i, stack in enumerate(stacks):
+        out[f"block{i}"] = count(stack.layers[0])  # the blocks of a stack are alike
+        out[f"norm{i}"] = count(stack.final_norm)
+        out[f"stack{i}"] = count(stack) - len(stack.layers) * out[f"block{i}"] - out[f"norm{i}"]
+    embedded = {id(p) for p in model.embed.parameters()}
+    out["head"] = sum(p.numel() for name in ("lm_head", "head_dense", "head_norm")
+                      for p in (getattr(model, name).parameters() if getattr(model, name, None) is not None else ())
+                      if id(p) not in embedded)
+    return out
 
 
 def tp_blocker(cfg: ModelConfig, tp: int) -> str | None:
@@ -230,24 +275,32 @@ def tp_degrees(cfg: ModelConfig, devices: int) -> tuple[list[int], dict[int, str
     return usable, skipped
 
 
-def tp_sharded_parameters(cfg: ModelConfig) -> int:
-    """Parameters tensor parallelism splits over the TP ranks (the rest is whole on every rank):
-    q/k/v weights and biases, o_proj and FFN down weights, FFN up/gate weights and biases, in self-
-    and cross-attention; the token embedding, an untied LM head, BERT's head bias; T5's relative-
-    bias tables (one per stack)."""
+def _tp_sharded_parts(cfg: ModelConfig) -> dict[str, int]:
+    """Of each part of ``_module_counts``, the elements tensor parallelism splits over the TP ranks
+    (the rest is whole on every rank): q/k/v weights and biases, o_proj and FFN down weights, FFN
+    up/gate weights and biases, in self- and cross-attention; the token embedding, an untied LM head,
+    BERT's head bias; T5's relative-bias tables (one per stack)."""
     d, h, kv, dk, ff, vocab = (cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff,
                                cfg.padded_vocab_size)
     bias = int(cfg.bias)
     attention = (h + 2 * kv) * dk * (d + bias) + h * dk * d
     ffn = (2 if cfg.activation in ("swiglu", "geglu") else 1) * ff * (d + bias) + ff * d
-    blocks = cfg.num_layers * (attention + ffn)
-    stacks = 1
-    if cfg.family == "encdec":
-        blocks += cfg.decoder_layers * (2 * attention + ffn)
-        stacks = 2
-    relative = stacks * cfg.rel_num_buckets * h if cfg.position == "relative" else 0
+    relative = cfg.rel_num_buckets * h if cfg.position == "relative" else 0
     head = (0 if cfg.tie_embeddings else vocab * d) + (vocab if cfg.family == "encoder" else 0)
-    return blocks + relative + vocab * d + head
+    out = {"embed": vocab * d, "tok": vocab * d, "head": head, "block0": attention + ffn, "stack0": relative,
+           "norm0": 0}
+    if cfg.family == "encdec":
+        out.update(block1=2 * attention + ffn, stack1=relative, norm1=0)
+    return out
+
+
+def tp_sharded_parameters(cfg: ModelConfig) -> int:
+    """Parameters tensor parallelism splits over the TP ranks (``_tp_sharded_parts`` of the whole
+    model)."""
+    parts = _tp_sharded_parts(cfg)
+    stacks = [(0, cfg.num_layers)] + ([(1, cfg.decoder_layers)] if cfg.family == "encdec" else [])
+    return (parts["embed"] + parts["head"]
+            + sum(n * parts[f"block{i}"] + parts[f"stack{i}"] for i, n in stacks))
 
 
 def tp_local_parameters(cfg: ModelConfig, tp: int) -> int:
@@ -256,16 +309,144 @@ def tp_local_parameters(cfg: ModelConfig, tp: int) -> int:
     return num_parameters(cfg) - sharded + sharded // tp
 
 
+# --- pipeline parallelism: stages, micro-batches in flight, the bubble -------------------------
+# the schedules the search tries, with their stages per rank: GPipe is left out (1F1B's bubble, with
+# all m micro-batches in flight instead of at most pp), interleaving at 2 stages per rank
+PP_SEARCHED = (("1f1b", 1), ("interleaved_1f1b", 2))
+# a pipeline whose idle share exceeds what full recomputation costs (its second forward: ~1/4 of a
+# step that becomes 4/3 as long) ranks with full AC
+MAX_BUBBLE = 0.25
+
+
+def pipeline_blocker(cfg: ModelConfig, pp: int, schedule: str = "1f1b", stages_per_rank: int = 1,
+                     n_micro: int | None = None) -> str | None:
+    """Why ``pp`` ranks of ``schedule`` cannot split the model or run ``n_micro`` micro-batches
+    (the first sentence of ``pipeline.check_pipeline``'s error, or torch's schedule's condition),
+    or None."""
+    from types import SimpleNamespace
+
+    from .pipeline import check_pipeline
+    pcfg = SimpleNamespace(pp=pp, pp_schedule=schedule, pp_stages_per_rank=stages_per_rank, pp_layers=None)
+    try:
+        check_pipeline(cfg, pcfg, "fsdp")
+    except ConfigError as e:
+        return str(e).split(";")[0]
+    if n_micro is not None and schedule != "gpipe" and n_micro < pp:  # Schedule1F1B refuses it
+        return f"{schedule} needs grad_accum >= pp micro-batches (got {n_micro})"
+    if n_micro is not None and schedule == "interleaved_1f1b" and n_micro % max(1, n_micro // pp):
+        return f"interleaved_1f1b needs grad_accum a multiple of grad_accum // pp (got {n_micro})"
+    return None
+
+
+def stage_parameters(cfg: ModelConfig, stages: int, tp: int = 1) -> list[int]:
+    """Parameters each pipeline stage holds on one TP rank, as ``pipeline.build_stage`` splits the
+    model: blocks as evenly as possible (earlier stages take the remainder) plus what every stage of
+    the stack keeps (T5's relative-bias table); the embeddings on the first stage; the final norm
+    and the head on the last, with the token embedding again when the head is tied to it; an
+    encoder-decoder model's encoder (with the embedding) and decoder (with the embedding and head)."""
+    from .pipeline import stage_layers
+    counts, sharded = _module_counts(_fields(cfg)), _tp_sharded_parts(cfg)
+    local = {k: counts[k] - n + n // tp for k, n in sharded.items()}
+    if stages == 1:
+        return [tp_local_parameters(cfg, tp)]
+    if cfg.family == "encdec":
+        return [local["embed"] + local["stack0"] + cfg.num_layers * local["block0"] + local["norm0"],
+                local["embed"] + local["stack1"] + cfg.decoder_layers * local["block1"] + local["norm1"] + local["head"]]
+    out = []
+    for stage, blocks in enumerate(stage_layers(cfg.num_layers, stages)):
+        n = local["stack0"] + len(blocks) * local["block0"]
+        if stage == 0:
+            n += local["embed"]
+        if stage == stages - 1:
+            n += local["norm0"] + local["head"] + (local["tok"] if cfg.tie_embeddings else 0)
+        out.append(n)
+    return out
+
+
+def in_flight(schedule: str, pp: int, n_micro: int, pp_rank: int = 0, stages_per_rank: int = 1) -> int:
+    """Stage micro-batches (one micro-batch through one of the rank's stages) whose saved
+    activations pipeline rank ``pp_rank`` holds at its peak, in the order torch's schedules run them:
+    - ``gpipe``: every forward before any backward: all ``n_micro``;
+    - ``1f1b`` (``Schedule1F1B``): pp - rank warm-up forwards, then a backward before each forward:
+      min(m, pp - rank);
+    - ``interleaved_1f1b`` (``ScheduleInterleaved1F1B``, v stages per rank, m micro-batches in
+      rounds of m // max(1, m // pp)): its warm-up (``_get_warmup_ops``: (v - 1) x per-round + 2 x
+      (pp - 1 - rank) forwards), then a forward before each backward: one more; at most v x m."""
+    if schedule == "gpipe":
+        return n_micro
+    if schedule == "1f1b":
+        return min(n_micro, pp - pp_rank)
+    per_round = n_micro // max(1, n_micro // pp)
+    return min((stages_per_rank - 1) * per_round + 2 * (pp - 1 - pp_rank) + 1, stages_per_rank * n_micro)
+
+
+def bubble(schedule: str, pp: int, n_micro: int, stages_per_rank: int = 1) -> float:
+    """The step's idle share: (pp - 1) / (m + pp - 1) for GPipe and 1F1B, (pp - 1) / (v m + pp - 1)
+    interleaved (Narayanan et al., 2021: a bubble of (pp - 1) / v stage-passes against m)."""
+    v = stages_per_rank if schedule == "interleaved_1f1b" else 1
+    return (pp - 1) / (v * n_micro + pp - 1)
+
+
+def _pipeline_rank(cfg: ModelConfig, strategy: str, dp_shard: int, micro_batch: int, seq: int,
+                   target: int | None, ac: str, mixed: bool, tp: int, sp: bool, pp: int, schedule: str,
+                   v: int, n_micro: int, rank: int, memory: dict) -> tuple[float, float, float]:
+    """(model states, activations, micro-batches in flight) of pipeline rank ``rank``."""
+    from .pipeline import stage_layers, stages_of_rank
+    stages = pp * v
+    mine = stages_of_rank(rank, pp, stages)
+    last = stages - 1 in mine
+    params = stage_parameters(cfg, stages, tp)
+    states = model_state_bytes(strategy, sum(params[s] for s in mine), dp_shard, mixed, as_built=True)
+    if cfg.family == "encdec":
+        blocks = (cfg.num_layers, 0) if rank == 0 else (0, cfg.decoder_layers)
+    else:  # interleaved stages are equal (the blocks divide evenly); 1F1B and GPipe: the rank's one stage
+        blocks = (max(len(stage_layers(cfg.num_layers, stages)[s]) for s in mine), 0)
+
+    def act(transient=True, head=False):
+        return activation_bytes(cfg, micro_batch, seq, target, ac, mixed, tp=tp, sp=sp, blocks=blocks,
+                                **{**memory, "transient": transient, "head": head})
+
+    kept = act(transient=False)
+    units = in_flight(schedule, pp, n_micro, rank, v)
+    # the recomputed block's and (last stage) the head's backward peak come once
+    activations = units * kept + act(head=last) - kept
+    if last and schedule == "gpipe":  # every micro-batch's forward ends in the loss before a backward
+        if memory.get("chunk") and tp == 1 and not memory.get("return_logits", True):
+            rows = micro_batch * ((target or seq) if cfg.family == "encdec" else seq) * memory.get("labelled", 1.0)
+            head = 4 * cfg.d_model * (cfg.padded_vocab_size + rows)  # its carried weight and input gradients
+        else:  # the saved log-probabilities
+            head = act(head=True) - act()
+        activations += (n_micro - 1) * head
+    return states, activations, units / v
+
+
 def estimate(cfg: ModelConfig, strategy: str, devices: int, micro_batch: int, seq: int,
              target: int | None = None, ac: str = "none", mixed: bool = True, dp_replicate: int = 1,
-             tp: int = 1, sp: bool = False, **memory) -> Estimate:
-    """One rank of ``devices`` = dp_replicate x dp_shard x tp. ``memory``: the head and offload
-    settings of ``activation_bytes`` (chunk, offload, loss_parallel, ...)."""
-    dp_shard = devices // (dp_replicate * tp)
-    states = model_state_bytes(strategy, tp_local_parameters(cfg, tp), dp_shard, mixed, as_built=True)
-    return Estimate(strategy, ac, micro_batch, states,
-                    activation_bytes(cfg, micro_batch, seq, target, ac, mixed, tp=tp, sp=sp, **memory),
-                    dp_replicate, dp_shard, tp, sp)
+             tp: int = 1, sp: bool = False, pp: int = 1, schedule: str = "1f1b", stages_per_rank: int = 1,
+             n_micro: int | None = None, pp_rank: int | None = None, **memory) -> Estimate:
+    """One rank of ``devices`` = pp x dp_replicate x dp_shard x tp. ``memory``: the head and offload
+    settings of ``activation_bytes`` (chunk, offload, loss_parallel, ...). With ``pp`` > 1: ``n_micro``
+    micro-batches per step (default 4 x pp) through ``schedule``, and the rank ``pp_rank``, or
+    (None) the worst one: the first (most micro-batches in flight, the embeddings) or the last (the
+    head and loss); a middle rank holds no more than the first."""
+    dp_shard = devices // (pp * dp_replicate * tp)
+    if pp == 1:
+        states = model_state_bytes(strategy, tp_local_parameters(cfg, tp), dp_shard, mixed, as_built=True)
+        return Estimate(strategy, ac, micro_batch, states,
+                        activation_bytes(cfg, micro_batch, seq, target, ac, mixed, tp=tp, sp=sp, **memory),
+                        dp_replicate, dp_shard, tp, sp)
+    m = n_micro or 4 * pp
+    v = stages_per_rank if schedule == "interleaved_1f1b" else 1
+    best = None
+    for rank in ([pp_rank] if pp_rank is not None else sorted({0, pp - 1})):
+        states, activations, held = _pipeline_rank(cfg, strategy, dp_shard, micro_batch, seq, target, ac, mixed, tp,
+                                                   sp, pp, schedule, v, m, rank, memory)
+        e = Estimate(strategy, ac, micro_batch, states, activations, dp_replicate, dp_shard, tp, sp, pp, schedule,
+                     v, m, rank, held, bubble(schedule, pp, m, v))
+        if best is None or e.total > best.total:
+            best = e
+    assert best is not None
+    return best
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -273,12 +454,15 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 def rank_memory(cfg: ModelConfig, *, seq_len: int, micro_batch: int = 1, dp_replicate: int = 1,
                 dp_shard: int = 1, tp: int = 1, sp: bool = False, precision: str = "bf16", ac: str = "none",
-                strategy: str = "fsdp", target_len: int | None = None, **memory) -> Estimate:
-    """Predicted bytes one rank holds on the mesh dp_replicate x dp_shard x tp: ``model_states``
+                strategy: str = "fsdp", target_len: int | None = None, pp: int = 1, pp_schedule: str = "1f1b",
+                pp_stages_per_rank: int = 1, n_micro: int | None = None, pp_rank: int = 0, **memory) -> Estimate:
+    """Predicted bytes one rank holds on the mesh pp x dp_replicate x dp_shard x tp: ``model_states``
     (parameters, gradients, AdamW) and ``activations`` (kept for backward plus the backward peak),
     for ``bench/bench_scale.py`` to hold against measured per-rank peaks. ``precision`` fp32 or
     bf16 (mixed); ``ac`` none | op | full; ``memory``: ``activation_bytes``'s head settings
-    (``return_logits=False`` and ``chunk`` for the trainer's loss path, ``loss_parallel``)."""
+    (``return_logits=False`` and ``chunk`` for the trainer's loss path, ``loss_parallel``).
+    ``pp`` > 1: pipeline rank ``pp_rank`` of ``pp_schedule`` over ``n_micro`` micro-batches
+    (``grad_accum``; default 4 x pp); ``in_flight`` and ``bubble`` come with it."""
     blocker = tp_blocker(cfg, tp)
     if blocker:
         usable = ", ".join(str(t) for t in range(1, cfg.num_heads + 1) if tp_blocker(cfg, t) is None)
@@ -289,8 +473,15 @@ def rank_memory(cfg: ModelConfig, *, seq_len: int, micro_batch: int = 1, dp_repl
     if dp_replicate > 1 and not strategy.startswith("fsdp"):
         raise ConfigError(f"parallel.dp_replicate={dp_replicate} needs parallel.strategy=fsdp (HSDP), "
                           f"not {strategy!r}; set parallel.dp_replicate=1")
-    return estimate(cfg, strategy, dp_replicate * dp_shard * tp, micro_batch, seq_len, target_len, ac,
-                    precision != "fp32", dp_replicate=dp_replicate, tp=tp, sp=sp, **memory)
+    if pp > 1:
+        if not 0 <= pp_rank < pp:
+            raise ConfigError(f"pp_rank={pp_rank} is not a rank of parallel.pp={pp}; use 0 to {pp - 1}")
+        why = pipeline_blocker(cfg, pp, pp_schedule, pp_stages_per_rank, n_micro or 4 * pp)
+        if why:
+            raise ConfigError(why)
+    return estimate(cfg, strategy, pp * dp_replicate * dp_shard * tp, micro_batch, seq_len, target_len, ac,
+                    precision != "fp32", dp_replicate=dp_replicate, tp=tp, sp=sp, pp=pp, schedule=pp_schedule,
+                    stages_per_rank=pp_stages_per_rank, n_micro=n_micro, pp_rank=pp_rank, **memory)
 
 
 def layouts(cfg: ModelConfig, devices: int, gpus_per_node: int = 8) -> list[tuple[str, int, int]]:
@@ -307,6 +498,34 @@ def layouts(cfg: ModelConfig, devices: int, gpus_per_node: int = 8) -> list[tupl
                 out.append((strategy, nodes, tp))
             out.append((strategy, 1, tp))
     return out
+
+
+def pp_layouts(cfg: ModelConfig, devices: int, gpus_per_node: int = 8, n_micro: int | None = None,
+               max_pp: int | None = None) -> tuple[list[tuple[str, int, int, int, str, int, int]], dict[int, str]]:
+    """(strategy, dp_replicate, tp, pp, schedule, stages_per_rank, n_micro) of every pipeline layout
+    the planner tries, and the pp degrees it skips with why. pp divides the device count (at most
+    ``max_pp``); ``n_micro`` micro-batches per step (grad_accum; default 4 x pp, a bubble under 1/5);
+    each stage's ranks run FSDP2 (HSDP first when a stage spans nodes) with every tp of ``layouts``
+    that divides them; the schedules are ``PP_SEARCHED`` that split the model. A stage's ranks are
+    contiguous (pp is the outermost mesh dimension), so pipelines cross nodes before TP does."""
+    usable = tp_degrees(cfg, devices)[0]
+    out, skipped = [], {}
+    for pp in range(2, (max_pp or devices) + 1):
+        if devices % pp:
+            continue
+        m = n_micro or 4 * pp
+        why = pipeline_blocker(cfg, pp, "1f1b", 1, m)
+        if why:
+            skipped[pp] = why
+            continue
+        schedules = [(name, v) for name, v in PP_SEARCHED if pipeline_blocker(cfg, pp, name, v, m) is None]
+        per_stage = devices // pp
+        nodes = per_stage // gpus_per_node if per_stage % gpus_per_node == 0 else 1
+        for tp in (t for t in usable if per_stage % t == 0):
+            hsdp = nodes > 1 and gpus_per_node % tp == 0 and gpus_per_node // tp > 1
+            for replicate in ((nodes, 1) if hsdp else (1,)):
+                out += [("fsdp", replicate, tp, pp, name, v, m) for name, v in schedules]
+    return out, skipped
 
 
 def training_memory(cfg) -> dict:
@@ -342,44 +561,75 @@ def print_savings(cfg: ModelConfig, micro_batch: int, seq: int, target: int | No
 
 def recommend(cfg: ModelConfig, devices: int, memory: float, seq: int, target: int | None,
               mixed: bool = True, headroom: float = 0.9, settings: dict | None = None,
-              gpus_per_node: int = 8) -> list[Estimate]:
-    """Every layout (``layouts``) and AC that fits, each with its largest micro-batch, best first:
+              gpus_per_node: int = 8, max_pp: int = 1, n_micro: int | None = None) -> list[Estimate]:
+    """Every layout (``layouts``; with ``max_pp`` > 1 also ``pp_layouts``) and AC that fits, each
+    with its largest micro-batch, best first:
     1. no full recomputation: AC full runs the forward twice (~1/3 more compute per step), more than
-       TP with sequence parallelism costs inside a node (Korthikanti et al., 2022);
-    2. no TP, then the smallest tp; a tp within a node (``gpus_per_node``) before one across nodes;
-    3. the cheapest communication (ddp, ZeRO-1/2/3, HSDP, FSDP2: the order of ``layouts``);
-    4. the cheapest recomputation (none, op, full);
-    5. the largest micro-batch.
+       TP with sequence parallelism costs inside a node (Korthikanti et al., 2022); nor a pipeline
+       bubble above ``MAX_BUBBLE`` (as costly);
+    2. a tp within a node (``gpus_per_node``) before one across nodes;
+    3. no pipeline, then the fewest stages: TP within a node, then pipeline stages across nodes
+       (Narayanan et al., 2021), before TP across nodes;
+    4. no TP, then the smallest tp;
+    5. the cheapest communication (ddp, ZeRO-1/2/3, HSDP, FSDP2: the order of ``layouts``);
+    6. the cheapest recomputation (none, op, full);
+    7. the smallest bubble (interleaving, when it fits);
+    8. the largest micro-batch.
     TP layouts run sequence parallel (it only removes memory) and the unchunked, vocabulary-
     sharded head (the chunked loss does not take a TP head)."""
+    candidates = [(strategy, replicate, tp, 1, "1f1b", 1, 1) for strategy, replicate, tp in
+                  layouts(cfg, devices, gpus_per_node)]
+    if max_pp > 1:
+        candidates += pp_layouts(cfg, devices, gpus_per_node, n_micro, max_pp)[0]
+    comm: dict[tuple, int] = {}  # communication order: the schedules of one layout share it
     fits = []
-    for index, (strategy, replicate, tp) in enumerate(layouts(cfg, devices, gpus_per_node)):
+    for strategy, replicate, tp, pp, schedule, v, m in candidates:
+        index = comm.setdefault((strategy, replicate, tp, pp), len(comm))
         for ac_rank, ac in enumerate(("none", "op", "full")):
             for mb in (64, 32, 16, 8, 4, 2, 1):
                 e = estimate(cfg, strategy, devices, mb, seq, target, ac, mixed, dp_replicate=replicate, tp=tp,
-                             sp=tp > 1, **(settings or {}))
+                             sp=tp > 1, pp=pp, schedule=schedule, stages_per_rank=v, n_micro=m, **(settings or {}))
                 if e.total <= headroom * memory:
-                    fits.append(((ac == "full", tp > gpus_per_node, tp, index, ac_rank, -mb), e))
+                    fits.append(((ac == "full" or e.bubble > MAX_BUBBLE, tp > gpus_per_node, pp, tp, index,
+                                  ac_rank, e.bubble, -mb), e))
                     break
     return [e for _, e in sorted(fits, key=lambda pair: pair[0])]
 
 
 def _overrides(e: Estimate, chunked: bool) -> str:
-    if e.tp == 1 and e.dp_replicate == 1:
+    if e.tp == 1 and e.dp_replicate == 1 and e.pp == 1:
         flag = {"ddp": "parallel.strategy=ddp", "fsdp": "parallel.strategy=fsdp",
                 "fsdp-no-reshard": "parallel.strategy=fsdp parallel.reshard_after_forward=false"}.get(
             e.strategy, f"parallel.strategy=deepspeed parallel.deepspeed_config=configs/deepspeed/{e.strategy}.json")
     else:
-        flag = (f"parallel.strategy=fsdp parallel.dp_replicate={e.dp_replicate} parallel.dp_shard={e.dp_shard} "
+        pipe = "" if e.pp == 1 else (
+            f" parallel.pp={e.pp} parallel.pp_schedule={e.schedule}"
+            + (f" parallel.pp_stages_per_rank={e.stages_per_rank}" if e.stages_per_rank > 1 else "")
+            + f" grad_accum={e.n_micro}")
+        flag = (f"parallel.strategy=fsdp{pipe} parallel.dp_replicate={e.dp_replicate} parallel.dp_shard={e.dp_shard} "
                 f"parallel.tp={e.tp}" + (" parallel.sp=true" if e.sp else "")
                 + (" loss.chunk_size=null" if chunked and e.tp > 1 else ""))
     ac = "" if e.ac == "none" else f" parallel.activation_checkpointing={e.ac}"
     return f"{flag} micro_batch_size={e.micro_batch}{ac}"
 
 
-def plan_main(cfg, config: str, devices: int, device_memory: str, gpus_per_node: int = 8) -> int:
+def _pp_refused(cfg) -> str | None:
+    """A run setting pipelines do not take (the trainer refuses it), or None."""
+    data = cfg.data
+    for refused, why in ((cfg.precision == "fp16", "precision=fp16"),
+                         (data.tokens_per_batch is not None, "data.tokens_per_batch"),
+                         (bool(cfg.eval_bleu), "eval_bleu"), (bool(data.document_mask), "data.document_mask")):
+        if refused:
+            return why
+    return None
+
+
+def plan_main(cfg, config: str, devices: int, device_memory: str, gpus_per_node: int = 8,
+              n_micro: int | None = None, max_pp: int | None = None) -> int:
     """Print the table and the recommendation for ``cfg``, the run config (a ``TrainConfig``,
-    loaded by the CLI from the file ``config``: train/ is a layer above this one)."""
+    loaded by the CLI from the file ``config``: train/ is a layer above this one). ``n_micro``:
+    the pipeline layouts' micro-batches per step (default 4 x pp); ``max_pp``: the largest pp tried
+    (default: the device count; 1: no pipelines)."""
     model_cfg = cfg.model_config()
     memory = parse_bytes(device_memory)
     mixed = cfg.precision != "fp32"
@@ -407,16 +657,60 @@ def plan_main(cfg, config: str, devices: int, device_memory: str, gpus_per_node:
             print(f"{strategy:<16}{replicate:>7}{e.dp_shard:>9}{tp:>4}{'on' if e.sp else '-':>4}  {ac:<6}"
                   f"{e.micro_batch:>6}{e.model_states / gib:>12.2f}{e.activations / gib:>12.2f}{e.total / gib:>11.2f}"
                   f"  {'yes' if e.total <= 0.9 * memory else 'no'}")
+    refused = _pp_refused(cfg)
+    max_pp = 1 if refused else (max_pp or devices)
+    if refused:
+        print(f"\npipeline layouts not searched: parallel.pp does not take {refused}")
+    elif max_pp > 1:
+        _print_pipelines(model_cfg, devices, memory, cfg.micro_batch_size, cfg.data.seq_len, target, mixed, settings,
+                         gpus_per_node, n_micro, max_pp)
     print_savings(model_cfg, cfg.micro_batch_size, cfg.data.seq_len, target, mixed, settings)
     fits = recommend(model_cfg, devices, memory, cfg.data.seq_len, target, mixed, settings=settings,
-                     gpus_per_node=gpus_per_node)
+                     gpus_per_node=gpus_per_node, max_pp=max_pp, n_micro=n_micro)
     if not fits:
         print("recommendation: nothing fits; use more devices, a shorter sequence or a smaller model")
         return 1
     best = fits[0]
-    mesh = "" if best.tp == 1 and best.dp_replicate == 1 else (
-        f", mesh dp_replicate={best.dp_replicate} dp_shard={best.dp_shard} tp={best.tp}"
+    pipe = "" if best.pp == 1 else f"pp={best.pp} "
+    mesh = "" if best.tp == 1 and best.dp_replicate == 1 and best.pp == 1 else (
+        f", mesh {pipe}dp_replicate={best.dp_replicate} dp_shard={best.dp_shard} tp={best.tp}"
         + (" sp" if best.sp else "") + (" (tp across nodes)" if best.tp > gpus_per_node else ""))
+    where = "" if best.pp == 1 else f" on pipeline rank {best.pp_rank} of {best.pp}, the fullest"
     print(f"recommendation: {best.strategy}{mesh}, micro_batch_size={best.micro_batch}, AC {best.ac} "
-          f"({best.total / gib:.2f} GiB per device)\n  overrides: {_overrides(best, cfg.loss.chunk_size is not None)}")
+          f"({best.total / gib:.2f} GiB per device{where})\n"
+          f"  overrides: {_overrides(best, cfg.loss.chunk_size is not None)}")
+    if best.pp > 1:
+        interleaved = best.schedule == "interleaved_1f1b"
+        formula = f"(pp-1)/({'v*' if interleaved else ''}m+pp-1)"
+        print(f"  pipeline: {best.schedule}{f' ({best.stages_per_rank} stages per rank)' if interleaved else ''}, "
+              f"m={best.n_micro} micro-batches per step (grad_accum; the global batch is micro_batch_size x m x "
+              f"dp_replicate x dp_shard), bubble {best.bubble:.1%} of the step idle {formula}, "
+              f"{best.in_flight:g} micro-batches in flight on rank {best.pp_rank}")
     return 0
+
+
+def _print_pipelines(cfg: ModelConfig, devices: int, memory: float, micro_batch: int, seq: int, target: int | None,
+                     mixed: bool, settings: dict, gpus_per_node: int, n_micro: int | None, max_pp: int) -> None:
+    """The pipeline layouts' table: one row per layout and schedule, the worst rank's total per AC."""
+    gib = 2**30
+    pipes, skipped = pp_layouts(cfg, devices, gpus_per_node, n_micro, max_pp)
+    m = "4 x pp" if n_micro is None else str(n_micro)
+    print(f"\npipeline layouts (fsdp per stage; m = grad_accum = {m} micro-batches of micro_batch_size per step; "
+          "in-flight: micro-batches rank 0 holds; total GiB of the fullest pipeline rank by AC; gpipe not searched: "
+          "1f1b's bubble with all m micro-batches in flight):")
+    if skipped:
+        print("pp skipped: " + ", ".join(f"{pp} ({why})" for pp, why in skipped.items()))
+    if not pipes:
+        return
+    print(f"{'strategy':<16}{'dp_rep':>7}{'dp_shard':>9}{'tp':>4}{'sp':>4}{'pp':>4}  {'schedule':<17}{'v':>2}{'m':>5}"
+          f"{'bubble':>8}{'in-flight':>10}{'micro':>6}{'none':>8}{'op':>8}{'full':>8}  fits")
+    for strategy, replicate, tp, pp, schedule, v, n in pipes:
+        totals = {ac: estimate(cfg, strategy, devices, micro_batch, seq, target, ac, mixed, dp_replicate=replicate,
+                               tp=tp, sp=tp > 1, pp=pp, schedule=schedule, stages_per_rank=v, n_micro=n, **settings)
+                  for ac in ("none", "op", "full")}
+        e = totals["none"]
+        fit = next((ac for ac, t in totals.items() if t.total <= 0.9 * memory), "no")
+        held = in_flight(schedule, pp, n, 0, v) / v
+        print(f"{strategy:<16}{replicate:>7}{e.dp_shard:>9}{tp:>4}{'on' if e.sp else '-':>4}{pp:>4}  {schedule:<17}"
+              f"{v:>2}{n:>5}{e.bubble:>8.1%}{held:>10g}{micro_batch:>6}"
+              + "".join(f"{t.total / gib:>8.1f}" for t in totals.values()) + f"  {fit}")
