@@ -181,7 +181,8 @@ def test_trainer_state_round_trips_and_reads_older_files(tmp_path):
 
 def run_two_ranks(jobs, cache, timeout=400):
     """test_parallel's workers, with a deadline that fails the test instead of hanging it."""
-    from test_parallel import _free_port, _worker
+    from test_parallel import _worker
+    from train_helpers import free_port as _free_port
     ctx = mp.start_processes(_worker, args=(2, _free_port(), jobs, cache), nprocs=2, join=False,
                              start_method="spawn")
     deadline = time.time() + timeout

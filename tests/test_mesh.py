@@ -6,7 +6,6 @@ timeout that fails the test (``TFORMER_DIST_TIMEOUT`` bounds each collective, ``
 """
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -19,21 +18,13 @@ from tformer.parallel.mesh import ParallelDims
 from tformer.train.config import load_config
 from tformer.train.trainer import Trainer
 
-from train_helpers import CONFIGS, losses, run_cli, small_overrides
+from train_helpers import CONFIGS, become_rank, free_port, losses, run_cli, small_overrides
 
 GROUP_TIMEOUT = 900  # seconds for one spawned group of jobs, then the test fails
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, jobs, cache):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), TFORMER_CACHE=str(cache), TFORMER_DIST_TIMEOUT="300")
-    torch.set_num_threads(1)
+    become_rank(rank, world, port, cache, 300)
     import torch.distributed as dist
     try:
         from torch._dynamo.utils import counters
@@ -70,7 +61,7 @@ def _report(trainer, rank, path):
 
 
 def run_ranks(world, jobs, cache, worker=_worker):
-    ctx = mp.start_processes(worker, args=(world, _free_port(), jobs, cache), nprocs=world, join=False,
+    ctx = mp.start_processes(worker, args=(world, free_port(), jobs, cache), nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + GROUP_TIMEOUT
     while not ctx.join(timeout=5):

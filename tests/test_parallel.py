@@ -2,7 +2,6 @@
 (same and different world size)."""
 import math
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from tformer.parallel.ac import apply_activation_checkpointing
 from tformer.train.config import load_config
 from tformer.train.trainer import Trainer
 
-from train_helpers import CONFIGS, losses, metrics, small_overrides
+from train_helpers import CONFIGS, become_rank, free_port, losses, metrics, small_overrides
 
 from conftest import TINY
 
@@ -58,16 +57,8 @@ def test_activation_checkpointing_changes_no_gradient_and_recomputes_blocks(name
 
 # -- 2-process runs ------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, jobs, cache):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), TFORMER_CACHE=str(cache), TFORMER_DIST_TIMEOUT="180")
-    torch.set_num_threads(1)
+    become_rank(rank, world, port, cache, 180)
     import torch.distributed as dist
     from tformer.parallel.strategy import param_counts
     try:
@@ -134,7 +125,7 @@ def _dump_full_model(trainer, path):
 
 
 def run_two_ranks(jobs, cache):
-    mp.start_processes(_worker, args=(2, _free_port(), jobs, cache), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(2, free_port(), jobs, cache), nprocs=2, join=True, start_method="spawn")
 
 
 def reference(recipe, out, *extra):
@@ -273,7 +264,7 @@ def _ds(stage):
 
 
 def run_one_rank(jobs, cache):
-    mp.start_processes(_worker, args=(1, _free_port(), jobs, cache), nprocs=1, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(1, free_port(), jobs, cache), nprocs=1, join=True, start_method="spawn")
 
 
 def test_deepspeed_resume_same_world_size_and_on_one_rank(cache, tmp_path):

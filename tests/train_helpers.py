@@ -45,3 +45,18 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics(run_dir)}
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def become_rank(rank: int, world: int, port: int, cache, collective_timeout: int = 300) -> None:
+    """A spawned test worker's torchrun-like environment (one thread each: 4 ranks share 2 cores)."""
+    import torch
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TFORMER_CACHE=str(cache), TFORMER_DIST_TIMEOUT=str(collective_timeout))
+    torch.set_num_threads(1)
