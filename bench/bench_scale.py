@@ -434,6 +434,12 @@ def _pp_worker(rank, world, port, jobs, out, cache):
         batches = [t.data.collator([t.data.train[i + k * cfg.micro_batch_size] for i in range(cfg.micro_batch_size)])
                    for k in range(cfg.grad_accum)]
         inputs = _concat([{"input_ids": b["input_ids"], "labels": b["labels"]} for b in batches])
+        if t.dims.pp > 1:
+            # fit() ended with an evaluation: torch's schedule re-infers its stages' metadata on the
+            # next training step (eval -> train) with a real forward whose graph it keeps; one step
+            # first, so the measured one is a training step like every other
+            t.strategy.pipeline_step(inputs)
+            t.optimizer.zero_grad(set_to_none=True)
         with LiveSaved() as live:
             if t.dims.pp > 1:
                 t.strategy.pipeline_step(inputs)
