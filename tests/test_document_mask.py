@@ -46,13 +46,12 @@ def _check_grads(packed, alone):
         torch.testing.assert_close(packed[n], alone[n], atol=ATOL, rtol=1e-4, msg=n)
 
 
-@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
-def test_decoder_packed_equals_documents_alone(preset):
-    model = _model(preset)
-    tokens, doc_ids = _rows(model.config.vocab_size)
+def _assert_packed_equals_alone(model, tokens, doc_ids, **packed_inputs):
+    """The packed rows' logits at every real position, and the gradients of a random weighting of
+    them, equal those of each document run alone."""
     weight = torch.randn(*tokens.shape, model.config.vocab_size, generator=torch.Generator().manual_seed(1)) / 64
     real = (doc_ids >= 0)[..., None]
-    logits = model(tokens, doc_ids=doc_ids).logits
+    logits = model(tokens, doc_ids=doc_ids, **packed_inputs).logits
     (logits * weight * real).sum().backward()
     packed_grads = _grads(model)
     model.zero_grad()
@@ -64,21 +63,17 @@ def test_decoder_packed_equals_documents_alone(preset):
     _check_grads(packed_grads, _grads(model))
 
 
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_decoder_packed_equals_documents_alone(preset):
+    model = _model(preset)
+    tokens, doc_ids = _rows(model.config.vocab_size)
+    _assert_packed_equals_alone(model, tokens, doc_ids)
+
+
 def test_encoder_packed_equals_documents_alone():
     model = _model("bert-tiny")
     tokens, doc_ids = _rows(model.config.vocab_size)
-    mask = (doc_ids >= 0).long()
-    weight = torch.randn(*tokens.shape, model.config.vocab_size, generator=torch.Generator().manual_seed(1)) / 64
-    logits = model(tokens, attention_mask=mask, doc_ids=doc_ids).logits
-    (logits * weight * mask[..., None]).sum().backward()
-    packed_grads = _grads(model)
-    model.zero_grad()
-    for b in range(2):
-        for a, e in _spans(doc_ids[b]):
-            alone = model(tokens[b:b + 1, a:e]).logits
-            torch.testing.assert_close(logits[b:b + 1, a:e], alone, atol=ATOL, rtol=0)
-            (alone * weight[b:b + 1, a:e]).sum().backward()
-    _check_grads(packed_grads, _grads(model))
+    _assert_packed_equals_alone(model, tokens, doc_ids, attention_mask=(doc_ids >= 0).long())
 
 
 def _pairs(vocab, start_id):

@@ -113,10 +113,9 @@ def _keep_blocks(stack: TransformerStack, keep: range, last: bool) -> None:
 
 
 def _decoder_forward(self, x, labels=None):
-    if self.embed is not None and self.pp_first:
-        positions = torch.arange(x.shape[1], device=x.device)
-        x = self.embed(x, positions)
     positions = torch.arange(x.shape[1], device=x.device)
+    if self.pp_first:
+        x = self.embed(x, positions)
     h = self.decoder(x, None, positions=positions)
     if not self.pp_last:
         return h
@@ -191,9 +190,6 @@ class Parts(nn.Module):
     @staticmethod
     def strip(name: str) -> str:
         return name.split(".", 2)[2] if name.startswith("parts.") else name
-
-    def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        return sum(p.numel() for p in self.parameters())
 
 
 def make_schedule(stage_modules: list[nn.Module], stage_ids: list[int], stages: int, pcfg, n_micro: int,

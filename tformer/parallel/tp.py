@@ -356,7 +356,7 @@ def grad_norm_and_clip(named_params, max_norm: float, group=None, skip=frozenset
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         total_sq += norm.double().cpu() ** 2
     if group is not None:
-        device = next(iter(next(iter(groups.values())))).device if groups else torch.device("cpu")
+        device = next((g.device for grads in groups.values() for g in grads), torch.device("cpu"))
         total_sq = total_sq.to(device)
         dist.all_reduce(total_sq, group=group)
     total = float(total_sq) ** 0.5
