@@ -287,7 +287,7 @@ def _mesh_worker(rank, world, port, jobs, out, cache):
                            **training_memory(cfg))
         # what tensor parallelism already splits by tp, whatever SP does: q, k, v, attention, the
         # FFN width (every block) and the vocabulary-sharded log-softmax: SP's floor
-        _, _, heads = _block_parts(t.model_cfg, inputs["input_ids"].shape[1])
+        _, _, heads = _block_parts(t.model_cfg, inputs["input_ids"].shape[1], tp=t.dims.tp)
         split = rank_memory(t.model_cfg, seq_len=inputs["input_ids"].shape[1], tp=t.dims.tp, precision="fp32",
                             strategy=pcfg.strategy, **training_memory(cfg)).activations
         split -= rank_memory(t.model_cfg, seq_len=inputs["input_ids"].shape[1], tp=t.dims.tp, precision="fp32",

@@ -220,6 +220,49 @@ def test_activation_offload_changes_no_gradient_and_keeps_parameters_in_place(ca
         assert sum("cannot pin host memory" in r.message for r in caplog.records) == 1
 
 
+# -- the FFN's activations rebuilt in backward ---------------------------------------------------
+
+def _step_with_rebuild(name, rebuild, ac, autocast, offload=False):
+    """Loss, gradients and saved bytes of one step with the FFNs' rebuild on or off."""
+    from tformer.parallel.ac import apply_activation_checkpointing
+    from tformer.parallel.memory import SavedActivations
+    from tformer.parallel.offload import activation_offload
+    torch.manual_seed(0)
+    model = build_model(name, dropout=0.1).train()
+    for ffn in (m for m in model.modules() if hasattr(m, "rebuild")):
+        ffn.rebuild = rebuild and ffn.rebuild
+    apply_activation_checkpointing(model, ac)
+    batch = _batch(model, 1, False)
+    torch.manual_seed(1)  # the same dropout masks
+    saved = SavedActivations()  # (the innermost saved-tensor hooks see the saved tensors: one at a time)
+    hooks = activation_offload(torch.device("cpu"), True, force=True) if offload else saved
+    with hooks, torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        loss = model(**batch, return_logits=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, saved.bytes, model
+
+
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("ac,autocast,offload", [("none", False, False), ("none", True, False), ("full", False, False),
+                                                 ("op", True, False), ("none", False, True)])
+def test_ffn_rebuilds_its_activation_in_backward_with_the_same_gradients(name, ac, autocast, offload):
+    """The FFN keeps the activation's input (and a gated unit's gate and up projections) and
+    rebuilds the activation's output and the gated product in backward: loss and every gradient
+    bit for bit those of keeping them (fp32 and bf16 autocast, dropout on, under full and op-level
+    checkpointing and CPU offload); without checkpointing the saved bytes fall by exactly those
+    tensors (ReLU keeps its output: nothing to rebuild)."""
+    want_loss, want, kept, model = _step_with_rebuild(name, False, ac, autocast, offload)
+    loss, got, rebuilt, _ = _step_with_rebuild(name, True, ac, autocast, offload)
+    assert torch.equal(loss, want_loss)
+    for n, g in got.items():
+        assert torch.equal(g, want[n]), n
+    if ac == "none" and not offload:
+        cfg = model.config  # _batch: 2 x 12 tokens (encoder-decoder: 2 x 7 target tokens)
+        block_tokens = cfg.num_layers * 2 * 12 + (cfg.decoder_layers * 2 * 7 if cfg.family == "encdec" else 0)
+        per_token = {"relu": 0, "swiglu": 2, "geglu": 2}.get(cfg.activation, 1) * cfg.d_ff * (2 if autocast else 4)
+        assert kept - rebuilt == block_tokens * per_token, (kept, rebuilt)
+
+
 # -- op-level checkpointing under FSDP2 on 2 ranks ---------------------------------------------
 
 def _fsdp_worker(rank, port, out):

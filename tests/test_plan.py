@@ -38,6 +38,51 @@ def test_prediction_within_25_percent_of_measured_memory(name, ac):
     assert e.total > kept  # the peak adds the recomputed block / logits gradient on top
 
 
+def _saved_per_layer(name, extra, stack, b=2, s=64, t=32):
+    """Bytes autograd saves for one more block of ``stack`` (0: encoder or only stack, 1: T5's
+    decoder), measured as the difference of two models: what the planner must predict."""
+    def saved(layers):
+        torch.manual_seed(0)
+        dims = {"num_layers": 2, "num_decoder_layers": 2} if name.startswith(("t5", "transformer")) else {
+            "num_layers": 2}
+        dims["num_decoder_layers" if stack else "num_layers"] = layers
+        model = build_model(name, d_model=128, d_ff=512, vocab_size=1024, **dims, **extra).train()
+        ids = torch.randint(3, 1000, (b, s))
+        with SavedActivations() as got:
+            _ = model(input_ids=ids, labels=ids[:, :t] if model.config.family == "encdec" else ids).loss
+        return got.bytes, model.config
+
+    (two, cfg), (three, _) = saved(2), saved(3)
+    target = t if cfg.family == "encdec" else None
+    one = {"transient": False, "return_logits": False}
+    blocks = (1, 0) if stack == 0 else (0, 1)
+    return three - two, activation_bytes(cfg, b, s, target, "none", False, blocks=blocks, head=False, **one)
+
+
+@pytest.mark.parametrize("name,extra,stack", [
+    ("gpt2-tiny", {}, 0), ("gpt2-tiny", {"attn_impl": "math"}, 0), ("llama-tiny", {}, 0),
+    ("llama-tiny", {"attn_impl": "math"}, 0), ("bert-tiny", {}, 0), ("transformer-tiny", {}, 0),
+    ("transformer-tiny", {}, 1), ("transformer-tiny", {"attn_impl": "math"}, 1), ("t5-tiny", {"d_head": 32}, 0),
+    ("t5-tiny", {"d_head": 32}, 1), ("t5-tiny", {"d_head": 32, "activation": "geglu", "attn_impl": "math"}, 1)])
+def test_one_block_activations_are_what_autograd_saves(name, extra, stack):
+    """The planner's bytes for one block, tensor by tensor, against the unique storages autograd
+    saves for it (norm kinds, attention paths, grouped KV heads, activations, cross-attention)."""
+    measured, planned = _saved_per_layer(name, {"dropout": 0.0, **extra}, stack)
+    assert planned == pytest.approx(measured, rel=0.01), (planned, measured)
+
+
+@pytest.mark.parametrize("name,stack,masks", [("gpt2-tiny", 0, 2), ("transformer-tiny", 1, 3)])
+def test_dropout_keeps_one_mask_per_sub_layer(name, stack, masks):
+    """Dropout adds a mask per sub-layer output (attention, cross-attention, FFN). The planner
+    counts CUDA's one-byte masks; this CPU keeps float masks, four bytes: the same count."""
+    b, s, t = 2, 64, 32
+    tokens = b * (t if stack else s)
+    measured0, planned0 = _saved_per_layer(name, {"dropout": 0.0}, stack)
+    measured, planned = _saved_per_layer(name, {"dropout": 0.1}, stack)
+    assert measured - measured0 == pytest.approx(masks * 128 * 4 * tokens, rel=0.01)
+    assert planned - planned0 == pytest.approx(masks * 128 * 1 * tokens, rel=0.01)
+
+
 def test_zero_formulas_and_the_planner_choice():
     p, n = 1_000_000, 4
     assert formula("ddp", p, n, mixed=True) == 16 * p
@@ -198,19 +243,23 @@ def test_model_states_per_rank_are_the_tp_and_fsdp_shards_of_each_parameter(name
 def test_tp_and_sp_activation_formulas():
     """Per token and block: the column-wise projections' inputs (the two norm outputs) stay whole
     on every TP rank without SP, and are kept as sequence shards with it (gathered again in
-    backward); q, k, v, attention and the FFN width split by tp; norm inputs and the residual split
+    backward); q, k, v, attention and the FFN width split by tp; norm inputs and dropout masks split
     along the sequence only with SP. The logits split by tp with loss parallelism."""
     from tformer.parallel.plan import rank_memory
     with torch.device("meta"):
         cfg = build_model("gpt2-small", pad_vocab_multiple=64).config
     d, ff, L, b, s = cfg.d_model, cfg.d_ff, cfg.num_layers, 2, 256
-    whole, sequence, heads = 2 * d, 4 * d, 5 * d + 2 * ff  # MHA: q, k, v, attention, o_proj input
+    # MHA, GELU (no dropout in this preset): two norm outputs; two norm inputs; q, k, v, attention
+    # output (= the o_proj input), the GELU input (its output is rebuilt in backward, except under
+    # TP, where the down projection keeps its DTensor input)
+    assert cfg.dropout == 0
+    whole, sequence, heads = 2 * d, 2 * d, 4 * d + 2 * ff
 
     def kept(tp, sp, **kw):
         return rank_memory(cfg, seq_len=s, micro_batch=b, tp=tp, sp=sp, precision="fp32", transient=False,
                            return_logits=False, **kw).activations
 
-    assert kept(1, False) == L * b * s * 4 * (whole + sequence + heads)
+    assert kept(1, False) == L * b * s * 4 * (whole + sequence + heads - ff)
     assert kept(2, False) == L * b * s * 4 * (whole + sequence + heads / 2)
     assert kept(2, True) == L * b * s * 4 * ((whole + sequence) / 2 + heads / 2)
     assert kept(4, True) == L * b * s * 4 * ((whole + sequence) / 4 + heads / 4)

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .rebuild import Rebuild
+
 ACTIVATIONS = {
     "relu": F.relu,
     "gelu": F.gelu,  # exact erf form (BERT, HF "gelu")
@@ -30,6 +32,25 @@ class FeedForward(nn.Module):
         self.down = nn.Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
+        # backward rebuilds the activation's output (and the gated product) from the tensors the
+        # activation keeps anyway, instead of keeping them (nn/rebuild.py); False keeps them
+        self.rebuild = activation != "relu"  # ReLU's backward needs its output: nothing to gain
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.gate(x)) * self.up(x) if self.gated else self.act(self.up(x))
-        return self.dropout(self.down(h))
+        if not (self.rebuild and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+            # (compiled: the partitioner already recomputes elementwise ops rather than keep them)
+            h = self.act(self.gate(x)) * self.up(x) if self.gated else self.act(self.up(x))
+            return self.dropout(self.down(h))
+        with Rebuild() as rb:
+            if self.gated:
+                gate, up = self.gate(x), self.up(x)
+                act = rb.keep(self.act(gate), self.act, gate)
+                h = rb.keep(act * up, self._gated, gate, up)
+            else:
+                up = self.up(x)
+                h = rb.keep(self.act(up), self.act, up)
+            out = self.down(h)
+        return self.dropout(out)
+
+    def _gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.act(gate) * up

@@ -59,23 +59,52 @@ def model_state_bytes(strategy: str, params: int, devices: int, mixed: bool, as_
             "fsdp": 16 * p / n, "fsdp-no-reshard": 16 * p / n + 2 * p}[strategy]
 
 
-def _block_parts(cfg: ModelConfig, seq: int, cross_len: int | None = None) -> tuple[float, float, float]:
-    """Elements autograd keeps per token for one block (SDPA attention: no S x S scores kept), as
-    (whole, sequence, heads) by what tensor parallelism does to them: ``whole``, the norm outputs
-    that feed the column-wise projections, stays whole on every TP rank without SP (under SP it is
-    all-gathered, but backward keeps only this rank's sequence shard and gathers it again:
-    tp.KeepSequenceShard); ``sequence``, the norm inputs and residual adds, is split along the
-    sequence by SP only; ``heads``, q, k, v, attention and the FFN's hidden width, is split by tp."""
+def _block_parts(cfg: ModelConfig, seq: int, cross_len: int | None = None,
+                 elt: int = 4, tp: int = 1) -> tuple[float, float, float]:
+    """Elements autograd keeps per token for one block, as (whole, sequence, heads) by what tensor
+    parallelism does to them: ``whole``, the norm outputs that feed the column-wise projections,
+    stays whole on every TP rank without SP (under SP it is all-gathered, but backward keeps only
+    this rank's sequence shard and gathers it again: tp.KeepSequenceShard); ``sequence``, the norm
+    inputs (the residual stream: an add saves nothing), is split along the sequence by SP only;
+    ``heads``, q, k, v, attention and the FFN's hidden width, is split by tp.
+
+    Counted tensor by tensor against what autograd saves (unique storages; tests/test_plan.py
+    measures every family): a LayerNorm keeps its input, an RMSNorm its input and the normalised
+    value (the gain multiplies it). SDPA returns its output in the layout the o_proj reads, so the
+    two share storage; the math path keeps the (heads x keys) probabilities and, for grouped KV
+    heads, the repeated keys and values; an additive bias (T5's relative positions) sends SDPA on
+    this CPU to a path that keeps the probabilities too (CUDA's memory-efficient kernel does not:
+    an over-estimate there). The FFN keeps the activation's input (ReLU: its output), a gated unit
+    the gate and up projections: the activation's output and the gated product are rebuilt in
+    backward (nn/rebuild.py), except the down projection's input under TP (a DTensor: kept).
+    Dropout keeps a mask per sub-layer output: one byte per element on CUDA (``elt``: the
+    activations' bytes; on this CPU the mask is a float, four bytes); attention dropout inside
+    SDPA keeps nothing on CUDA (its kernels replay the random numbers)."""
     d, h, dk, ff = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff
     kv = cfg.kv_heads * dk
+    norm_in = (2 if cfg.norm == "rmsnorm" else 1) * d
+    mask = d / elt if cfg.dropout > 0 else 0  # one dropout mask, in elements
+
+    def attention(keys: int, self_attention: bool) -> float:
+        """q, k, v (cross-attention's k, v are counted per source token by the caller) and the
+        output (= the o_proj input)."""
+        out = h * dk + (2 * kv if self_attention else 0) + h * dk
+        if cfg.attn_impl == "math":
+            out += h * keys * (1 + (1 / elt + 1 if cfg.attn_dropout > 0 else 0))  # probs (+ mask, dropped)
+            if self_attention and kv != h * dk:
+                out += 2 * (h * dk - kv)  # repeat_interleave'd keys and values
+        elif cfg.position == "relative" and self_attention:
+            out += h * keys
+        return out
+
+    ffn = (2 if cfg.activation in ("swiglu", "geglu") else 1) * ff
+    if tp > 1 and cfg.activation != "relu":
+        ffn += ff
     whole = 2 * d  # attention and FFN norm outputs
-    sequence = 2 * d + 2 * d  # attention and FFN norm inputs, residual
-    heads = h * dk + 2 * kv + h * dk + h * dk  # q, k, v, attn out, o_proj input
-    heads += 3 * ff if cfg.activation in ("swiglu", "geglu") else 2 * ff  # up(/gate), act
-    if cfg.attn_impl == "math":
-        heads += 2 * h * seq  # scores and probabilities
-    if cross_len is not None:  # cross-attention norm, queries, output (its K/V counted per source token)
-        whole, sequence, heads = whole + d, sequence + d, heads + 2 * h * dk
+    sequence = 2 * norm_in + 2 * mask  # attention and FFN norm inputs; the dropout masks
+    heads = attention(seq, True) + ffn
+    if cross_len is not None:  # cross-attention norm and dropout, queries, output (K/V: the caller)
+        whole, sequence, heads = whole + d, sequence + norm_in + mask, heads + attention(cross_len, False)
     return whole, sequence, heads
 
 
@@ -99,9 +128,9 @@ def _split(parts: tuple[float, float, float], tp: int, sp: bool) -> float:
 
 
 def _block_elements_per_token(cfg: ModelConfig, seq: int, cross_len: int | None = None, tp: int = 1,
-                              sp: bool = False) -> float:
+                              sp: bool = False, elt: int = 4) -> float:
     """Elements autograd keeps per token for one block on one TP rank."""
-    whole, sequence, heads = _block_parts(cfg, seq, cross_len)
+    whole, sequence, heads = _block_parts(cfg, seq, cross_len, elt, tp)
     if sp:  # the gathered norm outputs are kept as sequence shards (tp.KeepSequenceShard)
         whole, sequence = 0, sequence + whole
     return _split((whole, sequence, heads), tp, sp)
@@ -146,12 +175,12 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, target: int |
     block_input = cfg.d_model / (tp if sp else 1)  # in the sequence-parallel region
     first, second = blocks if blocks is not None else (cfg.num_layers, cfg.decoder_layers)
     op_elements = [_block_elements_op_ac(cfg, tp=tp, sp=sp)] * first
-    layers = [(seq, _block_elements_per_token(cfg, seq, tp=tp, sp=sp))] * first
+    layers = [(seq, _block_elements_per_token(cfg, seq, tp=tp, sp=sp, elt=elt))] * first
     out_tokens = seq
     if cfg.family == "encdec":
         t = target or seq
         memory_kv = 2 * cfg.kv_heads * cfg.head_dim * seq / t / tp
-        layers += [(t, _block_elements_per_token(cfg, t, cross_len=seq, tp=tp, sp=sp) + memory_kv)] * second
+        layers += [(t, _block_elements_per_token(cfg, t, cross_len=seq, tp=tp, sp=sp, elt=elt) + memory_kv)] * second
         op_elements += [_block_elements_op_ac(cfg, cross_len=seq, tp=tp, sp=sp) + memory_kv] * second
         out_tokens = t
     if ac == "full":  # each block keeps only its input; one block is recomputed at a time
