@@ -66,7 +66,7 @@ def deepspeed_config(cfg, precision: str) -> dict:
     zero = ds.setdefault("zero_optimization", {})
     # Bucket sizes scaled to the model (DeepSpeed's fixed 5e8-element default allocates 1-2 GB per
     # rank for its ZeRO-3 reduce bucket even for a small model): d^2 elements, as HF does for "auto".
-    d = cfg.model_config().d_model
+    d = cfg.model.d_model
     for key, value in (("reduce_bucket_size", d * d), ("stage3_prefetch_bucket_size", int(0.9 * d * d)),
                        ("stage3_param_persistence_threshold", 10 * d)):
         if zero.get(key) == "auto":

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..config import StrategyName
 from ..files import save_model_weights, torch_save_durable
 from ..nn import TransformerBlock, TransformerStack
 from ..safeload import CheckpointError, torch_load_safe
@@ -304,7 +305,7 @@ def _strip_optimizer_key(key: str) -> str:
     return f"{head}.{rest}"
 
 
-def strategy_class(name: str):
+def strategy_class(name: StrategyName):
     if name == "deepspeed":
         from .deepspeed import DeepSpeedStrategy
         return DeepSpeedStrategy

@@ -161,7 +161,7 @@ class Trainer:
                 raise ConfigError(f"parallel.backend={backend} is not available here ({why}); leave "
                                   "parallel.backend unset (nccl on CUDA, gloo on CPU)")
         strategy_class(cfg.parallel.strategy).check(cfg, self.precision)  # e.g. DeepSpeed missing
-        check_pipeline(cfg.model_config(), cfg.parallel, cfg.parallel.strategy)
+        check_pipeline(cfg.model, cfg.parallel, cfg.parallel.strategy)
         if (cfg.parallel.pp > 1 or cfg.parallel.sp) and cfg.data.document_mask:
             raise ConfigError("data.document_mask=true does not compose with parallel."
                               f"{'pp' if cfg.parallel.pp > 1 else 'sp'} yet (the document ids are not split "
@@ -176,8 +176,8 @@ class Trainer:
         # the mesh's arithmetic and what the strategy and model shapes allow, before any process group
         self.dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
         check_strategy(self.dims, cfg.parallel.strategy)
-        check_tp(cfg.model_config(), self.dims.tp)
-        if cfg.compile and self.dims.tp > 1 and cfg.model_config().position == "rotary":
+        check_tp(cfg.model, self.dims.tp)
+        if cfg.compile and self.dims.tp > 1 and cfg.model.position == "rotary":
             # measured on torch 2.13: the compiled block's backward hands DTensor's redistribute a plain
             # tensor ("'Tensor' object has no attribute '_local_tensor'") for rotary models only
             raise ConfigError("compile=true with parallel.tp > 1 fails in torch's DTensor backward for rotary-position "
