@@ -264,7 +264,7 @@ def trained(cache, corpus, toks, tmp_path_factory):
     def get(recipe):
         if recipe not in runs:
             out = tmp_path_factory.mktemp(recipe)
-            family = tformer.build_config(dict(load_config(CONFIGS / f"{recipe}.yaml").model)).family
+            family = load_config(CONFIGS / f"{recipe}.yaml").model.family
             cfg = load_config(CONFIGS / f"{recipe}.yaml", small_overrides(
                 recipe, out, "max_steps=2", "eval_every=0", "save_every=0", "eval_batches=2",
                 "precision=fp32", "model.vocab_size=512", "data.seq_len=48", "micro_batch_size=4",

@@ -256,6 +256,22 @@ def test_config_errors_name_the_field_and_the_allowed_values(overrides, match):
     assert "\n" not in str(err.value)
 
 
+def test_choices_come_from_the_literal_types():
+    """A choice's allowed values, its type check and every table keyed by it follow its Literal; a
+    table missing a value fails at import (shown here on a copy missing one)."""
+    from typing import get_args
+
+    from tformer.config import ACTIVATIONS, Activation, check_table
+    from tformer.nn.ffn import FFN_KINDS
+    assert ACTIVATIONS == get_args(Activation) and tuple(FFN_KINDS) == ACTIVATIONS
+    with pytest.raises(TypeError, match=r"FFN_KINDS does not match its choices: missing \['geglu'\], extra \['tanh'\]"):
+        check_table({**{k: v for k, v in FFN_KINDS.items() if k != "geglu"}, "tanh": None}, Activation, "FFN_KINDS")
+    with pytest.raises(ConfigError, match="activation=3 has the wrong type; expected a string"):
+        build_model("gpt2-tiny", activation=3)
+    with pytest.raises(ConfigError, match="d_head=2.0 has the wrong type; expected an integer"):
+        build_model("gpt2-tiny", d_head=2.0)  # an optional int is still an int
+
+
 def test_unknown_preset_suggests_the_closest():
     with pytest.raises(ConfigError, match="unknown preset 'gpt2-smal'; did you mean 'gpt2-small'"):
         build_model("gpt2-smal")

@@ -242,6 +242,8 @@ def _error_line(capsys):
     ("model: {preset: gpt2-tiny}\n", ["optim.schedule=inverse_sqrt"],
      "optim.schedule=inverse_sqrt needs optim.warmup_steps >= 1"),
     ("model: {preset: gpt2-tiny}\n", ["optim.label_smoothing=1.2"], "optim.label_smoothing=1.2 must be in [0, 1)"),
+    ("model: {preset: gpt2-tiny}\n", ["parallel.pp_layers=3"], "parallel.pp_layers=3 has the wrong type; expected a list"),
+    ("model: {preset: gpt2-tiny}\n", ["parallel.backend=smoke"], "use one of: gloo, nccl, mpi, ucc (or null: nccl on CUDA"),
 ])
 def test_bad_config_gives_one_clear_error_line(cache, tmp_path, capsys, content, overrides, match):
     from tformer.cli import main

@@ -55,6 +55,7 @@ def _data(argv: list[str]) -> int:
 
 
 def _generate(argv: list[str]) -> int:
+    from .config import LENGTH_NORMS
     p = _Parser(prog="tformer generate", description="Generate text from a checkpoint: a "
                 "continuation (decoder) or a translation (encoder-decoder).")
     p.add_argument("checkpoint", help="a run directory or one of its checkpoints")
@@ -66,7 +67,7 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--num-beams", type=int, default=1, help="beam search with this many beams (1 = greedy)")
     p.add_argument("--length-penalty", type=_number(float, "[0, inf)"), default=None,
                    help="beam search: alpha of the length normalisation (the paper: 0.6)")
-    p.add_argument("--length-norm", choices=["gnmt", "power"], default="gnmt",
+    p.add_argument("--length-norm", choices=LENGTH_NORMS, default="gnmt",
                    help="gnmt: ((5 + len) / 6) ** alpha (the paper's); power: len ** alpha (HF's)")
     p.add_argument("--translation-only", action="store_true",
                    help="encoder-decoder: print only the generated text, not the labelled source line")

@@ -1,33 +1,71 @@
-"""Typed model configuration: one dataclass whose fields are the family switches.
+"""Typed model configuration: one dataclass whose fields are the family switches, and the checks
+every config dataclass (this one and the run config's sections) gets from its annotations.
 
-Every error names the field and the allowed values, in one line.
+Every error names the field and the allowed values, in one line. Each choice is a ``Literal``
+type: the field's annotation, the tuple of allowed values and the error message all come from it,
+so a new value is added in one place.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
+import types
 from dataclasses import dataclass, fields
-from typing import Any, get_type_hints
+from typing import Any, Iterator, Literal, Mapping, Union, get_args, get_origin, get_type_hints
 
 
 class ConfigError(ValueError):
     """A configuration problem, stated in one line that names the field and the fix."""
 
 
-FAMILIES = ("encoder", "decoder", "encdec")
-POSITIONS = ("none", "learned", "sinusoidal", "rotary", "relative")
-NORMS = ("layernorm", "rmsnorm")
-NORM_POSITIONS = ("pre", "post")
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
-ATTN_IMPLS = ("sdpa", "math")
+# -- the model's choices ---------------------------------------------------------------------------
+Family = Literal["encoder", "decoder", "encdec"]
+Position = Literal["none", "learned", "sinusoidal", "rotary", "relative"]
+Norm = Literal["layernorm", "rmsnorm"]
+NormPosition = Literal["pre", "post"]
+Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu"]
+AttnImpl = Literal["sdpa", "math"]
+
+# -- training choices the lower layers act on ------------------------------------------------------
+# They live here, not in tformer/train/config.py (which re-exports them), because nn, models, data
+# and parallel may import this module but not the train layer above them.
+Precision = Literal["auto", "bf16", "fp32", "fp16"]
+StrategyName = Literal["ddp", "fsdp", "deepspeed"]
+ACMode = Literal["none", "full", "selective", "op"]
+PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+LengthNorm = Literal["gnmt", "power"]
+OnExhausted = Literal["repeat", "stop"]
+
+FAMILIES: tuple[Family, ...] = get_args(Family)
+POSITIONS: tuple[Position, ...] = get_args(Position)
+NORMS: tuple[Norm, ...] = get_args(Norm)
+NORM_POSITIONS: tuple[NormPosition, ...] = get_args(NormPosition)
+ACTIVATIONS: tuple[Activation, ...] = get_args(Activation)
+ATTN_IMPLS: tuple[AttnImpl, ...] = get_args(AttnImpl)
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+STRATEGIES: tuple[StrategyName, ...] = get_args(StrategyName)
+AC_MODES: tuple[ACMode, ...] = get_args(ACMode)
+PP_SCHEDULES: tuple[PPSchedule, ...] = get_args(PPSchedule)
+LENGTH_NORMS: tuple[LengthNorm, ...] = get_args(LengthNorm)
+ON_EXHAUSTED: tuple[OnExhausted, ...] = get_args(OnExhausted)
+
+
+def check_table(table: Mapping[Any, Any], choice: Any, what: str) -> None:
+    """Fail at import when ``table`` (keyed by the values of the ``Literal`` ``choice``) misses a
+    value or has one too many, so a value added to the type cannot leave a table behind."""
+    missing = [v for v in get_args(choice) if v not in table]
+    extra = [k for k in table if k not in get_args(choice)]
+    if missing or extra:
+        raise TypeError(f"{what} does not match its choices: missing {missing}, extra {extra}")
 
 
 @dataclass
 class ModelConfig:
     """Architecture of one model. ``family`` picks the stack; the other fields pick the blocks."""
 
-    family: str = "decoder"              # encoder (BERT-like) | decoder (GPT-like) | encdec (T5-like)
+    family: Family = "decoder"           # encoder (BERT-like) | decoder (GPT-like) | encdec (T5-like)
     flavour: str = "gpt2"                # HF counterpart for export: bert | gpt2 | llama | t5 | marian | custom
     vocab_size: int = 50257
     pad_vocab_multiple: int = 1          # pad the embedding rows to a multiple (64 is fast); 1 = off
@@ -39,18 +77,18 @@ class ModelConfig:
     d_head: int | None = None            # per-head width d_k = d_v; default d_model // num_heads
     d_ff: int = 3072
     max_seq_len: int = 1024
-    position: str = "learned"
+    position: Position = "learned"
     rope_theta: float = 10000.0
     rel_num_buckets: int = 32
     rel_max_distance: int = 128
-    norm: str = "layernorm"
+    norm: Norm = "layernorm"
     norm_eps: float = 1e-5
     norm_bias: bool = True
-    norm_position: str = "pre"           # pre (GPT-2, Llama, T5) | post (the paper, BERT)
-    activation: str = "gelu_tanh"
+    norm_position: NormPosition = "pre"  # pre (GPT-2, Llama, T5) | post (the paper, BERT)
+    activation: Activation = "gelu_tanh"
     bias: bool = True                    # biases in attention and FFN projections
     attn_scale: bool = True              # 1/sqrt(d_k); T5 has none
-    attn_impl: str = "sdpa"              # sdpa (fast path) | math (explicit reference)
+    attn_impl: AttnImpl = "sdpa"         # sdpa (fast path) | math (explicit reference)
     dropout: float = 0.0
     attn_dropout: float = 0.0
     tie_embeddings: bool = True
@@ -91,15 +129,7 @@ class ModelConfig:
 
     # -- validation --------------------------------------------------------------------------
     def validate(self) -> None:
-        hints = get_type_hints(type(self))
-        for f in fields(self):
-            _check_type(f.name, getattr(self, f.name), hints[f.name])
-        for name, allowed in (("family", FAMILIES), ("position", POSITIONS), ("norm", NORMS),
-                              ("norm_position", NORM_POSITIONS), ("activation", ACTIVATIONS),
-                              ("attn_impl", ATTN_IMPLS)):
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ConfigError(f"{name}={value!r} is not allowed; use one of: {', '.join(allowed)}")
+        check_fields(self)
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len",
                      "pad_vocab_multiple", "rel_num_buckets", "rel_max_distance"):
             if getattr(self, name) <= 0:
@@ -203,26 +233,86 @@ def check_keys(data: dict[str, Any], cls: type, section: str) -> None:
             raise ConfigError(f"unknown config key {prefix}{key}{hint}")
 
 
+@functools.cache
+def field_hints(cls: type) -> dict[str, Any]:
+    """The resolved annotations of a dataclass (cached: every ``replace`` validates again)."""
+    return get_type_hints(cls)
+
+
+def unwrap_optional(hint: Any) -> tuple[Any, bool]:
+    """``X | None`` -> ``(X, True)``; any other hint -> ``(hint, False)``."""
+    if get_origin(hint) in (Union, types.UnionType):
+        args = get_args(hint)
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1 and len(rest) < len(args):
+            return rest[0], True
+    return hint, False
+
+
+def choices(hint: Any) -> tuple | None:
+    """The allowed values of a ``Literal`` hint (optional or not), else None."""
+    base, _ = unwrap_optional(hint)
+    return get_args(base) if get_origin(base) is Literal else None
+
+
+# What a value of each checked type must be, and how an error says so. bool comes before int
+# (True is an int to isinstance); a float field also takes an integer.
+_EXPECTED: dict[type, tuple[Any, str]] = {
+    bool: (bool, "true or false"),
+    int: (int, "an integer"),
+    float: ((int, float), "a number"),
+    str: (str, "a string"),
+    list: (list, "a list"),
+}
+
+
 def _check_type(name: str, value: Any, hint: Any) -> None:
-    text = str(hint)
-    optional = "None" in text
+    """One ConfigError when ``value`` does not fit the resolved annotation ``hint``: null where the
+    hint is not optional, or a value of the wrong type. A ``Literal``'s values are checked by
+    ``_check_choice``; hints of other kinds (a nested section) are not checked here."""
+    base, optional = unwrap_optional(hint)
     if value is None:
         if not optional:
             raise ConfigError(f"{name} must not be null")
         return
-    if "bool" in text:
-        ok = isinstance(value, bool)
-        want = "true or false"
-    elif "int" in text:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        want = "an integer"
-    elif "float" in text:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        want = "a number"
-    elif "str" in text:
-        ok = isinstance(value, str)
-        want = "a string"
-    else:
+    allowed = choices(base)
+    if allowed is not None:  # a Literal: its values' type (every choice is a string)
+        kinds = {type(v) for v in allowed}
+        base = kinds.pop() if len(kinds) == 1 else None
+    if base not in _EXPECTED:
         return
+    want, text = _EXPECTED[base]
+    ok = isinstance(value, want) and (base is bool or not isinstance(value, bool))
     if not ok:
-        raise ConfigError(f"{name}={value!r} has the wrong type; expected {want}")
+        raise ConfigError(f"{name}={value!r} has the wrong type; expected {text}")
+
+
+def _check_choice(name: str, value: Any, hint: Any, null: str | None = None) -> None:
+    """One ConfigError when a ``Literal`` field's value is not one of its values. ``null``: what
+    null means where the field is optional (said in the message)."""
+    allowed = choices(hint)
+    if allowed is None or value is None or value in allowed:
+        return
+    tail = f" (or null: {null})" if null else ""
+    raise ConfigError(f"{name}={value!r} is not allowed; use one of: {', '.join(map(str, allowed))}{tail}")
+
+
+def _walk(obj: Any, prefix: str) -> Iterator[tuple[str, Any, Any, dataclasses.Field]]:
+    """(dotted key, value, hint, field) of every field of dataclass ``obj``, nested sections
+    (fields holding a dataclass) included after their own entry."""
+    hints = field_hints(obj.__class__)
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        yield prefix + config_key(f), value, hints[f.name], f
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            yield from _walk(value, f"{prefix}{config_key(f)}.")
+
+
+def check_fields(obj: Any, prefix: str = "") -> None:
+    """The checks every field gets from its annotation alone: first the type of every field (in
+    nested sections too), then each ``Literal`` field's value against its allowed values."""
+    entries = list(_walk(obj, prefix))
+    for name, value, hint, _ in entries:
+        _check_type(name, value, hint)
+    for name, value, hint, f in entries:
+        _check_choice(name, value, hint, f.metadata.get("null"))

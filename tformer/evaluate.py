@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import LengthNorm
 from .generate import generate
 
 
@@ -38,7 +39,7 @@ def corpus_scores(hypotheses: list[str], references: list[str]) -> tuple[float, 
 
 @torch.no_grad()
 def translate_pairs(model, pairs, tokenizer, indices, *, batch_size: int = 32, num_beams: int = 4,
-                    length_penalty: float | None = 0.6, length_norm: str = "gnmt",
+                    length_penalty: float | None = 0.6, length_norm: LengthNorm = "gnmt",
                     max_new_tokens: int | None = None, device=None) -> tuple[list[str], list[str]]:
     """Decode the sources of ``pairs`` (a ``Seq2SeqPairs``) at ``indices``; returns hypotheses and
     references as text. Sources are sorted by length into batches (less padding), results are

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from .config import LENGTH_NORMS, LengthNorm
 from .models import DecoderModel, EncoderDecoderModel
 
 
@@ -50,7 +51,6 @@ def _check_args(max_new_tokens: int, temperature: float, top_k, top_p) -> None:
 
 
 _FROM_CONFIG = object()
-LENGTH_NORMS = ("gnmt", "power")
 log = logging.getLogger("tformer.generate")
 
 
@@ -59,7 +59,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, *,
              attention_mask: torch.Tensor | None = None, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, eos_token_id=_FROM_CONFIG,
              generator: torch.Generator | None = None, use_cache: bool = True, num_beams: int = 1,
-             length_penalty: float | None = None, length_norm: str = "gnmt",
+             length_penalty: float | None = None, length_norm: LengthNorm = "gnmt",
              early_stopping: bool = False) -> torch.Tensor:
     """Continue ``input_ids`` (decoder: the prompt, left-padded with ``attention_mask`` for ragged
     batches; encoder-decoder: the source). Returns prompt + new tokens for a decoder, and the
@@ -150,7 +150,7 @@ def _generate_encdec(model, src, src_mask, steps, temperature, top_k, top_p, eos
 
 # -- beam search ---------------------------------------------------------------------------------
 
-def _check_beam_args(num_beams: int, length_penalty: float | None, length_norm: str) -> None:
+def _check_beam_args(num_beams: int, length_penalty: float | None, length_norm: LengthNorm) -> None:
     if not isinstance(num_beams, int) or num_beams < 1:
         raise ValueError(f"num_beams={num_beams} must be an integer >= 1 (1 = greedy)")
     if length_norm not in LENGTH_NORMS:
@@ -159,7 +159,7 @@ def _check_beam_args(num_beams: int, length_penalty: float | None, length_norm: 
         raise ValueError(f"length_penalty={length_penalty} must be a finite number")
 
 
-def length_normaliser(length: int, alpha: float, form: str = "gnmt") -> float:
+def length_normaliser(length: int, alpha: float, form: LengthNorm = "gnmt") -> float:
     """Divisor of a hypothesis' summed log-probability. ``gnmt`` (Wu et al. 2016, used by the
     Transformer paper with alpha 0.6): ``((5 + length) / 6) ** alpha``; ``power`` (HF
     ``transformers``' ``length_penalty``): ``length ** alpha``. alpha 0: raw log-probability."""
@@ -207,7 +207,7 @@ class _Stepper:
 @torch.no_grad()
 def beam_search(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_beams: int = 4,
                 attention_mask: torch.Tensor | None = None, length_penalty: float = 0.0,
-                length_norm: str = "gnmt", eos_token_id=_FROM_CONFIG, early_stopping: bool = False) -> torch.Tensor:
+                length_norm: LengthNorm = "gnmt", eos_token_id=_FROM_CONFIG, early_stopping: bool = False) -> torch.Tensor:
     """Batched beam search with the KV cache (cache rows reordered as beams are chosen).
 
     Each step scores every continuation of the ``k`` live beams, keeps the best ``2k``, moves those

@@ -24,13 +24,13 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from ..config import ON_EXHAUSTED, OnExhausted
 from .errors import DataError
 from .samples import KeyedDataset
 
 log = logging.getLogger("tformer.data")
 
 BLOCK = 10_000
-ON_EXHAUSTED = ("repeat", "stop")
 
 
 class Mixture:
@@ -114,7 +114,7 @@ class MixtureDataset(KeyedDataset):
     """
 
     def __init__(self, sources: Sequence[KeyedDataset], schedule: MixtureSchedule, seed: int = 0,
-                 on_exhausted: str = "repeat"):
+                 on_exhausted: OnExhausted = "repeat"):
         if on_exhausted not in ON_EXHAUSTED:
             raise DataError(f"on_exhausted={on_exhausted!r}: use one of {', '.join(ON_EXHAUSTED)}")
         if len(sources) != len(schedule.names):

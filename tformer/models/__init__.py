@@ -3,14 +3,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError, Family, ModelConfig, check_table
 from .base import ModelOutput, TformerModel
 from .decoder import DecoderModel
 from .encdec import EncoderDecoderModel
 from .encoder import EncoderModel
 from .presets import PRESETS, preset
 
-FAMILY_CLASSES = {"encoder": EncoderModel, "decoder": DecoderModel, "encdec": EncoderDecoderModel}
+FAMILY_CLASSES: dict[Family, type[TformerModel]] = {"encoder": EncoderModel, "decoder": DecoderModel,
+                                                    "encdec": EncoderDecoderModel}
+check_table(FAMILY_CLASSES, Family, "FAMILY_CLASSES")
 
 
 def build_config(preset_or_config: str | ModelConfig | dict[str, Any], **overrides: Any) -> ModelConfig:

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
 from ..nn import DocumentMask, TransformerStack, make_norm, positions_from_doc_ids
-from ..nn.ffn import ACTIVATIONS
+from ..nn.ffn import FFN_KINDS
 from .base import Embeddings, ModelOutput, TformerModel, default_positions
 
 
@@ -18,7 +19,8 @@ class EncoderModel(TformerModel):
         self.encoder = TransformerStack(cfg, cfg.num_layers, causal=False)
         # BERT's MLM head: dense -> activation -> norm -> vocabulary projection (+ its own bias).
         self.head_dense = nn.Linear(cfg.d_model, cfg.d_model)
-        self.head_act = ACTIVATIONS.get(cfg.activation, ACTIVATIONS["gelu"])
+        act, gated = FFN_KINDS[cfg.activation]
+        self.head_act = F.gelu if gated else act  # a gated kind is no one function: its head uses GELU
         self.head_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=True)
         self.init_weights()

@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import ATTN_IMPLS, AttnImpl
 from .position import apply_rotary
-
-ATTN_IMPLS = ("sdpa", "math")
 
 
 class KVCache:
@@ -107,7 +106,7 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  d_k: int | None = None, d_v: int | None = None, kv_dim: int | None = None,
                  bias: bool = True, scale: bool = True, dropout: float = 0.0,
-                 attn_dropout: float = 0.0, impl: str = "sdpa"):
+                 attn_dropout: float = 0.0, impl: AttnImpl = "sdpa"):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         if d_k is None:

@@ -1,37 +1,46 @@
 """Position-wise feed-forward networks: plain (ReLU / GELU) and gated (SwiGLU / GEGLU)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import ACTIVATIONS, Activation, check_table
 from .rebuild import Rebuild
 
-ACTIVATIONS = {
-    "relu": F.relu,
-    "gelu": F.gelu,  # exact erf form (BERT, HF "gelu")
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2 "gelu_new"
-    "silu": F.silu,
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")  # GPT-2 "gelu_new"
+
+
+# Every activation of ModelConfig: (the function, whether the FFN is gated). A gated kind applies the
+# function to the gate projection and multiplies by the up projection.
+FFN_KINDS: dict[Activation, tuple[Callable[[torch.Tensor], torch.Tensor], bool]] = {
+    "relu": (F.relu, False),
+    "gelu": (F.gelu, False),  # exact erf form (BERT, HF "gelu")
+    "gelu_tanh": (gelu_tanh, False),
+    "silu": (F.silu, False),
+    "swiglu": (F.silu, True),
+    "geglu": (gelu_tanh, True),
 }
-GATED = {"swiglu": "silu", "geglu": "gelu_tanh"}
-FFN_KINDS = tuple(ACTIVATIONS) + tuple(GATED)
+check_table(FFN_KINDS, Activation, "FFN_KINDS")
 
 
 class FeedForward(nn.Module):
     """``down(act(up(x)))``, or for gated kinds ``down(act(gate(x)) * up(x))``."""
 
-    def __init__(self, d_model: int, d_ff: int, activation: str = "gelu", bias: bool = True,
+    def __init__(self, d_model: int, d_ff: int, activation: Activation = "gelu", bias: bool = True,
                  dropout: float = 0.0):
         super().__init__()
         if activation not in FFN_KINDS:
-            raise ValueError(f"unknown activation {activation!r}; allowed: {', '.join(FFN_KINDS)}")
-        self.gated = activation in GATED
-        self.act = ACTIVATIONS[GATED.get(activation, activation)]
+            raise ValueError(f"unknown activation {activation!r}; allowed: {', '.join(ACTIVATIONS)}")
+        self.act, self.gated = FFN_KINDS[activation]
         self.gate = nn.Linear(d_model, d_ff, bias=bias) if self.gated else None
         self.up = nn.Linear(d_model, d_ff, bias=bias)
         self.down = nn.Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
-
         # backward rebuilds the activation's output (and the gated product) from the tensors the
         # activation keeps anyway, instead of keeping them (nn/rebuild.py); False keeps them
         self.rebuild = activation != "relu"  # ReLU's backward needs its output: nothing to gain

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import NORMS, Norm
+
 
 class LayerNorm(nn.Module):
     """LayerNorm with an optional bias (Llama-era models drop it; GPT-2 and BERT keep it)."""
@@ -34,12 +36,12 @@ class RMSNorm(nn.Module):
         return normed * self.weight.to(x.dtype)
 
 
-def make_norm(kind: str, dim: int, eps: float, bias: bool = True) -> nn.Module:
+def make_norm(kind: Norm, dim: int, eps: float, bias: bool = True) -> nn.Module:
     if kind == "layernorm":
         return LayerNorm(dim, eps, bias)
     if kind == "rmsnorm":
         return RMSNorm(dim, eps)
-    raise ValueError(f"unknown norm {kind!r}; use 'layernorm' or 'rmsnorm'")
+    raise ValueError(f"unknown norm {kind!r}; use {' or '.join(repr(n) for n in NORMS)}")
 
 
 def residual(x: torch.Tensor, norm: nn.Module, sublayer, pre_norm: bool) -> torch.Tensor:

@@ -17,9 +17,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from ..config import AC_MODES, ACMode
 from ..nn import TransformerBlock, TransformerStack
-
-AC_MODES = ("none", "full", "selective", "op")
 
 _aten = torch.ops.aten
 ATTENTION_OPS = {getattr(_aten, name).default for name in (
@@ -50,7 +49,7 @@ def op_context(policy=op_policy):
     return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every: int = 1) -> int:
+def apply_activation_checkpointing(model: nn.Module, mode: ACMode = "full", every: int = 1) -> int:
     """Mark blocks for recomputation; returns how many blocks were marked."""
     if mode not in AC_MODES:
         raise ValueError(f"activation checkpointing mode {mode!r} is not allowed; use one of: "

@@ -19,7 +19,7 @@ import torch
 from ..config import ConfigError
 from ..files import torch_save_durable
 from ..safeload import CheckpointError, torch_load_safe
-from .strategy import Strategy
+from .strategy import StepResult, Strategy
 
 log = logging.getLogger("tformer.parallel")
 TAG = "state"
@@ -66,7 +66,7 @@ def deepspeed_config(cfg, precision: str) -> dict:
     zero = ds.setdefault("zero_optimization", {})
     # Bucket sizes scaled to the model (DeepSpeed's fixed 5e8-element default allocates 1-2 GB per
     # rank for its ZeRO-3 reduce bucket even for a small model): d^2 elements, as HF does for "auto".
-    d = cfg.model_config().d_model
+    d = cfg.model.d_model
     for key, value in (("reduce_bucket_size", d * d), ("stage3_prefetch_bucket_size", int(0.9 * d * d)),
                        ("stage3_param_persistence_threshold", 10 * d)):
         if zero.get(key) == "auto":
@@ -107,9 +107,12 @@ def check_offload_ops(ds: dict, where: str) -> None:
 
 
 class DeepSpeedStrategy(Strategy):
+    """The engine clips, steps, skips non-finite steps and zeroes the gradients itself."""
     name = "deepspeed"
-    owns_step = True
     async_save = False
+    engine = None  # made with the optimizer (setup_optimizer)
+    base_optimizer = None  # the torch AdamW whose state DeepSpeed fills on load
+    _finite = None  # this rank's micro-batch losses so far this step were all finite
 
     @classmethod
     def check(cls, cfg, precision: str) -> None:
@@ -152,7 +155,7 @@ class DeepSpeedStrategy(Strategy):
         # reduction spreads them, the engine's global norm is then non-finite on every rank, and
         # every rank skips the update together (see ``step``).
         finite = torch.isfinite(loss.detach())
-        self._finite = finite if getattr(self, "_finite", None) is None else self._finite & finite
+        self._finite = finite if self._finite is None else self._finite & finite
         if last_micro:
             loss = loss * torch.where(self._finite, 1.0, float("nan"))
             self._finite = None
@@ -166,13 +169,19 @@ class DeepSpeedStrategy(Strategy):
         not finite (and clear its gradients); a plain torch optimizer under stage 0 fp32 does not."""
         return hasattr(self.engine.optimizer, "overflow")
 
-    def step(self) -> float:
-        """Clip and update; sets ``step_applied`` (False: the engine skipped a non-finite step)."""
+    def step(self, optimizer, scaler, max_norm: float, loss_finite: bool) -> StepResult:
+        """The engine clips (``gradient_clipping``, from ``optim.grad_clip``) and updates, or skips
+        a step whose global norm is not finite. Where it cannot skip (``can_skip``), a non-finite
+        loss stops the run before the update; an update it applied on a non-finite loss stops it
+        after."""
+        if not loss_finite and not self.can_skip:
+            return StepResult(float("nan"), applied=False, must_stop=True)
         skipped = self.engine.skipped_steps
         self.engine.step()
-        self.step_applied = self.engine.skipped_steps == skipped
+        applied = self.engine.skipped_steps == skipped
         norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        return StepResult(float(norm) if norm is not None else float("nan"), applied,
+                          must_stop=applied and not loss_finite)
 
     def save(self, tmp: Path, optimizer, scheduler, scaler, background: bool = False) -> None:
         """Always synchronous: DeepSpeed's ``save_checkpoint`` has no background mode that hands

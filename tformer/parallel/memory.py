@@ -2,6 +2,8 @@
 model states held by a rank, and the activations autograd saves during a forward pass."""
 from __future__ import annotations
 
+import resource
+
 import torch
 
 
@@ -9,6 +11,13 @@ import torch
 # reduce_bucket_size elements, 5e8 by default: ~1 GB in bf16) are communication buffers, the ZeRO
 # paper's "residual states", not model states: they are counted apart.
 BUFFER_KEYS = ("ipg_bucket", "ipg_buckets", "ipg_buffer")
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """The process's peak memory in MB: allocated on a CUDA device, else the peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:

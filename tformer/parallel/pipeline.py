@@ -34,10 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ConfigError, ModelConfig
+from ..config import PP_SCHEDULES, ConfigError, ModelConfig
 from ..nn import TransformerStack
-
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 def num_stages(pcfg) -> int:

@@ -38,7 +38,7 @@ import functools
 from dataclasses import dataclass
 
 from ..args import parse_bytes
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig, Precision
 
 STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-no-reshard")
 # bytes per parameter of DeepSpeed's fp32 ZeRO as built, by device count N (see the module doc)
@@ -478,7 +478,7 @@ def estimate(cfg: ModelConfig, strategy: str, devices: int, micro_batch: int, se
     return best
 
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16", "fp16")  # the run's, once precision=auto is resolved
 
 
 def rank_memory(cfg: ModelConfig, *, seq_len: int, micro_batch: int = 1, dp_replicate: int = 1,
@@ -560,7 +560,7 @@ def pp_layouts(cfg: ModelConfig, devices: int, gpus_per_node: int = 8, n_micro: 
 def training_memory(cfg) -> dict:
     """``activation_bytes`` settings of a run config: the trainer's loss-only path, its chunked
     head, offload (host memory only on an accelerator) and BERT's labelled share."""
-    model_cfg = cfg.model_config()
+    model_cfg = cfg.model
     return {"return_logits": False, "chunk": cfg.loss.chunk_size,
             "offload": cfg.parallel.activation_offload and cfg.device != "cpu",
             "labelled": cfg.data.mlm_probability if model_cfg.family == "encoder" else 1.0}
@@ -659,7 +659,7 @@ def plan_main(cfg, config: str, devices: int, device_memory: str, gpus_per_node:
     loaded by the CLI from the file ``config``: train/ is a layer above this one). ``n_micro``:
     the pipeline layouts' micro-batches per step (default 4 x pp); ``max_pp``: the largest pp tried
     (default: the device count; 1: no pipelines)."""
-    model_cfg = cfg.model_config()
+    model_cfg = cfg.model
     memory = parse_bytes(device_memory)
     mixed = cfg.precision != "fp32"
     target = None

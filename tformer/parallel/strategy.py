@@ -13,11 +13,14 @@ strategy. ``ddp`` also writes ``model.safetensors`` (rank 0 holds the full model
 from __future__ import annotations
 
 import contextlib
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from ..config import StrategyName
 from ..files import save_model_weights, torch_save_durable
 from ..nn import TransformerBlock, TransformerStack
 from ..safeload import CheckpointError, torch_load_safe
@@ -26,11 +29,33 @@ from .async_save import AsyncSaver, BackgroundWrite
 from .compile import compile_blocks
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did. ``grad_norm``: the global gradient norm before clipping (nan
+    when it was not computed: a non-finite loss). ``applied``: the parameters changed. ``must_stop``:
+    the run cannot go on safely (a non-finite step that could not be skipped, or that an engine
+    applied anyway)."""
+    grad_norm: float
+    applied: bool
+    must_stop: bool = False
+
+
 class Strategy:
+    """The contract every strategy implements, and the DDP / TP / PP behaviour (``FSDPStrategy``
+    and ``DeepSpeedStrategy`` override what differs): ``check`` (before any process group),
+    ``wrap`` and ``setup_optimizer`` (at construction), ``no_sync`` / ``loss_context`` /
+    ``backward`` (per micro-batch), ``step`` (per optimizer step: clip, update, clear the
+    gradients, one ``StepResult``), ``save`` / ``load`` / ``load_weights`` (checkpoints) and
+    ``memory_report``. The trainer has one update path whatever the strategy."""
     name = "ddp"
-    owns_step = False  # True: the engine clips and steps (DeepSpeed)
     async_save = True  # checkpoint.async: DCP writes in the background (DeepSpeed: synchronous)
     _saver: AsyncSaver | None = None  # made at the first background save
+    # pipeline only (pp > 1): this rank's stage indices, whether it holds the last stage (the
+    # loss), torch's schedule and the parameters shared between stages (tied embeddings)
+    stage_ids: list[int] = []
+    is_last_stage = True
+    schedule = None
+    shared = None
 
     def __init__(self, model: torch.nn.Module, cfg, dist_info, dtype: torch.dtype):
         self.model = model  # the unwrapped module (for state dicts and evaluation)
@@ -99,6 +124,33 @@ class Strategy:
         tensor parallelism (the cross-entropy over vocabulary-sharded logits), else nothing."""
         from .tp import loss_context
         return loss_context(self.loss_parallel)
+
+    def step(self, optimizer, scaler, max_norm: float, loss_finite: bool) -> StepResult:
+        """Clip to ``max_norm`` (inf: measure only), update and clear the gradients. A non-finite
+        loss or gradient norm skips the update; under fp16 the scaler skips overflowing steps itself
+        (counted as applied: it lowers its scale and the run goes on)."""
+        grad_norm, applied = float("nan"), False
+        if loss_finite:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            grad_norm = self.clip_grad_norm(max_norm)
+            if math.isfinite(grad_norm) or scaler is not None:
+                if scaler is not None:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+                applied = True
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(grad_norm, applied)
+
+    def memory_report(self, optimizer) -> dict[str, float]:
+        """This rank's memory in MB: the model states it holds (parameters, gradients still held,
+        optimizer states: its shards under FSDP2 / TP / PP / ZeRO) and the process's peak on its
+        device (``parallel.memory.peak_memory_mb``)."""
+        from .memory import model_state_bytes, peak_memory_mb
+        return {"model_states_mb": model_state_bytes(self.model, optimizer) / 2**20,
+                "memory_mb": peak_memory_mb(self.dist.device)}
 
     def clip_grad_norm(self, max_norm: float) -> float:
         if self.pp > 1:  # shared weights' gradients summed over the stages; the norm over all stages
@@ -253,7 +305,7 @@ def _strip_optimizer_key(key: str) -> str:
     return f"{head}.{rest}"
 
 
-def strategy_class(name: str):
+def strategy_class(name: StrategyName):
     if name == "deepspeed":
         from .deepspeed import DeepSpeedStrategy
         return DeepSpeedStrategy

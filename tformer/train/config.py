@@ -9,23 +9,36 @@ import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, Literal, get_args
 
 import yaml
 
-from ..config import ConfigError, _check_type, check_keys, check_ranges, config_key
+from ..config import (ACMode, AttnImpl, ConfigError, Family, LengthNorm, ModelConfig, OnExhausted, Precision,
+                      StrategyName, _check_type, check_fields, check_keys, check_ranges, check_table,
+                      config_key, field_hints, unwrap_optional)
+# The run's choices that the lower layers also act on are defined in tformer/config.py (the layer
+# they may import); their tuples are re-exported here with the others.
+from ..config import AC_MODES as AC_MODES, LENGTH_NORMS as LENGTH_NORMS, ON_EXHAUSTED as ON_EXHAUSTED
+from ..config import PRECISIONS as PRECISIONS, STRATEGIES as STRATEGIES
 from ..models import build_config
 
-PRECISIONS = ("auto", "bf16", "fp32", "fp16")
-SCHEDULES = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
-STRATEGIES = ("ddp", "fsdp", "deepspeed")
-NONFINITE = ("skip", "stop")
-DEVICES = ("auto", "cpu", "cuda")
-OBJECTIVES = ("auto", "causal", "mlm", "span", "seq2seq")
-AC_MODES = ("none", "full", "selective", "op")
-SPIKE_ACTIONS = ("none", "warn", "rollback")
-BACKENDS = ("gloo", "nccl", "mpi", "ucc")
-DOC_MASK_IMPLS = ("sdpa", "math")  # attention implementations that take a document mask
+Schedule = Literal["cosine", "linear", "constant", "wsd", "inverse_sqrt"]
+NonFinite = Literal["skip", "stop"]
+Device = Literal["auto", "cpu", "cuda"]
+Objective = Literal["auto", "causal", "mlm", "span", "seq2seq"]
+SpikeAction = Literal["none", "warn", "rollback"]
+Backend = Literal["gloo", "nccl", "mpi", "ucc"]
+
+SCHEDULES: tuple[Schedule, ...] = get_args(Schedule)
+NONFINITE: tuple[NonFinite, ...] = get_args(NonFinite)
+DEVICES: tuple[Device, ...] = get_args(Device)
+OBJECTIVES: tuple[Objective, ...] = get_args(Objective)
+SPIKE_ACTIONS: tuple[SpikeAction, ...] = get_args(SpikeAction)
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
+DOC_MASK_IMPLS: tuple[AttnImpl, ...] = ("sdpa", "math")  # attention implementations that take a document mask
+# data.objective=auto: the objective of each family
+AUTO_OBJECTIVE: dict[Family, Objective] = {"decoder": "causal", "encoder": "mlm", "encdec": "span"}
+check_table(AUTO_OBJECTIVE, Family, "AUTO_OBJECTIVE")
 
 
 @dataclass
@@ -34,7 +47,7 @@ class DataConfig:
     text_column: str = "text"
     source_column: str = "src"       # seq2seq pairs
     target_column: str = "tgt"
-    objective: str = "auto"          # auto: decoder->causal, encoder->mlm, encdec->span
+    objective: Objective = "auto"    # auto: decoder->causal, encoder->mlm, encdec->span
     tokenizer: str = "auto"          # path to tokenizer.json, or "auto": train one on the source, cached
     tokenizer_vocab_size: int | None = None  # for "auto"; default = model.vocab_size
     seq_len: int = 128
@@ -57,7 +70,7 @@ class DataConfig:
     # The mixture changing at given steps: [{until_step: N, sources: [...]}, ...]; the last stage
     # must reach max_steps. Sources are matched across stages by name.
     stages: list = field(default_factory=list)
-    on_exhausted: str = "repeat"     # a mixture source read to its end: repeat (re-epoch, logged) | stop
+    on_exhausted: OnExhausted = "repeat"  # a mixture source read to its end: repeat (re-epoch, logged) | stop
     document_mask: bool = False      # packed documents (pairs) attend only within themselves
     pack_len: int | None = None      # seq2seq + document_mask: source / target tokens per packed row
                                      # (default: data.seq_len / data.target_len, the longest pair)
@@ -73,7 +86,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0           # 0 = off
-    schedule: str = "cosine"         # inverse_sqrt: lr * min(t / warmup, sqrt(warmup / t)) (the paper's)
+    schedule: Schedule = "cosine"    # inverse_sqrt: lr * min(t / warmup, sqrt(warmup / t)) (the paper's)
     warmup_steps: int = 0
     decay_steps: int | None = None   # wsd: length of the final decay (default 20% of max_steps)
     fused: bool | None = None        # None = fused AdamW where torch supports it
@@ -86,17 +99,18 @@ class DecodeConfig:
     """How the run translates when BLEU is measured (``eval_bleu``, ``tformer evaluate --bleu``)."""
     num_beams: int = 4               # the paper: 4
     length_penalty: float = 0.6      # the paper: alpha 0.6
-    length_norm: str = "gnmt"        # gnmt: ((5 + len) / 6) ** alpha; power: len ** alpha (HF's)
+    length_norm: LengthNorm = "gnmt"  # gnmt: ((5 + len) / 6) ** alpha; power: len ** alpha (HF's)
     max_new_tokens: int | None = None  # default: the run's target length
     batch_size: int = 32
 
 
 @dataclass
 class ParallelConfig:
-    strategy: str = "ddp"            # ddp | fsdp (FSDP2) | deepspeed
-    backend: str | None = None       # None: nccl on CUDA, gloo on CPU
+    strategy: StrategyName = "ddp"   # ddp | fsdp (FSDP2) | deepspeed
+    # null: nccl on CUDA, gloo on CPU (metadata "null" says so in the not-allowed message)
+    backend: Backend | None = field(default=None, metadata={"null": "nccl on CUDA, gloo on CPU"})
     # none | full (every block) | selective (every ac_every-th) | op (per op: keep matmuls + attention)
-    activation_checkpointing: str = "none"
+    activation_checkpointing: ACMode = "none"
     ac_every: int = 2
     activation_offload: bool = False        # saved activations in (pinned) host memory; no-op on CPU
     reshard_after_forward: bool = True      # fsdp: true = ZeRO-3-like, false = ZeRO-2-like
@@ -111,7 +125,9 @@ class ParallelConfig:
     # Pipeline parallelism (tformer/parallel/pipeline.py): pp stages, outermost mesh dimension. The
     # pipeline's micro-batches are the grad_accum micro-batches of micro_batch_size samples each.
     pp: int = 1
-    pp_schedule: str = "1f1b"               # gpipe | 1f1b | interleaved_1f1b
+    # gpipe | 1f1b | interleaved_1f1b (PP_SCHEDULES). A string, not the PPSchedule Literal: its value
+    # is checked by check_pipeline with the rest of the layout, when the trainer builds the pipeline.
+    pp_schedule: str = "1f1b"
     pp_stages_per_rank: int = 1             # interleaved_1f1b: stages (virtual stages) per rank, >= 2
     pp_layers: list | None = None           # blocks per stage, e.g. [3, 5] (default: as even as possible)
 
@@ -145,7 +161,10 @@ class WandbConfig:
 
 @dataclass
 class TrainConfig:
-    model: dict = field(default_factory=lambda: {"preset": "gpt2-tiny"})
+    # Written as a preset plus field overrides (``model: {preset: gpt2-tiny, d_model: 64}``,
+    # ``model.d_model=64``), resolved into the ModelConfig when the config is read. ``to_dict``
+    # writes every field and no preset name, as the run's resolved config.yaml always has.
+    model: ModelConfig = field(default_factory=lambda: build_config("gpt2-tiny"))
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -160,7 +179,7 @@ class TrainConfig:
     max_steps: int = 1000
     max_tokens: int | None = None    # stop after this many tokens (all ranks together)
     max_time: float | None = None    # stop (and save) after this many seconds
-    precision: str = "auto"          # auto: bf16 where the device computes it natively, else fp32
+    precision: Precision = "auto"    # auto: bf16 where the device computes it natively, else fp32
     log_every: int = 10
     eval_every: int = 100            # 0 = only at the end
     eval_batches: int = 8
@@ -169,13 +188,13 @@ class TrainConfig:
     save_every: int = 200            # 0 = only at the end
     keep_checkpoints: int = 3
     resume: str = "auto"             # auto (newest complete checkpoint, if any) | none | a path
-    on_nonfinite: str = "skip"       # skip the step, or stop the run
+    on_nonfinite: NonFinite = "skip"  # skip the step, or stop the run
     max_skipped_steps: int = 10      # stop after this many consecutive non-finite steps
     # no step progress for this many seconds: every rank dumps its stacks to OUTPUT/watchdog/, the
     # stuck ranks are named, and the job exits non-zero (torchrun restarts / SLURM requeues take
     # over); collectives time out 60 s later. null = off
     watchdog_timeout: float | None = None
-    on_spike: str = "none"           # none | warn | rollback (to the newest checkpoint before the spike)
+    on_spike: SpikeAction = "none"   # none | warn | rollback (to the newest checkpoint before the spike)
     spike_factor: float = 3.0        # a loss above spike_factor x the running median is a spike
     spike_window: int = 50           # steps in the running median
     spike_warmup: int = 100          # no spike detection before this step
@@ -183,27 +202,13 @@ class TrainConfig:
     max_rollbacks: int = 3           # rollback: at most this many per run, then stop
     compile: bool = False
     progress: bool = True
-    device: str = "auto"             # auto | cpu | cuda
+    device: Device = "auto"          # auto | cpu | cuda
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        for section, allowed_name, allowed in (
-                ("precision", "precision", PRECISIONS), ("on_nonfinite", "on_nonfinite", NONFINITE),
-                ("device", "device", DEVICES)):
-            if getattr(self, section) not in allowed:
-                raise ConfigError(f"{allowed_name}={getattr(self, section)!r} is not allowed; "
-                                  f"use one of: {', '.join(allowed)}")
-        if self.optim.schedule not in SCHEDULES:
-            raise ConfigError(f"optim.schedule={self.optim.schedule!r} is not allowed; use one of: "
-                              f"{', '.join(SCHEDULES)}")
-        if self.parallel.strategy not in STRATEGIES:
-            raise ConfigError(f"parallel.strategy={self.parallel.strategy!r} is not allowed; use one of: "
-                              f"{', '.join(STRATEGIES)}")
-        if self.parallel.activation_checkpointing not in AC_MODES:
-            raise ConfigError(f"parallel.activation_checkpointing={self.parallel.activation_checkpointing!r} "
-                              f"is not allowed; use one of: {', '.join(AC_MODES)}")
+        check_fields(self)  # types, and every choice (a Literal field) in every section
         if self.parallel.dp_shard == 0:
             raise ConfigError("parallel.dp_shard=0 is not allowed; use a positive shard-group size, or -1 for "
                               "whatever the world size leaves after dp_replicate x tp")
@@ -212,9 +217,6 @@ class TrainConfig:
         if self.loss.chunk_size is not None and self.loss.chunk_size < 1:
             raise ConfigError(f"loss.chunk_size={self.loss.chunk_size} must be >= 1 (tokens per chunk), or null "
                               "for the unchunked loss")
-        if self.data.objective not in OBJECTIVES:
-            raise ConfigError(f"data.objective={self.data.objective!r} is not allowed; use one of: "
-                              f"{', '.join(OBJECTIVES)}")
         for name in ("micro_batch_size", "grad_accum", "max_steps", "log_every", "eval_batches",
                      "keep_checkpoints"):
             if getattr(self, name) < 1:
@@ -239,9 +241,6 @@ class TrainConfig:
                               f"data.objective={self.data.objective!r}; set eval_bleu=false")
         if self.decode.num_beams < 1:
             raise ConfigError(f"decode.num_beams={self.decode.num_beams} must be >= 1 (1 = greedy)")
-        if self.decode.length_norm not in ("gnmt", "power"):
-            raise ConfigError(f"decode.length_norm={self.decode.length_norm!r} is not allowed; use one of: "
-                              "gnmt, power")
         if self.bleu_samples is not None and self.bleu_samples < 1:
             raise ConfigError(f"bleu_samples={self.bleu_samples} must be >= 1 (or null for all pairs)")
         if self.optim.schedule == "inverse_sqrt" and self.optim.warmup_steps < 1:
@@ -250,18 +249,13 @@ class TrainConfig:
         if not 0.0 <= self.optim.label_smoothing < 1.0:
             raise ConfigError(f"optim.label_smoothing={self.optim.label_smoothing} must be in [0, 1) "
                               "(the paper uses 0.1)")
-        if self.parallel.backend is not None and self.parallel.backend not in BACKENDS:
-            raise ConfigError(f"parallel.backend={self.parallel.backend!r} is not allowed; use one of: "
-                              f"{', '.join(BACKENDS)} (or null: nccl on CUDA, gloo on CPU)")
-        if self.on_spike not in SPIKE_ACTIONS:
-            raise ConfigError(f"on_spike={self.on_spike!r} is not allowed; use one of: {', '.join(SPIKE_ACTIONS)}")
         check_ranges(self, RANGES)
-        model = self.model_config()  # the model section must build
         check_mixture(self)
-        check_document_mask(self, model)
+        check_document_mask(self, self.model)
 
-    def model_config(self):
-        return build_config(dict(self.model))
+    def model_config(self) -> ModelConfig:
+        """The model section (``cfg.model``), kept for callers written when it was a dict."""
+        return self.model
 
     @property
     def global_batch_per_rank(self) -> int:
@@ -346,8 +340,6 @@ def _check_sources(entries: Any, where: str) -> list[str]:
 
 def check_mixture(cfg: "TrainConfig") -> None:
     d = cfg.data
-    if d.on_exhausted not in ("repeat", "stop"):
-        raise ConfigError(f"data.on_exhausted={d.on_exhausted!r} is not allowed; use one of: repeat, stop")
     if (d.sources or d.stages) and d.source != "default":
         raise ConfigError("data.source and data.sources/data.stages are both set; give one (a single source, or "
                           "a mixture)")
@@ -382,14 +374,13 @@ def check_mixture(cfg: "TrainConfig") -> None:
                           f"stage's until_step to >= {cfg.max_steps}")
 
 
-def check_document_mask(cfg: "TrainConfig", model) -> None:
+def check_document_mask(cfg: "TrainConfig", model: ModelConfig) -> None:
     d = cfg.data
     if not d.document_mask:
         if d.pack_len is not None:
             raise ConfigError(f"data.pack_len={d.pack_len} sizes packed rows; it needs data.document_mask=true")
         return
-    objective = d.objective if d.objective != "auto" else {"decoder": "causal", "encoder": "mlm",
-                                                           "encdec": "span"}[model.family]
+    objective = d.objective if d.objective != "auto" else AUTO_OBJECTIVE[model.family]
     if objective == "span":
         raise ConfigError("data.document_mask=true cannot be honoured by span corruption (its spans are cut "
                           "across documents); use data.objective=seq2seq for packed pairs, or "
@@ -414,28 +405,28 @@ def _build(cls, data: Any, section: str):
     if not isinstance(data, dict):
         raise ConfigError(f"section {section or 'top level'} must be a mapping, got {type(data).__name__}")
     check_keys(data, cls, section)
-    hints = get_type_hints(cls)
-    kwargs = {}
+    hints = field_hints(cls)
+    kwargs: dict[str, Any] = {}
     for f in fields(cls):
         key = config_key(f)
         if key not in data:
             continue
         value, hint = data[key], hints[f.name]
         name = f"{section}.{key}" if section else key
-        if dataclasses.is_dataclass(hint):
-            kwargs[f.name] = _build(hint, value or {}, name)
-        elif hint is dict:
+        if hint is ModelConfig:  # a preset plus overrides, not the fields one by one
             if not isinstance(value, dict):
                 raise ConfigError(f"{name} must be a mapping (e.g. preset: gpt2-tiny), got {value!r}")
-            kwargs[f.name] = value
+            kwargs[f.name] = build_config(value)
+        elif dataclasses.is_dataclass(hint):
+            kwargs[f.name] = _build(hint, value or {}, name)
         elif hint is list:
             if not isinstance(value, list):
                 raise ConfigError(f"{name} must be a list, got {value!r}")
             kwargs[f.name] = value
         else:
-            if "float" in str(hint) and not isinstance(value, bool):
+            if unwrap_optional(hint)[0] is float and not isinstance(value, bool):
                 value = _as_float(value)
-            _check_type(name, value, hint)
+            _check_type(name, value, hint)  # a choice's value is checked with the others, in validate
             kwargs[f.name] = value
     return cls(**kwargs)
 

@@ -9,7 +9,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ModelConfig
+from ..config import Family, ModelConfig, check_table
 from ..files import atomic_write
 from ..data import (Collator, DataError, MLMDataset, MixtureDataset, MixtureSchedule, PackedCausalLM,
                     PackedSeq2Seq, Seq2SeqPairs,
@@ -18,12 +18,11 @@ from ..data import (Collator, DataError, MLMDataset, MixtureDataset, MixtureSche
                     tokenize_pairs, train_tokenizer)
 from ..data.loading import resolve_source
 from ..data.mixture import ConcatKeyed
-from .config import TrainConfig, source_name
+from .config import AUTO_OBJECTIVE, TrainConfig, source_name
 
 log = logging.getLogger("tformer.train")
 
 TOKENIZER_KIND = {"decoder": "bpe", "encoder": "wordpiece", "encdec": "unigram"}
-OBJECTIVE = {"decoder": "causal", "encoder": "mlm", "encdec": "span"}
 # Keys each family's forward takes from a batch (the rest, e.g. doc_ids, stays in the pipeline).
 MODEL_INPUTS = {
     "decoder": ("input_ids", "labels"),
@@ -36,6 +35,9 @@ DOC_INPUTS = {
     "encoder": ("doc_ids", "position_ids"),
     "encdec": ("decoder_input_ids", "doc_ids", "decoder_doc_ids"),
 }
+check_table(TOKENIZER_KIND, Family, "TOKENIZER_KIND")
+check_table(MODEL_INPUTS, Family, "MODEL_INPUTS")
+check_table(DOC_INPUTS, Family, "DOC_INPUTS")
 
 
 @dataclass
@@ -128,9 +130,9 @@ def _file_identity(source) -> list:
 
 
 def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
-    model_cfg = cfg.model_config()
+    model_cfg = cfg.model
     family = model_cfg.family
-    objective = OBJECTIVE[family] if cfg.data.objective == "auto" else cfg.data.objective
+    objective = AUTO_OBJECTIVE[family] if cfg.data.objective == "auto" else cfg.data.objective
     allowed = {"decoder": ("causal",), "encoder": ("mlm",), "encdec": ("span", "seq2seq")}[family]
     if objective not in allowed:
         raise DataError(f"data.objective={objective!r} does not fit a {family} model; use "
@@ -233,8 +235,8 @@ def prepare_data(cfg: TrainConfig, workers: int = 1, progress: bool = True,
     source and split: tokens, documents (rows) and bytes on disk."""
     from ..data.cache import prepare_columns
 
-    family = cfg.model_config().family
-    objective = OBJECTIVE[family] if cfg.data.objective == "auto" else cfg.data.objective
+    family = cfg.model.family
+    objective = AUTO_OBJECTIVE[family] if cfg.data.objective == "auto" else cfg.data.objective
     entries = mixture_sources(cfg) if (cfg.data.sources or cfg.data.stages) else [
         {"name": source_name({"source": _source(cfg, objective)}), "source": str(_source(cfg, objective)),
          "text_column": cfg.data.text_column}]
@@ -246,7 +248,7 @@ def prepare_data(cfg: TrainConfig, workers: int = 1, progress: bool = True,
     columns = [[cfg.data.source_column, cfg.data.target_column] if pairs else [e["text_column"]] for e in entries]
     if cfg.data.tokenizer == "auto":
         tok_path = _auto_tokenizer(cfg, family, sources[0], columns[0] if pairs else columns[0][0],
-                                   cfg.data.tokenizer_vocab_size or cfg.model_config().vocab_size, 0)
+                                   cfg.data.tokenizer_vocab_size or cfg.model.vocab_size, 0)
     else:
         tok_path = Path(cfg.data.tokenizer)
     tok = load_tokenizer(tok_path)

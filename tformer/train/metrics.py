@@ -1,7 +1,6 @@
 """Throughput, MFU and memory figures."""
 from __future__ import annotations
 
-import resource
 import time
 
 import torch
@@ -47,7 +46,3 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     return measured_matmul_peak(dtype), "measured torch.mm on this CPU"
 
 
-def memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

@@ -29,7 +29,7 @@ from ..parallel.tp import check_tp, pad_for_sequence_parallel
 from .config import TrainConfig
 from .data import build_data, copy_tokenizer
 from .dist import all_reduce, barrier, device_type, init_distributed
-from .metrics import memory_mb, peak_flops
+from .metrics import peak_flops
 from .optim import build_optimizer, build_scheduler
 from .spike import SpikeDetector
 from .tracking import WandbTracker
@@ -161,7 +161,7 @@ class Trainer:
                 raise ConfigError(f"parallel.backend={backend} is not available here ({why}); leave "
                                   "parallel.backend unset (nccl on CUDA, gloo on CPU)")
         strategy_class(cfg.parallel.strategy).check(cfg, self.precision)  # e.g. DeepSpeed missing
-        check_pipeline(cfg.model_config(), cfg.parallel, cfg.parallel.strategy)
+        check_pipeline(cfg.model, cfg.parallel, cfg.parallel.strategy)
         if (cfg.parallel.pp > 1 or cfg.parallel.sp) and cfg.data.document_mask:
             raise ConfigError("data.document_mask=true does not compose with parallel."
                               f"{'pp' if cfg.parallel.pp > 1 else 'sp'} yet (the document ids are not split "
@@ -176,8 +176,8 @@ class Trainer:
         # the mesh's arithmetic and what the strategy and model shapes allow, before any process group
         self.dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
         check_strategy(self.dims, cfg.parallel.strategy)
-        check_tp(cfg.model_config(), self.dims.tp)
-        if cfg.compile and self.dims.tp > 1 and cfg.model_config().position == "rotary":
+        check_tp(cfg.model, self.dims.tp)
+        if cfg.compile and self.dims.tp > 1 and cfg.model.position == "rotary":
             # measured on torch 2.13: the compiled block's backward hands DTensor's redistribute a plain
             # tensor ("'Tensor' object has no attribute '_local_tensor'") for rotary models only
             raise ConfigError("compile=true with parallel.tp > 1 fails in torch's DTensor backward for rotary-position "
@@ -674,7 +674,7 @@ class Trainer:
         return {"step": self.step, "loss": loss_avg, "lr": lr, "grad_norm": grad_norm,
                 "tokens_per_s": global_tokens / dt,
                 "mfu": self.flops_per_step / (self.dims.tp * self.dims.pp) / dt / self.peak,
-                "tokens": self.tokens, "step_time": dt, "memory_mb": memory_mb(self.device)}
+                "tokens": self.tokens, "step_time": dt, **self.strategy.memory_report(self.optimizer)}
 
     def _check_watchdog_margin(self, step_time: float) -> None:
         timeout = self.cfg.watchdog_timeout
@@ -685,53 +685,29 @@ class Trainer:
                         "a slow step will be taken for a hang", timeout, step_time, math.ceil(4 * step_time))
 
     def _update(self, loss: float) -> float:
-        """Clip, step the optimizer and the LR schedule; returns the gradient norm. A non-finite
-        loss or gradient norm skips the update (or stops the run, see ``_nonfinite``)."""
-        if self.strategy.owns_step:  # DeepSpeed clips and steps in its engine, which skips non-finite steps
-            if not math.isfinite(loss) and not self.strategy.can_skip:
-                self.skipped = self.cfg.max_skipped_steps  # stop before an update we could not undo
-                self._nonfinite(loss, float("nan"))
-            grad_norm = self.strategy.step()
-            if self.strategy.step_applied and math.isfinite(loss):
-                self.scheduler.step()
-                self.skipped = 0
-                self.streak_start = None
-            else:
-                if self.strategy.step_applied:  # the engine updated anyway: stop, don't go on
-                    self.skipped = self.cfg.max_skipped_steps
-                self._nonfinite(loss, grad_norm)
-            return grad_norm
-        grad_norm = float("nan")
-        if math.isfinite(loss):
-            if self.scaler is not None:
-                self.scaler.unscale_(self.optimizer)
-            clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-            grad_norm = self.strategy.clip_grad_norm(clip)
-        # With fp16 the scaler itself skips steps whose gradients overflowed.
-        if math.isfinite(loss) and (math.isfinite(grad_norm) or self.scaler is not None):
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                self.optimizer.step()
+        """One optimizer step through the strategy (clip, update, clear the gradients), then the LR
+        schedule; returns the gradient norm. A non-finite loss or gradient norm skips the update, or
+        stops the run (see ``_nonfinite``)."""
+        clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        result = self.strategy.step(self.optimizer, self.scaler, clip, math.isfinite(loss))
+        if result.applied and math.isfinite(loss) and not result.must_stop:
             self.scheduler.step()
             self.skipped, self.streak_start = 0, None
         else:
-            self._nonfinite(loss, grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+            self._nonfinite(loss, result.grad_norm, result.must_stop)
+        return result.grad_norm
 
-    def _nonfinite(self, loss: float, grad_norm: float) -> None:
+    def _nonfinite(self, loss: float, grad_norm: float, must_stop: bool = False) -> None:
         what = f"loss={loss}" if not math.isfinite(loss) else f"grad_norm={grad_norm}"
         self.skipped += 1
         if self.streak_start is None:
             self.streak_start = self.step + 1
-        if self.cfg.on_nonfinite == "stop" or self.skipped > self.cfg.max_skipped_steps:
+        if must_stop or self.cfg.on_nonfinite == "stop" or self.skipped > self.cfg.max_skipped_steps:
             last = self._last_good()
-            raise NonFiniteLoss(f"non-finite {what} at step {self.step + 1}; stopping "
-                                f"(on_nonfinite={self.cfg.on_nonfinite}, {self.skipped} bad step(s) in a "
-                                f"row); the last good checkpoint is {last or 'none'}; lower optim.lr or "
-                                "check the data")
+            why = ("the engine could not skip it" if must_stop else
+                   f"on_nonfinite={self.cfg.on_nonfinite}, {self.skipped} bad step(s) in a row")
+            raise NonFiniteLoss(f"non-finite {what} at step {self.step + 1}; stopping ({why}); the last good "
+                                f"checkpoint is {last or 'none'}; lower optim.lr or check the data")
         if self.dist.is_main:
             log.warning("step %d: non-finite %s; update skipped (%d in a row)", self.step + 1, what,
                         self.skipped)
