@@ -12,7 +12,11 @@
    of 3: sync 6.28 s, async 0.75 s blocked (0.12x; the staging copy of ~1.5 GB is ~0.5 s of it),
    its write and commit done 6.5 s later in the background. 0.20x with the suite running beside it.
 
-    .venv/bin/python bench/bench_trainer.py [--steps 30] [--rounds 3] [--only trainer|start|save]
+4. Lines of code of ``train/``, ``checkpoint/``, ``parallel/`` and ``export/`` (non-blank, non-comment
+   Python lines) at a base commit (default d6f024f, where the "house a newcomer can carry on" review
+   was written) and now, read from git (``--only loc``: no timing).
+
+    .venv/bin/python bench/bench_trainer.py [--steps 30] [--rounds 3] [--only trainer|start|save|loc]
 """
 from __future__ import annotations
 
@@ -108,12 +112,40 @@ def save_blocking(out: Path, rounds: int) -> tuple[list[float], list[float], lis
     return sync, blocked, written
 
 
+LOC_DIRS = ("train", "checkpoint", "parallel", "export")
+
+
+def _code_lines(text: str) -> int:
+    return sum(1 for line in text.splitlines() if line.strip() and not line.strip().startswith("#"))
+
+
+def lines_of_code(base: str) -> dict[str, tuple[int, int]]:
+    """Per package: (lines at ``base``, lines in the working tree)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+
+    out = {}
+    for d in LOC_DIRS:
+        files = [f for f in git("ls-tree", "-r", "--name-only", base, f"tformer/{d}").split() if f.endswith(".py")]
+        before = sum(_code_lines(git("show", f"{base}:{f}")) for f in files)
+        after = sum(_code_lines(f.read_text()) for f in (ROOT / "tformer" / d).glob("*.py"))
+        out[d] = (before, after)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--only", choices=["trainer", "start", "save"])
+    p.add_argument("--only", choices=["trainer", "start", "save", "loc"])
+    p.add_argument("--base", default="d6f024f", help="loc: the commit to compare with")
     args = p.parse_args()
+    if args.only in (None, "loc"):
+        print(f"\n=== lines of code (non-blank, non-comment; {args.base} -> now) ===")
+        for d, (before, after) in lines_of_code(args.base).items():
+            print(f"tformer/{d + '/':<12} {before:>6} -> {after:>6}")
+        if args.only == "loc":
+            return
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     common = ["precision=fp32", "eval_every=0", "save_every=0", "log_every=10", "progress=true"]
     with tempfile.TemporaryDirectory() as tmp:

@@ -324,3 +324,32 @@ def test_bf16_on_a_cpu_without_bf16_matmuls_warns(monkeypatch, caplog, native):
     with caplog.at_level("WARNING", logger="tformer.train"):
         trainer._warn_slow_precision()
     assert ("emulates bf16 matmuls" in caplog.text) is not native
+
+
+def test_strategy_step_contract_applies_skips_and_clears():
+    """Strategy.step, the one update path of the trainer: a finite step clips, updates and clears
+    the gradients (StepResult.applied, the pre-clip norm); a non-finite gradient or loss leaves the
+    parameters as they were and still clears the gradients."""
+    from tformer.parallel.dist import DistInfo
+    from tformer.parallel.strategy import StepResult, Strategy
+    from tformer.train.config import TrainConfig
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    strategy = Strategy(model, TrainConfig(), DistInfo(), torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def run(scale, loss_finite=True):
+        before = [p.detach().clone() for p in model.parameters()]
+        (model(torch.ones(3, 4)).sum() * scale).backward()
+        norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+        result = strategy.step(opt, None, 1.0, loss_finite)
+        assert isinstance(result, StepResult) and all(p.grad is None for p in model.parameters())
+        changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        return result, norm, changed
+
+    result, norm, changed = run(1.0)
+    assert result.applied and changed and not result.must_stop and result.grad_norm == pytest.approx(norm)
+    result, _, changed = run(float("nan"))
+    assert not result.applied and not changed and math.isnan(result.grad_norm)
+    result, _, changed = run(1.0, loss_finite=False)
+    assert not result.applied and not changed and math.isnan(result.grad_norm)
