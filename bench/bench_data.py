@@ -47,8 +47,15 @@ def start(tokenizer_path: str, cache_dir: str, seq_len: int, num_proc: int, batc
     """One data start: corpus -> token cache (or cache hit) -> packed dataset -> every batch."""
     import torch
 
-    from tformer.data import (Collator, PackedCausalLM, ResumableSampler, default_corpus_path,
-                              load_tokenizer, special_tokens, tokenize_corpus)
+    from tformer.data import (
+        Collator,
+        PackedCausalLM,
+        ResumableSampler,
+        default_corpus_path,
+        load_tokenizer,
+        special_tokens,
+        tokenize_corpus,
+    )
 
     tok = load_tokenizer(tokenizer_path)
     eos = special_tokens(tok).eos_id
@@ -56,8 +63,9 @@ def start(tokenizer_path: str, cache_dir: str, seq_len: int, num_proc: int, batc
     corpus = tokenize_corpus(default_corpus_path(), tok, cache_dir, split="train", num_proc=num_proc)
     t_tokenize = time.perf_counter() - t0
     ds = PackedCausalLM(corpus, seq_len, eos_id=eos)
-    loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, collate_fn=Collator(eos),
-                                         sampler=ResumableSampler(len(ds), seed=0, num_epochs=1))
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=batch_size, collate_fn=Collator(eos), sampler=ResumableSampler(len(ds), seed=0, num_epochs=1)
+    )
     first_batch = None
     tokens = 0
     for batch in loader:
@@ -65,19 +73,48 @@ def start(tokenizer_path: str, cache_dir: str, seq_len: int, num_proc: int, batc
             first_batch = time.perf_counter() - t0
         tokens += batch["input_ids"].numel()
     total = time.perf_counter() - t0
-    return dict(corpus_tokens=corpus.num_tokens, docs=corpus.num_docs, samples=len(ds),
-                packed_tokens=tokens, tokenize_s=t_tokenize, pack_s=total - t_tokenize,
-                first_batch_s=first_batch, total_s=total)
+    return dict(
+        corpus_tokens=corpus.num_tokens,
+        docs=corpus.num_docs,
+        samples=len(ds),
+        packed_tokens=tokens,
+        tokenize_s=t_tokenize,
+        pack_s=total - t_tokenize,
+        first_batch_s=first_batch,
+        total_s=total,
+    )
 
 
 def run_start(args, tokenizer_path: str, cache_dir: str) -> dict:
-    cmd = [sys.executable, __file__, "--phase", "start", "--tokenizer", tokenizer_path,
-           "--cache", cache_dir, "--seq-len", str(args.seq_len), "--num-proc", str(args.num_proc),
-           "--batch-size", str(args.batch_size)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--phase",
+        "start",
+        "--tokenizer",
+        tokenizer_path,
+        "--cache",
+        cache_dir,
+        "--seq-len",
+        str(args.seq_len),
+        "--num-proc",
+        str(args.num_proc),
+        "--batch-size",
+        str(args.batch_size),
+    ]
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True,
-                         env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-                              "HF_HOME": str(Path(cache_dir).parent / "hf_home")})
+    out = subprocess.run(
+        cmd,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "HF_DATASETS_OFFLINE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "HF_HOME": str(Path(cache_dir).parent / "hf_home"),
+        },
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     result["process_s"] = time.perf_counter() - t0
     return result
@@ -135,18 +172,23 @@ def bench_prepare(work: Path) -> None:
             cache = work / f"prepare-{workers}-{time.perf_counter_ns()}"
             t0, c0, n = time.perf_counter(), cpu_s(), 0
             for source, columns in jobs:
-                out = prepare_columns(source, tok, cache, columns, split="all", workers=workers,
-                                      shard_rows=4000, progress=False)
+                out = prepare_columns(
+                    source, tok, cache, columns, split="all", workers=workers, shard_rows=4000, progress=False
+                )
                 n += sum(c.num_tokens for c in out.values())
             dt = time.perf_counter() - t0
             tokens[workers] = n
             cpu[workers] = min(cpu.get(workers, float("inf")), cpu_s() - c0)
             return dt
+
         return go
+
     best = _best_of({1: run(1), 2: run(2)}, 2)
     rate = {w: tokens[w] / best[w] for w in best}
-    print(f"prepare (WEB Bible + en-es pairs, all rows, {tokens[1]:,} tokens, shards of 4000 rows, incl. "
-          f"Arrow load; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores):")
+    print(
+        f"prepare (WEB Bible + en-es pairs, all rows, {tokens[1]:,} tokens, shards of 4000 rows, incl. "
+        f"Arrow load; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores):"
+    )
     for w in (1, 2):
         print(f"  workers={w}: {best[w]:6.2f} s wall, {cpu[w]:6.2f} s CPU  {rate[w]:12,.0f} tokens/s")
     print(f"  2 workers / 1 worker = {rate[2] / rate[1]:.2f}x")
@@ -165,9 +207,15 @@ def bench_translate_packing(work: Path, steps: int, pack_len: int = 128) -> bool
     cfg_pad = load_config(ROOT / "configs" / "t5-tiny-translate.yaml", base)
     # the same slots per batch: micro_batch_size pairs padded to <= seq_len, or fewer, longer
     # rows (pairs still at most seq_len long)
-    cfg_pack = load_config(ROOT / "configs" / "t5-tiny-translate.yaml", base + [
-        "data.document_mask=true", f"data.pack_len={pack_len}",
-        f"micro_batch_size={cfg_pad.micro_batch_size * cfg_pad.data.seq_len // pack_len}"])
+    cfg_pack = load_config(
+        ROOT / "configs" / "t5-tiny-translate.yaml",
+        base
+        + [
+            "data.document_mask=true",
+            f"data.pack_len={pack_len}",
+            f"micro_batch_size={cfg_pad.micro_batch_size * cfg_pad.data.seq_len // pack_len}",
+        ],
+    )
     padded, packed = build_data(cfg_pad), build_data(cfg_pack)
     torch.manual_seed(0)
     model = build_model(padded.model_config)
@@ -192,12 +240,18 @@ def bench_translate_packing(work: Path, steps: int, pack_len: int = 128) -> bool
             opt.step()
             opt.zero_grad(set_to_none=True)
             return (time.perf_counter() - t0) / real  # seconds per real target token
+
         return go
+
     from tformer.data import Collator
-    its = {"padded": batches(padded, cfg_pad.micro_batch_size, "padded"),
-           "padded to seq_len": batches(padded, cfg_pad.micro_batch_size, "padded to seq_len",
-                                        Collator(padded.collator.pad_id, cfg_pad.data.seq_len)),
-           "packed": batches(packed, cfg_pack.micro_batch_size, "packed")}
+
+    its = {
+        "padded": batches(padded, cfg_pad.micro_batch_size, "padded"),
+        "padded to seq_len": batches(
+            padded, cfg_pad.micro_batch_size, "padded to seq_len", Collator(padded.collator.pad_id, cfg_pad.data.seq_len)
+        ),
+        "packed": batches(packed, cfg_pack.micro_batch_size, "packed"),
+    }
     for it in its.values():
         timed(it)()  # warm-up
     per = {k: [] for k in its}
@@ -206,15 +260,19 @@ def bench_translate_packing(work: Path, steps: int, pack_len: int = 128) -> bool
             per[k].append(timed(it)())
     rate = {k: 1.0 / float(np.median(v)) for k, v in per.items()}
     ratio = rate["packed"] / rate["padded"]
-    print(f"t5-tiny-translate on en-es pairs, fp32, median of {steps} interleaved steps: padded batches of "
-          f"{cfg_pad.micro_batch_size} pairs (<= {cfg_pad.data.seq_len} tokens) against "
-          f"{cfg_pack.micro_batch_size} packed rows of {cfg_pack.data.pack_len} "
-          f"({len(packed.train.pairs):,} pairs -> {len(packed.train):,} rows)")
+    print(
+        f"t5-tiny-translate on en-es pairs, fp32, median of {steps} interleaved steps: padded batches of "
+        f"{cfg_pad.micro_batch_size} pairs (<= {cfg_pad.data.seq_len} tokens) against "
+        f"{cfg_pack.micro_batch_size} packed rows of {cfg_pack.data.pack_len} "
+        f"({len(packed.train.pairs):,} pairs -> {len(packed.train):,} rows)"
+    )
     for k, r in rate.items():
         print(f"  {k:17}: {r:8,.0f} real target tokens/s  (target slots filled: {np.mean(fill[k]):.0%})")
-    print(f"  packed / padded = {ratio:.2f}x  [need >= 1.8x: {'ok' if ratio >= 1.8 else 'FAIL'}]; the fill "
-          f"ratio bounds it at {np.mean(fill['packed']) / np.mean(fill['padded']):.2f}x on this data; packed / "
-          f"padded to seq_len = {rate['packed'] / rate['padded to seq_len']:.2f}x")
+    print(
+        f"  packed / padded = {ratio:.2f}x  [need >= 1.8x: {'ok' if ratio >= 1.8 else 'FAIL'}]; the fill "
+        f"ratio bounds it at {np.mean(fill['packed']) / np.mean(fill['padded']):.2f}x on this data; packed / "
+        f"padded to seq_len = {rate['packed'] / rate['padded to seq_len']:.2f}x"
+    )
     return ratio >= 1.8
 
 
@@ -235,14 +293,16 @@ def bench_decoder_mask(steps: int) -> None:
             model(x, labels=x, return_logits=False, **kw).loss.backward()
             model.zero_grad(set_to_none=True)
             return time.perf_counter() - t0
+
         return go
-    contenders = {"causal (no mask)": step(),
-                  "document mask": step(doc_ids=doc, position_ids=positions_from_doc_ids(doc))}
+
+    contenders = {"causal (no mask)": step(), "document mask": step(doc_ids=doc, position_ids=positions_from_doc_ids(doc))}
     for fn in contenders.values():
         fn()
     best = _best_of(contenders, steps)
-    print("decoder fwd + bwd, 4 x 256, batch 4 x 512, CPU (best of "
-          f"{steps}, interleaved; CUDA takes FlexAttention instead):")
+    print(
+        f"decoder fwd + bwd, 4 x 256, batch 4 x 512, CPU (best of {steps}, interleaved; CUDA takes FlexAttention instead):"
+    )
     for k, t in best.items():
         print(f"  {k:17}: {1000 * t:8.1f} ms")
     print(f"  masked / plain = {best['document mask'] / best['causal (no mask)']:.2f}x")
@@ -302,25 +362,31 @@ def main() -> None:
     cached_rate = second["packed_tokens"] / (second["tokenize_s"] + second["pack_s"])
     start_ratio = second["first_batch_s"] / first["first_batch_s"]
 
-    print(f"corpus: bundled WEB Bible, train split: {first['corpus_tokens']:,} tokens in "
-          f"{first['docs']:,} rows -> {first['samples']:,} packed samples of {args.seq_len}")
+    print(
+        f"corpus: bundled WEB Bible, train split: {first['corpus_tokens']:,} tokens in "
+        f"{first['docs']:,} rows -> {first['samples']:,} packed samples of {args.seq_len}"
+    )
     print(f"tokenizer training (one-off, bpe {tok.get_vocab_size():,} tokens): {t_tok:.1f} s")
     print(f"{'':34}{'seconds':>10}{'tokens/s':>14}")
-    print(f"{'first start: tokenize (num_proc=' + str(args.num_proc) + ')':34}{first['tokenize_s']:10.2f}"
-          f"{first['corpus_tokens'] / first['tokenize_s']:14,.0f}")
-    print(f"{'first start: pack + collate all':34}{first['pack_s']:10.2f}"
-          f"{first['packed_tokens'] / first['pack_s']:14,.0f}")
+    print(
+        f"{'first start: tokenize (num_proc=' + str(args.num_proc) + ')':34}{first['tokenize_s']:10.2f}"
+        f"{first['corpus_tokens'] / first['tokenize_s']:14,.0f}"
+    )
+    print(f"{'first start: pack + collate all':34}{first['pack_s']:10.2f}{first['packed_tokens'] / first['pack_s']:14,.0f}")
     print(f"{'first start: tokenize-and-pack':34}{first['tokenize_s'] + first['pack_s']:10.2f}{first_rate:14,.0f}")
     print(f"{'cached start: open + pack all':34}{second['tokenize_s'] + second['pack_s']:10.2f}{cached_rate:14,.0f}")
     for d, r in rates.items():
-        print(f"{'train GPT-2 small, ' + d + ', b1 x ' + str(args.seq_len):34}"
-              f"{args.seq_len / r:10.2f}{r:14,.0f}")
-    print(f"start to first batch: first {first['first_batch_s']:.2f} s, cached {second['first_batch_s']:.3f} s"
-          f" (processes incl. imports: {first['process_s']:.1f} s, {second['process_s']:.1f} s)")
+        print(f"{'train GPT-2 small, ' + d + ', b1 x ' + str(args.seq_len):34}{args.seq_len / r:10.2f}{r:14,.0f}")
+    print(
+        f"start to first batch: first {first['first_batch_s']:.2f} s, cached {second['first_batch_s']:.3f} s"
+        f" (processes incl. imports: {first['process_s']:.1f} s, {second['process_s']:.1f} s)"
+    )
     ok_rate = first_rate >= 20 * train
     ok_start = start_ratio < 0.05
-    print(f"data/train = {first_rate / train:,.0f}x (cached loader {cached_rate / train:,.0f}x)  "
-          f"[need >= 20x: {'ok' if ok_rate else 'FAIL'}]")
+    print(
+        f"data/train = {first_rate / train:,.0f}x (cached loader {cached_rate / train:,.0f}x)  "
+        f"[need >= 20x: {'ok' if ok_rate else 'FAIL'}]"
+    )
     print(f"cached/first start = {100 * start_ratio:.2f}%  [need < 5%: {'ok' if ok_start else 'FAIL'}]")
     sys.exit(0 if ok_rate and ok_start else 1)
 

@@ -16,6 +16,7 @@ measured in the same run; tensor bytes are tracked op by op with torch's MemTrac
 
     .venv/bin/python bench/bench_memory.py [--part head|step|ac|all] [--rounds 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,6 +41,7 @@ def _tracked(fn, *modules_or_tensors, outer=None):
     bytes, bytes at the end, peak activations + temporaries)."""
     sys.path.insert(0, str(ROOT / "bench"))
     from bench_scale import _activation_peak_tracker
+
     tracker = _activation_peak_tracker()
     tracker.track_external(*modules_or_tensors)
     with outer or contextlib.nullcontext(), tracker:
@@ -54,6 +56,7 @@ def _head_loss(vocab, d, tokens, chunk, fake=False):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from tformer.models.base import lm_loss
     from tformer.models.loss import chunked_lm_loss
+
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     with mode:
         head = nn.Linear(d, vocab, bias=False)
@@ -63,19 +66,23 @@ def _head_loss(vocab, d, tokens, chunk, fake=False):
     def step():
         loss = lm_loss(head(hidden), labels) if chunk is None else chunked_lm_loss(hidden, head.weight, None, labels, chunk)
         loss.backward()
+
     return step, head, hidden, mode
 
 
 def head_part(rounds: int, chunks=(128, 256, 1024), time_tokens: int = 512) -> None:
     from tformer.models import build_model
     from tformer.parallel.plan import head_bytes
+
     vocab, d, tokens = 128256, 2048, 2048
     with torch.device("meta"):
         cfg = build_model("llama-1b").config
     print(f"\n=== head + loss at the llama-1b shape: vocab {vocab:,}, d {d}, {tokens} tokens, fp32 ===")
     # fake tensors count what real ones would: checked at a small shape first
-    small = [_tracked(step, head, x, outer=mode) for step, head, x, mode in
-             (_head_loss(8192, 256, 512, c, fake) for c in (None, 128) for fake in (False, True))]
+    small = [
+        _tracked(step, head, x, outer=mode)
+        for step, head, x, mode in (_head_loss(8192, 256, 512, c, fake) for c in (None, 128) for fake in (False, True))
+    ]
     assert small[0][:2] == small[1][:2] and small[2][:2] == small[3][:2], small
     step, head, x, mode = _head_loss(vocab, d, tokens, None, fake=True)
     base_peak, base_end, _ = _tracked(step, head, x, outer=mode)
@@ -89,9 +96,11 @@ def head_part(rounds: int, chunks=(128, 256, 1024), time_tokens: int = 512) -> N
         results[chunk] = peak - end
         predicted = head_bytes(cfg, tokens, mixed=False, chunk=chunk)
         ratio = results[chunk] / base
-        print(f"chunk {chunk:>5}: transient {results[chunk] / MB:,.0f} MB = {ratio:.1%} of unchunked "
-              f"(target <= 10%) {'PASS' if ratio <= 0.10 else 'MISS'}; planner {predicted / MB:,.0f} MB "
-              f"({predicted / results[chunk]:.2f}x)")
+        print(
+            f"chunk {chunk:>5}: transient {results[chunk] / MB:,.0f} MB = {ratio:.1%} of unchunked "
+            f"(target <= 10%) {'PASS' if ratio <= 0.10 else 'MISS'}; planner {predicted / MB:,.0f} MB "
+            f"({predicted / results[chunk]:.2f}x)"
+        )
     if not time_tokens:
         return
     # step time on real tensors, interleaved, one thread
@@ -107,13 +116,17 @@ def head_part(rounds: int, chunks=(128, 256, 1024), time_tokens: int = 512) -> N
             steps[c]()
             times[c].append(time.perf_counter() - t0)
     t_base = statistics.median(times[None])
-    print(f"step time at {time_tokens} tokens (forward + backward of head + loss, 1 thread, median of {rounds}, "
-          f"interleaved): unchunked {t_base:.2f}s [{min(times[None]):.2f}-{max(times[None]):.2f}]")
+    print(
+        f"step time at {time_tokens} tokens (forward + backward of head + loss, 1 thread, median of {rounds}, "
+        f"interleaved): unchunked {t_base:.2f}s [{min(times[None]):.2f}-{max(times[None]):.2f}]"
+    )
     for c in chunks:
         t = statistics.median(times[c])
         spread = [x / y for x, y in zip(times[c], times[None])]
-        print(f"chunk {c:>5}: {t:.2f}s -> {t / t_base:.3f}x (per-round ratios {min(spread):.3f}-{max(spread):.3f}; "
-              f"target <= 1.05x) {'PASS' if t <= 1.05 * t_base else 'MISS'}")
+        print(
+            f"chunk {c:>5}: {t:.2f}s -> {t / t_base:.3f}x (per-round ratios {min(spread):.3f}-{max(spread):.3f}; "
+            f"target <= 1.05x) {'PASS' if t <= 1.05 * t_base else 'MISS'}"
+        )
 
 
 STEP_SCRIPT = r"""
@@ -162,22 +175,33 @@ def step_part(batch: int = 4, seq: int = 1024, threads: int = 2, chunk: int | No
     from tformer.models import build_model
     from tformer.parallel.plan import activation_bytes
     from tformer.train.config import LossConfig
+
     chunk = chunk or LossConfig().chunk_size
-    print(f"\n=== whole training step, gpt2-small, seq {seq}, micro-batch {batch}, fp32, AdamW, no AC: peak RSS "
-          f"of a fresh process over two steps ===")
-    runs = {"tformer (defaults: chunk %d)" % chunk: ("tformer", chunk, "none"),
-            "tformer unchunked": ("tformer", None, "none"), "tformer + AC op": ("tformer", chunk, "op"),
-            "HF GPT2LMHeadModel": ("hf", None, "none")}
+    print(
+        f"\n=== whole training step, gpt2-small, seq {seq}, micro-batch {batch}, fp32, AdamW, no AC: peak RSS "
+        f"of a fresh process over two steps ==="
+    )
+    runs = {
+        "tformer (defaults: chunk %d)" % chunk: ("tformer", chunk, "none"),
+        "tformer unchunked": ("tformer", None, "none"),
+        "tformer + AC op": ("tformer", chunk, "op"),
+        "HF GPT2LMHeadModel": ("hf", None, "none"),
+    }
     res = {name: _fresh_step(which, batch, seq, c, threads, ac) for name, (which, c, ac) in runs.items()}
     hf = res["HF GPT2LMHeadModel"]["peak_rss"]
     cfg = build_model("gpt2-small", dropout=0.0).config
     for name, r in res.items():
-        line = (f"{name:<28} peak RSS {r['peak_rss'] / 2**30:5.2f} GB ({r['peak_rss'] / hf:.2f}x HF); before the "
-                f"steps {r['rss_before'] / 2**30:4.2f} GB; step times {', '.join(f'{t:.1f}s' for t in r['times'])}")
+        line = (
+            f"{name:<28} peak RSS {r['peak_rss'] / 2**30:5.2f} GB ({r['peak_rss'] / hf:.2f}x HF); before the "
+            f"steps {r['rss_before'] / 2**30:4.2f} GB; step times {', '.join(f'{t:.1f}s' for t in r['times'])}"
+        )
         if name.startswith("tformer"):
             _, c, ac = runs[name]
-            planned = (r["rss_before"] + 12 * r["params"]  # + grads and AdamW m, v
-                       + activation_bytes(cfg, batch, seq, None, ac, False, chunk=c, return_logits=False))
+            planned = (
+                r["rss_before"]
+                + 12 * r["params"]  # + grads and AdamW m, v
+                + activation_bytes(cfg, batch, seq, None, ac, False, chunk=c, return_logits=False)
+            )
             line += f"; planner (RSS before + 12 B/param + activations) {planned / r['peak_rss']:.2f}x"
         print(line)
     ours = res[next(iter(res))]["peak_rss"]
@@ -188,10 +212,19 @@ def ac_part(rounds: int = 3, d_model: int = 512, batch: int = 2, seq: int = 512)
     from tformer import build_model
     from tformer.parallel.ac import apply_activation_checkpointing
     from tformer.parallel.plan import activation_bytes
+
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = build_model("gpt2-tiny", vocab_size=8192, d_model=d_model, num_layers=12, num_heads=8,
-                        d_ff=4 * d_model, max_seq_len=seq, dropout=0.0)
+    model = build_model(
+        "gpt2-tiny",
+        vocab_size=8192,
+        d_model=d_model,
+        num_layers=12,
+        num_heads=8,
+        d_ff=4 * d_model,
+        max_seq_len=seq,
+        dropout=0.0,
+    )
     model.loss_chunk_size = 128
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 8192, (batch, seq))
@@ -215,8 +248,9 @@ def ac_part(rounds: int = 3, d_model: int = 512, batch: int = 2, seq: int = 512)
     for _ in range(rounds):
         for mode in modes:
             times[mode].append(step(mode))
-    print(f"\n=== activation checkpointing: 12 layers, d {d_model}, seq {seq}, batch {batch}, fp32, 1 thread, "
-          f"chunked loss ===")
+    print(
+        f"\n=== activation checkpointing: 12 layers, d {d_model}, seq {seq}, batch {batch}, fp32, 1 thread, chunked loss ==="
+    )
     t_none = statistics.median(times["none"])
     for mode in modes:
         a, t = memory[mode], statistics.median(times[mode])
@@ -224,11 +258,15 @@ def ac_part(rounds: int = 3, d_model: int = 512, batch: int = 2, seq: int = 512)
         planned = activation_bytes(model.config, batch, seq, None, mode, False, chunk=128, return_logits=False)
         verdict = ""
         if mode == "op":
-            verdict = (f"  memory target <= 0.5x {'PASS' if a <= 0.5 * memory['none'] else 'MISS'}, time target <= 1.08x "
-                       f"{'PASS' if t <= 1.08 * t_none else 'MISS'}")
-        print(f"{mode:<5} peak activations {a / MB:6.0f} MB ({a / memory['none']:.2f}x none), step {t:.2f}s "
-              f"({t / t_none:.3f}x; rounds {min(spread):.3f}-{max(spread):.3f}); planner {planned / MB:.0f} MB "
-              f"({planned / a:.2f}x measured){verdict}")
+            verdict = (
+                f"  memory target <= 0.5x {'PASS' if a <= 0.5 * memory['none'] else 'MISS'}, time target <= 1.08x "
+                f"{'PASS' if t <= 1.08 * t_none else 'MISS'}"
+            )
+        print(
+            f"{mode:<5} peak activations {a / MB:6.0f} MB ({a / memory['none']:.2f}x none), step {t:.2f}s "
+            f"({t / t_none:.3f}x; rounds {min(spread):.3f}-{max(spread):.3f}); planner {planned / MB:.0f} MB "
+            f"({planned / a:.2f}x measured){verdict}"
+        )
 
 
 def main() -> None:

@@ -32,6 +32,7 @@
 
     .venv/bin/python bench/bench_scale.py [--part memory|ac|throughput|mesh|pipeline] [--micro 8 --seq 256 --rounds 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,16 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODEL_50M = ["model.preset=gpt2-tiny", "model.vocab_size=16384", "model.d_model=512", "model.num_layers=12",
-             "model.num_heads=8", "model.d_ff=2048", "model.max_seq_len=256", "data.tokenizer_vocab_size=8192"]
+MODEL_50M = [
+    "model.preset=gpt2-tiny",
+    "model.vocab_size=16384",
+    "model.d_model=512",
+    "model.num_layers=12",
+    "model.num_heads=8",
+    "model.d_ff=2048",
+    "model.max_seq_len=256",
+    "data.tokenizer_vocab_size=8192",
+]
 STRATEGIES = {
     "ddp": ["parallel.strategy=ddp"],
     "zero1": ["parallel.strategy=deepspeed", f"parallel.deepspeed_config={ROOT}/configs/deepspeed/zero1.json"],
@@ -68,8 +77,15 @@ def _port() -> int:
 
 
 def _worker(rank, world, port, jobs, out, cache):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), TFORMER_CACHE=cache, TFORMER_DIST_TIMEOUT="600")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TFORMER_CACHE=cache,
+        TFORMER_DIST_TIMEOUT="600",
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -77,9 +93,11 @@ def _worker(rank, world, port, jobs, out, cache):
     from tformer.parallel.strategy import param_counts
     from tformer.train.config import load_config
     from tformer.train.trainer import Trainer
+
     for name, overrides, steps in jobs:
-        cfg = load_config(ROOT / "configs" / "gpt2-tiny.yaml", overrides + [f"output_dir={out}/{name}",
-                                                                            f"max_steps={steps}"])
+        cfg = load_config(
+            ROOT / "configs" / "gpt2-tiny.yaml", overrides + [f"output_dir={out}/{name}", f"max_steps={steps}"]
+        )
         step_times = []  # the trainer's own step time (no evaluation or checkpoint in it)
         t = Trainer(cfg, callbacks=[lambda tr, rec, times=step_times: times.append(rec["step_time"])])
         t.fit()
@@ -107,8 +125,18 @@ def run_two(jobs, out, cache):
 
 
 def common(precision: str) -> list[str]:
-    return [*MODEL_50M, "data.seq_len=16", "micro_batch_size=1", f"precision={precision}", "eval_every=0",
-            "save_every=0", "eval_batches=1", "progress=false", "log_every=1000", "resume=none"]
+    return [
+        *MODEL_50M,
+        "data.seq_len=16",
+        "micro_batch_size=1",
+        f"precision={precision}",
+        "eval_every=0",
+        "save_every=0",
+        "eval_batches=1",
+        "progress=false",
+        "log_every=1000",
+        "resume=none",
+    ]
 
 
 # DeepSpeed in pure fp32 still clones the parameter partition into a separate fp32 master copy
@@ -119,14 +147,17 @@ from tformer.parallel.plan import DEEPSPEED_FP32_AS_BUILT as AS_BUILT_FP32  # no
 
 def memory_part(tmp: str, cache: str, precisions=("bf16", "fp32")) -> None:
     from tformer.parallel.plan import model_state_bytes as formula
+
     n = 2
     for precision in precisions:
         jobs = [(f"{name}-{precision}", common(precision) + flags, 2) for name, flags in STRATEGIES.items()]
         run_two(jobs, tmp, cache)
         master = " mixed (fp32 master)" if precision == "bf16" else ""
         print(f"\n=== model-state memory per rank, {precision}{master}, N=2 ===")
-        print(f"{'strategy':<8}{'Ψ (params)':>14}{'measured MB':>14}{'formula MB':>13}{'ratio':>8}  formula"
-              f"{'':<18}DeepSpeed buckets (not model state)")
+        print(
+            f"{'strategy':<8}{'Ψ (params)':>14}{'measured MB':>14}{'formula MB':>13}{'ratio':>8}  formula"
+            f"{'':<18}DeepSpeed buckets (not model state)"
+        )
         for name in STRATEGIES:
             state, total, _, buckets = open(f"{tmp}/{name}-{precision}.txt").read().split()
             state, total, buckets = int(state), int(total), int(buckets)
@@ -134,8 +165,13 @@ def memory_part(tmp: str, cache: str, precisions=("bf16", "fp32")) -> None:
             # our ddp / fsdp keep fp32 params and autocast: 16Ψ and 16Ψ/N in both precisions
             key = {"ddp": "ddp", "fsdp": "fsdp"}.get(name, name)
             want = formula(key if name != "ddp" else "ddp", total, n, mixed and name.startswith("zero"))
-            text = {"ddp": "16Ψ", "fsdp": "16Ψ/N", "zero1": "4Ψ+12Ψ/N" if mixed else "8Ψ+8Ψ/N",
-                    "zero2": "2Ψ+14Ψ/N" if mixed else "4Ψ+12Ψ/N", "zero3": "16Ψ/N"}[name]
+            text = {
+                "ddp": "16Ψ",
+                "fsdp": "16Ψ/N",
+                "zero1": "4Ψ+12Ψ/N" if mixed else "8Ψ+8Ψ/N",
+                "zero2": "2Ψ+14Ψ/N" if mixed else "4Ψ+12Ψ/N",
+                "zero3": "16Ψ/N",
+            }[name]
             ratio = state / want
             verdict = f"{text} {'PASS' if abs(ratio - 1) <= 0.15 else 'MISS'}"
             extra = f"{buckets / 2**20:.0f} MB" if buckets else ""
@@ -143,8 +179,10 @@ def memory_part(tmp: str, cache: str, precisions=("bf16", "fp32")) -> None:
             if not mixed and name in AS_BUILT_FP32:  # DeepSpeed keeps a separate fp32 master partition
                 text, per_psi = AS_BUILT_FP32[name]
                 built = per_psi(n) * total
-                print(f"{'':<8}{'':>14}{'':>14}{built / 2**20:>13.1f}{state / built:>8.3f}  {text} (DeepSpeed as "
-                      "built: an fp32 master copy of the partition even in fp32)")
+                print(
+                    f"{'':<8}{'':>14}{'':>14}{built / 2**20:>13.1f}{state / built:>8.3f}  {text} (DeepSpeed as "
+                    "built: an fp32 master copy of the partition even in fp32)"
+                )
 
 
 def _activation_peak_tracker():
@@ -161,6 +199,7 @@ def _activation_peak_tracker():
             for snap in self._curr_mem_snap.values():
                 now = snap.get(_MemRefType.ACT, 0) + snap.get(_MemRefType.TEMP, 0)
                 self.peak_activations = max(self.peak_activations, now)
+
     return Tracker()
 
 
@@ -168,10 +207,19 @@ def ac_part(rounds: int = 3, d_model: int = 512, batch: int = 2) -> None:
     from tformer import build_model
     from tformer.parallel.ac import apply_activation_checkpointing
     from tformer.parallel.memory import SavedActivations
+
     torch.set_num_threads(1)  # steadier on a shared machine
     torch.manual_seed(0)
-    model = build_model("gpt2-tiny", vocab_size=8192, d_model=d_model, num_layers=12, num_heads=8,
-                        d_ff=4 * d_model, max_seq_len=512, dropout=0.0)
+    model = build_model(
+        "gpt2-tiny",
+        vocab_size=8192,
+        d_model=d_model,
+        num_layers=12,
+        num_heads=8,
+        d_ff=4 * d_model,
+        max_seq_len=512,
+        dropout=0.0,
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 8192, (batch, 512))
     times = {"none": [], "full": []}
@@ -194,64 +242,114 @@ def ac_part(rounds: int = 3, d_model: int = 512, batch: int = 2) -> None:
         with tracker, SavedActivations() as saved:
             model(ids, labels=ids).loss.backward()
         opt.zero_grad(set_to_none=True)
-        memory[mode] = (tracker.peak_activations, max(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-                                                      .values()), saved.bytes)
+        memory[mode] = (
+            tracker.peak_activations,
+            max(tracker.get_tracker_snapshot("peak")[torch.device("cpu")].values()),
+            saved.bytes,
+        )
     for _ in range(rounds):  # step time, interleaved, untracked
         for mode in ("none", "full"):
             times[mode].append(step(mode))
     (a_none, p_none, s_none), (a_full, p_full, s_full) = memory["none"], memory["full"]
     t_none, t_full = statistics.median(times["none"]), statistics.median(times["full"])
-    mb = 2 ** 20
+    mb = 2**20
     print(f"\n=== activation checkpointing: 12 layers, d {d_model}, seq 512, batch {batch}, fp32, 1 thread ===")
-    print(f"peak activation memory (activations + temporaries, tensor bytes): none {a_none / mb:.0f} MB, "
-          f"full AC {a_full / mb:.0f} MB -> {100 * (1 - a_full / a_none):.0f}% less (target >= 50%) "
-          f"{'PASS' if a_full <= 0.5 * a_none else 'MISS'}")
-    print(f"peak total (params + grads + AdamW states + activations): none {p_none / mb:.0f} MB, "
-          f"full AC {p_full / mb:.0f} MB -> {100 * (1 - p_full / p_none):.0f}% less")
+    print(
+        f"peak activation memory (activations + temporaries, tensor bytes): none {a_none / mb:.0f} MB, "
+        f"full AC {a_full / mb:.0f} MB -> {100 * (1 - a_full / a_none):.0f}% less (target >= 50%) "
+        f"{'PASS' if a_full <= 0.5 * a_none else 'MISS'}"
+    )
+    print(
+        f"peak total (params + grads + AdamW states + activations): none {p_none / mb:.0f} MB, "
+        f"full AC {p_full / mb:.0f} MB -> {100 * (1 - p_full / p_none):.0f}% less"
+    )
     print(f"saved for backward at the end of forward: none {s_none / mb:.0f} MB, full AC {s_full / mb:.0f} MB")
-    print(f"step time (median of {rounds}): none {t_none:.2f}s, full AC {t_full:.2f}s -> "
-          f"{100 * (t_full / t_none - 1):+.0f}% (target <= +40%) {'PASS' if t_full <= 1.4 * t_none else 'MISS'}")
+    print(
+        f"step time (median of {rounds}): none {t_none:.2f}s, full AC {t_full:.2f}s -> "
+        f"{100 * (t_full / t_none - 1):+.0f}% (target <= +40%) {'PASS' if t_full <= 1.4 * t_none else 'MISS'}"
+    )
 
 
-def throughput_part(tmp: str, cache: str, micro: int = 8, seq: int = 256, steps: int = 5, rounds: int = 2,
-                    names=("ddp", "fsdp", "zero2", "zero3")) -> None:
+def throughput_part(
+    tmp: str,
+    cache: str,
+    micro: int = 8,
+    seq: int = 256,
+    steps: int = 5,
+    rounds: int = 2,
+    names=("ddp", "fsdp", "zero2", "zero3"),
+) -> None:
     rates = {n: [] for n in names}
     for r in range(rounds):  # interleaved rounds
-        jobs = [(f"tp{r}-{name}", common("fp32") + {**STRATEGIES, **THROUGHPUT_ONLY}[name] + [f"micro_batch_size={micro}",
-                                                                     f"data.seq_len={seq}"], steps)
-                for name in names]
+        jobs = [
+            (
+                f"tp{r}-{name}",
+                common("fp32")
+                + {**STRATEGIES, **THROUGHPUT_ONLY}[name]
+                + [f"micro_batch_size={micro}", f"data.seq_len={seq}"],
+                steps,
+            )
+            for name in names
+        ]
         run_two(jobs, tmp, cache)
         for name in names:
             rates[name].append(float(open(f"{tmp}/tp{r}-{name}.txt").read().split()[2]))
-    print(f"\n=== step throughput, 2 processes x 1 thread, fp32, ~50M params, micro-batch {micro} x seq {seq} "
-          f"per rank, median step of {steps - 2} (after 2 warm-up), best of {rounds} interleaved rounds ===")
+    print(
+        f"\n=== step throughput, 2 processes x 1 thread, fp32, ~50M params, micro-batch {micro} x seq {seq} "
+        f"per rank, median step of {steps - 2} (after 2 warm-up), best of {rounds} interleaved rounds ==="
+    )
     base = max(rates["ddp"])
     for name in names:
         ratio = max(rates[name]) / base
-        print(f"{name:<16} {max(rates[name]):>8,.0f} tok/s  {ratio:.2f}x DDP"
-              f"{'' if name == 'ddp' else ('  PASS' if ratio >= 0.8 else '  MISS')}"
-              f"   (rounds: {', '.join(f'{x:,.0f}' for x in rates[name])})")
+        print(
+            f"{name:<16} {max(rates[name]):>8,.0f} tok/s  {ratio:.2f}x DDP"
+            f"{'' if name == 'ddp' else ('  PASS' if ratio >= 0.8 else '  MISS')}"
+            f"   (rounds: {', '.join(f'{x:,.0f}' for x in rates[name])})"
+        )
 
 
-MESH_MODEL = ["model.preset=gpt2-tiny", "model.vocab_size=8192", "model.d_model=512", "model.num_layers=8",
-              "model.num_heads=8", "model.d_ff=2048", "model.max_seq_len=512", "model.dropout=0.0",
-              "data.tokenizer_vocab_size=8192", "data.seq_len=512", "micro_batch_size=1", "precision=fp32",
-              "eval_every=0", "save_every=0", "eval_batches=1", "progress=false", "log_every=1000", "resume=none"]
+MESH_MODEL = [
+    "model.preset=gpt2-tiny",
+    "model.vocab_size=8192",
+    "model.d_model=512",
+    "model.num_layers=8",
+    "model.num_heads=8",
+    "model.d_ff=2048",
+    "model.max_seq_len=512",
+    "model.dropout=0.0",
+    "data.tokenizer_vocab_size=8192",
+    "data.seq_len=512",
+    "micro_batch_size=1",
+    "precision=fp32",
+    "eval_every=0",
+    "save_every=0",
+    "eval_batches=1",
+    "progress=false",
+    "log_every=1000",
+    "resume=none",
+]
 # name: (ranks, overrides, torch's sequence parallel alone: without tformer's re-gather in backward)
 MESH_LAYOUTS = {
     "ddp": (2, ["parallel.strategy=ddp"], False),
     "tp2": (2, ["parallel.strategy=ddp", "parallel.tp=2", "parallel.sp=false"], False),
     "tp2+sp": (2, ["parallel.strategy=ddp", "parallel.tp=2", "parallel.sp=true"], False),
     "tp2+sp (torch alone)": (2, ["parallel.strategy=ddp", "parallel.tp=2", "parallel.sp=true"], True),
-    "dp_shard2 x tp2+sp": (4, ["parallel.strategy=fsdp", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sp=true"],
-                           False),
+    "dp_shard2 x tp2+sp": (4, ["parallel.strategy=fsdp", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sp=true"], False),
 }
 
 
 def _mesh_worker(rank, world, port, jobs, out, cache):
     import json
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), TFORMER_CACHE=cache, TFORMER_DIST_TIMEOUT="600")
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TFORMER_CACHE=cache,
+        TFORMER_DIST_TIMEOUT="600",
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -261,11 +359,13 @@ def _mesh_worker(rank, world, port, jobs, out, cache):
     from tformer.parallel.strategy import param_counts
     from tformer.train.config import load_config
     from tformer.train.trainer import Trainer
+
     keep = tp_module.keep_gathered_inputs_sharded
     for index, (_name, overrides, steps, torch_sp_alone) in enumerate(jobs):
         tp_module.keep_gathered_inputs_sharded = (lambda *a: 0) if torch_sp_alone else keep
-        cfg = load_config(ROOT / "configs" / "gpt2-tiny.yaml", overrides + [f"output_dir={out}/mesh{index}",
-                                                                            f"max_steps={steps}"])
+        cfg = load_config(
+            ROOT / "configs" / "gpt2-tiny.yaml", overrides + [f"output_dir={out}/mesh{index}", f"max_steps={steps}"]
+        )
         step_times = []
         t = Trainer(cfg, callbacks=[lambda tr, rec, times=step_times: times.append(rec["step_time"])])
         t.fit()
@@ -281,23 +381,53 @@ def _mesh_worker(rank, world, port, jobs, out, cache):
         local, _ = param_counts(t.model)
         states = model_state_bytes(t.model, t.optimizer)
         pcfg = cfg.parallel
-        plan = rank_memory(t.model_cfg, seq_len=inputs["input_ids"].shape[1], micro_batch=cfg.micro_batch_size,
-                           dp_shard=t.dims.dp_shard, tp=t.dims.tp, sp=pcfg.sp and t.dims.tp > 1,
-                           precision="fp32", strategy=pcfg.strategy, loss_parallel=pcfg.loss_parallel,
-                           **training_memory(cfg))
+        plan = rank_memory(
+            t.model_cfg,
+            seq_len=inputs["input_ids"].shape[1],
+            micro_batch=cfg.micro_batch_size,
+            dp_shard=t.dims.dp_shard,
+            tp=t.dims.tp,
+            sp=pcfg.sp and t.dims.tp > 1,
+            precision="fp32",
+            strategy=pcfg.strategy,
+            loss_parallel=pcfg.loss_parallel,
+            **training_memory(cfg),
+        )
         # what tensor parallelism already splits by tp, whatever SP does: q, k, v, attention, the
         # FFN width (every block) and the vocabulary-sharded log-softmax: SP's floor
         _, _, heads = _block_parts(t.model_cfg, inputs["input_ids"].shape[1], tp=t.dims.tp)
-        split = rank_memory(t.model_cfg, seq_len=inputs["input_ids"].shape[1], tp=t.dims.tp, precision="fp32",
-                            strategy=pcfg.strategy, **training_memory(cfg)).activations
-        split -= rank_memory(t.model_cfg, seq_len=inputs["input_ids"].shape[1], tp=t.dims.tp, precision="fp32",
-                             strategy=pcfg.strategy, transient=False, **training_memory(cfg)).activations
+        split = rank_memory(
+            t.model_cfg,
+            seq_len=inputs["input_ids"].shape[1],
+            tp=t.dims.tp,
+            precision="fp32",
+            strategy=pcfg.strategy,
+            **training_memory(cfg),
+        ).activations
+        split -= rank_memory(
+            t.model_cfg,
+            seq_len=inputs["input_ids"].shape[1],
+            tp=t.dims.tp,
+            precision="fp32",
+            strategy=pcfg.strategy,
+            transient=False,
+            **training_memory(cfg),
+        ).activations
         split += t.model_cfg.num_layers * inputs["input_ids"].numel() * heads / t.dims.tp * 4
         tokens = cfg.micro_batch_size * cfg.grad_accum * cfg.data.seq_len * t.dims.dp_size
-        Path(f"{out}/mesh{index}.rank{rank}.json").write_text(json.dumps({
-            "states": states, "local_params": local, "saved": saved.bytes, "plan_states": plan.model_states,
-            "plan_activations": plan.activations, "floor": split,
-            "rate": tokens / statistics.median(step_times[2:] or step_times)}))
+        Path(f"{out}/mesh{index}.rank{rank}.json").write_text(
+            json.dumps(
+                {
+                    "states": states,
+                    "local_params": local,
+                    "saved": saved.bytes,
+                    "plan_states": plan.model_states,
+                    "plan_activations": plan.activations,
+                    "floor": split,
+                    "rate": tokens / statistics.median(step_times[2:] or step_times),
+                }
+            )
+        )
         dist.barrier()
     dist.destroy_process_group()
 
@@ -305,54 +435,77 @@ def _mesh_worker(rank, world, port, jobs, out, cache):
 def mesh_part(tmp: str, cache: str, steps: int = 5) -> None:
     """The device mesh's memory and throughput, per rank (module doc, part 4)."""
     import json
+
     names = list(MESH_LAYOUTS)
     for world in (2, 4):
-        jobs = [(name, MESH_MODEL + MESH_LAYOUTS[name][1], steps, MESH_LAYOUTS[name][2]) for name in names
-                if MESH_LAYOUTS[name][0] == world]
-        mp.start_processes(_mesh_worker, args=(world, _port(), jobs, f"{tmp}/w{world}", cache), nprocs=world,
-                           join=True, start_method="spawn")
+        jobs = [
+            (name, MESH_MODEL + MESH_LAYOUTS[name][1], steps, MESH_LAYOUTS[name][2])
+            for name in names
+            if MESH_LAYOUTS[name][0] == world
+        ]
+        mp.start_processes(
+            _mesh_worker,
+            args=(world, _port(), jobs, f"{tmp}/w{world}", cache),
+            nprocs=world,
+            join=True,
+            start_method="spawn",
+        )
     got = {}
     for name in names:
         world = MESH_LAYOUTS[name][0]
         index = [n for n in names if MESH_LAYOUTS[n][0] == world].index(name)
         ranks = [json.loads(Path(f"{tmp}/w{world}/mesh{index}.rank{r}.json").read_text()) for r in range(world)]
         got[name] = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the fullest rank
-    mb = 2 ** 20
+    mb = 2**20
 
     def verdict(ok):
         return "PASS" if ok else "MISS"
-    print(f"\n=== device mesh: GPT d 512, 8 layers, seq 512, vocab 8192, fp32, 1 sequence per dp rank, "
-          f"{steps} trainer steps, per rank (the fullest), tensor bytes ===")
-    print(f"{'layout':<22}{'states MB':>10}{'16Ψ/N MB':>10}{'ratio':>7}{'saved MB':>10}{'peak MB':>9}{'plan MB':>9}"
-          f"{'ratio':>7}{'tok/s':>8}")
+
+    print(
+        f"\n=== device mesh: GPT d 512, 8 layers, seq 512, vocab 8192, fp32, 1 sequence per dp rank, "
+        f"{steps} trainer steps, per rank (the fullest), tensor bytes ==="
+    )
+    print(
+        f"{'layout':<22}{'states MB':>10}{'16Ψ/N MB':>10}{'ratio':>7}{'saved MB':>10}{'peak MB':>9}{'plan MB':>9}"
+        f"{'ratio':>7}{'tok/s':>8}"
+    )
     for name in names:
         g = got[name]
         exact = 16 * g["local_params"]  # fp32 parameter, gradient, AdamW m and v of each local element
         peak = g["states"] + g["saved"]
         plan = g["plan_states"] + g["plan_activations"]
         planned = "" if MESH_LAYOUTS[name][2] else f"{plan / mb:>9.1f}{plan / peak:>7.3f}"  # plans tformer's SP
-        print(f"{name:<22}{g['states'] / mb:>10.1f}{g['plan_states'] / mb:>10.1f}{g['states'] / g['plan_states']:>7.3f}"
-              f"{g['saved'] / mb:>10.1f}{peak / mb:>9.1f}{planned:>16}{g['rate']:>8.0f}")
+        print(
+            f"{name:<22}{g['states'] / mb:>10.1f}{g['plan_states'] / mb:>10.1f}{g['states'] / g['plan_states']:>7.3f}"
+            f"{g['saved'] / mb:>10.1f}{peak / mb:>9.1f}{planned:>16}{g['rate']:>8.0f}"
+        )
         got[name].update(exact=exact, peak=peak, plan=plan)
     print("\ntargets:")
     for name in ("tp2", "dp_shard2 x tp2+sp"):
         g = got[name]
         r, e = g["states"] / g["plan_states"], g["states"] / g["exact"]
-        print(f"  model states per rank, {name}: {r:.3f}x the formula (rank_memory; exact per-rank count "
-              f"16 x {g['local_params']:,} local elements: {e:.3f}x), target within 5%: {verdict(abs(r - 1) <= 0.05)}")
+        print(
+            f"  model states per rank, {name}: {r:.3f}x the formula (rank_memory; exact per-rank count "
+            f"16 x {g['local_params']:,} local elements: {e:.3f}x), target within 5%: {verdict(abs(r - 1) <= 0.05)}"
+        )
     sp, no_sp, alone, ddp = (got[n]["saved"] for n in ("tp2+sp", "tp2", "tp2+sp (torch alone)", "ddp"))
-    print(f"  saved activations per rank, tp=2 with SP against without: {sp / no_sp:.3f}x (target <= 0.6x): "
-          f"{verdict(sp <= 0.6 * no_sp)}; torch's SP alone {alone / no_sp:.3f}x; against no TP (a DDP rank, same "
-          f"micro-batch): tp=2 {no_sp / ddp:.3f}x, tp=2 + SP {sp / ddp:.3f}x")
+    print(
+        f"  saved activations per rank, tp=2 with SP against without: {sp / no_sp:.3f}x (target <= 0.6x): "
+        f"{verdict(sp <= 0.6 * no_sp)}; torch's SP alone {alone / no_sp:.3f}x; against no TP (a DDP rank, same "
+        f"micro-batch): tp=2 {no_sp / ddp:.3f}x, tp=2 + SP {sp / ddp:.3f}x"
+    )
     floor = got["tp2+sp"]["floor"]
-    print(f"    (what tp=2 splits already, SP or not: q, k, v, attention, FFN width, sharded log-softmax = "
-          f"{floor / mb:.1f} MB by the planner's formula, {floor / no_sp:.3f}x of tp=2 without SP: the least SP "
-          "could reach at tp=2 if it kept nothing else)")
+    print(
+        f"    (what tp=2 splits already, SP or not: q, k, v, attention, FFN width, sharded log-softmax = "
+        f"{floor / mb:.1f} MB by the planner's formula, {floor / no_sp:.3f}x of tp=2 without SP: the least SP "
+        "could reach at tp=2 if it kept nothing else)"
+    )
     for name in ("tp2", "tp2+sp", "dp_shard2 x tp2+sp"):
         g = got[name]
         r = g["plan"] / g["peak"]
-        print(f"  tformer plan against the measured peak, {name}: {r:.3f}x (target within 15%): "
-              f"{verdict(abs(r - 1) <= 0.15)}")
+        print(
+            f"  tformer plan against the measured peak, {name}: {r:.3f}x (target within 15%): {verdict(abs(r - 1) <= 0.15)}"
+        )
     ratio = got["tp2"]["rate"] / got["ddp"]["rate"]
     print(f"  step throughput, tp=2 against DDP on 2 processes (tokens/s; informational): {ratio:.2f}x")
 
@@ -361,8 +514,10 @@ PP_LAYOUTS = {  # name: (ranks, overrides)
     "1 process": (1, ["grad_accum=4"]),
     "pp2 gpipe": (2, ["parallel.pp=2", "parallel.pp_schedule=gpipe", "grad_accum=4"]),
     "pp2 1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b", "grad_accum=4"]),
-    "pp2 interleaved": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
-                            "grad_accum=4"]),
+    "pp2 interleaved": (
+        2,
+        ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2", "grad_accum=4"],
+    ),
 }
 
 
@@ -378,6 +533,7 @@ class LiveSaved:
         import weakref
 
         from tformer.parallel.memory import local_part
+
         if isinstance(t if t._base is None else t._base, torch.nn.Parameter):
             return t
         storage = local_part(t).untyped_storage()
@@ -416,8 +572,16 @@ class _Box:
 
 def _pp_worker(rank, world, port, jobs, out, cache):
     import json
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), TFORMER_CACHE=cache, TFORMER_DIST_TIMEOUT="600")
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TFORMER_CACHE=cache,
+        TFORMER_DIST_TIMEOUT="600",
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -425,14 +589,19 @@ def _pp_worker(rank, world, port, jobs, out, cache):
     from tformer.parallel.plan import rank_memory, training_memory
     from tformer.train.config import load_config
     from tformer.train.trainer import Trainer, _concat
+
     for index, overrides in enumerate(jobs):
-        cfg = load_config(ROOT / "configs" / "gpt2-tiny.yaml", MESH_MODEL + overrides + [
-            f"output_dir={out}/pp{index}", "max_steps=4", "loss.chunk_size=null"])
+        cfg = load_config(
+            ROOT / "configs" / "gpt2-tiny.yaml",
+            MESH_MODEL + overrides + [f"output_dir={out}/pp{index}", "max_steps=4", "loss.chunk_size=null"],
+        )
         step_times: list = []
         t = Trainer(cfg, callbacks=[lambda tr, rec, times=step_times: times.append(rec["step_time"])])
         t.fit()
-        batches = [t.data.collator([t.data.train[i + k * cfg.micro_batch_size] for i in range(cfg.micro_batch_size)])
-                   for k in range(cfg.grad_accum)]
+        batches = [
+            t.data.collator([t.data.train[i + k * cfg.micro_batch_size] for i in range(cfg.micro_batch_size)])
+            for k in range(cfg.grad_accum)
+        ]
         inputs = _concat([{"input_ids": b["input_ids"], "labels": b["labels"]} for b in batches])
         if t.dims.pp > 1:
             # fit() ended with an evaluation: torch's schedule re-infers its stages' metadata on the
@@ -445,18 +614,36 @@ def _pp_worker(rank, world, port, jobs, out, cache):
                 t.strategy.pipeline_step(inputs)
             else:
                 for b in batches:
-                    (t.wrapped(input_ids=b["input_ids"], labels=b["labels"], return_logits=False).loss
-                     / cfg.grad_accum).backward()
+                    (
+                        t.wrapped(input_ids=b["input_ids"], labels=b["labels"], return_logits=False).loss / cfg.grad_accum
+                    ).backward()
         states = model_state_bytes(t.model, t.optimizer)
         pcfg = cfg.parallel
-        plan = rank_memory(t.model_cfg, seq_len=cfg.data.seq_len, micro_batch=cfg.micro_batch_size, precision="fp32",
-                           strategy=pcfg.strategy, pp=t.dims.pp, pp_schedule=pcfg.pp_schedule,
-                           pp_stages_per_rank=pcfg.pp_stages_per_rank, n_micro=cfg.grad_accum,
-                           pp_rank=t.dims.pp_rank(rank), **training_memory(cfg))
-        Path(f"{out}/pp{index}.rank{rank}.json").write_text(json.dumps({
-            "states": states, "saved_peak": live.peak, "plan_states": plan.model_states,
-            "plan_activations": plan.activations, "in_flight": getattr(plan, "in_flight", None),
-            "step": statistics.median(step_times[1:] or step_times)}))
+        plan = rank_memory(
+            t.model_cfg,
+            seq_len=cfg.data.seq_len,
+            micro_batch=cfg.micro_batch_size,
+            precision="fp32",
+            strategy=pcfg.strategy,
+            pp=t.dims.pp,
+            pp_schedule=pcfg.pp_schedule,
+            pp_stages_per_rank=pcfg.pp_stages_per_rank,
+            n_micro=cfg.grad_accum,
+            pp_rank=t.dims.pp_rank(rank),
+            **training_memory(cfg),
+        )
+        Path(f"{out}/pp{index}.rank{rank}.json").write_text(
+            json.dumps(
+                {
+                    "states": states,
+                    "saved_peak": live.peak,
+                    "plan_states": plan.model_states,
+                    "plan_activations": plan.activations,
+                    "in_flight": getattr(plan, "in_flight", None),
+                    "step": statistics.median(step_times[1:] or step_times),
+                }
+            )
+        )
         if dist.is_initialized():
             dist.barrier()
     if dist.is_initialized():
@@ -467,34 +654,45 @@ def pipeline_part(tmp: str, cache: str) -> None:
     """Pipeline parallelism's per-rank memory against the planner, and each schedule's step time
     (module doc, part 5)."""
     import json
+
     one = [o for n, (w, o) in PP_LAYOUTS.items() if w == 1]
     two = [o for n, (w, o) in PP_LAYOUTS.items() if w == 2]
     _pp_worker(0, 1, _port(), one, f"{tmp}/one", cache)
-    mp.start_processes(_pp_worker, args=(2, _port(), two, f"{tmp}/two", cache), nprocs=2, join=True,
-                       start_method="spawn")
-    mb = 2 ** 20
+    mp.start_processes(_pp_worker, args=(2, _port(), two, f"{tmp}/two", cache), nprocs=2, join=True, start_method="spawn")
+    mb = 2**20
 
     def verdict(ok):
         return "PASS" if ok else "MISS"
+
     base = json.loads(Path(f"{tmp}/one/pp0.rank0.json").read_text())
-    print("\n=== pipeline: GPT d 512, 8 layers, seq 512, vocab 8192, fp32, 4 micro-batches of 1 sequence per step, "
-          "per rank ===")
-    print(f"{'layout':<18}{'rank':>5}{'states MB':>10}{'plan':>8}{'ratio':>7}{'act. peak MB':>13}{'plan':>8}{'ratio':>7}"
-          f"{'in flight':>10}{'step s':>8}{'vs 1 proc':>10}")
+    print(
+        "\n=== pipeline: GPT d 512, 8 layers, seq 512, vocab 8192, fp32, 4 micro-batches of 1 sequence per step, "
+        "per rank ==="
+    )
+    print(
+        f"{'layout':<18}{'rank':>5}{'states MB':>10}{'plan':>8}{'ratio':>7}{'act. peak MB':>13}{'plan':>8}{'ratio':>7}"
+        f"{'in flight':>10}{'step s':>8}{'vs 1 proc':>10}"
+    )
     misses = []
     for index, name in enumerate(n for n, (w, _) in PP_LAYOUTS.items() if w == 2):
         for rank in (0, 1):
             g = json.loads(Path(f"{tmp}/two/pp{index}.rank{rank}.json").read_text())
             rs, ra = g["states"] / g["plan_states"], g["saved_peak"] / g["plan_activations"]
             misses += [abs(1 / rs - 1) > 0.15, abs(1 / ra - 1) > 0.15]
-            print(f"{name:<18}{rank:>5}{g['states'] / mb:>10.1f}{g['plan_states'] / mb:>8.1f}{1 / rs:>7.3f}"
-                  f"{g['saved_peak'] / mb:>13.1f}{g['plan_activations'] / mb:>8.1f}{1 / ra:>7.3f}"
-                  f"{g['in_flight'] if g['in_flight'] is not None else '-':>10}{g['step']:>8.2f}"
-                  f"{g['step'] / base['step']:>10.2f}")
-    print(f"{'1 process':<18}{0:>5}{base['states'] / mb:>10.1f}{'':>15}{base['saved_peak'] / mb:>13.1f}{'':>25}"
-          f"{base['step']:>8.2f}{1.0:>10.2f}")
-    print(f"\ntargets: per-rank model states and activation peak within 15% of tformer plan (plan / measured): "
-          f"{verdict(not any(misses))}; step times are informational on a shared 2-core CPU")
+            print(
+                f"{name:<18}{rank:>5}{g['states'] / mb:>10.1f}{g['plan_states'] / mb:>8.1f}{1 / rs:>7.3f}"
+                f"{g['saved_peak'] / mb:>13.1f}{g['plan_activations'] / mb:>8.1f}{1 / ra:>7.3f}"
+                f"{g['in_flight'] if g['in_flight'] is not None else '-':>10}{g['step']:>8.2f}"
+                f"{g['step'] / base['step']:>10.2f}"
+            )
+    print(
+        f"{'1 process':<18}{0:>5}{base['states'] / mb:>10.1f}{'':>15}{base['saved_peak'] / mb:>13.1f}{'':>25}"
+        f"{base['step']:>8.2f}{1.0:>10.2f}"
+    )
+    print(
+        f"\ntargets: per-rank model states and activation peak within 15% of tformer plan (plan / measured): "
+        f"{verdict(not any(misses))}; step times are informational on a shared 2-core CPU"
+    )
 
 
 def main() -> None:

@@ -18,6 +18,7 @@
 
     .venv/bin/python bench/bench_trainer.py [--steps 30] [--rounds 3] [--only trainer|start|save|loc]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,8 +74,20 @@ def bare_rate(cfg_args: list[str], steps: int, out: Path) -> float:
 
 def first_step_seconds(out: Path) -> float:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    args = [sys.executable, "-m", "tformer", "train", str(RECIPE), f"output_dir={out}", "max_steps=3",
-            "log_every=1", "eval_every=0", "save_every=0", "progress=false", "resume=none"]
+    args = [
+        sys.executable,
+        "-m",
+        "tformer",
+        "train",
+        str(RECIPE),
+        f"output_dir={out}",
+        "max_steps=3",
+        "log_every=1",
+        "eval_every=0",
+        "save_every=0",
+        "progress=false",
+        "resume=none",
+    ]
     t0 = time.perf_counter()
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = out / "metrics.jsonl"
@@ -88,10 +101,20 @@ def first_step_seconds(out: Path) -> float:
 def save_blocking(out: Path, rounds: int) -> tuple[list[float], list[float], list[float]]:
     """(sync save seconds, async save seconds the loop is blocked, async background write seconds)
     of one gpt2-small trainer, interleaved: the same run, the same state, the same disk."""
-    base = {"model": {"preset": "gpt2-small"}, "data": {"tokenizer_vocab_size": 4096, "seq_len": 64},
-            "micro_batch_size": 1, "precision": "fp32", "eval_every": 0, "save_every": 0, "progress": False,
-            "keep_checkpoints": 1, "output_dir": str(out), "resume": "none", "max_steps": 10**6,
-            "checkpoint": {"async": True}}
+    base = {
+        "model": {"preset": "gpt2-small"},
+        "data": {"tokenizer_vocab_size": 4096, "seq_len": 64},
+        "micro_batch_size": 1,
+        "precision": "fp32",
+        "eval_every": 0,
+        "save_every": 0,
+        "progress": False,
+        "keep_checkpoints": 1,
+        "output_dir": str(out),
+        "resume": "none",
+        "max_steps": 10**6,
+        "checkpoint": {"async": True},
+    }
     t = Trainer(load_config(None, base=base))
     t._train_step(t._batches())  # the optimizer state exists: a full-size checkpoint
     sync, blocked, written = [], [], []
@@ -121,6 +144,7 @@ def _code_lines(text: str) -> int:
 
 def lines_of_code(base: str) -> dict[str, tuple[int, int]]:
     """Per package: (lines at ``base``, lines in the working tree)."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True).stdout
 
@@ -161,26 +185,34 @@ def main() -> None:
         sync, blocked, written = saves
         ratio = statistics.median(blocked) / statistics.median(sync)
         print("\n=== checkpoint save: time the loop is blocked (gpt2-small preset, fp32, CPU) ===")
-        print(f"synchronous save     : median {statistics.median(sync):.2f} s  (rounds: "
-              f"{', '.join(f'{x:.2f}' for x in sync)})")
-        print(f"async save (blocked) : median {statistics.median(blocked):.2f} s  (rounds: "
-              f"{', '.join(f'{x:.2f}' for x in blocked)}); its background write + commit: median "
-              f"{statistics.median(written):.2f} s more")
+        print(
+            f"synchronous save     : median {statistics.median(sync):.2f} s  (rounds: {', '.join(f'{x:.2f}' for x in sync)})"
+        )
+        print(
+            f"async save (blocked) : median {statistics.median(blocked):.2f} s  (rounds: "
+            f"{', '.join(f'{x:.2f}' for x in blocked)}); its background write + commit: median "
+            f"{statistics.median(written):.2f} s more"
+        )
         print(f"async / sync blocked : {ratio:.3f}x   target <= 0.25x  {'PASS' if ratio <= 0.25 else 'MISS'}")
     if not trainer and not starts:
         return
     print("\n=== trainer benchmark (gpt2-tiny recipe, fp32, CPU) ===")
     if trainer:
-        print(f"bare loop tokens/s   : median {statistics.median(bare):,.0f}  (rounds: "
-              f"{', '.join(f'{x:,.0f}' for x in bare)})")
-        print(f"trainer tokens/s     : median {statistics.median(trainer):,.0f}  (rounds: "
-              f"{', '.join(f'{x:,.0f}' for x in trainer)})")
+        print(
+            f"bare loop tokens/s   : median {statistics.median(bare):,.0f}  (rounds: {', '.join(f'{x:,.0f}' for x in bare)})"
+        )
+        print(
+            f"trainer tokens/s     : median {statistics.median(trainer):,.0f}  (rounds: "
+            f"{', '.join(f'{x:,.0f}' for x in trainer)})"
+        )
         ratio = statistics.median(trainer) / statistics.median(bare)
         print(f"trainer / bare       : {ratio:.3f}x   target >= 0.95x  {'PASS' if ratio >= 0.95 else 'MISS'}")
     if starts:
         best = min(starts)
-        print(f"start -> first step  : {', '.join(f'{s:.1f}s' for s in starts)} (warm caches)  "
-              f"target <= 15 s  {'PASS' if best <= 15 else 'MISS'}")
+        print(
+            f"start -> first step  : {', '.join(f'{s:.1f}s' for s in starts)} (warm caches)  "
+            f"target <= 15 s  {'PASS' if best <= 15 else 'MISS'}"
+        )
 
 
 if __name__ == "__main__":

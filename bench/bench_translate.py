@@ -20,6 +20,7 @@ beam-search decoding speed.
 
 A benchmark, not a test: figures depend on the machine and on whatever else runs on it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,10 +52,12 @@ def hf_twin(model):
     cfg = model.config
     state = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     hf = transformers.MarianMTModel(marian.hf_config(cfg))
-    missing, unexpected = hf.load_state_dict(to_hf(marian.before_export(cfg, state), marian.rules(cfg),
-                                                   marian.HF_CLASS), strict=False)
-    assert not unexpected and all("embed_positions" in m or "embed_tokens" in m or m in
-                                  ("lm_head.weight", "final_logits_bias") for m in missing), missing
+    missing, unexpected = hf.load_state_dict(
+        to_hf(marian.before_export(cfg, state), marian.rules(cfg), marian.HF_CLASS), strict=False
+    )
+    assert not unexpected and all(
+        "embed_positions" in m or "embed_tokens" in m or m in ("lm_head.weight", "final_logits_bias") for m in missing
+    ), missing
     hf.tie_weights()
     return hf
 
@@ -70,10 +73,13 @@ def train_hf(hf, trainer: Trainer, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
         batch = next(batches)
-        logits = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                    labels=batch["labels"]).logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
-                               ignore_index=-100, label_smoothing=cfg.optim.label_smoothing)
+        logits = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).logits
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]),
+            batch["labels"].reshape(-1),
+            ignore_index=-100,
+            label_smoothing=cfg.optim.label_smoothing,
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.optim.grad_clip > 0:
@@ -90,17 +96,23 @@ def hf_bleu(hf, trainer: Trainer, n: int, beams: int, alpha: float, max_new: int
     samples = [data.validation.sample(i) for i in range(n)]
     hyps = []
     for start in range(0, n, 32):
-        group = samples[start:start + 32]
+        group = samples[start : start + 32]
         width = max(len(s["input_ids"]) for s in group)
         ids = torch.full((len(group), width), pad)
         mask = torch.zeros_like(ids)
         for r, s in enumerate(group):
-            ids[r, :len(s["input_ids"])], mask[r, :len(s["input_ids"])] = torch.as_tensor(s["input_ids"]), 1
-        out = hf.generate(input_ids=ids, attention_mask=mask, num_beams=beams, length_penalty=alpha,
-                          max_new_tokens=max_new, do_sample=False, early_stopping=False)
+            ids[r, : len(s["input_ids"])], mask[r, : len(s["input_ids"])] = torch.as_tensor(s["input_ids"]), 1
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            num_beams=beams,
+            length_penalty=alpha,
+            max_new_tokens=max_new,
+            do_sample=False,
+            early_stopping=False,
+        )
         hyps += [data.tokenizer.decode(r[1:].tolist(), skip_special_tokens=True) for r in out]
-    refs = [data.tokenizer.decode([t for t in s["labels"].tolist() if t >= 0], skip_special_tokens=True)
-            for s in samples]
+    refs = [data.tokenizer.decode([t for t in s["labels"].tolist() if t >= 0], skip_special_tokens=True) for s in samples]
     b, c, _, _ = corpus_scores(hyps, refs)
     return b, c
 
@@ -126,21 +138,31 @@ def decode_speed(model, hf, sources, mask, beams: int, alpha: float, max_new: in
     with torch.no_grad():
         for _ in range(repeats):
             t0 = time.perf_counter()
-            ours = beam_search(model, sources, max_new, num_beams=beams, attention_mask=mask,
-                               length_penalty=alpha, length_norm="power")
+            ours = beam_search(
+                model, sources, max_new, num_beams=beams, attention_mask=mask, length_penalty=alpha, length_norm="power"
+            )
             times["tformer"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            theirs = hf.generate(input_ids=sources, attention_mask=mask, num_beams=beams, length_penalty=alpha,
-                                 max_new_tokens=max_new, do_sample=False, early_stopping=False)
+            theirs = hf.generate(
+                input_ids=sources,
+                attention_mask=mask,
+                num_beams=beams,
+                length_penalty=alpha,
+                max_new_tokens=max_new,
+                do_sample=False,
+                early_stopping=False,
+            )
             times["hf"].append(time.perf_counter() - t0)
             # generated tokens up to and including EOS (both give the same tokens: tests/test_beam.py)
             tokens["tformer"] = int((ours[:, 1:] != model.config.pad_token_id).sum())
             del theirs
     rate = {k: tokens["tformer"] / statistics.median(v) for k, v in times.items()}
     best = {k: tokens["tformer"] / min(v) for k, v in times.items()}
-    print(f"beam search ({beams} beams, {sources.shape[0]} sources, {tokens['tformer']} tokens generated): "
-          f"tformer {rate['tformer']:,.0f} tok/s, HF generate {rate['hf']:,.0f} tok/s (median of {repeats}); "
-          f"ratio {rate['tformer'] / rate['hf']:.2f}x (best-step ratio {best['tformer'] / best['hf']:.2f}x)")
+    print(
+        f"beam search ({beams} beams, {sources.shape[0]} sources, {tokens['tformer']} tokens generated): "
+        f"tformer {rate['tformer']:,.0f} tok/s, HF generate {rate['hf']:,.0f} tok/s (median of {repeats}); "
+        f"ratio {rate['tformer'] / rate['hf']:.2f}x (best-step ratio {best['tformer'] / best['hf']:.2f}x)"
+    )
 
 
 def main() -> None:
@@ -154,8 +176,17 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(tempfile.mkdtemp(prefix="bench-translate-"))
-    overrides = [f"output_dir={out}", "progress=false", "eval_every=0", "eval_bleu=false", "max_time=null",
-                 "save_every=0", "precision=fp32", "resume=none", *args.overrides]
+    overrides = [
+        f"output_dir={out}",
+        "progress=false",
+        "eval_every=0",
+        "eval_bleu=false",
+        "max_time=null",
+        "save_every=0",
+        "precision=fp32",
+        "resume=none",
+        *args.overrides,
+    ]
     if args.steps is not None:
         overrides.append(f"max_steps={args.steps}")
     cfg = load_config(ROOT / "configs" / "transformer-tiny-translate.yaml", overrides)
@@ -168,30 +199,42 @@ def main() -> None:
         trainer.fit()
         ours_time = time.perf_counter() - t0
         hf_time = train_hf(hf, trainer, cfg.max_steps)
-        ours = bleu(trainer.model.eval(), trainer.data.validation, trainer.data.tokenizer, range(args.samples),
-                    num_beams=d.num_beams, length_penalty=d.length_penalty, length_norm="power",
-                    max_new_tokens=max_new)
+        ours = bleu(
+            trainer.model.eval(),
+            trainer.data.validation,
+            trainer.data.tokenizer,
+            range(args.samples),
+            num_beams=d.num_beams,
+            length_penalty=d.length_penalty,
+            length_norm="power",
+            max_new_tokens=max_new,
+        )
         ref_bleu, ref_chrf = hf_bleu(hf, trainer, args.samples, d.num_beams, d.length_penalty, max_new)
         trainer.model.eval()
         hf.eval()
-        ours_nll = val_nll(lambda b: trainer.model(b["input_ids"], b["attention_mask"], labels=b["labels"]).logits,
-                           trainer, args.samples)
-        hf_nll = val_nll(lambda b: hf(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                                      labels=b["labels"]).logits, trainer, args.samples)
-        print(f"after {cfg.max_steps} steps, {args.samples} validation pairs, beam {d.num_beams}, "
-              f"length_penalty {d.length_penalty} (power form):\n"
-              f"  tformer: BLEU {ours.bleu:.2f}, chrF {ours.chrf:.2f}, val NLL {ours_nll:.3f} (training "
-              f"{ours_time:.0f} s incl. evaluation and checkpointing)\n"
-              f"  HF Marian: BLEU {ref_bleu:.2f}, chrF {ref_chrf:.2f}, val NLL {hf_nll:.3f} (training {hf_time:.0f} s)\n"
-              f"  BLEU gap tformer - HF: {ours.bleu - ref_bleu:+.2f} (target >= -0.5); {ours.signature}")
+        ours_nll = val_nll(
+            lambda b: trainer.model(b["input_ids"], b["attention_mask"], labels=b["labels"]).logits, trainer, args.samples
+        )
+        hf_nll = val_nll(
+            lambda b: hf(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).logits,
+            trainer,
+            args.samples,
+        )
+        print(
+            f"after {cfg.max_steps} steps, {args.samples} validation pairs, beam {d.num_beams}, "
+            f"length_penalty {d.length_penalty} (power form):\n"
+            f"  tformer: BLEU {ours.bleu:.2f}, chrF {ours.chrf:.2f}, val NLL {ours_nll:.3f} (training "
+            f"{ours_time:.0f} s incl. evaluation and checkpointing)\n"
+            f"  HF Marian: BLEU {ref_bleu:.2f}, chrF {ref_chrf:.2f}, val NLL {hf_nll:.3f} (training {hf_time:.0f} s)\n"
+            f"  BLEU gap tformer - HF: {ours.bleu - ref_bleu:+.2f} (target >= -0.5); {ours.signature}"
+        )
     samples = [trainer.data.validation.sample(i)["input_ids"] for i in range(16)]
     width = max(len(s) for s in samples)
     src = torch.full((16, width), trainer.model_cfg.pad_token_id)
     mask = torch.zeros_like(src)
     for r, s in enumerate(samples):
-        src[r, :len(s)], mask[r, :len(s)] = torch.as_tensor(s), 1
-    decode_speed(trainer.model, hf_twin(trainer.model), src, mask, d.num_beams, d.length_penalty, max_new,
-                 args.repeats)
+        src[r, : len(s)], mask[r, : len(s)] = torch.as_tensor(s), 1
+    decode_speed(trainer.model, hf_twin(trainer.model), src, mask, d.num_beams, d.length_penalty, max_new, args.repeats)
 
 
 if __name__ == "__main__":

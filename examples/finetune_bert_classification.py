@@ -9,6 +9,7 @@ English-Spanish Bible gives one example of each label. ``BertForSequenceClassifi
 the exported encoder as is and adds a freshly initialised pooler and classifier.
 Needs ``transformers`` and ``accelerate``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model_dir", help="directory written by `tformer export ... --to hf`")
     p.add_argument("--out", default="runs/bert-classification")
-    p.add_argument("--pairs", default=None,
-                   help="jsonl(.gz) with src/tgt columns (default: the bundled pairs)")
+    p.add_argument("--pairs", default=None, help="jsonl(.gz) with src/tgt columns (default: the bundled pairs)")
     p.add_argument("--train-pairs", type=int, default=2000)
     p.add_argument("--eval-pairs", type=int, default=200)
     p.add_argument("--max-steps", type=int, default=200)
@@ -49,16 +49,25 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
 
     from datasets import Dataset
-    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
-                              Trainer, TrainingArguments)
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainingArguments,
+    )
 
     if args.pairs is None:
         from tformer.data import default_pairs_path
+
         args.pairs = str(default_pairs_path())
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     model = AutoModelForSequenceClassification.from_pretrained(
-        args.model_dir, num_labels=len(LABELS), id2label=dict(enumerate(LABELS)),
-        label2id={name: i for i, name in enumerate(LABELS)})
+        args.model_dir,
+        num_labels=len(LABELS),
+        id2label=dict(enumerate(LABELS)),
+        label2id={name: i for i, name in enumerate(LABELS)},
+    )
 
     def encode(batch):
         return tokenizer(batch["text"], truncation=True, max_length=args.max_length)
@@ -69,19 +78,36 @@ def main(argv: list[str] | None = None) -> dict:
     train, held_out = (d.map(encode, batched=True, remove_columns=["text"]) for d in (train, held_out))
 
     training_args = TrainingArguments(
-        output_dir=args.out, per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=64,
-        learning_rate=args.lr, max_steps=args.max_steps, warmup_steps=min(20, args.max_steps // 10),
-        logging_steps=max(1, min(10, args.max_steps // 10)), eval_strategy="no", save_strategy="no",
-        report_to="none", seed=args.seed, disable_tqdm=True, dataloader_num_workers=0, use_cpu=True)
-    trainer = Trainer(model=model, args=training_args, train_dataset=train, eval_dataset=held_out,
-                      data_collator=DataCollatorWithPadding(tokenizer))
+        output_dir=args.out,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=64,
+        learning_rate=args.lr,
+        max_steps=args.max_steps,
+        warmup_steps=min(20, args.max_steps // 10),
+        logging_steps=max(1, min(10, args.max_steps // 10)),
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        seed=args.seed,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        use_cpu=True,
+    )
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train,
+        eval_dataset=held_out,
+        data_collator=DataCollatorWithPadding(tokenizer),
+    )
     trainer.train()
     metrics = trainer.evaluate()
     prediction = trainer.predict(held_out)
     accuracy = float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
-    print(f"train loss {losses[0]:.4f} -> {losses[-1]:.4f}; held-out loss {metrics['eval_loss']:.4f}, "
-          f"accuracy {accuracy:.3f}")
+    print(
+        f"train loss {losses[0]:.4f} -> {losses[-1]:.4f}; held-out loss {metrics['eval_loss']:.4f}, accuracy {accuracy:.3f}"
+    )
     trainer.save_model(args.out)
     tokenizer.save_pretrained(args.out)
     return {"losses": losses, "eval_loss": metrics["eval_loss"], "accuracy": accuracy}

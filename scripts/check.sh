@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The habits CI keeps before the tests (.ci/run): ruff lint, mypy, shellcheck. The tools come from
+# The habits CI keeps before the tests (.ci/run): ruff lint and format, mypy, shellcheck. The tools come from
 # the "lint" extra that scripts/setup.sh installs into .venv (PYTHON= picks another interpreter).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,9 +8,9 @@ BIN=$(dirname "$PY")
 
 echo "ruff check"
 "$PY" -m ruff check .
-# Turned on once the tree is formatted (`ruff format .`, see CONTRIBUTING.md):
-# echo "ruff format --check"
-# "$PY" -m ruff format --check .
+# The tree is formatted with `ruff format .` (see CONTRIBUTING.md):
+echo "ruff format --check"
+"$PY" -m ruff format --check .
 echo "mypy"
 "$PY" -m mypy
 echo "shellcheck"

@@ -2,6 +2,7 @@
 in the middle of writing the checkpoint of step N, before it is sealed (``--kill-in-save N``), or
 while the background write of step N's checkpoint (``checkpoint.async=true``) is held up, from
 the training loop one step later (``--kill-in-async-write N``)."""
+
 import argparse
 import logging
 import os
@@ -17,8 +18,9 @@ p.add_argument("overrides", nargs="*")
 p.add_argument("--kill-after", type=int)
 p.add_argument("--kill-in-save", type=int)
 p.add_argument("--kill-in-async-write", type=int)
-p.add_argument("--spike-at-sample", type=int, help="blow the loss up (x100) on the batch that starts at "
-                                                    "this global sample index")
+p.add_argument(
+    "--spike-at-sample", type=int, help="blow the loss up (x100) on the batch that starts at this global sample index"
+)
 args = p.parse_args()
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -66,6 +68,7 @@ def plant_spike(trainer, sample):
         if trainer.model.training and trainer.consumed == sample:
             out.loss = out.loss * 100.0
         return out
+
     trainer.model.forward = patched
 
 

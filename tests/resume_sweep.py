@@ -3,6 +3,7 @@ and write what happened to JSON: ``{"label": "loaded" | "error: <message>"}``.
 
     python resume_sweep.py JOBS.json OUT.json   # JOBS: [{"label", "recipe", "overrides"}, ...]
 """
+
 import json
 import sys
 import traceback
@@ -18,7 +19,8 @@ for job in jobs:
         results[job["label"]] = "loaded"
     except Exception as e:  # noqa: BLE001 - recorded for the test to judge
         text = str(e)
-        results[job["label"]] = (f"error: {text}" if "\n" not in text.strip()
-                                 else f"multi-line {type(e).__name__}: {traceback.format_exc()}")
+        results[job["label"]] = (
+            f"error: {text}" if "\n" not in text.strip() else f"multi-line {type(e).__name__}: {traceback.format_exc()}"
+        )
     with open(sys.argv[2], "w") as f:
         json.dump(results, f, indent=1)

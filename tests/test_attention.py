@@ -1,4 +1,5 @@
 """MultiHeadAttention against the textbook: math vs SDPA, a naive per-head loop, masks, caches."""
+
 import itertools
 import math
 
@@ -44,12 +45,12 @@ def naive_attention(mha, q_in, kv_in, allowed):
     heads = []
     for i in range(h):
         j = i // (h // mha.num_kv_heads)
-        wq = mha.q_proj.weight[i * dk:(i + 1) * dk]
-        bq = mha.q_proj.bias[i * dk:(i + 1) * dk]
-        wk = mha.k_proj.weight[j * dk:(j + 1) * dk]
-        bk = mha.k_proj.bias[j * dk:(j + 1) * dk]
-        wv = mha.v_proj.weight[j * dv:(j + 1) * dv]
-        bv = mha.v_proj.bias[j * dv:(j + 1) * dv]
+        wq = mha.q_proj.weight[i * dk : (i + 1) * dk]
+        bq = mha.q_proj.bias[i * dk : (i + 1) * dk]
+        wk = mha.k_proj.weight[j * dk : (j + 1) * dk]
+        bk = mha.k_proj.bias[j * dk : (j + 1) * dk]
+        wv = mha.v_proj.weight[j * dv : (j + 1) * dv]
+        bv = mha.v_proj.bias[j * dv : (j + 1) * dv]
         Q, K, V = q_in @ wq.T + bq, kv_in @ wk.T + bk, kv_in @ wv.T + bv
         scores = Q @ K.transpose(-1, -2) / math.sqrt(dk)
         if allowed is not None:
@@ -78,9 +79,9 @@ def test_padding_mask_broadcasts_to_b_h_sq_sk():
     m = build_mask(pad, True, 5, 5, torch.device("cpu"))
     assert m.shape == (2, 1, 5, 5)
     full = m.expand(2, 4, 5, 5)
-    assert not full[1, :, :, 3:].any()           # padded keys are never attended
-    assert full[0, 2, 4, :].all()                # last query sees every real key when causal
-    assert not full[0, 0, 1, 2:].any()           # no query sees the future
+    assert not full[1, :, :, 3:].any()  # padded keys are never attended
+    assert full[0, 2, 4, :].all()  # last query sees every real key when causal
+    assert not full[0, 0, 1, 2:].any()  # no query sees the future
 
 
 def test_fully_masked_rows_stay_finite():
@@ -117,7 +118,7 @@ def test_kv_cache_last_token_query_matches_full_recompute(impl):
     cache = KVCache()
     steps = [mha(x[:, :4], causal=True, rotary=rot(torch.arange(4)), cache=cache)]
     for t in range(4, s):
-        steps.append(mha(x[:, t:t + 1], causal=True, rotary=rot(torch.tensor([t])), cache=cache))
+        steps.append(mha(x[:, t : t + 1], causal=True, rotary=rot(torch.tensor([t])), cache=cache))
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
     assert cache.length == s
 

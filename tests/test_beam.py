@@ -1,5 +1,6 @@
 """Beam search: greedy at one beam, exhaustive search on a tiny vocabulary, HF generate's tokens on
 the exported Marian model, batched equal to one by one, bad arguments."""
+
 import gzip
 import itertools
 import math
@@ -56,7 +57,7 @@ def test_enough_beams_find_the_exhaustive_best(alpha, norm):
             score = logp[torch.arange(length), list(seq)].sum().item() / length_normaliser(length, alpha, norm)
             if score > best_score:
                 best, best_score = list(seq), score
-    out = beam_search(model, src, steps, num_beams=4 ** steps, length_penalty=alpha, length_norm=norm)
+    out = beam_search(model, src, steps, num_beams=4**steps, length_penalty=alpha, length_norm=norm)
     assert strip(out[0, 1:], eos) == best
 
 
@@ -75,8 +76,8 @@ def test_batched_beams_equal_one_by_one(name):
     batched = beam_search(model, ids, 10, num_beams=3, attention_mask=mask, length_penalty=0.6)
     for i, s in enumerate(srcs):
         alone = beam_search(model, s[None], 10, num_beams=3, length_penalty=0.6)
-        new = batched[i, ids.shape[1]:] if model.config.family == "decoder" else batched[i]
-        ref = alone[0, len(s):] if model.config.family == "decoder" else alone[0]
+        new = batched[i, ids.shape[1] :] if model.config.family == "decoder" else batched[i]
+        ref = alone[0, len(s) :] if model.config.family == "decoder" else alone[0]
         assert strip(new, eos) == strip(ref, eos), i
 
 
@@ -126,11 +127,17 @@ def test_same_tokens_as_hf_generate_on_the_exported_model(exported, k, alpha):
     mask = torch.ones_like(ids)
     mask[1, 5:], mask[3, 7:] = 0, 0
     ids = ids.masked_fill(mask == 0, model.config.pad_token_id)
-    ours = beam_search(model, ids, 14, num_beams=k, attention_mask=mask, length_penalty=alpha,
-                       length_norm="power")
-    theirs = hf.generate(input_ids=ids, attention_mask=mask, num_beams=k, length_penalty=alpha,
-                         max_new_tokens=14, do_sample=False, early_stopping=False,
-                         past_key_values=EncoderDecoderCache(DynamicCache(), DynamicCache()))
+    ours = beam_search(model, ids, 14, num_beams=k, attention_mask=mask, length_penalty=alpha, length_norm="power")
+    theirs = hf.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        num_beams=k,
+        length_penalty=alpha,
+        max_new_tokens=14,
+        do_sample=False,
+        early_stopping=False,
+        past_key_values=EncoderDecoderCache(DynamicCache(), DynamicCache()),
+    )
     eos = model.config.eos_token_id
     assert [strip(r, eos) for r in ours] == [strip(r, eos) for r in theirs]
     assert all(eos in r.tolist() for r in ours)  # every row finished on EOS, at its own length
@@ -151,15 +158,30 @@ def test_bad_beam_arguments(caplog):
 def test_cli_prints_source_and_translation_on_two_labelled_lines(exported, capsys):
     from tformer.cli import main
     from tformer.data import load_tokenizer
+
     _, _, run = exported
     source = "In the beginning God created"
-    assert main(["generate", str(run), source, "--num-beams", "3", "--length-penalty", "0.6",
-                 "--max-new-tokens", "12"]) == 0
+    assert main(["generate", str(run), source, "--num-beams", "3", "--length-penalty", "0.6", "--max-new-tokens", "12"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and lines[0] == f"source:      {source}" and lines[1].startswith("translation: ")
     translation = lines[1].removeprefix("translation: ")
-    assert main(["generate", str(run), source, "--num-beams", "3", "--length-penalty", "0.6",
-                 "--max-new-tokens", "12", "--translation-only"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(run),
+                source,
+                "--num-beams",
+                "3",
+                "--length-penalty",
+                "0.6",
+                "--max-new-tokens",
+                "12",
+                "--translation-only",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == translation + "\n"
     model, tok = exported[0], load_tokenizer(run / "tokenizer.json")
     ids = torch.tensor([tok.encode(source, add_special_tokens=False).ids + [model.config.eos_token_id]])
@@ -167,13 +189,17 @@ def test_cli_prints_source_and_translation_on_two_labelled_lines(exported, capsy
     assert translation == tok.decode(want[0, 1:].tolist(), skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--num-beams", "0"], "error: --num-beams=0 must be >= 1"),
-    (["--num-beams", "2", "--temperature", "0.7"], "error: --temperature samples, beam search is deterministic"),
-    (["--length-penalty", "0.6"], "warning: --length-penalty 0.6 has no effect without beam search"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--num-beams", "0"], "error: --num-beams=0 must be >= 1"),
+        (["--num-beams", "2", "--temperature", "0.7"], "error: --temperature samples, beam search is deterministic"),
+        (["--length-penalty", "0.6"], "warning: --length-penalty 0.6 has no effect without beam search"),
+    ],
+)
 def test_cli_bad_beam_flags_give_one_line(exported, capsys, flags, message):
     from tformer.cli import main
+
     code = main(["generate", str(exported[2]), "a b", "--max-new-tokens", "3", *flags])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == (0 if message.startswith("warning") else 2)

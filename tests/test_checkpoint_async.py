@@ -1,6 +1,7 @@
 """Async checkpointing (``checkpoint.async=true``): the loop goes on while a save is written, the
 commit waits for the write, a kill mid-write leaves the previous checkpoint intact, and a resume
 is bitwise -- in one process and on 2 gloo ranks (ddp, fsdp)."""
+
 import json
 import signal
 import subprocess
@@ -24,6 +25,7 @@ ASYNC = "checkpoint.async=true"
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     import os
+
     path = tmp_path_factory.mktemp("tformer-cache-async")
     os.environ["TFORMER_CACHE"] = str(path)
     return path
@@ -43,6 +45,7 @@ def test_the_loop_goes_on_while_a_save_is_written_and_the_commit_waits_for_it(ca
     pass, as they would if the loop waited for the write). Steps 5-7 run while it is written, no
     COMPLETE marker exists before the write ends, and the save of step 8 waits for it."""
     from torch.distributed.checkpoint import filesystem
+
     real_write = filesystem._FileSystemWriter.write_data
     events, step7 = {}, threading.Event()
 
@@ -51,8 +54,9 @@ def test_the_loop_goes_on_while_a_save_is_written_and_the_commit_waits_for_it(ca
             events["write_start"] = time.perf_counter()
             events["held"] = step7.wait(60)
             # the commit has not happened: nothing is sealed, nothing renamed
-            events["sealed_early"] = (self.path.parent / "COMPLETE").exists() or \
-                (tmp_path / "checkpoints" / "step_00000004").exists()
+            events["sealed_early"] = (self.path.parent / "COMPLETE").exists() or (
+                tmp_path / "checkpoints" / "step_00000004"
+            ).exists()
             result = real_write(self, plan, planner)
             events["write_end"] = time.perf_counter()
             return result
@@ -65,6 +69,7 @@ def test_the_loop_goes_on_while_a_save_is_written_and_the_commit_waits_for_it(ca
         stamps[rec["step"]] = time.perf_counter()
         if rec["step"] == 7:
             step7.set()
+
     t = trainer(tmp_path, "max_steps=8", "save_every=4", ASYNC, callbacks=[stamp])
     assert t.ckpt.background
     real_save = t.save
@@ -75,6 +80,7 @@ def test_the_loop_goes_on_while_a_save_is_written_and_the_commit_waits_for_it(ca
         path = real_save()
         saves[t.step] = (t0, time.perf_counter())
         return path
+
     t.save = timed_save
     t.fit()
     assert events["held"] and events["sealed_early"] is False
@@ -103,9 +109,9 @@ def test_async_checkpoints_equal_sync_ones_and_resume_bitwise(cache, tmp_path):
     a, b, c = losses(tmp_path / "sync"), losses(tmp_path / "async"), losses(tmp_path / "resumed")
     assert list(a) == [1, 2, 3, 4, 5, 6] and a == b == c
     # keep_checkpoints counts committed checkpoints only
-    assert [p.name for p in list_checkpoints(tmp_path / "async" / "checkpoints")] == ["step_00000004",
-                                                                                     "step_00000006"]
+    assert [p.name for p in list_checkpoints(tmp_path / "async" / "checkpoints")] == ["step_00000004", "step_00000006"]
     from safetensors.torch import load_file
+
     for name in ("step_00000004", "step_00000006"):
         x = load_file(tmp_path / "sync" / "checkpoints" / name / "model.safetensors")
         y = load_file(tmp_path / "async" / "checkpoints" / name / "model.safetensors")
@@ -121,8 +127,13 @@ def test_sigkill_during_an_async_write_leaves_the_previous_checkpoint(cache, tmp
     script = str(ROOT / "tests" / "kill_during_training.py")
 
     def run(out, *extra):
-        args = [sys.executable, script, str(CONFIGS / "gpt2-tiny.yaml"),
-                *small_overrides("gpt2-tiny", out, "eval_every=0", *common), *extra]
+        args = [
+            sys.executable,
+            script,
+            str(CONFIGS / "gpt2-tiny.yaml"),
+            *small_overrides("gpt2-tiny", out, "eval_every=0", *common),
+            *extra,
+        ]
         return subprocess.run(args, env=env(cache), capture_output=True, text=True, timeout=300)
 
     straight = run(tmp_path / "straight")
@@ -179,12 +190,13 @@ def test_trainer_state_round_trips_and_reads_older_files(tmp_path):
 
 # -- 2 gloo ranks --------------------------------------------------------------------------
 
+
 def run_two_ranks(jobs, cache, timeout=400):
     """test_parallel's workers, with a deadline that fails the test instead of hanging it."""
     from test_parallel import _worker
     from train_helpers import free_port as _free_port
-    ctx = mp.start_processes(_worker, args=(2, _free_port(), jobs, cache), nprocs=2, join=False,
-                             start_method="spawn")
+
+    ctx = mp.start_processes(_worker, args=(2, _free_port(), jobs, cache), nprocs=2, join=False, start_method="spawn")
     deadline = time.time() + timeout
     while not ctx.join(timeout=max(1.0, deadline - time.time())):
         if time.time() > deadline:
@@ -195,12 +207,22 @@ def run_two_ranks(jobs, cache, timeout=400):
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_async_saves_on_two_ranks_resume_bitwise(cache, tmp_path, strategy):
-    common = small_overrides("gpt2-tiny", tmp_path / "x", "max_steps=5", "eval_every=0", "save_every=2",
-                             "micro_batch_size=4", "precision=fp32", f"parallel.strategy={strategy}", ASYNC)[1:]
+    common = small_overrides(
+        "gpt2-tiny",
+        tmp_path / "x",
+        "max_steps=5",
+        "eval_every=0",
+        "save_every=2",
+        "micro_batch_size=4",
+        "precision=fp32",
+        f"parallel.strategy={strategy}",
+        ASYNC,
+    )[1:]
     straight = [f"output_dir={tmp_path / 'straight'}", *common]
     stopped = [f"output_dir={tmp_path / 'resumed'}", *common]
-    run_two_ranks([("gpt2-tiny", straight, None, None), ("gpt2-tiny", stopped, 3, None),
-                   ("gpt2-tiny", stopped, None, None)], cache)
+    run_two_ranks(
+        [("gpt2-tiny", straight, None, None), ("gpt2-tiny", stopped, 3, None), ("gpt2-tiny", stopped, None, None)], cache
+    )
     a, b = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
     assert list(a) == [1, 2, 3, 4, 5] and a == b
     for run in ("straight", "resumed"):

@@ -12,9 +12,18 @@ import numpy as np
 import pytest
 
 import tformer.data.loading as loading
-from tformer.data import (DataError, PackedCausalLM, check_seq_len, default_corpus_path, default_pairs_path,
-                          load_text_dataset, split_rows, tokenize_corpus, tokenize_pairs,
-                          train_tokenizer)
+from tformer.data import (
+    DataError,
+    PackedCausalLM,
+    check_seq_len,
+    default_corpus_path,
+    default_pairs_path,
+    load_text_dataset,
+    split_rows,
+    tokenize_corpus,
+    tokenize_pairs,
+    train_tokenizer,
+)
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +145,11 @@ def test_large_vocab_uses_uint32(tmp_path, tok):
 
 
 def test_pairs_stay_aligned(tmp_path, tok):
-    rows = [{"src": "In the beginning", "tgt": "En el principio"}, {"src": "", "tgt": "vacío"},
-            {"src": "light", "tgt": "luz"}]
+    rows = [
+        {"src": "In the beginning", "tgt": "En el principio"},
+        {"src": "", "tgt": "vacío"},
+        {"src": "light", "tgt": "luz"},
+    ]
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     src, tgt = tokenize_pairs(path, tok, tmp_path / "cache", split="all")
@@ -169,11 +181,14 @@ def test_empty_inputs(tmp_path, tok):
     assert not any((tmp_path / "cache").iterdir())  # the failed build left nothing behind
 
 
-@pytest.mark.parametrize("name,data,options", [
-    ("latin1.txt", b"line one\nse\xf1or\n", {}),
-    ("latin1.jsonl", b'{"text": "line one"}\n{"text": "se\xf1or"}\n', {}),  # pyarrow fails late
-    ("latin1.txt", b"line one\nse\xf1or\n", {"streaming": True}),
-])
+@pytest.mark.parametrize(
+    "name,data,options",
+    [
+        ("latin1.txt", b"line one\nse\xf1or\n", {}),
+        ("latin1.jsonl", b'{"text": "line one"}\n{"text": "se\xf1or"}\n', {}),  # pyarrow fails late
+        ("latin1.txt", b"line one\nse\xf1or\n", {"streaming": True}),
+    ],
+)
 def test_non_utf8(tmp_path, tok, name, data, options):
     (tmp_path / name).write_bytes(data)
     line_start = data.index(b"\n") + 1

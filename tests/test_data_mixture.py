@@ -1,5 +1,6 @@
 """Data at scale: weighted mixtures, stages, exact resume, per-source validation, ahead-of-time
 preparation (killed and resumed), and one-line refusals of bad recipes."""
+
 from __future__ import annotations
 
 import json
@@ -106,21 +107,34 @@ def test_an_exhausted_source_repeats_or_stops(caplog):
 # -- bad recipes: one line each, before any work ------------------------------------------------
 
 
-
-@pytest.mark.parametrize("overrides, match", [
-    (["data.sources=[{source: default, weight: -1}]"], r"data.sources\[0\].weight=-1 must be a number >= 0"),
-    (["data.sources=[{source: default, weight: 0, name: a}, {source: default, weight: 0, name: b}]"],
-     "the weights are all zero"),
-    (["data.stages=[{until_step: 5, sources: [{source: default}]}, {until_step: 5, sources: [{source: default}]}]",
-      "max_steps=5"], r"data.stages\[1\].until_step=5 must be greater than the previous stage's \(5\)"),
-    (["data.stages=[{until_step: 5, sources: [{source: default}]}]", "max_steps=10"],
-     "data.stages end at until_step=5 but max_steps=10"),
-    (["data.sources=[{source: default, wieght: 1}]"], r"unknown key\(s\) wieght"),
-    (["model.preset=t5-tiny", "data.document_mask=true"], "cannot be honoured by span corruption"),
-    (["model.preset=transformer-tiny", "data.objective=seq2seq", "data.document_mask=true", "data.pack_len=256"],
-     "data.pack_len=256 exceeds model.max_seq_len=128"),
-    (["data.pack_len=256"], "needs data.document_mask=true"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["data.sources=[{source: default, weight: -1}]"], r"data.sources\[0\].weight=-1 must be a number >= 0"),
+        (
+            ["data.sources=[{source: default, weight: 0, name: a}, {source: default, weight: 0, name: b}]"],
+            "the weights are all zero",
+        ),
+        (
+            [
+                "data.stages=[{until_step: 5, sources: [{source: default}]}, {until_step: 5, sources: [{source: default}]}]",
+                "max_steps=5",
+            ],
+            r"data.stages\[1\].until_step=5 must be greater than the previous stage's \(5\)",
+        ),
+        (
+            ["data.stages=[{until_step: 5, sources: [{source: default}]}]", "max_steps=10"],
+            "data.stages end at until_step=5 but max_steps=10",
+        ),
+        (["data.sources=[{source: default, wieght: 1}]"], r"unknown key\(s\) wieght"),
+        (["model.preset=t5-tiny", "data.document_mask=true"], "cannot be honoured by span corruption"),
+        (
+            ["model.preset=transformer-tiny", "data.objective=seq2seq", "data.document_mask=true", "data.pack_len=256"],
+            "data.pack_len=256 exceeds model.max_seq_len=128",
+        ),
+        (["data.pack_len=256"], "needs data.document_mask=true"),
+    ],
+)
 def test_bad_mixture_recipes_are_refused_in_one_line(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(CONFIGS / "gpt2-tiny.yaml", [f"output_dir={tmp_path}", *overrides])
@@ -128,15 +142,19 @@ def test_bad_mixture_recipes_are_refused_in_one_line(tmp_path, overrides, match)
 
 def test_an_unknown_source_is_refused_before_any_work(tmp_path, monkeypatch):
     from tformer.train.data import build_data
+
     monkeypatch.setenv("TFORMER_CACHE", str(tmp_path / "cache"))
-    cfg = load_config(CONFIGS / "gpt2-tiny.yaml", [
-        f"output_dir={tmp_path}", f"data.sources=[{{source: default}}, {{source: {tmp_path}/nope.jsonl}}]"])
+    cfg = load_config(
+        CONFIGS / "gpt2-tiny.yaml",
+        [f"output_dir={tmp_path}", f"data.sources=[{{source: default}}, {{source: {tmp_path}/nope.jsonl}}]"],
+    )
     with pytest.raises(DataError, match="file not found: .*nope.jsonl"):
         build_data(cfg)
     assert not (tmp_path / "cache").exists()
 
 
 # -- the trainer: stages resume bit for bit, per-source validation in JSONL and W&B ------------
+
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
@@ -155,6 +173,7 @@ def small(tmp_path_factory):
     """Two small real sources: 8000 verses of the WEB bible (text), 4000 Spanish verses (jsonl)."""
     import gzip
     from tformer.data import default_corpus_path
+
     root = tmp_path_factory.mktemp("sources")
     with gzip.open(default_corpus_path(), "rt") as f:
         (root / "web.txt").write_text("".join(next(f) for _ in range(8000)))
@@ -165,17 +184,32 @@ def small(tmp_path_factory):
 
 
 def _mix(root, web=1.0, es=1.0):
-    return (f"[{{source: {root / 'web.txt'}, name: web, weight: {web}}}, "
-            f"{{source: {root / 'es.jsonl'}, name: es, weight: {es}}}]")
+    return (
+        f"[{{source: {root / 'web.txt'}, name: web, weight: {web}}}, "
+        f"{{source: {root / 'es.jsonl'}, name: es, weight: {es}}}]"
+    )
 
 
 def _fit(out, root, *extra):
     from tformer.train.trainer import Trainer
-    stages = (f"data.stages=[{{until_step: 3, sources: {_mix(root, 0.7, 0.3)}}}, "
-              f"{{until_step: 6, sources: [{{source: {root / 'web.txt'}, name: web}}]}}]")
-    cfg = load_config(CONFIGS / "gpt2-tiny.yaml", small_overrides(
-        "gpt2-tiny", out, stages, "micro_batch_size=4", "eval_every=0", "save_every=0",
-        "data.tokenizer_max_rows=4000", *extra))
+
+    stages = (
+        f"data.stages=[{{until_step: 3, sources: {_mix(root, 0.7, 0.3)}}}, "
+        f"{{until_step: 6, sources: [{{source: {root / 'web.txt'}, name: web}}]}}]"
+    )
+    cfg = load_config(
+        CONFIGS / "gpt2-tiny.yaml",
+        small_overrides(
+            "gpt2-tiny",
+            out,
+            stages,
+            "micro_batch_size=4",
+            "eval_every=0",
+            "save_every=0",
+            "data.tokenizer_max_rows=4000",
+            *extra,
+        ),
+    )
     t = Trainer(cfg)
     t.fit()
     return t
@@ -201,27 +235,43 @@ def test_per_source_validation_loss_in_jsonl_and_wandb(cache, tmp_path, small, m
     _fit(tmp_path, small, "max_steps=2", "eval_every=2", "eval_batches=2", "wandb.enabled=true", "wandb.mode=offline")
     last = metrics(tmp_path)[-1]
     assert {"val_loss", "val_loss/web", "val_loss/es"} <= set(last)
-    assert min(last["val_loss/web"], last["val_loss/es"]) <= last["val_loss"] <= max(
-        last["val_loss/web"], last["val_loss/es"])
+    assert (
+        min(last["val_loss/web"], last["val_loss/es"]) <= last["val_loss"] <= max(last["val_loss/web"], last["val_loss/es"])
+    )
     from wandb_reader import read_offline_run
+
     history, _ = read_offline_run(next((tmp_path / "wandb").glob("**/offline-run-*")))
     assert history[-1]["val_loss/es"] == pytest.approx(last["val_loss/es"])
 
 
 # -- tformer data prepare ------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     from tformer.data import default_corpus_path, train_tokenizer
+
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     train_tokenizer("bpe", default_corpus_path(), 1024, None, max_rows=3000).save(str(path))
     return path
 
 
 def _prepare(cache_dir, tokenizer, root, *extra, wait=True):
-    cmd = [sys.executable, "-m", "tformer", "data", "prepare", str(CONFIGS / "gpt2-tiny.yaml"),
-           f"data.tokenizer={tokenizer}", "model.vocab_size=1024", "--shard-rows", "500", "--no-progress",
-           f"data.sources={_mix(root)}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tformer",
+        "data",
+        "prepare",
+        str(CONFIGS / "gpt2-tiny.yaml"),
+        f"data.tokenizer={tokenizer}",
+        "model.vocab_size=1024",
+        "--shard-rows",
+        "500",
+        "--no-progress",
+        f"data.sources={_mix(root)}",
+        *extra,
+    ]
     e = {**env(Path(cache_dir)), "HF_DATASETS_OFFLINE": "1"}
     if wait:
         return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=300)
@@ -236,8 +286,7 @@ def test_killed_prepare_resumes_to_a_byte_identical_cache(tmp_path, tokenizer, s
     clean = _prepare(tmp_path / "clean", tokenizer, small, "--workers", "2")
     assert clean.returncode == 0, clean.stderr
     lines = [ln.split() for ln in clean.stdout.splitlines()]
-    assert [ln[:2] for ln in lines] == [["web", "train"], ["web", "validation"], ["es", "train"],
-                                        ["es", "validation"]]
+    assert [ln[:2] for ln in lines] == [["web", "train"], ["web", "validation"], ["es", "train"], ["es", "validation"]]
     assert all(int(ln[2].replace(",", "")) > 0 and ln[3] == "tokens" for ln in lines)
 
     proc = _prepare(tmp_path / "killed", tokenizer, small, wait=False)

@@ -10,9 +10,18 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import numpy as np
 import pytest
 
-from tformer.data import (DataError, MLMDataset, PackedCausalLM, Seq2SeqPairs, SpanCorruptionDataset,
-                          TokenizedCorpus, default_corpus_path, special_tokens, t5_lengths,
-                          train_tokenizer)
+from tformer.data import (
+    DataError,
+    MLMDataset,
+    PackedCausalLM,
+    Seq2SeqPairs,
+    SpanCorruptionDataset,
+    TokenizedCorpus,
+    default_corpus_path,
+    special_tokens,
+    t5_lengths,
+    train_tokenizer,
+)
 from tformer.data.span import noise_mask
 from tformer.data.tokenizer import word_start_table
 
@@ -52,8 +61,8 @@ def test_packing_loses_and_duplicates_nothing(seq_len, caplog):
     assert n == (len(stream) - 1) // seq_len
     inputs = np.concatenate([ds[i]["input_ids"] for i in range(n)])
     labels = np.concatenate([ds[i]["labels"] for i in range(n)])
-    assert inputs.tolist() == stream[:n * seq_len]  # every token once, in order
-    assert labels.tolist() == stream[1:n * seq_len + 1]  # next token
+    assert inputs.tolist() == stream[: n * seq_len]  # every token once, in order
+    assert labels.tolist() == stream[1 : n * seq_len + 1]  # next token
     assert ds.dropped_tokens == len(stream) - n * seq_len
     assert f"the last {ds.dropped_tokens} tokens" in caplog.text
     assert f"skipped {sum(not d for d in docs)} empty documents" in caplog.text
@@ -108,7 +117,7 @@ def test_mlm_rates_and_labels(wordpiece, mlm_corpus, whole_word):
         # Reconstruct the unmasked sequence and compare with the corpus chunk.
         restored = np.where(original, s["labels"], s["input_ids"])
         body = restored[~np.isin(restored, [ids.cls_id, ids.sep_id])]
-        assert body.tolist() == mlm_corpus.tokens[i * ds.chunk:(i + 1) * ds.chunk].tolist()
+        assert body.tolist() == mlm_corpus.tokens[i * ds.chunk : (i + 1) * ds.chunk].tolist()
         assert not np.isin(restored[original], list(specials)).any()  # specials never chosen
         n_cand = int((~np.isin(restored, list(specials))).sum())
         candidates += n_cand
@@ -227,7 +236,7 @@ def test_span_corruption_structure_and_reconstruction(unigram, lines):
                 spans[k].append(t)
         assert all(spans.values())  # no empty span
         rebuilt = [x for t in inp[:-1] for x in (spans[sentinels[t]] if t in sentinels else [t])]
-        raw = corpus.tokens[i * ds.tokens_length:(i + 1) * ds.tokens_length].tolist()
+        raw = corpus.tokens[i * ds.tokens_length : (i + 1) * ds.tokens_length].tolist()
         assert rebuilt == raw
         assert unigram.decode(rebuilt) == unigram.decode(raw)
         if i == 0:  # the first sample starts at the first verse
@@ -236,8 +245,11 @@ def test_span_corruption_structure_and_reconstruction(unigram, lines):
 
 def test_span_corruption_refusals(unigram):
     corpus = TokenizedCorpus.from_docs([[5] * 100])
-    with pytest.raises(DataError, match=r"inputs_length 4096 makes \d+ noise spans but the tokenizer has "
-                                        r"100 sentinel tokens: use inputs_length <= (\d+)"):
+    with pytest.raises(
+        DataError,
+        match=r"inputs_length 4096 makes \d+ noise spans but the tokenizer has "
+        r"100 sentinel tokens: use inputs_length <= (\d+)",
+    ):
         SpanCorruptionDataset(corpus, unigram, 4096)
     with pytest.raises(DataError, match="fewer than one span-corruption sample needs"):
         SpanCorruptionDataset(corpus, unigram, 512)

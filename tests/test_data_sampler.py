@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tformer.data import (Collator, DataError, PackedCausalLM, ResumableSampler, TokenizedCorpus,
-                          collate)
+from tformer.data import Collator, DataError, PackedCausalLM, ResumableSampler, TokenizedCorpus, collate
 
 
 def take(sampler, n):
@@ -20,7 +19,7 @@ def global_order(num_samples, seed, n, consumed=0):
 
 def test_each_epoch_is_a_seeded_permutation():
     keys = global_order(10, seed=1, n=30)
-    epochs = [keys[e * 10:(e + 1) * 10] for e in range(3)]
+    epochs = [keys[e * 10 : (e + 1) * 10] for e in range(3)]
     for e, chunk in enumerate(epochs):
         assert sorted(k - e * 10 for k in chunk) == list(range(10))  # key = epoch * N + index
     assert [k % 10 for k in epochs[0]] != [k % 10 for k in epochs[1]]
@@ -33,14 +32,12 @@ def test_each_epoch_is_a_seeded_permutation():
 def test_ranks_interleave_the_one_rank_order(world_size):
     n = 25  # 2.5 epochs of 10 (3 ranks: uneven split of each epoch)
     full = global_order(10, seed=0, n=n * world_size)
-    per_rank = [take(ResumableSampler(10, seed=0, rank=r, world_size=world_size), n)
-                for r in range(world_size)]
+    per_rank = [take(ResumableSampler(10, seed=0, rank=r, world_size=world_size), n) for r in range(world_size)]
     interleaved = [k for step in zip(*per_rank) for k in step]
     assert interleaved == full
 
 
-@pytest.mark.parametrize("before,after,consumed", [(2, 1, 14), (1, 2, 14), (2, 3, 8), (3, 2, 9),
-                                                  (2, 2, 18)])
+@pytest.mark.parametrize("before,after,consumed", [(2, 1, 14), (1, 2, 14), (2, 3, 8), (3, 2, 9), (2, 2, 18)])
 def test_resume_reproduces_the_rest_at_any_world_size(before, after, consumed):
     """Consume on ``before`` ranks (across an epoch boundary at 10), resume on ``after`` ranks."""
     full = global_order(10, seed=4, n=60)
@@ -57,7 +54,7 @@ def test_resume_reproduces_the_rest_at_any_world_size(before, after, consumed):
         s.load_state_dict(states[0])
         resumed.append(take(s, (60 - consumed) // after))
     rest = [k for step in zip(*resumed) for k in step]
-    assert rest == full[consumed:consumed + len(rest)]
+    assert rest == full[consumed : consumed + len(rest)]
 
 
 def test_epoch_continues_from_consumed():
@@ -104,8 +101,10 @@ def test_dataloader_resume_is_exact():
 
 
 def test_collate_pads_each_field():
-    samples = [{"input_ids": np.array([5, 6, 7]), "labels": np.array([6, 7, 8]), "doc_ids": np.array([0, 0, 1])},
-               {"input_ids": np.array([9]), "labels": np.array([1]), "doc_ids": np.array([0])}]
+    samples = [
+        {"input_ids": np.array([5, 6, 7]), "labels": np.array([6, 7, 8]), "doc_ids": np.array([0, 0, 1])},
+        {"input_ids": np.array([9]), "labels": np.array([1]), "doc_ids": np.array([0])},
+    ]
     b = collate(samples, pad_id=3)
     assert b["input_ids"].dtype == torch.long
     assert b["input_ids"].tolist() == [[5, 6, 7], [9, 3, 3]]
@@ -113,5 +112,6 @@ def test_collate_pads_each_field():
     assert b["doc_ids"].tolist() == [[0, 0, 1], [0, -1, -1]]
     assert b["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     seq2seq = Collator(pad_id=0, pad_to_multiple_of=4)(
-        [{"input_ids": [1, 2, 3, 4, 5], "attention_mask": [1] * 5, "labels": [7, 1]}])
+        [{"input_ids": [1, 2, 3, 4, 5], "attention_mask": [1] * 5, "labels": [7, 1]}]
+    )
     assert seq2seq["input_ids"].shape == (1, 8) and seq2seq["labels"].tolist() == [[7, 1, -100, -100]]

@@ -11,14 +11,25 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import pytest
 from tokenizers import Tokenizer
 
-from tformer.data import (DataError, check_vocab, default_corpus_path, hf_tokenizer, load_tokenizer,
-                          special_tokens, tokenizer_main, train_tokenizer)
+from tformer.data import (
+    DataError,
+    check_vocab,
+    default_corpus_path,
+    hf_tokenizer,
+    load_tokenizer,
+    special_tokens,
+    tokenizer_main,
+    train_tokenizer,
+)
 from tformer.data.tokenizer import word_start_table
 
 KINDS = ["bpe", "wordpiece", "unigram"]
 VOCAB = {"bpe": 1000, "wordpiece": 1000, "unigram": 600}
-SPECIALS = {"bpe": ["<|endoftext|>"], "wordpiece": ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
-            "unigram": ["<pad>", "</s>", "<unk>", "<extra_id_0>", "<extra_id_57>", "<extra_id_99>"]}
+SPECIALS = {
+    "bpe": ["<|endoftext|>"],
+    "wordpiece": ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+    "unigram": ["<pad>", "</s>", "<unk>", "<extra_id_0>", "<extra_id_57>", "<extra_id_99>"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +96,8 @@ def test_family_layouts(trained):
     pair = wp.encode("In the beginning", "God created")
     assert pair.tokens[0] == "[CLS]" and pair.tokens.count("[SEP]") == 2
     assert pair.type_ids == [0] * (pair.tokens.index("[SEP]") + 1) + [1] * (
-        len(pair.tokens) - pair.tokens.index("[SEP]") - 1)
+        len(pair.tokens) - pair.tokens.index("[SEP]") - 1
+    )
     t5 = load_tokenizer(trained["unigram"])
     s = special_tokens(t5)
     n = t5.get_vocab_size()
@@ -144,8 +156,7 @@ def test_train_from_jsonl_column_and_dataset(tmp_path, lines):
 
 def test_cli_trains_and_writes(tmp_path, train_file, capsys):
     out = tmp_path / "tok"
-    assert tokenizer_main(["train", "--kind", "wordpiece", "--vocab-size", "500", "--out", str(out),
-                           str(train_file)]) == 0
+    assert tokenizer_main(["train", "--kind", "wordpiece", "--vocab-size", "500", "--out", str(out), str(train_file)]) == 0
     assert "wordpiece, 500 tokens" in capsys.readouterr().out
     assert Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size() == 500
 

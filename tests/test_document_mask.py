@@ -1,4 +1,5 @@
 """Document-masked packing: a packed row computes exactly what its documents (pairs) compute alone."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,7 @@ from tformer.models import build_model
 from tformer.nn import DocumentMask, positions_from_doc_ids
 
 ATOL = 1e-5
-DOCS = [5, 7, 3]          # document lengths packed into row 0; row 1 holds 6 + 4 and padding
+DOCS = [5, 7, 3]  # document lengths packed into row 0; row 1 holds 6 + 4 and padding
 ROW1 = [6, 4]
 S = 16
 
@@ -57,9 +58,9 @@ def _assert_packed_equals_alone(model, tokens, doc_ids, **packed_inputs):
     model.zero_grad()
     for b in range(2):
         for a, e in _spans(doc_ids[b]):
-            alone = model(tokens[b:b + 1, a:e]).logits
-            torch.testing.assert_close(logits[b:b + 1, a:e], alone, atol=ATOL, rtol=0)
-            (alone * weight[b:b + 1, a:e]).sum().backward()
+            alone = model(tokens[b : b + 1, a:e]).logits
+            torch.testing.assert_close(logits[b : b + 1, a:e], alone, atol=ATOL, rtol=0)
+            (alone * weight[b : b + 1, a:e]).sum().backward()
     _check_grads(packed_grads, _grads(model))
 
 
@@ -87,7 +88,7 @@ def _pairs(vocab, start_id):
     for b in range(2):
         for a, e in _spans(tgt_ids[b]):
             dec_in[b, a] = start_id
-            dec_in[b, a + 1:e] = labels[b, a:e - 1]
+            dec_in[b, a + 1 : e] = labels[b, a : e - 1]
     return src, src_ids, labels, dec_in, tgt_ids
 
 
@@ -97,24 +98,31 @@ def test_encdec_packed_pairs_equal_pairs_alone(preset):
     cfg = model.config
     src, src_ids, labels, dec_in, tgt_ids = _pairs(cfg.vocab_size, cfg.decoder_start_token_id)
     weight = torch.randn(*labels.shape, cfg.vocab_size, generator=torch.Generator().manual_seed(1)) / 64
-    out = model(src, attention_mask=(src_ids >= 0).long(), decoder_input_ids=dec_in, labels=labels,
-                doc_ids=src_ids, decoder_doc_ids=tgt_ids)
+    out = model(
+        src,
+        attention_mask=(src_ids >= 0).long(),
+        decoder_input_ids=dec_in,
+        labels=labels,
+        doc_ids=src_ids,
+        decoder_doc_ids=tgt_ids,
+    )
     (out.logits * weight * (tgt_ids >= 0)[..., None]).sum().backward()
     packed_grads = _grads(model)
     model.zero_grad()
     for b in range(2):
         for (sa, se), (ta, te) in zip(_spans(src_ids[b]), _spans(tgt_ids[b])):
-            alone = model(src[b:b + 1, sa:se], decoder_input_ids=dec_in[b:b + 1, ta:te]).logits
-            torch.testing.assert_close(out.logits[b:b + 1, ta:te], alone, atol=ATOL, rtol=0)
-            (alone * weight[b:b + 1, ta:te]).sum().backward()
+            alone = model(src[b : b + 1, sa:se], decoder_input_ids=dec_in[b : b + 1, ta:te]).logits
+            torch.testing.assert_close(out.logits[b : b + 1, ta:te], alone, atol=ATOL, rtol=0)
+            (alone * weight[b : b + 1, ta:te]).sum().backward()
     _check_grads(packed_grads, _grads(model))
 
 
 def _run(model, family, tokens, doc_ids):
     if family == "encdec":
         src, src_ids, labels, dec_in, tgt_ids = tokens
-        return model(src, attention_mask=(src_ids >= 0).long(), decoder_input_ids=dec_in,
-                     doc_ids=src_ids, decoder_doc_ids=tgt_ids).logits
+        return model(
+            src, attention_mask=(src_ids >= 0).long(), decoder_input_ids=dec_in, doc_ids=src_ids, decoder_doc_ids=tgt_ids
+        ).logits
     return model(tokens, doc_ids=doc_ids).logits
 
 
@@ -126,15 +134,15 @@ def test_changing_document_one_leaves_document_two_alone(preset):
         inputs = _pairs(model.config.vocab_size, 0)
         changed = list(inputs)
         changed[0] = inputs[0].clone()
-        changed[0][0, 1] += 1                  # a source token of pair 0
+        changed[0][0, 1] += 1  # a source token of pair 0
         changed[3] = inputs[3].clone()
-        changed[3][0, 2] += 1                  # a target input of pair 0
+        changed[3][0, 2] += 1  # a target input of pair 0
         later = inputs[4][0] == 1
         a, b = _run(model, family, inputs, None), _run(model, family, changed, None)
     else:
         tokens, doc_ids = _rows(model.config.vocab_size)
         changed = tokens.clone()
-        changed[0, 2] += 1                     # document 0
+        changed[0, 2] += 1  # document 0
         later = doc_ids[0] >= 1
         a, b = _run(model, family, tokens, doc_ids), _run(model, family, changed, doc_ids)
     assert not torch.equal(a[0, ~later], b[0, ~later])  # the change is visible in its own document
@@ -189,6 +197,7 @@ def test_flex_mask_mod_matches_boolean_mask(causal):
 
 # -- the data side: packed rows carry what the masks need --------------------------------------
 
+
 def test_packed_pairs_hold_every_pair_once_within_the_limits():
     import numpy as np
     from tformer.data import Collator, PackedSeq2Seq, Seq2SeqPairs, TokenizedCorpus
@@ -196,8 +205,9 @@ def test_packed_pairs_hold_every_pair_once_within_the_limits():
     rng = np.random.default_rng(0)
     src = [rng.integers(3, 90, rng.integers(1, 30)).tolist() for _ in range(300)]
     tgt = [rng.integers(3, 90, rng.integers(1, 20)).tolist() for _ in range(300)]
-    pairs = Seq2SeqPairs(TokenizedCorpus.from_docs(src), TokenizedCorpus.from_docs(tgt), 1,
-                         max_source_length=40, max_target_length=32)
+    pairs = Seq2SeqPairs(
+        TokenizedCorpus.from_docs(src), TokenizedCorpus.from_docs(tgt), 1, max_source_length=40, max_target_length=32
+    )
     packed = PackedSeq2Seq(pairs, start_id=0, seed=0)
     assert len(packed) < len(pairs) / 2  # several pairs per row
     seen = []
@@ -209,8 +219,7 @@ def test_packed_pairs_hold_every_pair_once_within_the_limits():
             dec = row["decoder_input_ids"][row["decoder_doc_ids"] == d]
             assert dec[0] == 0 and (dec[1:] == t[:-1]).all()  # each target behind its own start
             seen.append((tuple(s), tuple(t)))
-    assert sorted(seen) == sorted((tuple(pairs[i]["input_ids"]), tuple(pairs[i]["labels"]))
-                                  for i in range(len(pairs)))
+    assert sorted(seen) == sorted((tuple(pairs[i]["input_ids"]), tuple(pairs[i]["labels"])) for i in range(len(pairs)))
     batch = Collator(pad_id=0)([packed[0], packed[1]])
     assert (batch["doc_ids"][batch["attention_mask"] == 0] == -1).all()
 
@@ -244,9 +253,20 @@ def test_the_trainer_feeds_packed_documents_to_every_family(recipe, tmp_path, mo
 
     monkeypatch.setenv("TFORMER_CACHE", str(tmp_path / "cache"))
     extra = ["data.tokenizer_max_rows=2000", "data.target_len=64"] if "t5" in recipe else []
-    cfg = load_config(CONFIGS / f"{recipe}.yaml", small_overrides(
-        recipe, tmp_path / "run", "data.document_mask=true", "max_steps=2", "eval_every=2", "save_every=0",
-        "eval_batches=1", "micro_batch_size=4", *extra))
+    cfg = load_config(
+        CONFIGS / f"{recipe}.yaml",
+        small_overrides(
+            recipe,
+            tmp_path / "run",
+            "data.document_mask=true",
+            "max_steps=2",
+            "eval_every=2",
+            "save_every=0",
+            "eval_batches=1",
+            "micro_batch_size=4",
+            *extra,
+        ),
+    )
     t = Trainer(cfg)
     batch = next(t._batches())
     assert "doc_ids" in t.data.model_inputs and set(t.data.model_inputs) <= set(batch)

@@ -2,6 +2,7 @@
 BERT, GPT-2, Llama and T5 (v1.0 and v1.1) on tiny and odd shapes, tokenizer ids, import -> export
 identity, resuming pretraining after a round trip, HF fine-tuning of exported models, and
 one-line errors with no partial output for bad input."""
+
 import dataclasses
 import gzip
 import importlib.util
@@ -33,8 +34,10 @@ from tformer.train.trainer import Trainer
 from train_helpers import CONFIGS, ROOT, small_overrides
 
 KIND = {"decoder": "bpe", "encoder": "wordpiece", "encdec": "unigram"}
-TEXTS = ["In the beginning, God created the heavens and the earth.",
-         "Jesus wept. “Lord,” they said — 12 baskets; naïve café!"]
+TEXTS = [
+    "In the beginning, God created the heavens and the earth.",
+    "Jesus wept. “Lord,” they said — 12 baskets; naïve café!",
+]
 
 
 @pytest.fixture(scope="session")
@@ -79,8 +82,7 @@ def save_run(model, tokenizer: Path, run: Path, step: int = 1) -> Path:
 
 
 def hf_model(out: Path, family: str):
-    auto = {"decoder": "AutoModelForCausalLM", "encoder": "AutoModelForMaskedLM",
-            "encdec": "AutoModelForSeq2SeqLM"}[family]
+    auto = {"decoder": "AutoModelForCausalLM", "encoder": "AutoModelForMaskedLM", "encdec": "AutoModelForSeq2SeqLM"}[family]
     return getattr(transformers, auto).from_pretrained(out).eval()
 
 
@@ -120,8 +122,9 @@ def assert_logits_match(model, hf, cfg):
             targets = ids.masked_fill(mask == 0, -100)
             targets[:, 1:] = targets[:, 1:].masked_fill(mask[:, :-1] == 0, -100)  # not predicted from a pad
             # ours takes aligned labels (the target of position t at t); HF shifts them itself
-            ours = model(ids, mask, labels=torch.cat((targets[:, 1:], torch.full_like(ids[:, :1], -100)), 1),
-                         position_ids=positions)
+            ours = model(
+                ids, mask, labels=torch.cat((targets[:, 1:], torch.full_like(ids[:, :1], -100)), 1), position_ids=positions
+            )
             theirs = hf(input_ids=ids, attention_mask=mask, position_ids=positions, labels=targets)
             keep = mask.bool()
         else:
@@ -153,35 +156,40 @@ def assert_same_tokens(out: Path, tok_path: Path):
     theirs = transformers.AutoTokenizer.from_pretrained(out)
     for text in TEXTS:
         assert theirs(text)["input_ids"] == ours.encode(text).ids
-        assert theirs.decode(theirs(text)["input_ids"], skip_special_tokens=True) == \
-            ours.decode(ours.encode(text).ids)
+        assert theirs.decode(theirs(text)["input_ids"], skip_special_tokens=True) == ours.decode(ours.encode(text).ids)
 
 
 # -- parity on directly built models: tiny and odd shapes, random weights -------------------------
 
 CASES = {
     # d_model 48 with 3 heads; vocabulary padded 520 -> 576 (the padding rows are dropped)
-    "gpt2-odd-padded-vocab": ("gpt2-tiny", dict(vocab_size=520, d_model=48, num_heads=3, d_ff=100,
-                                                pad_vocab_multiple=64)),
-    "gpt2-untied-unscaled-gelu": ("gpt2-tiny", dict(vocab_size=512, tie_embeddings=False, attn_scale=False,
-                                                    activation="gelu", num_layers=3)),
-    "llama-gqa-odd-ff-biases": ("llama-tiny", dict(vocab_size=512, d_model=48, num_heads=6, num_kv_heads=2,
-                                                   d_head=12, d_ff=90, bias=True, rope_theta=500.0)),
-    "llama-mqa-tied-geglu": ("llama-tiny", dict(vocab_size=512, num_kv_heads=1, tie_embeddings=True,
-                                                activation="geglu")),
-    "bert-odd-padded-vocab": ("bert-tiny", dict(vocab_size=512, d_model=40, num_heads=5, d_ff=72,
-                                                pad_vocab_multiple=64)),
-    "bert-untied-no-types": ("bert-tiny", dict(vocab_size=512, tie_embeddings=False, type_vocab_size=0,
-                                               activation="gelu_tanh", num_layers=3)),
+    "gpt2-odd-padded-vocab": ("gpt2-tiny", dict(vocab_size=520, d_model=48, num_heads=3, d_ff=100, pad_vocab_multiple=64)),
+    "gpt2-untied-unscaled-gelu": (
+        "gpt2-tiny",
+        dict(vocab_size=512, tie_embeddings=False, attn_scale=False, activation="gelu", num_layers=3),
+    ),
+    "llama-gqa-odd-ff-biases": (
+        "llama-tiny",
+        dict(vocab_size=512, d_model=48, num_heads=6, num_kv_heads=2, d_head=12, d_ff=90, bias=True, rope_theta=500.0),
+    ),
+    "llama-mqa-tied-geglu": ("llama-tiny", dict(vocab_size=512, num_kv_heads=1, tie_embeddings=True, activation="geglu")),
+    "bert-odd-padded-vocab": ("bert-tiny", dict(vocab_size=512, d_model=40, num_heads=5, d_ff=72, pad_vocab_multiple=64)),
+    "bert-untied-no-types": (
+        "bert-tiny",
+        dict(vocab_size=512, tie_embeddings=False, type_vocab_size=0, activation="gelu_tanh", num_layers=3),
+    ),
     "t5-v1.0-tied": ("t5-tiny", dict(vocab_size=400)),
     "t5-v1.1-untied-geglu-deeper-decoder": ("t5-v1.1-tiny", dict(vocab_size=400)),
     # the paper's model: d_model permuted into HF Marian's sines-then-cosines order on export
     "transformer-paper": ("transformer-tiny", dict(vocab_size=400)),
-    "transformer-odd-heads-deeper-decoder-gelu": ("transformer-tiny", dict(
-        vocab_size=400, d_model=48, num_heads=6, d_ff=72, num_decoder_layers=3, activation="gelu",
-        embed_scale=False)),
-    "t5-tied-unscaled-swiglu": ("t5-tiny", dict(vocab_size=400, tied_output_scale=False, activation="swiglu",
-                                                d_head=12, num_heads=3)),
+    "transformer-odd-heads-deeper-decoder-gelu": (
+        "transformer-tiny",
+        dict(vocab_size=400, d_model=48, num_heads=6, d_ff=72, num_decoder_layers=3, activation="gelu", embed_scale=False),
+    ),
+    "t5-tied-unscaled-swiglu": (
+        "t5-tiny",
+        dict(vocab_size=400, tied_output_scale=False, activation="swiglu", d_head=12, num_heads=3),
+    ),
 }
 
 
@@ -212,17 +220,42 @@ def test_export_matches_hf_logits_generation_and_tokens(case, toks, tmp_path):
 # Every ModelConfig field, flipped one at a time from each target's tiny preset: export either
 # fails naming the field or gives a HF model with the same logits. No switch is silently dropped.
 FLIPS = {
-    "family": ["encoder", "decoder", "encdec"], "flavour": ["custom"], "vocab_size": [530],
-    "pad_vocab_multiple": [64], "d_model": [48], "num_layers": [3], "num_decoder_layers": [1],
-    "num_heads": [2], "num_kv_heads": [1], "d_head": [8], "d_ff": [40], "max_seq_len": [64],
-    "position": ["none", "learned", "sinusoidal", "rotary", "relative"], "rope_theta": [1000.0],
-    "rel_num_buckets": [16], "rel_max_distance": [64], "norm": ["layernorm", "rmsnorm"], "norm_eps": [1e-3],
-    "norm_bias": [True, False], "norm_position": ["pre", "post"],
-    "activation": ["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu"], "bias": [True, False],
-    "attn_scale": [True, False], "attn_impl": ["math"], "dropout": [0.1], "attn_dropout": [0.1],
-    "tie_embeddings": [True, False], "tied_output_scale": [True, False], "type_vocab_size": [0, 2],
-    "embed_norm": [True, False], "embed_scale": [True, False], "init_std": [0.05], "pad_token_id": [3],
-    "bos_token_id": [3, None], "eos_token_id": [3, None], "decoder_start_token_id": [2],
+    "family": ["encoder", "decoder", "encdec"],
+    "flavour": ["custom"],
+    "vocab_size": [530],
+    "pad_vocab_multiple": [64],
+    "d_model": [48],
+    "num_layers": [3],
+    "num_decoder_layers": [1],
+    "num_heads": [2],
+    "num_kv_heads": [1],
+    "d_head": [8],
+    "d_ff": [40],
+    "max_seq_len": [64],
+    "position": ["none", "learned", "sinusoidal", "rotary", "relative"],
+    "rope_theta": [1000.0],
+    "rel_num_buckets": [16],
+    "rel_max_distance": [64],
+    "norm": ["layernorm", "rmsnorm"],
+    "norm_eps": [1e-3],
+    "norm_bias": [True, False],
+    "norm_position": ["pre", "post"],
+    "activation": ["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu"],
+    "bias": [True, False],
+    "attn_scale": [True, False],
+    "attn_impl": ["math"],
+    "dropout": [0.1],
+    "attn_dropout": [0.1],
+    "tie_embeddings": [True, False],
+    "tied_output_scale": [True, False],
+    "type_vocab_size": [0, 2],
+    "embed_norm": [True, False],
+    "embed_scale": [True, False],
+    "init_std": [0.05],
+    "pad_token_id": [3],
+    "bos_token_id": [3, None],
+    "eos_token_id": [3, None],
+    "decoder_start_token_id": [2],
 }
 
 
@@ -256,6 +289,7 @@ def test_each_switch_exports_faithfully_or_fails_naming_it(preset, toks, tmp_pat
 
 # -- train a few steps with the trainer, export, compare ----------------------------------------
 
+
 @pytest.fixture(scope="session")
 def trained(cache, corpus, toks, tmp_path_factory):
     """Runs of each tiny recipe, trained 2 steps on the small corpus with the test tokenizers."""
@@ -265,14 +299,28 @@ def trained(cache, corpus, toks, tmp_path_factory):
         if recipe not in runs:
             out = tmp_path_factory.mktemp(recipe)
             family = load_config(CONFIGS / f"{recipe}.yaml").model.family
-            cfg = load_config(CONFIGS / f"{recipe}.yaml", small_overrides(
-                recipe, out, "max_steps=2", "eval_every=0", "save_every=0", "eval_batches=2",
-                "precision=fp32", "model.vocab_size=512", "data.seq_len=48", "micro_batch_size=4",
-                f"data.source={corpus}", f"data.tokenizer={toks[KIND[family]]}"))
+            cfg = load_config(
+                CONFIGS / f"{recipe}.yaml",
+                small_overrides(
+                    recipe,
+                    out,
+                    "max_steps=2",
+                    "eval_every=0",
+                    "save_every=0",
+                    "eval_batches=2",
+                    "precision=fp32",
+                    "model.vocab_size=512",
+                    "data.seq_len=48",
+                    "micro_batch_size=4",
+                    f"data.source={corpus}",
+                    f"data.tokenizer={toks[KIND[family]]}",
+                ),
+            )
             trainer = Trainer(cfg)
             trainer.fit()
             runs[recipe] = (out, trainer)
         return runs[recipe]
+
     return get
 
 
@@ -308,10 +356,23 @@ def test_exported_then_imported_model_resumes_pretraining_with_the_same_loss(tra
     run, original = trained("gpt2-tiny")
     hf_dir = export_hf(run, tmp_path / "hf")
     imported = import_hf(hf_dir, tmp_path / "imported")
-    cfg = load_config(imported / "config.yaml", [
-        f"output_dir={tmp_path / 'continued'}", f"resume={imported}", "max_steps=1", "progress=false",
-        "eval_every=0", "save_every=0", "eval_batches=2", "precision=fp32", "data.seq_len=48",
-        "micro_batch_size=4", f"data.source={corpus}", "log_every=1"])
+    cfg = load_config(
+        imported / "config.yaml",
+        [
+            f"output_dir={tmp_path / 'continued'}",
+            f"resume={imported}",
+            "max_steps=1",
+            "progress=false",
+            "eval_every=0",
+            "save_every=0",
+            "eval_batches=2",
+            "precision=fp32",
+            "data.seq_len=48",
+            "micro_batch_size=4",
+            f"data.source={corpus}",
+            "log_every=1",
+        ],
+    )
     resumed = Trainer(cfg)
     assert resumed.resumed_from == imported / "checkpoints" / "step_00000000"
     for (name, p), q in zip(original.model.state_dict().items(), resumed.model.state_dict().values()):
@@ -328,36 +389,124 @@ def test_exported_then_imported_model_resumes_pretraining_with_the_same_loss(tra
 
 # -- import -> export is the identity on tensors -------------------------------------------------
 
+
 def hf_configs():
     t = transformers
     return {
-        "gpt2": (t.GPT2Config(vocab_size=512, n_positions=64, n_embd=48, n_layer=2, n_head=3, n_inner=100,
-                              bos_token_id=0, eos_token_id=0, pad_token_id=0), "GPT2LMHeadModel", "bpe"),
-        "llama": (t.LlamaConfig(vocab_size=512, hidden_size=48, intermediate_size=90, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                                tie_word_embeddings=False), "LlamaForCausalLM", "bpe"),
-        "bert": (t.BertConfig(vocab_size=512, hidden_size=40, num_hidden_layers=2, num_attention_heads=5,
-                              intermediate_size=72, max_position_embeddings=64),
-                 "BertForMaskedLM", "wordpiece"),
-        "bert-untied": (t.BertConfig(vocab_size=512, hidden_size=32, num_hidden_layers=1,
-                                     num_attention_heads=2, intermediate_size=48, max_position_embeddings=32,
-                                     type_vocab_size=3, hidden_act="relu", tie_word_embeddings=False),
-                        "BertForMaskedLM", "wordpiece"),
-        "t5-v1.0": (t.T5Config(vocab_size=400, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
-                               relative_attention_num_buckets=8, relative_attention_max_distance=20,
-                               decoder_start_token_id=0), "T5ForConditionalGeneration", "unigram"),
-        "t5-v1.1": (t.T5Config(vocab_size=400, d_model=32, d_kv=8, d_ff=48, num_layers=2,
-                               num_decoder_layers=3, num_heads=4, relative_attention_num_buckets=8,
-                               relative_attention_max_distance=20, feed_forward_proj="gated-gelu",
-                               tie_word_embeddings=False, decoder_start_token_id=0),
-                    "T5ForConditionalGeneration", "unigram"),
-        "marian": (t.MarianConfig(vocab_size=400, d_model=32, encoder_layers=2, decoder_layers=3,
-                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
-                                  decoder_ffn_dim=48, max_position_embeddings=64, activation_function="relu",
-                                  scale_embedding=True, pad_token_id=0, eos_token_id=1,
-                                  decoder_start_token_id=0, forced_eos_token_id=None),
-                   "MarianMTModel", "unigram"),
+        "gpt2": (
+            t.GPT2Config(
+                vocab_size=512,
+                n_positions=64,
+                n_embd=48,
+                n_layer=2,
+                n_head=3,
+                n_inner=100,
+                bos_token_id=0,
+                eos_token_id=0,
+                pad_token_id=0,
+            ),
+            "GPT2LMHeadModel",
+            "bpe",
+        ),
+        "llama": (
+            t.LlamaConfig(
+                vocab_size=512,
+                hidden_size=48,
+                intermediate_size=90,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                max_position_embeddings=64,
+                bos_token_id=0,
+                eos_token_id=0,
+                pad_token_id=0,
+                tie_word_embeddings=False,
+            ),
+            "LlamaForCausalLM",
+            "bpe",
+        ),
+        "bert": (
+            t.BertConfig(
+                vocab_size=512,
+                hidden_size=40,
+                num_hidden_layers=2,
+                num_attention_heads=5,
+                intermediate_size=72,
+                max_position_embeddings=64,
+            ),
+            "BertForMaskedLM",
+            "wordpiece",
+        ),
+        "bert-untied": (
+            t.BertConfig(
+                vocab_size=512,
+                hidden_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                intermediate_size=48,
+                max_position_embeddings=32,
+                type_vocab_size=3,
+                hidden_act="relu",
+                tie_word_embeddings=False,
+            ),
+            "BertForMaskedLM",
+            "wordpiece",
+        ),
+        "t5-v1.0": (
+            t.T5Config(
+                vocab_size=400,
+                d_model=32,
+                d_kv=8,
+                d_ff=48,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                relative_attention_max_distance=20,
+                decoder_start_token_id=0,
+            ),
+            "T5ForConditionalGeneration",
+            "unigram",
+        ),
+        "t5-v1.1": (
+            t.T5Config(
+                vocab_size=400,
+                d_model=32,
+                d_kv=8,
+                d_ff=48,
+                num_layers=2,
+                num_decoder_layers=3,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                relative_attention_max_distance=20,
+                feed_forward_proj="gated-gelu",
+                tie_word_embeddings=False,
+                decoder_start_token_id=0,
+            ),
+            "T5ForConditionalGeneration",
+            "unigram",
+        ),
+        "marian": (
+            t.MarianConfig(
+                vocab_size=400,
+                d_model=32,
+                encoder_layers=2,
+                decoder_layers=3,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=48,
+                decoder_ffn_dim=48,
+                max_position_embeddings=64,
+                activation_function="relu",
+                scale_embedding=True,
+                pad_token_id=0,
+                eos_token_id=1,
+                decoder_start_token_id=0,
+                forced_eos_token_id=None,
+            ),
+            "MarianMTModel",
+            "unigram",
+        ),
     }
 
 
@@ -386,6 +535,7 @@ def test_import_then_export_is_the_identity_on_tensors(name, toks, tmp_path):
 
 # -- fine-tuning hand-off: the examples lower the loss -------------------------------------------
 
+
 def _example(name):
     spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -395,18 +545,46 @@ def _example(name):
 
 def test_hf_trainer_fine_tunes_an_exported_bert_for_classification(trained, tmp_path):
     out = export_hf(trained("bert-tiny")[0], tmp_path / "hf")
-    result = _example("finetune_bert_classification").main([
-        str(out), "--out", str(tmp_path / "cls"), "--max-steps", "30", "--train-pairs", "300",
-        "--eval-pairs", "20", "--batch-size", "8", "--lr", "2e-3"])
+    result = _example("finetune_bert_classification").main(
+        [
+            str(out),
+            "--out",
+            str(tmp_path / "cls"),
+            "--max-steps",
+            "30",
+            "--train-pairs",
+            "300",
+            "--eval-pairs",
+            "20",
+            "--batch-size",
+            "8",
+            "--lr",
+            "2e-3",
+        ]
+    )
     losses = result["losses"]
     assert len(losses) >= 5 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05, losses
 
 
 def test_hf_trainer_fine_tunes_an_exported_t5_on_translation_pairs(trained, tmp_path):
     out = export_hf(trained("t5-tiny")[0], tmp_path / "hf")
-    result = _example("finetune_t5_translation").main([
-        str(out), "--out", str(tmp_path / "mt"), "--max-steps", "30", "--train-pairs", "300",
-        "--eval-pairs", "20", "--batch-size", "8", "--max-length", "32"])
+    result = _example("finetune_t5_translation").main(
+        [
+            str(out),
+            "--out",
+            str(tmp_path / "mt"),
+            "--max-steps",
+            "30",
+            "--train-pairs",
+            "300",
+            "--eval-pairs",
+            "20",
+            "--batch-size",
+            "8",
+            "--max-length",
+            "32",
+        ]
+    )
     losses = result["losses"]
     assert len(losses) >= 5 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
 
@@ -436,11 +614,12 @@ NO_HF_EQUIVALENT = [
 ]
 
 
-@pytest.mark.parametrize("preset,overrides,field", NO_HF_EQUIVALENT,
-                         ids=[f"{p}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
-                              for p, o, _ in NO_HF_EQUIVALENT])
-def test_config_without_hf_equivalent_is_a_one_line_error_naming_the_field(preset, overrides, field, toks,
-                                                                          tmp_path):
+@pytest.mark.parametrize(
+    "preset,overrides,field",
+    NO_HF_EQUIVALENT,
+    ids=[f"{p}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for p, o, _ in NO_HF_EQUIVALENT],
+)
+def test_config_without_hf_equivalent_is_a_one_line_error_naming_the_field(preset, overrides, field, toks, tmp_path):
     model = tformer.build_model(preset, vocab_size=512, **overrides)
     ckpt = save_run(model, toks[KIND[model.config.family]], tmp_path / "run")
     with pytest.raises(ExportError) as e:
@@ -509,6 +688,7 @@ def test_failure_while_writing_leaves_no_partial_output(toks, tmp_path, monkeypa
 
     def broken(*args, **kwargs):
         raise OSError("disk full")
+
     monkeypatch.setattr("tformer.export.hf.save_hf_tokenizer", broken)
     with pytest.raises(OSError, match="disk full"):
         export_hf(ckpt, tmp_path / "hf")
@@ -516,8 +696,9 @@ def test_failure_while_writing_leaves_no_partial_output(toks, tmp_path, monkeypa
 
 
 def test_import_refuses_what_tformer_cannot_express(tmp_path):
-    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2,
-                                     scale_attn_by_inverse_layer_idx=True)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, scale_attn_by_inverse_layer_idx=True
+    )
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
     with pytest.raises(ExportError, match="scale_attn_by_inverse_layer_idx"):
         import_hf(tmp_path / "hf", tmp_path / "run")

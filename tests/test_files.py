@@ -1,4 +1,5 @@
 """The one atomic-write helper (tformer/files.py): whole or nothing, for files and directories."""
+
 from __future__ import annotations
 
 import os

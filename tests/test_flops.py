@@ -1,4 +1,5 @@
 """The FLOPs formula per family equals what torch's FlopCounterMode counts on a real step."""
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode

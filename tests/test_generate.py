@@ -1,4 +1,5 @@
 """KV-cached generation: same tokens as recomputation, correct sampling filters, EOS handling."""
+
 import pytest
 import torch
 

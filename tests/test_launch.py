@@ -10,6 +10,7 @@ reference: the same global batch and data order, whatever launched it or interru
 Run alone with `pytest -m cluster`. The SLURM, sshd and network-namespace tests need root (CI is root);
 elsewhere they are skipped with the reason.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,9 +32,21 @@ pytestmark = pytest.mark.cluster
 BIN = Path(sys.executable).parent
 STEPS = 160
 SAVE_EVERY = 40
-TINY = ["progress=false", "log_every=1", "eval_every=0", "eval_batches=2", "model.vocab_size=2048",
-        "model.d_model=64", "model.d_ff=128", "model.num_layers=2", "data.seq_len=64",
-        "micro_batch_size=4", f"max_steps={STEPS}", f"save_every={SAVE_EVERY}", "seed=7"]
+TINY = [
+    "progress=false",
+    "log_every=1",
+    "eval_every=0",
+    "eval_batches=2",
+    "model.vocab_size=2048",
+    "model.d_model=64",
+    "model.d_ff=128",
+    "model.num_layers=2",
+    "data.seq_len=64",
+    "micro_batch_size=4",
+    f"max_steps={STEPS}",
+    f"save_every={SAVE_EVERY}",
+    "seed=7",
+]
 RECIPE = str(ROOT / "configs" / "gpt2-tiny.yaml")
 SLURM_DIR = os.environ.get("TFORMER_SLURM_DIR", "/tmp/tformer-slurm")
 IS_ROOT = os.geteuid() == 0
@@ -53,9 +66,13 @@ def cache(tmp_path_factory):
 
 def launch_env(cache: Path, **extra) -> dict:
     env = dict(os.environ)
-    env.update(TFORMER_CACHE=str(cache), OMP_NUM_THREADS="1", TFORMER_DIST_TIMEOUT="120",
-               PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
-               PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    env.update(
+        TFORMER_CACHE=str(cache),
+        OMP_NUM_THREADS="1",
+        TFORMER_DIST_TIMEOUT="120",
+        PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+        PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}",
+    )
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -92,8 +109,7 @@ def run(cmd, env, timeout=600, **kw) -> subprocess.CompletedProcess:
 def reference(cache, tmp_path_factory) -> dict:
     """Uninterrupted 2-process run on one node: the result every other launch must reproduce."""
     out = tmp_path_factory.mktemp("reference")
-    run([str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={out}"],
-        launch_env(cache, NPROC_PER_NODE=2))
+    run([str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={out}"], launch_env(cache, NPROC_PER_NODE=2))
     last = final(out)
     rows = metrics(out)
     assert last["loss"] < rows[0]["loss"] - 1.0  # it really trained
@@ -102,13 +118,21 @@ def reference(cache, tmp_path_factory) -> dict:
 
 # ---------------------------------------------------------------- torchrun: several nodes, elastic
 
+
 def test_two_torchrun_agents_on_loopback_train_together(cache, reference, tmp_path):
     port = free_port()
-    procs = [subprocess.Popen([str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
-                              env=launch_env(cache, NNODES=2, NPROC_PER_NODE=1, NODE_RANK=node,
-                                             HEAD_ADDR="127.0.0.1", RDZV_PORT=port, RDZV_ID="loopback"),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for node in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
+            env=launch_env(
+                cache, NNODES=2, NPROC_PER_NODE=1, NODE_RANK=node, HEAD_ADDR="127.0.0.1", RDZV_PORT=port, RDZV_ID="loopback"
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
     assert "node 1/2" in logs[1] and "2 rank(s)" in logs[0]
@@ -145,8 +169,9 @@ def two_hosts():
 
 
 def _eth0_bytes(ns: str) -> int:
-    out = subprocess.run(["ip", "-n", ns, "-s", "link", "show", "eth0"], capture_output=True, text=True,
-                         check=True).stdout.split("\n")
+    out = subprocess.run(
+        ["ip", "-n", ns, "-s", "link", "show", "eth0"], capture_output=True, text=True, check=True
+    ).stdout.split("\n")
     tx = out[out.index(next(line for line in out if "TX:" in line)) + 1].split()
     return int(tx[0])
 
@@ -156,11 +181,26 @@ def test_two_torchrun_agents_across_network_namespaces(cache, reference, tmp_pat
     port = free_port()
     procs = []
     for node, (ns, addr) in enumerate(zip(names, addrs)):
-        env = launch_env(cache, NNODES=2, NPROC_PER_NODE=1, NODE_RANK=node, HEAD_ADDR=addrs[0],
-                         LOCAL_ADDR=addr, RDZV_PORT=port, RDZV_ID="netns", GLOO_SOCKET_IFNAME="eth0")
-        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, str(ROOT / "launch" / "torchrun.sh"), RECIPE,
-                                       *TINY, f"output_dir={tmp_path}"],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = launch_env(
+            cache,
+            NNODES=2,
+            NPROC_PER_NODE=1,
+            NODE_RANK=node,
+            HEAD_ADDR=addrs[0],
+            LOCAL_ADDR=addr,
+            RDZV_PORT=port,
+            RDZV_ID="netns",
+            GLOO_SOCKET_IFNAME="eth0",
+        )
+        procs.append(
+            subprocess.Popen(
+                ["ip", "netns", "exec", ns, str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
     assert_same_run(tmp_path, reference)
@@ -172,6 +212,7 @@ def test_two_torchrun_agents_across_network_namespaces(cache, reference, tmp_pat
 
 def _workers(pid: int) -> list:
     import psutil
+
     found = []
     for child in psutil.Process(pid).children(recursive=True):
         try:
@@ -184,9 +225,13 @@ def _workers(pid: int) -> list:
 
 
 def test_elastic_restart_after_a_rank_is_killed_resumes_and_finishes(cache, reference, tmp_path):
-    proc = subprocess.Popen([str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
-                            env=launch_env(cache, NPROC_PER_NODE=2, MAX_RESTARTS=1),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
+        env=launch_env(cache, NPROC_PER_NODE=2, MAX_RESTARTS=1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     killed_at = None
     try:
         deadline = time.time() + 300
@@ -214,10 +259,13 @@ def test_watchdog_ends_a_hung_job_and_torchrun_restarts_it(cache, reference, tmp
     stacks, names rank 1 and exits non-zero within watchdog_timeout + 30 s; torchrun kills the
     frozen rank, restarts the group, which resumes and ends with the reference loss."""
     timeout = 10
-    proc = subprocess.Popen([str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}",
-                             f"watchdog_timeout={timeout}"],
-                            env=launch_env(cache, NPROC_PER_NODE=2, MAX_RESTARTS=1),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}", f"watchdog_timeout={timeout}"],
+        env=launch_env(cache, NPROC_PER_NODE=2, MAX_RESTARTS=1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     stacks = tmp_path / "watchdog" / "stacks_rank0.txt"
     try:
         deadline, stopped = time.time() + 300, None
@@ -250,9 +298,13 @@ def test_usr1_checkpoints_through_a_torchrun_without_signal_forwarding(cache, re
     """A torchrun without --signals-to-handle (older releases) would die on SIGUSR1 and orphan its
     workers; launch/torchrun.sh then turns USR1 into TERM. Forced here; the run must checkpoint,
     and a second launch must resume and end with the reference loss."""
-    proc = subprocess.Popen([str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
-                            env=launch_env(cache, NPROC_PER_NODE=2, TFORMER_USR1_AS_TERM=1),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
+        env=launch_env(cache, NPROC_PER_NODE=2, TFORMER_USR1_AS_TERM=1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 300
         while time.time() < deadline:
@@ -268,18 +320,21 @@ def test_usr1_checkpoints_through_a_torchrun_without_signal_forwarding(cache, re
     assert stopped and 10 <= int(stopped.group(1)) < STEPS, log[-3000:]
     assert (tmp_path / "checkpoints" / f"step_{int(stopped.group(1)):08d}" / "COMPLETE").exists()
     import psutil
+
     orphans = [q for q in psutil.process_iter(["cmdline"]) if f"output_dir={tmp_path}" in " ".join(q.info["cmdline"] or [])]
     assert orphans == [], "workers outlived the launcher"
-    run([str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
-        launch_env(cache, NPROC_PER_NODE=2))
+    run([str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"], launch_env(cache, NPROC_PER_NODE=2))
     assert_same_run(tmp_path, reference)
 
 
 # ---------------------------------------------------------------- deepspeed and accelerate launchers
 
+
 def test_deepspeed_launcher_runs_a_two_process_job(cache, reference, tmp_path):
-    p = run([str(ROOT / "launch" / "deepspeed.sh"), RECIPE, *TINY, f"output_dir={tmp_path}",
-             "parallel.zero_stage=2"], launch_env(cache, NPROC_PER_NODE=2, MASTER_PORT=free_port()))
+    p = run(
+        [str(ROOT / "launch" / "deepspeed.sh"), RECIPE, *TINY, f"output_dir={tmp_path}", "parallel.zero_stage=2"],
+        launch_env(cache, NPROC_PER_NODE=2, MASTER_PORT=free_port()),
+    )
     assert "2 rank(s)" in p.stdout + p.stderr
     ckpt = tmp_path / "checkpoints" / f"step_{STEPS:08d}"
     assert any(ckpt.rglob("*optim_states*")), "not a DeepSpeed checkpoint"
@@ -292,13 +347,22 @@ def sshd():
     """An sshd of its own on 127.0.0.1 (tests/cluster/sshd_up.sh) and the pdsh/ssh settings that reach it."""
     need_root("the test sshd")
     ssh_dir, port = "/tmp/tformer-ssh", str(free_port())
-    p = subprocess.run(["bash", str(ROOT / "tests" / "cluster" / "sshd_up.sh")], capture_output=True, text=True,
-                       timeout=600, env=dict(os.environ, TFORMER_SSH_DIR=ssh_dir, TFORMER_SSH_PORT=port))
+    p = subprocess.run(
+        ["bash", str(ROOT / "tests" / "cluster" / "sshd_up.sh")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, TFORMER_SSH_DIR=ssh_dir, TFORMER_SSH_PORT=port),
+    )
     assert p.returncode == 0, f"sshd_up.sh failed:\n{p.stdout}\n{p.stderr}"
-    yield dict(SSH_PORT=port, PDSH_SSH_ARGS_APPEND=f"-i {ssh_dir}/id -o StrictHostKeyChecking=no "
-                                                   "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR")
-    subprocess.run(["bash", str(ROOT / "tests" / "cluster" / "sshd_up.sh"), "--down"],
-                   env=dict(os.environ, TFORMER_SSH_DIR=ssh_dir))
+    yield dict(
+        SSH_PORT=port,
+        PDSH_SSH_ARGS_APPEND=f"-i {ssh_dir}/id -o StrictHostKeyChecking=no "
+        "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR",
+    )
+    subprocess.run(
+        ["bash", str(ROOT / "tests" / "cluster" / "sshd_up.sh"), "--down"], env=dict(os.environ, TFORMER_SSH_DIR=ssh_dir)
+    )
 
 
 def two_host_hostfile(tmp_path: Path) -> Path:
@@ -312,10 +376,19 @@ def test_deepspeed_launcher_reaches_the_hosts_of_a_hostfile_over_ssh(cache, refe
     """One launch on the first host; DeepSpeed starts the other host's process with pdsh over ssh,
     which starts from a bare environment: the launcher must hand on what tformer reads."""
     out = tmp_path / "run"
-    p = run([str(ROOT / "launch" / "deepspeed.sh"), RECIPE, *TINY, f"output_dir={out}", "parallel.zero_stage=2"],
-            launch_env(cache, HOSTFILE=two_host_hostfile(tmp_path), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=free_port(), DEEPSPEED_ARGS="--no_ssh_check", WANDB_MODE="disabled", **sshd),
-            cwd=tmp_path)
+    p = run(
+        [str(ROOT / "launch" / "deepspeed.sh"), RECIPE, *TINY, f"output_dir={out}", "parallel.zero_stage=2"],
+        launch_env(
+            cache,
+            HOSTFILE=two_host_hostfile(tmp_path),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=free_port(),
+            DEEPSPEED_ARGS="--no_ssh_check",
+            WANDB_MODE="disabled",
+            **sshd,
+        ),
+        cwd=tmp_path,
+    )
     log = p.stdout + p.stderr
     assert "pdsh" in log and "2 rank(s)" in log
     for host, rank in (("127.0.0.1", 0), ("localhost", 1)):
@@ -329,12 +402,22 @@ def test_deepspeed_launcher_reaches_the_hosts_of_a_hostfile_over_ssh(cache, refe
 def test_deepspeed_launcher_without_ssh_one_launch_per_host(cache, reference, tmp_path):
     """What a SLURM step does: the launcher on every host at once, each with its NODE_RANK."""
     hosts, port = two_host_hostfile(tmp_path), free_port()
-    procs = [subprocess.Popen([str(ROOT / "launch" / "deepspeed.sh"), RECIPE, *TINY, f"output_dir={tmp_path / 'run'}",
-                               "parallel.zero_stage=2"],
-                              env=launch_env(cache, HOSTFILE=hosts, NODE_RANK=node, MASTER_ADDR="127.0.0.1",
-                                             MASTER_PORT=port),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for node in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                str(ROOT / "launch" / "deepspeed.sh"),
+                RECIPE,
+                *TINY,
+                f"output_dir={tmp_path / 'run'}",
+                "parallel.zero_stage=2",
+            ],
+            env=launch_env(cache, HOSTFILE=hosts, NODE_RANK=node, MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
     assert "pdsh" not in logs[0] + logs[1]
@@ -343,8 +426,10 @@ def test_deepspeed_launcher_without_ssh_one_launch_per_host(cache, reference, tm
 
 
 def test_accelerate_launcher_runs_a_two_process_job(cache, reference, tmp_path):
-    p = run([str(ROOT / "launch" / "accelerate.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
-            launch_env(cache, NPROC_PER_NODE=2, MAIN_PORT=free_port()))
+    p = run(
+        [str(ROOT / "launch" / "accelerate.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
+        launch_env(cache, NPROC_PER_NODE=2, MAIN_PORT=free_port()),
+    )
     assert "2 rank(s)" in p.stdout + p.stderr
     assert_same_run(tmp_path, reference)
 
@@ -353,43 +438,71 @@ def test_launchers_refuse_missing_arguments_with_one_line():
     for script in ("torchrun.sh", "deepspeed.sh", "accelerate.sh"):
         p = subprocess.run([str(ROOT / "launch" / script)], capture_output=True, text=True)
         assert p.returncode == 2 and p.stderr.strip().startswith("usage:")
-    p = subprocess.run([str(ROOT / "launch" / "torchrun.sh"), RECIPE], capture_output=True, text=True,
-                       env=launch_env(Path("/tmp"), NNODES=2))
+    p = subprocess.run(
+        [str(ROOT / "launch" / "torchrun.sh"), RECIPE],
+        capture_output=True,
+        text=True,
+        env=launch_env(Path("/tmp"), NNODES=2),
+    )
     assert p.returncode == 2 and "needs HEAD_ADDR" in p.stderr and len(p.stderr.strip().splitlines()) == 1
-    for env, says in (({"HOSTFILE": "/no/such/hostfile"}, "does not exist"),
-                      ({"HOSTFILE": RECIPE, "NODE_RANK": "1"}, "needs MASTER_ADDR")):
-        p = subprocess.run([str(ROOT / "launch" / "deepspeed.sh"), RECIPE], capture_output=True, text=True,
-                           env=launch_env(Path("/tmp"), **env))
+    for env, says in (
+        ({"HOSTFILE": "/no/such/hostfile"}, "does not exist"),
+        ({"HOSTFILE": RECIPE, "NODE_RANK": "1"}, "needs MASTER_ADDR"),
+    ):
+        p = subprocess.run(
+            [str(ROOT / "launch" / "deepspeed.sh"), RECIPE],
+            capture_output=True,
+            text=True,
+            env=launch_env(Path("/tmp"), **env),
+        )
         assert p.returncode == 2 and says in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
 # ---------------------------------------------------------------- SLURM
 
+
 @pytest.fixture(scope="module")
 def slurm():
     """A running two-node SLURM cluster; returns the environment that reaches it."""
     need_root("the SLURM test cluster")
-    p = subprocess.run(["bash", str(ROOT / "tests" / "cluster" / "slurm_up.sh")], capture_output=True,
-                       text=True, timeout=600, env=dict(os.environ, TFORMER_SLURM_DIR=SLURM_DIR))
+    p = subprocess.run(
+        ["bash", str(ROOT / "tests" / "cluster" / "slurm_up.sh")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, TFORMER_SLURM_DIR=SLURM_DIR),
+    )
     assert p.returncode == 0, f"slurm_up.sh failed:\n{p.stdout}\n{p.stderr}"
     return {"SLURM_CONF": f"{SLURM_DIR}/slurm.conf"}
 
 
 def sbatch(slurm, cache, tmp_path, script, *args, sbatch_args=(), **env) -> str:
     e = launch_env(cache, TFORMER_HOME=ROOT, **slurm, **env)
-    p = run(["sbatch", "--parsable", f"--chdir={tmp_path}", f"--output={tmp_path}/slurm-%j.out",
-             *sbatch_args, str(ROOT / "slurm" / script), *args], e)
+    p = run(
+        [
+            "sbatch",
+            "--parsable",
+            f"--chdir={tmp_path}",
+            f"--output={tmp_path}/slurm-%j.out",
+            *sbatch_args,
+            str(ROOT / "slurm" / script),
+            *args,
+        ],
+        e,
+    )
     return p.stdout.strip().split(";")[0]
 
 
 def job(slurm, job_id) -> dict:
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
-                         env=dict(os.environ, **slurm), check=True).stdout
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env=dict(os.environ, **slurm), check=True
+    ).stdout
     return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
 
-def wait_job(slurm, job_id, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
-                                     "OUT_OF_MEMORY"), timeout=600) -> dict:
+def wait_job(
+    slurm, job_id, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"), timeout=600
+) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
         info = job(slurm, job_id)
@@ -405,8 +518,7 @@ def job_log(tmp_path, job_id) -> str:
 
 def test_slurm_single_node_job_with_two_tasks(slurm, cache, reference, tmp_path):
     out = tmp_path / "run"
-    j = sbatch(slurm, cache, tmp_path, "single_node.sbatch", RECIPE, *TINY, f"output_dir={out}",
-               NPROC_PER_NODE=2)
+    j = sbatch(slurm, cache, tmp_path, "single_node.sbatch", RECIPE, *TINY, f"output_dir={out}", NPROC_PER_NODE=2)
     info = wait_job(slurm, j)
     log = job_log(tmp_path, j)
     assert info["JobState"] == "COMPLETED", log[-4000:]
@@ -416,8 +528,17 @@ def test_slurm_single_node_job_with_two_tasks(slurm, cache, reference, tmp_path)
 
 def test_slurm_two_node_job(slurm, cache, reference, tmp_path):
     out = tmp_path / "run"
-    j = sbatch(slurm, cache, tmp_path, "multi_node.sbatch", RECIPE, *TINY, f"output_dir={out}",
-               sbatch_args=["--nodes=2"], NPROC_PER_NODE=1)
+    j = sbatch(
+        slurm,
+        cache,
+        tmp_path,
+        "multi_node.sbatch",
+        RECIPE,
+        *TINY,
+        f"output_dir={out}",
+        sbatch_args=["--nodes=2"],
+        NPROC_PER_NODE=1,
+    )
     info = wait_job(slurm, j)
     log = job_log(tmp_path, j)
     assert info["JobState"] == "COMPLETED", log[-4000:]
@@ -428,8 +549,7 @@ def test_slurm_two_node_job(slurm, cache, reference, tmp_path):
 
 
 def test_slurm_failing_job_reads_failed(slurm, cache, tmp_path):
-    j = sbatch(slurm, cache, tmp_path, "single_node.sbatch", RECIPE, *TINY, "optim.lrr=1",
-               f"output_dir={tmp_path / 'run'}")
+    j = sbatch(slurm, cache, tmp_path, "single_node.sbatch", RECIPE, *TINY, "optim.lrr=1", f"output_dir={tmp_path / 'run'}")
     info = wait_job(slurm, j)
     log = job_log(tmp_path, j)
     assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", info
@@ -439,13 +559,18 @@ def test_slurm_failing_job_reads_failed(slurm, cache, tmp_path):
 
 def test_slurm_head_node_resolution_fails_loudly(slurm):
     def head(nodelist):
-        return subprocess.run(["bash", "-c", f"source {ROOT}/slurm/lib.sh; tformer_head; echo $HEAD_ADDR"],
-                              capture_output=True, text=True,
-                              env=dict(os.environ, **slurm, SLURM_JOB_ID="1", SLURM_JOB_NODELIST=nodelist))
+        return subprocess.run(
+            ["bash", "-c", f"source {ROOT}/slurm/lib.sh; tformer_head; echo $HEAD_ADDR"],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, **slurm, SLURM_JOB_ID="1", SLURM_JOB_NODELIST=nodelist),
+        )
+
     assert head("node[1-2]").stdout.strip() == "127.0.0.1"  # node1's NodeAddr
-    for nodelist, message in [("", "SLURM_JOB_NODELIST is not set"),
-                              ("nosuchnode-tformer[1-2]",
-                               "could not resolve an address for head node 'nosuchnode-tformer1'")]:
+    for nodelist, message in [
+        ("", "SLURM_JOB_NODELIST is not set"),
+        ("nosuchnode-tformer[1-2]", "could not resolve an address for head node 'nosuchnode-tformer1'"),
+    ]:
         p = head(nodelist)
         assert p.returncode == 1 and p.stdout == "", p.stdout
         assert message in p.stderr and len(p.stderr.strip().splitlines()) == 1
@@ -453,8 +578,7 @@ def test_slurm_head_node_resolution_fails_loudly(slurm):
 
 def test_slurm_preemption_checkpoints_requeues_and_resumes(slurm, cache, reference, tmp_path):
     out = tmp_path / "run"
-    j = sbatch(slurm, cache, tmp_path, "single_node.sbatch", RECIPE, *TINY, f"output_dir={out}",
-               NPROC_PER_NODE=2)
+    j = sbatch(slurm, cache, tmp_path, "single_node.sbatch", RECIPE, *TINY, f"output_dir={out}", NPROC_PER_NODE=2)
     env = dict(os.environ, **slurm)
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -491,9 +615,21 @@ def test_slurm_chained_jobs_continue_one_run(slurm, cache, reference, tmp_path):
     # Each link trains for 1/2.5 of the reference run's training time, so the first one stops on
     # max_time however fast this machine is, and 6 links finish the run even at half the speed.
     budget = max(0.5, reference["train_s"] / 2.5)
-    p = run([str(ROOT / "slurm" / "chain.sh"), "6", str(ROOT / "slurm" / "single_node.sbatch"),
-             f"--chdir={tmp_path}", f"--output={tmp_path}/slurm-%j.out", "--", RECIPE, *TINY,
-             f"output_dir={out}", f"max_time={budget:.2f}"], env)
+    p = run(
+        [
+            str(ROOT / "slurm" / "chain.sh"),
+            "6",
+            str(ROOT / "slurm" / "single_node.sbatch"),
+            f"--chdir={tmp_path}",
+            f"--output={tmp_path}/slurm-%j.out",
+            "--",
+            RECIPE,
+            *TINY,
+            f"output_dir={out}",
+            f"max_time={budget:.2f}",
+        ],
+        env,
+    )
     ids = p.stdout.split()
     assert len(ids) == 6
     for j in ids:

@@ -4,6 +4,7 @@ Every import is read from the source with ``ast``, including those inside functi
 import is no way around the rule. The checker is also run on a small synthetic package holding a
 violation, to show the test can fail.
 """
+
 from __future__ import annotations
 
 import ast
@@ -56,7 +57,7 @@ def imports(path: Path, root: Path) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
+            base = package[: len(package) - node.level + 1] if node.level else []
             if node.module:
                 found.append((node.lineno, ".".join([*base, node.module])))
             else:  # ``from . import bert``: each name is a module of the package
@@ -78,8 +79,10 @@ def violations(root: Path, layers=LAYERS) -> list[str]:
                 continue
             other = layer_of(target, layers)
             if other is not None and other > own:
-                problems.append(f"{path.relative_to(root.parent)}:{line}: {name} ({layers[own][0]}) imports "
-                                f"{target} ({layers[other][0]}), a layer above it")
+                problems.append(
+                    f"{path.relative_to(root.parent)}:{line}: {name} ({layers[own][0]}) imports "
+                    f"{target} ({layers[other][0]}), a layer above it"
+                )
     return problems
 
 
@@ -88,9 +91,13 @@ def test_no_module_imports_a_layer_above_its_own():
 
 
 def test_model_code_never_imports_torch_distributed():
-    found = [f"{path.relative_to(ROOT.parent)}:{line}: {target}"
-             for path in sorted(ROOT.rglob("*.py")) if module_name(path, ROOT).startswith(NO_DISTRIBUTED)
-             for line, target in imports(path, ROOT) if target.startswith("torch.distributed")]
+    found = [
+        f"{path.relative_to(ROOT.parent)}:{line}: {target}"
+        for path in sorted(ROOT.rglob("*.py"))
+        if module_name(path, ROOT).startswith(NO_DISTRIBUTED)
+        for line, target in imports(path, ROOT)
+        if target.startswith("torch.distributed")
+    ]
     assert found == []
 
 
@@ -101,27 +108,39 @@ def _write(root: Path, files: dict[str, str]) -> None:
         path.write_text(text)
 
 
-@pytest.mark.parametrize("line, target", [
-    ("from ..train.config import load_config", "tformer.train.config"),
-    ("from ..data import t5_lengths", None),  # a layer below: allowed
-    ("import torch.distributed", None),  # not ours
-    ("import tformer.train.trainer", "tformer.train.trainer"),
-    ("from ..train import trainer", "tformer.train"),
-    ("from .. import train", "tformer.train"),
-])
+@pytest.mark.parametrize(
+    "line, target",
+    [
+        ("from ..train.config import load_config", "tformer.train.config"),
+        ("from ..data import t5_lengths", None),  # a layer below: allowed
+        ("import torch.distributed", None),  # not ours
+        ("import tformer.train.trainer", "tformer.train.trainer"),
+        ("from ..train import trainer", "tformer.train"),
+        ("from .. import train", "tformer.train"),
+    ],
+)
 def test_the_check_finds_an_import_of_a_higher_layer(tmp_path, line, target):
     root = tmp_path / "tformer"
-    _write(root, {"__init__.py": "", "config.py": "", "train/__init__.py": "", "train/config.py": "",
-                  "train/trainer.py": "from ..parallel import plan\nfrom ..config import X\n",
-                  "parallel/__init__.py": "",
-                  # lazily, inside a function: still found
-                  "parallel/plan.py": f"import os\n\n\ndef main():\n    {line}\n"})
+    _write(
+        root,
+        {
+            "__init__.py": "",
+            "config.py": "",
+            "train/__init__.py": "",
+            "train/config.py": "",
+            "train/trainer.py": "from ..parallel import plan\nfrom ..config import X\n",
+            "parallel/__init__.py": "",
+            # lazily, inside a function: still found
+            "parallel/plan.py": f"import os\n\n\ndef main():\n    {line}\n",
+        },
+    )
     found = violations(root)
     if target is None:
         assert found == []
     else:
-        assert found == [f"tformer/parallel/plan.py:5: tformer.parallel.plan (parallel) imports {target} "
-                         "(train), a layer above it"]
+        assert found == [
+            f"tformer/parallel/plan.py:5: tformer.parallel.plan (parallel) imports {target} (train), a layer above it"
+        ]
 
 
 def test_a_module_in_no_layer_is_reported(tmp_path):

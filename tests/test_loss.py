@@ -1,4 +1,5 @@
 """The LM loss: tformer's cross-entropy against ``F.cross_entropy``, value and gradient."""
+
 import pytest
 import torch
 
@@ -62,6 +63,7 @@ def test_model_loss_gradients_match_torch_cross_entropy():
 
 # -- label smoothing (the paper's epsilon_ls) ----------------------------------------------------
 
+
 @pytest.mark.parametrize("eps", [0.1, 0.35])
 @pytest.mark.parametrize("n,vocab", [(7, 11), (64, 1000)])
 def test_label_smoothing_matches_torch_in_value_and_gradient(eps, n, vocab):
@@ -87,8 +89,7 @@ def test_label_smoothing_through_the_model_on_full_and_loss_only_paths(preset):
     labels[0, :4] = -100
     kw = {"decoder_input_ids": ids} if model.config.family == "encdec" else {}
     logits = model(ids, **kw).logits
-    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 500), labels.reshape(-1),
-                                                 label_smoothing=0.1)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 500), labels.reshape(-1), label_smoothing=0.1)
     expected.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     for return_logits in (True, False):

@@ -1,5 +1,6 @@
 """Memory at the limit: the chunked head + loss, op-level selective activation checkpointing and
 activation offload change memory and time only, never the loss or a gradient."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,7 @@ from conftest import TINY
 
 
 # -- chunked head + loss ---------------------------------------------------------------------
+
 
 def _batch(model, seed, sparse):
     """Inputs and labels for one micro-batch; ``sparse`` leaves most labels at -100."""
@@ -120,12 +122,14 @@ def test_chunked_loss_without_grad_and_second_backward():
 
 # -- op-level selective activation checkpointing ---------------------------------------------
 
+
 class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the aten ops that really run (ops answered from the checkpoint's cache do not)."""
 
     def __init__(self):
         super().__init__()
         from collections import Counter
+
         self.ops = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -149,6 +153,7 @@ def test_op_checkpointing_changes_no_gradient_and_recomputes_only_cheap_ops(name
     Backward under ``op`` runs the forward's cheap ops again but not one more matmul or attention
     than without checkpointing, while ``full`` recomputes the matmuls too."""
     from tformer.parallel.ac import ATTENTION_OPS, MATMUL_OPS, apply_activation_checkpointing
+
     torch.manual_seed(0)
     model = build_model(name, dropout=0.1, attn_dropout=0.1).train()
     batch = _batch(model, 1, False)
@@ -188,10 +193,12 @@ from tformer.parallel.ac import SAVED_OPS as SAVED  # noqa: E402
 
 # -- activation offload ------------------------------------------------------------------------
 
+
 def test_activation_offload_changes_no_gradient_and_keeps_parameters_in_place(caplog):
     """The offload hooks forced on CPU (on a CPU device the setting is a no-op): the same
     gradients, bitwise, with every saved activation copied out and no parameter copied."""
     from tformer.parallel.offload import OffloadActivations, activation_offload
+
     torch.manual_seed(0)
     model = build_model("llama-tiny", dropout=0.1).train()
     batch = _batch(model, 1, False)
@@ -211,6 +218,7 @@ def test_activation_offload_changes_no_gradient_and_keeps_parameters_in_place(ca
     # on a CPU device it is a no-op; where memory cannot be pinned: one warning, then unpinned copies
     assert not isinstance(activation_offload(torch.device("cpu"), True), OffloadActivations)
     import tformer.parallel.offload as offload
+
     offload._warned.clear()
     with caplog.at_level("WARNING"):
         first = activation_offload(torch.device("cuda"), True)
@@ -222,11 +230,13 @@ def test_activation_offload_changes_no_gradient_and_keeps_parameters_in_place(ca
 
 # -- the FFN's activations rebuilt in backward ---------------------------------------------------
 
+
 def _step_with_rebuild(name, rebuild, ac, autocast, offload=False):
     """Loss, gradients and saved bytes of one step with the FFNs' rebuild on or off."""
     from tformer.parallel.ac import apply_activation_checkpointing
     from tformer.parallel.memory import SavedActivations
     from tformer.parallel.offload import activation_offload
+
     torch.manual_seed(0)
     model = build_model(name, dropout=0.1).train()
     for ffn in (m for m in model.modules() if hasattr(m, "rebuild")):
@@ -243,8 +253,10 @@ def _step_with_rebuild(name, rebuild, ac, autocast, offload=False):
 
 
 @pytest.mark.parametrize("name", TINY)
-@pytest.mark.parametrize("ac,autocast,offload", [("none", False, False), ("none", True, False), ("full", False, False),
-                                                 ("op", True, False), ("none", False, True)])
+@pytest.mark.parametrize(
+    "ac,autocast,offload",
+    [("none", False, False), ("none", True, False), ("full", False, False), ("op", True, False), ("none", False, True)],
+)
 def test_ffn_rebuilds_its_activation_in_backward_with_the_same_gradients(name, ac, autocast, offload):
     """The FFN keeps the activation's input (and a gated unit's gate and up projections) and
     rebuilds the activation's output and the gated product in backward: loss and every gradient
@@ -265,6 +277,7 @@ def test_ffn_rebuilds_its_activation_in_backward_with_the_same_gradients(name, a
 
 # -- op-level checkpointing under FSDP2 on 2 ranks ---------------------------------------------
 
+
 def _fsdp_worker(rank, port, out):
     import datetime
 
@@ -272,9 +285,11 @@ def _fsdp_worker(rank, port, out):
     from torch.distributed.fsdp import fully_shard
 
     from tformer.parallel.ac import MATMUL_OPS, apply_activation_checkpointing
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
+    )
     try:
         results = {}
         for name in ("bert-tiny", "gpt2-tiny", "t5-tiny"):
@@ -289,11 +304,16 @@ def _fsdp_worker(rank, port, out):
                 apply_activation_checkpointing(model, mode)
                 g, ops[mode] = _backward_ops(model, batch, seed=rank)
                 grads[mode] = {n: t.full_tensor() for n, t in g.items()}
-            err = max(((grads["op"][n] - grads["none"][n]).norm() / grads["none"][n].norm().clamp(min=1e-3)).item()
-                      for n in grads["none"])
+            err = max(
+                ((grads["op"][n] - grads["none"][n]).norm() / grads["none"][n].norm().clamp(min=1e-3)).item()
+                for n in grads["none"]
+            )
             recomputed = ops["op"] - ops["none"]
-            results[name] = (err, sorted(str(op) for op in recomputed),
-                             sorted(str(op) for op in set(recomputed) & MATMUL_OPS))
+            results[name] = (
+                err,
+                sorted(str(op) for op in recomputed),
+                sorted(str(op) for op in set(recomputed) & MATMUL_OPS),
+            )
         torch.save(results, f"{out}/rank{rank}.pt")
     finally:
         dist.barrier()
@@ -307,6 +327,7 @@ def test_op_checkpointing_under_fsdp2_on_two_ranks(tmp_path):
     import socket
 
     import torch.multiprocessing as mp
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

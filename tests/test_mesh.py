@@ -4,6 +4,7 @@ family, proven equal to the 1-process run; DCP resharding across layouts; export
 Runs are real trainer runs over 2 or 4 gloo processes on tiny models; every spawned group has a
 timeout that fails the test (``TFORMER_DIST_TIMEOUT`` bounds each collective, ``join`` the group).
 """
+
 import json
 import os
 import time
@@ -26,8 +27,10 @@ GROUP_TIMEOUT = 900  # seconds for one spawned group of jobs, then the test fail
 def _worker(rank, world, port, jobs, cache):
     become_rank(rank, world, port, cache, 300)
     import torch.distributed as dist
+
     try:
         from torch._dynamo.utils import counters
+
         for recipe, overrides, report in jobs:
             trainer = Trainer(load_config(CONFIGS / f"{recipe}.yaml", overrides))
             if trainer.cfg.compile:
@@ -48,21 +51,26 @@ def _report(trainer, rank, path):
     import torch.distributed as dist
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    counts = {n: [p.to_local().numel() if hasattr(p, "to_local") else p.numel(), p.numel()]
-              for n, p in trainer.model.named_parameters()}
+
+    counts = {
+        n: [p.to_local().numel() if hasattr(p, "to_local") else p.numel(), p.numel()]
+        for n, p in trainer.model.named_parameters()
+    }
     Path(f"{path}.rank{rank}.json").write_text(json.dumps(counts))
     from tformer.parallel.pipeline import Parts
+
     # every rank gets the full tensors (with cpu_offload only rank 0 would)
     state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
     state = {Parts.strip(k): v for k, v in state.items()}  # a pipeline rank: its stages' tensors
     if dist.get_rank() == 0 or trainer.dims.pp > 1:
-        save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"
-                   or not trainer.model_cfg.tie_embeddings}, f"{path}.full{dist.get_rank()}.safetensors")
+        save_file(
+            {k: v.contiguous() for k, v in state.items() if k != "lm_head.weight" or not trainer.model_cfg.tie_embeddings},
+            f"{path}.full{dist.get_rank()}.safetensors",
+        )
 
 
 def run_ranks(world, jobs, cache, worker=_worker):
-    ctx = mp.start_processes(worker, args=(world, free_port(), jobs, cache), nprocs=world, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(worker, args=(world, free_port(), jobs, cache), nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + GROUP_TIMEOUT
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
@@ -82,8 +90,16 @@ def cache(tmp_path_factory):
 # gradient is zero (attention's key bias: softmax ignores a per-query constant) moves by +-lr on
 # round-off alone, in whichever direction the summation order gives; a larger eps keeps such noise
 # from being amplified, so that the updated parameters can be compared at 1e-5 at all.
-COMMON = ["max_steps=4", "eval_every=0", "save_every=0", "micro_batch_size=4", "precision=fp32",
-          "model.dropout=0.0", "optim.warmup_steps=1", "optim.eps=1e-4"]
+COMMON = [
+    "max_steps=4",
+    "eval_every=0",
+    "save_every=0",
+    "micro_batch_size=4",
+    "precision=fp32",
+    "model.dropout=0.0",
+    "optim.warmup_steps=1",
+    "optim.eps=1e-4",
+]
 # (recipe, extra overrides): GPT-2 (tied, learned positions, LayerNorm), Llama (GQA: 4 heads over 2
 # KV heads, RoPE, SwiGLU, untied), BERT (post-norm, MLM head at masked positions, tied), T5 v1.0
 # (relative bias, tied + rescaled head) and v1.1 (GEGLU, untied, deeper decoder)
@@ -121,6 +137,7 @@ def assert_same_run(name, got_dir, report, ref, tol=1e-5):
     for step in got:
         assert got[step] == pytest.approx(ref_losses[step], rel=tol), (name, step, got, ref_losses)
     from safetensors.torch import load_file
+
     state = {}
     for part in sorted(Path(report).parent.glob(f"{Path(report).name}.full*.safetensors")):
         state.update(load_file(part))  # pipeline ranks: each wrote its stages
@@ -141,10 +158,26 @@ def sharded(name: str) -> bool:
     """Parameters tensor parallelism splits (see tformer/parallel/tp.py)."""
     if name.endswith(("o_proj.bias", "down.bias")) or "norm" in name:
         return False
-    return name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias",
-                          "v_proj.bias", "o_proj.weight", "up.weight", "up.bias", "gate.weight", "gate.bias",
-                          "down.weight", "embed.tok.weight", "lm_head.weight", "lm_head.bias",
-                          "rel_bias.embedding.weight"))
+    return name.endswith(
+        (
+            "q_proj.weight",
+            "k_proj.weight",
+            "v_proj.weight",
+            "q_proj.bias",
+            "k_proj.bias",
+            "v_proj.bias",
+            "o_proj.weight",
+            "up.weight",
+            "up.bias",
+            "gate.weight",
+            "gate.bias",
+            "down.weight",
+            "embed.tok.weight",
+            "lm_head.weight",
+            "lm_head.bias",
+            "rel_bias.embedding.weight",
+        )
+    )
 
 
 def assert_counts(report, world, divisor_sharded, divisor_other=1):
@@ -158,11 +191,18 @@ def assert_counts(report, world, divisor_sharded, divisor_other=1):
 
 # -- tp = 2 on 2 processes, every family, with and without sequence / loss parallel ---------------
 
-TP_CASES = [("gpt2", ["parallel.sp=true"]), ("gpt2", ["parallel.sp=false", "parallel.loss_parallel=false"]),
-            ("llama", ["parallel.sp=true"]), ("llama", ["parallel.sp=false"]),
-            ("bert", ["parallel.sp=true"]), ("bert", ["parallel.sp=false", "parallel.loss_parallel=false"]),
-            ("t5", ["parallel.sp=true"]), ("t5", ["parallel.sp=false", "parallel.loss_parallel=false"]),
-            ("t5-v1.1", ["parallel.sp=true"]), ("t5-v1.1", ["parallel.sp=false", "parallel.loss_parallel=false"])]
+TP_CASES = [
+    ("gpt2", ["parallel.sp=true"]),
+    ("gpt2", ["parallel.sp=false", "parallel.loss_parallel=false"]),
+    ("llama", ["parallel.sp=true"]),
+    ("llama", ["parallel.sp=false"]),
+    ("bert", ["parallel.sp=true"]),
+    ("bert", ["parallel.sp=false", "parallel.loss_parallel=false"]),
+    ("t5", ["parallel.sp=true"]),
+    ("t5", ["parallel.sp=false", "parallel.loss_parallel=false"]),
+    ("t5-v1.1", ["parallel.sp=true"]),
+    ("t5-v1.1", ["parallel.sp=false", "parallel.loss_parallel=false"]),
+]
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +235,7 @@ def test_tp2_checkpoints_load_consolidate_and_export_with_hf_parity(tp2_runs, tm
     from tformer.checkpoint import load_checkpoint
     from tformer.checkpoint.consolidate import consolidate
     from tformer.export import export_hf
+
     done = set()
     for i, (name, _) in enumerate(TP_CASES):
         if name in done:
@@ -214,9 +255,11 @@ def test_tp2_checkpoints_load_consolidate_and_export_with_hf_parity(tp2_runs, tm
 def test_tp_with_compile_and_activation_checkpointing(cache, tmp_path, tmp_path_factory):
     """tp=2 + SP with per-block compile inside full and op-level activation checkpointing: the
     1-process run's losses and parameters (inductor reorders float math: 1e-5, not bitwise)."""
-    runs = {"compiled-full": ["compile=true", "parallel.activation_checkpointing=full"],
-            "compiled-op": ["compile=true", "parallel.activation_checkpointing=op"],
-            "selective": ["parallel.activation_checkpointing=selective", "parallel.ac_every=2"]}
+    runs = {
+        "compiled-full": ["compile=true", "parallel.activation_checkpointing=full"],
+        "compiled-op": ["compile=true", "parallel.activation_checkpointing=op"],
+        "selective": ["parallel.activation_checkpointing=selective", "parallel.ac_every=2"],
+    }
     jobs = []
     for name, flags in runs.items():
         recipe, overrides = _overrides("gpt2", tmp_path / name, "parallel.tp=2", "parallel.sp=true", *flags)
@@ -235,10 +278,15 @@ FSDP_TP = ["parallel.strategy=fsdp", "parallel.dp_shard=2", "parallel.tp=2"]
 HSDP = ["parallel.strategy=fsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"]
 # (family, flags, data-parallel ranks): every family at dp_shard 2 x tp 2 and at HSDP 2 x 2, plus
 # HSDP 2 x tp 2
-MESH_CASES = [("gpt2", [*FSDP_TP, "parallel.sp=true"], 2), ("llama", FSDP_TP, 2), ("bert", FSDP_TP, 2),
-              ("t5", [*FSDP_TP, "parallel.sp=true"], 2), ("t5-v1.1", FSDP_TP, 2),
-              *((name, HSDP, 4) for name in FAMILIES),
-              ("bert", ["parallel.strategy=fsdp", "parallel.dp_replicate=2", "parallel.tp=2", "parallel.sp=true"], 2)]
+MESH_CASES = [
+    ("gpt2", [*FSDP_TP, "parallel.sp=true"], 2),
+    ("llama", FSDP_TP, 2),
+    ("bert", FSDP_TP, 2),
+    ("t5", [*FSDP_TP, "parallel.sp=true"], 2),
+    ("t5-v1.1", FSDP_TP, 2),
+    *((name, HSDP, 4) for name in FAMILIES),
+    ("bert", ["parallel.strategy=fsdp", "parallel.dp_replicate=2", "parallel.tp=2", "parallel.sp=true"], 2),
+]
 
 
 def test_fsdp_x_tp_and_hsdp_equal_the_single_process_run(cache, tmp_path_factory):
@@ -263,16 +311,22 @@ def test_fsdp_x_tp_and_hsdp_equal_the_single_process_run(cache, tmp_path_factory
 # -- sequence parallel keeps the gathered inputs as shards for backward ------------------------------
 
 SP_CASES = {  # name: (sp, tformer's re-gather, activation checkpointing)
-    "tp": (False, True, "none"), "sp, torch alone": (True, False, "none"), "sp": (True, True, "none"),
-    "sp + selective": (True, True, "selective"), "sp + op": (True, True, "op"), "sp + full": (True, True, "full")}
+    "tp": (False, True, "none"),
+    "sp, torch alone": (True, False, "none"),
+    "sp": (True, True, "none"),
+    "sp + selective": (True, True, "selective"),
+    "sp + op": (True, True, "op"),
+    "sp + full": (True, True, "full"),
+}
 SP_SHAPE = {"d_model": 64, "num_layers": 2, "batch": 2, "seq": 64}
 
 
 def _sp_worker(rank, world, port, out, cache):
     """One forward + backward of a small GPT per case on the tp=2 mesh: bytes saved for backward,
     loss and full gradients (rank 0 writes them)."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      TFORMER_CACHE=str(cache))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TFORMER_CACHE=str(cache)
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -281,6 +335,7 @@ def _sp_worker(rank, world, port, out, cache):
     from tformer import build_model
     from tformer.parallel.ac import apply_activation_checkpointing
     from tformer.parallel.memory import SavedActivations
+
     dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -291,16 +346,26 @@ def _sp_worker(rank, world, port, out, cache):
         for name, (sp, regather, ac) in SP_CASES.items():
             tp_module.keep_gathered_inputs_sharded = keep if regather else (lambda *a: 0)
             torch.manual_seed(0)
-            model = build_model("gpt2-tiny", vocab_size=512, d_model=d, num_layers=layers, num_heads=4,
-                                d_ff=4 * d, max_seq_len=s, dropout=0.0)
+            model = build_model(
+                "gpt2-tiny",
+                vocab_size=512,
+                d_model=d,
+                num_layers=layers,
+                num_heads=4,
+                d_ff=4 * d,
+                max_seq_len=s,
+                dropout=0.0,
+            )
             tp_module.apply_tensor_parallel(model, mesh, sp=sp)
             apply_activation_checkpointing(model, ac, every=2)
             with tp_module.loss_context(True):
                 with SavedActivations() as saved:
                     loss = model(ids, labels=ids, return_logits=False).loss
                 loss.backward()
-            grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-                     for n, p in model.named_parameters()}
+            grads = {
+                n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                for n, p in model.named_parameters()
+            }
             results[name] = (saved.bytes, loss.item(), grads)
         if rank == 0:
             torch.save(results, out)
@@ -335,21 +400,29 @@ def test_sequence_parallel_keeps_gathered_inputs_as_shards(cache, tmp_path):
 
 # -- bad input: one line, before any process group -------------------------------------------------
 
-@pytest.mark.parametrize("world,flags,needle", [
-    (2, ["parallel.tp=3"], "world size 2 is not divisible by parallel.dp_replicate x parallel.tp"),
-    (4, ["parallel.tp=2", "parallel.dp_shard=4"], "world size 4 != parallel.dp_replicate x dp_shard x tp"),
-    (4, ["parallel.tp=4", "model.num_heads=2", "model.d_model=64"], "parallel.tp=4 does not divide model.num_heads=2"),
-    (2, ["parallel.tp=2", "model.num_heads=4", "model.num_kv_heads=1"], "does not divide model.num_kv_heads=1"),
-    (2, ["parallel.tp=2", "model.d_ff=127"], "does not divide model.d_ff=127"),
-    (2, ["parallel.tp=2", "model.vocab_size=2047"],
-     "does not divide the vocabulary (model.vocab_size=2047, padded to 2047)"),
-    (2, ["parallel.tp=2", "parallel.strategy=deepspeed"], "parallel.strategy=deepspeed does not compose"),
-    (2, ["parallel.dp_replicate=2"], "parallel.dp_replicate=2 (HSDP) needs parallel.strategy=fsdp"),
-    (4, ["parallel.tp=2"], "parallel.tp=2 with 2 data-parallel ranks needs parallel.strategy=fsdp"),
-    (2, ["parallel.tp=2", "compile=true", "model.position=rotary"], "compile=true with parallel.tp > 1 fails"),
-])
+
+@pytest.mark.parametrize(
+    "world,flags,needle",
+    [
+        (2, ["parallel.tp=3"], "world size 2 is not divisible by parallel.dp_replicate x parallel.tp"),
+        (4, ["parallel.tp=2", "parallel.dp_shard=4"], "world size 4 != parallel.dp_replicate x dp_shard x tp"),
+        (4, ["parallel.tp=4", "model.num_heads=2", "model.d_model=64"], "parallel.tp=4 does not divide model.num_heads=2"),
+        (2, ["parallel.tp=2", "model.num_heads=4", "model.num_kv_heads=1"], "does not divide model.num_kv_heads=1"),
+        (2, ["parallel.tp=2", "model.d_ff=127"], "does not divide model.d_ff=127"),
+        (
+            2,
+            ["parallel.tp=2", "model.vocab_size=2047"],
+            "does not divide the vocabulary (model.vocab_size=2047, padded to 2047)",
+        ),
+        (2, ["parallel.tp=2", "parallel.strategy=deepspeed"], "parallel.strategy=deepspeed does not compose"),
+        (2, ["parallel.dp_replicate=2"], "parallel.dp_replicate=2 (HSDP) needs parallel.strategy=fsdp"),
+        (4, ["parallel.tp=2"], "parallel.tp=2 with 2 data-parallel ranks needs parallel.strategy=fsdp"),
+        (2, ["parallel.tp=2", "compile=true", "model.position=rotary"], "compile=true with parallel.tp > 1 fails"),
+    ],
+)
 def test_bad_mesh_is_one_line_before_any_process_group(tmp_path, monkeypatch, world, flags, needle):
     import torch.distributed as dist
+
     monkeypatch.setenv("WORLD_SIZE", str(world))
     recipe = "llama-tiny" if any("kv_heads" in f for f in flags) else "gpt2-tiny"
     cfg = load_config(CONFIGS / f"{recipe}.yaml", small_overrides(recipe, tmp_path, *flags))
@@ -361,8 +434,7 @@ def test_bad_mesh_is_one_line_before_any_process_group(tmp_path, monkeypatch, wo
 
 def test_bad_mesh_from_the_cli_is_one_line(tmp_path, cache, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
-    r = run_cli(["train", str(CONFIGS / "gpt2-tiny.yaml"), f"output_dir={tmp_path}", "parallel.tp=2"], cache,
-                timeout=120)
+    r = run_cli(["train", str(CONFIGS / "gpt2-tiny.yaml"), f"output_dir={tmp_path}", "parallel.tp=2"], cache, timeout=120)
     assert r.returncode != 0
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "world size 3 is not divisible" in lines[0], r.stderr
@@ -380,6 +452,7 @@ def test_parallel_dims_arithmetic():
 
 # -- DCP resharding across layouts ------------------------------------------------------------------
 
+
 def _resume(name, out, ckpt, *flags):
     return _overrides(name, out, "save_every=2", f"resume={ckpt}", *flags)
 
@@ -396,13 +469,27 @@ def test_checkpoints_reshard_between_mesh_layouts(cache, tmp_path, tmp_path_fact
     Trainer(load_config(CONFIGS / f"{recipe}.yaml", one)).fit()
     one_ckpt = tmp_path / "one" / "checkpoints" / "step_00000002"
     straight = tmp_path / "straight"
-    run_ranks(4, [(recipe, _overrides("gpt2", straight, "save_every=2", *mesh)[1], None),
-                  (recipe, _resume("gpt2", tmp_path / "from-one", one_ckpt, *mesh)[1], None)], cache)
+    run_ranks(
+        4,
+        [
+            (recipe, _overrides("gpt2", straight, "save_every=2", *mesh)[1], None),
+            (recipe, _resume("gpt2", tmp_path / "from-one", one_ckpt, *mesh)[1], None),
+        ],
+        cache,
+    )
     ckpt = straight / "checkpoints" / "step_00000002"
-    run_ranks(2, [(recipe, _resume("gpt2", tmp_path / "tp2", ckpt, "parallel.strategy=fsdp", "parallel.tp=2",
-                                   "grad_accum=2")[1], None),
-                  (recipe, _resume("gpt2", tmp_path / "dp2", ckpt, "parallel.strategy=fsdp",
-                                   "parallel.dp_shard=2")[1], None)], cache)
+    run_ranks(
+        2,
+        [
+            (
+                recipe,
+                _resume("gpt2", tmp_path / "tp2", ckpt, "parallel.strategy=fsdp", "parallel.tp=2", "grad_accum=2")[1],
+                None,
+            ),
+            (recipe, _resume("gpt2", tmp_path / "dp2", ckpt, "parallel.strategy=fsdp", "parallel.dp_shard=2")[1], None),
+        ],
+        cache,
+    )
     Trainer(load_config(CONFIGS / f"{recipe}.yaml", _resume("gpt2", tmp_path / "single", ckpt, "grad_accum=2")[1])).fit()
     base, mesh_losses = losses(tmp_path / "one"), losses(straight)
     assert list(base) == list(mesh_losses) == [1, 2, 3, 4]

@@ -1,4 +1,5 @@
 """The three families: shapes, gradient flow, padding invariance, causality, KV cache, presets."""
+
 import pytest
 import torch
 
@@ -14,10 +15,19 @@ def shrunk(name):
     """Every preset with its switches intact but toy widths."""
     cfg = PRESETS[name]
     kv = 2 if cfg.get("num_kv_heads") else None
-    return build_model(name, vocab_size=300, d_model=32, num_heads=4, num_kv_heads=kv, d_head=None,
-                       d_ff=48, num_layers=2, max_seq_len=64,
-                       **({"num_decoder_layers": 2} if cfg["family"] == "encdec" else {}),
-                       **({k: 1 for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k)}))
+    return build_model(
+        name,
+        vocab_size=300,
+        d_model=32,
+        num_heads=4,
+        num_kv_heads=kv,
+        d_head=None,
+        d_ff=48,
+        num_layers=2,
+        max_seq_len=64,
+        **({"num_decoder_layers": 2} if cfg["family"] == "encdec" else {}),
+        **({k: 1 for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k)}),
+    )
 
 
 def run(model, ids, mask=None, labels=None, dec=None):
@@ -103,7 +113,7 @@ def test_decoder_kv_cache_matches_full_recompute(name, attn_impl):
         cache = model.new_cache()
         parts = [model(ids[:, :5], cache=cache).logits]
         for t in range(5, 12):
-            parts.append(model(ids[:, t:t + 1], cache=cache).logits)
+            parts.append(model(ids[:, t : t + 1], cache=cache).logits)
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)
 
 
@@ -117,7 +127,7 @@ def test_encdec_kv_cache_matches_full_recompute(name):
         full = model(src, src_mask, decoder_input_ids=dec).logits
         memory = model.encode(src, src_mask)
         cache = model.new_cache()
-        parts = [model.decode(dec[:, t:t + 1], memory, src_mask, cache=cache) for t in range(8)]
+        parts = [model.decode(dec[:, t : t + 1], memory, src_mask, cache=cache) for t in range(8)]
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)
 
 
@@ -184,26 +194,58 @@ def _hf_reference(name):
 
     p = PRESETS[name]
     if p["family"] == "encoder":
-        return T.BertForMaskedLM(T.BertConfig(hidden_size=p["d_model"], num_hidden_layers=p["num_layers"],
-                                              num_attention_heads=p["num_heads"], intermediate_size=p["d_ff"]))
+        return T.BertForMaskedLM(
+            T.BertConfig(
+                hidden_size=p["d_model"],
+                num_hidden_layers=p["num_layers"],
+                num_attention_heads=p["num_heads"],
+                intermediate_size=p["d_ff"],
+            )
+        )
     if p["flavour"] == "gpt2":
         return T.GPT2LMHeadModel(T.GPT2Config(n_embd=p["d_model"], n_layer=p["num_layers"], n_head=p["num_heads"]))
     if p["flavour"] == "llama":
-        return T.LlamaForCausalLM(T.LlamaConfig(
-            vocab_size=p["vocab_size"], hidden_size=p["d_model"], intermediate_size=p["d_ff"],
-            num_hidden_layers=p["num_layers"], num_attention_heads=p["num_heads"],
-            num_key_value_heads=p["num_kv_heads"], tie_word_embeddings=p["tie_embeddings"]))
+        return T.LlamaForCausalLM(
+            T.LlamaConfig(
+                vocab_size=p["vocab_size"],
+                hidden_size=p["d_model"],
+                intermediate_size=p["d_ff"],
+                num_hidden_layers=p["num_layers"],
+                num_attention_heads=p["num_heads"],
+                num_key_value_heads=p["num_kv_heads"],
+                tie_word_embeddings=p["tie_embeddings"],
+            )
+        )
     if p["flavour"] == "marian":
-        return T.MarianMTModel(T.MarianConfig(
-            vocab_size=p["vocab_size"], d_model=p["d_model"], encoder_layers=p["num_layers"],
-            decoder_layers=p["num_layers"], encoder_attention_heads=p["num_heads"],
-            decoder_attention_heads=p["num_heads"], encoder_ffn_dim=p["d_ff"], decoder_ffn_dim=p["d_ff"],
-            max_position_embeddings=p["max_seq_len"], activation_function="relu", scale_embedding=True,
-            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
-    return T.T5ForConditionalGeneration(T.T5Config(
-        d_model=p["d_model"], d_kv=p["d_head"], d_ff=p["d_ff"], num_layers=p["num_layers"],
-        num_heads=p["num_heads"], feed_forward_proj="gated-gelu" if p["activation"] == "geglu" else "relu",
-        tie_word_embeddings=p["tie_embeddings"]))
+        return T.MarianMTModel(
+            T.MarianConfig(
+                vocab_size=p["vocab_size"],
+                d_model=p["d_model"],
+                encoder_layers=p["num_layers"],
+                decoder_layers=p["num_layers"],
+                encoder_attention_heads=p["num_heads"],
+                decoder_attention_heads=p["num_heads"],
+                encoder_ffn_dim=p["d_ff"],
+                decoder_ffn_dim=p["d_ff"],
+                max_position_embeddings=p["max_seq_len"],
+                activation_function="relu",
+                scale_embedding=True,
+                pad_token_id=0,
+                eos_token_id=1,
+                decoder_start_token_id=0,
+            )
+        )
+    return T.T5ForConditionalGeneration(
+        T.T5Config(
+            d_model=p["d_model"],
+            d_kv=p["d_head"],
+            d_ff=p["d_ff"],
+            num_layers=p["num_layers"],
+            num_heads=p["num_heads"],
+            feed_forward_proj="gated-gelu" if p["activation"] == "geglu" else "relu",
+            tie_word_embeddings=p["tie_embeddings"],
+        )
+    )
 
 
 @pytest.mark.parametrize("name", [n for n in PRESETS if "tiny" not in n])
@@ -239,17 +281,20 @@ def test_well_known_sizes():
         assert build_model("t5-11b").num_parameters() == 11_307_321_344
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (dict(d_model=100, num_heads=3), "d_model=100 is not divisible by num_heads=3"),
-    (dict(num_kv_heads=3), "num_kv_heads=3 must divide num_heads=4"),
-    (dict(d_model=-8), "d_model=-8 must be a positive integer"),
-    (dict(norm="batchnorm"), "norm='batchnorm' is not allowed; use one of: layernorm, rmsnorm"),
-    (dict(activation="tanh"), "activation='tanh' is not allowed"),
-    (dict(num_heads="4"), "num_heads='4' has the wrong type"),
-    (dict(dropout=1.5), r"dropout=1.5 must be in \[0, 1\)"),
-    (dict(num_layer=3), "unknown config key model.num_layer; did you mean model.num_layers"),
-    (dict(eos_token_id=5000), r"eos_token_id=5000 is outside the vocabulary \[0, 1024\)"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (dict(d_model=100, num_heads=3), "d_model=100 is not divisible by num_heads=3"),
+        (dict(num_kv_heads=3), "num_kv_heads=3 must divide num_heads=4"),
+        (dict(d_model=-8), "d_model=-8 must be a positive integer"),
+        (dict(norm="batchnorm"), "norm='batchnorm' is not allowed; use one of: layernorm, rmsnorm"),
+        (dict(activation="tanh"), "activation='tanh' is not allowed"),
+        (dict(num_heads="4"), "num_heads='4' has the wrong type"),
+        (dict(dropout=1.5), r"dropout=1.5 must be in \[0, 1\)"),
+        (dict(num_layer=3), "unknown config key model.num_layer; did you mean model.num_layers"),
+        (dict(eos_token_id=5000), r"eos_token_id=5000 is outside the vocabulary \[0, 1024\)"),
+    ],
+)
 def test_config_errors_name_the_field_and_the_allowed_values(overrides, match):
     with pytest.raises(ConfigError, match=match) as err:
         build_model("gpt2-tiny", **overrides)
@@ -263,6 +308,7 @@ def test_choices_come_from_the_literal_types():
 
     from tformer.config import ACTIVATIONS, Activation, check_table
     from tformer.nn.ffn import FFN_KINDS
+
     assert ACTIVATIONS == get_args(Activation) and tuple(FFN_KINDS) == ACTIVATIONS
     with pytest.raises(TypeError, match=r"FFN_KINDS does not match its choices: missing \['geglu'\], extra \['tanh'\]"):
         check_table({**{k: v for k, v in FFN_KINDS.items() if k != "geglu"}, "tanh": None}, Activation, "FFN_KINDS")
@@ -278,8 +324,17 @@ def test_unknown_preset_suggests_the_closest():
 
 
 def test_build_model_accepts_config_dict_and_preset_key():
-    cfg = ModelConfig(family="decoder", vocab_size=64, d_model=16, num_layers=1, num_heads=2, d_ff=32,
-                      max_seq_len=16, bos_token_id=None, eos_token_id=None)
+    cfg = ModelConfig(
+        family="decoder",
+        vocab_size=64,
+        d_model=16,
+        num_layers=1,
+        num_heads=2,
+        d_ff=32,
+        max_seq_len=16,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     assert build_model(cfg).config is cfg
     m = build_model({"preset": "gpt2-tiny", "num_layers": 3})
     assert len(m.decoder.layers) == 3

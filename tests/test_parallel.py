@@ -1,5 +1,6 @@
 """Scale features on CPU: activation checkpointing, FSDP2 over 2 gloo processes, DCP resume
 (same and different world size)."""
+
 import math
 import os
 from pathlib import Path
@@ -20,6 +21,7 @@ from conftest import TINY
 
 # -- activation checkpointing ---------------------------------------------------------------
 
+
 def _grads(model, batch):
     model.zero_grad()
     model(**batch).loss.backward()
@@ -29,8 +31,7 @@ def _grads(model, batch):
 @pytest.mark.parametrize("name", TINY)
 @pytest.mark.parametrize("mode,every", [("full", 1), ("selective", 2)])
 def test_activation_checkpointing_changes_no_gradient_and_recomputes_blocks(name, mode, every):
-    model = build_model(name, num_layers=4, **({"num_decoder_layers": 4} if "t5" in name else {}),
-                        dropout=0.0).train()
+    model = build_model(name, num_layers=4, **({"num_decoder_layers": 4} if "t5" in name else {}), dropout=0.0).train()
     ids = torch.randint(3, 1000, (2, 16))
     batch = {"input_ids": ids, "labels": ids if model.config.family != "encdec" else ids[:, :8]}
     reference = _grads(model, batch)
@@ -57,15 +58,24 @@ def test_activation_checkpointing_changes_no_gradient_and_recomputes_blocks(name
 
 # -- 2-process runs ------------------------------------------------------------------------
 
+
 def _worker(rank, world, port, jobs, cache):
     become_rank(rank, world, port, cache, 180)
     import torch.distributed as dist
     from tformer.parallel.strategy import param_counts
+
     try:
         for recipe, overrides, stop_at, report, *poison in jobs:
             cfg = load_config(CONFIGS / f"{recipe}.yaml", overrides)
-            stop = [] if stop_at is None else [
-                lambda t, rec, stop_at=stop_at: setattr(t, "_stop_reason", "test stop") if rec["step"] == stop_at else None]
+            stop = (
+                []
+                if stop_at is None
+                else [
+                    lambda t, rec, stop_at=stop_at: (
+                        setattr(t, "_stop_reason", "test stop") if rec["step"] == stop_at else None
+                    )
+                ]
+            )
             trainer = Trainer(cfg, callbacks=stop)
             if poison and poison[0][0] == rank:
                 _poison_first_micro_batch(trainer, poison[0][1])
@@ -74,12 +84,20 @@ def _worker(rank, world, port, jobs, cache):
                 Path(report + f".rank{rank}").write_text(f"{local} {total}")
                 if trainer.strategy.name == "deepspeed":  # what the engine really runs
                     engine = trainer.strategy.engine
-                    devices = [getattr(o, "device", None) for o in (engine.zero_offload_optimizer(),
-                                                                     engine.zero_offload_param())]
-                    Path(report + f".engine{rank}").write_text(" ".join(
-                        [type(engine.optimizer).__name__, type(engine.optimizer.optimizer).__name__,
-                         *(str(getattr(d, "value", d)) for d in devices)]))
+                    devices = [
+                        getattr(o, "device", None) for o in (engine.zero_offload_optimizer(), engine.zero_offload_param())
+                    ]
+                    Path(report + f".engine{rank}").write_text(
+                        " ".join(
+                            [
+                                type(engine.optimizer).__name__,
+                                type(engine.optimizer.optimizer).__name__,
+                                *(str(getattr(d, "value", d)) for d in devices),
+                            ]
+                        )
+                    )
             from torch._dynamo.utils import counters
+
             if cfg.compile:
                 torch._dynamo.reset()  # this run compiles its own graphs (not those of an earlier job)
             graphs = counters["stats"]["unique_graphs"]
@@ -104,6 +122,7 @@ def _poison_first_micro_batch(trainer, step):
             seen.append(1)
             out.loss = out.loss * float("nan")
         return out
+
     trainer.model.forward = patched
 
 
@@ -111,14 +130,16 @@ def _dump_full_model(trainer, path):
     """The live model's full tensors, gathered from the shards (rank 0 writes them)."""
     import torch.distributed as dist
     from safetensors.torch import save_file
+
     if trainer.strategy.name == "deepspeed":
         import deepspeed
+
         with deepspeed.zero.GatheredParameters(list(trainer.model.parameters())):
             state = {k: v.detach().clone().float() for k, v in trainer.model.state_dict().items()}
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True,
-                                                                             cpu_offload=True))
+
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         state.pop("lm_head.weight", None)  # tied to embed.tok.weight
         save_file({k: v.contiguous() for k, v in state.items()}, path)
@@ -146,8 +167,10 @@ STRATEGIES = {
     "ddp": ["parallel.strategy=ddp"],
     "fsdp": ["parallel.strategy=fsdp", "parallel.reshard_after_forward=true"],
     "fsdp-no-reshard": ["parallel.strategy=fsdp", "parallel.reshard_after_forward=false"],
-    **{f"zero{k}": ["parallel.strategy=deepspeed",
-                    f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / f'zero{k}.json'}"] for k in (1, 2, 3)},
+    **{
+        f"zero{k}": ["parallel.strategy=deepspeed", f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / f'zero{k}.json'}"]
+        for k in (1, 2, 3)
+    },
 }
 SHARDED = ("fsdp", "fsdp-no-reshard", "zero3")  # parameters themselves are split across ranks
 REFERENCES = {}  # (recipe, precision) -> losses of the 1-process run, shared by the strategies
@@ -163,15 +186,20 @@ def test_every_strategy_matches_the_single_process_run(cache, tmp_path_factory, 
     CASES = [(recipe, precision, strategy) for recipe in ("gpt2-tiny", "t5-tiny") for precision in ("fp32", "bf16")]
     if strategy in ("fsdp", "zero2"):
         CASES.append(("bert-tiny", "fp32", strategy))
-    jobs = [(recipe, small_overrides(recipe, tmp_path / f"run{i}", *COMMON, f"precision={precision}",
-                                     *STRATEGIES[strategy]), None, str(tmp_path / f"numel{i}"))
-            for i, (recipe, precision, strategy) in enumerate(CASES)]
+    jobs = [
+        (
+            recipe,
+            small_overrides(recipe, tmp_path / f"run{i}", *COMMON, f"precision={precision}", *STRATEGIES[strategy]),
+            None,
+            str(tmp_path / f"numel{i}"),
+        )
+        for i, (recipe, precision, strategy) in enumerate(CASES)
+    ]
     run_two_ranks(jobs, cache)
     refs = REFERENCES
     for i, (recipe, precision, strategy) in enumerate(CASES):
         if (recipe, precision) not in refs:
-            refs[recipe, precision] = reference(recipe, tmp_path_factory.mktemp("ref"), *COMMON,
-                                                f"precision={precision}")
+            refs[recipe, precision] = reference(recipe, tmp_path_factory.mktemp("ref"), *COMMON, f"precision={precision}")
         ref, got = refs[recipe, precision], losses(tmp_path / f"run{i}")
         assert list(got) == list(ref) == [1, 2, 3, 4, 5]
         tol = 1e-5 if precision == "fp32" else 2e-2
@@ -186,19 +214,23 @@ def test_every_strategy_matches_the_single_process_run(cache, tmp_path_factory, 
 
 
 def test_fsdp_resume_same_world_size_and_on_one_rank(cache, tmp_path):
-    common = small_overrides("gpt2-tiny", tmp_path / "x", *COMMON, "precision=fp32", "save_every=2",
-                             "parallel.strategy=fsdp", "model.dropout=0.0")[1:]
+    common = small_overrides(
+        "gpt2-tiny", tmp_path / "x", *COMMON, "precision=fp32", "save_every=2", "parallel.strategy=fsdp", "model.dropout=0.0"
+    )[1:]
     straight = [f"output_dir={tmp_path / 'straight'}", *common]
     stopped = [f"output_dir={tmp_path / 'resumed'}", *common]
-    run_two_ranks([("gpt2-tiny", straight, None, None), ("gpt2-tiny", stopped, 2, None),
-                   ("gpt2-tiny", stopped, None, None)], cache)
+    run_two_ranks(
+        [("gpt2-tiny", straight, None, None), ("gpt2-tiny", stopped, 2, None), ("gpt2-tiny", stopped, None, None)], cache
+    )
     a, b = losses(tmp_path / "straight"), losses(tmp_path / "resumed")  # last record per step
     assert list(a) == [1, 2, 3, 4, 5] and a == b  # 2 ranks -> stop at 2 -> 2 ranks: bitwise
     # a 2-rank FSDP checkpoint resumed by one process (DCP reshards on load)
     ckpt = tmp_path / "resumed" / "checkpoints" / "step_00000002"
     one = tmp_path / "one"
-    cfg = load_config(CONFIGS / "gpt2-tiny.yaml", small_overrides(
-        "gpt2-tiny", one, *COMMON, "precision=fp32", "model.dropout=0.0", "grad_accum=2", f"resume={ckpt}"))
+    cfg = load_config(
+        CONFIGS / "gpt2-tiny.yaml",
+        small_overrides("gpt2-tiny", one, *COMMON, "precision=fp32", "model.dropout=0.0", "grad_accum=2", f"resume={ckpt}"),
+    )
     t = Trainer(cfg)
     assert t.step == 2
     t.fit()
@@ -208,8 +240,11 @@ def test_fsdp_resume_same_world_size_and_on_one_rank(cache, tmp_path):
         assert c[step] == pytest.approx(a[step], rel=1e-5)
 
 
-MEMORY_SETTINGS = {"chunked-loss": ["loss.chunk_size=7"], "op-ac": ["parallel.activation_checkpointing=op"],
-                   "offload": ["parallel.activation_offload=true"]}  # offload: a no-op on CPU, checked to run
+MEMORY_SETTINGS = {
+    "chunked-loss": ["loss.chunk_size=7"],
+    "op-ac": ["parallel.activation_checkpointing=op"],
+    "offload": ["parallel.activation_offload=true"],
+}  # offload: a no-op on CPU, checked to run
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
@@ -222,11 +257,22 @@ def test_memory_settings_resume_bitwise_on_two_ranks(cache, tmp_path, strategy):
     jobs = []
     settings = {k: v for k, v in MEMORY_SETTINGS.items() if not (strategy == "zero3" and k == "op-ac")}  # refused
     for name, flags in settings.items():
-        common = small_overrides("gpt2-tiny", tmp_path / "x", *COMMON, "precision=fp32", "save_every=2",
-                                 "grad_accum=2", *STRATEGIES[strategy], "model.dropout=0.0", *flags)[1:]
-        jobs += [("gpt2-tiny", [f"output_dir={tmp_path / name / 'straight'}", *common], None, None),
-                 ("gpt2-tiny", [f"output_dir={tmp_path / name / 'resumed'}", *common], 2, None),
-                 ("gpt2-tiny", [f"output_dir={tmp_path / name / 'resumed'}", *common], None, None)]
+        common = small_overrides(
+            "gpt2-tiny",
+            tmp_path / "x",
+            *COMMON,
+            "precision=fp32",
+            "save_every=2",
+            "grad_accum=2",
+            *STRATEGIES[strategy],
+            "model.dropout=0.0",
+            *flags,
+        )[1:]
+        jobs += [
+            ("gpt2-tiny", [f"output_dir={tmp_path / name / 'straight'}", *common], None, None),
+            ("gpt2-tiny", [f"output_dir={tmp_path / name / 'resumed'}", *common], 2, None),
+            ("gpt2-tiny", [f"output_dir={tmp_path / name / 'resumed'}", *common], None, None),
+        ]
     run_two_ranks(jobs, cache)
     for name in settings:
         a, b = losses(tmp_path / name / "straight"), losses(tmp_path / name / "resumed")
@@ -236,15 +282,25 @@ def test_memory_settings_resume_bitwise_on_two_ranks(cache, tmp_path, strategy):
 def test_compile_with_activation_checkpointing_and_fsdp2(cache, tmp_path):
     """Per-block torch.compile (inductor) inside activation checkpointing, under FSDP2 with both
     reshard modes, on 2 ranks: the losses are those of the same run in eager mode."""
-    common = [*COMMON[1:], "max_steps=3", "precision=fp32", "model.dropout=0.0",
-              "parallel.activation_checkpointing=full", "parallel.strategy=fsdp"]
-    runs = {"eager": ["compile=false"],
-            "compiled": ["compile=true", "parallel.reshard_after_forward=true"],
-            "compiled-no-reshard": ["compile=true", "parallel.reshard_after_forward=false"],
-            # op-level checkpointing traced into each compiled block (its policy marks the graph)
-            "compiled-op": ["compile=true", "parallel.activation_checkpointing=op"]}
-    jobs = [("gpt2-tiny", small_overrides("gpt2-tiny", tmp_path / name, *common, *flags), None,
-             str(tmp_path / name)) for name, flags in runs.items()]
+    common = [
+        *COMMON[1:],
+        "max_steps=3",
+        "precision=fp32",
+        "model.dropout=0.0",
+        "parallel.activation_checkpointing=full",
+        "parallel.strategy=fsdp",
+    ]
+    runs = {
+        "eager": ["compile=false"],
+        "compiled": ["compile=true", "parallel.reshard_after_forward=true"],
+        "compiled-no-reshard": ["compile=true", "parallel.reshard_after_forward=false"],
+        # op-level checkpointing traced into each compiled block (its policy marks the graph)
+        "compiled-op": ["compile=true", "parallel.activation_checkpointing=op"],
+    }
+    jobs = [
+        ("gpt2-tiny", small_overrides("gpt2-tiny", tmp_path / name, *common, *flags), None, str(tmp_path / name))
+        for name, flags in runs.items()
+    ]
     run_two_ranks(jobs, cache)
     eager = losses(tmp_path / "eager")
     assert list(eager) == [1, 2, 3]
@@ -259,6 +315,7 @@ def test_compile_with_activation_checkpointing_and_fsdp2(cache, tmp_path):
 
 # -- DeepSpeed ------------------------------------------------------------------------------
 
+
 def _ds(stage):
     return ["parallel.strategy=deepspeed", f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / f'zero{stage}.json'}"]
 
@@ -272,8 +329,9 @@ def test_deepspeed_resume_same_world_size_and_on_one_rank(cache, tmp_path):
     common = [*COMMON[1:], "max_steps=5", "save_every=2", "precision=fp32", "model.dropout=0.0", *_ds(3)]
     straight = small_overrides("gpt2-tiny", tmp_path / "straight", *common)
     stopped = small_overrides("gpt2-tiny", tmp_path / "resumed", *common)
-    run_two_ranks([("gpt2-tiny", straight, None, None), ("gpt2-tiny", stopped, 2, None),
-                   ("gpt2-tiny", stopped, None, None)], cache)
+    run_two_ranks(
+        [("gpt2-tiny", straight, None, None), ("gpt2-tiny", stopped, 2, None), ("gpt2-tiny", stopped, None, None)], cache
+    )
     a, b = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
     assert list(a) == [1, 2, 3, 4, 5]
     for step in a:
@@ -291,8 +349,16 @@ def test_deepspeed_resume_same_world_size_and_on_one_rank(cache, tmp_path):
     # two steps per step) and gives the no-decay group weight_decay=0.1: a drift of 1e-4..4e-4.
     for step in (4, 5):
         assert c[step] == pytest.approx(a[step], rel=1e-6)
-    optim = torch.load(tmp_path / "one" / "checkpoints" / "step_00000004" / "deepspeed" / "state" /
-                       "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    optim = torch.load(
+        tmp_path
+        / "one"
+        / "checkpoints"
+        / "step_00000004"
+        / "deepspeed"
+        / "state"
+        / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        weights_only=False,
+    )
     inner = optim["optimizer_state_dict"]["optimizer_state_dict"]
     assert [float(s["step"]) for s in inner["state"].values()] == [4.0, 4.0]
     assert [g["weight_decay"] for g in inner["param_groups"]] == [0.1, 0.0]
@@ -305,15 +371,23 @@ def test_zero3_offload_trains_and_matches_the_single_process_run(cache, tmp_path
     pytest.importorskip("deepspeed")
     tmp_path = tmp_path_factory.mktemp("offload")
     flags = ["parallel.strategy=deepspeed", f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / 'zero3-offload.json'}"]
-    run_two_ranks([("gpt2-tiny", small_overrides("gpt2-tiny", tmp_path / "run", *COMMON, "precision=fp32", *flags),
-                    None, str(tmp_path / "report"))], cache)
+    run_two_ranks(
+        [
+            (
+                "gpt2-tiny",
+                small_overrides("gpt2-tiny", tmp_path / "run", *COMMON, "precision=fp32", *flags),
+                None,
+                str(tmp_path / "report"),
+            )
+        ],
+        cache,
+    )
     for rank in (0, 1):
         assert (tmp_path / f"report.engine{rank}").read_text() == "DeepSpeedZeroOptimizer_Stage3 AdamW cpu cpu"
         local, total = map(int, (tmp_path / f"report.rank{rank}").read_text().split())
         assert abs(local / total - 0.5) < 0.02
     if ("gpt2-tiny", "fp32") not in REFERENCES:
-        REFERENCES["gpt2-tiny", "fp32"] = reference("gpt2-tiny", tmp_path_factory.mktemp("ref"), *COMMON,
-                                                    "precision=fp32")
+        REFERENCES["gpt2-tiny", "fp32"] = reference("gpt2-tiny", tmp_path_factory.mktemp("ref"), *COMMON, "precision=fp32")
     ref, got = REFERENCES["gpt2-tiny", "fp32"], losses(tmp_path / "run")
     assert list(got) == list(ref) == [1, 2, 3, 4, 5]
     for step in ref:
@@ -327,8 +401,13 @@ def test_deepspeed_skips_a_nonfinite_step_like_ddp_or_stops(cache, tmp_path):
     pytest.importorskip("deepspeed")
     runs = {"ddp": STRATEGIES["ddp"], **{f"zero{k}": _ds(k) for k in (1, 2, 3)}}
     common = [*COMMON, "precision=fp32", "model.dropout=0.0", "grad_accum=2"]
-    run_two_ranks([("gpt2-tiny", small_overrides("gpt2-tiny", tmp_path / name, *common, *flags), None, None,
-                    (1, 3)) for name, flags in runs.items()], cache)
+    run_two_ranks(
+        [
+            ("gpt2-tiny", small_overrides("gpt2-tiny", tmp_path / name, *common, *flags), None, None, (1, 3))
+            for name, flags in runs.items()
+        ],
+        cache,
+    )
     ddp = metrics(tmp_path / "ddp")
     for name in runs:
         rows = {r["step"]: r for r in metrics(tmp_path / name)}
@@ -354,9 +433,15 @@ def test_export_from_sharded_checkpoints_equals_the_unsharded_model(cache, tmp_p
     from tformer.export import export_hf
 
     runs = {"fsdp": STRATEGIES["fsdp"], "zero3": _ds(3)}
-    jobs = [("gpt2-tiny", small_overrides("gpt2-tiny", tmp_path / name, *COMMON[1:], "max_steps=3",
-                                          "precision=fp32", *flags), None, str(tmp_path / f"{name}.full"))
-            for name, flags in runs.items()]
+    jobs = [
+        (
+            "gpt2-tiny",
+            small_overrides("gpt2-tiny", tmp_path / name, *COMMON[1:], "max_steps=3", "precision=fp32", *flags),
+            None,
+            str(tmp_path / f"{name}.full"),
+        )
+        for name, flags in runs.items()
+    ]
     run_two_ranks(jobs, cache)
     ids = torch.randint(0, 2048, (2, 12))
     for name in runs:
@@ -378,10 +463,12 @@ def test_export_from_sharded_checkpoints_equals_the_unsharded_model(cache, tmp_p
 
 # -- bad input: one clear error before any work ------------------------------------------
 
+
 def test_missing_deepspeed_package_is_one_clear_error(monkeypatch):
     import sys
     from tformer.config import ConfigError
     from tformer.parallel.deepspeed import _import_deepspeed
+
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed
     with pytest.raises(ConfigError, match="needs the deepspeed package: DS_BUILD_OPS=0 pip install deepspeed"):
         _import_deepspeed()
@@ -389,8 +476,16 @@ def test_missing_deepspeed_package_is_one_clear_error(monkeypatch):
 
 def test_deepspeed_auto_fields_are_filled_from_the_recipe():
     from tformer.parallel.deepspeed import deepspeed_config
-    cfg = load_config(CONFIGS / "gpt2-tiny.yaml", ["parallel.strategy=deepspeed", "micro_batch_size=3", "grad_accum=2",
-                                                   f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / 'zero3.json'}"])
+
+    cfg = load_config(
+        CONFIGS / "gpt2-tiny.yaml",
+        [
+            "parallel.strategy=deepspeed",
+            "micro_batch_size=3",
+            "grad_accum=2",
+            f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / 'zero3.json'}",
+        ],
+    )
     ds = deepspeed_config(cfg, "fp32")
     d = cfg.model_config().d_model
     assert ds["train_micro_batch_size_per_gpu"] == 3 and ds["gradient_accumulation_steps"] == 2
@@ -405,8 +500,10 @@ def test_bad_deepspeed_config_and_fp16_on_cpu_are_refused(tmp_path, capsys):
     from tformer.cli import main
     from tformer.config import ConfigError
     from tformer.parallel.deepspeed import deepspeed_config
-    cfg = load_config(CONFIGS / "gpt2-tiny.yaml", ["parallel.strategy=deepspeed",
-                                                   f"parallel.deepspeed_config={tmp_path / 'nope.json'}"])
+
+    cfg = load_config(
+        CONFIGS / "gpt2-tiny.yaml", ["parallel.strategy=deepspeed", f"parallel.deepspeed_config={tmp_path / 'nope.json'}"]
+    )
     with pytest.raises(ConfigError, match="nope.json does not exist"):
         deepspeed_config(cfg, "bf16")
     bad = tmp_path / "bad.json"
@@ -415,8 +512,19 @@ def test_bad_deepspeed_config_and_fp16_on_cpu_are_refused(tmp_path, capsys):
     with pytest.raises(ConfigError, match="stage=5; use 0, 1, 2 or 3"):
         deepspeed_config(cfg, "bf16")
     # fp16 is refused on this CPU before any process group or model is made
-    assert main(["train", str(CONFIGS / "gpt2-tiny.yaml"), "precision=fp16", "device=cpu",
-                 "parallel.strategy=fsdp", f"output_dir={tmp_path / 'run'}"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                str(CONFIGS / "gpt2-tiny.yaml"),
+                "precision=fp16",
+                "device=cpu",
+                "parallel.strategy=fsdp",
+                f"output_dir={tmp_path / 'run'}",
+            ]
+        )
+        == 2
+    )
     assert "precision=fp16 needs a CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
 
@@ -431,6 +539,7 @@ def test_offload_a_missing_op_cannot_serve_is_one_clear_error_before_any_work(tm
 
     import tformer.parallel.deepspeed as tds
     from tformer.cli import main
+
     ds = json.loads((CONFIGS / "deepspeed" / "zero3-offload.json").read_text())
     if case == "nvme-without-aio":
         ds["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path)}
@@ -445,8 +554,18 @@ def test_offload_a_missing_op_cannot_serve_is_one_clear_error_before_any_work(tm
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))
     run = tmp_path / "run"
-    assert main(["train", str(CONFIGS / "gpt2-tiny.yaml"), "parallel.strategy=deepspeed",
-                 f"parallel.deepspeed_config={path}", f"output_dir={run}"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                str(CONFIGS / "gpt2-tiny.yaml"),
+                "parallel.strategy=deepspeed",
+                f"parallel.deepspeed_config={path}",
+                f"output_dir={run}",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert expected in err and len(err.splitlines()) == 1, err
     assert not run.exists()  # nothing was started

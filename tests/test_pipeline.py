@@ -3,6 +3,7 @@ interleaved 1f1b equals the 1-process run for GPT-2, Llama, BERT and T5 (split a
 encoder/decoder boundary); pp x dp_shard and pp x tp on 4 processes; checkpoints reshard between pp
 degrees. Every spawned group has a timeout that fails the test (see test_mesh.run_ranks): gloo's
 point-to-point operations must never hang CI."""
+
 import json
 from pathlib import Path
 
@@ -19,20 +20,28 @@ from test_mesh import CONFIGS, _overrides, assert_same_run, losses, reference, r
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     import os
+
     path = tmp_path_factory.mktemp("tformer-cache-pipeline")
     os.environ["TFORMER_CACHE"] = str(path)
     return path
 
+
 DEEP = ["model.num_layers=4"]  # interleaved: 2 ranks x 2 stages, one block each
 # (family, flags, extra model flags shared with the reference, data-parallel ranks x accumulation)
-PP2 = [("gpt2", ["parallel.pp_schedule=gpipe"], []), ("gpt2", ["parallel.pp_schedule=1f1b"], []),
-       ("gpt2", ["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"], DEEP),
-       ("llama", ["parallel.pp_schedule=1f1b"], []), ("llama", ["parallel.pp_schedule=gpipe"], []),
-       ("llama", ["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"], DEEP),
-       ("bert", ["parallel.pp_schedule=gpipe"], []), ("bert", ["parallel.pp_schedule=1f1b"], []),
-       ("bert", ["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"], DEEP),
-       ("t5", ["parallel.pp_schedule=1f1b"], []), ("t5-v1.1", ["parallel.pp_schedule=gpipe"], []),
-       ("gpt2", ["parallel.pp_schedule=1f1b", "compile=true", "parallel.activation_checkpointing=full"], [])]
+PP2 = [
+    ("gpt2", ["parallel.pp_schedule=gpipe"], []),
+    ("gpt2", ["parallel.pp_schedule=1f1b"], []),
+    ("gpt2", ["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"], DEEP),
+    ("llama", ["parallel.pp_schedule=1f1b"], []),
+    ("llama", ["parallel.pp_schedule=gpipe"], []),
+    ("llama", ["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"], DEEP),
+    ("bert", ["parallel.pp_schedule=gpipe"], []),
+    ("bert", ["parallel.pp_schedule=1f1b"], []),
+    ("bert", ["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"], DEEP),
+    ("t5", ["parallel.pp_schedule=1f1b"], []),
+    ("t5-v1.1", ["parallel.pp_schedule=gpipe"], []),
+    ("gpt2", ["parallel.pp_schedule=1f1b", "compile=true", "parallel.activation_checkpointing=full"], []),
+]
 
 
 def test_pp2_equals_the_single_process_run(cache, tmp_path_factory):
@@ -46,8 +55,13 @@ def test_pp2_equals_the_single_process_run(cache, tmp_path_factory):
         jobs.append((recipe, overrides, str(tmp / f"report{i}")))
     run_ranks(2, jobs, cache)
     for i, (name, flags, extra) in enumerate(PP2):
-        assert_same_run(f"{name} {flags}", tmp / f"run{i}", tmp / f"report{i}",
-                        reference(name, tmp_path_factory, 2, *extra), tol=1e-4 if "compile=true" in flags else 1e-5)
+        assert_same_run(
+            f"{name} {flags}",
+            tmp / f"run{i}",
+            tmp / f"report{i}",
+            reference(name, tmp_path_factory, 2, *extra),
+            tol=1e-4 if "compile=true" in flags else 1e-5,
+        )
         # each rank holds its stages' parameters only (shared embedding on both ends)
         counts = [json.loads(Path(f"{tmp}/report{i}.rank{r}.json").read_text()) for r in (0, 1)]
         assert set(counts[0]) != set(counts[1])
@@ -56,12 +70,17 @@ def test_pp2_equals_the_single_process_run(cache, tmp_path_factory):
                 assert int(Path(f"{tmp}/report{i}.graphs{rank}").read_text()) >= 1, (name, rank)
 
 
-PP4 = [("gpt2", ["parallel.strategy=fsdp", "parallel.pp=2", "parallel.dp_shard=2", "grad_accum=2"], 4),
-       ("bert", ["parallel.strategy=fsdp", "parallel.pp=2", "parallel.dp_shard=2", "grad_accum=2",
-                 "parallel.pp_schedule=gpipe"], 4),
-       ("t5", ["parallel.strategy=fsdp", "parallel.pp=2", "parallel.dp_shard=2", "grad_accum=2"], 4),
-       ("llama", ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "grad_accum=2"], 2),
-       ("gpt2", ["parallel.pp=2", "parallel.tp=2", "grad_accum=2", "parallel.activation_checkpointing=full"], 2)]
+PP4 = [
+    ("gpt2", ["parallel.strategy=fsdp", "parallel.pp=2", "parallel.dp_shard=2", "grad_accum=2"], 4),
+    (
+        "bert",
+        ["parallel.strategy=fsdp", "parallel.pp=2", "parallel.dp_shard=2", "grad_accum=2", "parallel.pp_schedule=gpipe"],
+        4,
+    ),
+    ("t5", ["parallel.strategy=fsdp", "parallel.pp=2", "parallel.dp_shard=2", "grad_accum=2"], 4),
+    ("llama", ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "grad_accum=2"], 2),
+    ("gpt2", ["parallel.pp=2", "parallel.tp=2", "grad_accum=2", "parallel.activation_checkpointing=full"], 2),
+]
 
 
 def test_pp_with_dp_shard_and_tp_on_four_ranks(cache, tmp_path_factory):
@@ -81,13 +100,31 @@ def test_pipeline_checkpoints_reshard_to_one_process_and_back(cache, tmp_path):
     recipe, one = _overrides("gpt2", tmp_path / "one", "save_every=2", "grad_accum=2")
     Trainer(load_config(CONFIGS / f"{recipe}.yaml", one)).fit()
     pp = ["parallel.pp=2", "grad_accum=2", "save_every=2"]
-    run_ranks(2, [(recipe, _overrides("gpt2", tmp_path / "pp", *pp)[1], None),
-                  (recipe, _overrides("gpt2", tmp_path / "pp-from-one", *pp,
-                                      f"resume={tmp_path / 'one' / 'checkpoints' / 'step_00000002'}")[1], None)],
-              cache)
-    Trainer(load_config(CONFIGS / f"{recipe}.yaml", _overrides(
-        "gpt2", tmp_path / "one-from-pp", "grad_accum=2",
-        f"resume={tmp_path / 'pp' / 'checkpoints' / 'step_00000002'}")[1])).fit()
+    run_ranks(
+        2,
+        [
+            (recipe, _overrides("gpt2", tmp_path / "pp", *pp)[1], None),
+            (
+                recipe,
+                _overrides(
+                    "gpt2", tmp_path / "pp-from-one", *pp, f"resume={tmp_path / 'one' / 'checkpoints' / 'step_00000002'}"
+                )[1],
+                None,
+            ),
+        ],
+        cache,
+    )
+    Trainer(
+        load_config(
+            CONFIGS / f"{recipe}.yaml",
+            _overrides(
+                "gpt2",
+                tmp_path / "one-from-pp",
+                "grad_accum=2",
+                f"resume={tmp_path / 'pp' / 'checkpoints' / 'step_00000002'}",
+            )[1],
+        )
+    ).fit()
     base, piped = losses(tmp_path / "one"), losses(tmp_path / "pp")
     assert list(base) == list(piped) == [1, 2, 3, 4]
     for run, expected in (("pp-from-one", base), ("one-from-pp", piped)):
@@ -97,17 +134,28 @@ def test_pipeline_checkpoints_reshard_to_one_process_and_back(cache, tmp_path):
             assert got[step] == pytest.approx(expected[step], rel=1e-5), (run, step)
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["parallel.pp=4"], "4 pipeline stages (parallel.pp=4) exceed the model's 2 blocks"),
-    (["parallel.pp=2", "parallel.pp_layers=[1,2]"], "parallel.pp_layers=[1, 2] must list 2 positive block counts"),
-    (["parallel.pp=2", "parallel.pp_schedule=zb"], "parallel.pp_schedule='zb' is not known"),
-    (["parallel.pp=2", "parallel.strategy=deepspeed"], "parallel.pp does not compose with parallel.strategy=deepspeed"),
-    (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
-      "model.num_layers=6"], "with 4 stages does not divide the model's 6 blocks evenly"),
-    (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], "needs parallel.pp_stages_per_rank >= 2"),
-])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["parallel.pp=4"], "4 pipeline stages (parallel.pp=4) exceed the model's 2 blocks"),
+        (["parallel.pp=2", "parallel.pp_layers=[1,2]"], "parallel.pp_layers=[1, 2] must list 2 positive block counts"),
+        (["parallel.pp=2", "parallel.pp_schedule=zb"], "parallel.pp_schedule='zb' is not known"),
+        (["parallel.pp=2", "parallel.strategy=deepspeed"], "parallel.pp does not compose with parallel.strategy=deepspeed"),
+        (
+            [
+                "parallel.pp=2",
+                "parallel.pp_schedule=interleaved_1f1b",
+                "parallel.pp_stages_per_rank=2",
+                "model.num_layers=6",
+            ],
+            "with 4 stages does not divide the model's 6 blocks evenly",
+        ),
+        (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], "needs parallel.pp_stages_per_rank >= 2"),
+    ],
+)
 def test_bad_pipeline_is_one_line_before_any_process_group(tmp_path, monkeypatch, flags, needle):
     import torch.distributed as dist
+
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = load_config(CONFIGS / "gpt2-tiny.yaml", small_overrides("gpt2-tiny", tmp_path, *flags))
     with pytest.raises(ConfigError) as err:
@@ -133,15 +181,18 @@ def test_an_imported_hf_checkpoint_starts_tp_and_pp_runs(cache, tmp_path):
     """A weights-only checkpoint (``tformer import`` of an HF export) resumed under tp=2 and pp=2:
     each rank takes its shard / its stages, and the runs continue as the 1-process run does."""
     from tformer.export import export_hf, import_hf
+
     recipe, first = _overrides("llama", tmp_path / "first", "max_steps=2", "model.d_head=16")
     Trainer(load_config(CONFIGS / f"{recipe}.yaml", first)).fit()
-    imported = import_hf(export_hf(tmp_path / "first" / "checkpoints" / "step_00000002", tmp_path / "hf"),
-                         tmp_path / "imported")
+    imported = import_hf(
+        export_hf(tmp_path / "first" / "checkpoints" / "step_00000002", tmp_path / "hf"), tmp_path / "imported"
+    )
     ckpt = imported / "checkpoints" / "step_00000000"
     runs = {"one": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"]}
-    flags = {name: _overrides("llama", tmp_path / name, "grad_accum=2", "model.d_head=16", f"resume={ckpt}",
-                              *extra)[1]
-             for name, extra in runs.items()}
+    flags = {
+        name: _overrides("llama", tmp_path / name, "grad_accum=2", "model.d_head=16", f"resume={ckpt}", *extra)[1]
+        for name, extra in runs.items()
+    }
     Trainer(load_config(CONFIGS / f"{recipe}.yaml", flags["one"])).fit()
     run_ranks(2, [(recipe, flags["tp2"], None), (recipe, flags["pp2"], None)], cache)
     base = losses(tmp_path / "one")

@@ -1,4 +1,5 @@
 """`tformer plan`: its memory prediction against memory measured on this CPU, and its formulas."""
+
 import pytest
 import torch
 
@@ -9,6 +10,7 @@ from tformer.parallel.plan import activation_bytes, estimate, model_state_bytes 
 
 def _measure(model, batch, ac):
     from tformer.parallel.ac import apply_activation_checkpointing
+
     apply_activation_checkpointing(model, ac)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     with SavedActivations() as saved:
@@ -18,13 +20,23 @@ def _measure(model, batch, ac):
     return model_state_bytes(model, opt), saved.bytes
 
 
-@pytest.mark.parametrize("name,ac", [("gpt2-tiny", "none"), ("gpt2-tiny", "full"), ("llama-tiny", "none"),
-                                     ("t5-tiny", "none"), ("bert-tiny", "full")])
+@pytest.mark.parametrize(
+    "name,ac",
+    [("gpt2-tiny", "none"), ("gpt2-tiny", "full"), ("llama-tiny", "none"), ("t5-tiny", "none"), ("bert-tiny", "full")],
+)
 def test_prediction_within_25_percent_of_measured_memory(name, ac):
     """fp32, one process: model states (params + grads + Adam) + saved activations + logits."""
     extra = {"num_decoder_layers": 4} if "t5" in name else {}
-    model = build_model(name, d_model=128, num_layers=4, d_ff=512, vocab_size=1024, dropout=0.0,
-                        **({"d_head": 32} if "t5" in name else {}), **extra).train()
+    model = build_model(
+        name,
+        d_model=128,
+        num_layers=4,
+        d_ff=512,
+        vocab_size=1024,
+        dropout=0.0,
+        **({"d_head": 32} if "t5" in name else {}),
+        **extra,
+    ).train()
     b, s, t = 4, 128, 32
     ids = torch.randint(3, 1000, (b, s))
     batch = {"input_ids": ids, "labels": ids if model.config.family != "encdec" else ids[:, :t]}
@@ -41,10 +53,10 @@ def test_prediction_within_25_percent_of_measured_memory(name, ac):
 def _saved_per_layer(name, extra, stack, b=2, s=64, t=32):
     """Bytes autograd saves for one more block of ``stack`` (0: encoder or only stack, 1: T5's
     decoder), measured as the difference of two models: what the planner must predict."""
+
     def saved(layers):
         torch.manual_seed(0)
-        dims = {"num_layers": 2, "num_decoder_layers": 2} if name.startswith(("t5", "transformer")) else {
-            "num_layers": 2}
+        dims = {"num_layers": 2, "num_decoder_layers": 2} if name.startswith(("t5", "transformer")) else {"num_layers": 2}
         dims["num_decoder_layers" if stack else "num_layers"] = layers
         model = build_model(name, d_model=128, d_ff=512, vocab_size=1024, **dims, **extra).train()
         ids = torch.randint(3, 1000, (b, s))
@@ -59,11 +71,22 @@ def _saved_per_layer(name, extra, stack, b=2, s=64, t=32):
     return three - two, activation_bytes(cfg, b, s, target, "none", False, blocks=blocks, head=False, **one)
 
 
-@pytest.mark.parametrize("name,extra,stack", [
-    ("gpt2-tiny", {}, 0), ("gpt2-tiny", {"attn_impl": "math"}, 0), ("llama-tiny", {}, 0),
-    ("llama-tiny", {"attn_impl": "math"}, 0), ("bert-tiny", {}, 0), ("transformer-tiny", {}, 0),
-    ("transformer-tiny", {}, 1), ("transformer-tiny", {"attn_impl": "math"}, 1), ("t5-tiny", {"d_head": 32}, 0),
-    ("t5-tiny", {"d_head": 32}, 1), ("t5-tiny", {"d_head": 32, "activation": "geglu", "attn_impl": "math"}, 1)])
+@pytest.mark.parametrize(
+    "name,extra,stack",
+    [
+        ("gpt2-tiny", {}, 0),
+        ("gpt2-tiny", {"attn_impl": "math"}, 0),
+        ("llama-tiny", {}, 0),
+        ("llama-tiny", {"attn_impl": "math"}, 0),
+        ("bert-tiny", {}, 0),
+        ("transformer-tiny", {}, 0),
+        ("transformer-tiny", {}, 1),
+        ("transformer-tiny", {"attn_impl": "math"}, 1),
+        ("t5-tiny", {"d_head": 32}, 0),
+        ("t5-tiny", {"d_head": 32}, 1),
+        ("t5-tiny", {"d_head": 32, "activation": "geglu", "attn_impl": "math"}, 1),
+    ],
+)
 def test_one_block_activations_are_what_autograd_saves(name, extra, stack):
     """The planner's bytes for one block, tensor by tensor, against the unique storages autograd
     saves for it (norm kinds, attention paths, grouped KV heads, activations, cross-attention)."""
@@ -99,6 +122,7 @@ def test_zero_formulas_and_the_planner_choice():
         cfg = build_model("llama-1b").config
     # A 1.2B model does not fit plain DDP on 16 GiB with Adam; the planner must shard
     from tformer.parallel.plan import recommend
+
     fits = recommend(cfg, 8, 16 * 2**30, 2048, None)
     assert fits and fits[0].strategy != "ddp"
     assert all(f.total <= 0.9 * 16 * 2**30 for f in fits)
@@ -171,6 +195,7 @@ def test_planner_models_the_chunked_head_op_checkpointing_and_offload(tmp_path, 
 
     def act(ac="none", **extra):
         return activation_bytes(cfg, 1, 2048, None, ac, True, **kw, **extra)
+
     assert act(chunk=128) < act()
     # the unchunked head is (tokens x vocab); a chunk of 128 rows is 1/16 of it (+ the input gradient)
     assert act() - act(chunk=128) == pytest.approx((1 - 1 / 16) * 2048 * cfg.padded_vocab_size * 6, rel=0.02)
@@ -178,11 +203,26 @@ def test_planner_models_the_chunked_head_op_checkpointing_and_offload(tmp_path, 
     assert act(offload=True) < act("full") and act("op", chunk=128, offload=True) < act(offload=True)
     with torch.device("meta"):
         bert = build_model("bert-base").config
-    assert (activation_bytes(bert, 8, 512, None, "none", False, return_logits=False, labelled=0.15)
-            < activation_bytes(bert, 8, 512, None, "none", False, return_logits=False))
+    assert activation_bytes(bert, 8, 512, None, "none", False, return_logits=False, labelled=0.15) < activation_bytes(
+        bert, 8, 512, None, "none", False, return_logits=False
+    )
     from tformer.cli import main
-    assert main(["plan", str(CONFIGS / "llama-1b.yaml"), "micro_batch_size=1", "loss.chunk_size=256",
-                 "--devices", "8", "--device-memory", "80GB"]) == 0
+
+    assert (
+        main(
+            [
+                "plan",
+                str(CONFIGS / "llama-1b.yaml"),
+                "micro_batch_size=1",
+                "loss.chunk_size=256",
+                "--devices",
+                "8",
+                "--device-memory",
+                "80GB",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "loss.chunk_size=256" in out and "what each memory setting saves per device" in out
     for row in ("activation_checkpointing=op", "activation_offload=true", "chunk 256 + op + offload"):
@@ -191,8 +231,18 @@ def test_planner_models_the_chunked_head_op_checkpointing_and_offload(tmp_path, 
 
 
 # --- the device mesh: tensor parallel (+ sequence parallel) x FSDP2 / HSDP ------------------------
-COLUMN_WISE = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
-               "ffn.up.weight", "ffn.up.bias", "ffn.gate.weight", "ffn.gate.bias")
+COLUMN_WISE = (
+    "q_proj.weight",
+    "q_proj.bias",
+    "k_proj.weight",
+    "k_proj.bias",
+    "v_proj.weight",
+    "v_proj.bias",
+    "ffn.up.weight",
+    "ffn.up.bias",
+    "ffn.gate.weight",
+    "ffn.gate.bias",
+)
 ROW_WISE = ("o_proj.weight", "ffn.down.weight")
 VOCABULARY = ("embed.tok.weight", "lm_head.weight", "lm_head.bias")
 
@@ -204,8 +254,15 @@ def tp_rank_elements(model, tp):
     head is one tensor (named_parameters yields it once)."""
     total = 0
     for name, p in model.named_parameters():
-        dim = (0 if name.endswith(COLUMN_WISE) or name in VOCABULARY else 1 if name.endswith(ROW_WISE)
-               else 1 if name.endswith("rel_bias.embedding.weight") else None)
+        dim = (
+            0
+            if name.endswith(COLUMN_WISE) or name in VOCABULARY
+            else 1
+            if name.endswith(ROW_WISE)
+            else 1
+            if name.endswith("rel_bias.embedding.weight")
+            else None
+        )
         if dim is None:
             total += p.numel()
         else:
@@ -214,15 +271,23 @@ def tp_rank_elements(model, tp):
     return total
 
 
-MESH_MODELS = [("gpt2-tiny", {}), ("llama-tiny", {}), ("bert-tiny", {}), ("t5-tiny", {}), ("t5-v1.1-tiny", {}),
-               ("transformer-tiny", {}), ("bert-tiny", dict(tie_embeddings=False)),
-               ("llama-tiny", dict(num_kv_heads=4, bias=True, vocab_size=1000, pad_vocab_multiple=64)),
-               ("t5-tiny", dict(num_decoder_layers=3, attn_impl="math"))]
+MESH_MODELS = [
+    ("gpt2-tiny", {}),
+    ("llama-tiny", {}),
+    ("bert-tiny", {}),
+    ("t5-tiny", {}),
+    ("t5-v1.1-tiny", {}),
+    ("transformer-tiny", {}),
+    ("bert-tiny", dict(tie_embeddings=False)),
+    ("llama-tiny", dict(num_kv_heads=4, bias=True, vocab_size=1000, pad_vocab_multiple=64)),
+    ("t5-tiny", dict(num_decoder_layers=3, attn_impl="math")),
+]
 
 
 @pytest.mark.parametrize("name,extra", MESH_MODELS)
 def test_model_states_per_rank_are_the_tp_and_fsdp_shards_of_each_parameter(name, extra):
     from tformer.parallel.plan import rank_memory, tp_local_parameters
+
     with torch.device("meta"):
         model = build_model(name, **extra)
     cfg = model.config
@@ -235,8 +300,9 @@ def test_model_states_per_rank_are_the_tp_and_fsdp_shards_of_each_parameter(name
         assert rank_memory(cfg, seq_len=16, tp=tp, precision="fp32").model_states == 16 * local
         assert rank_memory(cfg, seq_len=16, tp=tp, dp_shard=2, precision="fp32").model_states == 16 * local / 2
         # HSDP replicates the shard group: the same bytes per rank
-        assert rank_memory(cfg, seq_len=16, tp=tp, dp_shard=2, dp_replicate=2,
-                           precision="fp32").model_states == 16 * local / 2
+        assert (
+            rank_memory(cfg, seq_len=16, tp=tp, dp_shard=2, dp_replicate=2, precision="fp32").model_states == 16 * local / 2
+        )
     assert tp_local_parameters(cfg, 1) == model.num_parameters()
 
 
@@ -246,6 +312,7 @@ def test_tp_and_sp_activation_formulas():
     backward); q, k, v, attention and the FFN width split by tp; norm inputs and dropout masks split
     along the sequence only with SP. The logits split by tp with loss parallelism."""
     from tformer.parallel.plan import rank_memory
+
     with torch.device("meta"):
         cfg = build_model("gpt2-small", pad_vocab_multiple=64).config
     d, ff, L, b, s = cfg.d_model, cfg.d_ff, cfg.num_layers, 2, 256
@@ -256,8 +323,9 @@ def test_tp_and_sp_activation_formulas():
     whole, sequence, heads = 2 * d, 2 * d, 4 * d + 2 * ff
 
     def kept(tp, sp, **kw):
-        return rank_memory(cfg, seq_len=s, micro_batch=b, tp=tp, sp=sp, precision="fp32", transient=False,
-                           return_logits=False, **kw).activations
+        return rank_memory(
+            cfg, seq_len=s, micro_batch=b, tp=tp, sp=sp, precision="fp32", transient=False, return_logits=False, **kw
+        ).activations
 
     assert kept(1, False) == L * b * s * 4 * (whole + sequence + heads - ff)
     assert kept(2, False) == L * b * s * 4 * (whole + sequence + heads / 2)
@@ -269,31 +337,37 @@ def test_tp_and_sp_activation_formulas():
     vocab = b * s * cfg.padded_vocab_size * 4
 
     def head(tp, **kw):
-        return rank_memory(cfg, seq_len=s, micro_batch=b, tp=tp, sp=True, precision="fp32", return_logits=False,
-                           chunk=None, **kw).activations - kept(tp, True)
+        return rank_memory(
+            cfg, seq_len=s, micro_batch=b, tp=tp, sp=True, precision="fp32", return_logits=False, chunk=None, **kw
+        ).activations - kept(tp, True)
+
     assert head(1) == vocab and head(2) == vocab / 2 and head(4) == vocab / 4
     assert head(2, loss_parallel=False) - head(2) == pytest.approx(vocab / 2)
     # a TP head is never chunked (the chunked loss does not take a vocabulary-sharded head)
-    assert head(2) == rank_memory(cfg, seq_len=s, micro_batch=b, tp=2, sp=True, precision="fp32",
-                                  return_logits=False, chunk=128).activations - kept(2, True)
+    assert head(2) == rank_memory(
+        cfg, seq_len=s, micro_batch=b, tp=2, sp=True, precision="fp32", return_logits=False, chunk=128
+    ).activations - kept(2, True)
 
 
 def test_only_tp_degrees_that_split_the_model_are_candidates():
     from tformer.parallel.plan import layouts, rank_memory, recommend, tp_degrees
+
     with torch.device("meta"):
         llama = build_model("llama-70b").config
         gpt2 = build_model("gpt2-small").config
     assert tp_degrees(llama, 64) == ([1, 2, 4, 8], {16: "num_kv_heads=8", 32: "num_kv_heads=8", 64: "num_kv_heads=8"})
-    assert tp_degrees(gpt2, 8) == ([1], {2: "padded vocab_size=50257", 4: "padded vocab_size=50257",
-                                         8: "num_heads=12"})
+    assert tp_degrees(gpt2, 8) == ([1], {2: "padded vocab_size=50257", 4: "padded vocab_size=50257", 8: "num_heads=12"})
     padded = gpt2.replace(pad_vocab_multiple=64)
     assert tp_degrees(padded, 8)[0] == [1, 2, 4] and tp_degrees(padded, 8)[1] == {8: "num_heads=12"}
     assert {tp for _, _, tp in layouts(llama, 64)} == {1, 2, 4, 8}
     assert all(e.tp in (1, 2, 4, 8) for e in recommend(llama, 64, 80 * 2**30, 8192, None))
     with pytest.raises(ConfigError, match=r"^parallel.tp=3 does not divide num_heads=16; use one of: 1, 2, 4, 8, 16$"):
         rank_memory(gpt2.replace(num_heads=16, pad_vocab_multiple=64), seq_len=16, tp=3)
-    with pytest.raises(ConfigError, match="parallel.tp=2 does not divide padded vocab_size=50257; use one of: 1; "
-                                          "or pad the vocabulary: model.pad_vocab_multiple=64"):
+    with pytest.raises(
+        ConfigError,
+        match="parallel.tp=2 does not divide padded vocab_size=50257; use one of: 1; "
+        "or pad the vocabulary: model.pad_vocab_multiple=64",
+    ):
         rank_memory(gpt2, seq_len=16, tp=2)
     with pytest.raises(ConfigError, match="parallel.dp_replicate=2 needs parallel.strategy=fsdp"):
         rank_memory(gpt2, seq_len=16, dp_replicate=2, strategy="ddp")
@@ -301,6 +375,7 @@ def test_only_tp_degrees_that_split_the_model_are_candidates():
 
 def test_recommendation_is_tp_for_llama_70b_and_none_for_gpt2_small():
     from tformer.parallel.plan import recommend
+
     trainer = dict(return_logits=False, chunk=128)
     with torch.device("meta"):
         llama = build_model("llama-70b").config
@@ -320,8 +395,25 @@ def test_recommendation_is_tp_for_llama_70b_and_none_for_gpt2_small():
 
 def test_plan_cli_prints_the_mesh_columns_and_a_tp_recommendation(capsys):
     from tformer.cli import main
-    assert main(["plan", str(CONFIGS / "llama-1b.yaml"), "model.preset=llama-70b", "data.seq_len=8192",
-                 "micro_batch_size=1", "--devices", "64", "--device-memory", "80GB", "--gpus-per-node", "8"]) == 0
+
+    assert (
+        main(
+            [
+                "plan",
+                str(CONFIGS / "llama-1b.yaml"),
+                "model.preset=llama-70b",
+                "data.seq_len=8192",
+                "micro_batch_size=1",
+                "--devices",
+                "64",
+                "--device-memory",
+                "80GB",
+                "--gpus-per-node",
+                "8",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("strategy"))
     assert header.split()[:6] == ["strategy", "dp_rep", "dp_shard", "tp", "sp", "AC"]
@@ -330,7 +422,7 @@ def test_plan_cli_prints_the_mesh_columns_and_a_tp_recommendation(capsys):
     assert {row[3] for row in rows} == {"1", "2", "4", "8"}
     assert ["fsdp", "8", "8", "1", "-", "none"] == rows[12][:6]  # HSDP: one replica per node
     assert all(row[4] == ("on" if row[3] != "1" else "-") for row in rows)
-    rec = out[out.index("recommendation:"):]
+    rec = out[out.index("recommendation:") :]
     assert "mesh dp_replicate=1" in rec and "parallel.sp=true" in rec and "loss.chunk_size=null" in rec
     assert main(["plan", str(CONFIGS / "llama-1b.yaml"), "--gpus-per-node", "0"]) == 2
 
@@ -339,9 +431,15 @@ from train_helpers import CONFIGS  # noqa: E402
 
 
 # --- pipeline parallelism: per-stage parameters, micro-batches in flight, the bubble --------------
-PP_MODELS = [("gpt2-tiny", dict(num_layers=5)), ("llama-tiny", dict(num_layers=5, tie_embeddings=False)),
-             ("llama-tiny", dict(num_layers=6)), ("bert-tiny", dict(num_layers=5)),
-             ("bert-tiny", dict(num_layers=4, tie_embeddings=False)), ("t5-tiny", {}), ("t5-v1.1-tiny", {})]
+PP_MODELS = [
+    ("gpt2-tiny", dict(num_layers=5)),
+    ("llama-tiny", dict(num_layers=5, tie_embeddings=False)),
+    ("llama-tiny", dict(num_layers=6)),
+    ("bert-tiny", dict(num_layers=5)),
+    ("bert-tiny", dict(num_layers=4, tie_embeddings=False)),
+    ("t5-tiny", {}),
+    ("t5-v1.1-tiny", {}),
+]
 
 
 @pytest.mark.parametrize("name,extra", PP_MODELS)
@@ -351,10 +449,11 @@ def test_stage_parameters_are_those_of_the_split_model(name, extra):
     uneven splits, a tied embedding/head on the first and last stage, BERT's head, T5's halves."""
     from tformer.parallel.pipeline import build_stage, stages_of_rank
     from tformer.parallel.plan import rank_memory, stage_parameters
+
     with torch.device("meta"):
         model = build_model(name, **extra)
     cfg = model.config
-    for stages in ((2,) if cfg.family == "encdec" else (2, 3, cfg.num_layers)):
+    for stages in (2,) if cfg.family == "encdec" else (2, 3, cfg.num_layers):
         parts = [build_stage(model, s, stages, None, 0.0) for s in range(stages)]
         for tp in (1, 2):
             assert stage_parameters(cfg, stages, tp) == [tp_rank_elements(part, tp) for part in parts]
@@ -365,8 +464,9 @@ def test_stage_parameters_are_those_of_the_split_model(name, extra):
     counts = stage_parameters(cfg, pp * v)
     for rank in range(pp):
         held = sum(counts[s] for s in stages_of_rank(rank, pp, pp * v))
-        e = rank_memory(cfg, seq_len=16, pp=pp, pp_schedule=schedule, pp_stages_per_rank=v, pp_rank=rank,
-                        dp_shard=2, precision="fp32")
+        e = rank_memory(
+            cfg, seq_len=16, pp=pp, pp_schedule=schedule, pp_stages_per_rank=v, pp_rank=rank, dp_shard=2, precision="fp32"
+        )
         assert e.model_states == 16 * held / 2 and e.pp_rank == rank
 
 
@@ -375,8 +475,10 @@ def _torch_interleaved_peak(pp, v, m, rank):
     from types import SimpleNamespace
 
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
-    fake = SimpleNamespace(n_local_stages=v, pp_group_size=pp, _n_microbatches=m,
-                           microbatches_per_round=m // max(1, m // pp))
+
+    fake = SimpleNamespace(
+        n_local_stages=v, pp_group_size=pp, _n_microbatches=m, microbatches_per_round=m // max(1, m // pp)
+    )
     held = peak = 0
     for action in ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, rank):
         if action is not None:
@@ -388,6 +490,7 @@ def _torch_interleaved_peak(pp, v, m, rank):
 
 def test_micro_batches_in_flight_per_schedule_and_the_bubble():
     from tformer.parallel.plan import bubble, in_flight
+
     # GPipe: every forward first; 1F1B: pp - rank warm-up forwards, then backward before forward
     assert [in_flight("gpipe", 4, 16, r) for r in range(4)] == [16] * 4
     assert [in_flight("1f1b", 4, 16, r) for r in range(4)] == [4, 3, 2, 1]
@@ -405,13 +508,14 @@ def test_pipeline_activations_are_the_micro_batches_in_flight():
     """The first rank holds its blocks' activations of each micro-batch in flight; the last rank
     one micro-batch's, plus the head and loss."""
     from tformer.parallel.plan import activation_bytes, rank_memory
+
     with torch.device("meta"):
         cfg = build_model("llama-1b").config  # 16 blocks
     kw = dict(seq_len=1024, micro_batch=2, precision="bf16", return_logits=False, chunk=None)
 
     def blocks(n, **extra):
-        return activation_bytes(cfg, 2, 1024, None, "none", True, return_logits=False, chunk=None, blocks=(n, 0),
-                                **extra)
+        return activation_bytes(cfg, 2, 1024, None, "none", True, return_logits=False, chunk=None, blocks=(n, 0), **extra)
+
     kept, peak_last = blocks(4, transient=False, head=False), blocks(4, head=True)
     for schedule, first in (("gpipe", 16), ("1f1b", 4)):
         e0 = rank_memory(cfg, pp=4, pp_schedule=schedule, n_micro=16, pp_rank=0, **kw)
@@ -426,29 +530,35 @@ def test_pipeline_activations_are_the_micro_batches_in_flight():
 
 def test_invalid_pipeline_degrees_are_skipped_with_a_reason():
     from tformer.parallel.plan import pp_layouts, rank_memory
+
     with torch.device("meta"):
         gpt2 = build_model("gpt2-small").config  # 12 blocks
         t5 = build_model("t5-small").config
     layouts, skipped = pp_layouts(gpt2, 64)
     assert sorted({pp for _, _, _, pp, _, _, _ in layouts}) == [2, 4, 8]
-    assert skipped == {16: "16 pipeline stages (parallel.pp=16) exceed the model's 12 blocks",
-                       32: "32 pipeline stages (parallel.pp=32) exceed the model's 12 blocks",
-                       64: "64 pipeline stages (parallel.pp=64) exceed the model's 12 blocks"}
+    assert skipped == {
+        16: "16 pipeline stages (parallel.pp=16) exceed the model's 12 blocks",
+        32: "32 pipeline stages (parallel.pp=32) exceed the model's 12 blocks",
+        64: "64 pipeline stages (parallel.pp=64) exceed the model's 12 blocks",
+    }
     # interleaving at 2 stages per rank where 2 x pp divides the 12 blocks
-    assert {(pp, s) for _, _, _, pp, s, _, _ in layouts} == {(2, "1f1b"), (2, "interleaved_1f1b"), (4, "1f1b"),
-                                                             (8, "1f1b")}
+    assert {(pp, s) for _, _, _, pp, s, _, _ in layouts} == {(2, "1f1b"), (2, "interleaved_1f1b"), (4, "1f1b"), (8, "1f1b")}
     layouts, skipped = pp_layouts(t5, 8)
     assert {(pp, s) for _, _, _, pp, s, _, _ in layouts} == {(2, "1f1b")}
-    assert set(skipped) == {4, 8} and skipped[4].startswith("encoder-decoder models split only at the "
-                                                            "encoder/decoder boundary")
-    assert pp_layouts(gpt2, 8, n_micro=2)[1] == {4: "1f1b needs grad_accum >= pp micro-batches (got 2)",
-                                                 8: "1f1b needs grad_accum >= pp micro-batches (got 2)"}
+    assert set(skipped) == {4, 8} and skipped[4].startswith(
+        "encoder-decoder models split only at the encoder/decoder boundary"
+    )
+    assert pp_layouts(gpt2, 8, n_micro=2)[1] == {
+        4: "1f1b needs grad_accum >= pp micro-batches (got 2)",
+        8: "1f1b needs grad_accum >= pp micro-batches (got 2)",
+    }
     with pytest.raises(ConfigError, match="encoder-decoder models split only"):
         rank_memory(t5, seq_len=16, pp=4)
 
 
 def test_pipelines_come_after_tp_within_a_node_and_before_full_recomputation():
     from tformer.parallel.plan import MAX_BUBBLE, recommend
+
     trainer = dict(return_logits=False, chunk=None)
     with torch.device("meta"):
         llama = build_model("llama-70b").config
@@ -473,14 +583,30 @@ def test_pipelines_come_after_tp_within_a_node_and_before_full_recomputation():
 
 def test_plan_cli_prints_pipeline_layouts_and_the_bubble(capsys):
     from tformer.cli import main
-    assert main(["plan", str(CONFIGS / "llama-1b.yaml"), "model.preset=llama-8b", "model.num_kv_heads=1",
-                 "data.seq_len=16384", "loss.chunk_size=null", "micro_batch_size=1", "--devices", "8",
-                 "--device-memory", "80GB"]) == 0
+
+    assert (
+        main(
+            [
+                "plan",
+                str(CONFIGS / "llama-1b.yaml"),
+                "model.preset=llama-8b",
+                "model.num_kv_heads=1",
+                "data.seq_len=16384",
+                "loss.chunk_size=null",
+                "micro_batch_size=1",
+                "--devices",
+                "8",
+                "--device-memory",
+                "80GB",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "pipeline layouts" in out
     header = [line.split() for line in out.splitlines() if line.startswith("strategy")][1]
     assert header[:9] == ["strategy", "dp_rep", "dp_shard", "tp", "sp", "pp", "schedule", "v", "m"]
-    rec = out[out.index("recommendation:"):]
+    rec = out[out.index("recommendation:") :]
     assert "mesh pp=2 dp_replicate=1 dp_shard=4 tp=1" in rec and "parallel.pp=2 parallel.pp_schedule=1f1b" in rec
     assert "grad_accum=8" in rec and "bubble 11.1% of the step idle (pp-1)/(m+pp-1)" in rec
     assert main(["plan", str(CONFIGS / "t5-small.yaml"), "--devices", "8", "--device-memory", "80GB"]) == 0

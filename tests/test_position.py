@@ -1,5 +1,6 @@
 """Position schemes: the paper's sinusoid formula, HF's rotate-half RoPE, T5 buckets, and the
 permutation test (no positions = equivariant; every scheme breaks it)."""
+
 import math
 
 import pytest
@@ -36,11 +37,13 @@ def test_rotary_matches_hf_rotate_half():
     # A rotation: norms are kept, and relative: <R(m)q, R(n)k> depends on m - n only.
     torch.testing.assert_close(apply_rotary(q, cos, sin).norm(dim=-1), q.norm(dim=-1))
     v1, v2 = torch.randn(hd), torch.randn(hd)
+
     def dot(m, n):
         c, s = rot(torch.tensor([m, n]))
         a = apply_rotary(v1.expand(1, 1, 2, hd), c, s)[0, 0, 0]
         b = apply_rotary(v2.expand(1, 1, 2, hd), c, s)[0, 0, 1]
         return (a @ b).item()
+
     assert dot(3, 1) == pytest.approx(dot(9, 7), abs=1e-4)
 
 

@@ -1,5 +1,6 @@
 """Resilience: non-finite streaks never leave a bad "last good" checkpoint, loss spikes roll back
 and skip data exactly, and every bad key value or CLI flag is one error line."""
+
 import json
 import math
 import os
@@ -34,12 +35,14 @@ def trainer(out, *extra, recipe="gpt2-tiny"):
 
 # -- non-finite streaks ----------------------------------------------------------------------
 
+
 def test_nan_streak_names_a_last_good_checkpoint_that_resumes_finite(cache, tmp_path):
     """The update of step 3 poisons the weights (checkpoint 3 holds them, saved at a finite loss);
     steps 4.. are NaN and skipped. No checkpoint is written during the streak, and the error
     names step 2, whose weights give a finite loss again."""
-    t = trainer(tmp_path / "run", "max_steps=10", "save_every=1", "eval_every=0", "max_skipped_steps=2",
-                "keep_checkpoints=10")
+    t = trainer(
+        tmp_path / "run", "max_steps=10", "save_every=1", "eval_every=0", "max_skipped_steps=2", "keep_checkpoints=10"
+    )
     step = t.optimizer.step
 
     def poisoned(*a, **kw):
@@ -48,11 +51,15 @@ def test_nan_streak_names_a_last_good_checkpoint_that_resumes_finite(cache, tmp_
             with torch.no_grad():
                 t.model.embed.tok.weight.fill_(float("nan"))
         return out
+
     t.optimizer.step = poisoned
     with pytest.raises(NonFiniteLoss, match=r"at step 6; stopping .*last good checkpoint is \S+step_00000002;") as e:
         t.fit()
     assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == [
-        "step_00000001", "step_00000002", "step_00000003"]  # none written during the streak
+        "step_00000001",
+        "step_00000002",
+        "step_00000003",
+    ]  # none written during the streak
     named = Path(re.search(r"last good checkpoint is (\S+);", str(e.value)).group(1))
     resumed = trainer(tmp_path / "resumed", "max_steps=4", "save_every=0", "eval_every=0", f"resume={named}")
     resumed.fit()
@@ -62,15 +69,30 @@ def test_nan_streak_names_a_last_good_checkpoint_that_resumes_finite(cache, tmp_
 
 # -- loss spikes -------------------------------------------------------------------------------
 
-SPIKE = ["max_steps=12", "save_every=2", "eval_every=0", "precision=fp32", "model.dropout=0.1",
-         "micro_batch_size=4", "on_spike=rollback", "spike_window=3", "spike_warmup=3", "spike_factor=3",
-         "spike_skip_batches=2", "max_rollbacks=2"]
+SPIKE = [
+    "max_steps=12",
+    "save_every=2",
+    "eval_every=0",
+    "precision=fp32",
+    "model.dropout=0.1",
+    "micro_batch_size=4",
+    "on_spike=rollback",
+    "spike_window=3",
+    "spike_warmup=3",
+    "spike_factor=3",
+    "spike_skip_batches=2",
+    "max_rollbacks=2",
+]
 PLANTED = 6 * 4  # the batch of step 7 (6 steps x 4 samples consumed before it)
 
 
 def _run(cache, out, *extra, kill_after=None, spike_at=None):
-    args = [sys.executable, str(ROOT / "tests" / "kill_during_training.py"), str(CONFIGS / "gpt2-tiny.yaml"),
-            *small_overrides("gpt2-tiny", out, *extra)]
+    args = [
+        sys.executable,
+        str(ROOT / "tests" / "kill_during_training.py"),
+        str(CONFIGS / "gpt2-tiny.yaml"),
+        *small_overrides("gpt2-tiny", out, *extra),
+    ]
     if kill_after is not None:
         args += ["--kill-after", str(kill_after)]
     if spike_at is not None:
@@ -88,7 +110,8 @@ def test_spike_rolls_back_skips_data_and_resumes_exactly_after_a_kill_in_the_ski
     assert rows[-1]["step"] == 12 and math.isfinite(rows[-1]["loss"])
     events = json.loads((tmp_path / "straight" / "rollbacks.json").read_text())
     assert [(e["spike_step"], e["to_step"], e["skip_from_sample"], e["skip_samples"]) for e in events] == [
-        (7, 6, PLANTED, 8)]
+        (7, 6, PLANTED, 8)
+    ]
     final = json.loads((tmp_path / "straight" / "checkpoints" / "step_00000012" / "trainer.json").read_text())
     assert final["rollbacks"] == 1 and final["consumed_samples"] == 12 * 4 + 8  # the skipped batches
     # killed after step 7 of the replay: the newest checkpoint (6) predates the rollback
@@ -118,6 +141,7 @@ def test_spike_options_change_nothing_without_a_spike(cache, tmp_path):
 
 def test_spike_detector_judges_against_the_running_median():
     from tformer.train.spike import SpikeDetector
+
     d = SpikeDetector(factor=2.0, window=3, warmup=2)
     assert [d.check(s, x) for s, x in enumerate([5.0, 4.0, 9.0], 1)] == [None, None, None]  # window filling
     assert d.check(4, 11.0) == 5.0  # median of 5, 4, 9
@@ -129,8 +153,9 @@ def test_spike_detector_judges_against_the_running_median():
 
 
 def test_spike_stop_after_max_rollbacks(cache, tmp_path):
-    t = trainer(tmp_path, *[s for s in SPIKE if not s.startswith("max_rollbacks")], "max_rollbacks=1",
-                "spike_skip_batches=0")
+    t = trainer(
+        tmp_path, *[s for s in SPIKE if not s.startswith("max_rollbacks")], "max_rollbacks=1", "spike_skip_batches=0"
+    )
     forward = t.model.forward
 
     def always_at_7(*a, **kw):  # the spike comes back after every rollback (no data skipped)
@@ -138,18 +163,25 @@ def test_spike_stop_after_max_rollbacks(cache, tmp_path):
         if t.model.training and t.step == 6:
             out.loss = out.loss * 100.0
         return out
+
     t.model.forward = always_at_7
     from tformer.train.trainer import LossSpikeError
-    with pytest.raises(LossSpikeError, match=r"loss spike at step 7.*max_rollbacks=1 reached; the last good "
-                                             r"checkpoint is \S+step_00000006"):
+
+    with pytest.raises(
+        LossSpikeError,
+        match=r"loss spike at step 7.*max_rollbacks=1 reached; the last good "
+        r"checkpoint is \S+step_00000006",
+    ):
         t.fit()
 
 
 # -- watchdog (the 2-process SIGSTOP test is in test_launch.py) ---------------------------------
 
+
 def test_watchdog_names_the_rank_that_stopped_responding(tmp_path):
     import time
     from tformer.train.watchdog import Watchdog
+
     live = Watchdog(tmp_path, rank=0, world_size=2, timeout=5.0)
     stuck = Watchdog(tmp_path, rank=1, world_size=2, timeout=5.0)
     live.beat(7, "forward-backward")
@@ -166,6 +198,7 @@ def test_watchdog_names_the_rank_that_stopped_responding(tmp_path):
 
 def test_watchdog_warns_when_a_step_takes_most_of_the_timeout(caplog):
     from tformer.train.dist import DistInfo
+
     t = Trainer.__new__(Trainer)
     t.cfg = load_config(CONFIGS / "gpt2-tiny.yaml", ["watchdog_timeout=10"])
     t.dist, t.step, t._watchdog_warned = DistInfo(), 5, False
@@ -178,15 +211,18 @@ def test_watchdog_warns_when_a_step_takes_most_of_the_timeout(caplog):
 
 # -- bad input: every numeric key's range, every CLI flag ---------------------------------------
 
+
 def _ranges():
     from tformer.config import MODEL_RANGES
     from tformer.train.config import RANGES
+
     return {**RANGES, **{f"model.{k}": v for k, v in MODEL_RANGES.items()}}
 
 
 def _numeric_fields(cls, prefix=""):
     import dataclasses
     from typing import get_type_hints
+
     hints = get_type_hints(cls)
     for f in fields(cls):
         hint = hints[f.name]
@@ -199,6 +235,7 @@ def _numeric_fields(cls, prefix=""):
 def test_every_numeric_key_has_a_documented_range():
     from tformer.config import ModelConfig
     from tformer.train.config import TrainConfig
+
     keys = set(_numeric_fields(TrainConfig)) | {f"model.{k}" for k in _numeric_fields(ModelConfig)}
     assert keys == set(_ranges()), keys ^ set(_ranges())
     readme = (ROOT / "README.md").read_text()
@@ -208,6 +245,7 @@ def test_every_numeric_key_has_a_documented_range():
 
 def _outside(spec: str, integer: bool) -> list:
     from tformer.config import parse_range
+
     lo, lo_in, hi, hi_in = parse_range(spec)
     step = 1 if integer else 0.5
     out = []
@@ -231,12 +269,14 @@ def _cases():
         for part in parts[:-1]:
             cls = get_type_hints(cls)[part]
         return "float" not in str(get_type_hints(cls)[parts[-1]])
+
     return [(key, v) for key, spec in _ranges().items() for v in _outside(spec, is_int(key))]
 
 
 @pytest.mark.parametrize("key,value", _cases())
 def test_out_of_range_value_is_one_error_line(key, value, tmp_path, capsys):
     from tformer.cli import main
+
     assert main(["train", str(CONFIGS / "gpt2-tiny.yaml"), f"output_dir={tmp_path / 'run'}", f"{key}={value}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
@@ -244,50 +284,76 @@ def test_out_of_range_value_is_one_error_line(key, value, tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["plan", "CFG", "--devices", "0"], "--devices: 0 is out of range"),
-    (["plan", "CFG", "--devices", "two"], "--devices: 'two' is not an integer"),
-    (["plan", "CFG", "--device-memory", "lots"], "--device-memory: 'lots' is not a size"),
-    (["plan", "CFG", "--device-memory", "0GB"], "--device-memory: '0GB' is not a size"),
-    (["plan", "CFG", "--bogus"], "unrecognized arguments: --bogus"),
-    (["generate", "RUN", "--max-new-tokens", "0"], "--max-new-tokens: 0 is out of range"),
-    (["generate", "RUN", "--temperature", "-1"], "--temperature: -1 is out of range"),
-    (["generate", "RUN", "--top-k", "0"], "--top-k: 0 is out of range"),
-    (["generate", "RUN", "--top-p", "1.5"], "--top-p: 1.5 is out of range"),
-    (["generate", "RUN", "--top-p", "nan"], "--top-p: nan is out of range"),
-    (["generate", "RUN", "--seed", "-1"], "--seed: -1 is out of range"),
-    (["export", "RUN", "OUT", "--max-shard-size", "huge"], "--max-shard-size: 'huge' is not a shard size"),
-    (["export", "RUN", "OUT", "--to", "onnx"], "argument --to: invalid choice"),
-    (["export"], "the following arguments are required"),
-    (["import"], "the following arguments are required"),
-    (["consolidate"], "the following arguments are required"),
-    (["plot"], "the following arguments are required"),
-    (["train"], "the following arguments are required: config"),
-    (["tokenizer", "train", "--kind", "bpe", "--vocab-size", "0", "--out", "OUT"], "--vocab-size: 0 is out of range"),
-    (["tokenizer", "train", "--kind", "bpe", "--vocab-size", "100", "--out", "OUT", "--min-frequency", "0"],
-     "--min-frequency: 0 is out of range"),
-    (["tokenizer", "train", "--kind", "bpe", "--vocab-size", "100", "--out", "OUT", "--max-rows", "0"],
-     "--max-rows: 0 is out of range"),
-    (["tokenizer", "train", "--kind", "sentencepiece", "--vocab-size", "100", "--out", "OUT"],
-     "argument --kind: invalid choice"),
-    (["tokenizer"], "the following arguments are required"),
-    (["train", "CFG", "output_dir=FILE"], "is a file; pass a directory path"),
-    (["train", "CFG", "output_dir=OUT", "resume=MISSING"], "missing does not exist; pass a run directory"),
-    (["train", "CFG", "output_dir=OUT", "parallel.backend=smoke"], "parallel.backend='smoke' is not allowed"),
-    (["train", "CFG", "output_dir=OUT", "parallel.backend=nccl", "device=cpu"], "parallel.backend=nccl is not available"),
-    (["train", "CFG", "output_dir=OUT", "device=cuda"] if not torch.cuda.is_available() else ["train", "CFG", "device=tpu"],
-     "device=cuda but no CUDA GPU" if not torch.cuda.is_available() else "device='tpu' is not allowed"),
-    (["train", "CFG", "output_dir=FILE/sub"], "is a file; pass a directory path"),
-    (["generate", "MISSING"], "does not exist"),
-    (["plot", "MISSING"], "MISSING"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["plan", "CFG", "--devices", "0"], "--devices: 0 is out of range"),
+        (["plan", "CFG", "--devices", "two"], "--devices: 'two' is not an integer"),
+        (["plan", "CFG", "--device-memory", "lots"], "--device-memory: 'lots' is not a size"),
+        (["plan", "CFG", "--device-memory", "0GB"], "--device-memory: '0GB' is not a size"),
+        (["plan", "CFG", "--bogus"], "unrecognized arguments: --bogus"),
+        (["generate", "RUN", "--max-new-tokens", "0"], "--max-new-tokens: 0 is out of range"),
+        (["generate", "RUN", "--temperature", "-1"], "--temperature: -1 is out of range"),
+        (["generate", "RUN", "--top-k", "0"], "--top-k: 0 is out of range"),
+        (["generate", "RUN", "--top-p", "1.5"], "--top-p: 1.5 is out of range"),
+        (["generate", "RUN", "--top-p", "nan"], "--top-p: nan is out of range"),
+        (["generate", "RUN", "--seed", "-1"], "--seed: -1 is out of range"),
+        (["export", "RUN", "OUT", "--max-shard-size", "huge"], "--max-shard-size: 'huge' is not a shard size"),
+        (["export", "RUN", "OUT", "--to", "onnx"], "argument --to: invalid choice"),
+        (["export"], "the following arguments are required"),
+        (["import"], "the following arguments are required"),
+        (["consolidate"], "the following arguments are required"),
+        (["plot"], "the following arguments are required"),
+        (["train"], "the following arguments are required: config"),
+        (["tokenizer", "train", "--kind", "bpe", "--vocab-size", "0", "--out", "OUT"], "--vocab-size: 0 is out of range"),
+        (
+            ["tokenizer", "train", "--kind", "bpe", "--vocab-size", "100", "--out", "OUT", "--min-frequency", "0"],
+            "--min-frequency: 0 is out of range",
+        ),
+        (
+            ["tokenizer", "train", "--kind", "bpe", "--vocab-size", "100", "--out", "OUT", "--max-rows", "0"],
+            "--max-rows: 0 is out of range",
+        ),
+        (
+            ["tokenizer", "train", "--kind", "sentencepiece", "--vocab-size", "100", "--out", "OUT"],
+            "argument --kind: invalid choice",
+        ),
+        (["tokenizer"], "the following arguments are required"),
+        (["train", "CFG", "output_dir=FILE"], "is a file; pass a directory path"),
+        (["train", "CFG", "output_dir=OUT", "resume=MISSING"], "missing does not exist; pass a run directory"),
+        (["train", "CFG", "output_dir=OUT", "parallel.backend=smoke"], "parallel.backend='smoke' is not allowed"),
+        (
+            ["train", "CFG", "output_dir=OUT", "parallel.backend=nccl", "device=cpu"],
+            "parallel.backend=nccl is not available",
+        ),
+        (
+            ["train", "CFG", "output_dir=OUT", "device=cuda"]
+            if not torch.cuda.is_available()
+            else ["train", "CFG", "device=tpu"],
+            "device=cuda but no CUDA GPU" if not torch.cuda.is_available() else "device='tpu' is not allowed",
+        ),
+        (["train", "CFG", "output_dir=FILE/sub"], "is a file; pass a directory path"),
+        (["generate", "MISSING"], "does not exist"),
+        (["plot", "MISSING"], "MISSING"),
+    ],
+)
 def test_bad_cli_flags_are_one_error_line(argv, match, tmp_path, capsys):
     from tformer.cli import main
+
     (tmp_path / "file").write_text("x")
-    subst = {"CFG": str(CONFIGS / "gpt2-tiny.yaml"), "RUN": str(tmp_path / "run"), "OUT": str(tmp_path / "out"),
-             "MISSING": str(tmp_path / "missing")}
-    argv = [subst.get(a, a).replace("FILE", str(tmp_path / "file")).replace("MISSING", subst["MISSING"])
-            .replace("OUT", subst["OUT"]) for a in argv]
+    subst = {
+        "CFG": str(CONFIGS / "gpt2-tiny.yaml"),
+        "RUN": str(tmp_path / "run"),
+        "OUT": str(tmp_path / "out"),
+        "MISSING": str(tmp_path / "missing"),
+    }
+    argv = [
+        subst.get(a, a)
+        .replace("FILE", str(tmp_path / "file"))
+        .replace("MISSING", subst["MISSING"])
+        .replace("OUT", subst["OUT"])
+        for a in argv
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and match.replace("MISSING", "missing") in err[0], err
@@ -295,6 +361,7 @@ def test_bad_cli_flags_are_one_error_line(argv, match, tmp_path, capsys):
 
 def test_a_micro_batch_larger_than_the_data_is_one_error_line(cache, tmp_path, capsys):
     from tformer.cli import main
+
     args = small_overrides("gpt2-tiny", tmp_path / "run", "micro_batch_size=100000")
     assert main(["train", str(CONFIGS / "gpt2-tiny.yaml"), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -304,9 +371,14 @@ def test_a_micro_batch_larger_than_the_data_is_one_error_line(cache, tmp_path, c
 def test_console_shows_tformer_lines_only(cache, tmp_path):
     """No library chatter on the console: DCP's single-process UserWarning, datasets' progress
     bars and DeepSpeed's accelerator notice are kept at DEBUG."""
-    proc = run_cli(["train", str(CONFIGS / "gpt2-tiny.yaml"),
-                    *small_overrides("gpt2-tiny", tmp_path / "run", "max_steps=2", "eval_every=0",
-                                     "data.tokenizer_vocab_size=2000")], cache)  # a fresh tokenizer + cache
+    proc = run_cli(
+        [
+            "train",
+            str(CONFIGS / "gpt2-tiny.yaml"),
+            *small_overrides("gpt2-tiny", tmp_path / "run", "max_steps=2", "eval_every=0", "data.tokenizer_vocab_size=2000"),
+        ],
+        cache,
+    )  # a fresh tokenizer + cache
     assert proc.returncode == 0, proc.stderr[-2000:]
     for line in proc.stderr.splitlines():
         assert line.startswith(("INFO tformer", "WARNING tformer")), line

@@ -1,5 +1,6 @@
 """The trainer: learning on the bundled corpus, exact resume, DDP parity, signals, atomic
 checkpoints, W&B offline, and one-line errors for bad input."""
+
 import json
 import math
 import os
@@ -33,8 +34,7 @@ def trainer(recipe, out, *extra, callbacks=()):
 
 @pytest.mark.parametrize("recipe", ["gpt2-tiny", "llama-tiny", "bert-tiny", "t5-tiny"])
 def test_tiny_recipe_lowers_validation_loss_and_writes_the_run_contract(recipe, cache, tmp_path):
-    t = trainer(recipe, tmp_path, "max_steps=40", "eval_every=0", "save_every=0", "optim.warmup_steps=5",
-                "log_every=10")
+    t = trainer(recipe, tmp_path, "max_steps=40", "eval_every=0", "save_every=0", "optim.warmup_steps=5", "log_every=10")
     before = t.evaluate()["val_loss"]
     last = t.fit()
     assert last["val_loss"] < before - 0.5, (before, last["val_loss"])
@@ -48,6 +48,7 @@ def test_tiny_recipe_lowers_validation_loss_and_writes_the_run_contract(recipe, 
     verify(ckpt)
     # load_checkpoint gives the trained model, ready for inference
     import tformer
+
     model = tformer.load_checkpoint(tmp_path)
     assert not model.training
     for (name, p), q in zip(t.model.state_dict().items(), model.state_dict().values()):
@@ -57,8 +58,12 @@ def test_tiny_recipe_lowers_validation_loss_and_writes_the_run_contract(recipe, 
 
 
 def _run(cache, out, *extra, kill_after=None, kill_in_save=None, recipe="gpt2-tiny"):
-    args = [sys.executable, str(ROOT / "tests" / "kill_during_training.py"), str(CONFIGS / f"{recipe}.yaml"),
-            *small_overrides(recipe, out, *extra)]
+    args = [
+        sys.executable,
+        str(ROOT / "tests" / "kill_during_training.py"),
+        str(CONFIGS / f"{recipe}.yaml"),
+        *small_overrides(recipe, out, *extra),
+    ]
     if kill_after is not None:
         args += ["--kill-after", str(kill_after)]
     if kill_in_save is not None:
@@ -68,8 +73,16 @@ def _run(cache, out, *extra, kill_after=None, kill_in_save=None, recipe="gpt2-ti
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_resume_after_kill_is_bitwise_identical(cache, tmp_path, accum):
-    common = ["max_steps=8", "save_every=4", "eval_every=0", "precision=fp32", "model.dropout=0.1",
-              f"grad_accum={accum}", "micro_batch_size=4", "optim.warmup_steps=2"]
+    common = [
+        "max_steps=8",
+        "save_every=4",
+        "eval_every=0",
+        "precision=fp32",
+        "model.dropout=0.1",
+        f"grad_accum={accum}",
+        "micro_batch_size=4",
+        "optim.warmup_steps=2",
+    ]
     straight = _run(cache, tmp_path / "straight", *common)
     assert straight.returncode == 0, straight.stderr[-2000:]
     killed = _run(cache, tmp_path / "resumed", *common, kill_after=6)
@@ -92,9 +105,18 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(cache, t
     common = ["max_steps=6", "eval_every=0", "save_every=0", "precision=fp32", "micro_batch_size=4"]
     one = _run(cache, tmp_path / "one", *common, "grad_accum=2")
     assert one.returncode == 0, one.stderr[-2000:]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "tformer", "train", str(CONFIGS / "gpt2-tiny.yaml"),
-           *small_overrides("gpt2-tiny", tmp_path / "two", *common, "grad_accum=1")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "tformer",
+        "train",
+        str(CONFIGS / "gpt2-tiny.yaml"),
+        *small_overrides("gpt2-tiny", tmp_path / "two", *common, "grad_accum=1"),
+    ]
     two = subprocess.run(cmd, env=env(cache), capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 rank(s)" in two.stdout
@@ -112,8 +134,14 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(cache, t
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_zero(cache, tmp_path):
-    args = [sys.executable, "-m", "tformer", "train", str(CONFIGS / "gpt2-tiny.yaml"),
-            *small_overrides("gpt2-tiny", tmp_path, "max_steps=100000", "save_every=0", "eval_every=0")]
+    args = [
+        sys.executable,
+        "-m",
+        "tformer",
+        "train",
+        str(CONFIGS / "gpt2-tiny.yaml"),
+        *small_overrides("gpt2-tiny", tmp_path, "max_steps=100000", "save_every=0", "eval_every=0"),
+    ]
     proc = subprocess.Popen(args, env=env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -140,7 +168,10 @@ def test_checkpoint_killed_mid_save_is_never_chosen(cache, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stderr and "step_00000003" in resumed.stderr
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == [
-        "step_00000003", "step_00000006", "step_00000009"]
+        "step_00000003",
+        "step_00000006",
+        "step_00000009",
+    ]
 
 
 def test_keep_last_n_checkpoints(cache, tmp_path):
@@ -157,6 +188,7 @@ def test_nonfinite_loss_is_skipped_or_stops_the_run(cache, tmp_path):
             if t.step + 1 == at:
                 out.loss = out.loss * float("nan")
             return out
+
         t.model.forward = patched
 
     t = trainer("gpt2-tiny", tmp_path / "skip", "max_steps=4", "eval_every=0", "save_every=0")
@@ -167,20 +199,17 @@ def test_nonfinite_loss_is_skipped_or_stops_the_run(cache, tmp_path):
     assert math.isnan(rows[1]["loss"]) and all(math.isfinite(r["loss"]) for r in rows[2:])
     assert any(not torch.equal(before[k], v) for k, v in t.model.state_dict().items())
 
-    t = trainer("gpt2-tiny", tmp_path / "stop", "max_steps=4", "eval_every=0", "save_every=1",
-                "on_nonfinite=stop")
+    t = trainer("gpt2-tiny", tmp_path / "stop", "max_steps=4", "eval_every=0", "save_every=1", "on_nonfinite=stop")
     poison(t, 3)
     with pytest.raises(NonFiniteLoss, match=r"non-finite loss=nan at step 3; stopping .*step_00000002"):
         t.fit()
 
 
 def test_max_tokens_and_max_time_stop_the_run(cache, tmp_path):
-    t = trainer("gpt2-tiny", tmp_path / "tok", "max_steps=1000", "eval_every=0", "save_every=0",
-                "max_tokens=1500")
+    t = trainer("gpt2-tiny", tmp_path / "tok", "max_steps=1000", "eval_every=0", "save_every=0", "max_tokens=1500")
     t.fit()
     assert t.step == 3 and t._stop_reason == "max_tokens"  # 512 tokens per step
-    t = trainer("gpt2-tiny", tmp_path / "time", "max_steps=100000", "eval_every=0", "save_every=0",
-                "max_time=2")
+    t = trainer("gpt2-tiny", tmp_path / "time", "max_steps=100000", "eval_every=0", "save_every=0", "max_time=2")
     t0 = time.time()
     t.fit()
     assert t._stop_reason == "max_time" and time.time() - t0 < 30
@@ -192,12 +221,14 @@ def test_wandb_offline_run_holds_metrics_and_config(cache, tmp_path, monkeypatch
     monkeypatch.setenv("WANDB_SILENT", "true")
     for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
         monkeypatch.delenv(var, raising=False)
-    t = trainer("gpt2-tiny", tmp_path, "max_steps=3", "eval_every=0", "save_every=0", "wandb.enabled=true",
-                "wandb.mode=offline")
+    t = trainer(
+        "gpt2-tiny", tmp_path, "max_steps=3", "eval_every=0", "save_every=0", "wandb.enabled=true", "wandb.mode=offline"
+    )
     t.fit()
     run_dirs = list((tmp_path / "wandb").glob("**/offline-run-*"))
     assert len(run_dirs) == 1
     from wandb_reader import read_offline_run
+
     history, config = read_offline_run(run_dirs[0])
     assert [h["loss"] for h in history] == pytest.approx([r["loss"] for r in metrics(tmp_path)])
     assert config["max_steps"] == 3 and config["model"]["d_model"] == 64
@@ -208,6 +239,7 @@ def test_wandb_offline_run_holds_metrics_and_config(cache, tmp_path, monkeypatch
 def test_plot_writes_a_png(cache, tmp_path):
     trainer("gpt2-tiny", tmp_path, "max_steps=4", "eval_every=2", "save_every=0").fit()
     from tformer.cli import main
+
     assert main(["plot", str(tmp_path)]) == 0
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -220,33 +252,55 @@ def test_every_shipped_recipe_validates():
 
 # -- bad input: one line, non-zero exit, good checkpoints untouched ----------------------------
 
+
 def _error_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) >= 1 and err[-1].startswith("error: ")
     return err[-1]
 
 
-@pytest.mark.parametrize("content,overrides,match", [
-    ("model: {preset: gpt2-tiny\n", [], "line 2"),
-    ("model: {preset: gpt2-tiny}\nmax_steps: ten\n", [], "max_steps='ten' has the wrong type"),
-    ("model: {preset: gpt2-tiny}\nmax_step: 10\n", [], "unknown config key max_step; did you mean max_steps"),
-    ("model: {preset: gpt2-tiny}\n", ["optim.lrr=1"], "unknown config key optim.lrr; did you mean optim.lr"),
-    ("model: {preset: gpt2-tiny}\ndata: {source: /no/such/corpus.txt}\n", [], "/no/such/corpus.txt"),
-    ("model: {preset: gpt2-tiny}\nprecision: fp16\ndevice: cpu\n", [], "precision=fp16 needs a CUDA GPU"),
-    ("model: {preset: gpt2-tiny}\n", ["device=gpu"], "device='gpu' is not allowed; use one of: auto, cpu, cuda"),
-    ("model: {preset: gpt2-tiny}\n", ["loss.chunk_size=0"], "loss.chunk_size=0 must be >= 1"),
-    ("model: {preset: gpt2-tiny}\n", ["loss.chunk_size=-5"], "loss.chunk_size=-5 must be >= 1"),
-    ("model: {preset: gpt2-tiny}\n", ["parallel.activation_checkpointing=op", "parallel.strategy=deepspeed",
-                                      f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / 'zero3.json'}"],
-     "parallel.activation_checkpointing=op does not compose with DeepSpeed ZeRO-3"),
-    ("model: {preset: gpt2-tiny}\n", ["optim.schedule=inverse_sqrt"],
-     "optim.schedule=inverse_sqrt needs optim.warmup_steps >= 1"),
-    ("model: {preset: gpt2-tiny}\n", ["optim.label_smoothing=1.2"], "optim.label_smoothing=1.2 must be in [0, 1)"),
-    ("model: {preset: gpt2-tiny}\n", ["parallel.pp_layers=3"], "parallel.pp_layers=3 has the wrong type; expected a list"),
-    ("model: {preset: gpt2-tiny}\n", ["parallel.backend=smoke"], "use one of: gloo, nccl, mpi, ucc (or null: nccl on CUDA"),
-])
+@pytest.mark.parametrize(
+    "content,overrides,match",
+    [
+        ("model: {preset: gpt2-tiny\n", [], "line 2"),
+        ("model: {preset: gpt2-tiny}\nmax_steps: ten\n", [], "max_steps='ten' has the wrong type"),
+        ("model: {preset: gpt2-tiny}\nmax_step: 10\n", [], "unknown config key max_step; did you mean max_steps"),
+        ("model: {preset: gpt2-tiny}\n", ["optim.lrr=1"], "unknown config key optim.lrr; did you mean optim.lr"),
+        ("model: {preset: gpt2-tiny}\ndata: {source: /no/such/corpus.txt}\n", [], "/no/such/corpus.txt"),
+        ("model: {preset: gpt2-tiny}\nprecision: fp16\ndevice: cpu\n", [], "precision=fp16 needs a CUDA GPU"),
+        ("model: {preset: gpt2-tiny}\n", ["device=gpu"], "device='gpu' is not allowed; use one of: auto, cpu, cuda"),
+        ("model: {preset: gpt2-tiny}\n", ["loss.chunk_size=0"], "loss.chunk_size=0 must be >= 1"),
+        ("model: {preset: gpt2-tiny}\n", ["loss.chunk_size=-5"], "loss.chunk_size=-5 must be >= 1"),
+        (
+            "model: {preset: gpt2-tiny}\n",
+            [
+                "parallel.activation_checkpointing=op",
+                "parallel.strategy=deepspeed",
+                f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / 'zero3.json'}",
+            ],
+            "parallel.activation_checkpointing=op does not compose with DeepSpeed ZeRO-3",
+        ),
+        (
+            "model: {preset: gpt2-tiny}\n",
+            ["optim.schedule=inverse_sqrt"],
+            "optim.schedule=inverse_sqrt needs optim.warmup_steps >= 1",
+        ),
+        ("model: {preset: gpt2-tiny}\n", ["optim.label_smoothing=1.2"], "optim.label_smoothing=1.2 must be in [0, 1)"),
+        (
+            "model: {preset: gpt2-tiny}\n",
+            ["parallel.pp_layers=3"],
+            "parallel.pp_layers=3 has the wrong type; expected a list",
+        ),
+        (
+            "model: {preset: gpt2-tiny}\n",
+            ["parallel.backend=smoke"],
+            "use one of: gloo, nccl, mpi, ucc (or null: nccl on CUDA",
+        ),
+    ],
+)
 def test_bad_config_gives_one_clear_error_line(cache, tmp_path, capsys, content, overrides, match):
     from tformer.cli import main
+
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(content)
     assert main(["train", str(cfg), f"output_dir={tmp_path / 'run'}", *overrides]) == 2
@@ -258,22 +312,25 @@ def test_inverse_sqrt_schedule_is_the_papers():
     (d_model * warmup)**-0.5 it is the paper's d_model**-0.5 * min(t**-0.5, t * warmup**-1.5)."""
     from tformer.train.config import OptimConfig
     from tformer.train.optim import lr_factor
+
     cfg = OptimConfig(schedule="inverse_sqrt", warmup_steps=4000, lr=(512 * 4000) ** -0.5)
     for t, want in [(1, 1 / 4000), (2000, 0.5), (4000, 1.0), (16000, 0.5), (64000, 0.25)]:
         assert lr_factor(t - 1, 100_000, cfg) == pytest.approx(want, rel=1e-12)
     for t in (1, 100, 4000, 4001, 25000):
-        paper = 512 ** -0.5 * min(t ** -0.5, t * 4000 ** -1.5)
+        paper = 512**-0.5 * min(t**-0.5, t * 4000**-1.5)
         assert cfg.lr * lr_factor(t - 1, 100_000, cfg) == pytest.approx(paper, rel=1e-12)
 
 
 def test_missing_config_file(capsys, tmp_path):
     from tformer.cli import main
+
     assert main(["train", str(tmp_path / "nope.yaml")]) == 2
     assert "nope.yaml does not exist" in _error_line(capsys)
 
 
 def test_bad_checkpoints_are_refused_and_good_ones_survive(cache, tmp_path, capsys):
     from tformer.cli import main
+
     trainer("gpt2-tiny", tmp_path, "max_steps=2", "save_every=1", "eval_every=0").fit()
     recipe = str(CONFIGS / "gpt2-tiny.yaml")
     args = small_overrides("gpt2-tiny", tmp_path, "max_steps=4", "eval_every=0")
@@ -317,8 +374,10 @@ def test_cli_exit_code_in_a_real_process(cache, tmp_path):
 @pytest.mark.parametrize("native", [False, True])
 def test_bf16_on_a_cpu_without_bf16_matmuls_warns(monkeypatch, caplog, native):
     import tformer.train.trainer as tr
+
     monkeypatch.setattr(tr, "cpu_has_native_bf16", lambda: native)
     from tformer.train.dist import DistInfo
+
     trainer = tr.Trainer.__new__(tr.Trainer)  # only the start-up warning, no run
     trainer.dist, trainer.device, trainer.precision = DistInfo(), torch.device("cpu"), "bf16"
     with caplog.at_level("WARNING", logger="tformer.train"):
@@ -333,6 +392,7 @@ def test_strategy_step_contract_applies_skips_and_clears():
     from tformer.parallel.dist import DistInfo
     from tformer.parallel.strategy import StepResult, Strategy
     from tformer.train.config import TrainConfig
+
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     strategy = Strategy(model, TrainConfig(), DistInfo(), torch.float32)

@@ -1,5 +1,6 @@
 """Translation with the paper's recipe: token-budget batches, BLEU (sacrebleu), the tiny recipe
 end to end through the trainer, `tformer evaluate --bleu`, and its bad input."""
+
 import itertools
 import json
 
@@ -18,6 +19,7 @@ from train_helpers import CONFIGS, small_overrides
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     import os
+
     path = tmp_path_factory.mktemp("tformer-cache")
     os.environ["TFORMER_CACHE"] = str(path)
     return path
@@ -33,6 +35,7 @@ def take(sampler, n):
 
 
 # -- token-budget batches ------------------------------------------------------------------------
+
 
 def test_token_batches_respect_the_budget_and_hold_every_pair_once_per_epoch():
     src, tgt = lengths()
@@ -63,7 +66,7 @@ def test_token_batches_resume_exactly_at_one_and_two_ranks(world):
         s.load_state_dict(state)
     rest = [take(s, (n - 10 * world) // world) for s in resumed]
     interleaved = [b for step in zip(*[f + r for f, r in zip(first, rest)]) for b in step]
-    assert interleaved == whole[:len(interleaved)] and len(interleaved) >= n - world
+    assert interleaved == whole[: len(interleaved)] and len(interleaved) >= n - world
 
 
 def test_token_budget_smaller_than_the_longest_pair_is_refused():
@@ -73,10 +76,10 @@ def test_token_budget_smaller_than_the_longest_pair_is_refused():
 
 # -- BLEU -----------------------------------------------------------------------------------------
 
+
 def test_bleu_and_chrf_are_sacrebleus():
     hyps = ["En el principio creó Dios los cielos y la tierra.", "Y dijo Dios: Sea la luz.", "Jesús lloró."]
-    refs = ["EN el principio crió Dios los cielos y la tierra.", "Y dijo Dios: Sea la luz: y fué la luz.",
-            "Y lloró Jesús."]
+    refs = ["EN el principio crió Dios los cielos y la tierra.", "Y dijo Dios: Sea la luz: y fué la luz.", "Y lloró Jesús."]
     bleu, chrf, sig, csig = corpus_scores(hyps, refs)
     assert bleu == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=1e-9)
     assert chrf == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs]).score, abs=1e-9)
@@ -86,9 +89,11 @@ def test_bleu_and_chrf_are_sacrebleus():
 
 # -- the recipe, end to end -----------------------------------------------------------------------
 
+
 def recipe(out, *extra):
-    return load_config(CONFIGS / "transformer-tiny-translate.yaml",
-                       small_overrides("transformer-tiny-translate", out, *extra))
+    return load_config(
+        CONFIGS / "transformer-tiny-translate.yaml", small_overrides("transformer-tiny-translate", out, *extra)
+    )
 
 
 def test_tiny_recipe_trains_logs_bleu_and_resumes_exactly(cache, tmp_path, capsys):
@@ -105,9 +110,11 @@ def test_tiny_recipe_trains_logs_bleu_and_resumes_exactly(cache, tmp_path, capsy
     def losses(run):
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         return {r["step"]: r["loss"] for r in rows}
+
     assert losses(tmp_path / "a") == losses(tmp_path / "b")  # token-budget batches resume exactly
 
     from tformer.cli import main
+
     assert main(["evaluate", str(tmp_path / "a"), "--bleu", "--samples", "4", "--show", "1"]) == 0
     out = capsys.readouterr().out
     assert "source:" in out and "translation:" in out and "reference:" in out and "BLEU" in out
@@ -123,6 +130,7 @@ def _err(capsys):
 
 def test_bleu_of_a_non_translation_run_is_one_line(cache, tmp_path, capsys):
     from tformer.cli import main
+
     run = tmp_path / "gpt"
     run.mkdir()
     (run / "config.yaml").write_text(dump_yaml(load_config(CONFIGS / "gpt2-tiny.yaml")))
@@ -130,13 +138,17 @@ def test_bleu_of_a_non_translation_run_is_one_line(cache, tmp_path, capsys):
     assert _err(capsys).startswith("error: --bleu needs a translation run (data.objective=seq2seq)")
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (["data.tokens_per_batch=32"], "data.tokens_per_batch=32 is smaller than the longest allowed pair"),
-    (["data.objective=span", "eval_bleu=true", "data.tokens_per_batch=null"], "eval_bleu=true needs translation pairs"),
-    (["decode.num_beams=0"], "decode.num_beams=0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["data.tokens_per_batch=32"], "data.tokens_per_batch=32 is smaller than the longest allowed pair"),
+        (["data.objective=span", "eval_bleu=true", "data.tokens_per_batch=null"], "eval_bleu=true needs translation pairs"),
+        (["decode.num_beams=0"], "decode.num_beams=0 must be >= 1"),
+    ],
+)
 def test_bad_translation_config_is_one_line(cache, tmp_path, capsys, overrides, match):
     from tformer.cli import main
+
     args = small_overrides("transformer-tiny-translate", tmp_path / "run") + overrides
     assert main(["train", str(CONFIGS / "transformer-tiny-translate.yaml"), *args]) == 2
     assert match in _err(capsys)

@@ -1,4 +1,5 @@
 """tformer: one set of transformer blocks, three model families, one trainer."""
+
 from .config import ConfigError, ModelConfig
 from .models import PRESETS, build_config, build_model, preset
 

@@ -1,5 +1,6 @@
 """Command-line argument helpers: every bad flag is one ``error:`` line, never argparse's usage
 block or a traceback."""
+
 from __future__ import annotations
 
 import argparse
@@ -35,6 +36,7 @@ def number(kind, spec: str):
         if (isinstance(value, float) and math.isnan(value)) or not in_range(value, spec):
             raise argparse.ArgumentTypeError(f"{text} is out of range; use a value in {spec}")
         return value
+
     parse.__name__ = kind.__name__
     return parse
 
@@ -42,6 +44,7 @@ def number(kind, spec: str):
 def byte_size(text: str) -> str:
     """A size such as 80GB or 24GiB."""
     from .config import ConfigError
+
     try:
         if parse_bytes(text) <= 0:
             raise ConfigError("not positive")
@@ -64,6 +67,7 @@ def parse_bytes(text: str) -> float:
 def shard_size(text: str) -> str:
     """A safetensors shard size as HF's writer reads it (5GB, 500MB: decimal units)."""
     from huggingface_hub.serialization._base import parse_size_to_int
+
     try:
         if parse_size_to_int(text) <= 0:
             raise ValueError

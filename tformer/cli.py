@@ -1,5 +1,6 @@
 """``tformer train | tokenizer | generate | evaluate | plot | export | import``: bad input ends in one
 ``error:`` line, exit 2."""
+
 from __future__ import annotations
 
 import sys
@@ -8,8 +9,10 @@ from .args import Parser as _Parser
 from .args import UsageError, byte_size as _byte_size, number as _number, shard_size as _shard_size
 
 
-TRUST_HELP = ("load the checkpoint's pickles without the allow-list. DANGEROUS: a pickle can run any "
-              "code; only for checkpoints whose origin you trust")
+TRUST_HELP = (
+    "load the checkpoint's pickles without the allow-list. DANGEROUS: a pickle can run any "
+    "code; only for checkpoints whose origin you trust"
+)
 
 
 def _train(argv: list[str]) -> int:
@@ -29,15 +32,19 @@ def _train(argv: list[str]) -> int:
 
 
 def _data(argv: list[str]) -> int:
-    p = _Parser(prog="tformer data", description="Data preparation: `tformer data prepare CONFIG` tokenizes "
-                "every source of a recipe into the token cache ($TFORMER_CACHE or data.cache_dir) ahead of "
-                "time; a training run with the same recipe and cache then starts without tokenizing.")
+    p = _Parser(
+        prog="tformer data",
+        description="Data preparation: `tformer data prepare CONFIG` tokenizes "
+        "every source of a recipe into the token cache ($TFORMER_CACHE or data.cache_dir) ahead of "
+        "time; a training run with the same recipe and cache then starts without tokenizing.",
+    )
     p.add_argument("action", choices=["prepare"], help="prepare: tokenize every source into the cache")
     p.add_argument("config", help="YAML recipe, e.g. configs/gpt2-tiny.yaml")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.seq_len=512")
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
-    p.add_argument("--shard-rows", type=int, default=20000, help="rows per shard, the unit of work and of "
-                   "resumption (default 20000)")
+    p.add_argument(
+        "--shard-rows", type=int, default=20000, help="rows per shard, the unit of work and of resumption (default 20000)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_intermixed_args(argv)
     for flag, value in (("--workers", args.workers), ("--shard-rows", args.shard_rows)):
@@ -49,15 +56,21 @@ def _data(argv: list[str]) -> int:
     cfg = load_config(args.config, args.overrides)
     report = prepare_data(cfg, workers=args.workers, shard_rows=args.shard_rows, progress=not args.no_progress)
     for r in report:
-        print(f"{r['name']:<16} {r['split']:<10} {r['tokens']:>14,} tokens {r['documents']:>12,} documents "
-              f"{r['bytes']:>14,} bytes", flush=True)
+        print(
+            f"{r['name']:<16} {r['split']:<10} {r['tokens']:>14,} tokens {r['documents']:>12,} documents "
+            f"{r['bytes']:>14,} bytes",
+            flush=True,
+        )
     return 0
 
 
 def _generate(argv: list[str]) -> int:
     from .config import LENGTH_NORMS
-    p = _Parser(prog="tformer generate", description="Generate text from a checkpoint: a "
-                "continuation (decoder) or a translation (encoder-decoder).")
+
+    p = _Parser(
+        prog="tformer generate",
+        description="Generate text from a checkpoint: a continuation (decoder) or a translation (encoder-decoder).",
+    )
     p.add_argument("checkpoint", help="a run directory or one of its checkpoints")
     p.add_argument("prompt", nargs="?", default="", help="the prompt (decoder) or the source text (encoder-decoder)")
     p.add_argument("--max-new-tokens", type=_number(int, "[1, inf)"), default=64)
@@ -65,12 +78,23 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--top-k", type=_number(int, "[1, inf)"), default=None)
     p.add_argument("--top-p", type=_number(float, "(0, 1]"), default=None)
     p.add_argument("--num-beams", type=int, default=1, help="beam search with this many beams (1 = greedy)")
-    p.add_argument("--length-penalty", type=_number(float, "[0, inf)"), default=None,
-                   help="beam search: alpha of the length normalisation (the paper: 0.6)")
-    p.add_argument("--length-norm", choices=LENGTH_NORMS, default="gnmt",
-                   help="gnmt: ((5 + len) / 6) ** alpha (the paper's); power: len ** alpha (HF's)")
-    p.add_argument("--translation-only", action="store_true",
-                   help="encoder-decoder: print only the generated text, not the labelled source line")
+    p.add_argument(
+        "--length-penalty",
+        type=_number(float, "[0, inf)"),
+        default=None,
+        help="beam search: alpha of the length normalisation (the paper: 0.6)",
+    )
+    p.add_argument(
+        "--length-norm",
+        choices=LENGTH_NORMS,
+        default="gnmt",
+        help="gnmt: ((5 + len) / 6) ** alpha (the paper's); power: len ** alpha (HF's)",
+    )
+    p.add_argument(
+        "--translation-only",
+        action="store_true",
+        help="encoder-decoder: print only the generated text, not the labelled source line",
+    )
     p.add_argument("--seed", type=_number(int, "[0, inf)"), default=0)
     p.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     args = p.parse_args(argv)
@@ -86,12 +110,15 @@ def _generate(argv: list[str]) -> int:
     if args.num_beams < 1:
         raise ConfigError(f"--num-beams={args.num_beams} must be >= 1 (1 = greedy)")
     if args.length_penalty is not None and args.num_beams == 1:
-        print(f"warning: --length-penalty {args.length_penalty} has no effect without beam search "
-              "(--num-beams > 1); ignored", file=sys.stderr)
+        print(
+            f"warning: --length-penalty {args.length_penalty} has no effect without beam search (--num-beams > 1); ignored",
+            file=sys.stderr,
+        )
         args.length_penalty = None
     if args.num_beams > 1 and args.temperature > 0:
-        raise ConfigError("--temperature samples, beam search is deterministic: use one of "
-                          "--num-beams > 1 or --temperature > 0")
+        raise ConfigError(
+            "--temperature samples, beam search is deterministic: use one of --num-beams > 1 or --temperature > 0"
+        )
     model = load_checkpoint(args.checkpoint, trust=args.trust_checkpoint)
     run = Path(args.checkpoint)
     tok_path = next((d / "tokenizer.json" for d in (run, *run.parents) if (d / "tokenizer.json").is_file()), None)
@@ -104,11 +131,20 @@ def _generate(argv: list[str]) -> int:
         ids = [cfg.bos_token_id or 0] + ids
     elif cfg.eos_token_id is not None:
         ids = ids + [cfg.eos_token_id]  # sources end in EOS, as in training (Seq2SeqPairs)
-    out = generate(model, torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed),
-                   num_beams=args.num_beams, length_penalty=args.length_penalty, length_norm=args.length_norm)
+    out = generate(
+        model,
+        torch.tensor([ids]),
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        generator=torch.Generator().manual_seed(args.seed),
+        num_beams=args.num_beams,
+        length_penalty=args.length_penalty,
+        length_norm=args.length_norm,
+    )
     if cfg.family == "decoder":
-        print(args.prompt + tok.decode(out[0, len(ids):].tolist()))
+        print(args.prompt + tok.decode(out[0, len(ids) :].tolist()))
         return 0
     text = tok.decode(out[0, 1:].tolist(), skip_special_tokens=True)
     if args.translation_only:
@@ -119,18 +155,21 @@ def _generate(argv: list[str]) -> int:
 
 
 def _evaluate(argv: list[str]) -> int:
-    p = _Parser(prog="tformer evaluate",
-                description="Score a run on its validation split: loss and perplexity, and with --bleu "
-                            "(seq2seq runs) BLEU and chrF of its translations.")
+    p = _Parser(
+        prog="tformer evaluate",
+        description="Score a run on its validation split: loss and perplexity, and with --bleu "
+        "(seq2seq runs) BLEU and chrF of its translations.",
+    )
     p.add_argument("run_dir", help="a run directory (its newest checkpoint is used)")
     p.add_argument("--bleu", action="store_true", help="decode the validation pairs and score them with sacrebleu")
-    p.add_argument("--samples", type=_number(int, "[1, inf)"), default=None,
-                   help="only the first N validation pairs (default: all)")
+    p.add_argument(
+        "--samples", type=_number(int, "[1, inf)"), default=None, help="only the first N validation pairs (default: all)"
+    )
     p.add_argument("--num-beams", type=_number(int, "[1, inf)"), default=None, help="override the run's decode.num_beams")
-    p.add_argument("--length-penalty", type=_number(float, "[0, inf)"), default=None,
-                   help="override decode.length_penalty")
-    p.add_argument("--show", type=_number(int, "[0, inf)"), default=3,
-                   help="print this many source / hypothesis / reference triples")
+    p.add_argument("--length-penalty", type=_number(float, "[0, inf)"), default=None, help="override decode.length_penalty")
+    p.add_argument(
+        "--show", type=_number(int, "[0, inf)"), default=3, help="print this many source / hypothesis / reference triples"
+    )
     args = p.parse_args(argv)
     import json
     import math
@@ -155,8 +194,10 @@ def _evaluate(argv: list[str]) -> int:
     if args.samples is not None and args.samples < 1:
         raise ConfigError(f"--samples={args.samples} must be >= 1")
     if args.bleu and cfg.data.objective != "seq2seq":
-        raise ConfigError(f"--bleu needs a translation run (data.objective=seq2seq); {run} was trained with "
-                          f"data.objective={cfg.data.objective!r}")
+        raise ConfigError(
+            f"--bleu needs a translation run (data.objective=seq2seq); {run} was trained with "
+            f"data.objective={cfg.data.objective!r}"
+        )
     model = load_checkpoint(run)
     data = build_data(cfg)
     val = data.validation
@@ -169,13 +210,22 @@ def _evaluate(argv: list[str]) -> int:
             out = model(**{k: batch[k] for k in keys if k in batch})
             c = int((batch["labels"] != -100).sum())
             total, count = total + out.loss.item() * c, count + c
-    result = {"val_loss": total / max(count, 1), "val_ppl": math.exp(min(total / max(count, 1), 50.0)),
-              "samples": n}
+    result = {"val_loss": total / max(count, 1), "val_ppl": math.exp(min(total / max(count, 1), 50.0)), "samples": n}
     if args.bleu:
         from .evaluate import bleu
+
         d = cfg.decode
-        scored = bleu(model, val, data.tokenizer, range(n), batch_size=d.batch_size, num_beams=d.num_beams,
-                      length_penalty=d.length_penalty, length_norm=d.length_norm, max_new_tokens=d.max_new_tokens)
+        scored = bleu(
+            model,
+            val,
+            data.tokenizer,
+            range(n),
+            batch_size=d.batch_size,
+            num_beams=d.num_beams,
+            length_penalty=d.length_penalty,
+            length_norm=d.length_norm,
+            max_new_tokens=d.max_new_tokens,
+        )
         result.update(scored.record(), num_beams=d.num_beams, length_penalty=d.length_penalty)
         for k in range(min(args.show, n)):
             src = data.tokenizer.decode([t for t in val.sample(k)["input_ids"].tolist()], skip_special_tokens=True)
@@ -200,28 +250,31 @@ def _plot(argv: list[str]) -> int:
 
 
 def _export(argv: list[str]) -> int:
-    p = _Parser(prog="tformer export", description="Export a checkpoint to HF "
-                                "transformers (BERT, GPT-2, Llama, T5).")
+    p = _Parser(prog="tformer export", description="Export a checkpoint to HF transformers (BERT, GPT-2, Llama, T5).")
     p.add_argument("checkpoint", help="a run directory (its newest checkpoint) or one of its checkpoints")
     p.add_argument("--to", choices=["hf"], default="hf", help="target format (hf: transformers)")
     p.add_argument("out_dir", help="output directory (must not exist, or be empty)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run directory's)")
-    p.add_argument("--max-shard-size", default="5GB", type=_shard_size,
-                   help="split safetensors above this size (e.g. 2GB)")
+    p.add_argument("--max-shard-size", default="5GB", type=_shard_size, help="split safetensors above this size (e.g. 2GB)")
     p.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     args = p.parse_args(argv)
     from .export import export_hf
 
-    out = export_hf(args.checkpoint, args.out_dir, force=args.force, tokenizer=args.tokenizer,
-                    max_shard_size=args.max_shard_size, trust=args.trust_checkpoint)
+    out = export_hf(
+        args.checkpoint,
+        args.out_dir,
+        force=args.force,
+        tokenizer=args.tokenizer,
+        max_shard_size=args.max_shard_size,
+        trust=args.trust_checkpoint,
+    )
     print(f"wrote {out}")
     return 0
 
 
 def _import(argv: list[str]) -> int:
-    p = _Parser(prog="tformer import",
-                                description="Import a HF transformers model to continue pretraining it.")
+    p = _Parser(prog="tformer import", description="Import a HF transformers model to continue pretraining it.")
     p.add_argument("hf_dir", help="a HF model directory (or a hub name, when online)")
     p.add_argument("out_dir", nargs="?", default=None, help="run directory to write (default runs/NAME)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
@@ -243,9 +296,10 @@ def _tokenizer(argv: list[str]) -> int:
 
 
 def _consolidate(argv: list[str]) -> int:
-    p = _Parser(prog="tformer consolidate",
-                                description="Turn any checkpoint (DCP shards, DeepSpeed ZeRO, ...) into "
-                                            "one fp32 safetensors file, on CPU.")
+    p = _Parser(
+        prog="tformer consolidate",
+        description="Turn any checkpoint (DCP shards, DeepSpeed ZeRO, ...) into one fp32 safetensors file, on CPU.",
+    )
     p.add_argument("checkpoint")
     p.add_argument("--out", default=None, help="default: CHECKPOINT/consolidated.safetensors")
     p.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
@@ -257,30 +311,60 @@ def _consolidate(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
-    p = _Parser(prog="tformer plan", description="Predict per-device memory for each strategy and mesh layout "
-                "(pp x dp_replicate x dp_shard x tp) and recommend one.")
+    p = _Parser(
+        prog="tformer plan",
+        description="Predict per-device memory for each strategy and mesh layout "
+        "(pp x dp_replicate x dp_shard x tp) and recommend one.",
+    )
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--devices", type=_number(int, "[1, inf)"), default=8)
     p.add_argument("--device-memory", type=_byte_size, default="80GB")
-    p.add_argument("--gpus-per-node", type=_number(int, "[1, inf)"), default=8,
-                   help="tensor parallelism within a node is preferred; HSDP replicates across nodes")
-    p.add_argument("--pp-microbatches", type=_number(int, "[1, inf)"), default=None,
-                   help="micro-batches per step (grad_accum) of the pipeline layouts (default: 4 x pp)")
-    p.add_argument("--max-pp", type=_number(int, "[1, inf)"), default=None,
-                   help="the largest pipeline degree tried (default: the device count; 1: no pipelines)")
+    p.add_argument(
+        "--gpus-per-node",
+        type=_number(int, "[1, inf)"),
+        default=8,
+        help="tensor parallelism within a node is preferred; HSDP replicates across nodes",
+    )
+    p.add_argument(
+        "--pp-microbatches",
+        type=_number(int, "[1, inf)"),
+        default=None,
+        help="micro-batches per step (grad_accum) of the pipeline layouts (default: 4 x pp)",
+    )
+    p.add_argument(
+        "--max-pp",
+        type=_number(int, "[1, inf)"),
+        default=None,
+        help="the largest pipeline degree tried (default: the device count; 1: no pipelines)",
+    )
     args = p.parse_args(argv)
     from .parallel.plan import plan_main
     from .train.config import load_config
 
-    return plan_main(load_config(args.config, args.overrides), args.config, args.devices, args.device_memory,
-                     args.gpus_per_node, args.pp_microbatches, args.max_pp)
+    return plan_main(
+        load_config(args.config, args.overrides),
+        args.config,
+        args.devices,
+        args.device_memory,
+        args.gpus_per_node,
+        args.pp_microbatches,
+        args.max_pp,
+    )
 
 
-COMMANDS = {"train": _train, "data": _data, "generate": _generate, "evaluate": _evaluate, "plot": _plot,
-            "tokenizer": _tokenizer,
-            "consolidate": _consolidate, "plan": _plan,
-            "export": _export, "import": _import}
+COMMANDS = {
+    "train": _train,
+    "data": _data,
+    "generate": _generate,
+    "evaluate": _evaluate,
+    "plot": _plot,
+    "tokenizer": _tokenizer,
+    "consolidate": _consolidate,
+    "plan": _plan,
+    "export": _export,
+    "import": _import,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usage: tformer {{{known}}} ...", file=sys.stderr)
         return 0 if argv else 2
     from .logs import setup_logging
+
     setup_logging()
     from .checkpoint import CheckpointError
     from .config import ConfigError
@@ -313,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # noqa: BLE001
         from .train.trainer import LossSpikeError, NonFiniteLoss
+
         if isinstance(e, (NonFiniteLoss, LossSpikeError)):
             print(f"error: {e}", file=sys.stderr)
             return 3

@@ -5,6 +5,7 @@ Every error names the field and the allowed values, in one line. Each choice is 
 type: the field's annotation, the tuple of allowed values and the error message all come from it,
 so a new value is added in one place.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,16 +66,16 @@ def check_table(table: Mapping[Any, Any], choice: Any, what: str) -> None:
 class ModelConfig:
     """Architecture of one model. ``family`` picks the stack; the other fields pick the blocks."""
 
-    family: Family = "decoder"           # encoder (BERT-like) | decoder (GPT-like) | encdec (T5-like)
-    flavour: str = "gpt2"                # HF counterpart for export: bert | gpt2 | llama | t5 | marian | custom
+    family: Family = "decoder"  # encoder (BERT-like) | decoder (GPT-like) | encdec (T5-like)
+    flavour: str = "gpt2"  # HF counterpart for export: bert | gpt2 | llama | t5 | marian | custom
     vocab_size: int = 50257
-    pad_vocab_multiple: int = 1          # pad the embedding rows to a multiple (64 is fast); 1 = off
+    pad_vocab_multiple: int = 1  # pad the embedding rows to a multiple (64 is fast); 1 = off
     d_model: int = 768
-    num_layers: int = 12                 # encoder layers for encdec
+    num_layers: int = 12  # encoder layers for encdec
     num_decoder_layers: int | None = None  # encdec only; default = num_layers
     num_heads: int = 12
-    num_kv_heads: int | None = None      # < num_heads: grouped-query attention; 1: multi-query
-    d_head: int | None = None            # per-head width d_k = d_v; default d_model // num_heads
+    num_kv_heads: int | None = None  # < num_heads: grouped-query attention; 1: multi-query
+    d_head: int | None = None  # per-head width d_k = d_v; default d_model // num_heads
     d_ff: int = 3072
     max_seq_len: int = 1024
     position: Position = "learned"
@@ -86,21 +87,21 @@ class ModelConfig:
     norm_bias: bool = True
     norm_position: NormPosition = "pre"  # pre (GPT-2, Llama, T5) | post (the paper, BERT)
     activation: Activation = "gelu_tanh"
-    bias: bool = True                    # biases in attention and FFN projections
-    attn_scale: bool = True              # 1/sqrt(d_k); T5 has none
-    attn_impl: AttnImpl = "sdpa"         # sdpa (fast path) | math (explicit reference)
+    bias: bool = True  # biases in attention and FFN projections
+    attn_scale: bool = True  # 1/sqrt(d_k); T5 has none
+    attn_impl: AttnImpl = "sdpa"  # sdpa (fast path) | math (explicit reference)
     dropout: float = 0.0
     attn_dropout: float = 0.0
     tie_embeddings: bool = True
-    tied_output_scale: bool = False      # scale by d_model**-0.5 before a tied LM head (T5 v1.0)
-    type_vocab_size: int = 0             # token-type (segment) embeddings, BERT uses 2
-    embed_norm: bool = False             # norm right after the embedding sum (BERT)
-    embed_scale: bool = False            # multiply token embeddings by sqrt(d_model) (the paper)
+    tied_output_scale: bool = False  # scale by d_model**-0.5 before a tied LM head (T5 v1.0)
+    type_vocab_size: int = 0  # token-type (segment) embeddings, BERT uses 2
+    embed_norm: bool = False  # norm right after the embedding sum (BERT)
+    embed_scale: bool = False  # multiply token embeddings by sqrt(d_model) (the paper)
     init_std: float = 0.02
     pad_token_id: int = 0
     bos_token_id: int | None = None
     eos_token_id: int | None = None
-    decoder_start_token_id: int = 0      # encdec: first decoder input (T5 uses pad = 0)
+    decoder_start_token_id: int = 0  # encdec: first decoder input (T5 uses pad = 0)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -130,8 +131,17 @@ class ModelConfig:
     # -- validation --------------------------------------------------------------------------
     def validate(self) -> None:
         check_fields(self)
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len",
-                     "pad_vocab_multiple", "rel_num_buckets", "rel_max_distance"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "num_layers",
+            "num_heads",
+            "d_ff",
+            "max_seq_len",
+            "pad_vocab_multiple",
+            "rel_num_buckets",
+            "rel_max_distance",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be a positive integer")
         for name in ("num_decoder_layers", "num_kv_heads", "d_head"):
@@ -144,18 +154,23 @@ class ModelConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")
         if self.d_head is None and self.d_model % self.num_heads:
-            raise ConfigError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
-                              "change one of them or set d_head explicitly")
+            raise ConfigError(
+                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
+                "change one of them or set d_head explicitly"
+            )
         if self.num_heads % self.kv_heads:
-            raise ConfigError(f"num_kv_heads={self.kv_heads} must divide num_heads={self.num_heads} "
-                              f"(allowed: {', '.join(str(d) for d in _divisors(self.num_heads))})")
+            raise ConfigError(
+                f"num_kv_heads={self.kv_heads} must divide num_heads={self.num_heads} "
+                f"(allowed: {', '.join(str(d) for d in _divisors(self.num_heads))})"
+            )
         if self.position == "rotary" and self.head_dim % 2:
             raise ConfigError(f"position='rotary' needs an even head width, got d_head={self.head_dim}")
         if self.position == "relative" and self.family == "encoder" and self.rel_num_buckets < 2:
             raise ConfigError("rel_num_buckets must be >= 2 for bidirectional relative positions")
         if self.family != "encdec" and self.num_decoder_layers is not None:
-            raise ConfigError(f"num_decoder_layers is only for family='encdec' (family={self.family!r}); "
-                              "remove it or set num_layers")
+            raise ConfigError(
+                f"num_decoder_layers is only for family='encdec' (family={self.family!r}); remove it or set num_layers"
+            )
         for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
@@ -179,13 +194,28 @@ class ModelConfig:
 # Allowed range of every numeric key: "[lo, hi)" style, inf for no bound. Checked at config time,
 # listed in README ("Allowed ranges"); a key that is null (where allowed) is not checked.
 MODEL_RANGES = {
-    "vocab_size": "[1, inf)", "pad_vocab_multiple": "[1, inf)", "d_model": "[1, inf)",
-    "num_layers": "[1, inf)", "num_decoder_layers": "[1, inf)", "num_heads": "[1, inf)",
-    "num_kv_heads": "[1, inf)", "d_head": "[1, inf)", "d_ff": "[1, inf)", "max_seq_len": "[1, inf)",
-    "rope_theta": "(0, inf)", "rel_num_buckets": "[1, inf)", "rel_max_distance": "[1, inf)",
-    "norm_eps": "(0, 1)", "dropout": "[0, 1)", "attn_dropout": "[0, 1)", "type_vocab_size": "[0, inf)",
-    "init_std": "(0, inf)", "pad_token_id": "[0, inf)", "bos_token_id": "[0, inf)",
-    "eos_token_id": "[0, inf)", "decoder_start_token_id": "[0, inf)",
+    "vocab_size": "[1, inf)",
+    "pad_vocab_multiple": "[1, inf)",
+    "d_model": "[1, inf)",
+    "num_layers": "[1, inf)",
+    "num_decoder_layers": "[1, inf)",
+    "num_heads": "[1, inf)",
+    "num_kv_heads": "[1, inf)",
+    "d_head": "[1, inf)",
+    "d_ff": "[1, inf)",
+    "max_seq_len": "[1, inf)",
+    "rope_theta": "(0, inf)",
+    "rel_num_buckets": "[1, inf)",
+    "rel_max_distance": "[1, inf)",
+    "norm_eps": "(0, 1)",
+    "dropout": "[0, 1)",
+    "attn_dropout": "[0, 1)",
+    "type_vocab_size": "[0, inf)",
+    "init_std": "(0, inf)",
+    "pad_token_id": "[0, inf)",
+    "bos_token_id": "[0, inf)",
+    "eos_token_id": "[0, inf)",
+    "decoder_start_token_id": "[0, inf)",
 }
 
 

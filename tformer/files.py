@@ -10,6 +10,7 @@ and run records use it; exports, caches and heartbeats are cheap to redo and ski
 It sits at the bottom of the layers (with ``config.py``): checkpoints, strategies, exports, the data
 cache and the trainer all write through it.
 """
+
 from __future__ import annotations
 
 import os
@@ -141,8 +142,9 @@ def publish(tmp: Path, path: Path, durable: bool = False, keep_existing: bool = 
 
 
 @contextmanager
-def atomic_write(path: str | Path, directory: bool = False, durable: bool = False,
-                 keep_existing: bool = False) -> Iterator[Path]:
+def atomic_write(
+    path: str | Path, directory: bool = False, durable: bool = False, keep_existing: bool = False
+) -> Iterator[Path]:
     """Yield a temporary sibling of ``path`` (an empty directory if ``directory``) to write; when
     the block ends it takes ``path``'s place (:func:`publish`), and on any error it is removed,
     so no partial output is ever left behind."""

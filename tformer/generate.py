@@ -4,6 +4,7 @@ beam search.
 With the cache, each step feeds only the newest token as the query; the encoder-decoder computes the
 encoder output and the cross-attention keys/values once.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,9 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
     return logits
 
 
-def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-               generator: torch.Generator | None) -> torch.Tensor:
+def next_token(
+    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator | None
+) -> torch.Tensor:
     logits = logits.float()
     if temperature <= 0.0:
         return logits.argmax(dim=-1)
@@ -55,12 +57,23 @@ log = logging.getLogger("tformer.generate")
 
 
 @torch.no_grad()
-def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, *,
-             attention_mask: torch.Tensor | None = None, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, eos_token_id=_FROM_CONFIG,
-             generator: torch.Generator | None = None, use_cache: bool = True, num_beams: int = 1,
-             length_penalty: float | None = None, length_norm: LengthNorm = "gnmt",
-             early_stopping: bool = False) -> torch.Tensor:
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    max_new_tokens: int = 32,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id=_FROM_CONFIG,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+    num_beams: int = 1,
+    length_penalty: float | None = None,
+    length_norm: LengthNorm = "gnmt",
+    early_stopping: bool = False,
+) -> torch.Tensor:
     """Continue ``input_ids`` (decoder: the prompt, left-padded with ``attention_mask`` for ragged
     batches; encoder-decoder: the source). Returns prompt + new tokens for a decoder, and the
     decoder sequence (start token + new tokens) for an encoder-decoder. Finished rows (after EOS)
@@ -76,21 +89,30 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, *,
     if num_beams > 1:
         if temperature > 0:
             raise ValueError("beam search is deterministic: use temperature=0 with num_beams > 1")
-        return beam_search(model, input_ids, max_new_tokens, num_beams=num_beams, attention_mask=attention_mask,
-                           length_penalty=length_penalty or 0.0, length_norm=length_norm,
-                           eos_token_id=eos, early_stopping=early_stopping)
+        return beam_search(
+            model,
+            input_ids,
+            max_new_tokens,
+            num_beams=num_beams,
+            attention_mask=attention_mask,
+            length_penalty=length_penalty or 0.0,
+            length_norm=length_norm,
+            eos_token_id=eos,
+            early_stopping=early_stopping,
+        )
     if length_penalty:
-        log.warning("length_penalty=%s has no effect with num_beams=1 (greedy or sampling); ignored",
-                    length_penalty)
+        log.warning("length_penalty=%s has no effect with num_beams=1 (greedy or sampling); ignored", length_penalty)
     was_training = model.training
     model.eval()
     try:
         if isinstance(model, EncoderDecoderModel):
-            return _generate_encdec(model, input_ids, attention_mask, max_new_tokens, temperature,
-                                    top_k, top_p, eos, generator, use_cache)
+            return _generate_encdec(
+                model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos, generator, use_cache
+            )
         if isinstance(model, DecoderModel):
-            return _generate_decoder(model, input_ids, attention_mask, max_new_tokens, temperature,
-                                     top_k, top_p, eos, generator, use_cache)
+            return _generate_decoder(
+                model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos, generator, use_cache
+            )
         raise TypeError(f"generate needs a decoder or encoder-decoder model, not {type(model).__name__}")
     finally:
         model.train(was_training)
@@ -113,12 +135,13 @@ def _generate_decoder(model, ids, mask, steps, temperature, top_k, top_p, eos, g
     for _ in range(steps):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         if use_cache:
-            positions = positions[:, -step_input.shape[1]:]
+            positions = positions[:, -step_input.shape[1] :]
             logits = model(step_input, mask if padded else None, position_ids=positions, cache=cache).logits
         else:
             logits = model(out, mask if padded else None, position_ids=positions).logits
-        tok, done_next = _finish(next_token(logits[:, -1], temperature, top_k, top_p, generator),
-                                 done, eos, model.config.pad_token_id)
+        tok, done_next = _finish(
+            next_token(logits[:, -1], temperature, top_k, top_p, generator), done, eos, model.config.pad_token_id
+        )
         out = torch.cat((out, tok[:, None]), dim=1)
         mask = torch.cat((mask, torch.ones_like(tok[:, None])), dim=1)
         step_input, done = tok[:, None], done_next
@@ -139,8 +162,9 @@ def _generate_encdec(model, src, src_mask, steps, temperature, top_k, top_p, eos
             logits = model.decode(step_input, memory, src_mask, cache=cache)
         else:
             logits = model.decode(out, memory, src_mask)
-        tok, done_next = _finish(next_token(logits[:, -1], temperature, top_k, top_p, generator),
-                                 done, eos, cfg.pad_token_id)
+        tok, done_next = _finish(
+            next_token(logits[:, -1], temperature, top_k, top_p, generator), done, eos, cfg.pad_token_id
+        )
         out = torch.cat((out, tok[:, None]), dim=1)
         step_input, done = tok[:, None], done_next
         if done.all():
@@ -149,6 +173,7 @@ def _generate_encdec(model, src, src_mask, steps, temperature, top_k, top_p, eos
 
 
 # -- beam search ---------------------------------------------------------------------------------
+
 
 def _check_beam_args(num_beams: int, length_penalty: float | None, length_norm: LengthNorm) -> None:
     if not isinstance(num_beams, int) or num_beams < 1:
@@ -178,8 +203,9 @@ class _Stepper:
         if self.encdec:
             self.memory = model.encode(ids, mask).repeat_interleave(k, 0)
             self.memory_mask = mask.repeat_interleave(k, 0) if mask is not None else None
-            self.first = torch.full((ids.shape[0] * k, 1), model.config.decoder_start_token_id,
-                                    dtype=torch.long, device=ids.device)
+            self.first = torch.full(
+                (ids.shape[0] * k, 1), model.config.decoder_start_token_id, dtype=torch.long, device=ids.device
+            )
         else:
             mask = torch.ones_like(ids) if mask is None else mask.long()
             self.padded = bool((mask == 0).any())
@@ -191,9 +217,10 @@ class _Stepper:
             return self.model.decode(step_input, self.memory, self.memory_mask, cache=self.cache)[:, -1]
         if self.cache.length:  # a new token: extend the mask
             self.mask = torch.cat((self.mask, torch.ones_like(step_input)), dim=1)
-        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -step_input.shape[1]:]
-        return self.model(step_input, self.mask if self.padded else None, position_ids=positions,
-                          cache=self.cache).logits[:, -1]
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -step_input.shape[1] :]
+        return self.model(step_input, self.mask if self.padded else None, position_ids=positions, cache=self.cache).logits[
+            :, -1
+        ]
 
     def reorder(self, index: torch.Tensor) -> None:
         # Beams never leave their batch row, so the cross-attention cache (equal within a row)
@@ -205,9 +232,18 @@ class _Stepper:
 
 
 @torch.no_grad()
-def beam_search(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_beams: int = 4,
-                attention_mask: torch.Tensor | None = None, length_penalty: float = 0.0,
-                length_norm: LengthNorm = "gnmt", eos_token_id=_FROM_CONFIG, early_stopping: bool = False) -> torch.Tensor:
+def beam_search(
+    model,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    num_beams: int = 4,
+    attention_mask: torch.Tensor | None = None,
+    length_penalty: float = 0.0,
+    length_norm: LengthNorm = "gnmt",
+    eos_token_id=_FROM_CONFIG,
+    early_stopping: bool = False,
+) -> torch.Tensor:
     """Batched beam search with the KV cache (cache rows reordered as beams are chosen).
 
     Each step scores every continuation of the ``k`` live beams, keeps the best ``2k``, moves those
@@ -225,8 +261,17 @@ def beam_search(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_beam
     was_training = model.training
     model.eval()
     try:
-        return _beam_search(model, input_ids, attention_mask, max_new_tokens, num_beams, float(length_penalty),
-                            length_norm, eos, early_stopping)
+        return _beam_search(
+            model,
+            input_ids,
+            attention_mask,
+            max_new_tokens,
+            num_beams,
+            float(length_penalty),
+            length_norm,
+            eos,
+            early_stopping,
+        )
     finally:
         model.train(was_training)
 
@@ -237,11 +282,11 @@ def _beam_search(model, ids, mask, steps, k, alpha, norm, eos, early_stopping):
     if steps == 0:
         return step.first.view(b, k, -1)[:, 0]
     neg = -1.0e9
-    keep = 2 * k                                          # candidates kept per row and step
-    top_k_mask = torch.arange(keep, device=device) < k    # only these may finish
+    keep = 2 * k  # candidates kept per row and step
+    top_k_mask = torch.arange(keep, device=device) < k  # only these may finish
     tokens = torch.full((b, k, steps), pad, dtype=torch.long, device=device)  # live beams
     scores = torch.zeros(b, k, device=device)
-    scores[:, 1:] = neg                                   # all beams start equal: expand only the first
+    scores[:, 1:] = neg  # all beams start equal: expand only the first
     done_tokens = torch.full((b, k, steps), pad, dtype=torch.long, device=device)
     done_scores = torch.full((b, k), neg, device=device)
     done_len = torch.zeros(b, k, dtype=torch.long, device=device)
@@ -255,11 +300,11 @@ def _beam_search(model, ids, mask, steps, k, alpha, norm, eos, early_stopping):
         total = (logp.view(b, k, vocab) + scores[:, :, None]).view(b, k * vocab)
         cand_scores, flat = torch.topk(total, keep, dim=1)
         beam, tok = flat // vocab, flat % vocab
-        cand_tokens = tokens[rows, beam]                  # (b, 2k, steps)
+        cand_tokens = tokens[rows, beam]  # (b, 2k, steps)
         cand_tokens[:, :, t] = tok
         ends = (tok == eos) if eos is not None else torch.zeros_like(tok, dtype=torch.bool)
         if t == steps - 1:
-            ends = torch.ones_like(ends)                  # the length limit finishes every beam
+            ends = torch.ones_like(ends)  # the length limit finishes every beam
         # continue the best k candidates that did not end
         live = torch.topk(cand_scores + ends.float() * neg, k, dim=1).indices
         tokens, scores = cand_tokens[rows, live], (cand_scores + ends.float() * neg)[rows, live]

@@ -6,6 +6,7 @@ and under torchrun only the first rank of each node prints tformer's INFO lines 
 are the node's; every rank still prints its warnings and errors). ``TFORMER_LOG_LEVEL=DEBUG``
 shows everything.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,6 +30,7 @@ def setup_logging() -> None:
 
     def to_debug_log(message, category, filename, lineno, file=None, line=None):
         library.debug("%s: %s (%s:%d)", category.__name__, message, filename, lineno)
+
     warnings.showwarning = to_debug_log
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)  # e.g. "Setting accelerator to CPU"

@@ -22,6 +22,7 @@ A refusal is one line naming the file and the class it tried to load. ``trust=Tr
 ``--trust-checkpoint``, the trainer's ``checkpoint.trust``) restores the libraries' own loading:
 only for checkpoints whose origin you trust. Integrity checks (sizes, CRC-32) apply either way.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +37,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete, corrupt or does not fit the model (one line)."""
 
 
-TRUST_HINT = ("if you trust its origin, pass --trust-checkpoint (checkpoint.trust=true), which lets the "
-              "file run code")
+TRUST_HINT = "if you trust its origin, pass --trust-checkpoint (checkpoint.trust=true), which lets the file run code"
 
 
 class UnsafeCheckpointError(CheckpointError):
@@ -45,8 +45,9 @@ class UnsafeCheckpointError(CheckpointError):
 
 
 def _refuse(path, what: str) -> UnsafeCheckpointError:
-    return UnsafeCheckpointError(f"checkpoint file {path} tries to load {what}, which no checkpoint needs; "
-                                 f"refused: it could run code; {TRUST_HINT}")
+    return UnsafeCheckpointError(
+        f"checkpoint file {path} tries to load {what}, which no checkpoint needs; refused: it could run code; {TRUST_HINT}"
+    )
 
 
 # -- torch.load --------------------------------------------------------------------------------
@@ -66,6 +67,7 @@ def _deepspeed_globals() -> list:
     found = [LossScaler, DynamicLossScaler, ZeroStageEnum]
     with contextlib.suppress(ImportError):
         from deepspeed.utils.tensor_fragment import fragment_address
+
         found.append(fragment_address)
     return found
 
@@ -101,8 +103,10 @@ def torch_load_safe(path: Path, trust: bool = False):
 
 def _corrupt(path, e: Exception) -> CheckpointError:
     first = str(e).strip().splitlines()
-    return CheckpointError(f"checkpoint file {path} cannot be read ({type(e).__name__}: "
-                           f"{first[0] if first else 'corrupt'}); use an earlier checkpoint")
+    return CheckpointError(
+        f"checkpoint file {path} cannot be read ({type(e).__name__}: "
+        f"{first[0] if first else 'corrupt'}); use an earlier checkpoint"
+    )
 
 
 def check_deepspeed_dir(ds_dir: Path, trust: bool = False) -> None:
@@ -118,10 +122,18 @@ def check_deepspeed_dir(ds_dir: Path, trust: bool = False) -> None:
 # -- DCP ---------------------------------------------------------------------------------------
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
-_DCP_NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-              ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-              ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-              ("pathlib", "PureWindowsPath"), ("builtins", "set"), ("builtins", "frozenset")}
+_DCP_NAMES = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -133,10 +145,10 @@ class _MetadataUnpickler(pickle.Unpickler):
         allowed = (module, name) in _DCP_NAMES
         if module in _DCP_MODULES:
             import importlib
+
             allowed = isinstance(getattr(importlib.import_module(module), name, None), type)
         elif module == "torch":  # dtypes, layouts, memory formats are constants, not callables
-            allowed = allowed or isinstance(getattr(torch, name, None),
-                                            (torch.dtype, torch.layout, torch.memory_format))
+            allowed = allowed or isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))
         if not allowed:
             raise _refuse(self.path, f"{module}.{name}")
         return super().find_class(module, name)
@@ -180,6 +192,7 @@ def safe_dcp_reader_and_planner(dcp_dir: Path, trust: bool = False):
             obj = _weights_only(value, f"{where} (entry {read_item.dest_index.fqn})")
             if self.flatten_state_dict:
                 from torch.distributed.checkpoint._traverse import set_element
+
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:
                 self.state_dict[read_item.dest_index.fqn] = obj
@@ -238,8 +251,10 @@ def dcp_load(state: dict, dcp_dir: Path, trust: bool = False) -> None:
         if isinstance(inner, CheckpointError):
             raise inner from None
         lines = str(inner).strip().splitlines()
-        raise CheckpointError(f"checkpoint {dcp_dir} cannot be read ({type(inner).__name__}: "
-                              f"{lines[-1] if lines else 'corrupt'}); use an earlier checkpoint") from None
+        raise CheckpointError(
+            f"checkpoint {dcp_dir} cannot be read ({type(inner).__name__}: "
+            f"{lines[-1] if lines else 'corrupt'}); use an earlier checkpoint"
+        ) from None
 
 
 def _unwrap(e: BaseException) -> BaseException:

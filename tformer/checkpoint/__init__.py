@@ -15,9 +15,26 @@ It is assembled in ``.partial-step_...`` and renamed into place only when comple
 during a save never leaves a directory that ``resume: auto`` would pick. ``manager.py`` owns the
 protocol (also for saves written in the background, ``checkpoint.async``); ``io.py`` the files.
 """
-from .io import (CheckpointError, find_latest, list_checkpoints, load_checkpoint, load_model_weights,
-                 read_trainer_state, verify)
+
+from .io import (
+    CheckpointError,
+    find_latest,
+    list_checkpoints,
+    load_checkpoint,
+    load_model_weights,
+    read_trainer_state,
+    verify,
+)
 from .manager import CheckpointManager, TrainerState
 
-__all__ = ["CheckpointError", "find_latest", "list_checkpoints", "load_checkpoint",
-           "load_model_weights", "read_trainer_state", "verify", "CheckpointManager", "TrainerState"]
+__all__ = [
+    "CheckpointError",
+    "find_latest",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_model_weights",
+    "read_trainer_state",
+    "verify",
+    "CheckpointManager",
+    "TrainerState",
+]

@@ -1,6 +1,7 @@
 """One full-precision state dict from any checkpoint: safetensors (ddp), DCP shards (ddp/fsdp, any
 world size) or DeepSpeed ZeRO partitions. Everything happens on CPU in one process, so a sharded
 model is never gathered onto an accelerator."""
+
 from __future__ import annotations
 
 import json
@@ -31,6 +32,7 @@ def read_resolved_model_state(ckpt: Path, trust: bool = False) -> tuple[ModelCon
     cfg = ModelConfig.from_dict(dict(saved))
     if (ckpt / "model.safetensors").is_file():
         from safetensors.torch import load_file
+
         return cfg, load_file(ckpt / "model.safetensors")
     if (ckpt / "dcp").is_dir():
         with torch.device("meta"):
@@ -42,6 +44,7 @@ def read_resolved_model_state(ckpt: Path, trust: bool = False) -> tuple[ModelCon
         return cfg, unique_tensors(dict(model.state_dict()))
     if (ckpt / "deepspeed").is_dir():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
         # its pickles were read through the allow-list by resolve_checkpoint (check_checkpoint)
         state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "deepspeed"), tag="state")
         return cfg, unique_tensors({k: v.float() for k, v in state.items()})
@@ -57,6 +60,9 @@ def consolidate(ckpt: str | Path, out: str | Path | None = None, trust: bool = F
     cfg, state = read_resolved_model_state(ckpt, trust)
     out = Path(out) if out else ckpt / "consolidated.safetensors"
     with atomic_write(out) as tmp:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
-                  metadata={"format": "pt", "tformer_model_config": json.dumps(cfg.to_dict())})
+        save_file(
+            {k: v.contiguous() for k, v in state.items()},
+            str(tmp),
+            metadata={"format": "pt", "tformer_model_config": json.dumps(cfg.to_dict())},
+        )
     return out

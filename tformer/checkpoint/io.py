@@ -1,4 +1,5 @@
 """Writing and reading checkpoint directories (see the package docstring for the layout)."""
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,7 @@ def commit(root: Path, step: int, keep: int) -> Path:
     """Seal the partial directory of ``step`` (marker with each file's size and CRC-32), rename it
     into place, prune old checkpoints."""
     tmp = partial_dir(root, step)
-    files = {str(p.relative_to(tmp)): [p.stat().st_size, crc32(p)]
-             for p in sorted(tmp.rglob("*")) if p.is_file()}
+    files = {str(p.relative_to(tmp)): [p.stat().st_size, crc32(p)] for p in sorted(tmp.rglob("*")) if p.is_file()}
     write_bytes_durable(tmp / MARKER, json.dumps({"step": step, "files": files}, indent=1).encode())
     # a re-save of the same step (e.g. resumed then stopped at once) replaces the older copy
     final = publish(tmp, root / step_dir_name(step), durable=True)
@@ -78,29 +78,29 @@ def verify(ckpt: str | Path, deep: bool = False) -> dict:
     also compares CRC-32 checksums (done before a resume reads the files)."""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
-        raise CheckpointError(f"checkpoint {ckpt} does not exist; pass a directory like "
-                              "RUN/checkpoints/step_00000100")
+        raise CheckpointError(f"checkpoint {ckpt} does not exist; pass a directory like RUN/checkpoints/step_00000100")
     marker = ckpt / MARKER
     if not marker.is_file():
-        raise CheckpointError(f"checkpoint {ckpt} is incomplete (no {MARKER} marker: the save was "
-                              "interrupted); use an earlier checkpoint")
+        raise CheckpointError(
+            f"checkpoint {ckpt} is incomplete (no {MARKER} marker: the save was interrupted); use an earlier checkpoint"
+        )
     try:
         info = json.loads(marker.read_text())
         files = info["files"]
     except (ValueError, KeyError, TypeError):
-        raise CheckpointError(f"checkpoint {ckpt} has a corrupt {MARKER} marker; use an earlier "
-                              "checkpoint") from None
+        raise CheckpointError(f"checkpoint {ckpt} has a corrupt {MARKER} marker; use an earlier checkpoint") from None
     for name, record in files.items():
         size, crc = record if isinstance(record, list) else (record, None)
         path = ckpt / name
         if not path.is_file():
             raise CheckpointError(f"checkpoint {ckpt} is missing {name}; use an earlier checkpoint")
         if path.stat().st_size != size:
-            raise CheckpointError(f"checkpoint file {path} is truncated or corrupt ({path.stat().st_size} "
-                                  f"bytes, expected {size}); use an earlier checkpoint")
+            raise CheckpointError(
+                f"checkpoint file {path} is truncated or corrupt ({path.stat().st_size} "
+                f"bytes, expected {size}); use an earlier checkpoint"
+            )
         if deep and crc is not None and crc32(path) != crc:
-            raise CheckpointError(f"checkpoint file {path} is corrupt (CRC-32 mismatch); use an earlier "
-                                  "checkpoint")
+            raise CheckpointError(f"checkpoint file {path} is corrupt (CRC-32 mismatch); use an earlier checkpoint")
     return info
 
 
@@ -109,11 +109,9 @@ def read_trainer_state(ckpt: str | Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {ckpt} has no trainer.json; it is not a tformer "
-                              "checkpoint") from None
+        raise CheckpointError(f"checkpoint {ckpt} has no trainer.json; it is not a tformer checkpoint") from None
     except ValueError:
-        raise CheckpointError(f"checkpoint file {path} is corrupt (invalid JSON); use an earlier "
-                              "checkpoint") from None
+        raise CheckpointError(f"checkpoint file {path} is corrupt (invalid JSON); use an earlier checkpoint") from None
 
 
 def load_model_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
@@ -127,21 +125,24 @@ def load_model_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
     try:
         state = load_file(path)
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint file {path} is corrupt or truncated ({e}); use an earlier "
-                              "checkpoint") from None
+        raise CheckpointError(f"checkpoint file {path} is corrupt or truncated ({e}); use an earlier checkpoint") from None
     own = model.state_dict()
     for name, tensor in state.items():
         if name in own and own[name].shape != tensor.shape:
-            raise CheckpointError(f"checkpoint {ckpt} does not fit this model: {name} has shape "
-                                  f"{tuple(tensor.shape)} in the checkpoint but {tuple(own[name].shape)} "
-                                  "in the model; use the model config the checkpoint was trained with")
+            raise CheckpointError(
+                f"checkpoint {ckpt} does not fit this model: {name} has shape "
+                f"{tuple(tensor.shape)} in the checkpoint but {tuple(own[name].shape)} "
+                "in the model; use the model config the checkpoint was trained with"
+            )
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {n for n in missing if _is_tied_alias(model, n, state)}
     missing = [n for n in missing if n not in tied]
     if missing or unexpected:
-        raise CheckpointError(f"checkpoint {ckpt} does not fit this model (missing: "
-                              f"{', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'}); "
-                              "use the model config the checkpoint was trained with")
+        raise CheckpointError(
+            f"checkpoint {ckpt} does not fit this model (missing: "
+            f"{', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'}); "
+            "use the model config the checkpoint was trained with"
+        )
 
 
 def _is_tied_alias(model: torch.nn.Module, name: str, state: dict) -> bool:
@@ -158,8 +159,7 @@ def resolve_checkpoint(path: str | Path, trust: bool = False) -> Path:
     and CRC-32) and its pickles checked against the allow-lists unless ``trust``."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist; pass a run directory or "
-                              "RUN/checkpoints/step_XXXXXXXX")
+        raise CheckpointError(f"checkpoint {path} does not exist; pass a run directory or RUN/checkpoints/step_XXXXXXXX")
     is_run_dir = (path / "checkpoints").is_dir()
     if is_run_dir or (not (path / MARKER).exists() and not STEP_DIR.match(path.name)):
         latest = find_latest(path / "checkpoints" if is_run_dir else path)
@@ -168,6 +168,7 @@ def resolve_checkpoint(path: str | Path, trust: bool = False) -> Path:
         path = latest
     verify(path, deep=True)
     from ..safeload import check_checkpoint
+
     check_checkpoint(path, trust)
     return path
 
@@ -187,12 +188,15 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", trust:
         load_model_weights(model, path)
     else:  # DCP shards or DeepSpeed partitions, consolidated on CPU
         from .consolidate import read_resolved_model_state
+
         _, state = read_resolved_model_state(path, trust)
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [n for n in missing if not _is_tied_alias(model, n, state)]
         if missing or unexpected:
-            raise CheckpointError(f"checkpoint {path} does not fit its recorded model config (missing: "
-                                  f"{', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'})")
+            raise CheckpointError(
+                f"checkpoint {path} does not fit its recorded model config (missing: "
+                f"{', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'})"
+            )
     return model.to(device).eval()
 
 

@@ -22,6 +22,7 @@ even a caller that forgets ``wait`` does not exit before the commit.
 This module sits below ``train/``: the trainer hands it a state record and a function that writes
 the strategy's part; it imports nothing above ``parallel/``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,12 +58,12 @@ class TrainerState:
     ``tformer import`` (a weights-only step-0 checkpoint)."""
 
     step: int = 0
-    consumed_samples: int = 0        # global samples (token-budget batches: batches) consumed
-    tokens: int = 0                  # global tokens consumed
-    skipped: int = 0                 # consecutive non-finite steps at the save
-    world_size: int | None = None    # ranks that wrote it (None: an import)
-    mesh: str | None = None          # the parallel layout, e.g. "dp_replicate=1 dp_shard=2 tp=1"
-    rollbacks: int = 0               # loss-spike rollbacks done
+    consumed_samples: int = 0  # global samples (token-budget batches: batches) consumed
+    tokens: int = 0  # global tokens consumed
+    skipped: int = 0  # consecutive non-finite steps at the save
+    world_size: int | None = None  # ranks that wrote it (None: an import)
+    mesh: str | None = None  # the parallel layout, e.g. "dp_replicate=1 dp_shard=2 tp=1"
+    rollbacks: int = 0  # loss-spike rollbacks done
     spike_detector: dict = field(default_factory=dict)
     wandb_id: str | None = None
     model_config: dict | None = None
@@ -72,7 +73,7 @@ class TrainerState:
     seq_len: int | None = None
     target_len: int | None = None
     data_mixture: list | None = None  # a mixture run: its sources' schedule, lengths and seed
-    weights_only: bool = False       # an import: weights, no optimizer state
+    weights_only: bool = False  # an import: weights, no optimizer state
     imported_from: str | None = None
     time: float = field(default_factory=time.time)
 
@@ -106,8 +107,11 @@ class TrainerState:
 def capture_rng() -> dict:
     """This process's RNG streams (torch, Python, NumPy, CUDA): dropout and anything else random."""
     np_state: Any = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]]}
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -129,11 +133,10 @@ def rng_file(ckpt: Path, rank: int) -> Path:
 class CheckpointManager:
     """Saves, commits, finds and verifies the checkpoints under ``root`` for one rank."""
 
-    def __init__(self, root: str | Path, rank: int = 0, world_size: int = 1, keep: int = 0,
-                 background: bool = False):
+    def __init__(self, root: str | Path, rank: int = 0, world_size: int = 1, keep: int = 0, background: bool = False):
         self.root = Path(root)
         self.rank, self.world_size, self.keep = rank, world_size, keep
-        self.background = background   # the strategy writes in the background (checkpoint.async)
+        self.background = background  # the strategy writes in the background (checkpoint.async)
         self._pending: tuple[int, Future] | None = None  # (step, its commit) while in flight
         self._pool: ThreadPoolExecutor | None = None
 
@@ -236,10 +239,12 @@ class CheckpointManager:
                 done = future.result()
             except Exception as e:
                 newest = self.committed()[-1] if self.committed() else "none"
-                raise CheckpointError(f"the background save of step {step} failed ({type(e).__name__}: {e}); "
-                                      f"its partial directory {io.partial_dir(self.root, step)} is never "
-                                      "resumed from; the newest complete checkpoint is "
-                                      f"{newest}") from e
+                raise CheckpointError(
+                    f"the background save of step {step} failed ({type(e).__name__}: {e}); "
+                    f"its partial directory {io.partial_dir(self.root, step)} is never "
+                    "resumed from; the newest complete checkpoint is "
+                    f"{newest}"
+                ) from e
         if sync:
             barrier()
         return done

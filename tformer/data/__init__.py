@@ -22,14 +22,44 @@ from .sampler import Collator, ResumableSampler, TokenBudgetSampler, collate
 from .mixture import MixtureDataset, MixtureSampler, MixtureSchedule
 from .seq2seq import PackedSeq2Seq, Seq2SeqPairs
 from .span import SpanCorruptionDataset, t5_lengths
-from .tokenizer import (SpecialTokens, check_vocab, hf_tokenizer, load_tokenizer, special_tokens,
-                        tokenizer_main, train_tokenizer)
+from .tokenizer import (
+    SpecialTokens,
+    check_vocab,
+    hf_tokenizer,
+    load_tokenizer,
+    special_tokens,
+    tokenizer_main,
+    train_tokenizer,
+)
 
 __all__ = [
-    "DataError", "check_seq_len", "check_vocab", "train_tokenizer", "load_tokenizer",
-    "special_tokens", "SpecialTokens", "hf_tokenizer", "tokenizer_main", "default_corpus_path",
-    "default_pairs_path", "split_rows", "load_text_dataset", "TokenizedCorpus", "tokenize_corpus",
-    "tokenize_pairs", "PackedCausalLM", "MLMDataset", "SpanCorruptionDataset", "t5_lengths",
-    "Seq2SeqPairs", "PackedSeq2Seq", "MixtureDataset", "MixtureSampler", "MixtureSchedule", "ResumableSampler",
-    "TokenBudgetSampler", "Collator", "collate",
+    "DataError",
+    "check_seq_len",
+    "check_vocab",
+    "train_tokenizer",
+    "load_tokenizer",
+    "special_tokens",
+    "SpecialTokens",
+    "hf_tokenizer",
+    "tokenizer_main",
+    "default_corpus_path",
+    "default_pairs_path",
+    "split_rows",
+    "load_text_dataset",
+    "TokenizedCorpus",
+    "tokenize_corpus",
+    "tokenize_pairs",
+    "PackedCausalLM",
+    "MLMDataset",
+    "SpanCorruptionDataset",
+    "t5_lengths",
+    "Seq2SeqPairs",
+    "PackedSeq2Seq",
+    "MixtureDataset",
+    "MixtureSampler",
+    "MixtureSchedule",
+    "ResumableSampler",
+    "TokenBudgetSampler",
+    "Collator",
+    "collate",
 ]

@@ -44,6 +44,7 @@ CACHE_VERSION = 1
 @dataclass
 class TokenizedCorpus:
     """Rows of token ids stored flat: ``tokens`` (1-D) and ``offsets`` (``num_docs + 1``)."""
+
     tokens: np.ndarray
     offsets: np.ndarray
     meta: dict = field(default_factory=dict)
@@ -70,11 +71,12 @@ class TokenizedCorpus:
         return np.diff(self.offsets)
 
     def doc(self, i: int) -> np.ndarray:
-        return np.asarray(self.tokens[self.offsets[i]:self.offsets[i + 1]], dtype=np.int64)
+        return np.asarray(self.tokens[self.offsets[i] : self.offsets[i + 1]], dtype=np.int64)
 
 
-def tokenize_corpus(source, tokenizer: Tokenizer, cache_dir: str | Path, *, column: str = "text",
-                    **options) -> TokenizedCorpus:
+def tokenize_corpus(
+    source, tokenizer: Tokenizer, cache_dir: str | Path, *, column: str = "text", **options
+) -> TokenizedCorpus:
     """Token ids of ``column`` in ``source``, from the cache or tokenized now and cached.
 
     ``source`` and the options ``split`` ("train" | "validation" | "all"), ``streaming``,
@@ -89,9 +91,9 @@ def tokenize_corpus(source, tokenizer: Tokenizer, cache_dir: str | Path, *, colu
     return _cached(source, tokenizer, cache_dir, [column], **options)[column]
 
 
-def tokenize_pairs(source, tokenizer: Tokenizer, cache_dir: str | Path, *,
-                   source_column: str = "src", target_column: str = "tgt",
-                   **options) -> tuple[TokenizedCorpus, TokenizedCorpus]:
+def tokenize_pairs(
+    source, tokenizer: Tokenizer, cache_dir: str | Path, *, source_column: str = "src", target_column: str = "tgt", **options
+) -> tuple[TokenizedCorpus, TokenizedCorpus]:
     """Row-aligned token ids of two columns (e.g. the bundled en-es pairs), cached together."""
     out = _cached(source, tokenizer, cache_dir, [source_column, target_column], **options)
     return out[source_column], out[target_column]
@@ -106,8 +108,10 @@ def _source_identity(source, cache_key: str | None) -> list:
     if type(source).__module__.startswith("datasets."):
         fingerprint = getattr(source, "_fingerprint", None)
         if fingerprint is None:
-            raise DataError("cannot derive a cache key for a streaming dataset object: pass "
-                            "cache_key='<name of the data and its version>'")
+            raise DataError(
+                "cannot derive a cache key for a streaming dataset object: pass "
+                "cache_key='<name of the data and its version>'"
+            )
         return ["dataset", fingerprint]
     from .loading import resolve_source
 
@@ -119,8 +123,16 @@ def _source_identity(source, cache_key: str | None) -> list:
 
 
 def _cache_key(identity: list, tok: Tokenizer, columns: list[str], settings: dict) -> str:
-    blob = json.dumps({"version": CACHE_VERSION, "source": identity, "tokenizer": tokenizer_hash(tok),
-                       "columns": columns, "settings": settings}, sort_keys=True)
+    blob = json.dumps(
+        {
+            "version": CACHE_VERSION,
+            "source": identity,
+            "tokenizer": tokenizer_hash(tok),
+            "columns": columns,
+            "settings": settings,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
@@ -135,21 +147,42 @@ def _open(entry: Path, columns: list[str]) -> dict[str, TokenizedCorpus]:
     return out
 
 
-def _cached(source, tok: Tokenizer, cache_dir, columns: list[str], *, split: str = "train",
-            streaming: bool = False, val_fraction: float = 0.01, format: str | None = None,
-            text_unit: str = "line", config_name: str | None = None, num_proc: int | None = None,
-            cache_key: str | None = None, max_tokens: int | None = None,
-            require_prepared: bool = False) -> dict[str, TokenizedCorpus]:
-    settings = dict(split=split, val_fraction=val_fraction if split != "all" else None,
-                    format=format, text_unit=text_unit, config_name=config_name, max_tokens=max_tokens)
+def _cached(
+    source,
+    tok: Tokenizer,
+    cache_dir,
+    columns: list[str],
+    *,
+    split: str = "train",
+    streaming: bool = False,
+    val_fraction: float = 0.01,
+    format: str | None = None,
+    text_unit: str = "line",
+    config_name: str | None = None,
+    num_proc: int | None = None,
+    cache_key: str | None = None,
+    max_tokens: int | None = None,
+    require_prepared: bool = False,
+) -> dict[str, TokenizedCorpus]:
+    settings = dict(
+        split=split,
+        val_fraction=val_fraction if split != "all" else None,
+        format=format,
+        text_unit=text_unit,
+        config_name=config_name,
+        max_tokens=max_tokens,
+    )
     identity = _source_identity(source, cache_key)
     key = _cache_key(identity, tok, columns, settings)
     cache_dir = Path(cache_dir)
     entry = cache_dir / key
     if (entry / "meta.json").is_file():
         out = _open(entry, columns)
-        log.info("token cache hit %s: %s", entry, ", ".join(
-            f"{c}: {v.num_tokens:,} tokens in {v.num_docs:,} rows" for c, v in out.items()))
+        log.info(
+            "token cache hit %s: %s",
+            entry,
+            ", ".join(f"{c}: {v.num_tokens:,} tokens in {v.num_docs:,} rows" for c, v in out.items()),
+        )
         return out
     if require_prepared:
         _refuse_unprepared(source, tok, cache_dir, identity, columns, settings)
@@ -162,9 +195,17 @@ def _cached(source, tok: Tokenizer, cache_dir, columns: list[str], *, split: str
         from .loading import load_text_dataset, resolve_source
 
         local = not isinstance(source, (str, Path, list, tuple)) or resolve_source(source)[0] != "hub"
-        ds = load_text_dataset(source, columns=columns, split=split, streaming=streaming,
-                               val_fraction=val_fraction, format=format, text_unit=text_unit,
-                               config_name=config_name, cache_dir=tmp / "hf" if local else None)
+        ds = load_text_dataset(
+            source,
+            columns=columns,
+            split=split,
+            streaming=streaming,
+            val_fraction=val_fraction,
+            format=format,
+            text_unit=text_unit,
+            config_name=config_name,
+            cache_dir=tmp / "hf" if local else None,
+        )
         encoder = Tokenizer.from_str(tok.to_str())
         encoder.no_truncation()
         encoder.no_padding()
@@ -176,13 +217,26 @@ def _cached(source, tok: Tokenizer, cache_dir, columns: list[str], *, split: str
         del ds
         for c, n in counts.items():
             if n["tokens"] == 0:
-                raise DataError(f"no tokens in column {c!r} of {_describe(source)}: all {n['rows']:,} "
-                                f"rows are empty; give data with text")
+                raise DataError(
+                    f"no tokens in column {c!r} of {_describe(source)}: all {n['rows']:,} "
+                    f"rows are empty; give data with text"
+                )
             if n["empty_rows"]:
-                log.info("column %r: %d of %d rows are empty (kept in the cache; objectives skip "
-                         "them)", c, n["empty_rows"], n["rows"])
-        meta = dict(version=CACHE_VERSION, key=key, source=_describe(source), columns=counts,
-                    dtype=np.dtype(dtype).name, vocab_size=vocab_size(tok), settings=settings)
+                log.info(
+                    "column %r: %d of %d rows are empty (kept in the cache; objectives skip them)",
+                    c,
+                    n["empty_rows"],
+                    n["rows"],
+                )
+        meta = dict(
+            version=CACHE_VERSION,
+            key=key,
+            source=_describe(source),
+            columns=counts,
+            dtype=np.dtype(dtype).name,
+            vocab_size=vocab_size(tok),
+            settings=settings,
+        )
         shutil.rmtree(tmp / "hf", ignore_errors=True)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         publish(tmp, entry, keep_existing=True)  # another process may have finished the same entry first
@@ -194,8 +248,12 @@ def _cached(source, tok: Tokenizer, cache_dir, columns: list[str], *, split: str
             raise bad from e
         raise
     out = _open(entry, columns)
-    log.info("token cache built %s in %.1fs: %s", entry, time.perf_counter() - start, ", ".join(
-        f"{c}: {v.num_tokens:,} tokens in {v.num_docs:,} rows" for c, v in out.items()))
+    log.info(
+        "token cache built %s in %.1fs: %s",
+        entry,
+        time.perf_counter() - start,
+        ", ".join(f"{c}: {v.num_tokens:,} tokens in {v.num_docs:,} rows" for c, v in out.items()),
+    )
     return out
 
 
@@ -209,24 +267,39 @@ def _refuse_unprepared(source, tok, cache_dir: Path, identity, columns, settings
     manifest = _manifest_path(cache_dir, identity, columns, settings)
     if manifest.is_file():
         made = json.loads(manifest.read_text())
-        raise DataError(f"the prepared token cache for {_describe(source)} ({settings['split']}) in {cache_dir} was "
-                        f"made with another tokenizer ({made['tokenizer_hash'][:12]}, {made.get('tokenizer_path')}; "
-                        f"this run's is {tokenizer_hash(tok)[:12]}): prepare again with this run's config, or set "
-                        "data.tokenizer to the tokenizer the cache was made with")
-    raise DataError(f"data.prepared=true but {cache_dir} holds no prepared tokens for {_describe(source)} "
-                    f"({settings['split']}): run `tformer data prepare CONFIG` with TFORMER_CACHE={cache_dir.parent}, "
-                    "or set data.prepared=false to tokenize here")
+        raise DataError(
+            f"the prepared token cache for {_describe(source)} ({settings['split']}) in {cache_dir} was "
+            f"made with another tokenizer ({made['tokenizer_hash'][:12]}, {made.get('tokenizer_path')}; "
+            f"this run's is {tokenizer_hash(tok)[:12]}): prepare again with this run's config, or set "
+            "data.tokenizer to the tokenizer the cache was made with"
+        )
+    raise DataError(
+        f"data.prepared=true but {cache_dir} holds no prepared tokens for {_describe(source)} "
+        f"({settings['split']}): run `tformer data prepare CONFIG` with TFORMER_CACHE={cache_dir.parent}, "
+        "or set data.prepared=false to tokenize here"
+    )
 
 
 SHARD_ROWS = 20_000
 _JOB: dict = {}  # what forked prepare workers inherit: the dataset, encoder and shard layout
 
 
-def prepare_columns(source, tokenizer: Tokenizer, cache_dir: str | Path, columns: list[str], *,
-                    split: str = "train", val_fraction: float = 0.01, workers: int = 1,
-                    shard_rows: int = SHARD_ROWS, progress: bool = True, tokenizer_path: str | None = None,
-                    format: str | None = None, text_unit: str = "line",
-                    config_name: str | None = None) -> dict[str, TokenizedCorpus]:
+def prepare_columns(
+    source,
+    tokenizer: Tokenizer,
+    cache_dir: str | Path,
+    columns: list[str],
+    *,
+    split: str = "train",
+    val_fraction: float = 0.01,
+    workers: int = 1,
+    shard_rows: int = SHARD_ROWS,
+    progress: bool = True,
+    tokenizer_path: str | None = None,
+    format: str | None = None,
+    text_unit: str = "line",
+    config_name: str | None = None,
+) -> dict[str, TokenizedCorpus]:
     """Tokenize ``columns`` of ``source`` into the same cache entry ``tokenize_corpus`` would build,
     ahead of time: in shards of ``shard_rows`` rows over ``workers`` forked processes, resumable.
 
@@ -235,8 +308,14 @@ def prepare_columns(source, tokenizer: Tokenizer, cache_dir: str | Path, columns
     ``<cache>/.<key>.prepare/`` at once; a re-run after a crash (even SIGKILL) keeps finished shards
     and redoes only the rest, and the assembled entry is byte-identical to an uninterrupted build.
     """
-    settings = dict(split=split, val_fraction=val_fraction if split != "all" else None,
-                    format=format, text_unit=text_unit, config_name=config_name, max_tokens=None)
+    settings = dict(
+        split=split,
+        val_fraction=val_fraction if split != "all" else None,
+        format=format,
+        text_unit=text_unit,
+        config_name=config_name,
+        max_tokens=None,
+    )
     identity = _source_identity(source, None)
     key = _cache_key(identity, tokenizer, columns, settings)
     cache_dir = Path(cache_dir)
@@ -246,8 +325,17 @@ def prepare_columns(source, tokenizer: Tokenizer, cache_dir: str | Path, columns
     manifest = _manifest_path(cache_dir, identity, columns, settings)
     manifest.parent.mkdir(parents=True, exist_ok=True)
     tmp = manifest.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"key": key, "tokenizer_hash": tokenizer_hash(tokenizer),
-                               "tokenizer_path": tokenizer_path, "source": _describe(source)}, indent=1))
+    tmp.write_text(
+        json.dumps(
+            {
+                "key": key,
+                "tokenizer_hash": tokenizer_hash(tokenizer),
+                "tokenizer_path": tokenizer_path,
+                "source": _describe(source),
+            },
+            indent=1,
+        )
+    )
     os.replace(tmp, manifest)
     return _open(entry, columns)
 
@@ -261,10 +349,16 @@ def _prepare_entry(source, tok, cache_dir: Path, key: str, columns, settings, wo
     work.mkdir(parents=True, exist_ok=True)
     for stale in work.glob("*.tmp*"):  # a shard a killed run was writing
         shutil.rmtree(stale, ignore_errors=True)
-    ds = load_text_dataset(source, columns=columns, split=settings["split"],
-                           val_fraction=settings["val_fraction"] or 0.01, format=settings["format"],
-                           text_unit=settings["text_unit"], config_name=settings["config_name"],
-                           cache_dir=work / "hf")
+    ds = load_text_dataset(
+        source,
+        columns=columns,
+        split=settings["split"],
+        val_fraction=settings["val_fraction"] or 0.01,
+        format=settings["format"],
+        text_unit=settings["text_unit"],
+        config_name=settings["config_name"],
+        cache_dir=work / "hf",
+    )
     encoder = Tokenizer.from_str(tok.to_str())
     encoder.no_truncation()
     encoder.no_padding()
@@ -273,13 +367,23 @@ def _prepare_entry(source, tok, cache_dir: Path, key: str, columns, settings, wo
     todo = [i for i in range(shards) if not (work / f"shard{i:06d}").is_dir()]
     _JOB.update(ds=ds, encoder=encoder, columns=columns, work=work, dtype=dtype, rows=shard_rows)
     if todo and len(todo) < shards:
-        log.info("prepare %s: %d of %d shards already done, tokenizing the other %d", _describe(source),
-                 shards - len(todo), shards, len(todo))
+        log.info(
+            "prepare %s: %d of %d shards already done, tokenizing the other %d",
+            _describe(source),
+            shards - len(todo),
+            shards,
+            len(todo),
+        )
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=shards, initial=shards - len(todo), unit="shard",
-                   desc=f"{Path(str(_describe(source))).name} {settings['split']}")
+
+        bar = tqdm(
+            total=shards,
+            initial=shards - len(todo),
+            unit="shard",
+            desc=f"{Path(str(_describe(source))).name} {settings['split']}",
+        )
     try:
         workers = max(1, min(workers, len(todo)))
         # One tokenizer thread per worker: --workers is the number of cores prepare uses.
@@ -318,10 +422,19 @@ def _prepare_entry(source, tok, cache_dir: Path, key: str, columns, settings, wo
         counts[c] = _save_offsets(tmp, c, np.concatenate(lengths))
         if counts[c]["tokens"] == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise DataError(f"no tokens in column {c!r} of {_describe(source)}: all {counts[c]['rows']:,} rows "
-                            "are empty; give data with text")
-    meta = dict(version=CACHE_VERSION, key=key, source=_describe(source), columns=counts,
-                dtype=np.dtype(dtype).name, vocab_size=vocab_size(tok), settings=settings)
+            raise DataError(
+                f"no tokens in column {c!r} of {_describe(source)}: all {counts[c]['rows']:,} rows "
+                "are empty; give data with text"
+            )
+    meta = dict(
+        version=CACHE_VERSION,
+        key=key,
+        source=_describe(source),
+        columns=counts,
+        dtype=np.dtype(dtype).name,
+        vocab_size=vocab_size(tok),
+        settings=settings,
+    )
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     try:
         os.replace(tmp, cache_dir / key)
@@ -340,7 +453,7 @@ def _tokenize_shard(i: int) -> int:
     lengths = {c: [] for c in columns}
     try:
         for a in range(i * rows, min((i + 1) * rows, len(ds)), 1000):
-            batch = ds[a:min(a + 1000, (i + 1) * rows, len(ds))]
+            batch = ds[a : min(a + 1000, (i + 1) * rows, len(ds))]
             encoded = _encode_batch(batch, job["encoder"], columns)
             for c in columns:
                 ids = encoded[f"ids.{c}"]
@@ -385,10 +498,17 @@ def _write_mapped(ds, encoder: Tokenizer, columns, tmp: Path, dtype, num_proc) -
     if num_proc > 1:  # forked workers: one tokenizer thread each, and no fork warning
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        mapped = ds.map(_encode_batch, batched=True, batch_size=1000, num_proc=num_proc,
-                        remove_columns=ds.column_names, features=features,
-                        fn_kwargs=dict(encoder=encoder, columns=columns),
-                        cache_file_name=str(tmp / "hf" / "tokenized.arrow"), desc="tokenizing")
+        mapped = ds.map(
+            _encode_batch,
+            batched=True,
+            batch_size=1000,
+            num_proc=num_proc,
+            remove_columns=ds.column_names,
+            features=features,
+            fn_kwargs=dict(encoder=encoder, columns=columns),
+            cache_file_name=str(tmp / "hf" / "tokenized.arrow"),
+            desc="tokenizing",
+        )
     finally:
         if saved is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
@@ -425,8 +545,7 @@ def _write_streamed(ds, encoder: Tokenizer, columns, tmp: Path, dtype, max_token
         for fh in files.values():
             fh.close()
     if stopped:
-        log.warning("streaming stopped at max_tokens=%d: the rest of %s is not in the cache",
-                    max_tokens, _describe(source))
+        log.warning("streaming stopped at max_tokens=%d: the rest of %s is not in the cache", max_tokens, _describe(source))
     counts = {}
     for c in columns:
         counts[c] = _save_offsets(tmp, c, np.concatenate(lengths[c]) if lengths[c] else np.zeros(0, np.int64))

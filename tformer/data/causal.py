@@ -48,13 +48,21 @@ class PackedCausalLM(KeyedDataset):
         total = int(self.stream_start[-1])
         self.num_samples = (total - 1) // seq_len if total > 0 else 0
         if self.num_samples == 0:
-            raise DataError(f"the corpus has {total:,} tokens with EOS, fewer than seq_len + 1 = "
-                            f"{seq_len + 1}: use a shorter seq_len or more data")
+            raise DataError(
+                f"the corpus has {total:,} tokens with EOS, fewer than seq_len + 1 = "
+                f"{seq_len + 1}: use a shorter seq_len or more data"
+            )
         self.dropped_tokens = total - self.num_samples * seq_len
-        log.info("causal packing: %d documents, %d tokens + EOS -> %d samples of %d; the last %d "
-                 "tokens (%.3f%%) do not fill a window and are left out", len(self.doc_len),
-                 total - len(self.doc_len), self.num_samples, seq_len, self.dropped_tokens,
-                 100.0 * self.dropped_tokens / total)
+        log.info(
+            "causal packing: %d documents, %d tokens + EOS -> %d samples of %d; the last %d "
+            "tokens (%.3f%%) do not fill a window and are left out",
+            len(self.doc_len),
+            total - len(self.doc_len),
+            self.num_samples,
+            seq_len,
+            self.dropped_tokens,
+            100.0 * self.dropped_tokens / total,
+        )
 
     def __len__(self) -> int:
         return self.num_samples

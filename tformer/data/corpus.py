@@ -46,8 +46,7 @@ def fixed_validation_start(files: list[Path]) -> int | None:
     return _VALIDATION_START.get(files[0].name)
 
 
-def split_rows(num_rows: int, split: str, val_fraction: float = 0.01,
-               val_start: int | None = None) -> range:
+def split_rows(num_rows: int, split: str, val_fraction: float = 0.01, val_start: int | None = None) -> range:
     """Rows of ``split`` among ``num_rows`` rows in source order.
 
     Validation is the tail: rows ``val_start..`` when given (the bundled corpus), otherwise the
@@ -61,10 +60,14 @@ def split_rows(num_rows: int, split: str, val_fraction: float = 0.01,
         return range(num_rows)
     if val_start is None:
         if not 0.0 < val_fraction < 1.0:
-            raise DataError(f"val_fraction must be in (0, 1) to split train/validation, got "
-                            f"{val_fraction}; use split='all' to take every row")
+            raise DataError(
+                f"val_fraction must be in (0, 1) to split train/validation, got "
+                f"{val_fraction}; use split='all' to take every row"
+            )
         val_start = num_rows - max(1, math.ceil(num_rows * val_fraction))
     if val_start <= 0 or val_start >= num_rows:
-        raise DataError(f"cannot split {num_rows} rows into train and validation (validation "
-                        f"would start at row {val_start}): give more rows or use split='all'")
+        raise DataError(
+            f"cannot split {num_rows} rows into train and validation (validation "
+            f"would start at row {val_start}): give more rows or use split='all'"
+        )
     return range(0, val_start) if split == "train" else range(val_start, num_rows)

@@ -17,8 +17,17 @@ from .errors import DataError
 log = logging.getLogger("tformer.data")
 
 _COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
-_FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
-            ".ndjson": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+_FORMATS = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".ndjson": "json",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".csv": "csv",
+}
 
 
 def file_format(path: Path) -> str:
@@ -28,8 +37,10 @@ def file_format(path: Path) -> str:
         suffixes = suffixes[:-1]
     fmt = _FORMATS.get(suffixes[-1]) if suffixes else None
     if fmt is None:
-        raise DataError(f"unknown file type for {path}: name it .txt, .jsonl, .parquet, .arrow "
-                        f"or .csv (optionally .gz), or pass format=...")
+        raise DataError(
+            f"unknown file type for {path}: name it .txt, .jsonl, .parquet, .arrow "
+            f"or .csv (optionally .gz), or pass format=..."
+        )
     return fmt
 
 
@@ -69,8 +80,7 @@ def resolve_source(source) -> tuple[str, list[Path] | str]:
         elif len(items) == 1 and not p.suffix and s.count("/") <= 1 and not s.startswith((".", "/", "~")):
             return "hub", s
         else:
-            raise DataError(f"file not found: {p.resolve()}: check the path (relative paths start "
-                            f"at {Path.cwd()})")
+            raise DataError(f"file not found: {p.resolve()}: check the path (relative paths start at {Path.cwd()})")
     return "files", files
 
 
@@ -99,8 +109,8 @@ def _find_bad_utf8(files: Sequence[Path]) -> str | None:
                     tail = b""
                 except UnicodeDecodeError as e:
                     if e.end == len(buf) and e.reason == "unexpected end of data":
-                        tail = buf[e.start:]  # a character split across chunks
-                        buf = buf[:e.start]
+                        tail = buf[e.start :]  # a character split across chunks
+                        buf = buf[: e.start]
                     else:
                         bad = data_offset + e.start
                         line += buf.count(b"\n", 0, e.start)
@@ -125,8 +135,7 @@ def utf8_error(e: BaseException, source) -> DataError | None:
     when rows are read, so callers that read rows (tokenization) use this too.
     """
     decode = any(isinstance(c, UnicodeDecodeError) for c in _cause_chain(e))
-    if not decode and not any("utf-8" in str(c).lower() or "utf8" in str(c).lower()
-                              for c in _cause_chain(e)):
+    if not decode and not any("utf-8" in str(c).lower() or "utf8" in str(c).lower() for c in _cause_chain(e)):
         return None
     where = None
     if isinstance(source, (str, Path, list, tuple)):
@@ -140,10 +149,18 @@ def utf8_error(e: BaseException, source) -> DataError | None:
     return DataError(f"{where}: convert it to UTF-8, e.g. `iconv -f latin1 -t utf-8`")
 
 
-def load_text_dataset(source, *, columns: Sequence[str] | None = ("text",), split: str = "train",
-                      streaming: bool = False, val_fraction: float = 0.01,
-                      format: str | None = None, text_unit: str = "line",
-                      config_name: str | None = None, cache_dir: str | Path | None = None):
+def load_text_dataset(
+    source,
+    *,
+    columns: Sequence[str] | None = ("text",),
+    split: str = "train",
+    streaming: bool = False,
+    val_fraction: float = 0.01,
+    format: str | None = None,
+    text_unit: str = "line",
+    config_name: str | None = None,
+    cache_dir: str | Path | None = None,
+):
     """Load ``source`` as a `datasets` Dataset (IterableDataset when ``streaming``).
 
     source      path / glob / directory / list of them (text, jsonl, parquet, arrow, csv; ``.gz``
@@ -165,33 +182,49 @@ def load_text_dataset(source, *, columns: Sequence[str] | None = ("text",), spli
         origin = "the given dataset"
         if split != "all":
             if not hasattr(ds, "select"):
-                raise DataError("a streaming dataset cannot hold out validation rows: pass "
-                                "split='all' and give validation data separately")
+                raise DataError(
+                    "a streaming dataset cannot hold out validation rows: pass "
+                    "split='all' and give validation data separately"
+                )
             ds = ds.select(split_rows(len(ds), split, val_fraction))
     else:
         kind, what = resolve_source(source)
         origin = what if kind == "hub" else ", ".join(str(f) for f in what)
         if kind == "hub":
             try:
-                ds = datasets.load_dataset(what, config_name, split="train" if split == "all" else split,
-                                           streaming=streaming,
-                                           cache_dir=None if cache_dir is None else str(cache_dir))
+                ds = datasets.load_dataset(
+                    what,
+                    config_name,
+                    split="train" if split == "all" else split,
+                    streaming=streaming,
+                    cache_dir=None if cache_dir is None else str(cache_dir),
+                )
             except Exception as e:
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-                raise DataError(f"cannot load dataset {what!r} from the hub ({msg}): check the name "
-                                f"and the network, or give local files") from e
+                raise DataError(
+                    f"cannot load dataset {what!r} from the hub ({msg}): check the name and the network, or give local files"
+                ) from e
         elif kind == "saved":
             ds = datasets.load_from_disk(str(what[0]))
             if isinstance(ds, datasets.DatasetDict):
-                raise DataError(f"{what[0]} holds several splits ({', '.join(ds)}): give the "
-                                f"directory of one split, e.g. {what[0] / next(iter(ds))}")
+                raise DataError(
+                    f"{what[0]} holds several splits ({', '.join(ds)}): give the "
+                    f"directory of one split, e.g. {what[0] / next(iter(ds))}"
+                )
             if streaming:
                 ds = ds.to_iterable_dataset()
             elif split != "all":
                 ds = ds.select(split_rows(len(ds), split, val_fraction))
         else:
-            ds = _load_files(what, split=split, streaming=streaming, val_fraction=val_fraction,
-                             format=format, text_unit=text_unit, cache_dir=cache_dir)
+            ds = _load_files(
+                what,
+                split=split,
+                streaming=streaming,
+                val_fraction=val_fraction,
+                format=format,
+                text_unit=text_unit,
+                cache_dir=cache_dir,
+            )
     if columns:
         names = ds.column_names
         if names is None and streaming:  # unknown until the first row
@@ -205,14 +238,14 @@ def load_text_dataset(source, *, columns: Sequence[str] | None = ("text",), spli
                 raise
         for c in columns:
             if c not in names:
-                raise DataError(f"column {c!r} not found in {origin} (columns: {', '.join(names)}): "
-                                f"pass one of these as the text column")
+                raise DataError(
+                    f"column {c!r} not found in {origin} (columns: {', '.join(names)}): pass one of these as the text column"
+                )
         feats = ds.features
         for c in columns:
             dtype = getattr(feats.get(c), "dtype", "string") if feats else "string"
             if dtype not in ("string", "large_string"):
-                raise DataError(f"column {c!r} in {origin} holds {dtype}, not text: pick a "
-                                "text column")
+                raise DataError(f"column {c!r} in {origin} holds {dtype}, not text: pick a text column")
     return ds
 
 
@@ -221,8 +254,7 @@ def _load_files(files: list[Path], *, split, streaming, val_fraction, format, te
 
     formats = {format or file_format(f) for f in files}
     if len(formats) > 1:
-        raise DataError(f"mixed file types ({', '.join(sorted(formats))}) in {files[0].parent}: "
-                        "give files of one type")
+        raise DataError(f"mixed file types ({', '.join(sorted(formats))}) in {files[0].parent}: give files of one type")
     fmt = formats.pop()
     for f in files:
         if f.stat().st_size == 0:
@@ -230,20 +262,27 @@ def _load_files(files: list[Path], *, split, streaming, val_fraction, format, te
     kwargs = {"sample_by": text_unit} if fmt == "text" else {}
     names = ", ".join(str(f) for f in files)
     if streaming and split != "all":
-        raise DataError(f"streaming cannot hold out validation rows of {names}: use split='all' "
-                        "and give separate validation files")
+        raise DataError(
+            f"streaming cannot hold out validation rows of {names}: use split='all' and give separate validation files"
+        )
     try:
-        ds = datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train",
-                                   streaming=streaming, **kwargs,
-                                   cache_dir=None if cache_dir is None else str(cache_dir))
+        ds = datasets.load_dataset(
+            fmt,
+            data_files=[str(f) for f in files],
+            split="train",
+            streaming=streaming,
+            **kwargs,
+            cache_dir=None if cache_dir is None else str(cache_dir),
+        )
     except Exception as e:
         if (bad := utf8_error(e, files)) is not None:
             raise bad from e
-        if isinstance(e, StopIteration) or any(type(c).__name__ == "SchemaInferenceError"
-                                               for c in _cause_chain(e)):
+        if isinstance(e, StopIteration) or any(type(c).__name__ == "SchemaInferenceError" for c in _cause_chain(e)):
             raise DataError(f"no rows in {names}: the data is empty; give a file with data") from e
-        raise DataError(f"cannot read {names} as {fmt}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-                        ": check the file's contents match its extension") from e
+        raise DataError(
+            f"cannot read {names} as {fmt}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ": check the file's contents match its extension"
+        ) from e
     if streaming:
         return ds
     if len(ds) == 0:

@@ -17,6 +17,7 @@ it instead of re-reading its start.
 that source: epoch ``n // len``, position ``n % len`` of a permutation drawn from (seed, source,
 epoch). A source drawn past its end is re-epoched or, with ``on_exhausted="stop"``, refused.
 """
+
 from __future__ import annotations
 
 import logging
@@ -113,8 +114,9 @@ class MixtureDataset(KeyedDataset):
     ``source``: the index of its source (one int, for per-source accounting; not a model input).
     """
 
-    def __init__(self, sources: Sequence[KeyedDataset], schedule: MixtureSchedule, seed: int = 0,
-                 on_exhausted: OnExhausted = "repeat"):
+    def __init__(
+        self, sources: Sequence[KeyedDataset], schedule: MixtureSchedule, seed: int = 0, on_exhausted: OnExhausted = "repeat"
+    ):
         if on_exhausted not in ON_EXHAUSTED:
             raise DataError(f"on_exhausted={on_exhausted!r}: use one of {', '.join(ON_EXHAUSTED)}")
         if len(sources) != len(schedule.names):
@@ -140,9 +142,11 @@ class MixtureDataset(KeyedDataset):
         s, n = self.schedule.locate(g)
         epoch, i = divmod(n, self.lengths[s])
         if epoch > 0 and self.on_exhausted == "stop":
-            raise DataError(f"source {self.schedule.names[s]!r} ran out after {self.lengths[s]:,} samples "
-                            "(data.on_exhausted=stop): add data, lower its weight or max_steps, or set "
-                            "data.on_exhausted=repeat")
+            raise DataError(
+                f"source {self.schedule.names[s]!r} ran out after {self.lengths[s]:,} samples "
+                "(data.on_exhausted=stop): add data, lower its weight or max_steps, or set "
+                "data.on_exhausted=repeat"
+            )
         return s, epoch * self.lengths[s] + int(self.order(s, epoch)[i])
 
     def __getitem__(self, g: int) -> dict[str, np.ndarray]:
@@ -157,12 +161,18 @@ class MixtureDataset(KeyedDataset):
         over = {n: e for n, e in epochs.items() if e > 1.0}
         if over and self.on_exhausted == "stop":
             name, e = next(iter(over.items()))
-            raise DataError(f"source {name!r} would be read {e:.2f} times over this run "
-                            "(data.on_exhausted=stop): add data, lower its weight or max_steps, or set "
-                            "data.on_exhausted=repeat")
+            raise DataError(
+                f"source {name!r} would be read {e:.2f} times over this run "
+                "(data.on_exhausted=stop): add data, lower its weight or max_steps, or set "
+                "data.on_exhausted=repeat"
+            )
         for name, e in over.items():
-            log.info("source %r will be re-epoched: %.2f passes over its %s samples in this run", name, e,
-                     f"{self.lengths[self.schedule.names.index(name)]:,}")
+            log.info(
+                "source %r will be re-epoched: %.2f passes over its %s samples in this run",
+                name,
+                e,
+                f"{self.lengths[self.schedule.names.index(name)]:,}",
+            )
         return epochs
 
 
@@ -184,22 +194,32 @@ class MixtureSampler:
             if self.rank == 0:
                 s, n = sched.locate(g)
                 if n > 0 and n % lengths[s] == 0:
-                    log.info("source %r re-epoched: starting pass %d over its %s samples",
-                             sched.names[s], n // lengths[s] + 1, f"{lengths[s]:,}")
+                    log.info(
+                        "source %r re-epoched: starting pass %d over its %s samples",
+                        sched.names[s],
+                        n // lengths[s] + 1,
+                        f"{lengths[s]:,}",
+                    )
             yield g
             g += self.world_size
 
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "mixture": self.dataset.schedule.fingerprint(),
-                "seed": self.dataset.seed, "lengths": list(self.dataset.lengths)}
+        return {
+            "consumed": self.consumed,
+            "mixture": self.dataset.schedule.fingerprint(),
+            "seed": self.dataset.seed,
+            "lengths": list(self.dataset.lengths),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         ours = self.state_dict()
         for name in ("mixture", "seed", "lengths"):
             if name in state and state[name] != ours[name]:
-                raise DataError(f"the checkpoint's data mixture has {name}={state[name]} but this run has "
-                                f"{ours[name]}: resume with the same sources, weights, stages, batch size and "
-                                "seed, or start a new run")
+                raise DataError(
+                    f"the checkpoint's data mixture has {name}={state[name]} but this run has "
+                    f"{ours[name]}: resume with the same sources, weights, stages, batch size and "
+                    "seed, or start a new run"
+                )
         self.consumed = int(state["consumed"])
 
 

@@ -39,12 +39,23 @@ class MLMDataset(KeyedDataset):
     restarting at each document, so the model can keep the packed documents apart.
     """
 
-    def __init__(self, corpus: TokenizedCorpus, tokenizer: Tokenizer, seq_len: int, *, seed: int = 0,
-                 mask_prob: float = 0.15, whole_word: bool = False, pairs: bool = True,
-                 document_mask: bool = False):
+    def __init__(
+        self,
+        corpus: TokenizedCorpus,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        *,
+        seed: int = 0,
+        mask_prob: float = 0.15,
+        whole_word: bool = False,
+        pairs: bool = True,
+        document_mask: bool = False,
+    ):
         if document_mask and pairs:
-            raise DataError("MLM document masking needs the single-segment layout (pairs=False): the "
-                            "[CLS] A [SEP] B [SEP] layout relates A and B across documents")
+            raise DataError(
+                "MLM document masking needs the single-segment layout (pairs=False): the "
+                "[CLS] A [SEP] B [SEP] layout relates A and B across documents"
+            )
         self.document_mask = document_mask
         ids = special_tokens(tokenizer)
         self.cls_id = ids.require("cls_id", "MLM samples")
@@ -54,23 +65,29 @@ class MLMDataset(KeyedDataset):
             raise DataError(f"mask_prob must be in (0, 1), got {mask_prob}")
         self.chunk = seq_len - (3 if pairs else 2)
         if self.chunk < (2 if pairs else 1):
-            raise DataError(f"seq_len {seq_len} is too short for MLM samples: use at least "
-                            f"{5 if pairs else 3}")
+            raise DataError(f"seq_len {seq_len} is too short for MLM samples: use at least {5 if pairs else 3}")
         self.tokens, self.offsets = corpus.tokens, np.asarray(corpus.offsets)
         self.seq_len, self.seed, self.mask_prob = seq_len, seed, mask_prob
         self.whole_word, self.pairs = whole_word, pairs
         self.num_samples = corpus.num_tokens // self.chunk
         if self.num_samples == 0:
-            raise DataError(f"the corpus has {corpus.num_tokens:,} tokens, fewer than one MLM sample "
-                            f"needs ({self.chunk}): use a shorter seq_len or more data")
+            raise DataError(
+                f"the corpus has {corpus.num_tokens:,} tokens, fewer than one MLM sample "
+                f"needs ({self.chunk}): use a shorter seq_len or more data"
+            )
         n_vocab = vocab_size(tokenizer)
         self.is_special = np.zeros(n_vocab, dtype=bool)
         self.is_special[_special_ids(tokenizer)] = True
         self.random_ids = np.flatnonzero(~self.is_special)
         self.word_start = word_start_table(tokenizer) if whole_word else None
         left = corpus.num_tokens - self.num_samples * self.chunk
-        log.info("MLM: %d samples of %d tokens; the last %d tokens (%.3f%%) do not fill a sample "
-                 "and are left out", self.num_samples, seq_len, left, 100.0 * left / corpus.num_tokens)
+        log.info(
+            "MLM: %d samples of %d tokens; the last %d tokens (%.3f%%) do not fill a sample and are left out",
+            self.num_samples,
+            seq_len,
+            left,
+            100.0 * left / corpus.num_tokens,
+        )
 
     def __len__(self) -> int:
         return self.num_samples
@@ -85,16 +102,19 @@ class MLMDataset(KeyedDataset):
             lo, hi = np.searchsorted(self.offsets, [a + 1, b], side="left")
             boundaries = np.unique(self.offsets[lo:hi]) - a  # document starts strictly inside
             split = int(rng.choice(boundaries)) if len(boundaries) else int(rng.integers(1, self.chunk))
-            input_ids = np.concatenate([[self.cls_id], chunk[:split], [self.sep_id],
-                                        chunk[split:], [self.sep_id]])
+            input_ids = np.concatenate([[self.cls_id], chunk[:split], [self.sep_id], chunk[split:], [self.sep_id]])
             token_type_ids = np.zeros(self.seq_len, np.int64)
-            token_type_ids[split + 2:] = 1
+            token_type_ids[split + 2 :] = 1
         else:
             input_ids = np.concatenate([[self.cls_id], chunk, [self.sep_id]])
             token_type_ids = np.zeros(self.seq_len, np.int64)
         input_ids, labels = self._mask(input_ids, rng)
-        out = {"input_ids": input_ids, "token_type_ids": token_type_ids,
-               "attention_mask": np.ones(self.seq_len, np.int64), "labels": labels}
+        out = {
+            "input_ids": input_ids,
+            "token_type_ids": token_type_ids,
+            "attention_mask": np.ones(self.seq_len, np.int64),
+            "labels": labels,
+        }
         if self.document_mask:
             doc = np.searchsorted(self.offsets, np.arange(a, b), side="right") - 1
             doc = np.concatenate([doc[:1], doc, doc[-1:]]) - doc[0]
@@ -130,7 +150,7 @@ class MLMDataset(KeyedDataset):
             size = bounds[w + 1] - bounds[w]
             if count + size > target:
                 continue
-            chosen.append(candidates[bounds[w]:bounds[w + 1]])
+            chosen.append(candidates[bounds[w] : bounds[w + 1]])
             count += size
             if count == target:
                 break

@@ -31,11 +31,20 @@ class ResumableSampler:
     ``num_epochs`` is given (then ranks may get one sample fewer than others at the end).
     """
 
-    def __init__(self, num_samples: int, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = True, consumed: int = 0, num_epochs: int | None = None):
+    def __init__(
+        self,
+        num_samples: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        consumed: int = 0,
+        num_epochs: int | None = None,
+    ):
         if num_samples < 1:
-            raise DataError(f"the dataset has {num_samples} samples: nothing to sample; give more data "
-                            "or a shorter sequence length")
+            raise DataError(
+                f"the dataset has {num_samples} samples: nothing to sample; give more data or a shorter sequence length"
+            )
         if not 0 <= rank < world_size:
             raise DataError(f"rank {rank} is outside world_size {world_size}")
         self.num_samples, self.seed, self.shuffle = num_samples, seed, shuffle
@@ -79,16 +88,17 @@ class ResumableSampler:
         return max(0, -(-left // self.world_size))
 
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "seed": self.seed, "num_samples": self.num_samples,
-                "shuffle": self.shuffle}
+        return {"consumed": self.consumed, "seed": self.seed, "num_samples": self.num_samples, "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state["consumed"]``; refuses a state taken over different data or seed."""
         for name in ("num_samples", "seed", "shuffle"):
             if name in state and state[name] != getattr(self, name):
-                raise DataError(f"the checkpoint's sampler has {name}={state[name]} but this run has "
-                                f"{getattr(self, name)}: resume with the same data, seed and "
-                                "sequence length, or start a new run")
+                raise DataError(
+                    f"the checkpoint's sampler has {name}={state[name]} but this run has "
+                    f"{getattr(self, name)}: resume with the same data, seed and "
+                    "sequence length, or start a new run"
+                )
         self.consumed = int(state["consumed"])
 
 
@@ -104,8 +114,17 @@ class TokenBudgetSampler:
     (global batches handed out) resumes the same sequence on any number of ranks.
     """
 
-    def __init__(self, source_lengths, target_lengths, tokens_per_batch: int, seed: int = 0, rank: int = 0,
-                 world_size: int = 1, consumed: int = 0, pool: int = 2048):
+    def __init__(
+        self,
+        source_lengths,
+        target_lengths,
+        tokens_per_batch: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        consumed: int = 0,
+        pool: int = 2048,
+    ):
         self.src = np.asarray(source_lengths, dtype=np.int64)
         self.tgt = np.asarray(target_lengths, dtype=np.int64)
         self.num_samples = len(self.src)
@@ -113,8 +132,10 @@ class TokenBudgetSampler:
             raise DataError("no pairs to batch: give more data or longer maximum lengths")
         longest = int(max(self.src.max(), self.tgt.max()))
         if tokens_per_batch < longest:
-            raise DataError(f"data.tokens_per_batch={tokens_per_batch} is smaller than the longest pair "
-                            f"({longest} tokens); raise it or lower data.seq_len / data.target_len")
+            raise DataError(
+                f"data.tokens_per_batch={tokens_per_batch} is smaller than the longest pair "
+                f"({longest} tokens); raise it or lower data.seq_len / data.target_len"
+            )
         if not 0 <= rank < world_size:
             raise DataError(f"rank {rank} is outside world_size {world_size}")
         self.budget, self.seed, self.rank, self.world_size = tokens_per_batch, seed, rank, world_size
@@ -131,7 +152,7 @@ class TokenBudgetSampler:
             longest = np.maximum(self.src, self.tgt)
             batches = []
             for start in range(0, self.num_samples, self.pool):
-                chunk = order[start:start + self.pool]
+                chunk = order[start : start + self.pool]
                 chunk = chunk[np.argsort(longest[chunk], kind="stable")]
                 first, src_max, tgt_max = 0, 0, 0
                 for i, idx in enumerate(chunk):
@@ -164,21 +185,33 @@ class TokenBudgetSampler:
             g += self.world_size
 
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "seed": self.seed, "num_samples": self.num_samples,
-                "tokens_per_batch": self.budget}
+        return {
+            "consumed": self.consumed,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+            "tokens_per_batch": self.budget,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        for name, ours in (("num_samples", self.num_samples), ("seed", self.seed),
-                           ("tokens_per_batch", self.budget)):
+        for name, ours in (("num_samples", self.num_samples), ("seed", self.seed), ("tokens_per_batch", self.budget)):
             if name in state and state[name] != ours:
-                raise DataError(f"the checkpoint's sampler has {name}={state[name]} but this run has {ours}: "
-                                "resume with the same data and batching, or start a new run")
+                raise DataError(
+                    f"the checkpoint's sampler has {name}={state[name]} but this run has {ours}: "
+                    "resume with the same data and batching, or start a new run"
+                )
         self.consumed = int(state["consumed"])
 
 
 # Padding values per field; unknown fields pad with the pad id.
-PAD_VALUES = {"labels": -100, "attention_mask": 0, "token_type_ids": 0, "position_ids": 0,
-              "doc_ids": -1, "decoder_doc_ids": -1, "source": -1}
+PAD_VALUES = {
+    "labels": -100,
+    "attention_mask": 0,
+    "token_type_ids": 0,
+    "position_ids": 0,
+    "doc_ids": -1,
+    "decoder_doc_ids": -1,
+    "source": -1,
+}
 
 
 class Collator:
@@ -209,7 +242,7 @@ class Collator:
                 n = -(-n // self.multiple) * self.multiple
             out = np.full((len(seqs), n), PAD_VALUES.get(f, self.pad_id), dtype=np.int64)
             for i, x in enumerate(seqs):
-                out[i, :len(x)] = x
+                out[i, : len(x)] = x
             batch[f] = torch.from_numpy(out)
         return batch
 

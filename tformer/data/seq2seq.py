@@ -25,12 +25,22 @@ class Seq2SeqPairs(KeyedDataset):
     logged and kept in ``self.counts``. No randomness.
     """
 
-    def __init__(self, source: TokenizedCorpus, target: TokenizedCorpus, eos_id: int, *,
-                 max_source_length: int = 512, max_target_length: int = 512,
-                 overlong: str = "drop", prefix_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        source: TokenizedCorpus,
+        target: TokenizedCorpus,
+        eos_id: int,
+        *,
+        max_source_length: int = 512,
+        max_target_length: int = 512,
+        overlong: str = "drop",
+        prefix_ids: Sequence[int] = (),
+    ):
         if source.num_docs != target.num_docs:
-            raise DataError(f"source has {source.num_docs:,} rows but target has {target.num_docs:,}: "
-                            "tokenize both columns together with tokenize_pairs")
+            raise DataError(
+                f"source has {source.num_docs:,} rows but target has {target.num_docs:,}: "
+                "tokenize both columns together with tokenize_pairs"
+            )
         if overlong not in OVERLONG:
             raise DataError(f"overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
         self.source, self.target, self.eos_id = source, target, eos_id
@@ -44,18 +54,28 @@ class Seq2SeqPairs(KeyedDataset):
         self.counts = {"rows": source.num_docs, "empty": int(empty.sum()), "overlong": int(too_long.sum())}
         if too_long.any() and overlong == "error":
             first = int(np.flatnonzero(too_long)[0])
-            raise DataError(f"{int(too_long.sum())} pairs exceed {max_source_length}/{max_target_length} "
-                            f"tokens (first: row {first}, {src_len[first]}/{tgt_len[first]} tokens): raise "
-                            "the maximum lengths or use overlong='drop' or 'truncate'")
+            raise DataError(
+                f"{int(too_long.sum())} pairs exceed {max_source_length}/{max_target_length} "
+                f"tokens (first: row {first}, {src_len[first]}/{tgt_len[first]} tokens): raise "
+                "the maximum lengths or use overlong='drop' or 'truncate'"
+            )
         keep = ~empty & (~too_long if overlong == "drop" else True)
         self.rows = np.flatnonzero(keep)
         if len(self.rows) == 0:
-            raise DataError(f"no usable pairs among {source.num_docs:,} rows ({self.counts['empty']} empty, "
-                            f"{self.counts['overlong']} too long): check the columns and maximum lengths")
-        log.info("seq2seq pairs: %d usable of %d rows; %d skipped as empty, %d longer than %d/%d "
-                 "tokens %s", len(self.rows), source.num_docs, self.counts["empty"],
-                 self.counts["overlong"], max_source_length, max_target_length,
-                 {"drop": "dropped", "truncate": "truncated", "error": ""}[overlong])
+            raise DataError(
+                f"no usable pairs among {source.num_docs:,} rows ({self.counts['empty']} empty, "
+                f"{self.counts['overlong']} too long): check the columns and maximum lengths"
+            )
+        log.info(
+            "seq2seq pairs: %d usable of %d rows; %d skipped as empty, %d longer than %d/%d tokens %s",
+            len(self.rows),
+            source.num_docs,
+            self.counts["empty"],
+            self.counts["overlong"],
+            max_source_length,
+            max_target_length,
+            {"drop": "dropped", "truncate": "truncated", "error": ""}[overlong],
+        )
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -68,11 +88,10 @@ class Seq2SeqPairs(KeyedDataset):
 
     def sample(self, index: int, epoch: int = 0) -> dict[str, np.ndarray]:
         row = int(self.rows[index])
-        src = np.concatenate([self.prefix, self.source.doc(row)])[:self.max_source_length - 1]
-        tgt = self.target.doc(row)[:self.max_target_length - 1]
+        src = np.concatenate([self.prefix, self.source.doc(row)])[: self.max_source_length - 1]
+        tgt = self.target.doc(row)[: self.max_target_length - 1]
         input_ids = np.append(src, self.eos_id)
-        return {"input_ids": input_ids, "attention_mask": np.ones_like(input_ids),
-                "labels": np.append(tgt, self.eos_id)}
+        return {"input_ids": input_ids, "attention_mask": np.ones_like(input_ids), "labels": np.append(tgt, self.eos_id)}
 
 
 class PackedSeq2Seq(KeyedDataset):
@@ -93,8 +112,7 @@ class PackedSeq2Seq(KeyedDataset):
     in exactly one row; the row order is the sampler's to shuffle.
     """
 
-    def __init__(self, pairs: Seq2SeqPairs, start_id: int, seed: int = 0, pool: int = 2048,
-                 row_length: int | None = None):
+    def __init__(self, pairs: Seq2SeqPairs, start_id: int, seed: int = 0, pool: int = 2048, row_length: int | None = None):
         self.pairs, self.start_id = pairs, start_id
         src, tgt = pairs.lengths()
         # rows may be longer than the longest pair: short bins waste their tails
@@ -103,14 +121,18 @@ class PackedSeq2Seq(KeyedDataset):
         order = np.random.default_rng([seed, 7]).permutation(len(pairs))
         rows: list[np.ndarray] = []
         for a in range(0, len(order), pool):
-            rows += _first_fit_decreasing(order[a:a + pool], src, tgt, self.row_source, self.row_target)
+            rows += _first_fit_decreasing(order[a : a + pool], src, tgt, self.row_source, self.row_target)
         self.order = np.concatenate(rows)
         self.bounds = np.zeros(len(rows) + 1, np.int64)
         np.cumsum([len(r) for r in rows], out=self.bounds[1:])
         real = int(tgt.sum())
-        log.info("seq2seq packing: %d pairs -> %d rows (%.1f pairs per row; %.1f%% of target slots hold "
-                 "tokens)", len(order), len(self), len(order) / len(self),
-                 100.0 * real / (len(self) * self.row_target))
+        log.info(
+            "seq2seq packing: %d pairs -> %d rows (%.1f pairs per row; %.1f%% of target slots hold tokens)",
+            len(order),
+            len(self),
+            len(order) / len(self),
+            100.0 * real / (len(self) * self.row_target),
+        )
 
     def __len__(self) -> int:
         return len(self.bounds) - 1
@@ -118,7 +140,7 @@ class PackedSeq2Seq(KeyedDataset):
     def sample(self, index: int, epoch: int = 0) -> dict[str, np.ndarray]:
         if not 0 <= index < len(self):
             raise IndexError(f"row {index} out of range [0, {len(self)})")
-        parts = [self.pairs.sample(int(i)) for i in self.order[self.bounds[index]:self.bounds[index + 1]]]
+        parts = [self.pairs.sample(int(i)) for i in self.order[self.bounds[index] : self.bounds[index + 1]]]
         src = [p["input_ids"] for p in parts]
         tgt = [p["labels"] for p in parts]
         return {
@@ -131,8 +153,9 @@ class PackedSeq2Seq(KeyedDataset):
         }
 
 
-def _first_fit_decreasing(items: np.ndarray, src: np.ndarray, tgt: np.ndarray, max_src: int,
-                          max_tgt: int) -> list[np.ndarray]:
+def _first_fit_decreasing(
+    items: np.ndarray, src: np.ndarray, tgt: np.ndarray, max_src: int, max_tgt: int
+) -> list[np.ndarray]:
     items = items[np.argsort(-(src[items] + tgt[items]), kind="stable")]
     src_free = np.empty(len(items), np.int64)
     tgt_free = np.empty(len(items), np.int64)

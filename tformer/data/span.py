@@ -15,8 +15,7 @@ from .tokenizer import special_tokens
 log = logging.getLogger("tformer.data")
 
 
-def _corrupted_lengths(tokens_length: int, noise_density: float,
-                       mean_span_length: float) -> tuple[int, int, int]:
+def _corrupted_lengths(tokens_length: int, noise_density: float, mean_span_length: float) -> tuple[int, int, int]:
     """(inputs, targets, spans) lengths for ``tokens_length`` raw tokens, EOS included."""
     noise = int(round(tokens_length * noise_density))
     noise = min(max(noise, 1), tokens_length - 1)
@@ -24,8 +23,7 @@ def _corrupted_lengths(tokens_length: int, noise_density: float,
     return tokens_length - noise + spans + 1, noise + spans + 1, spans
 
 
-def t5_lengths(inputs_length: int, noise_density: float = 0.15,
-               mean_span_length: float = 3.0) -> tuple[int, int]:
+def t5_lengths(inputs_length: int, noise_density: float = 0.15, mean_span_length: float = 3.0) -> tuple[int, int]:
     """(raw tokens per sample, targets length) so that corrupted inputs fit ``inputs_length``.
 
     The largest raw length whose corrupted input (kept tokens + one sentinel per span + EOS)
@@ -46,8 +44,7 @@ def _segment(total: int, parts: int, rng: np.random.Generator) -> np.ndarray:
     return np.diff(np.concatenate([[0], cuts, [total]]))
 
 
-def noise_mask(length: int, noise_density: float, mean_span_length: float,
-               rng: np.random.Generator) -> np.ndarray:
+def noise_mask(length: int, noise_density: float, mean_span_length: float, rng: np.random.Generator) -> np.ndarray:
     """Boolean mask of noise spans as T5 draws it: the span count is fixed by the length, noise and
     kept lengths are random partitions, and kept/noise segments alternate starting with kept."""
     _, _, spans = _corrupted_lengths(length, noise_density, mean_span_length)
@@ -73,33 +70,52 @@ class SpanCorruptionDataset(KeyedDataset):
     generator seeded by (seed, epoch, index).
     """
 
-    def __init__(self, corpus: TokenizedCorpus, tokenizer: Tokenizer, inputs_length: int = 512, *,
-                 seed: int = 0, noise_density: float = 0.15, mean_span_length: float = 3.0):
+    def __init__(
+        self,
+        corpus: TokenizedCorpus,
+        tokenizer: Tokenizer,
+        inputs_length: int = 512,
+        *,
+        seed: int = 0,
+        noise_density: float = 0.15,
+        mean_span_length: float = 3.0,
+    ):
         ids = special_tokens(tokenizer)
         self.eos_id = ids.require("eos_id", "span corruption")
         self.sentinels = np.asarray(ids.sentinel_ids, dtype=np.int64)
         if not 0.0 < noise_density < 1.0 or mean_span_length < 1:
-            raise DataError(f"need 0 < noise_density < 1 and mean_span_length >= 1, got "
-                            f"{noise_density} and {mean_span_length}")
+            raise DataError(
+                f"need 0 < noise_density < 1 and mean_span_length >= 1, got {noise_density} and {mean_span_length}"
+            )
         self.tokens_length, self.targets_length = t5_lengths(inputs_length, noise_density, mean_span_length)
         spans = _corrupted_lengths(self.tokens_length, noise_density, mean_span_length)[2]
         if spans > len(self.sentinels):
-            raise DataError(f"inputs_length {inputs_length} makes {spans} noise spans but the tokenizer "
-                            f"has {len(self.sentinels)} sentinel tokens: use inputs_length <= "
-                            f"{_max_inputs(len(self.sentinels), noise_density, mean_span_length)} or "
-                            "a longer mean_span_length")
+            raise DataError(
+                f"inputs_length {inputs_length} makes {spans} noise spans but the tokenizer "
+                f"has {len(self.sentinels)} sentinel tokens: use inputs_length <= "
+                f"{_max_inputs(len(self.sentinels), noise_density, mean_span_length)} or "
+                "a longer mean_span_length"
+            )
         self.tokens = corpus.tokens
         self.inputs_length, self.seed = inputs_length, seed
         self.noise_density, self.mean_span_length = noise_density, mean_span_length
         self.num_samples = corpus.num_tokens // self.tokens_length
         if self.num_samples == 0:
-            raise DataError(f"the corpus has {corpus.num_tokens:,} tokens, fewer than one span-corruption "
-                            f"sample needs ({self.tokens_length}): use a shorter inputs_length or more data")
+            raise DataError(
+                f"the corpus has {corpus.num_tokens:,} tokens, fewer than one span-corruption "
+                f"sample needs ({self.tokens_length}): use a shorter inputs_length or more data"
+            )
         left = corpus.num_tokens - self.num_samples * self.tokens_length
-        log.info("span corruption: %d samples of %d raw tokens -> inputs %d, targets %d; the last %d "
-                 "tokens (%.3f%%) do not fill a sample and are left out", self.num_samples,
-                 self.tokens_length, inputs_length, self.targets_length, left,
-                 100.0 * left / corpus.num_tokens)
+        log.info(
+            "span corruption: %d samples of %d raw tokens -> inputs %d, targets %d; the last %d "
+            "tokens (%.3f%%) do not fill a sample and are left out",
+            self.num_samples,
+            self.tokens_length,
+            inputs_length,
+            self.targets_length,
+            left,
+            100.0 * left / corpus.num_tokens,
+        )
 
     def __len__(self) -> int:
         return self.num_samples
@@ -108,7 +124,7 @@ class SpanCorruptionDataset(KeyedDataset):
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range [0, {self.num_samples})")
         a = index * self.tokens_length
-        raw = np.asarray(self.tokens[a:a + self.tokens_length], dtype=np.int64)
+        raw = np.asarray(self.tokens[a : a + self.tokens_length], dtype=np.int64)
         noise = noise_mask(len(raw), self.noise_density, self.mean_span_length, self.rng(index, epoch))
         input_ids = np.append(_replace_spans(raw, noise, self.sentinels), self.eos_id)
         labels = np.append(_replace_spans(raw, ~noise, self.sentinels), self.eos_id)

@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
-from tokenizers import (AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers,
-                        processors, trainers)
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from .errors import DataError
 
@@ -63,8 +62,9 @@ def _bpe() -> tuple[Tokenizer, trainers.Trainer]:
 def _wordpiece() -> tuple[Tokenizer, trainers.Trainer]:
     # Cased: lowercasing and accent stripping would make decoding lossy beyond spacing.
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100))
-    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
-                                                strip_accents=False, lowercase=False)
+    tok.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=False, lowercase=False
+    )
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
     return tok, trainers.WordPieceTrainer
@@ -83,14 +83,16 @@ def _finish(tok: Tokenizer, kind: str) -> None:
     if kind == "wordpiece":
         cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
         tok.post_processor = processors.TemplateProcessing(
-            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-            special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+        )
     elif kind == "unigram":
         # Added in reverse so that <extra_id_0> gets the highest id, as in T5.
-        tok.add_special_tokens([AddedToken(sentinel(i), special=True, normalized=False)
-                                for i in reversed(range(NUM_SENTINELS))])
+        tok.add_special_tokens(
+            [AddedToken(sentinel(i), special=True, normalized=False) for i in reversed(range(NUM_SENTINELS))]
+        )
         tok.post_processor = processors.TemplateProcessing(
-            single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", tok.token_to_id("</s>"))])
+            single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", tok.token_to_id("</s>"))]
+        )
 
 
 def _canonical_ids(tok: Tokenizer, kind: str, num_specials: int) -> None:
@@ -102,15 +104,13 @@ def _canonical_ids(tok: Tokenizer, kind: str, num_specials: int) -> None:
         vocab = sorted(tok.get_vocab(with_added_tokens=False).items(), key=lambda kv: kv[1])
         rest = sorted((t for t, _ in vocab[num_specials:]), key=lambda t: (len(t.removeprefix("##")), t))
         order = [t for t, _ in vocab[:num_specials]] + rest
-        tok.model = models.WordPiece({t: i for i, t in enumerate(order)}, unk_token="[UNK]",
-                                     max_input_chars_per_word=100)
+        tok.model = models.WordPiece({t: i for i, t in enumerate(order)}, unk_token="[UNK]", max_input_chars_per_word=100)
     elif kind == "unigram":
         import json
 
         pieces = json.loads(tok.to_str())["model"]["vocab"]
         specials = [tuple(p) for p in pieces[:num_specials]]
-        rest = sorted(((p, round(score, 9)) for p, score in pieces[num_specials:]),
-                      key=lambda ps: (-ps[1], ps[0]))
+        rest = sorted(((p, round(score, 9)) for p, score in pieces[num_specials:]), key=lambda ps: (-ps[1], ps[0]))
         # Characters the trainer had to keep (never learned as pieces) come last with scores
         # stepped down in hash-map order: give those scores to the characters in sorted order.
         tail = len(rest)
@@ -153,9 +153,16 @@ def _with_continuations(batches: Iterator[list[str]]) -> Iterator[list[str]]:
     yield from batches
 
 
-def train_tokenizer(kind: str, source, vocab_size: int, out_path: str | Path | None = None, *,
-                    column: str = "text", min_frequency: int = 2,
-                    max_rows: int | None = None) -> Tokenizer:
+def train_tokenizer(
+    kind: str,
+    source,
+    vocab_size: int,
+    out_path: str | Path | None = None,
+    *,
+    column: str = "text",
+    min_frequency: int = 2,
+    max_rows: int | None = None,
+) -> Tokenizer:
     """Train a ``kind`` tokenizer ("bpe" | "wordpiece" | "unigram") of ``vocab_size`` tokens.
 
     ``source``: a path, glob or directory of text/jsonl/parquet/arrow files (or a list of them), a
@@ -170,19 +177,36 @@ def train_tokenizer(kind: str, source, vocab_size: int, out_path: str | Path | N
     specials = {"bpe": [EOT], "wordpiece": BERT_SPECIALS, "unigram": T5_SPECIALS}[kind]
     floor = len(specials) + (NUM_SENTINELS if kind == "unigram" else 0) + (256 if kind == "bpe" else 1)
     if vocab_size <= floor:
-        raise DataError(f"vocab_size {vocab_size} is too small for a {kind} tokenizer: it needs "
-                        f"more than {floor} (special tokens{' + 256 bytes' if kind == 'bpe' else ''})")
+        raise DataError(
+            f"vocab_size {vocab_size} is too small for a {kind} tokenizer: it needs "
+            f"more than {floor} (special tokens{' + 256 bytes' if kind == 'bpe' else ''})"
+        )
     tok, trainer_cls = {"bpe": _bpe, "wordpiece": _wordpiece, "unigram": _unigram}[kind]()
     if kind == "bpe":
-        trainer = trainer_cls(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=specials,
-                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        trainer = trainer_cls(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
     elif kind == "wordpiece":
-        trainer = trainer_cls(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=specials,
-                              continuing_subword_prefix="##", initial_alphabet=ASCII_ALPHABET,
-                              show_progress=False)
+        trainer = trainer_cls(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=specials,
+            continuing_subword_prefix="##",
+            initial_alphabet=ASCII_ALPHABET,
+            show_progress=False,
+        )
     else:
-        trainer = trainer_cls(vocab_size=vocab_size - NUM_SENTINELS, special_tokens=specials,
-                              unk_token="<unk>", initial_alphabet=ASCII_ALPHABET, show_progress=False)
+        trainer = trainer_cls(
+            vocab_size=vocab_size - NUM_SENTINELS,
+            special_tokens=specials,
+            unk_token="<unk>",
+            initial_alphabet=ASCII_ALPHABET,
+            show_progress=False,
+        )
     batches, n = _text_batches(source, column, max_rows)
     if kind == "wordpiece":
         batches = _with_continuations(batches)
@@ -190,11 +214,14 @@ def train_tokenizer(kind: str, source, vocab_size: int, out_path: str | Path | N
     tok.train_from_iterator(batches, trainer, length=n)
     _canonical_ids(tok, kind, len(specials))
     _finish(tok, kind)
-    log.info("trained %s tokenizer: %d tokens in %.1fs", kind, tok.get_vocab_size(True),
-             time.perf_counter() - start)
+    log.info("trained %s tokenizer: %d tokens in %.1fs", kind, tok.get_vocab_size(True), time.perf_counter() - start)
     if tok.get_vocab_size(True) < vocab_size:
-        log.warning("the %s tokenizer has %d tokens, fewer than the %d asked for: the training text "
-                    "is too small to learn more", kind, tok.get_vocab_size(True), vocab_size)
+        log.warning(
+            "the %s tokenizer has %d tokens, fewer than the %d asked for: the training text is too small to learn more",
+            kind,
+            tok.get_vocab_size(True),
+            vocab_size,
+        )
     if out_path is not None:
         save_tokenizer(tok, out_path)
     return tok
@@ -216,13 +243,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if p.is_dir():
         p = p / "tokenizer.json"
     if not p.is_file():
-        raise DataError(f"tokenizer file not found: {p}: train one with `tformer tokenizer train` "
-                        "or give the directory holding tokenizer.json")
+        raise DataError(
+            f"tokenizer file not found: {p}: train one with `tformer tokenizer train` "
+            "or give the directory holding tokenizer.json"
+        )
     try:
         return Tokenizer.from_file(str(p))
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
-        raise DataError(f"cannot read tokenizer {p}: {str(e).splitlines()[0]}: "
-                        "give a tokenizer.json written by `tokenizers`") from e
+        raise DataError(
+            f"cannot read tokenizer {p}: {str(e).splitlines()[0]}: give a tokenizer.json written by `tokenizers`"
+        ) from e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,6 +266,7 @@ class SpecialTokens:
     ``kind`` is inferred from the tokens present. For "bpe", padding reuses ``<|endoftext|>``.
     ``sentinel_ids[i]`` is the id of ``<extra_id_i>``.
     """
+
     kind: str
     pad_id: int | None = None
     eos_id: int | None = None
@@ -248,8 +279,10 @@ class SpecialTokens:
     def require(self, name: str, purpose: str) -> int:
         value = getattr(self, name)
         if value is None:
-            raise DataError(f"the tokenizer has no {name.removesuffix('_id')} token, needed for "
-                            f"{purpose}: train a matching tokenizer (`tformer tokenizer train --kind ...`)")
+            raise DataError(
+                f"the tokenizer has no {name.removesuffix('_id')} token, needed for "
+                f"{purpose}: train a matching tokenizer (`tformer tokenizer train --kind ...`)"
+            )
         return value
 
 
@@ -257,14 +290,16 @@ def special_tokens(tok: Tokenizer) -> SpecialTokens:
     """The special-token ids of ``tok`` (one of the three kinds, or a compatible tokenizer)."""
     t = tok.token_to_id
     if t("[MASK]") is not None or t("[CLS]") is not None:
-        return SpecialTokens("wordpiece", pad_id=t("[PAD]"), unk_id=t("[UNK]"), cls_id=t("[CLS]"),
-                             sep_id=t("[SEP]"), mask_id=t("[MASK]"))
+        return SpecialTokens(
+            "wordpiece", pad_id=t("[PAD]"), unk_id=t("[UNK]"), cls_id=t("[CLS]"), sep_id=t("[SEP]"), mask_id=t("[MASK]")
+        )
     if t("</s>") is not None:
         sentinels = []
         while (i := t(sentinel(len(sentinels)))) is not None:
             sentinels.append(i)
-        return SpecialTokens("unigram", pad_id=t("<pad>"), eos_id=t("</s>"), unk_id=t("<unk>"),
-                             sentinel_ids=tuple(sentinels))
+        return SpecialTokens(
+            "unigram", pad_id=t("<pad>"), eos_id=t("</s>"), unk_id=t("<unk>"), sentinel_ids=tuple(sentinels)
+        )
     eos = t(EOT)
     return SpecialTokens("bpe", pad_id=eos, eos_id=eos)
 
@@ -282,10 +317,12 @@ def check_vocab(tok: Tokenizer, model_vocab_size: int) -> None:
     n = vocab_size(tok)
     if n > model_vocab_size:
         suggestion = -(-n // 64) * 64
-        raise DataError(f"the tokenizer has {n} tokens but the model's vocab_size is "
-                        f"{model_vocab_size}: set the model's vocab_size to at least {n} (e.g. "
-                        f"{suggestion}, a multiple of 64) or train a tokenizer with --vocab-size "
-                        f"{model_vocab_size}")
+        raise DataError(
+            f"the tokenizer has {n} tokens but the model's vocab_size is "
+            f"{model_vocab_size}: set the model's vocab_size to at least {n} (e.g. "
+            f"{suggestion}, a multiple of 64) or train a tokenizer with --vocab-size "
+            f"{model_vocab_size}"
+        )
 
 
 def tokenizer_hash(tok: Tokenizer) -> str:
@@ -318,11 +355,13 @@ def hf_tokenizer(tok: Tokenizer):
 
     s = special_tokens(tok)
     name = tok.id_to_token
-    roles = {"bpe": dict(bos_token=EOT, eos_token=EOT, unk_token=EOT, pad_token=EOT),
-             "wordpiece": dict(pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
-                               sep_token="[SEP]", mask_token="[MASK]"),
-             "unigram": dict(pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
-                             extra_special_tokens=[name(i) for i in s.sentinel_ids])}[s.kind]
+    roles = {
+        "bpe": dict(bos_token=EOT, eos_token=EOT, unk_token=EOT, pad_token=EOT),
+        "wordpiece": dict(pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]"),
+        "unigram": dict(
+            pad_token="<pad>", eos_token="</s>", unk_token="<unk>", extra_special_tokens=[name(i) for i in s.sentinel_ids]
+        ),
+    }[s.kind]
     return PreTrainedTokenizerFast(tokenizer_object=tok, **roles)
 
 
@@ -337,30 +376,28 @@ def tokenizer_main(argv: Sequence[str] | None = None) -> int:
     """
     from ..args import Parser, number
 
-    parser = Parser(prog="tformer tokenizer",
-                                     description="Train a tokenizer for one of the model families.")
+    parser = Parser(prog="tformer tokenizer", description="Train a tokenizer for one of the model families.")
     sub = parser.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train a tokenizer and write DIR/tokenizer.json")
-    tr.add_argument("--kind", choices=KINDS, required=True,
-                    help="bpe (GPT, byte-level), wordpiece (BERT), unigram (T5)")
+    tr.add_argument("--kind", choices=KINDS, required=True, help="bpe (GPT, byte-level), wordpiece (BERT), unigram (T5)")
     tr.add_argument("--vocab-size", type=number(int, "[1, inf)"), required=True)
     tr.add_argument("--out", required=True, help="output directory (or a .json file path)")
     tr.add_argument("--column", default="text", help="text column of jsonl/parquet/arrow input")
     tr.add_argument("--min-frequency", type=number(int, "[1, inf)"), default=2, help="bpe/wordpiece: rarest merge kept")
     tr.add_argument("--max-rows", type=number(int, "[1, inf)"), default=None, help="train on the first N rows only")
-    tr.add_argument("--default-corpus", action="store_true",
-                    help="train on the bundled World English Bible")
-    tr.add_argument("files", nargs="*", help="text/jsonl/parquet/arrow files, globs, directories, "
-                                             "or one hub dataset name")
+    tr.add_argument("--default-corpus", action="store_true", help="train on the bundled World English Bible")
+    tr.add_argument("files", nargs="*", help="text/jsonl/parquet/arrow files, globs, directories, or one hub dataset name")
     args = parser.parse_args(argv)
     if args.default_corpus:
         from .corpus import default_corpus_path
+
         args.files = [*args.files, str(default_corpus_path())]
     if not args.files:
         raise DataError("no training text given: pass FILES... or --default-corpus")
     source = args.files[0] if len(args.files) == 1 else args.files
-    tok = train_tokenizer(args.kind, source, args.vocab_size, column=args.column,
-                          min_frequency=args.min_frequency, max_rows=args.max_rows)
+    tok = train_tokenizer(
+        args.kind, source, args.vocab_size, column=args.column, min_frequency=args.min_frequency, max_rows=args.max_rows
+    )
     path = save_tokenizer(tok, args.out)
     print(f"wrote {path} ({args.kind}, {vocab_size(tok)} tokens)")
     return 0

@@ -5,6 +5,7 @@
 directory to continue pretraining from. Each target is one short module holding its config
 checks and its name map (``Rule``: HF tensor <- our tensors).
 """
+
 from .common import ExportError, read_model_state
 from .hf import TARGETS, export_hf, import_hf
 

@@ -1,5 +1,6 @@
 """What the four HF targets share: the error type, name maps, reading our checkpoints, writing an
 output directory atomically, sharded safetensors, and the tokenizer hand-off."""
+
 from __future__ import annotations
 
 import json
@@ -32,6 +33,7 @@ class Rule:
     then transposed for HF ``Conv1D`` layers, which store weights as (in, out). A tensor of ours
     may feed several HF tensors (BERT's untied head keeps its bias twice); on import the first
     rule naming it wins."""
+
     hf: str
     ours: tuple[str, ...]
     transpose: bool = False
@@ -50,8 +52,14 @@ def linear(hf: str, ours: str, bias: bool, transpose: bool = False) -> list[Rule
 # Plain (ungated) activations: tformer name <-> HF ACT2FN name. HF's "gelu_new" and
 # "gelu_pytorch_tanh" are both the tanh approximation (GPT-2's), "gelu" the exact erf form.
 PLAIN_ACTS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
-HF_PLAIN_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
-                 "relu": "relu", "silu": "silu", "swish": "silu"}
+HF_PLAIN_ACTS = {
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
+}
 
 
 def to_hf(state: dict[str, torch.Tensor], rules: list[Rule], target: str) -> dict[str, torch.Tensor]:
@@ -62,8 +70,10 @@ def to_hf(state: dict[str, torch.Tensor], rules: list[Rule], target: str) -> dic
     for r in rules:
         missing = [o for o in r.ours if o not in state]
         if missing:
-            raise ExportError(f"the checkpoint has no tensor {missing[0]} (needed for {target}'s {r.hf}); "
-                              "it does not match its model_config")
+            raise ExportError(
+                f"the checkpoint has no tensor {missing[0]} (needed for {target}'s {r.hf}); "
+                "it does not match its model_config"
+            )
         parts = [state[o] for o in r.ours]
         t = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
         t = (t.t() if r.transpose else t).contiguous()
@@ -71,13 +81,16 @@ def to_hf(state: dict[str, torch.Tensor], rules: list[Rule], target: str) -> dic
         used.update(r.ours)
     left = set(state) - used
     if left:
-        raise ExportError(f"parameter {sorted(left)[0]} has no counterpart in HF {target} "
-                          f"({len(left)} such tensor(s)); the model uses a feature {target} cannot express")
+        raise ExportError(
+            f"parameter {sorted(left)[0]} has no counterpart in HF {target} "
+            f"({len(left)} such tensor(s)); the model uses a feature {target} cannot express"
+        )
     return out
 
 
-def from_hf(state: dict[str, torch.Tensor], rules: list[Rule], shapes: dict[str, torch.Size],
-            source: str) -> dict[str, torch.Tensor]:
+def from_hf(
+    state: dict[str, torch.Tensor], rules: list[Rule], shapes: dict[str, torch.Size], source: str
+) -> dict[str, torch.Tensor]:
     """HF tensors -> ours (the inverse of ``to_hf``); ``shapes`` are our parameters' shapes, used
     to split fused tensors and to check every tensor lands in a place of the right size."""
     left = dict(state)
@@ -92,12 +105,16 @@ def from_hf(state: dict[str, torch.Tensor], rules: list[Rule], shapes: dict[str,
         sizes = [shapes[o][0] for o in r.ours]
         for name, part in zip(r.ours, torch.split(t, sizes, dim=0) if len(r.ours) > 1 else [t]):
             if part.shape != shapes[name]:
-                raise ExportError(f"HF tensor {r.hf} has shape {tuple(t.shape)}, which does not fit "
-                                  f"{name} {tuple(shapes[name])}; the HF config and weights disagree")
+                raise ExportError(
+                    f"HF tensor {r.hf} has shape {tuple(t.shape)}, which does not fit "
+                    f"{name} {tuple(shapes[name])}; the HF config and weights disagree"
+                )
             out[name] = part.contiguous()
     if left:
-        raise ExportError(f"HF tensor {sorted(left)[0]} of {source} has no place in a tformer model "
-                          f"({len(left)} such tensor(s)); the HF model uses a feature tformer lacks")
+        raise ExportError(
+            f"HF tensor {sorted(left)[0]} of {source} has no place in a tformer model "
+            f"({len(left)} such tensor(s)); the HF model uses a feature tformer lacks"
+        )
     return out
 
 
@@ -161,6 +178,7 @@ def read_model_state(checkpoint: str | Path, trust: bool = False) -> tuple[Model
     weights = path / "model.safetensors"
     if not weights.is_file():  # FSDP2 / DDP shards in dcp/, or DeepSpeed ZeRO partitions
         from ..checkpoint.consolidate import read_resolved_model_state
+
         return read_resolved_model_state(path, trust)
     try:
         state = load_file(weights)
@@ -211,22 +229,23 @@ def hf_expected(hf_config, class_name: str) -> tuple[dict[str, torch.Size], set[
     return unique, {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(unique)
 
 
-def check_against(hf_state: dict[str, torch.Tensor],
-                  expected: tuple[dict[str, torch.Size], set[str]], target: str) -> None:
+def check_against(hf_state: dict[str, torch.Tensor], expected: tuple[dict[str, torch.Size], set[str]], target: str) -> None:
     """Every HF parameter present with its shape; nothing else except a tied alias that holds
     different values on purpose (an untied T5 head, which the HF loader then keeps apart)."""
     unique, aliases = expected
     for name, shape in unique.items():
         if name not in hf_state:
-            raise ExportError(f"HF {target} needs {name}, which the name map does not produce; "
-                              "this is a bug in tformer.export")
+            raise ExportError(
+                f"HF {target} needs {name}, which the name map does not produce; this is a bug in tformer.export"
+            )
         if hf_state[name].shape != shape:
-            raise ExportError(f"{name} has shape {tuple(hf_state[name].shape)} but HF {target} expects "
-                              f"{tuple(shape)}; the config and the weights disagree")
+            raise ExportError(
+                f"{name} has shape {tuple(hf_state[name].shape)} but HF {target} expects "
+                f"{tuple(shape)}; the config and the weights disagree"
+            )
     extra = sorted(set(hf_state) - set(unique) - aliases)
     if extra:
-        raise ExportError(f"tensor {extra[0]} has no place in HF {target}; the model uses a feature "
-                          f"{target} cannot express")
+        raise ExportError(f"tensor {extra[0]} has no place in HF {target}; the model uses a feature {target} cannot express")
 
 
 def write_safetensors(state: dict[str, torch.Tensor], out: Path, max_shard_size: int | str) -> None:
@@ -235,8 +254,9 @@ def write_safetensors(state: dict[str, torch.Tensor], out: Path, max_shard_size:
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size,
-                                               filename_pattern="model{suffix}.safetensors")
+    split = split_torch_state_dict_into_shards(
+        state, max_shard_size=max_shard_size, filename_pattern="model{suffix}.safetensors"
+    )
     for filename, names in split.filename_to_tensors.items():
         save_file({n: state[n] for n in names}, str(out / filename), metadata={"format": "pt"})
     if split.is_sharded:
@@ -255,20 +275,26 @@ def read_hf_weights(hf_dir: str, class_name: str, hf_config) -> tuple[dict[str, 
 
     cls = getattr(transformers, class_name)
     try:  # transformers reads pickled weights (*.bin) with weights_only=True: never code
-        model, info = cls.from_pretrained(hf_dir, config=hf_config, dtype=torch.float32,
-                                          output_loading_info=True)
+        model, info = cls.from_pretrained(hf_dir, config=hf_config, dtype=torch.float32, output_loading_info=True)
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
         pickles = sorted(p.name for p in Path(hf_dir).glob("*.bin")) if Path(hf_dir).is_dir() else []
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        what = (f"{'/'.join(pickles) or 'its weights'} try to load {found.group(1)}, which no weights file needs; "
-                "refused: it could run code" if found else
-                f"its weights cannot be read ({type(e).__name__}: {(str(e).strip().splitlines() or ['?'])[0]})")
+        what = (
+            f"{'/'.join(pickles) or 'its weights'} try to load {found.group(1)}, which no weights file needs; "
+            "refused: it could run code"
+            if found
+            else f"its weights cannot be read ({type(e).__name__}: {(str(e).strip().splitlines() or ['?'])[0]})"
+        )
         raise ExportError(f"{hf_dir}: {what}; use a safetensors copy of the model") from None
     missing = [k for k in info.get("missing_keys", []) if k]
     if missing:
         logging.getLogger("tformer.export").warning(
             "%s lacks %d tensor(s) of %s (e.g. %s); transformers initialised them randomly",
-            hf_dir, len(missing), class_name, sorted(missing)[0])
+            hf_dir,
+            len(missing),
+            class_name,
+            sorted(missing)[0],
+        )
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     return {name: p.detach() for name, p in model.named_parameters()}, tied
 
@@ -292,8 +318,10 @@ def check_tokenizer(tok, cfg: ModelConfig) -> None:
 
     n = vocab_size(tok)
     if n > cfg.vocab_size:
-        raise ExportError(f"the tokenizer has {n} tokens but model vocab_size={cfg.vocab_size}; export "
-                          "with the tokenizer the model was trained with (--tokenizer)")
+        raise ExportError(
+            f"the tokenizer has {n} tokens but model vocab_size={cfg.vocab_size}; export "
+            "with the tokenizer the model was trained with (--tokenizer)"
+        )
     s = special_tokens(tok)
     pairs = [("pad_token_id", s.pad_id, "pad")]
     if cfg.family != "encoder":
@@ -303,8 +331,10 @@ def check_tokenizer(tok, cfg: ModelConfig) -> None:
     for field, tok_id, role in pairs:
         ours = getattr(cfg, field)
         if tok_id is not None and ours is not None and ours != tok_id:
-            raise ExportError(f"model {field}={ours} but the tokenizer's {role} token has id {tok_id}; "
-                              "export with the tokenizer the model was trained with (--tokenizer)")
+            raise ExportError(
+                f"model {field}={ours} but the tokenizer's {role} token has id {tok_id}; "
+                "export with the tokenizer the model was trained with (--tokenizer)"
+            )
 
 
 def save_hf_tokenizer(tok, cfg: ModelConfig, out: Path) -> None:
@@ -328,8 +358,9 @@ def save_generation_config(cfg: ModelConfig, out: Path) -> None:
     from transformers import GenerationConfig
 
     extra = {"decoder_start_token_id": cfg.decoder_start_token_id} if cfg.family == "encdec" else {}
-    GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
-                     pad_token_id=cfg.pad_token_id, **extra).save_pretrained(str(out))
+    GenerationConfig(
+        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id, **extra
+    ).save_pretrained(str(out))
 
 
 # -- atomic output directories ---------------------------------------------------------------
@@ -342,8 +373,9 @@ def check_out_dir(out: Path, force: bool, source: Path | None = None) -> None:
     if out.exists() and not out.is_dir():
         raise ExportError(f"output {out} exists and is not a directory; choose another path")
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise ExportError(f"output directory {out} exists and is not empty; choose another path or "
-                          "pass --force to replace it")
+        raise ExportError(
+            f"output directory {out} exists and is not empty; choose another path or pass --force to replace it"
+        )
 
 
 @contextmanager
@@ -353,4 +385,3 @@ def atomic_dir(out: Path, force: bool, source: Path | None = None) -> Iterator[P
     check_out_dir(out, force, source)
     with atomic_write(out, directory=True) as tmp:
         yield tmp
-

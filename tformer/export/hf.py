@@ -7,6 +7,7 @@ The target is the model's ``flavour`` (bert, gpt2, llama, t5). Every config swit
 against what the target class can express: anything else is an ``ExportError`` naming the field,
 never a silently dropped tensor. Output appears in one rename once complete.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,10 +18,25 @@ from ..checkpoint.io import commit, partial_dir, write_bytes_durable
 from ..checkpoint.manager import TrainerState
 from ..config import ModelConfig
 from . import bert, gpt2, llama, marian, t5
-from .common import (ExportError, atomic_dir, check_against, check_out_dir, check_tokenizer, find_tokenizer,
-                     from_hf, hf_expected, model_shapes, read_hf_weights, read_model_state,
-                     resolve_checkpoint, save_generation_config, save_hf_tokenizer, to_hf, unpad_vocab,
-                     write_safetensors)
+from .common import (
+    ExportError,
+    atomic_dir,
+    check_against,
+    check_out_dir,
+    check_tokenizer,
+    find_tokenizer,
+    from_hf,
+    hf_expected,
+    model_shapes,
+    read_hf_weights,
+    read_model_state,
+    resolve_checkpoint,
+    save_generation_config,
+    save_hf_tokenizer,
+    to_hf,
+    unpad_vocab,
+    write_safetensors,
+)
 
 log = logging.getLogger("tformer.export")
 
@@ -32,14 +48,21 @@ DEFAULT_SHARD_SIZE = "5GB"
 def target_of(cfg: ModelConfig):
     target = TARGETS.get(cfg.flavour)
     if target is None:
-        raise ExportError(f"model flavour={cfg.flavour!r} has no HF equivalent; exportable flavours are "
-                          f"{', '.join(TARGETS)} (set flavour to the one whose switches the model uses)")
+        raise ExportError(
+            f"model flavour={cfg.flavour!r} has no HF equivalent; exportable flavours are "
+            f"{', '.join(TARGETS)} (set flavour to the one whose switches the model uses)"
+        )
     return target
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False,
-              tokenizer: str | Path | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE,
-              trust: bool = False) -> Path:
+def export_hf(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    force: bool = False,
+    tokenizer: str | Path | None = None,
+    max_shard_size: int | str = DEFAULT_SHARD_SIZE,
+    trust: bool = False,
+) -> Path:
     """Write ``out_dir`` (config, safetensors, generation config, tokenizer) for the checkpoint
     (or a run directory's newest one). Everything is checked before anything is written; the
     checkpoint's pickles go through an allow-list unless ``trust``."""
@@ -69,8 +92,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False,
 
     tok_path = Path(tokenizer) if tokenizer is not None else find_tokenizer(ckpt)
     if tok_path is None:
-        raise ExportError(f"no tokenizer.json in {ckpt} or its run directory; pass the one the model was "
-                          "trained with (--tokenizer PATH)")
+        raise ExportError(
+            f"no tokenizer.json in {ckpt} or its run directory; pass the one the model was trained with (--tokenizer PATH)"
+        )
     try:
         tok = load_tokenizer(tok_path)
     except DataError as e:
@@ -99,12 +123,12 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, force: bool = False) -> P
     try:
         hf_config = AutoConfig.from_pretrained(str(hf_dir))
     except (OSError, ValueError) as e:
-        raise ExportError(f"cannot read a HF config from {hf_dir} ({str(e).splitlines()[0]}); pass a "
-                          "directory holding config.json") from None
+        raise ExportError(
+            f"cannot read a HF config from {hf_dir} ({str(e).splitlines()[0]}); pass a directory holding config.json"
+        ) from None
     target = TARGETS.get(hf_config.model_type)
     if target is None:
-        raise ExportError(f"HF model_type={hf_config.model_type!r} cannot be imported; tformer imports "
-                          f"{', '.join(TARGETS)}")
+        raise ExportError(f"HF model_type={hf_config.model_type!r} cannot be imported; tformer imports {', '.join(TARGETS)}")
     hf_state, tied = read_hf_weights(str(hf_dir), target.HF_CLASS, hf_config)
     cfg = target.model_config(hf_config, tied)
     shapes = model_shapes(cfg)
@@ -115,8 +139,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, force: bool = False) -> P
         state = target.after_import(cfg, state)
     missing = sorted(set(shapes) - set(state))
     if missing:
-        raise ExportError(f"the name map leaves tformer tensor {missing[0]} empty; this is a bug in "
-                          "tformer.export")
+        raise ExportError(f"the name map leaves tformer tensor {missing[0]} empty; this is a bug in tformer.export")
     tok_file = Path(hf_dir) / "tokenizer.json"
 
     with atomic_dir(out, force, local) as tmp:
@@ -140,8 +163,7 @@ def _write_checkpoint(root: Path, cfg: ModelConfig, state: dict, source: str) ->
     tmp.mkdir(parents=True)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     # weights_only: the trainer resumes it with a fresh optimizer and LR schedule
-    TrainerState(step=0, weights_only=True, model_config=cfg.to_dict(), family=cfg.family,
-                 imported_from=source).write(tmp)
+    TrainerState(step=0, weights_only=True, model_config=cfg.to_dict(), family=cfg.family, imported_from=source).write(tmp)
     write_bytes_durable(tmp / "config.yaml", dump_yaml(config_from_dict({"model": cfg.to_dict()})).encode())
     return commit(root, 0, keep=1)
 

@@ -2,6 +2,7 @@
 
 Same layout as ours (separate q/k/v, gate/up/down, rotate-half RoPE): a rename only.
 """
+
 from __future__ import annotations
 
 from ..config import ModelConfig
@@ -14,32 +15,52 @@ HF_GATED_ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "gegl
 
 
 def check(cfg: ModelConfig) -> None:
-    raise_problems(HF_CLASS, [
-        need(cfg, "family", "decoder", "Llama is a decoder; set flavour to the family's target"),
-        need(cfg, "position", "rotary", "Llama uses rotary positions; use flavour=gpt2 for learned ones"),
-        need(cfg, "norm", "rmsnorm", "Llama uses RMSNorm; use flavour=gpt2 for LayerNorm"),
-        need(cfg, "norm_position", "pre", "Llama is pre-norm; train with norm_position=pre"),
-        need(cfg, "activation", tuple(GATED_ACTS), "Llama's MLP is gated (gate_proj/up_proj); use "
-                                                   "flavour=gpt2 for a plain MLP"),
-        need(cfg, "attn_scale", True, "Llama always scales attention by 1/sqrt(d_head)"),
-        need(cfg, "type_vocab_size", 0, "Llama has no token-type embeddings"),
-        need(cfg, "embed_norm", False, "Llama has no norm after the embeddings"),
-        need(cfg, "embed_scale", False, "Llama does not scale its embeddings"),
-    ])
+    raise_problems(
+        HF_CLASS,
+        [
+            need(cfg, "family", "decoder", "Llama is a decoder; set flavour to the family's target"),
+            need(cfg, "position", "rotary", "Llama uses rotary positions; use flavour=gpt2 for learned ones"),
+            need(cfg, "norm", "rmsnorm", "Llama uses RMSNorm; use flavour=gpt2 for LayerNorm"),
+            need(cfg, "norm_position", "pre", "Llama is pre-norm; train with norm_position=pre"),
+            need(
+                cfg,
+                "activation",
+                tuple(GATED_ACTS),
+                "Llama's MLP is gated (gate_proj/up_proj); use flavour=gpt2 for a plain MLP",
+            ),
+            need(cfg, "attn_scale", True, "Llama always scales attention by 1/sqrt(d_head)"),
+            need(cfg, "type_vocab_size", 0, "Llama has no token-type embeddings"),
+            need(cfg, "embed_norm", False, "Llama has no norm after the embeddings"),
+            need(cfg, "embed_scale", False, "Llama does not scale its embeddings"),
+        ],
+    )
 
 
 def hf_config(cfg: ModelConfig):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, hidden_act=GATED_ACTS[cfg.activation],
-        max_position_embeddings=cfg.max_seq_len, initializer_range=cfg.init_std, rms_norm_eps=cfg.norm_eps,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.d_ff,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_act=GATED_ACTS[cfg.activation],
+        max_position_embeddings=cfg.max_seq_len,
+        initializer_range=cfg.init_std,
+        rms_norm_eps=cfg.norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        attention_bias=cfg.bias, mlp_bias=cfg.bias, attention_dropout=cfg.attn_dropout,
-        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
-        tie_word_embeddings=cfg.tie_embeddings, architectures=[HF_CLASS])
+        attention_bias=cfg.bias,
+        mlp_bias=cfg.bias,
+        attention_dropout=cfg.attn_dropout,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=cfg.eos_token_id,
+        pad_token_id=cfg.pad_token_id,
+        tie_word_embeddings=cfg.tie_embeddings,
+        architectures=[HF_CLASS],
+    )
 
 
 def rules(cfg: ModelConfig) -> list[Rule]:
@@ -50,8 +71,10 @@ def rules(cfg: ModelConfig) -> list[Rule]:
             out += linear(f"{h}self_attn.{x}_proj", f"{o}attn.{x}_proj", cfg.bias)
         for hf_name, ours in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
             out += linear(f"{h}mlp.{hf_name}", f"{o}ffn.{ours}", cfg.bias)
-        out += [rule(h + "input_layernorm.weight", o + "attn_norm.weight"),
-                rule(h + "post_attention_layernorm.weight", o + "ffn_norm.weight")]
+        out += [
+            rule(h + "input_layernorm.weight", o + "attn_norm.weight"),
+            rule(h + "post_attention_layernorm.weight", o + "ffn_norm.weight"),
+        ]
     out.append(rule("model.norm.weight", "decoder.final_norm.weight"))
     if not cfg.tie_embeddings:
         out.append(rule("lm_head.weight", "lm_head.weight"))
@@ -61,23 +84,44 @@ def rules(cfg: ModelConfig) -> list[Rule]:
 def model_config(hf, tied: bool) -> ModelConfig:
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     if rope.get("rope_type", "default") != "default":
-        raise ExportError(f"HF Llama rope_parameters.rope_type={rope['rope_type']!r} (RoPE scaling) has no "
-                          "tformer equivalent; only the default RoPE can be imported")
+        raise ExportError(
+            f"HF Llama rope_parameters.rope_type={rope['rope_type']!r} (RoPE scaling) has no "
+            "tformer equivalent; only the default RoPE can be imported"
+        )
     if hf.attention_bias != hf.mlp_bias:
-        raise ExportError(f"HF Llama attention_bias={hf.attention_bias} with mlp_bias={hf.mlp_bias} has no "
-                          "tformer equivalent (one bias switch for both)")
+        raise ExportError(
+            f"HF Llama attention_bias={hf.attention_bias} with mlp_bias={hf.mlp_bias} has no "
+            "tformer equivalent (one bias switch for both)"
+        )
     if hf.hidden_act not in HF_GATED_ACTS:
-        raise ExportError(f"HF Llama hidden_act={hf.hidden_act!r} has no tformer equivalent (supported: "
-                          f"{', '.join(HF_GATED_ACTS)})")
+        raise ExportError(
+            f"HF Llama hidden_act={hf.hidden_act!r} has no tformer equivalent (supported: {', '.join(HF_GATED_ACTS)})"
+        )
     eos = first_id(hf.eos_token_id)
     return build_config(
-        "HF Llama config", family="decoder", flavour="llama", vocab_size=hf.vocab_size,
+        "HF Llama config",
+        family="decoder",
+        flavour="llama",
+        vocab_size=hf.vocab_size,
         d_model=hf.hidden_size,
-        num_layers=hf.num_hidden_layers, num_heads=hf.num_attention_heads,
-        num_kv_heads=hf.num_key_value_heads, d_head=hf.head_dim, d_ff=hf.intermediate_size,
-        max_seq_len=hf.max_position_embeddings, position="rotary",
-        rope_theta=float(rope.get("rope_theta", 10000.0)), norm="rmsnorm", norm_eps=hf.rms_norm_eps,
-        norm_bias=False, norm_position="pre", activation=HF_GATED_ACTS[hf.hidden_act], bias=hf.attention_bias,
-        attn_dropout=float(hf.attention_dropout), tie_embeddings=tied, init_std=hf.initializer_range,
-        bos_token_id=hf.bos_token_id, eos_token_id=eos,
-        pad_token_id=hf.pad_token_id if hf.pad_token_id is not None else (eos or 0))
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads,
+        d_head=hf.head_dim,
+        d_ff=hf.intermediate_size,
+        max_seq_len=hf.max_position_embeddings,
+        position="rotary",
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        norm="rmsnorm",
+        norm_eps=hf.rms_norm_eps,
+        norm_bias=False,
+        norm_position="pre",
+        activation=HF_GATED_ACTS[hf.hidden_act],
+        bias=hf.attention_bias,
+        attn_dropout=float(hf.attention_dropout),
+        tie_embeddings=tied,
+        init_std=hf.initializer_range,
+        bos_token_id=hf.bos_token_id,
+        eos_token_id=eos,
+        pad_token_id=hf.pad_token_id if hf.pad_token_id is not None else (eos or 0),
+    )

@@ -19,6 +19,7 @@ Two differences are bridged here, both exactly:
   buffer) is written as zeros; an imported model with a non-zero one is
   refused, since tformer's tied head has no bias.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,8 +27,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from .common import (PLAIN_ACTS, HF_PLAIN_ACTS, ExportError, Rule, build_config, first_id, linear, need,
-                     raise_problems, rule)
+from .common import PLAIN_ACTS, HF_PLAIN_ACTS, ExportError, Rule, build_config, first_id, linear, need, raise_problems, rule
 
 HF_CLASS = "MarianMTModel"
 AUTO_CLASS = "AutoModelForSeq2SeqLM"
@@ -35,47 +35,80 @@ AUTO_CLASS = "AutoModelForSeq2SeqLM"
 NOT_SAVED = ("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight")
 
 # Our tensor-name suffixes and the axis along which they span d_model (the residual stream).
-_READS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "ffn.up.weight", "embed.tok.weight",
-          "lm_head.weight")                  # (out, d_model): columns
-_WRITES = ("o_proj.weight", "o_proj.bias", "ffn.down.weight", "ffn.down.bias", "norm.weight",
-           "norm.bias")                      # (d_model, ...): rows
+_READS = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "ffn.up.weight",
+    "embed.tok.weight",
+    "lm_head.weight",
+)  # (out, d_model): columns
+_WRITES = (
+    "o_proj.weight",
+    "o_proj.bias",
+    "ffn.down.weight",
+    "ffn.down.bias",
+    "norm.weight",
+    "norm.bias",
+)  # (d_model, ...): rows
 
 
 def check(cfg: ModelConfig) -> None:
-    raise_problems(HF_CLASS, [
-        need(cfg, "family", "encdec", "Marian is an encoder-decoder"),
-        need(cfg, "position", "sinusoidal", "Marian uses fixed sinusoidal positions"),
-        need(cfg, "norm", "layernorm", "Marian uses LayerNorm"),
-        need(cfg, "norm_eps", 1e-5, "Marian's LayerNorms use torch's default eps 1e-5"),
-        need(cfg, "norm_bias", True, "Marian's LayerNorms have biases"),
-        need(cfg, "norm_position", "post", "Marian is post-norm (the paper's Add & Norm)"),
-        need(cfg, "activation", tuple(PLAIN_ACTS), "Marian's FFN is not gated"),
-        need(cfg, "bias", True, "Marian has biases in attention and feed-forward layers"),
-        need(cfg, "attn_scale", True, "Marian scales attention scores by 1/sqrt(d_k)"),
-        need(cfg, "num_kv_heads", lambda v: v in (None, cfg.num_heads), "Marian has no grouped-query attention"),
-        need(cfg, "d_head", lambda v: v in (None, cfg.d_model // cfg.num_heads),
-             "Marian's head width is d_model // num_heads"),
-        need(cfg, "type_vocab_size", 0, "Marian has no token-type embeddings"),
-        need(cfg, "embed_norm", False, "Marian has no norm after the embeddings"),
-        need(cfg, "tie_embeddings", True, "the export shares one embedding for source, target and output"),
-        need(cfg, "tied_output_scale", False, "Marian does not rescale before its output projection"),
-        need(cfg, "d_model", lambda v: v % 2 == 0, "the sinusoidal table needs an even d_model"),
-    ])
+    raise_problems(
+        HF_CLASS,
+        [
+            need(cfg, "family", "encdec", "Marian is an encoder-decoder"),
+            need(cfg, "position", "sinusoidal", "Marian uses fixed sinusoidal positions"),
+            need(cfg, "norm", "layernorm", "Marian uses LayerNorm"),
+            need(cfg, "norm_eps", 1e-5, "Marian's LayerNorms use torch's default eps 1e-5"),
+            need(cfg, "norm_bias", True, "Marian's LayerNorms have biases"),
+            need(cfg, "norm_position", "post", "Marian is post-norm (the paper's Add & Norm)"),
+            need(cfg, "activation", tuple(PLAIN_ACTS), "Marian's FFN is not gated"),
+            need(cfg, "bias", True, "Marian has biases in attention and feed-forward layers"),
+            need(cfg, "attn_scale", True, "Marian scales attention scores by 1/sqrt(d_k)"),
+            need(cfg, "num_kv_heads", lambda v: v in (None, cfg.num_heads), "Marian has no grouped-query attention"),
+            need(
+                cfg,
+                "d_head",
+                lambda v: v in (None, cfg.d_model // cfg.num_heads),
+                "Marian's head width is d_model // num_heads",
+            ),
+            need(cfg, "type_vocab_size", 0, "Marian has no token-type embeddings"),
+            need(cfg, "embed_norm", False, "Marian has no norm after the embeddings"),
+            need(cfg, "tie_embeddings", True, "the export shares one embedding for source, target and output"),
+            need(cfg, "tied_output_scale", False, "Marian does not rescale before its output projection"),
+            need(cfg, "d_model", lambda v: v % 2 == 0, "the sinusoidal table needs an even d_model"),
+        ],
+    )
 
 
 def hf_config(cfg: ModelConfig):
     from transformers import MarianConfig
 
     return MarianConfig(
-        vocab_size=cfg.vocab_size, d_model=cfg.d_model, max_position_embeddings=cfg.max_seq_len,
-        encoder_layers=cfg.num_layers, decoder_layers=cfg.decoder_layers,
-        encoder_attention_heads=cfg.num_heads, decoder_attention_heads=cfg.num_heads,
-        encoder_ffn_dim=cfg.d_ff, decoder_ffn_dim=cfg.d_ff, activation_function=PLAIN_ACTS[cfg.activation],
-        dropout=cfg.dropout, attention_dropout=cfg.attn_dropout, activation_dropout=0.0,
-        scale_embedding=cfg.embed_scale, share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
-        pad_token_id=cfg.pad_token_id, eos_token_id=cfg.eos_token_id, bos_token_id=cfg.bos_token_id,
-        decoder_start_token_id=cfg.decoder_start_token_id, forced_eos_token_id=None,
-        architectures=[HF_CLASS])
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.d_model,
+        max_position_embeddings=cfg.max_seq_len,
+        encoder_layers=cfg.num_layers,
+        decoder_layers=cfg.decoder_layers,
+        encoder_attention_heads=cfg.num_heads,
+        decoder_attention_heads=cfg.num_heads,
+        encoder_ffn_dim=cfg.d_ff,
+        decoder_ffn_dim=cfg.d_ff,
+        activation_function=PLAIN_ACTS[cfg.activation],
+        dropout=cfg.dropout,
+        attention_dropout=cfg.attn_dropout,
+        activation_dropout=0.0,
+        scale_embedding=cfg.embed_scale,
+        share_encoder_decoder_embeddings=True,
+        tie_word_embeddings=True,
+        pad_token_id=cfg.pad_token_id,
+        eos_token_id=cfg.eos_token_id,
+        bos_token_id=cfg.bos_token_id,
+        decoder_start_token_id=cfg.decoder_start_token_id,
+        forced_eos_token_id=None,
+        architectures=[HF_CLASS],
+    )
 
 
 def rules(cfg: ModelConfig) -> list[Rule]:
@@ -138,12 +171,16 @@ def drop_on_import(cfg: ModelConfig, hf_state: dict[str, torch.Tensor], source: 
     for s in ("encoder", "decoder"):
         t = state.pop(f"model.{s}.embed_positions.weight", None)
         if t is not None and not torch.allclose(t.float(), table, atol=1e-4):
-            raise ExportError(f"{source}: model.{s}.embed_positions.weight is not the sinusoidal table; "
-                              "tformer's Marian flavour has fixed positions only")
+            raise ExportError(
+                f"{source}: model.{s}.embed_positions.weight is not the sinusoidal table; "
+                "tformer's Marian flavour has fixed positions only"
+            )
     bias = _final_logits_bias(source)
     if bias is not None and bias.abs().max() > 0:
-        raise ExportError(f"{source}: final_logits_bias is non-zero; tformer's tied output projection has "
-                          "no bias, so this model cannot be imported exactly")
+        raise ExportError(
+            f"{source}: final_logits_bias is non-zero; tformer's tied output projection has "
+            "no bias, so this model cannot be imported exactly"
+        )
     return state
 
 
@@ -170,13 +207,31 @@ def model_config(hf, tied: bool) -> ModelConfig:
     if problems:
         raise ExportError(f"HF Marian config has no tformer equivalent: {'; '.join(problems)}")
     return build_config(
-        "HF Marian config", family="encdec", flavour="marian", vocab_size=hf.vocab_size, d_model=hf.d_model,
-        num_layers=hf.encoder_layers, num_decoder_layers=hf.decoder_layers, num_heads=hf.encoder_attention_heads,
-        d_ff=hf.encoder_ffn_dim, max_seq_len=hf.max_position_embeddings, position="sinusoidal",
-        norm="layernorm", norm_eps=1e-5, norm_bias=True, norm_position="post",
-        activation=HF_PLAIN_ACTS[hf.activation_function], bias=True, attn_scale=True,
-        embed_scale=bool(hf.scale_embedding), tie_embeddings=True, tied_output_scale=False,
-        dropout=float(hf.dropout), attn_dropout=float(hf.attention_dropout),
+        "HF Marian config",
+        family="encdec",
+        flavour="marian",
+        vocab_size=hf.vocab_size,
+        d_model=hf.d_model,
+        num_layers=hf.encoder_layers,
+        num_decoder_layers=hf.decoder_layers,
+        num_heads=hf.encoder_attention_heads,
+        d_ff=hf.encoder_ffn_dim,
+        max_seq_len=hf.max_position_embeddings,
+        position="sinusoidal",
+        norm="layernorm",
+        norm_eps=1e-5,
+        norm_bias=True,
+        norm_position="post",
+        activation=HF_PLAIN_ACTS[hf.activation_function],
+        bias=True,
+        attn_scale=True,
+        embed_scale=bool(hf.scale_embedding),
+        tie_embeddings=True,
+        tied_output_scale=False,
+        dropout=float(hf.dropout),
+        attn_dropout=float(hf.attention_dropout),
         pad_token_id=hf.pad_token_id if hf.pad_token_id is not None else 0,
-        eos_token_id=first_id(hf.eos_token_id), bos_token_id=hf.bos_token_id,
-        decoder_start_token_id=hf.decoder_start_token_id if hf.decoder_start_token_id is not None else 0)
+        eos_token_id=first_id(hf.eos_token_id),
+        bos_token_id=hf.bos_token_id,
+        decoder_start_token_id=hf.decoder_start_token_id if hf.decoder_start_token_id is not None else 0,
+    )

@@ -1,4 +1,5 @@
 """The model zoo: three families assembled from the shared blocks in ``tformer.nn``."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -10,8 +11,11 @@ from .encdec import EncoderDecoderModel
 from .encoder import EncoderModel
 from .presets import PRESETS, preset
 
-FAMILY_CLASSES: dict[Family, type[TformerModel]] = {"encoder": EncoderModel, "decoder": DecoderModel,
-                                                    "encdec": EncoderDecoderModel}
+FAMILY_CLASSES: dict[Family, type[TformerModel]] = {
+    "encoder": EncoderModel,
+    "decoder": DecoderModel,
+    "encdec": EncoderDecoderModel,
+}
 check_table(FAMILY_CLASSES, Family, "FAMILY_CLASSES")
 
 
@@ -36,5 +40,15 @@ def build_model(preset_or_config: str | ModelConfig | dict[str, Any], **override
     return FAMILY_CLASSES[cfg.family](cfg)
 
 
-__all__ = ["build_model", "build_config", "preset", "PRESETS", "ModelConfig", "ModelOutput",
-           "TformerModel", "EncoderModel", "DecoderModel", "EncoderDecoderModel"]
+__all__ = [
+    "build_model",
+    "build_config",
+    "preset",
+    "PRESETS",
+    "ModelConfig",
+    "ModelOutput",
+    "TformerModel",
+    "EncoderModel",
+    "DecoderModel",
+    "EncoderDecoderModel",
+]

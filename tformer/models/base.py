@@ -1,4 +1,5 @@
 """What every family shares: the output record, embeddings, initialisation, loss, input checks."""
+
 from __future__ import annotations
 
 import math
@@ -15,7 +16,7 @@ from .loss import chunked_lm_loss
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor | None      # None when the forward was asked for the loss only
+    logits: torch.Tensor | None  # None when the forward was asked for the loss only
     loss: torch.Tensor | None = None
     cache: Any = None
     encoder_hidden: torch.Tensor | None = None
@@ -27,15 +28,17 @@ class Embeddings(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.tok = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
-        self.pos = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}.get(
-            cfg.position, lambda *_: None)(cfg.max_seq_len, cfg.d_model)
+        self.pos = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}.get(cfg.position, lambda *_: None)(
+            cfg.max_seq_len, cfg.d_model
+        )
         self.types = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias) if cfg.embed_norm else None
         self.scale = math.sqrt(cfg.d_model) if cfg.embed_scale else None
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         x = self.tok(input_ids)
         if self.scale is not None:
             x = x * self.scale
@@ -90,8 +93,10 @@ class TformerModel(nn.Module):
     def _check_length(self, seq_len: int, offset: int = 0) -> None:
         cfg = self.config
         if cfg.position in ("learned", "sinusoidal") and offset + seq_len > cfg.max_seq_len:
-            raise ConfigError(f"sequence length {offset + seq_len} exceeds max_seq_len={cfg.max_seq_len} "
-                              "of this model's position table; use shorter sequences or a larger max_seq_len")
+            raise ConfigError(
+                f"sequence length {offset + seq_len} exceeds max_seq_len={cfg.max_seq_len} "
+                "of this model's position table; use shorter sequences or a larger max_seq_len"
+            )
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
@@ -105,9 +110,14 @@ class TformerModel(nn.Module):
         """What a family does to the hidden states before the vocabulary projection ``lm_head``."""
         return hidden
 
-    def _head_and_loss(self, hidden: torch.Tensor, labels: torch.Tensor | None, return_logits: bool,
-                       labelled_only: bool = False,
-                       label_smoothing: float = 0.0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _head_and_loss(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor | None,
+        return_logits: bool,
+        labelled_only: bool = False,
+        label_smoothing: float = 0.0,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Apply the output head (``_head_input``, then ``lm_head``) and the loss.
 
         ``return_logits=False`` (the trainer's path, labels required) returns no logits. With
@@ -126,8 +136,9 @@ class TformerModel(nn.Module):
             return None, self.sharded_loss(self.lm_head(x), labels, self.config.vocab_size, label_smoothing)
         if self.loss_chunk_size is None:
             return None, lm_loss(self._logits(x), labels, label_smoothing)
-        return None, chunked_lm_loss(x, self.lm_head.weight, self.lm_head.bias, labels, self.loss_chunk_size,
-                                     self.config.vocab_size, label_smoothing)
+        return None, chunked_lm_loss(
+            x, self.lm_head.weight, self.lm_head.bias, labels, self.loss_chunk_size, self.config.vocab_size, label_smoothing
+        )
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
@@ -135,8 +146,7 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float =
     logits (``labels[t]`` is the target of position ``t``); shifting is the data pipeline's job.
     ``label_smoothing`` = epsilon mixes the target with the uniform distribution, as
     ``F.cross_entropy(..., label_smoothing=epsilon)`` does: ``(1 - e) * nll + e * mean_j(-log p_j)``."""
-    return CrossEntropy.apply(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                              float(label_smoothing))
+    return CrossEntropy.apply(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), float(label_smoothing))
 
 
 class CrossEntropy(torch.autograd.Function):

@@ -1,5 +1,6 @@
 """Decoder-only family (GPT-like): causal stack + LM head. GPT-2 and Llama flavours differ only in
 config switches (positions, norm, FFN, KV heads, biases)."""
+
 from __future__ import annotations
 
 import torch
@@ -24,10 +25,17 @@ class DecoderModel(TformerModel):
     def new_cache(self) -> StackCache:
         return StackCache(self.config.num_layers)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                cache: StackCache | None = None, return_logits: bool = True,
-                label_smoothing: float = 0.0, doc_ids: torch.Tensor | None = None) -> ModelOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: StackCache | None = None,
+        return_logits: bool = True,
+        label_smoothing: float = 0.0,
+        doc_ids: torch.Tensor | None = None,
+    ) -> ModelOutput:
         """``labels`` are aligned with ``input_ids`` positions (already shifted), -100 = ignore.
         With ``cache``, ``input_ids`` are the new tokens and ``attention_mask`` covers past + new.
         ``doc_ids`` (B, S) packs documents: attention stays inside each, and positions (unless given)

@@ -1,5 +1,6 @@
 """Encoder-decoder family (T5-like): bidirectional encoder, causal decoder with cross-attention,
 one embedding shared by both stacks and (v1.0) the LM head."""
+
 from __future__ import annotations
 
 import torch
@@ -32,55 +33,81 @@ class EncoderDecoderModel(TformerModel):
     def new_cache(self) -> StackCache:
         return StackCache(self.config.decoder_layers, cross=True)
 
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def encode(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``doc_ids`` (B, S): packed sources, each attending only to itself, positions per source."""
         self._check_length(input_ids.shape[1])
         positions = default_positions(input_ids) if doc_ids is None else positions_from_doc_ids(doc_ids)
         doc_mask = DocumentMask(doc_ids) if doc_ids is not None else None
-        return self.encoder(self.embed(input_ids, positions), attention_mask, positions=positions,
-                            doc_mask=doc_mask)
+        return self.encoder(self.embed(input_ids, positions), attention_mask, positions=positions, doc_mask=doc_mask)
 
-    def decode(self, decoder_input_ids: torch.Tensor, memory: torch.Tensor,
-               memory_mask: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None,
-               cache: StackCache | None = None) -> torch.Tensor:
+    def decode(
+        self,
+        decoder_input_ids: torch.Tensor,
+        memory: torch.Tensor,
+        memory_mask: torch.Tensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        cache: StackCache | None = None,
+    ) -> torch.Tensor:
         """Decoder logits for ``decoder_input_ids`` attending to the encoder output ``memory``."""
-        return self._output_logits(self.decoder_hidden(decoder_input_ids, memory, memory_mask,
-                                                       decoder_attention_mask, cache))
+        return self._output_logits(
+            self.decoder_hidden(decoder_input_ids, memory, memory_mask, decoder_attention_mask, cache)
+        )
 
-    def decoder_hidden(self, decoder_input_ids: torch.Tensor, memory: torch.Tensor,
-                       memory_mask: torch.Tensor | None = None,
-                       decoder_attention_mask: torch.Tensor | None = None,
-                       cache: StackCache | None = None, doc_ids: torch.Tensor | None = None,
-                       memory_doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def decoder_hidden(
+        self,
+        decoder_input_ids: torch.Tensor,
+        memory: torch.Tensor,
+        memory_mask: torch.Tensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        cache: StackCache | None = None,
+        doc_ids: torch.Tensor | None = None,
+        memory_doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``doc_ids`` (B, T) / ``memory_doc_ids`` (B, S): packed pairs; each target attends to its
         own earlier tokens and its own source only."""
         offset = cache.length if cache is not None else 0
         self._check_length(decoder_input_ids.shape[1], offset)
-        positions = (default_positions(decoder_input_ids, offset) if doc_ids is None
-                     else positions_from_doc_ids(doc_ids))
+        positions = default_positions(decoder_input_ids, offset) if doc_ids is None else positions_from_doc_ids(doc_ids)
         x = self.embed(decoder_input_ids, positions)
         doc_mask = cross = None
         if doc_ids is not None:
             doc_mask = DocumentMask(doc_ids)
             cross = DocumentMask(doc_ids, memory_doc_ids, flex=doc_mask.flex)
-        return self.decoder(x, decoder_attention_mask, positions=positions, memory=memory,
-                            memory_mask=memory_mask, cache=cache, doc_mask=doc_mask, memory_doc_mask=cross)
+        return self.decoder(
+            x,
+            decoder_attention_mask,
+            positions=positions,
+            memory=memory,
+            memory_mask=memory_mask,
+            cache=cache,
+            doc_mask=doc_mask,
+            memory_doc_mask=cross,
+        )
 
     def _output_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self._logits(self._head_input(h))
 
     def _head_input(self, h: torch.Tensor) -> torch.Tensor:
         if self.config.tie_embeddings and self.config.tied_output_scale:
-            h = h * self.config.d_model ** -0.5  # T5 rescales before the tied output projection
+            h = h * self.config.d_model**-0.5  # T5 rescales before the tied output projection
         return h
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                decoder_input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                decoder_attention_mask: torch.Tensor | None = None,
-                encoder_hidden: torch.Tensor | None = None, cache: StackCache | None = None,
-                return_logits: bool = True, label_smoothing: float = 0.0,
-                doc_ids: torch.Tensor | None = None, decoder_doc_ids: torch.Tensor | None = None) -> ModelOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_hidden: torch.Tensor | None = None,
+        cache: StackCache | None = None,
+        return_logits: bool = True,
+        label_smoothing: float = 0.0,
+        doc_ids: torch.Tensor | None = None,
+        decoder_doc_ids: torch.Tensor | None = None,
+    ) -> ModelOutput:
         """``labels`` are the decoder targets; without ``decoder_input_ids`` they are shifted right
         behind ``decoder_start_token_id`` to form the decoder input (teacher forcing). Packed pairs
         give ``doc_ids`` (sources), ``decoder_doc_ids`` (targets) and ``decoder_input_ids`` (each
@@ -94,7 +121,8 @@ class EncoderDecoderModel(TformerModel):
             decoder_input_ids = shift_right(labels, cfg.decoder_start_token_id, cfg.pad_token_id)
         if encoder_hidden is None:
             encoder_hidden = self.encode(input_ids, attention_mask, doc_ids)
-        h = self.decoder_hidden(decoder_input_ids, encoder_hidden, attention_mask, decoder_attention_mask, cache,
-                                decoder_doc_ids, doc_ids)
+        h = self.decoder_hidden(
+            decoder_input_ids, encoder_hidden, attention_mask, decoder_attention_mask, cache, decoder_doc_ids, doc_ids
+        )
         logits, loss = self._head_and_loss(h, labels, return_logits, label_smoothing=label_smoothing)
         return ModelOutput(logits, loss, cache, encoder_hidden)

@@ -1,4 +1,5 @@
 """Encoder-only family (BERT-like): bidirectional stack + masked-LM head tied to the embeddings."""
+
 from __future__ import annotations
 
 import torch
@@ -27,10 +28,14 @@ class EncoderModel(TformerModel):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.tok.weight
 
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      token_type_ids: torch.Tensor | None = None,
-                      position_ids: torch.Tensor | None = None,
-                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         self._check_length(input_ids.shape[1])
         if position_ids is None and doc_ids is not None:
             position_ids = positions_from_doc_ids(doc_ids)
@@ -39,16 +44,22 @@ class EncoderModel(TformerModel):
         doc_mask = DocumentMask(doc_ids) if doc_ids is not None else None
         return self.encoder(x, attention_mask, positions=positions, doc_mask=doc_mask)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, return_logits: bool = True,
-                label_smoothing: float = 0.0, doc_ids: torch.Tensor | None = None) -> ModelOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        return_logits: bool = True,
+        label_smoothing: float = 0.0,
+        doc_ids: torch.Tensor | None = None,
+    ) -> ModelOutput:
         """``return_logits=False`` (with labels) runs the MLM head at the masked positions only and
         returns the loss without logits: the same loss and gradients for a fraction of the head.
         ``doc_ids`` (B, S) packs documents that do not attend to each other (see the decoder)."""
         h = self.hidden_states(input_ids, attention_mask, token_type_ids, position_ids, doc_ids)
-        logits, loss = self._head_and_loss(h, labels, return_logits, labelled_only=True,
-                                           label_smoothing=label_smoothing)
+        logits, loss = self._head_and_loss(h, labels, return_logits, labelled_only=True, label_smoothing=label_smoothing)
         return ModelOutput(logits, loss)
 
     def _head_input(self, h: torch.Tensor) -> torch.Tensor:

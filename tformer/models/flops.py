@@ -5,6 +5,7 @@ Counts matrix multiplications only (2 FLOPs per multiply-add), the convention of
 twice the forward (gradients for inputs and for weights). Causal attention is counted as full
 S x S scores, as the dense kernels compute it.
 """
+
 from __future__ import annotations
 
 from ..config import ModelConfig
@@ -38,9 +39,11 @@ def forward_flops(cfg: ModelConfig, batch: int, seq_len: int, target_len: int | 
     if target_len is None:
         raise ValueError("encoder-decoder FLOPs need target_len (the decoder sequence length)")
     t_tokens = batch * target_len
-    dec_layer = (_attention_flops(cfg, t_tokens, t_tokens, target_len)
-                 + _attention_flops(cfg, t_tokens, tokens, seq_len)
-                 + _ffn_flops(cfg, t_tokens))
+    dec_layer = (
+        _attention_flops(cfg, t_tokens, t_tokens, target_len)
+        + _attention_flops(cfg, t_tokens, tokens, seq_len)
+        + _ffn_flops(cfg, t_tokens)
+    )
     return cfg.num_layers * layer + cfg.decoder_layers * dec_layer + 2 * t_tokens * cfg.d_model * vocab
 
 

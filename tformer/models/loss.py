@@ -12,6 +12,7 @@ the logits in backward would cost a fourth, +33% on the head's FLOPs, for no mem
 carried gradients are the (tokens x d) input gradient and the weight gradient, which backward must
 produce anyway. The price is the one ``CrossEntropy`` already pays: a single backward per graph.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,15 @@ import torch.nn.functional as F
 from ..config import ConfigError
 
 
-def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                    chunk_size: int, vocab_size: int | None = None, label_smoothing: float = 0.0) -> torch.Tensor:
+def chunked_lm_loss(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    chunk_size: int,
+    vocab_size: int | None = None,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
     """``F.cross_entropy(F.linear(x, weight, bias)[..., :vocab_size], labels, ignore_index=-100,
     label_smoothing=label_smoothing)`` (mean over labelled positions), ``chunk_size`` rows at a time.
 
@@ -31,10 +39,19 @@ def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if chunk_size < 1:
         raise ConfigError(f"loss.chunk_size={chunk_size} must be >= 1 (or null for the unchunked loss)")
     if type(weight).__name__ == "DTensor":
-        raise ConfigError("loss.chunk_size does not compose with a vocabulary-sharded (tensor-parallel) "
-                          "output head yet; set loss.chunk_size=null to use loss parallelism")
-    return ChunkedLinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, bias, labels.reshape(-1),
-                                           chunk_size, vocab_size or weight.shape[0], float(label_smoothing))
+        raise ConfigError(
+            "loss.chunk_size does not compose with a vocabulary-sharded (tensor-parallel) "
+            "output head yet; set loss.chunk_size=null to use loss parallelism"
+        )
+    return ChunkedLinearCrossEntropy.apply(
+        x.reshape(-1, x.shape[-1]),
+        weight,
+        bias,
+        labels.reshape(-1),
+        chunk_size,
+        vocab_size or weight.shape[0],
+        float(label_smoothing),
+    )
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -106,8 +123,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         if ctx.grads is None:
-            raise RuntimeError("the chunked loss supports one backward per forward (its gradients are "
-                               "computed in forward and handed over once)")
+            raise RuntimeError(
+                "the chunked loss supports one backward per forward (its gradients are "
+                "computed in forward and handed over once)"
+            )
         out = []
         for grad, dtype in zip(ctx.grads, ctx.dtypes):
             if grad is None:
@@ -124,4 +143,5 @@ def _is_one(t: torch.Tensor) -> bool:
     """A unit incoming gradient (``loss.backward()``) needs no pass over the weight gradient; on an
     accelerator (no host sync) and for fake tensors (memory estimates) the multiply just runs."""
     from torch._subclasses.fake_tensor import FakeTensor
+
     return t.device.type == "cpu" and not isinstance(t, FakeTensor) and t.numel() == 1 and t.item() == 1.0

@@ -4,6 +4,7 @@
 Two interchangeable implementations: ``F.scaled_dot_product_attention`` (fast path) and the
 explicit math path (the reference the tests hold the fast path to).
 """
+
 from __future__ import annotations
 
 import math
@@ -45,8 +46,9 @@ class KVCache:
             self.k, self.v = self.k[index], self.v[index]
 
 
-def build_mask(padding_mask: torch.Tensor | None, causal: bool, q_len: int, k_len: int,
-               device: torch.device) -> torch.Tensor | None:
+def build_mask(
+    padding_mask: torch.Tensor | None, causal: bool, q_len: int, k_len: int, device: torch.device
+) -> torch.Tensor | None:
     """Boolean "may attend" mask broadcastable to (B, h, S_q, S_k), or None if nothing is masked.
 
     ``padding_mask`` is (B, S_k) with 1 = real token. For causal attention the queries are the
@@ -55,8 +57,9 @@ def build_mask(padding_mask: torch.Tensor | None, causal: bool, q_len: int, k_le
     allowed = None
     if padding_mask is not None:
         if padding_mask.dim() != 2 or padding_mask.shape[1] != k_len:
-            raise ValueError(f"padding_mask must be (batch, {k_len}) with 1 = real token, "
-                             f"got shape {tuple(padding_mask.shape)}")
+            raise ValueError(
+                f"padding_mask must be (batch, {k_len}) with 1 = real token, got shape {tuple(padding_mask.shape)}"
+            )
         allowed = padding_mask.bool()[:, None, None, :]
     if causal:
         q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
@@ -65,8 +68,7 @@ def build_mask(padding_mask: torch.Tensor | None, causal: bool, q_len: int, k_le
     return allowed
 
 
-def additive_mask(allowed: torch.Tensor | None, bias: torch.Tensor | None,
-                  dtype: torch.dtype) -> torch.Tensor | None:
+def additive_mask(allowed: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """Merge a boolean mask and an additive bias into one additive ``M``.
 
     Masked scores get the dtype's most negative finite value, not -inf, so a query whose keys are
@@ -75,8 +77,7 @@ def additive_mask(allowed: torch.Tensor | None, bias: torch.Tensor | None,
     if bias is None and allowed is None:
         return None
     if bias is None:
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-            ~allowed, torch.finfo(dtype).min)
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
     bias = bias.to(dtype)
     return bias if allowed is None else bias.masked_fill(~allowed, torch.finfo(dtype).min)
 
@@ -103,16 +104,28 @@ class MultiHeadAttention(nn.Module):
     ``kv_dim`` is the width of the key/value inputs for cross-attention from a different stream.
     """
 
-    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
-                 d_k: int | None = None, d_v: int | None = None, kv_dim: int | None = None,
-                 bias: bool = True, scale: bool = True, dropout: float = 0.0,
-                 attn_dropout: float = 0.0, impl: AttnImpl = "sdpa"):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        d_k: int | None = None,
+        d_v: int | None = None,
+        kv_dim: int | None = None,
+        bias: bool = True,
+        scale: bool = True,
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        impl: AttnImpl = "sdpa",
+    ):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         if d_k is None:
             if d_model % num_heads:
-                raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; "
-                                 "change one of them or set d_k explicitly")
+                raise ValueError(
+                    f"d_model={d_model} is not divisible by num_heads={num_heads}; change one of them or set d_k explicitly"
+                )
             d_k = d_model // num_heads
         d_v = d_v or d_k
         if num_heads % num_kv_heads:
@@ -134,11 +147,19 @@ class MultiHeadAttention(nn.Module):
         b, s, _ = x.shape
         return x.view(b, s, n, d).transpose(1, 2)  # (B, n, S, d)
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None,
-                value: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
-                causal: bool = False, *, attn_bias: torch.Tensor | None = None,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: KVCache | None = None, doc_mask=None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+        causal: bool = False,
+        *,
+        attn_bias: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: KVCache | None = None,
+        doc_mask=None,
+    ) -> torch.Tensor:
         """``query`` (B, S_q, d_model); ``key``/``value`` (B, S_k, kv_dim), default = ``query``.
 
         ``padding_mask`` (B, S_k_total), 1 = real token, where S_k_total includes cached keys.
@@ -165,13 +186,19 @@ class MultiHeadAttention(nn.Module):
             q = apply_rotary(q, *rotary)
         k_len = k.shape[2]
         dropout_p = self.attn_dropout if self.training else 0.0
-        only_causal = (causal and padding_mask is None and attn_bias is None and doc_mask is None
-                       and q_len == k_len)
+        only_causal = causal and padding_mask is None and attn_bias is None and doc_mask is None and q_len == k_len
         if doc_mask is not None and doc_mask.flex and self.impl == "sdpa" and not dropout_p:
             out = doc_mask.attend(q, k, v, causal, self.scale, attn_bias)
         elif self.impl == "sdpa" and only_causal:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                                 scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                dropout_p=dropout_p,
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            )
         else:
             if doc_mask is not None:
                 mask = doc_mask.additive(padding_mask, causal, attn_bias, q.dtype, additive_mask)
@@ -179,9 +206,15 @@ class MultiHeadAttention(nn.Module):
                 allowed = build_mask(padding_mask, causal and q_len > 1, q_len, k_len, q.device)
                 mask = additive_mask(allowed, attn_bias, q.dtype)
             if self.impl == "sdpa":
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                     scale=self.scale,
-                                                     enable_gqa=self.num_kv_heads != self.num_heads)
+                out = F.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    attn_mask=mask,
+                    dropout_p=dropout_p,
+                    scale=self.scale,
+                    enable_gqa=self.num_kv_heads != self.num_heads,
+                )
             else:
                 out = math_attention(q, k, v, mask, self.scale, dropout_p, self.training)
         out = out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.d_v)

@@ -3,6 +3,7 @@
 Encoder, decoder and encoder-decoder differ only in two switches: ``causal`` self-attention,
 and whether a ``cross`` attention to an encoder's output sits between self-attention and the FFN.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,9 +37,18 @@ class StackCache:
 
 
 def _attention(cfg, **extra) -> MultiHeadAttention:
-    return MultiHeadAttention(cfg.d_model, cfg.num_heads, num_kv_heads=cfg.kv_heads, d_k=cfg.head_dim,
-                              bias=cfg.bias, scale=cfg.attn_scale, dropout=cfg.dropout,
-                              attn_dropout=cfg.attn_dropout, impl=cfg.attn_impl, **extra)
+    return MultiHeadAttention(
+        cfg.d_model,
+        cfg.num_heads,
+        num_kv_heads=cfg.kv_heads,
+        d_k=cfg.head_dim,
+        bias=cfg.bias,
+        scale=cfg.attn_scale,
+        dropout=cfg.dropout,
+        attn_dropout=cfg.attn_dropout,
+        impl=cfg.attn_impl,
+        **extra,
+    )
 
 
 class TransformerBlock(nn.Module):
@@ -65,24 +75,48 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         if self.checkpoint_context is not None and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, padding_mask, use_reentrant=False,
-                              context_fn=self.checkpoint_context, **kwargs)
+            return checkpoint(
+                self._forward, x, padding_mask, use_reentrant=False, context_fn=self.checkpoint_context, **kwargs
+            )
         return self._forward(x, padding_mask, **kwargs)
 
-    def _forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None, *,
-                 attn_bias: torch.Tensor | None = None, rotary=None, memory: torch.Tensor | None = None,
-                 memory_mask: torch.Tensor | None = None,
-                 cache: tuple[KVCache, KVCache | None] | None = None,
-                 doc_mask=None, memory_doc_mask=None) -> torch.Tensor:
+    def _forward(
+        self,
+        x: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        *,
+        attn_bias: torch.Tensor | None = None,
+        rotary=None,
+        memory: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+        cache: tuple[KVCache, KVCache | None] | None = None,
+        doc_mask=None,
+        memory_doc_mask=None,
+    ) -> torch.Tensor:
         self_cache, cross_cache = cache if cache is not None else (None, None)
         # One positional input per stream (the query; cross-attention's memory): a parallel layout
         # that gathers a sequence-sharded input does it once per call (tformer/parallel/tp.py).
-        x = residual(x, self.attn_norm, lambda h: self.attn(
-            h, padding_mask=padding_mask, causal=self.causal, attn_bias=attn_bias, rotary=rotary,
-            cache=self_cache, doc_mask=doc_mask), self.pre_norm)
+        x = residual(
+            x,
+            self.attn_norm,
+            lambda h: self.attn(
+                h,
+                padding_mask=padding_mask,
+                causal=self.causal,
+                attn_bias=attn_bias,
+                rotary=rotary,
+                cache=self_cache,
+                doc_mask=doc_mask,
+            ),
+            self.pre_norm,
+        )
         if self.cross_attn is not None:
-            x = residual(x, self.cross_norm, lambda h: self.cross_attn(
-                h, memory, padding_mask=memory_mask, cache=cross_cache, doc_mask=memory_doc_mask), self.pre_norm)
+            x = residual(
+                x,
+                self.cross_norm,
+                lambda h: self.cross_attn(h, memory, padding_mask=memory_mask, cache=cross_cache, doc_mask=memory_doc_mask),
+                self.pre_norm,
+            )
         return residual(x, self.ffn_norm, self.ffn, self.pre_norm)
 
 
@@ -92,25 +126,33 @@ class TransformerStack(nn.Module):
     def __init__(self, cfg, num_layers: int, *, causal: bool, cross: bool = False):
         super().__init__()
         self.causal = causal
-        self.layers = nn.ModuleList(TransformerBlock(cfg, causal=causal, cross=cross)
-                                    for _ in range(num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(cfg, causal=causal, cross=cross) for _ in range(num_layers))
         # T5 keeps one bias table per stack (HF stores it in block 0 and reuses it).
-        self.rel_bias = (RelativePositionBias(cfg.num_heads, not causal, cfg.rel_num_buckets,
-                                              cfg.rel_max_distance)
-                         if cfg.position == "relative" else None)
+        self.rel_bias = (
+            RelativePositionBias(cfg.num_heads, not causal, cfg.rel_num_buckets, cfg.rel_max_distance)
+            if cfg.position == "relative"
+            else None
+        )
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if cfg.position == "rotary" else None
         # Pre-norm stacks end with a norm; post-norm blocks already end normalised.
-        self.final_norm = (make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
-                           if cfg.pre_norm else None)
+        self.final_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias) if cfg.pre_norm else None
         self.dropout = nn.Dropout(cfg.dropout)
         # Indices of blocks whose activations are recomputed in backward instead of stored. Set
         # from outside (tformer.parallel.apply_activation_checkpointing); names stay unchanged.
         self.checkpointed: frozenset[int] = frozenset()
 
-    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None, *,
-                positions: torch.Tensor | None = None, memory: torch.Tensor | None = None,
-                memory_mask: torch.Tensor | None = None, cache: StackCache | None = None,
-                doc_mask=None, memory_doc_mask=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        memory: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+        cache: StackCache | None = None,
+        doc_mask=None,
+        memory_doc_mask=None,
+    ) -> torch.Tensor:
         """``x`` (B, S, d); ``positions`` (S,) or (B, S) absolute positions of ``x`` (for rotary);
         ``padding_mask`` covers cached + new keys. ``doc_mask`` / ``memory_doc_mask``
         (``DocumentMask``) confine self- / cross-attention to each packed document."""
@@ -123,9 +165,15 @@ class TransformerStack(nn.Module):
                 positions = torch.arange(offset, offset + seq, device=x.device)
             rotary = self.rotary(positions)
         for i, layer in enumerate(self.layers):
-            kwargs = dict(attn_bias=bias, rotary=rotary, memory=memory, memory_mask=memory_mask,
-                          cache=cache.layer(i) if cache is not None else None, doc_mask=doc_mask,
-                          memory_doc_mask=memory_doc_mask)
+            kwargs = dict(
+                attn_bias=bias,
+                rotary=rotary,
+                memory=memory,
+                memory_mask=memory_mask,
+                cache=cache.layer(i) if cache is not None else None,
+                doc_mask=doc_mask,
+                memory_doc_mask=memory_doc_mask,
+            )
             if i in self.checkpointed and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, x, padding_mask, use_reentrant=False, **kwargs)
             else:

@@ -15,6 +15,7 @@ The rule is written once, as a FlexAttention ``mask_mod``. Two ways to apply it:
 
 ``flex`` (default: the ids live on a CUDA device) is the switch between them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,6 +49,7 @@ class DocumentMask:
             qd, kd = q_ids[b, q_idx], k_ids[b, kv_idx]
             ok = ((qd == kd) & (kd >= 0)) | (qd < 0)
             return ok & (q_idx >= kv_idx) if causal else ok
+
         return mod
 
     def allowed(self, causal: bool) -> torch.Tensor:
@@ -55,9 +57,11 @@ class DocumentMask:
         if causal not in self._dense:
             (b, sq), sk, dev = self.q_ids.shape, self.k_ids.shape[1], self.q_ids.device
             self._dense[causal] = self.mask_mod(causal)(
-                torch.arange(b, device=dev)[:, None, None, None], 0,
+                torch.arange(b, device=dev)[:, None, None, None],
+                0,
                 torch.arange(sq, device=dev)[None, None, :, None],
-                torch.arange(sk, device=dev)[None, None, None, :])
+                torch.arange(sk, device=dev)[None, None, None, :],
+            )
         return self._dense[causal]
 
     def additive(self, padding_mask, causal: bool, bias, dtype, build) -> torch.Tensor:
@@ -76,9 +80,11 @@ class DocumentMask:
     def block_mask(self, causal: bool):
         if causal not in self._blocks:
             from torch.nn.attention.flex_attention import create_block_mask
+
             (b, sq), sk = self.q_ids.shape, self.k_ids.shape[1]
-            self._blocks[causal] = create_block_mask(self.mask_mod(causal), b, None, sq, sk,
-                                                     device=self.q_ids.device, _compile=self.q_ids.is_cuda)
+            self._blocks[causal] = create_block_mask(
+                self.mask_mod(causal), b, None, sq, sk, device=self.q_ids.device, _compile=self.q_ids.is_cuda
+            )
         return self._blocks[causal]
 
     def attend(self, q, k, v, causal: bool, scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,8 +97,16 @@ class DocumentMask:
 
             def score_mod(score, b, h, q_idx, kv_idx):
                 return score + bias[0 if expand else b, h, q_idx, kv_idx]
-        return _flex_fn(q.is_cuda)(q, k, v, score_mod=score_mod, block_mask=self.block_mask(causal),
-                                   scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+        return _flex_fn(q.is_cuda)(
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=self.block_mask(causal),
+            scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
 
 
 _COMPILED = None
@@ -102,6 +116,7 @@ def _flex_fn(compiled: bool):
     """The compiled FlexAttention on CUDA (its fused kernel); eager elsewhere (reference, forward only)."""
     global _COMPILED
     from torch.nn.attention.flex_attention import flex_attention
+
     if not compiled:
         return flex_attention
     if _COMPILED is None:

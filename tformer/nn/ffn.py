@@ -1,4 +1,5 @@
 """Position-wise feed-forward networks: plain (ReLU / GELU) and gated (SwiGLU / GEGLU)."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -31,8 +32,7 @@ check_table(FFN_KINDS, Activation, "FFN_KINDS")
 class FeedForward(nn.Module):
     """``down(act(up(x)))``, or for gated kinds ``down(act(gate(x)) * up(x))``."""
 
-    def __init__(self, d_model: int, d_ff: int, activation: Activation = "gelu", bias: bool = True,
-                 dropout: float = 0.0):
+    def __init__(self, d_model: int, d_ff: int, activation: Activation = "gelu", bias: bool = True, dropout: float = 0.0):
         super().__init__()
         if activation not in FFN_KINDS:
             raise ValueError(f"unknown activation {activation!r}; allowed: {', '.join(ACTIVATIONS)}")

@@ -1,4 +1,5 @@
 """Normalisation layers and the residual wiring that places them (pre-norm or post-norm)."""
+
 from __future__ import annotations
 
 import torch

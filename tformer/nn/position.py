@@ -1,4 +1,5 @@
 """Position schemes: sinusoidal and learned absolute embeddings, rotary (RoPE), T5 relative bias."""
+
 from __future__ import annotations
 
 import math
@@ -68,8 +69,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos.to(x.dtype)) + (rotate_half(x) * sin.to(x.dtype))
 
 
-def relative_bucket(relative: torch.Tensor, bidirectional: bool, num_buckets: int,
-                    max_distance: int) -> torch.Tensor:
+def relative_bucket(relative: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> torch.Tensor:
     """T5's bucketing of ``key_pos - query_pos``: exact buckets for small distances,
     logarithmically wider ones up to ``max_distance``; causal mode folds the future into bucket 0."""
     bucket = torch.zeros_like(relative)
@@ -90,8 +90,7 @@ def relative_bucket(relative: torch.Tensor, bidirectional: bool, num_buckets: in
 class RelativePositionBias(nn.Module):
     """T5 relative attention bias: a learned scalar per (bucket, head), added to the scores."""
 
-    def __init__(self, num_heads: int, bidirectional: bool, num_buckets: int = 32,
-                 max_distance: int = 128):
+    def __init__(self, num_heads: int, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128):
         super().__init__()
         self.bidirectional = bidirectional
         self.num_buckets = num_buckets

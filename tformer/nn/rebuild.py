@@ -13,6 +13,7 @@ It composes with whatever saved-tensor hooks are already active (activation chec
 offload, memory probes): those see the recipe's inputs instead of the tensor. Tensor subclasses
 (a tensor-parallel DTensor) are saved as they are.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

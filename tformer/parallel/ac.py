@@ -9,6 +9,7 @@ model keeps its parameter names (checkpoints and exporters are unaffected): each
 (non-reentrant), each block (``op``) which ``context_fn`` to run under, so the gradients are the
 same and only memory and time change.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,10 +22,17 @@ from ..config import AC_MODES, ACMode
 from ..nn import TransformerBlock, TransformerStack
 
 _aten = torch.ops.aten
-ATTENTION_OPS = {getattr(_aten, name).default for name in (
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_fused_attention_overrideable") if hasattr(_aten, name)}
+ATTENTION_OPS = {
+    getattr(_aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+    )
+    if hasattr(_aten, name)
+}
 MATMUL_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
 SAVED_OPS = frozenset(MATMUL_OPS | ATTENTION_OPS)
 
@@ -52,17 +60,22 @@ def op_context(policy=op_policy):
 def apply_activation_checkpointing(model: nn.Module, mode: ACMode = "full", every: int = 1) -> int:
     """Mark blocks for recomputation; returns how many blocks were marked."""
     if mode not in AC_MODES:
-        raise ValueError(f"activation checkpointing mode {mode!r} is not allowed; use one of: "
-                         f"{', '.join(AC_MODES)}")
+        raise ValueError(f"activation checkpointing mode {mode!r} is not allowed; use one of: {', '.join(AC_MODES)}")
     if every < 1:
         raise ValueError(f"activation checkpointing every={every} must be >= 1")
     step = 1 if mode == "full" else every
     marked = 0
     for stack in model.modules():
         if isinstance(stack, TransformerStack):
-            chosen = frozenset(i for i in range(step - 1, len(stack.layers), step)  # (a pipeline stage's
-                               if isinstance(stack.layers[i], TransformerBlock)  # blocks only)
-                               ) if mode in ("full", "selective") else frozenset()
+            chosen = (
+                frozenset(
+                    i
+                    for i in range(step - 1, len(stack.layers), step)  # (a pipeline stage's
+                    if isinstance(stack.layers[i], TransformerBlock)  # blocks only)
+                )
+                if mode in ("full", "selective")
+                else frozenset()
+            )
             stack.checkpointed = chosen
             marked += len(chosen)
     for block in model.modules():

@@ -11,6 +11,7 @@ the default group; with no process group (one process) DCP writes without collec
 synchronous save (0.12x, ``bench/bench_trainer.py``); keeping the CPU buffers between saves saved
 little there (0.6-0.9 s either way), so on CPU they are freed after each write.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,6 +50,7 @@ def _stager_class():
         def stage(self, state_dict, **kwargs):
             self.staged = super().stage(state_dict, **kwargs)
             return self.staged
+
     return RecordingStager
 
 
@@ -64,9 +66,13 @@ class AsyncSaver:
 
     def _new_stager(self):
         from torch.distributed.checkpoint.staging import StagingOptions
+
         # a synchronous copy: once async_save returns, training may change the live tensors
-        return _stager_class()(StagingOptions(use_pinned_memory=self.pinned, use_shared_memory=False,
-                                              use_async_staging=False, use_non_blocking_copy=False))
+        return _stager_class()(
+            StagingOptions(
+                use_pinned_memory=self.pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+            )
+        )
 
     def save(self, state: dict, dcp_dir: Path, weights_path: Path | None = None) -> BackgroundWrite:
         """Stage ``state`` ({"model": ..., "optimizer": ...}) and write it to ``dcp_dir`` in the
@@ -78,8 +84,7 @@ class AsyncSaver:
         stager = self._stager if self._stager is not None else self._new_stager()
         if self.keep_buffers:
             self._stager = stager
-        future = dcp.async_save(state, checkpoint_id=str(dcp_dir), process_group=self._group,
-                                async_stager=stager)
+        future = dcp.async_save(state, checkpoint_id=str(dcp_dir), process_group=self._group, async_stager=stager)
         assert isinstance(future, Future)  # a synchronous stager: a plain future, not a staging response
         futures = [future]
         staged, stager.staged = stager.staged, None

@@ -1,5 +1,6 @@
 """Per-block ``torch.compile``: each transformer block is compiled on its own, which keeps graphs
 small and (unlike whole-model compile) composes with per-block sharding wrappers."""
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ client optimizer is torch AdamW (DeepSpeed's FusedAdam/CPUAdam would compile C++
 Checkpoints are DeepSpeed's own (``deepspeed/state/``); at a different world size they are
 converted once to DeepSpeed's universal format and loaded from there.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -29,8 +30,9 @@ def _import_deepspeed():
     try:
         import deepspeed
     except ImportError:
-        raise ConfigError("parallel.strategy=deepspeed needs the deepspeed package: "
-                          "DS_BUILD_OPS=0 pip install deepspeed") from None
+        raise ConfigError(
+            "parallel.strategy=deepspeed needs the deepspeed package: DS_BUILD_OPS=0 pip install deepspeed"
+        ) from None
     if not torch.cuda.is_available():
         # The CPU accelerator compiles a shared-memory collective on first init (80-100 s) that
         # gloo training never uses: skip it.
@@ -44,17 +46,20 @@ def deepspeed_config(cfg, precision: str) -> dict:
     if pcfg.deepspeed_config:
         path = Path(pcfg.deepspeed_config)
         if not path.is_file():
-            raise ConfigError(f"parallel.deepspeed_config={path} does not exist; use one of "
-                              "configs/deepspeed/zero{1,2,3}.json")
+            raise ConfigError(
+                f"parallel.deepspeed_config={path} does not exist; use one of configs/deepspeed/zero{{1,2,3}}.json"
+            )
         try:
             ds = json.loads(path.read_text())
         except ValueError as e:
             raise ConfigError(f"parallel.deepspeed_config={path} is not valid JSON ({e})") from None
     else:
         ds = {"zero_optimization": {"stage": pcfg.zero_stage}, "steps_per_print": 10**9}
-    auto = {"train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-            "gradient_accumulation_steps": cfg.grad_accum,
-            "gradient_clipping": cfg.optim.grad_clip}
+    auto = {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "gradient_clipping": cfg.optim.grad_clip,
+    }
     for key, value in auto.items():
         if ds.get(key, "auto") == "auto":
             ds[key] = value
@@ -67,8 +72,11 @@ def deepspeed_config(cfg, precision: str) -> dict:
     # Bucket sizes scaled to the model (DeepSpeed's fixed 5e8-element default allocates 1-2 GB per
     # rank for its ZeRO-3 reduce bucket even for a small model): d^2 elements, as HF does for "auto".
     d = cfg.model.d_model
-    for key, value in (("reduce_bucket_size", d * d), ("stage3_prefetch_bucket_size", int(0.9 * d * d)),
-                       ("stage3_param_persistence_threshold", 10 * d)):
+    for key, value in (
+        ("reduce_bucket_size", d * d),
+        ("stage3_prefetch_bucket_size", int(0.9 * d * d)),
+        ("stage3_param_persistence_threshold", 10 * d),
+    ):
         if zero.get(key) == "auto":
             zero[key] = value
     where = f"parallel.deepspeed_config={pcfg.deepspeed_config}" if pcfg.deepspeed_config else "DeepSpeed config"
@@ -76,13 +84,17 @@ def deepspeed_config(cfg, precision: str) -> dict:
         raise ConfigError(f"DeepSpeed zero_optimization.stage={zero.get('stage')!r}; use 0, 1, 2 or 3")
     for section in ("optimizer", "scheduler"):
         if section in ds:
-            raise ConfigError(f"{where} has an \"{section}\" section, but tformer makes the optimizer and LR "
-                              f"schedule itself (torch AdamW, optim.*): remove the section")
+            raise ConfigError(
+                f'{where} has an "{section}" section, but tformer makes the optimizer and LR '
+                f"schedule itself (torch AdamW, optim.*): remove the section"
+            )
     if zero.get("offload_optimizer") or zero.get("offload_param"):
         # torch AdamW steps the offloaded states; DeepSpeed's CPUAdam (a C++ op) is never used
         if ds.setdefault("zero_force_ds_cpu_optimizer", False):
-            raise ConfigError(f"{where} sets \"zero_force_ds_cpu_optimizer\": true, which demands DeepSpeed's "
-                              "CPUAdam op; tformer steps offloaded states with torch AdamW: set it to false")
+            raise ConfigError(
+                f'{where} sets "zero_force_ds_cpu_optimizer": true, which demands DeepSpeed\'s '
+                "CPUAdam op; tformer steps offloaded states with torch AdamW: set it to false"
+            )
     ds.pop("train_batch_size", None)  # derived by DeepSpeed from micro batch x accumulation x ranks
     return ds
 
@@ -91,6 +103,7 @@ def _op_available(builder: str) -> bool:
     """A DeepSpeed C++ op is prebuilt in this install, or can be compiled here on first use."""
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
+
     op = get_accelerator().create_op_builder(builder)
     return op is not None and bool(installed_ops.get(op.NAME) or op.is_compatible(verbose=False))
 
@@ -98,16 +111,22 @@ def _op_available(builder: str) -> bool:
 def check_offload_ops(ds: dict, where: str) -> None:
     """ZeRO-Infinity (offload to NVMe) needs the async_io op: refuse it before any work if absent."""
     zero = ds.get("zero_optimization", {})
-    nvme = [key for key in ("offload_optimizer", "offload_param")
-            if isinstance(zero.get(key), dict) and zero[key].get("device") == "nvme"]
+    nvme = [
+        key
+        for key in ("offload_optimizer", "offload_param")
+        if isinstance(zero.get(key), dict) and zero[key].get("device") == "nvme"
+    ]
     if nvme and not _op_available("AsyncIOBuilder"):
-        raise ConfigError(f"{where}: zero_optimization.{nvme[0]} to nvme needs DeepSpeed's async_io op, which "
-                          "this install cannot load or build (libaio-dev missing?); use \"device\": \"cpu\", or "
-                          "install libaio-dev and reinstall with DS_BUILD_AIO=1 pip install deepspeed")
+        raise ConfigError(
+            f"{where}: zero_optimization.{nvme[0]} to nvme needs DeepSpeed's async_io op, which "
+            'this install cannot load or build (libaio-dev missing?); use "device": "cpu", or '
+            "install libaio-dev and reinstall with DS_BUILD_AIO=1 pip install deepspeed"
+        )
 
 
 class DeepSpeedStrategy(Strategy):
     """The engine clips, steps, skips non-finite steps and zeroes the gradients itself."""
+
     name = "deepspeed"
     async_save = False
     engine = None  # made with the optimizer (setup_optimizer)
@@ -123,30 +142,36 @@ class DeepSpeedStrategy(Strategy):
         if cfg.parallel.activation_checkpointing == "op" and ds["zero_optimization"].get("stage") == 3:
             # ZeRO-3 gathers a layer's partitioned weight in module hooks and its own linear
             # autograd function; the op-level recomputation replays the block's ops outside them
-            raise ConfigError("parallel.activation_checkpointing=op does not compose with DeepSpeed ZeRO-3 "
-                              "(its partitioned weights are not gathered for the op-level recomputation); use "
-                              "parallel.strategy=fsdp, ZeRO stage 0-2, or activation_checkpointing=full")
+            raise ConfigError(
+                "parallel.activation_checkpointing=op does not compose with DeepSpeed ZeRO-3 "
+                "(its partitioned weights are not gathered for the op-level recomputation); use "
+                "parallel.strategy=fsdp, ZeRO stage 0-2, or activation_checkpointing=full"
+            )
 
     def wrap(self, model):
         self.deepspeed = _import_deepspeed()
         import torch.distributed as dist
+
         if not dist.is_initialized():
-            raise ConfigError("parallel.strategy=deepspeed needs a process group: launch with torchrun, "
-                              "the deepspeed launcher, or accelerate launch")
-        self.ds_config = deepspeed_config(self.cfg, {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
-            self.dtype, "fp32"))
+            raise ConfigError(
+                "parallel.strategy=deepspeed needs a process group: launch with torchrun, "
+                "the deepspeed launcher, or accelerate launch"
+            )
+        self.ds_config = deepspeed_config(self.cfg, {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32"))
         self.engine = None
         return model  # the engine is made with the optimizer, in setup_optimizer
 
     def setup_optimizer(self, optimizer):
         self.base_optimizer = optimizer  # the torch AdamW whose state DeepSpeed fills on load
         self.engine, ds_optimizer, _, _ = self.deepspeed.initialize(
-            model=self.model, optimizer=optimizer, config=self.ds_config)
+            model=self.model, optimizer=optimizer, config=self.ds_config
+        )
         self.wrapped = self.engine
         return ds_optimizer
 
     def no_sync(self, last_micro: bool):
         import contextlib
+
         return contextlib.nullcontext()
 
     def backward(self, loss, last_micro: bool, scaler=None) -> None:
@@ -180,24 +205,28 @@ class DeepSpeedStrategy(Strategy):
         self.engine.step()
         applied = self.engine.skipped_steps == skipped
         norm = self.engine.get_global_grad_norm()
-        return StepResult(float(norm) if norm is not None else float("nan"), applied,
-                          must_stop=applied and not loss_finite)
+        return StepResult(float(norm) if norm is not None else float("nan"), applied, must_stop=applied and not loss_finite)
 
     def save(self, tmp: Path, optimizer, scheduler, scaler, background: bool = False) -> None:
         """Always synchronous: DeepSpeed's ``save_checkpoint`` has no background mode that hands
         back a completion to commit on (``checkpoint.async`` is ignored, with a warning)."""
         self.engine.save_checkpoint(str(tmp / "deepspeed"), tag=TAG)
         if self.dist.is_main:
-            torch_save_durable({"scheduler": scheduler.state_dict(), "scaler": None,
-                                "param_groups": _hyperparameters(optimizer)}, tmp / "scheduler.pt")
+            torch_save_durable(
+                {"scheduler": scheduler.state_dict(), "scaler": None, "param_groups": _hyperparameters(optimizer)},
+                tmp / "scheduler.pt",
+            )
 
     def load(self, path: Path, optimizer, scheduler, scaler, saved_world_size: int | None = None) -> None:
         ds_dir = path / "deepspeed"
         if not (ds_dir / TAG).is_dir():
-            raise CheckpointError(f"checkpoint {path} has no deepspeed/{TAG}; it was written by another "
-                                  "strategy: resume it with parallel.strategy=ddp or fsdp")
+            raise CheckpointError(
+                f"checkpoint {path} has no deepspeed/{TAG}; it was written by another "
+                "strategy: resume it with parallel.strategy=ddp or fsdp"
+            )
         # DeepSpeed (and its universal converter) unpickle these files freely: read them first
         from ..safeload import check_deepspeed_dir
+
         check_deepspeed_dir(ds_dir, self.cfg.checkpoint.trust)
         if saved_world_size is not None and saved_world_size != self.dist.world_size:
             universal = self._universal(ds_dir, saved_world_size)
@@ -207,11 +236,14 @@ class DeepSpeedStrategy(Strategy):
             load_dir, tag = ds_dir, TAG
         own_groups = _hyperparameters(optimizer)
         try:
-            loaded, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
-                                                    load_lr_scheduler_states=False)
+            loaded, _ = self.engine.load_checkpoint(
+                str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"DeepSpeed checkpoint {load_dir / tag} cannot be loaded ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''}); use an earlier checkpoint") from None
+            raise CheckpointError(
+                f"DeepSpeed checkpoint {load_dir / tag} cannot be loaded ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); use an earlier checkpoint"
+            ) from None
         if loaded is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint in {load_dir / tag}")
         extra = torch_load_safe(path / "scheduler.pt", self.cfg.checkpoint.trust)
@@ -223,8 +255,10 @@ class DeepSpeedStrategy(Strategy):
             saved = extra.get("param_groups") or own_groups
             groups = optimizer.param_groups
             if len(saved) != len(groups):
-                raise CheckpointError(f"checkpoint {path} has {len(saved)} optimizer param groups but this "
-                                      f"run has {len(groups)}; resume with the same optimizer settings")
+                raise CheckpointError(
+                    f"checkpoint {path} has {len(saved)} optimizer param groups but this "
+                    f"run has {len(groups)}; resume with the same optimizer settings"
+                )
             for group, values in zip(groups, saved):
                 group.update(values)
             # ...and it hands every param group the *same* ``step`` tensor object: torch's AdamW
@@ -241,18 +275,34 @@ class DeepSpeedStrategy(Strategy):
     def _universal(self, ds_dir: Path, saved_world_size: int) -> Path:
         """Convert a ZeRO checkpoint of another world size to DeepSpeed's universal format (once)."""
         import torch.distributed as dist
+
         out = ds_dir / f"{TAG}_universal"
         if self.dist.is_main and not (out / "zero").is_dir():
-            log.info("converting the %d-rank DeepSpeed checkpoint for %d rank(s): %s -> %s",
-                     saved_world_size, self.dist.world_size, ds_dir / TAG, out)
-            cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                   str(ds_dir / TAG), "--output_folder", str(out), "--inject_missing_state"]
+            log.info(
+                "converting the %d-rank DeepSpeed checkpoint for %d rank(s): %s -> %s",
+                saved_world_size,
+                self.dist.world_size,
+                ds_dir / TAG,
+                out,
+            )
+            cmd = [
+                sys.executable,
+                "-m",
+                "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder",
+                str(ds_dir / TAG),
+                "--output_folder",
+                str(out),
+                "--inject_missing_state",
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                raise CheckpointError(f"converting {ds_dir / TAG} to a universal checkpoint failed ({tail}); "
-                                      f"run `{' '.join(cmd[1:])}` by hand, or resume on "
-                                      f"{saved_world_size} ranks")
+                raise CheckpointError(
+                    f"converting {ds_dir / TAG} to a universal checkpoint failed ({tail}); "
+                    f"run `{' '.join(cmd[1:])}` by hand, or resume on "
+                    f"{saved_world_size} ranks"
+                )
         dist.barrier()
         return out
 

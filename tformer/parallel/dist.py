@@ -1,5 +1,6 @@
 """Process-group setup for torchrun (and plain single-process runs), and the clean shutdown that
 gloo needs on CPU."""
+
 from __future__ import annotations
 
 import datetime
@@ -18,8 +19,8 @@ class DistInfo:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
-    dims: Any = None   # tformer.parallel.mesh.ParallelDims (None: one process, no mesh)
-    mesh: Any = None   # its DeviceMesh, once a process group exists
+    dims: Any = None  # tformer.parallel.mesh.ParallelDims (None: one process, no mesh)
+    mesh: Any = None  # its DeviceMesh, once a process group exists
 
     @property
     def dp_rank(self) -> int:
@@ -45,6 +46,7 @@ class DistInfo:
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -55,8 +57,9 @@ def device_type(device: str) -> str:
     return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
-def init_distributed(device: str = "auto", backend: str | None = None, timeout_s: float = 600,
-                     always: bool = False) -> DistInfo:
+def init_distributed(
+    device: str = "auto", backend: str | None = None, timeout_s: float = 600, always: bool = False
+) -> DistInfo:
     """Read torchrun's environment; start the process group when there is more than one rank, or
     (``always``) also for one rank, which FSDP2 and DeepSpeed need even then."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,5 +1,6 @@
 """Measured memory by tensor bytes (not process RSS, which on CPU is allocator behaviour):
 model states held by a rank, and the activations autograd saves during a forward pass."""
+
 from __future__ import annotations
 
 import resource

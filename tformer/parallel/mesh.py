@@ -14,6 +14,7 @@ global rank: the ``tp`` ranks of a group and the ``pp`` stages of a pipeline see
 creates the named ``DeviceMesh`` that the strategies (FSDP2, HSDP, tensor parallel) and the
 checkpointer use.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,8 +32,7 @@ class ParallelDims:
     pp: int = 1
 
     @classmethod
-    def resolve(cls, world_size: int, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
-                pp: int = 1) -> ParallelDims:
+    def resolve(cls, world_size: int, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, pp: int = 1) -> ParallelDims:
         """The dims for ``world_size`` ranks; ``dp_shard=-1`` takes what pp x dp_replicate x tp leave."""
         for name, value in (("dp_replicate", dp_replicate), ("tp", tp), ("pp", pp)):
             if value < 1:
@@ -42,18 +42,22 @@ class ParallelDims:
             if world_size % fixed:
                 what = "parallel.dp_replicate x parallel.tp" + (" x parallel.pp" if pp > 1 else "")
                 sizes = f"{dp_replicate} x {tp}" + (f" x {pp}" if pp > 1 else "")
-                raise ConfigError(f"world size {world_size} is not divisible by {what} = {sizes}; launch a "
-                                  f"multiple of {fixed} ranks or change them")
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by {what} = {sizes}; launch a "
+                    f"multiple of {fixed} ranks or change them"
+                )
             dp_shard = world_size // fixed
         elif dp_shard < 1:
-            raise ConfigError(f"parallel.dp_shard={dp_shard} must be >= 1, or -1 for what the world size "
-                              "leaves after dp_replicate x tp")
+            raise ConfigError(
+                f"parallel.dp_shard={dp_shard} must be >= 1, or -1 for what the world size leaves after dp_replicate x tp"
+            )
         if pp * dp_replicate * dp_shard * tp != world_size:
             raise ConfigError(
                 f"world size {world_size} != parallel.{'pp x ' if pp > 1 else ''}dp_replicate x dp_shard x tp = "
                 f"{f'{pp} x ' if pp > 1 else ''}{dp_replicate} x {dp_shard} x {tp} = "
                 f"{pp * dp_replicate * dp_shard * tp}; launch that many ranks or set parallel.dp_shard=-1 to "
-                "use whatever is left")
+                "use whatever is left"
+            )
         return cls(dp_replicate, dp_shard, tp, pp)
 
     @classmethod
@@ -79,15 +83,17 @@ class ParallelDims:
         return rank % self.tp
 
     def describe(self) -> str:
-        return (f"{f'pp={self.pp} ' if self.pp > 1 else ''}dp_replicate={self.dp_replicate} "
-                f"dp_shard={self.dp_shard} tp={self.tp}")
+        return (
+            f"{f'pp={self.pp} ' if self.pp > 1 else ''}dp_replicate={self.dp_replicate} "
+            f"dp_shard={self.dp_shard} tp={self.tp}"
+        )
 
     def build_mesh(self, device_type: str):
         """The named 4-D ``DeviceMesh`` (pp, dp_replicate, dp_shard, tp), plus a flattened ``dp``
         dimension (replicate x shard), for a started process group."""
         from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
-                                mesh_dim_names=MESH_DIMS)
+
+        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return mesh
 
@@ -95,16 +101,24 @@ class ParallelDims:
 def check_strategy(dims: ParallelDims, strategy: str) -> None:
     """Layouts a strategy cannot run, refused in one line before any process group exists."""
     if strategy == "deepspeed" and (dims.tp > 1 or dims.dp_replicate > 1 or dims.pp > 1):
-        raise ConfigError(f"parallel.strategy=deepspeed does not compose with the device mesh "
-                          f"({dims.describe()}): DeepSpeed partitions over all ranks itself; use "
-                          "parallel.strategy=fsdp for tensor or pipeline parallelism and HSDP")
+        raise ConfigError(
+            f"parallel.strategy=deepspeed does not compose with the device mesh "
+            f"({dims.describe()}): DeepSpeed partitions over all ranks itself; use "
+            "parallel.strategy=fsdp for tensor or pipeline parallelism and HSDP"
+        )
     if dims.dp_replicate > 1 and strategy != "fsdp":
-        raise ConfigError(f"parallel.dp_replicate={dims.dp_replicate} (HSDP) needs parallel.strategy=fsdp, "
-                          f"not {strategy}; set parallel.strategy=fsdp or parallel.dp_replicate=1")
+        raise ConfigError(
+            f"parallel.dp_replicate={dims.dp_replicate} (HSDP) needs parallel.strategy=fsdp, "
+            f"not {strategy}; set parallel.strategy=fsdp or parallel.dp_replicate=1"
+        )
     if strategy == "ddp" and dims.tp > 1 and dims.dp_size > 1:
-        raise ConfigError(f"parallel.tp={dims.tp} with {dims.dp_size} data-parallel ranks needs "
-                          "parallel.strategy=fsdp (DDP does not replicate tensor-parallel parameters); "
-                          "set parallel.strategy=fsdp, or launch parallel.tp ranks for tensor parallelism alone")
+        raise ConfigError(
+            f"parallel.tp={dims.tp} with {dims.dp_size} data-parallel ranks needs "
+            "parallel.strategy=fsdp (DDP does not replicate tensor-parallel parameters); "
+            "set parallel.strategy=fsdp, or launch parallel.tp ranks for tensor parallelism alone"
+        )
     if strategy == "ddp" and dims.pp > 1 and dims.dp_size > 1:
-        raise ConfigError(f"parallel.pp={dims.pp} with {dims.dp_size} data-parallel ranks needs "
-                          "parallel.strategy=fsdp (FSDP2 per stage); set parallel.strategy=fsdp")
+        raise ConfigError(
+            f"parallel.pp={dims.pp} with {dims.dp_size} data-parallel ranks needs "
+            "parallel.strategy=fsdp (FSDP2 per stage); set parallel.strategy=fsdp"
+        )

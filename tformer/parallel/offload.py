@@ -8,6 +8,7 @@ Device memory then holds the model states and the working set of the current op;
 host copies of every activation. On a CPU device activations already live in host memory, so the
 setting is a documented no-op there.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,6 +59,8 @@ def activation_offload(device: torch.device, enabled: bool, force: bool = False)
     pin = device.type != "cpu" and can_pin_memory()
     if device.type != "cpu" and not pin and "pin" not in _warned:
         _warned.add("pin")
-        log.warning("parallel.activation_offload: this machine cannot pin host memory; offloading with "
-                    "pageable copies (slower, no overlap with compute)")
+        log.warning(
+            "parallel.activation_offload: this machine cannot pin host memory; offloading with "
+            "pageable copies (slower, no overlap with compute)"
+        )
     return OffloadActivations(pin)

@@ -25,6 +25,7 @@ accumulates over), and every stage receives the batch's masks and labels as keyw
 The last stage computes the loss inside its forward (the head stays in the stage module, under its
 FSDP2/TP hooks); the schedule's loss function passes it through.
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,8 +46,7 @@ def num_stages(pcfg) -> int:
 def stage_layers(num_layers: int, stages: int, pp_layers: list | None = None) -> list[range]:
     """Block indices of each stage: ``pp_layers`` counts, or as even as possible (earlier stages
     take the remainder: the last stage also runs the head and the loss)."""
-    counts = list(pp_layers) if pp_layers else [num_layers // stages + (i < num_layers % stages)
-                                                for i in range(stages)]
+    counts = list(pp_layers) if pp_layers else [num_layers // stages + (i < num_layers % stages) for i in range(stages)]
     out, start = [], 0
     for n in counts:
         out.append(range(start, start + n))
@@ -57,42 +57,58 @@ def stage_layers(num_layers: int, stages: int, pp_layers: list | None = None) ->
 def check_pipeline(cfg: ModelConfig, pcfg, strategy: str) -> None:
     """One line for each pipeline layout that cannot be built, before any process group."""
     if pcfg.pp_schedule not in PP_SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule={pcfg.pp_schedule!r} is not known; use one of: "
-                          f"{', '.join(PP_SCHEDULES)}")
+        raise ConfigError(f"parallel.pp_schedule={pcfg.pp_schedule!r} is not known; use one of: {', '.join(PP_SCHEDULES)}")
     if pcfg.pp == 1:
         return
     if strategy == "deepspeed":
-        raise ConfigError("parallel.pp does not compose with parallel.strategy=deepspeed (DeepSpeed has its own "
-                          "pipeline engine); use parallel.strategy=fsdp or ddp")
+        raise ConfigError(
+            "parallel.pp does not compose with parallel.strategy=deepspeed (DeepSpeed has its own "
+            "pipeline engine); use parallel.strategy=fsdp or ddp"
+        )
     interleaved = pcfg.pp_schedule == "interleaved_1f1b"
     if interleaved and pcfg.pp_stages_per_rank < 2:
-        raise ConfigError(f"parallel.pp_schedule=interleaved_1f1b needs parallel.pp_stages_per_rank >= 2 (got "
-                          f"{pcfg.pp_stages_per_rank}); set it, or use parallel.pp_schedule=1f1b")
+        raise ConfigError(
+            f"parallel.pp_schedule=interleaved_1f1b needs parallel.pp_stages_per_rank >= 2 (got "
+            f"{pcfg.pp_stages_per_rank}); set it, or use parallel.pp_schedule=1f1b"
+        )
     if not interleaved and pcfg.pp_stages_per_rank != 1:
-        raise ConfigError(f"parallel.pp_stages_per_rank={pcfg.pp_stages_per_rank} needs "
-                          "parallel.pp_schedule=interleaved_1f1b; set it, or parallel.pp_stages_per_rank=1")
+        raise ConfigError(
+            f"parallel.pp_stages_per_rank={pcfg.pp_stages_per_rank} needs "
+            "parallel.pp_schedule=interleaved_1f1b; set it, or parallel.pp_stages_per_rank=1"
+        )
     stages = num_stages(pcfg)
     if cfg.family == "encdec":
         if stages != 2 or pcfg.pp_layers:
-            raise ConfigError(f"encoder-decoder models split only at the encoder/decoder boundary: "
-                              f"parallel.pp=2 with one stage per rank and no parallel.pp_layers (got {stages} "
-                              "stages); the decoder's every block needs the encoder output")
+            raise ConfigError(
+                f"encoder-decoder models split only at the encoder/decoder boundary: "
+                f"parallel.pp=2 with one stage per rank and no parallel.pp_layers (got {stages} "
+                "stages); the decoder's every block needs the encoder output"
+            )
         return
     blocks = cfg.num_layers
     if pcfg.pp_layers:
         layers = pcfg.pp_layers
-        if (len(layers) != stages or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in layers)
-                or sum(layers) != blocks):
-            raise ConfigError(f"parallel.pp_layers={layers} must list {stages} positive block counts (one per "
-                              f"stage) that add up to the model's {blocks} blocks")
+        if (
+            len(layers) != stages
+            or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in layers)
+            or sum(layers) != blocks
+        ):
+            raise ConfigError(
+                f"parallel.pp_layers={layers} must list {stages} positive block counts (one per "
+                f"stage) that add up to the model's {blocks} blocks"
+            )
     elif stages > blocks:
-        raise ConfigError(f"{stages} pipeline stages (parallel.pp={pcfg.pp}"
-                          f"{f' x pp_stages_per_rank={pcfg.pp_stages_per_rank}' if interleaved else ''}) exceed the "
-                          f"model's {blocks} blocks; lower parallel.pp or use a deeper model")
+        raise ConfigError(
+            f"{stages} pipeline stages (parallel.pp={pcfg.pp}"
+            f"{f' x pp_stages_per_rank={pcfg.pp_stages_per_rank}' if interleaved else ''}) exceed the "
+            f"model's {blocks} blocks; lower parallel.pp or use a deeper model"
+        )
     elif interleaved and blocks % stages:
-        raise ConfigError(f"parallel.pp_schedule=interleaved_1f1b with {stages} stages does not divide the "
-                          f"model's {blocks} blocks evenly; change parallel.pp_stages_per_rank or give "
-                          "parallel.pp_layers")
+        raise ConfigError(
+            f"parallel.pp_schedule=interleaved_1f1b with {stages} stages does not divide the "
+            f"model's {blocks} blocks evenly; change parallel.pp_stages_per_rank or give "
+            "parallel.pp_layers"
+        )
 
 
 class _Skip(nn.Module):
@@ -134,6 +150,7 @@ def _encdec_forward(self, x, attention_mask=None, labels=None):
     if self.pp_first:  # input ids -> encoder output
         return self.encode(x, attention_mask)
     from ..models.encdec import shift_right
+
     cfg = self.config
     h = self.decoder_hidden(shift_right(labels, cfg.decoder_start_token_id, cfg.pad_token_id), x, attention_mask)
     return self._head_and_loss(h, labels, False, label_smoothing=self.pp_smoothing)[1]
@@ -190,10 +207,10 @@ class Parts(nn.Module):
         return name.split(".", 2)[2] if name.startswith("parts.") else name
 
 
-def make_schedule(stage_modules: list[nn.Module], stage_ids: list[int], stages: int, pcfg, n_micro: int,
-                  device, group):
+def make_schedule(stage_modules: list[nn.Module], stage_ids: list[int], stages: int, pcfg, n_micro: int, device, group):
     """torch's ``PipelineStage`` per module and the configured schedule over them."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
     pipe_stages: list[Any] = [PipelineStage(m, s, stages, device, group=group) for m, s in zip(stage_modules, stage_ids)]
 
     def passthrough(loss, _target):  # the last stage's forward already returns the loss
@@ -217,7 +234,7 @@ class Shared:
     """Parameters that more than one pipeline rank holds (by unsplit name), with their local shapes."""
 
     def __init__(self, shapes: dict[str, tuple], counted_elsewhere: frozenset):
-        self.shapes = shapes                        # name -> local gradient shape, in a fixed order
+        self.shapes = shapes  # name -> local gradient shape, in a fixed order
         self.counted_elsewhere = counted_elsewhere  # this rank's names (prefixed) another rank counts
 
 
@@ -227,6 +244,7 @@ def _local(t):
 
 def shared_parameters(parts: Parts, group) -> Shared:
     import torch.distributed as dist
+
     mine = {Parts.strip(n): tuple(_local(p).shape) for n, p in parts.named_parameters()}
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
@@ -236,14 +254,16 @@ def shared_parameters(parts: Parts, group) -> Shared:
             owners.setdefault(name, []).append(rank)
     me = dist.get_rank(group)
     shapes = {name: everyone[ranks[0]][name] for name, ranks in sorted(owners.items()) if len(ranks) > 1}
-    elsewhere = frozenset(n for n, _ in parts.named_parameters()
-                          if Parts.strip(n) in shapes and owners[Parts.strip(n)][0] != me)
+    elsewhere = frozenset(
+        n for n, _ in parts.named_parameters() if Parts.strip(n) in shapes and owners[Parts.strip(n)][0] != me
+    )
     return Shared(shapes, elsewhere)
 
 
 def sync_shared_grads(parts: Parts, shared: Shared, group) -> None:
     """Sum the gradients of weights several stages hold (each computed its share of the use)."""
     import torch.distributed as dist
+
     if not shared.shapes:
         return
     params = {Parts.strip(n): p for n, p in parts.named_parameters()}

@@ -32,6 +32,7 @@ the activations of the micro-batches in flight there at the schedule's peak (``i
 keeps all m of a step, 1F1B at most pp - rank, interleaved 1F1B what torch's
 ``ScheduleInterleaved1F1B`` warms up plus one. The step's idle share is the bubble (``bubble``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,8 +43,11 @@ from ..config import ConfigError, ModelConfig, Precision
 
 STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-no-reshard")
 # bytes per parameter of DeepSpeed's fp32 ZeRO as built, by device count N (see the module doc)
-DEEPSPEED_FP32_AS_BUILT = {"zero1": ("4Ψ+16Ψ/N", lambda n: 4 + 16 / n), "zero2": ("4Ψ+16Ψ/N", lambda n: 4 + 16 / n),
-                           "zero3": ("20Ψ/N", lambda n: 20 / n)}
+DEEPSPEED_FP32_AS_BUILT = {
+    "zero1": ("4Ψ+16Ψ/N", lambda n: 4 + 16 / n),
+    "zero2": ("4Ψ+16Ψ/N", lambda n: 4 + 16 / n),
+    "zero3": ("20Ψ/N", lambda n: 20 / n),
+}
 
 
 def model_state_bytes(strategy: str, params: int, devices: int, mixed: bool, as_built: bool = False) -> float:
@@ -53,14 +57,27 @@ def model_state_bytes(strategy: str, params: int, devices: int, mixed: bool, as_
     if not mixed and as_built and strategy in DEEPSPEED_FP32_AS_BUILT:
         return DEEPSPEED_FP32_AS_BUILT[strategy][1](n) * p
     if not mixed:
-        return {"ddp": 16 * p, "zero1": 8 * p + 8 * p / n, "zero2": 4 * p + 12 * p / n,
-                "zero3": 16 * p / n, "fsdp": 16 * p / n, "fsdp-no-reshard": 16 * p / n}[strategy]
-    return {"ddp": 16 * p, "zero1": 4 * p + 12 * p / n, "zero2": 2 * p + 14 * p / n, "zero3": 16 * p / n,
-            "fsdp": 16 * p / n, "fsdp-no-reshard": 16 * p / n + 2 * p}[strategy]
+        return {
+            "ddp": 16 * p,
+            "zero1": 8 * p + 8 * p / n,
+            "zero2": 4 * p + 12 * p / n,
+            "zero3": 16 * p / n,
+            "fsdp": 16 * p / n,
+            "fsdp-no-reshard": 16 * p / n,
+        }[strategy]
+    return {
+        "ddp": 16 * p,
+        "zero1": 4 * p + 12 * p / n,
+        "zero2": 2 * p + 14 * p / n,
+        "zero3": 16 * p / n,
+        "fsdp": 16 * p / n,
+        "fsdp-no-reshard": 16 * p / n + 2 * p,
+    }[strategy]
 
 
-def _block_parts(cfg: ModelConfig, seq: int, cross_len: int | None = None,
-                 elt: int = 4, tp: int = 1) -> tuple[float, float, float]:
+def _block_parts(
+    cfg: ModelConfig, seq: int, cross_len: int | None = None, elt: int = 4, tp: int = 1
+) -> tuple[float, float, float]:
     """Elements autograd keeps per token for one block, as (whole, sequence, heads) by what tensor
     parallelism does to them: ``whole``, the norm outputs that feed the column-wise projections,
     stays whole on every TP rank without SP (under SP it is all-gathered, but backward keeps only
@@ -127,8 +144,9 @@ def _split(parts: tuple[float, float, float], tp: int, sp: bool) -> float:
     return whole + sequence / (tp if sp else 1) + heads / tp
 
 
-def _block_elements_per_token(cfg: ModelConfig, seq: int, cross_len: int | None = None, tp: int = 1,
-                              sp: bool = False, elt: int = 4) -> float:
+def _block_elements_per_token(
+    cfg: ModelConfig, seq: int, cross_len: int | None = None, tp: int = 1, sp: bool = False, elt: int = 4
+) -> float:
     """Elements autograd keeps per token for one block on one TP rank."""
     whole, sequence, heads = _block_parts(cfg, seq, cross_len, elt, tp)
     if sp:  # the gathered norm outputs are kept as sequence shards (tp.KeepSequenceShard)
@@ -153,10 +171,24 @@ def head_bytes(cfg: ModelConfig, tokens: int, mixed: bool, chunk: int | None = N
     return rows * cfg.padded_vocab_size * per_logit
 
 
-def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, target: int | None, ac: str,
-                     mixed: bool, transient: bool = True, chunk: int | None = None, offload: bool = False,
-                     labelled: float = 1.0, return_logits: bool = True, tp: int = 1, sp: bool = False,
-                     loss_parallel: bool = True, blocks: tuple[int, int] | None = None, head: bool = True) -> float:
+def activation_bytes(
+    cfg: ModelConfig,
+    micro_batch: int,
+    seq: int,
+    target: int | None,
+    ac: str,
+    mixed: bool,
+    transient: bool = True,
+    chunk: int | None = None,
+    offload: bool = False,
+    labelled: float = 1.0,
+    return_logits: bool = True,
+    tp: int = 1,
+    sp: bool = False,
+    loss_parallel: bool = True,
+    blocks: tuple[int, int] | None = None,
+    head: bool = True,
+) -> float:
     """Bytes of activations for one micro-batch: what autograd keeps from forward to backward, plus
     (``transient``) the peak added during backward: the recomputed block under activation
     checkpointing, the head and loss.
@@ -196,8 +228,9 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, target: int |
         ffn_grads = (3 if cfg.activation in ("swiglu", "geglu") else 2) * cfg.d_ff / tp + 2 * cfg.d_model
         recompute += max(tokens for tokens, _ in layers) * ffn_grads
     if offload:  # kept in host memory; a block's saved tensors come back for its backward
-        recompute += max(tokens * e for tokens, e in layers) if ac == "none" else max(
-            tokens * block_input for tokens, _ in layers)
+        recompute += (
+            max(tokens * e for tokens, e in layers) if ac == "none" else max(tokens * block_input for tokens, _ in layers)
+        )
         kept = 0
     vocab_split = tp if loss_parallel else 1  # without loss parallelism the logits are gathered
     if return_logits:  # the logits are returned: fp32 copy and log-softmax kept, then the gradient
@@ -227,12 +260,12 @@ class Estimate:
     tp: int = 1
     sp: bool = False
     pp: int = 1
-    schedule: str = ""           # pp > 1: gpipe | 1f1b | interleaved_1f1b
+    schedule: str = ""  # pp > 1: gpipe | 1f1b | interleaved_1f1b
     stages_per_rank: int = 1
-    n_micro: int = 1             # pp > 1: the pipeline's micro-batches per step (grad_accum)
-    pp_rank: int = 0             # the pipeline rank these bytes are of (the layout's worst one)
-    in_flight: float = 1         # micro-batches (through all of the rank's blocks) held at the peak
-    bubble: float = 0.0          # the step's idle share
+    n_micro: int = 1  # pp > 1: the pipeline's micro-batches per step (grad_accum)
+    pp_rank: int = 0  # the pipeline rank these bytes are of (the layout's worst one)
+    in_flight: float = 1  # micro-batches (through all of the rank's blocks) held at the peak
+    bubble: float = 0.0  # the step's idle share
 
     @property
     def total(self) -> float:
@@ -260,6 +293,7 @@ def _module_counts(fields: tuple) -> dict[str, int]:
     import torch
 
     from ..models import build_model
+
     with torch.device("meta"):
         model = build_model(ModelConfig(**dict(fields)))
     cfg = model.config
@@ -268,24 +302,34 @@ def _module_counts(fields: tuple) -> dict[str, int]:
         return sum(p.numel() for p in module.parameters()) if module is not None else 0
 
     out = {"all": model.num_parameters(), "embed": count(model.embed), "tok": model.embed.tok.weight.numel()}
-    stacks = [model.encoder, model.decoder] if cfg.family == "encdec" else [
-        model.decoder if cfg.family == "decoder" else model.encoder]
+    stacks = (
+        [model.encoder, model.decoder]
+        if cfg.family == "encdec"
+        else [model.decoder if cfg.family == "decoder" else model.encoder]
+    )
     for i, stack in enumerate(stacks):
         out[f"block{i}"] = count(stack.layers[0])  # the blocks of a stack are alike
         out[f"norm{i}"] = count(stack.final_norm)
         out[f"stack{i}"] = count(stack) - len(stack.layers) * out[f"block{i}"] - out[f"norm{i}"]
     embedded = {id(p) for p in model.embed.parameters()}
-    out["head"] = sum(p.numel() for name in ("lm_head", "head_dense", "head_norm")
-                      for p in (getattr(model, name).parameters() if getattr(model, name, None) is not None else ())
-                      if id(p) not in embedded)
+    out["head"] = sum(
+        p.numel()
+        for name in ("lm_head", "head_dense", "head_norm")
+        for p in (getattr(model, name).parameters() if getattr(model, name, None) is not None else ())
+        if id(p) not in embedded
+    )
     return out
 
 
 def tp_blocker(cfg: ModelConfig, tp: int) -> str | None:
     """The first size that ``tp`` does not divide (TP splits heads, KV heads, the FFN width and the
     vocabulary rows), as ``name=value``; None when ``tp`` can split them all."""
-    for name, value in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.kv_heads), ("d_ff", cfg.d_ff),
-                        ("padded vocab_size", cfg.padded_vocab_size)):
+    for name, value in (
+        ("num_heads", cfg.num_heads),
+        ("num_kv_heads", cfg.kv_heads),
+        ("d_ff", cfg.d_ff),
+        ("padded vocab_size", cfg.padded_vocab_size),
+    ):
         if value % tp:
             return f"{name}={value}"
     return None
@@ -309,15 +353,13 @@ def _tp_sharded_parts(cfg: ModelConfig) -> dict[str, int]:
     (the rest is whole on every rank): q/k/v weights and biases, o_proj and FFN down weights, FFN
     up/gate weights and biases, in self- and cross-attention; the token embedding, an untied LM head,
     BERT's head bias; T5's relative-bias tables (one per stack)."""
-    d, h, kv, dk, ff, vocab = (cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff,
-                               cfg.padded_vocab_size)
+    d, h, kv, dk, ff, vocab = (cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff, cfg.padded_vocab_size)
     bias = int(cfg.bias)
     attention = (h + 2 * kv) * dk * (d + bias) + h * dk * d
     ffn = (2 if cfg.activation in ("swiglu", "geglu") else 1) * ff * (d + bias) + ff * d
     relative = cfg.rel_num_buckets * h if cfg.position == "relative" else 0
     head = (0 if cfg.tie_embeddings else vocab * d) + (vocab if cfg.family == "encoder" else 0)
-    out = {"embed": vocab * d, "tok": vocab * d, "head": head, "block0": attention + ffn, "stack0": relative,
-           "norm0": 0}
+    out = {"embed": vocab * d, "tok": vocab * d, "head": head, "block0": attention + ffn, "stack0": relative, "norm0": 0}
     if cfg.family == "encdec":
         out.update(block1=2 * attention + ffn, stack1=relative, norm1=0)
     return out
@@ -328,8 +370,7 @@ def tp_sharded_parameters(cfg: ModelConfig) -> int:
     model)."""
     parts = _tp_sharded_parts(cfg)
     stacks = [(0, cfg.num_layers)] + ([(1, cfg.decoder_layers)] if cfg.family == "encdec" else [])
-    return (parts["embed"] + parts["head"]
-            + sum(n * parts[f"block{i}"] + parts[f"stack{i}"] for i, n in stacks))
+    return parts["embed"] + parts["head"] + sum(n * parts[f"block{i}"] + parts[f"stack{i}"] for i, n in stacks)
 
 
 def tp_local_parameters(cfg: ModelConfig, tp: int) -> int:
@@ -347,14 +388,16 @@ PP_SEARCHED = (("1f1b", 1), ("interleaved_1f1b", 2))
 MAX_BUBBLE = 0.25
 
 
-def pipeline_blocker(cfg: ModelConfig, pp: int, schedule: str = "1f1b", stages_per_rank: int = 1,
-                     n_micro: int | None = None) -> str | None:
+def pipeline_blocker(
+    cfg: ModelConfig, pp: int, schedule: str = "1f1b", stages_per_rank: int = 1, n_micro: int | None = None
+) -> str | None:
     """Why ``pp`` ranks of ``schedule`` cannot split the model or run ``n_micro`` micro-batches
     (the first sentence of ``pipeline.check_pipeline``'s error, or torch's schedule's condition),
     or None."""
     from types import SimpleNamespace
 
     from .pipeline import check_pipeline
+
     pcfg = SimpleNamespace(pp=pp, pp_schedule=schedule, pp_stages_per_rank=stages_per_rank, pp_layers=None)
     try:
         check_pipeline(cfg, pcfg, "fsdp")
@@ -374,13 +417,16 @@ def stage_parameters(cfg: ModelConfig, stages: int, tp: int = 1) -> list[int]:
     and the head on the last, with the token embedding again when the head is tied to it; an
     encoder-decoder model's encoder (with the embedding) and decoder (with the embedding and head)."""
     from .pipeline import stage_layers
+
     counts, sharded = _module_counts(_fields(cfg)), _tp_sharded_parts(cfg)
     local = {k: counts[k] - n + n // tp for k, n in sharded.items()}
     if stages == 1:
         return [tp_local_parameters(cfg, tp)]
     if cfg.family == "encdec":
-        return [local["embed"] + local["stack0"] + cfg.num_layers * local["block0"] + local["norm0"],
-                local["embed"] + local["stack1"] + cfg.decoder_layers * local["block1"] + local["norm1"] + local["head"]]
+        return [
+            local["embed"] + local["stack0"] + cfg.num_layers * local["block0"] + local["norm0"],
+            local["embed"] + local["stack1"] + cfg.decoder_layers * local["block1"] + local["norm1"] + local["head"],
+        ]
     out = []
     for stage, blocks in enumerate(stage_layers(cfg.num_layers, stages)):
         n = local["stack0"] + len(blocks) * local["block0"]
@@ -416,11 +462,27 @@ def bubble(schedule: str, pp: int, n_micro: int, stages_per_rank: int = 1) -> fl
     return (pp - 1) / (v * n_micro + pp - 1)
 
 
-def _pipeline_rank(cfg: ModelConfig, strategy: str, dp_shard: int, micro_batch: int, seq: int,
-                   target: int | None, ac: str, mixed: bool, tp: int, sp: bool, pp: int, schedule: str,
-                   v: int, n_micro: int, rank: int, memory: dict) -> tuple[float, float, float]:
+def _pipeline_rank(
+    cfg: ModelConfig,
+    strategy: str,
+    dp_shard: int,
+    micro_batch: int,
+    seq: int,
+    target: int | None,
+    ac: str,
+    mixed: bool,
+    tp: int,
+    sp: bool,
+    pp: int,
+    schedule: str,
+    v: int,
+    n_micro: int,
+    rank: int,
+    memory: dict,
+) -> tuple[float, float, float]:
     """(model states, activations, micro-batches in flight) of pipeline rank ``rank``."""
     from .pipeline import stage_layers, stages_of_rank
+
     stages = pp * v
     mine = stages_of_rank(rank, pp, stages)
     last = stages - 1 in mine
@@ -432,8 +494,18 @@ def _pipeline_rank(cfg: ModelConfig, strategy: str, dp_shard: int, micro_batch: 
         blocks = (max(len(stage_layers(cfg.num_layers, stages)[s]) for s in mine), 0)
 
     def act(transient=True, head=False):
-        return activation_bytes(cfg, micro_batch, seq, target, ac, mixed, tp=tp, sp=sp, blocks=blocks,
-                                **{**memory, "transient": transient, "head": head})
+        return activation_bytes(
+            cfg,
+            micro_batch,
+            seq,
+            target,
+            ac,
+            mixed,
+            tp=tp,
+            sp=sp,
+            blocks=blocks,
+            **{**memory, "transient": transient, "head": head},
+        )
 
     kept = act(transient=False)
     units = in_flight(schedule, pp, n_micro, rank, v)
@@ -449,10 +521,25 @@ def _pipeline_rank(cfg: ModelConfig, strategy: str, dp_shard: int, micro_batch: 
     return states, activations, units / v
 
 
-def estimate(cfg: ModelConfig, strategy: str, devices: int, micro_batch: int, seq: int,
-             target: int | None = None, ac: str = "none", mixed: bool = True, dp_replicate: int = 1,
-             tp: int = 1, sp: bool = False, pp: int = 1, schedule: str = "1f1b", stages_per_rank: int = 1,
-             n_micro: int | None = None, pp_rank: int | None = None, **memory) -> Estimate:
+def estimate(
+    cfg: ModelConfig,
+    strategy: str,
+    devices: int,
+    micro_batch: int,
+    seq: int,
+    target: int | None = None,
+    ac: str = "none",
+    mixed: bool = True,
+    dp_replicate: int = 1,
+    tp: int = 1,
+    sp: bool = False,
+    pp: int = 1,
+    schedule: str = "1f1b",
+    stages_per_rank: int = 1,
+    n_micro: int | None = None,
+    pp_rank: int | None = None,
+    **memory,
+) -> Estimate:
     """One rank of ``devices`` = pp x dp_replicate x dp_shard x tp. ``memory``: the head and offload
     settings of ``activation_bytes`` (chunk, offload, loss_parallel, ...). With ``pp`` > 1: ``n_micro``
     micro-batches per step (default 4 x pp) through ``schedule``, and the rank ``pp_rank``, or
@@ -461,17 +548,42 @@ def estimate(cfg: ModelConfig, strategy: str, devices: int, micro_batch: int, se
     dp_shard = devices // (pp * dp_replicate * tp)
     if pp == 1:
         states = model_state_bytes(strategy, tp_local_parameters(cfg, tp), dp_shard, mixed, as_built=True)
-        return Estimate(strategy, ac, micro_batch, states,
-                        activation_bytes(cfg, micro_batch, seq, target, ac, mixed, tp=tp, sp=sp, **memory),
-                        dp_replicate, dp_shard, tp, sp)
+        return Estimate(
+            strategy,
+            ac,
+            micro_batch,
+            states,
+            activation_bytes(cfg, micro_batch, seq, target, ac, mixed, tp=tp, sp=sp, **memory),
+            dp_replicate,
+            dp_shard,
+            tp,
+            sp,
+        )
     m = n_micro or 4 * pp
     v = stages_per_rank if schedule == "interleaved_1f1b" else 1
     best = None
-    for rank in ([pp_rank] if pp_rank is not None else sorted({0, pp - 1})):
-        states, activations, held = _pipeline_rank(cfg, strategy, dp_shard, micro_batch, seq, target, ac, mixed, tp,
-                                                   sp, pp, schedule, v, m, rank, memory)
-        e = Estimate(strategy, ac, micro_batch, states, activations, dp_replicate, dp_shard, tp, sp, pp, schedule,
-                     v, m, rank, held, bubble(schedule, pp, m, v))
+    for rank in [pp_rank] if pp_rank is not None else sorted({0, pp - 1}):
+        states, activations, held = _pipeline_rank(
+            cfg, strategy, dp_shard, micro_batch, seq, target, ac, mixed, tp, sp, pp, schedule, v, m, rank, memory
+        )
+        e = Estimate(
+            strategy,
+            ac,
+            micro_batch,
+            states,
+            activations,
+            dp_replicate,
+            dp_shard,
+            tp,
+            sp,
+            pp,
+            schedule,
+            v,
+            m,
+            rank,
+            held,
+            bubble(schedule, pp, m, v),
+        )
         if best is None or e.total > best.total:
             best = e
     assert best is not None
@@ -481,10 +593,26 @@ def estimate(cfg: ModelConfig, strategy: str, devices: int, micro_batch: int, se
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16", "fp16")  # the run's, once precision=auto is resolved
 
 
-def rank_memory(cfg: ModelConfig, *, seq_len: int, micro_batch: int = 1, dp_replicate: int = 1,
-                dp_shard: int = 1, tp: int = 1, sp: bool = False, precision: str = "bf16", ac: str = "none",
-                strategy: str = "fsdp", target_len: int | None = None, pp: int = 1, pp_schedule: str = "1f1b",
-                pp_stages_per_rank: int = 1, n_micro: int | None = None, pp_rank: int = 0, **memory) -> Estimate:
+def rank_memory(
+    cfg: ModelConfig,
+    *,
+    seq_len: int,
+    micro_batch: int = 1,
+    dp_replicate: int = 1,
+    dp_shard: int = 1,
+    tp: int = 1,
+    sp: bool = False,
+    precision: str = "bf16",
+    ac: str = "none",
+    strategy: str = "fsdp",
+    target_len: int | None = None,
+    pp: int = 1,
+    pp_schedule: str = "1f1b",
+    pp_stages_per_rank: int = 1,
+    n_micro: int | None = None,
+    pp_rank: int = 0,
+    **memory,
+) -> Estimate:
     """Predicted bytes one rank holds on the mesh pp x dp_replicate x dp_shard x tp: ``model_states``
     (parameters, gradients, AdamW) and ``activations`` (kept for backward plus the backward peak),
     for ``bench/bench_scale.py`` to hold against measured per-rank peaks. ``precision`` fp32 or
@@ -500,17 +628,35 @@ def rank_memory(cfg: ModelConfig, *, seq_len: int, micro_batch: int = 1, dp_repl
     if precision not in PRECISIONS:
         raise ConfigError(f"precision={precision!r} is not allowed; use one of: {', '.join(PRECISIONS)}")
     if dp_replicate > 1 and not strategy.startswith("fsdp"):
-        raise ConfigError(f"parallel.dp_replicate={dp_replicate} needs parallel.strategy=fsdp (HSDP), "
-                          f"not {strategy!r}; set parallel.dp_replicate=1")
+        raise ConfigError(
+            f"parallel.dp_replicate={dp_replicate} needs parallel.strategy=fsdp (HSDP), "
+            f"not {strategy!r}; set parallel.dp_replicate=1"
+        )
     if pp > 1:
         if not 0 <= pp_rank < pp:
             raise ConfigError(f"pp_rank={pp_rank} is not a rank of parallel.pp={pp}; use 0 to {pp - 1}")
         why = pipeline_blocker(cfg, pp, pp_schedule, pp_stages_per_rank, n_micro or 4 * pp)
         if why:
             raise ConfigError(why)
-    return estimate(cfg, strategy, pp * dp_replicate * dp_shard * tp, micro_batch, seq_len, target_len, ac,
-                    precision != "fp32", dp_replicate=dp_replicate, tp=tp, sp=sp, pp=pp, schedule=pp_schedule,
-                    stages_per_rank=pp_stages_per_rank, n_micro=n_micro, pp_rank=pp_rank, **memory)
+    return estimate(
+        cfg,
+        strategy,
+        pp * dp_replicate * dp_shard * tp,
+        micro_batch,
+        seq_len,
+        target_len,
+        ac,
+        precision != "fp32",
+        dp_replicate=dp_replicate,
+        tp=tp,
+        sp=sp,
+        pp=pp,
+        schedule=pp_schedule,
+        stages_per_rank=pp_stages_per_rank,
+        n_micro=n_micro,
+        pp_rank=pp_rank,
+        **memory,
+    )
 
 
 def layouts(cfg: ModelConfig, devices: int, gpus_per_node: int = 8) -> list[tuple[str, int, int]]:
@@ -529,8 +675,9 @@ def layouts(cfg: ModelConfig, devices: int, gpus_per_node: int = 8) -> list[tupl
     return out
 
 
-def pp_layouts(cfg: ModelConfig, devices: int, gpus_per_node: int = 8, n_micro: int | None = None,
-               max_pp: int | None = None) -> tuple[list[tuple[str, int, int, int, str, int, int]], dict[int, str]]:
+def pp_layouts(
+    cfg: ModelConfig, devices: int, gpus_per_node: int = 8, n_micro: int | None = None, max_pp: int | None = None
+) -> tuple[list[tuple[str, int, int, int, str, int, int]], dict[int, str]]:
     """(strategy, dp_replicate, tp, pp, schedule, stages_per_rank, n_micro) of every pipeline layout
     the planner tries, and the pp degrees it skips with why. pp divides the device count (at most
     ``max_pp``); ``n_micro`` micro-batches per step (grad_accum; default 4 x pp, a bubble under 1/5);
@@ -552,7 +699,7 @@ def pp_layouts(cfg: ModelConfig, devices: int, gpus_per_node: int = 8, n_micro: 
         nodes = per_stage // gpus_per_node if per_stage % gpus_per_node == 0 else 1
         for tp in (t for t in usable if per_stage % t == 0):
             hsdp = nodes > 1 and gpus_per_node % tp == 0 and gpus_per_node // tp > 1
-            for replicate in ((nodes, 1) if hsdp else (1,)):
+            for replicate in (nodes, 1) if hsdp else (1,):
                 out += [("fsdp", replicate, tp, pp, name, v, m) for name, v in schedules]
     return out, skipped
 
@@ -561,13 +708,15 @@ def training_memory(cfg) -> dict:
     """``activation_bytes`` settings of a run config: the trainer's loss-only path, its chunked
     head, offload (host memory only on an accelerator) and BERT's labelled share."""
     model_cfg = cfg.model
-    return {"return_logits": False, "chunk": cfg.loss.chunk_size,
-            "offload": cfg.parallel.activation_offload and cfg.device != "cpu",
-            "labelled": cfg.data.mlm_probability if model_cfg.family == "encoder" else 1.0}
+    return {
+        "return_logits": False,
+        "chunk": cfg.loss.chunk_size,
+        "offload": cfg.parallel.activation_offload and cfg.device != "cpu",
+        "labelled": cfg.data.mlm_probability if model_cfg.family == "encoder" else 1.0,
+    }
 
 
-def print_savings(cfg: ModelConfig, micro_batch: int, seq: int, target: int | None, mixed: bool,
-                  settings: dict) -> None:
+def print_savings(cfg: ModelConfig, micro_batch: int, seq: int, target: int | None, mixed: bool, settings: dict) -> None:
     """Activation memory per device of each memory setting alone, against none of them (the
     unchunked head, no checkpointing, no offload), and of this run's choice."""
     gib = 2**30
@@ -578,19 +727,33 @@ def print_savings(cfg: ModelConfig, micro_batch: int, seq: int, target: int | No
         return activation_bytes(cfg, micro_batch, seq, target, ac, mixed, **{**plain, **change})
 
     base = act()
-    rows = [("none of them (baseline)", base), (f"loss.chunk_size={chunk}", act(chunk=chunk)),
-            ("activation_checkpointing=op", act("op")), ("activation_checkpointing=full", act("full")),
-            ("activation_offload=true (on a GPU)", act(offload=True)),
-            (f"chunk {chunk} + op + offload", act("op", chunk=chunk, offload=True))]
+    rows = [
+        ("none of them (baseline)", base),
+        (f"loss.chunk_size={chunk}", act(chunk=chunk)),
+        ("activation_checkpointing=op", act("op")),
+        ("activation_checkpointing=full", act("full")),
+        ("activation_offload=true (on a GPU)", act(offload=True)),
+        (f"chunk {chunk} + op + offload", act("op", chunk=chunk, offload=True)),
+    ]
     print(f"\nwhat each memory setting saves per device (activations, micro-batch {micro_batch}):")
     print(f"{'setting':<38}{'activ. GiB':>11}{'saves GiB':>11}{'saves':>7}")
     for name, value in rows:
         print(f"{name:<38}{value / gib:>11.2f}{(base - value) / gib:>11.2f}{1 - value / base:>7.0%}")
 
 
-def recommend(cfg: ModelConfig, devices: int, memory: float, seq: int, target: int | None,
-              mixed: bool = True, headroom: float = 0.9, settings: dict | None = None,
-              gpus_per_node: int = 8, max_pp: int = 1, n_micro: int | None = None) -> list[Estimate]:
+def recommend(
+    cfg: ModelConfig,
+    devices: int,
+    memory: float,
+    seq: int,
+    target: int | None,
+    mixed: bool = True,
+    headroom: float = 0.9,
+    settings: dict | None = None,
+    gpus_per_node: int = 8,
+    max_pp: int = 1,
+    n_micro: int | None = None,
+) -> list[Estimate]:
     """Every layout (``layouts``; with ``max_pp`` > 1 also ``pp_layouts``) and AC that fits, each
     with its largest micro-batch, best first:
     1. no full recomputation: AC full runs the forward twice (~1/3 more compute per step), more than
@@ -606,8 +769,9 @@ def recommend(cfg: ModelConfig, devices: int, memory: float, seq: int, target: i
     8. the largest micro-batch.
     TP layouts run sequence parallel (it only removes memory) and the unchunked, vocabulary-
     sharded head (the chunked loss does not take a TP head)."""
-    candidates = [(strategy, replicate, tp, 1, "1f1b", 1, 1) for strategy, replicate, tp in
-                  layouts(cfg, devices, gpus_per_node)]
+    candidates = [
+        (strategy, replicate, tp, 1, "1f1b", 1, 1) for strategy, replicate, tp in layouts(cfg, devices, gpus_per_node)
+    ]
     if max_pp > 1:
         candidates += pp_layouts(cfg, devices, gpus_per_node, n_micro, max_pp)[0]
     comm: dict[tuple, int] = {}  # communication order: the schedules of one layout share it
@@ -616,28 +780,67 @@ def recommend(cfg: ModelConfig, devices: int, memory: float, seq: int, target: i
         index = comm.setdefault((strategy, replicate, tp, pp), len(comm))
         for ac_rank, ac in enumerate(("none", "op", "full")):
             for mb in (64, 32, 16, 8, 4, 2, 1):
-                e = estimate(cfg, strategy, devices, mb, seq, target, ac, mixed, dp_replicate=replicate, tp=tp,
-                             sp=tp > 1, pp=pp, schedule=schedule, stages_per_rank=v, n_micro=m, **(settings or {}))
+                e = estimate(
+                    cfg,
+                    strategy,
+                    devices,
+                    mb,
+                    seq,
+                    target,
+                    ac,
+                    mixed,
+                    dp_replicate=replicate,
+                    tp=tp,
+                    sp=tp > 1,
+                    pp=pp,
+                    schedule=schedule,
+                    stages_per_rank=v,
+                    n_micro=m,
+                    **(settings or {}),
+                )
                 if e.total <= headroom * memory:
-                    fits.append(((ac == "full" or e.bubble > MAX_BUBBLE, tp > gpus_per_node, pp, tp, index,
-                                  ac_rank, e.bubble, -mb), e))
+                    fits.append(
+                        (
+                            (
+                                ac == "full" or e.bubble > MAX_BUBBLE,
+                                tp > gpus_per_node,
+                                pp,
+                                tp,
+                                index,
+                                ac_rank,
+                                e.bubble,
+                                -mb,
+                            ),
+                            e,
+                        )
+                    )
                     break
     return [e for _, e in sorted(fits, key=lambda pair: pair[0])]
 
 
 def _overrides(e: Estimate, chunked: bool) -> str:
     if e.tp == 1 and e.dp_replicate == 1 and e.pp == 1:
-        flag = {"ddp": "parallel.strategy=ddp", "fsdp": "parallel.strategy=fsdp",
-                "fsdp-no-reshard": "parallel.strategy=fsdp parallel.reshard_after_forward=false"}.get(
-            e.strategy, f"parallel.strategy=deepspeed parallel.deepspeed_config=configs/deepspeed/{e.strategy}.json")
+        flag = {
+            "ddp": "parallel.strategy=ddp",
+            "fsdp": "parallel.strategy=fsdp",
+            "fsdp-no-reshard": "parallel.strategy=fsdp parallel.reshard_after_forward=false",
+        }.get(e.strategy, f"parallel.strategy=deepspeed parallel.deepspeed_config=configs/deepspeed/{e.strategy}.json")
     else:
-        pipe = "" if e.pp == 1 else (
-            f" parallel.pp={e.pp} parallel.pp_schedule={e.schedule}"
-            + (f" parallel.pp_stages_per_rank={e.stages_per_rank}" if e.stages_per_rank > 1 else "")
-            + f" grad_accum={e.n_micro}")
-        flag = (f"parallel.strategy=fsdp{pipe} parallel.dp_replicate={e.dp_replicate} parallel.dp_shard={e.dp_shard} "
-                f"parallel.tp={e.tp}" + (" parallel.sp=true" if e.sp else "")
-                + (" loss.chunk_size=null" if chunked and e.tp > 1 else ""))
+        pipe = (
+            ""
+            if e.pp == 1
+            else (
+                f" parallel.pp={e.pp} parallel.pp_schedule={e.schedule}"
+                + (f" parallel.pp_stages_per_rank={e.stages_per_rank}" if e.stages_per_rank > 1 else "")
+                + f" grad_accum={e.n_micro}"
+            )
+        )
+        flag = (
+            f"parallel.strategy=fsdp{pipe} parallel.dp_replicate={e.dp_replicate} parallel.dp_shard={e.dp_shard} "
+            f"parallel.tp={e.tp}"
+            + (" parallel.sp=true" if e.sp else "")
+            + (" loss.chunk_size=null" if chunked and e.tp > 1 else "")
+        )
     ac = "" if e.ac == "none" else f" parallel.activation_checkpointing={e.ac}"
     return f"{flag} micro_batch_size={e.micro_batch}{ac}"
 
@@ -645,16 +848,26 @@ def _overrides(e: Estimate, chunked: bool) -> str:
 def _pp_refused(cfg) -> str | None:
     """A run setting pipelines do not take (the trainer refuses it), or None."""
     data = cfg.data
-    for refused, why in ((cfg.precision == "fp16", "precision=fp16"),
-                         (data.tokens_per_batch is not None, "data.tokens_per_batch"),
-                         (bool(cfg.eval_bleu), "eval_bleu"), (bool(data.document_mask), "data.document_mask")):
+    for refused, why in (
+        (cfg.precision == "fp16", "precision=fp16"),
+        (data.tokens_per_batch is not None, "data.tokens_per_batch"),
+        (bool(cfg.eval_bleu), "eval_bleu"),
+        (bool(data.document_mask), "data.document_mask"),
+    ):
         if refused:
             return why
     return None
 
 
-def plan_main(cfg, config: str, devices: int, device_memory: str, gpus_per_node: int = 8,
-              n_micro: int | None = None, max_pp: int | None = None) -> int:
+def plan_main(
+    cfg,
+    config: str,
+    devices: int,
+    device_memory: str,
+    gpus_per_node: int = 8,
+    n_micro: int | None = None,
+    max_pp: int | None = None,
+) -> int:
     """Print the table and the recommendation for ``cfg``, the run config (a ``TrainConfig``,
     loaded by the CLI from the file ``config``: train/ is a layer above this one). ``n_micro``:
     the pipeline layouts' micro-batches per step (default 4 x pp); ``max_pp``: the largest pp tried
@@ -665,81 +878,171 @@ def plan_main(cfg, config: str, devices: int, device_memory: str, gpus_per_node:
     target = None
     if model_cfg.family == "encdec":
         from ..data import t5_lengths
+
         target = cfg.data.target_len or t5_lengths(cfg.data.seq_len)[1]
     gib = 2**30
     settings = {**training_memory(cfg), "loss_parallel": cfg.parallel.loss_parallel}
-    print(f"model: {model_cfg.family}, {config}; {devices} devices x {memory / gib:.1f} GiB; seq "
-          f"{cfg.data.seq_len}; {'bf16 mixed' if mixed else 'fp32'}; loss.chunk_size={cfg.loss.chunk_size}; "
-          f"activation_offload={'on' if settings['offload'] else 'off'}")
+    print(
+        f"model: {model_cfg.family}, {config}; {devices} devices x {memory / gib:.1f} GiB; seq "
+        f"{cfg.data.seq_len}; {'bf16 mixed' if mixed else 'fp32'}; loss.chunk_size={cfg.loss.chunk_size}; "
+        f"activation_offload={'on' if settings['offload'] else 'off'}"
+    )
     usable, skipped = tp_degrees(model_cfg, devices)
-    print(f"{num_parameters(model_cfg) / 1e9:.2f}B parameters; tp candidates {', '.join(map(str, usable))} "
-          f"({gpus_per_node} GPUs per node; tp > 1 with sequence parallel and an unchunked vocabulary-sharded head)")
+    print(
+        f"{num_parameters(model_cfg) / 1e9:.2f}B parameters; tp candidates {', '.join(map(str, usable))} "
+        f"({gpus_per_node} GPUs per node; tp > 1 with sequence parallel and an unchunked vocabulary-sharded head)"
+    )
     if skipped:
-        print("tp skipped (it must divide num_heads, num_kv_heads, d_ff and the padded vocabulary): "
-              + ", ".join(f"{tp} ({why})" for tp, why in skipped.items()))
-    print(f"{'strategy':<16}{'dp_rep':>7}{'dp_shard':>9}{'tp':>4}{'sp':>4}  {'AC':<6}{'micro':>6}{'states GiB':>12}"
-          f"{'activ. GiB':>12}{'total GiB':>11}  fits")
+        print(
+            "tp skipped (it must divide num_heads, num_kv_heads, d_ff and the padded vocabulary): "
+            + ", ".join(f"{tp} ({why})" for tp, why in skipped.items())
+        )
+    print(
+        f"{'strategy':<16}{'dp_rep':>7}{'dp_shard':>9}{'tp':>4}{'sp':>4}  {'AC':<6}{'micro':>6}{'states GiB':>12}"
+        f"{'activ. GiB':>12}{'total GiB':>11}  fits"
+    )
     for strategy, replicate, tp in layouts(model_cfg, devices, gpus_per_node):
         for ac in ("none", "op", "full"):
-            e = estimate(model_cfg, strategy, devices, cfg.micro_batch_size, cfg.data.seq_len, target, ac, mixed,
-                         dp_replicate=replicate, tp=tp, sp=tp > 1, **settings)
-            print(f"{strategy:<16}{replicate:>7}{e.dp_shard:>9}{tp:>4}{'on' if e.sp else '-':>4}  {ac:<6}"
-                  f"{e.micro_batch:>6}{e.model_states / gib:>12.2f}{e.activations / gib:>12.2f}{e.total / gib:>11.2f}"
-                  f"  {'yes' if e.total <= 0.9 * memory else 'no'}")
+            e = estimate(
+                model_cfg,
+                strategy,
+                devices,
+                cfg.micro_batch_size,
+                cfg.data.seq_len,
+                target,
+                ac,
+                mixed,
+                dp_replicate=replicate,
+                tp=tp,
+                sp=tp > 1,
+                **settings,
+            )
+            print(
+                f"{strategy:<16}{replicate:>7}{e.dp_shard:>9}{tp:>4}{'on' if e.sp else '-':>4}  {ac:<6}"
+                f"{e.micro_batch:>6}{e.model_states / gib:>12.2f}{e.activations / gib:>12.2f}{e.total / gib:>11.2f}"
+                f"  {'yes' if e.total <= 0.9 * memory else 'no'}"
+            )
     refused = _pp_refused(cfg)
     max_pp = 1 if refused else (max_pp or devices)
     if refused:
         print(f"\npipeline layouts not searched: parallel.pp does not take {refused}")
     elif max_pp > 1:
-        _print_pipelines(model_cfg, devices, memory, cfg.micro_batch_size, cfg.data.seq_len, target, mixed, settings,
-                         gpus_per_node, n_micro, max_pp)
+        _print_pipelines(
+            model_cfg,
+            devices,
+            memory,
+            cfg.micro_batch_size,
+            cfg.data.seq_len,
+            target,
+            mixed,
+            settings,
+            gpus_per_node,
+            n_micro,
+            max_pp,
+        )
     print_savings(model_cfg, cfg.micro_batch_size, cfg.data.seq_len, target, mixed, settings)
-    fits = recommend(model_cfg, devices, memory, cfg.data.seq_len, target, mixed, settings=settings,
-                     gpus_per_node=gpus_per_node, max_pp=max_pp, n_micro=n_micro)
+    fits = recommend(
+        model_cfg,
+        devices,
+        memory,
+        cfg.data.seq_len,
+        target,
+        mixed,
+        settings=settings,
+        gpus_per_node=gpus_per_node,
+        max_pp=max_pp,
+        n_micro=n_micro,
+    )
     if not fits:
         print("recommendation: nothing fits; use more devices, a shorter sequence or a smaller model")
         return 1
     best = fits[0]
     pipe = "" if best.pp == 1 else f"pp={best.pp} "
-    mesh = "" if best.tp == 1 and best.dp_replicate == 1 and best.pp == 1 else (
-        f", mesh {pipe}dp_replicate={best.dp_replicate} dp_shard={best.dp_shard} tp={best.tp}"
-        + (" sp" if best.sp else "") + (" (tp across nodes)" if best.tp > gpus_per_node else ""))
+    mesh = (
+        ""
+        if best.tp == 1 and best.dp_replicate == 1 and best.pp == 1
+        else (
+            f", mesh {pipe}dp_replicate={best.dp_replicate} dp_shard={best.dp_shard} tp={best.tp}"
+            + (" sp" if best.sp else "")
+            + (" (tp across nodes)" if best.tp > gpus_per_node else "")
+        )
+    )
     where = "" if best.pp == 1 else f" on pipeline rank {best.pp_rank} of {best.pp}, the fullest"
-    print(f"recommendation: {best.strategy}{mesh}, micro_batch_size={best.micro_batch}, AC {best.ac} "
-          f"({best.total / gib:.2f} GiB per device{where})\n"
-          f"  overrides: {_overrides(best, cfg.loss.chunk_size is not None)}")
+    print(
+        f"recommendation: {best.strategy}{mesh}, micro_batch_size={best.micro_batch}, AC {best.ac} "
+        f"({best.total / gib:.2f} GiB per device{where})\n"
+        f"  overrides: {_overrides(best, cfg.loss.chunk_size is not None)}"
+    )
     if best.pp > 1:
         interleaved = best.schedule == "interleaved_1f1b"
         formula = f"(pp-1)/({'v*' if interleaved else ''}m+pp-1)"
-        print(f"  pipeline: {best.schedule}{f' ({best.stages_per_rank} stages per rank)' if interleaved else ''}, "
-              f"m={best.n_micro} micro-batches per step (grad_accum; the global batch is micro_batch_size x m x "
-              f"dp_replicate x dp_shard), bubble {best.bubble:.1%} of the step idle {formula}, "
-              f"{best.in_flight:g} micro-batches in flight on rank {best.pp_rank}")
+        print(
+            f"  pipeline: {best.schedule}{f' ({best.stages_per_rank} stages per rank)' if interleaved else ''}, "
+            f"m={best.n_micro} micro-batches per step (grad_accum; the global batch is micro_batch_size x m x "
+            f"dp_replicate x dp_shard), bubble {best.bubble:.1%} of the step idle {formula}, "
+            f"{best.in_flight:g} micro-batches in flight on rank {best.pp_rank}"
+        )
     return 0
 
 
-def _print_pipelines(cfg: ModelConfig, devices: int, memory: float, micro_batch: int, seq: int, target: int | None,
-                     mixed: bool, settings: dict, gpus_per_node: int, n_micro: int | None, max_pp: int) -> None:
+def _print_pipelines(
+    cfg: ModelConfig,
+    devices: int,
+    memory: float,
+    micro_batch: int,
+    seq: int,
+    target: int | None,
+    mixed: bool,
+    settings: dict,
+    gpus_per_node: int,
+    n_micro: int | None,
+    max_pp: int,
+) -> None:
     """The pipeline layouts' table: one row per layout and schedule, the worst rank's total per AC."""
     gib = 2**30
     pipes, skipped = pp_layouts(cfg, devices, gpus_per_node, n_micro, max_pp)
     m = "4 x pp" if n_micro is None else str(n_micro)
-    print(f"\npipeline layouts (fsdp per stage; m = grad_accum = {m} micro-batches of micro_batch_size per step; "
-          "in-flight: micro-batches rank 0 holds; total GiB of the fullest pipeline rank by AC; gpipe not searched: "
-          "1f1b's bubble with all m micro-batches in flight):")
+    print(
+        f"\npipeline layouts (fsdp per stage; m = grad_accum = {m} micro-batches of micro_batch_size per step; "
+        "in-flight: micro-batches rank 0 holds; total GiB of the fullest pipeline rank by AC; gpipe not searched: "
+        "1f1b's bubble with all m micro-batches in flight):"
+    )
     if skipped:
         print("pp skipped: " + ", ".join(f"{pp} ({why})" for pp, why in skipped.items()))
     if not pipes:
         return
-    print(f"{'strategy':<16}{'dp_rep':>7}{'dp_shard':>9}{'tp':>4}{'sp':>4}{'pp':>4}  {'schedule':<17}{'v':>2}{'m':>5}"
-          f"{'bubble':>8}{'in-flight':>10}{'micro':>6}{'none':>8}{'op':>8}{'full':>8}  fits")
+    print(
+        f"{'strategy':<16}{'dp_rep':>7}{'dp_shard':>9}{'tp':>4}{'sp':>4}{'pp':>4}  {'schedule':<17}{'v':>2}{'m':>5}"
+        f"{'bubble':>8}{'in-flight':>10}{'micro':>6}{'none':>8}{'op':>8}{'full':>8}  fits"
+    )
     for strategy, replicate, tp, pp, schedule, v, n in pipes:
-        totals = {ac: estimate(cfg, strategy, devices, micro_batch, seq, target, ac, mixed, dp_replicate=replicate,
-                               tp=tp, sp=tp > 1, pp=pp, schedule=schedule, stages_per_rank=v, n_micro=n, **settings)
-                  for ac in ("none", "op", "full")}
+        totals = {
+            ac: estimate(
+                cfg,
+                strategy,
+                devices,
+                micro_batch,
+                seq,
+                target,
+                ac,
+                mixed,
+                dp_replicate=replicate,
+                tp=tp,
+                sp=tp > 1,
+                pp=pp,
+                schedule=schedule,
+                stages_per_rank=v,
+                n_micro=n,
+                **settings,
+            )
+            for ac in ("none", "op", "full")
+        }
         e = totals["none"]
         fit = next((ac for ac, t in totals.items() if t.total <= 0.9 * memory), "no")
         held = in_flight(schedule, pp, n, 0, v) / v
-        print(f"{strategy:<16}{replicate:>7}{e.dp_shard:>9}{tp:>4}{'on' if e.sp else '-':>4}{pp:>4}  {schedule:<17}"
-              f"{v:>2}{n:>5}{e.bubble:>8.1%}{held:>10g}{micro_batch:>6}"
-              + "".join(f"{t.total / gib:>8.1f}" for t in totals.values()) + f"  {fit}")
+        print(
+            f"{strategy:<16}{replicate:>7}{e.dp_shard:>9}{tp:>4}{'on' if e.sp else '-':>4}{pp:>4}  {schedule:<17}"
+            f"{v:>2}{n:>5}{e.bubble:>8.1%}{held:>10g}{micro_batch:>6}"
+            + "".join(f"{t.total / gib:>8.1f}" for t in totals.values())
+            + f"  {fit}"
+        )

@@ -10,6 +10,7 @@ Checkpoints of ``ddp`` and ``fsdp`` store model + optimizer with ``torch.distrib
 strategy. ``ddp`` also writes ``model.safetensors`` (rank 0 holds the full model anyway). With
 ``checkpoint.async=true`` both are written in the background from a staged copy (``async_save.py``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,6 +36,7 @@ class StepResult:
     when it was not computed: a non-finite loss). ``applied``: the parameters changed. ``must_stop``:
     the run cannot go on safely (a non-finite step that could not be skipped, or that an engine
     applied anyway)."""
+
     grad_norm: float
     applied: bool
     must_stop: bool = False
@@ -47,6 +49,7 @@ class Strategy:
     ``backward`` (per micro-batch), ``step`` (per optimizer step: clip, update, clear the
     gradients, one ``StepResult``), ``save`` / ``load`` / ``load_weights`` (checkpoints) and
     ``memory_report``. The trainer has one update path whatever the strategy."""
+
     name = "ddp"
     async_save = True  # checkpoint.async: DCP writes in the background (DeepSpeed: synchronous)
     _saver: AsyncSaver | None = None  # made at the first background save
@@ -72,15 +75,18 @@ class Strategy:
             return
         # pipeline: this rank's stages, each prepared and wrapped like a whole model
         from . import pipeline
+
         stages = pipeline.num_stages(pcfg)
         self.stage_ids = pipeline.stages_of_rank(self.mesh["pp"].get_local_rank(), self.pp, stages)
-        parts = [self.wrap(self._prepare(pipeline.build_stage(model, s, stages, pcfg.pp_layers,
-                                                                cfg.optim.label_smoothing)))
-                 for s in self.stage_ids]
+        parts = [
+            self.wrap(self._prepare(pipeline.build_stage(model, s, stages, pcfg.pp_layers, cfg.optim.label_smoothing)))
+            for s in self.stage_ids
+        ]
         self.model = self.wrapped = pipeline.Parts(parts)
         self.is_last_stage = stages - 1 in self.stage_ids
-        self.schedule = pipeline.make_schedule(parts, self.stage_ids, stages, pcfg, cfg.grad_accum,
-                                               dist_info.device, self.mesh["pp"].get_group())
+        self.schedule = pipeline.make_schedule(
+            parts, self.stage_ids, stages, pcfg, cfg.grad_accum, dist_info.device, self.mesh["pp"].get_group()
+        )
         self.shared = pipeline.shared_parameters(self.model, self.mesh["pp"].get_group())
 
     def _prepare(self, model):
@@ -88,6 +94,7 @@ class Strategy:
         pcfg = self.cfg.parallel
         if self.tp > 1:
             from .tp import apply_tensor_parallel
+
             apply_tensor_parallel(model, self.mesh["tp"], pcfg.sp, pcfg.loss_parallel)
         if pcfg.activation_checkpointing != "none":
             apply_activation_checkpointing(model, pcfg.activation_checkpointing, pcfg.ac_every)
@@ -104,6 +111,7 @@ class Strategy:
         if not self.dist.distributed or self.tp > 1 or self.pp > 1:  # TP / PP alone: no data-parallel peer
             return model
         from torch.nn.parallel import DistributedDataParallel as DDP
+
         ids = [self.dist.device.index] if self.dist.device.type == "cuda" else None
         return DDP(model, device_ids=ids)
 
@@ -123,6 +131,7 @@ class Strategy:
         """Where the forward and backward of a micro-batch run: torch's ``loss_parallel`` under
         tensor parallelism (the cross-entropy over vocabulary-sharded logits), else nothing."""
         from .tp import loss_context
+
         return loss_context(self.loss_parallel)
 
     def step(self, optimizer, scaler, max_norm: float, loss_finite: bool) -> StepResult:
@@ -149,18 +158,27 @@ class Strategy:
         optimizer states: its shards under FSDP2 / TP / PP / ZeRO) and the process's peak on its
         device (``parallel.memory.peak_memory_mb``)."""
         from .memory import model_state_bytes, peak_memory_mb
-        return {"model_states_mb": model_state_bytes(self.model, optimizer) / 2**20,
-                "memory_mb": peak_memory_mb(self.dist.device)}
+
+        return {
+            "model_states_mb": model_state_bytes(self.model, optimizer) / 2**20,
+            "memory_mb": peak_memory_mb(self.dist.device),
+        }
 
     def clip_grad_norm(self, max_norm: float) -> float:
         if self.pp > 1:  # shared weights' gradients summed over the stages; the norm over all stages
             from .pipeline import sync_shared_grads
             from .tp import grad_norm_and_clip
+
             sync_shared_grads(self.model, self.shared, self.mesh["pp"].get_group())
-            return grad_norm_and_clip(self.model.named_parameters(), max_norm, group=self.mesh["pp"].get_group(),
-                                      skip=self.shared.counted_elsewhere)
+            return grad_norm_and_clip(
+                self.model.named_parameters(),
+                max_norm,
+                group=self.mesh["pp"].get_group(),
+                skip=self.shared.counted_elsewhere,
+            )
         if self.tp > 1:  # parameters on several meshes (TP, TP x FSDP, replicated)
             from .tp import grad_norm_and_clip
+
             return grad_norm_and_clip(self.model.named_parameters(), max_norm)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -173,6 +191,7 @@ class Strategy:
         """One pass of the schedule over the step's micro-batches (forward and, when training,
         backward). Returns the mean of the micro-batch losses on the last stage, else None."""
         from .pipeline import stage_kwargs
+
         losses: list = []
         kwargs = stage_kwargs(inputs)
         run = self.schedule.step if train else self.schedule.eval
@@ -187,9 +206,11 @@ class Strategy:
         tensor, ``state.NAME.exp_avg``), so any layout loads any other: the names are the unsplit
         model's under every strategy, mesh and pipeline split."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
         msd, osd = get_state_dict(self.model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
         if self.pp > 1:
             from .pipeline import Parts
+
             msd = {Parts.strip(k): v for k, v in msd.items()}
             osd = {_strip_optimizer_key(k): v for k, v in osd.items()}
         return {"model": msd, "optimizer": osd}
@@ -199,17 +220,19 @@ class Strategy:
         return once the state is copied to host memory; the files are complete when the returned
         write's ``result()`` returns (``async_save.py``)."""
         import torch.distributed.checkpoint as dcp
+
         weights = self.dist.is_main and self.name == "ddp" and self.tp == 1 and self.pp == 1
         if background:
             if self._saver is None:
                 self._saver = AsyncSaver(self.dist.device)
-            write = self._saver.save(self._dcp_state(optimizer), tmp / "dcp",
-                                     tmp / "model.safetensors" if weights else None)
+            write = self._saver.save(self._dcp_state(optimizer), tmp / "dcp", tmp / "model.safetensors" if weights else None)
         else:
             dcp.save(self._dcp_state(optimizer), checkpoint_id=str(tmp / "dcp"))
         if self.dist.is_main:
-            torch_save_durable({"scheduler": scheduler.state_dict(),
-                                "scaler": scaler.state_dict() if scaler else None}, tmp / "scheduler.pt")
+            torch_save_durable(
+                {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None},
+                tmp / "scheduler.pt",
+            )
             if weights and not background:
                 save_model_weights(self.model, tmp / "model.safetensors")
         return write if background else None
@@ -221,16 +244,20 @@ class Strategy:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         from .pipeline import Parts
+
         full = load_file(path / "model.safetensors")
         own = self.model.state_dict()
         if self.model_config_tied():  # the file stores the tied head once, as the embedding
             full.setdefault("lm_head.weight", full.get("embed.tok.weight"))
         missing = [k for k in own if Parts.strip(k) not in full]
         if missing:
-            raise CheckpointError(f"checkpoint {path} does not fit this model (missing: {', '.join(missing[:3])}); "
-                                  "use the model config the checkpoint was trained with")
-        set_model_state_dict(self.model, {k: full[Parts.strip(k)] for k in own},
-                             options=StateDictOptions(full_state_dict=True))
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this model (missing: {', '.join(missing[:3])}); "
+                "use the model config the checkpoint was trained with"
+            )
+        set_model_state_dict(
+            self.model, {k: full[Parts.strip(k)] for k in own}, options=StateDictOptions(full_state_dict=True)
+        )
 
     def model_config_tied(self) -> bool:
         return bool(getattr(getattr(self.model, "config", None), "tie_embeddings", False))
@@ -239,22 +266,32 @@ class Strategy:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         from ..safeload import dcp_load
+
         if not (path / "dcp").is_dir():
-            raise CheckpointError(f"checkpoint {path} has no dcp/ directory; it was not written by the "
-                                  "ddp or fsdp strategy (a deepspeed checkpoint needs parallel.strategy="
-                                  "deepspeed, or `tformer consolidate` first)")
+            raise CheckpointError(
+                f"checkpoint {path} has no dcp/ directory; it was not written by the "
+                "ddp or fsdp strategy (a deepspeed checkpoint needs parallel.strategy="
+                "deepspeed, or `tformer consolidate` first)"
+            )
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
         msd, osd = get_state_dict(self.model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
         state = self._dcp_state(optimizer)  # the same tensors, by the unsplit model's names
         dcp_load(state, path / "dcp", self.cfg.checkpoint.trust)
         if self.pp > 1:  # back to this rank's names (the loaded tensors are the same objects)
             from .pipeline import Parts
+
             msd = {k: state["model"][Parts.strip(k)] for k in msd}
             osd = {k: state["optimizer"][_strip_optimizer_key(k)] for k in osd}
         else:
             msd, osd = state["model"], state["optimizer"]
-        set_state_dict(self.model, optimizer, model_state_dict=msd, optim_state_dict=osd,
-                       options=StateDictOptions(flatten_optimizer_state_dict=True))
+        set_state_dict(
+            self.model,
+            optimizer,
+            model_state_dict=msd,
+            optim_state_dict=osd,
+            options=StateDictOptions(flatten_optimizer_state_dict=True),
+        )
         extra = torch_load_safe(path / "scheduler.pt", self.cfg.checkpoint.trust)
         scheduler.load_state_dict(extra["scheduler"])
         if scaler is not None and extra.get("scaler"):
@@ -268,10 +305,14 @@ class FSDPStrategy(Strategy):
 
     def wrap(self, model):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         if not dist.is_initialized():
             from ..config import ConfigError
-            raise ConfigError("parallel.strategy=fsdp needs a process group: launch with torchrun "
-                                  "(torchrun --nproc_per_node N -m tformer train ...)")
+
+            raise ConfigError(
+                "parallel.strategy=fsdp needs a process group: launch with torchrun "
+                "(torchrun --nproc_per_node N -m tformer train ...)"
+            )
         mp = None
         if self.dtype != torch.float32:
             mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
@@ -308,6 +349,7 @@ def _strip_optimizer_key(key: str) -> str:
 def strategy_class(name: StrategyName):
     if name == "deepspeed":
         from .deepspeed import DeepSpeedStrategy
+
         return DeepSpeedStrategy
     return {"ddp": Strategy, "fsdp": FSDPStrategy}[name]
 

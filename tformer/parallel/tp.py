@@ -36,6 +36,7 @@ modules' local head counts and the model's ``sharded_loss``/``gather_logits`` ho
 Order of application (``Strategy.__init__``): TP (+SP) -> activation checkpointing -> per-block
 compile -> FSDP2 (HSDP) or nothing, as torchtitan's ``parallelize_llama`` does.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,16 +56,18 @@ def check_tp(cfg: ModelConfig, tp: int, sp: bool = False) -> None:
     if tp == 1:
         return
     for name, value, fix in (
-            ("model.num_heads", cfg.num_heads, "a tp that divides the head count"),
-            ("model.num_kv_heads", cfg.kv_heads, "a tp that divides the KV head count (a GQA group cannot "
-                                                 "straddle ranks)"),
-            ("model.d_ff", cfg.d_ff, "a tp that divides the FFN width")):
+        ("model.num_heads", cfg.num_heads, "a tp that divides the head count"),
+        ("model.num_kv_heads", cfg.kv_heads, "a tp that divides the KV head count (a GQA group cannot straddle ranks)"),
+        ("model.d_ff", cfg.d_ff, "a tp that divides the FFN width"),
+    ):
         if value % tp:
             raise ConfigError(f"parallel.tp={tp} does not divide {name}={value}; use {fix}")
     if cfg.padded_vocab_size % tp:
-        raise ConfigError(f"parallel.tp={tp} does not divide the vocabulary (model.vocab_size={cfg.vocab_size}, "
-                          f"padded to {cfg.padded_vocab_size}); set model.pad_vocab_multiple={64 * tp} to pad "
-                          "the embedding rows to a multiple of tp")
+        raise ConfigError(
+            f"parallel.tp={tp} does not divide the vocabulary (model.vocab_size={cfg.vocab_size}, "
+            f"padded to {cfg.padded_vocab_size}); set model.pad_vocab_multiple={64 * tp} to pad "
+            "the embedding rows to a multiple of tp"
+        )
 
 
 def _stacks(model):
@@ -74,23 +77,26 @@ def _stacks(model):
 def tp_plan(model, sp: bool, loss_parallel: bool) -> dict:
     """The ``parallelize_module`` plan: module path -> ParallelStyle."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   PrepareModuleInputOutput, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     between = Shard(1) if sp else Replicate()  # the residual stream's layout between sub-layers
     plan: dict = {}
     if getattr(model, "embed", None) is not None:  # (a pipeline stage may hold neither of these)
         plan["embed.tok"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if getattr(model, "lm_head", None) is not None and loss_parallel:
-        plan["lm_head"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
-                                          use_local_output=False)
+        plan["lm_head"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)
     elif getattr(model, "lm_head", None) is not None:
         plan["lm_head"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     for stack_name, stack in _stacks(model):
         if stack.rel_bias is not None:  # (buckets, heads) table: split by head
-            plan[f"{stack_name}.rel_bias.embedding"] = ColwiseParallel(input_layouts=Replicate(),
-                                                                       output_layouts=Shard(-1))
+            plan[f"{stack_name}.rel_bias.embedding"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1))
         owned = [i for i, block in enumerate(stack.layers) if isinstance(block, TransformerBlock)]
         first, last = owned[0], owned[-1]  # this stack's first and last block (of this pipeline stage)
         for i in owned:
@@ -109,33 +115,42 @@ def tp_plan(model, sp: bool, loss_parallel: bool) -> dict:
                 if getattr(block, norm) is not None:
                     plan[f"{p}.{norm}"] = SequenceParallel(use_local_output=True)
             # each sub-layer gathers its (sequence-sharded) query stream once; memory is whole
-            plan[f"{p}.attn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                   use_local_output=True)
+            plan[f"{p}.attn"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
             if block.cross_attn is not None:
-                plan[f"{p}.cross_attn"] = PrepareModuleInput(input_layouts=(Shard(1), None),
-                                                             desired_input_layouts=(Replicate(), None),
-                                                             use_local_output=True)
-            plan[f"{p}.ffn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                  use_local_output=True)
+                plan[f"{p}.cross_attn"] = PrepareModuleInput(
+                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
+                )
+            plan[f"{p}.ffn"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
             # stack boundaries: the first block keeps its slice of the sequence (no communication),
             # the last one gathers it (block inputs: x, padding_mask)
             if i == first and i == last:
-                plan[p] = PrepareModuleInputOutput(input_layouts=(Replicate(), None),
-                                                   desired_input_layouts=(Shard(1), None), use_local_input=True,
-                                                   output_layouts=Shard(1), desired_output_layouts=Replicate(),
-                                                   use_local_output=True)
+                plan[p] = PrepareModuleInputOutput(
+                    input_layouts=(Replicate(), None),
+                    desired_input_layouts=(Shard(1), None),
+                    use_local_input=True,
+                    output_layouts=Shard(1),
+                    desired_output_layouts=Replicate(),
+                    use_local_output=True,
+                )
             elif i == first:
-                plan[p] = PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None),
-                                             use_local_output=True)
+                plan[p] = PrepareModuleInput(
+                    input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None), use_local_output=True
+                )
             elif i == last:
-                plan[p] = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
-                                              use_local_output=True)
+                plan[p] = PrepareModuleOutput(
+                    output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
+                )
     return plan
 
 
 def apply_tensor_parallel(model, mesh, sp: bool = False, loss_parallel: bool = True) -> None:
     """Split ``model`` over the 1-D ``mesh`` (the run mesh's ``tp`` dimension) in place."""
     from torch.distributed.tensor.parallel import parallelize_module
+
     tp = mesh.size()
     cfg = model.config
     check_tp(cfg, tp, sp)
@@ -213,6 +228,7 @@ class KeepSequenceShard(torch.autograd.graph.saved_tensors_hooks):
         if spec is None:
             return local
         from torch.distributed.tensor import DTensor
+
         return DTensor(local, spec, requires_grad=requires_grad)
 
 
@@ -229,6 +245,7 @@ def _gather_sequence(shard: torch.Tensor, mesh) -> torch.Tensor:
     """The sequence-sharded (dim 1) local tensor gathered whole, by the ops ``PrepareModuleInput``
     uses in forward (so the result has the forward's layout)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
+
     whole = DTensor.from_local(shard, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
     return whole.to_local().contiguous()
 
@@ -249,8 +266,9 @@ class _ShardedSaves:
         module.register_forward_hook(self.after, always_call=True)
 
     def _wanted(self) -> bool:
-        return (torch.is_grad_enabled() and self.index not in self.stack.checkpointed
-                and self.block.checkpoint_context is None)
+        return (
+            torch.is_grad_enabled() and self.index not in self.stack.checkpointed and self.block.checkpoint_context is None
+        )
 
     def before_gather(self, module, args):
         if not torch.compiler.is_compiling() and self._wanted():
@@ -294,6 +312,7 @@ def loss_context(enabled: bool):
     if not enabled:
         return contextlib.nullcontext()
     from torch.distributed.tensor.parallel import loss_parallel
+
     return loss_parallel()
 
 
@@ -307,6 +326,7 @@ def vocab_parallel_loss(logits, labels: torch.Tensor, vocab_size: int, label_smo
     ``(1 - e) nll + e (lse - mean z) = nll + e (z_target - mean z)``, a linear term whose pieces
     are per-shard sums added over the ranks."""
     from torch.distributed.tensor import DTensor, Partial, Shard
+
     padded = logits.shape[-1]
     logits = logits.float().reshape(-1, padded)
     labels = labels.reshape(-1)
@@ -340,6 +360,7 @@ def grad_norm_and_clip(named_params, max_norm: float, group=None, skip=frozenset
     squares are also summed over that process group (pipeline stages, each with its own parameters);
     names in ``skip`` are clipped but counted by another stage (a weight two stages share)."""
     import torch.distributed as dist
+
     groups: dict = {}
     counted: dict = {}
     for name, p in named_params:

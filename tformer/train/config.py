@@ -2,6 +2,7 @@
 
 Unknown keys are errors with a did-you-mean suggestion; every problem is one line naming the key.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,9 +14,26 @@ from typing import Any, Literal, get_args
 
 import yaml
 
-from ..config import (ACMode, AttnImpl, ConfigError, Family, LengthNorm, ModelConfig, OnExhausted, Precision,
-                      StrategyName, _check_type, check_fields, check_keys, check_ranges, check_table,
-                      config_key, field_hints, unwrap_optional)
+from ..config import (
+    ACMode,
+    AttnImpl,
+    ConfigError,
+    Family,
+    LengthNorm,
+    ModelConfig,
+    OnExhausted,
+    Precision,
+    StrategyName,
+    _check_type,
+    check_fields,
+    check_keys,
+    check_ranges,
+    check_table,
+    config_key,
+    field_hints,
+    unwrap_optional,
+)
+
 # The run's choices that the lower layers also act on are defined in tformer/config.py (the layer
 # they may import); their tuples are re-exported here with the others.
 from ..config import AC_MODES as AC_MODES, LENGTH_NORMS as LENGTH_NORMS, ON_EXHAUSTED as ON_EXHAUSTED
@@ -43,26 +61,26 @@ check_table(AUTO_OBJECTIVE, Family, "AUTO_OBJECTIVE")
 
 @dataclass
 class DataConfig:
-    source: str = "default"          # "default" (bundled corpus), a file/dir/glob, or a dataset name
+    source: str = "default"  # "default" (bundled corpus), a file/dir/glob, or a dataset name
     text_column: str = "text"
-    source_column: str = "src"       # seq2seq pairs
+    source_column: str = "src"  # seq2seq pairs
     target_column: str = "tgt"
-    objective: Objective = "auto"    # auto: decoder->causal, encoder->mlm, encdec->span
-    tokenizer: str = "auto"          # path to tokenizer.json, or "auto": train one on the source, cached
+    objective: Objective = "auto"  # auto: decoder->causal, encoder->mlm, encdec->span
+    tokenizer: str = "auto"  # path to tokenizer.json, or "auto": train one on the source, cached
     tokenizer_vocab_size: int | None = None  # for "auto"; default = model.vocab_size
     seq_len: int = 128
-    target_len: int | None = None    # seq2seq decoder length (span corruption computes its own)
+    target_len: int | None = None  # seq2seq decoder length (span corruption computes its own)
     tokens_per_batch: int | None = None  # seq2seq: batches of similar-length pairs up to this many
-                                         # source (and target) tokens, padding included; replaces
-                                         # micro_batch_size for training
+    # source (and target) tokens, padding included; replaces
+    # micro_batch_size for training
     mlm_probability: float = 0.15
     whole_word_mask: bool = False
     noise_density: float = 0.15
     mean_span_length: float = 3.0
-    val_fraction: float = 0.01       # ignored for the bundled corpus (its split is fixed)
+    val_fraction: float = 0.01  # ignored for the bundled corpus (its split is fixed)
     tokenizer_max_rows: int | None = None  # "auto" trains on the first N rows (Unigram is slow)
     num_proc: int | None = None
-    cache_dir: str | None = None     # default: $TFORMER_CACHE or ~/.cache/tformer
+    cache_dir: str | None = None  # default: $TFORMER_CACHE or ~/.cache/tformer
     num_workers: int = 0
     # A weighted mixture instead of one source: [{source: PATH|NAME|default, weight: W, name: web,
     # text_column: text (optional)}, ...]; see tformer/data/mixture.py
@@ -71,34 +89,35 @@ class DataConfig:
     # must reach max_steps. Sources are matched across stages by name.
     stages: list = field(default_factory=list)
     on_exhausted: OnExhausted = "repeat"  # a mixture source read to its end: repeat (re-epoch, logged) | stop
-    document_mask: bool = False      # packed documents (pairs) attend only within themselves
-    pack_len: int | None = None      # seq2seq + document_mask: source / target tokens per packed row
-                                     # (default: data.seq_len / data.target_len, the longest pair)
-    prepared: bool = False           # require the token cache of `tformer data prepare`; never tokenize here
+    document_mask: bool = False  # packed documents (pairs) attend only within themselves
+    pack_len: int | None = None  # seq2seq + document_mask: source / target tokens per packed row
+    # (default: data.seq_len / data.target_len, the longest pair)
+    prepared: bool = False  # require the token cache of `tformer data prepare`; never tokenize here
 
 
 @dataclass
 class OptimConfig:
     lr: float = 3e-4
-    min_lr_ratio: float = 0.1        # final lr = lr * min_lr_ratio (cosine / linear / wsd)
-    weight_decay: float = 0.1        # matrices only; biases, norms and 1-D params get none
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio (cosine / linear / wsd)
+    weight_decay: float = 0.1  # matrices only; biases, norms and 1-D params get none
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    grad_clip: float = 1.0           # 0 = off
-    schedule: Schedule = "cosine"    # inverse_sqrt: lr * min(t / warmup, sqrt(warmup / t)) (the paper's)
+    grad_clip: float = 1.0  # 0 = off
+    schedule: Schedule = "cosine"  # inverse_sqrt: lr * min(t / warmup, sqrt(warmup / t)) (the paper's)
     warmup_steps: int = 0
-    decay_steps: int | None = None   # wsd: length of the final decay (default 20% of max_steps)
-    fused: bool | None = None        # None = fused AdamW where torch supports it
-    label_smoothing: float = 0.0     # the paper's epsilon_ls = 0.1; the logged train loss is the
-                                     # smoothed objective, val_loss / val_ppl the plain NLL
+    decay_steps: int | None = None  # wsd: length of the final decay (default 20% of max_steps)
+    fused: bool | None = None  # None = fused AdamW where torch supports it
+    label_smoothing: float = 0.0  # the paper's epsilon_ls = 0.1; the logged train loss is the
+    # smoothed objective, val_loss / val_ppl the plain NLL
 
 
 @dataclass
 class DecodeConfig:
     """How the run translates when BLEU is measured (``eval_bleu``, ``tformer evaluate --bleu``)."""
-    num_beams: int = 4               # the paper: 4
-    length_penalty: float = 0.6      # the paper: alpha 0.6
+
+    num_beams: int = 4  # the paper: 4
+    length_penalty: float = 0.6  # the paper: alpha 0.6
     length_norm: LengthNorm = "gnmt"  # gnmt: ((5 + len) / 6) ** alpha; power: len ** alpha (HF's)
     max_new_tokens: int | None = None  # default: the run's target length
     batch_size: int = 32
@@ -106,30 +125,30 @@ class DecodeConfig:
 
 @dataclass
 class ParallelConfig:
-    strategy: StrategyName = "ddp"   # ddp | fsdp (FSDP2) | deepspeed
+    strategy: StrategyName = "ddp"  # ddp | fsdp (FSDP2) | deepspeed
     # null: nccl on CUDA, gloo on CPU (metadata "null" says so in the not-allowed message)
     backend: Backend | None = field(default=None, metadata={"null": "nccl on CUDA, gloo on CPU"})
     # none | full (every block) | selective (every ac_every-th) | op (per op: keep matmuls + attention)
     activation_checkpointing: ACMode = "none"
     ac_every: int = 2
-    activation_offload: bool = False        # saved activations in (pinned) host memory; no-op on CPU
-    reshard_after_forward: bool = True      # fsdp: true = ZeRO-3-like, false = ZeRO-2-like
-    zero_stage: int = 2                     # deepspeed without deepspeed_config: ZeRO stage 0-3
-    deepspeed_config: str | None = None     # deepspeed: a JSON such as configs/deepspeed/zero3.json
+    activation_offload: bool = False  # saved activations in (pinned) host memory; no-op on CPU
+    reshard_after_forward: bool = True  # fsdp: true = ZeRO-3-like, false = ZeRO-2-like
+    zero_stage: int = 2  # deepspeed without deepspeed_config: ZeRO stage 0-3
+    deepspeed_config: str | None = None  # deepspeed: a JSON such as configs/deepspeed/zero3.json
     # The device mesh (tformer/parallel/mesh.py): world size = dp_replicate x dp_shard x tp.
-    dp_replicate: int = 1                   # HSDP replicas (e.g. one per node); > 1 needs strategy=fsdp
-    dp_shard: int = -1                      # data-parallel (FSDP2 shard) group size; -1 = whatever is left
-    tp: int = 1                             # tensor-parallel degree (heads, FFN width, vocabulary split)
-    sp: bool = False                        # tp: sequence parallel for norms, dropout and residual adds
-    loss_parallel: bool = True              # tp: cross-entropy over the vocabulary-sharded logits
+    dp_replicate: int = 1  # HSDP replicas (e.g. one per node); > 1 needs strategy=fsdp
+    dp_shard: int = -1  # data-parallel (FSDP2 shard) group size; -1 = whatever is left
+    tp: int = 1  # tensor-parallel degree (heads, FFN width, vocabulary split)
+    sp: bool = False  # tp: sequence parallel for norms, dropout and residual adds
+    loss_parallel: bool = True  # tp: cross-entropy over the vocabulary-sharded logits
     # Pipeline parallelism (tformer/parallel/pipeline.py): pp stages, outermost mesh dimension. The
     # pipeline's micro-batches are the grad_accum micro-batches of micro_batch_size samples each.
     pp: int = 1
     # gpipe | 1f1b | interleaved_1f1b (PP_SCHEDULES). A string, not the PPSchedule Literal: its value
     # is checked by check_pipeline with the rest of the layout, when the trainer builds the pipeline.
     pp_schedule: str = "1f1b"
-    pp_stages_per_rank: int = 1             # interleaved_1f1b: stages (virtual stages) per rank, >= 2
-    pp_layers: list | None = None           # blocks per stage, e.g. [3, 5] (default: as even as possible)
+    pp_stages_per_rank: int = 1  # interleaved_1f1b: stages (virtual stages) per rank, >= 2
+    pp_layers: list | None = None  # blocks per stage, e.g. [3, 5] (default: as even as possible)
 
 
 @dataclass
@@ -155,7 +174,7 @@ class WandbConfig:
     project: str = "tformer"
     entity: str | None = None
     name: str | None = None
-    mode: str | None = None          # online | offline | disabled; None = WANDB_MODE or online
+    mode: str | None = None  # online | offline | disabled; None = WANDB_MODE or online
     tags: list = field(default_factory=list)
 
 
@@ -177,32 +196,32 @@ class TrainConfig:
     micro_batch_size: int = 8
     grad_accum: int = 1
     max_steps: int = 1000
-    max_tokens: int | None = None    # stop after this many tokens (all ranks together)
-    max_time: float | None = None    # stop (and save) after this many seconds
-    precision: Precision = "auto"    # auto: bf16 where the device computes it natively, else fp32
+    max_tokens: int | None = None  # stop after this many tokens (all ranks together)
+    max_time: float | None = None  # stop (and save) after this many seconds
+    precision: Precision = "auto"  # auto: bf16 where the device computes it natively, else fp32
     log_every: int = 10
-    eval_every: int = 100            # 0 = only at the end
+    eval_every: int = 100  # 0 = only at the end
     eval_batches: int = 8
-    eval_bleu: bool = False          # seq2seq: also decode validation pairs and log BLEU / chrF
-    bleu_samples: int | None = 200   # validation pairs decoded for eval_bleu (None = all)
-    save_every: int = 200            # 0 = only at the end
+    eval_bleu: bool = False  # seq2seq: also decode validation pairs and log BLEU / chrF
+    bleu_samples: int | None = 200  # validation pairs decoded for eval_bleu (None = all)
+    save_every: int = 200  # 0 = only at the end
     keep_checkpoints: int = 3
-    resume: str = "auto"             # auto (newest complete checkpoint, if any) | none | a path
+    resume: str = "auto"  # auto (newest complete checkpoint, if any) | none | a path
     on_nonfinite: NonFinite = "skip"  # skip the step, or stop the run
-    max_skipped_steps: int = 10      # stop after this many consecutive non-finite steps
+    max_skipped_steps: int = 10  # stop after this many consecutive non-finite steps
     # no step progress for this many seconds: every rank dumps its stacks to OUTPUT/watchdog/, the
     # stuck ranks are named, and the job exits non-zero (torchrun restarts / SLURM requeues take
     # over); collectives time out 60 s later. null = off
     watchdog_timeout: float | None = None
-    on_spike: SpikeAction = "none"   # none | warn | rollback (to the newest checkpoint before the spike)
-    spike_factor: float = 3.0        # a loss above spike_factor x the running median is a spike
-    spike_window: int = 50           # steps in the running median
-    spike_warmup: int = 100          # no spike detection before this step
-    spike_skip_batches: int = 100    # rollback: optimizer steps' worth of data skipped after the checkpoint
-    max_rollbacks: int = 3           # rollback: at most this many per run, then stop
+    on_spike: SpikeAction = "none"  # none | warn | rollback (to the newest checkpoint before the spike)
+    spike_factor: float = 3.0  # a loss above spike_factor x the running median is a spike
+    spike_window: int = 50  # steps in the running median
+    spike_warmup: int = 100  # no spike detection before this step
+    spike_skip_batches: int = 100  # rollback: optimizer steps' worth of data skipped after the checkpoint
+    max_rollbacks: int = 3  # rollback: at most this many per run, then stop
     compile: bool = False
     progress: bool = True
-    device: Device = "auto"          # auto | cpu | cuda
+    device: Device = "auto"  # auto | cpu | cuda
 
     def __post_init__(self) -> None:
         self.validate()
@@ -210,15 +229,17 @@ class TrainConfig:
     def validate(self) -> None:
         check_fields(self)  # types, and every choice (a Literal field) in every section
         if self.parallel.dp_shard == 0:
-            raise ConfigError("parallel.dp_shard=0 is not allowed; use a positive shard-group size, or -1 for "
-                              "whatever the world size leaves after dp_replicate x tp")
+            raise ConfigError(
+                "parallel.dp_shard=0 is not allowed; use a positive shard-group size, or -1 for "
+                "whatever the world size leaves after dp_replicate x tp"
+            )
         if self.parallel.ac_every < 1:
             raise ConfigError(f"parallel.ac_every={self.parallel.ac_every} must be >= 1")
         if self.loss.chunk_size is not None and self.loss.chunk_size < 1:
-            raise ConfigError(f"loss.chunk_size={self.loss.chunk_size} must be >= 1 (tokens per chunk), or null "
-                              "for the unchunked loss")
-        for name in ("micro_batch_size", "grad_accum", "max_steps", "log_every", "eval_batches",
-                     "keep_checkpoints"):
+            raise ConfigError(
+                f"loss.chunk_size={self.loss.chunk_size} must be >= 1 (tokens per chunk), or null for the unchunked loss"
+            )
+        for name in ("micro_batch_size", "grad_accum", "max_steps", "log_every", "eval_batches", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("eval_every", "save_every"):
@@ -229,26 +250,34 @@ class TrainConfig:
         if self.optim.lr <= 0:
             raise ConfigError(f"optim.lr={self.optim.lr} must be > 0")
         if self.data.tokens_per_batch is not None and self.data.objective != "seq2seq":
-            raise ConfigError(f"data.tokens_per_batch={self.data.tokens_per_batch} batches translation pairs "
-                              f"(data.objective=seq2seq), not data.objective={self.data.objective!r}; use micro_batch_size")
+            raise ConfigError(
+                f"data.tokens_per_batch={self.data.tokens_per_batch} batches translation pairs "
+                f"(data.objective=seq2seq), not data.objective={self.data.objective!r}; use micro_batch_size"
+            )
         if self.data.tokens_per_batch is not None and self.data.tokens_per_batch < max(
-                self.data.seq_len, self.data.target_len or self.data.seq_len):
-            raise ConfigError(f"data.tokens_per_batch={self.data.tokens_per_batch} is smaller than the longest "
-                              f"allowed pair ({max(self.data.seq_len, self.data.target_len or self.data.seq_len)} "
-                              "tokens: data.seq_len / data.target_len); raise it or lower those")
+            self.data.seq_len, self.data.target_len or self.data.seq_len
+        ):
+            raise ConfigError(
+                f"data.tokens_per_batch={self.data.tokens_per_batch} is smaller than the longest "
+                f"allowed pair ({max(self.data.seq_len, self.data.target_len or self.data.seq_len)} "
+                "tokens: data.seq_len / data.target_len); raise it or lower those"
+            )
         if self.eval_bleu and self.data.objective != "seq2seq":
-            raise ConfigError(f"eval_bleu=true needs translation pairs (data.objective=seq2seq), not "
-                              f"data.objective={self.data.objective!r}; set eval_bleu=false")
+            raise ConfigError(
+                f"eval_bleu=true needs translation pairs (data.objective=seq2seq), not "
+                f"data.objective={self.data.objective!r}; set eval_bleu=false"
+            )
         if self.decode.num_beams < 1:
             raise ConfigError(f"decode.num_beams={self.decode.num_beams} must be >= 1 (1 = greedy)")
         if self.bleu_samples is not None and self.bleu_samples < 1:
             raise ConfigError(f"bleu_samples={self.bleu_samples} must be >= 1 (or null for all pairs)")
         if self.optim.schedule == "inverse_sqrt" and self.optim.warmup_steps < 1:
-            raise ConfigError("optim.schedule=inverse_sqrt needs optim.warmup_steps >= 1 (its peak is at the end "
-                              "of warmup; the paper uses 4000)")
+            raise ConfigError(
+                "optim.schedule=inverse_sqrt needs optim.warmup_steps >= 1 (its peak is at the end "
+                "of warmup; the paper uses 4000)"
+            )
         if not 0.0 <= self.optim.label_smoothing < 1.0:
-            raise ConfigError(f"optim.label_smoothing={self.optim.label_smoothing} must be in [0, 1) "
-                              "(the paper uses 0.1)")
+            raise ConfigError(f"optim.label_smoothing={self.optim.label_smoothing} must be in [0, 1) (the paper uses 0.1)")
         check_ranges(self, RANGES)
         check_mixture(self)
         check_document_mask(self, self.model)
@@ -279,25 +308,58 @@ def _to_dict(obj: Any) -> Any:
 # Allowed range of every numeric key (README "Allowed ranges" lists the same); null is allowed
 # where the type says so and is not checked.
 RANGES = {
-    "seed": "[0, inf)", "micro_batch_size": "[1, inf)", "grad_accum": "[1, inf)", "max_steps": "[1, inf)",
-    "max_tokens": "[1, inf)", "max_time": "(0, inf)", "log_every": "[1, inf)", "eval_every": "[0, inf)",
-    "eval_batches": "[1, inf)", "save_every": "[0, inf)", "keep_checkpoints": "[1, inf)",
-    "max_skipped_steps": "[0, inf)", "watchdog_timeout": "(0, inf)", "spike_factor": "(1, inf)",
-    "spike_window": "[3, inf)", "spike_warmup": "[0, inf)", "spike_skip_batches": "[0, inf)",
+    "seed": "[0, inf)",
+    "micro_batch_size": "[1, inf)",
+    "grad_accum": "[1, inf)",
+    "max_steps": "[1, inf)",
+    "max_tokens": "[1, inf)",
+    "max_time": "(0, inf)",
+    "log_every": "[1, inf)",
+    "eval_every": "[0, inf)",
+    "eval_batches": "[1, inf)",
+    "save_every": "[0, inf)",
+    "keep_checkpoints": "[1, inf)",
+    "max_skipped_steps": "[0, inf)",
+    "watchdog_timeout": "(0, inf)",
+    "spike_factor": "(1, inf)",
+    "spike_window": "[3, inf)",
+    "spike_warmup": "[0, inf)",
+    "spike_skip_batches": "[0, inf)",
     "max_rollbacks": "[1, inf)",
-    "data.tokenizer_vocab_size": "[1, inf)", "data.seq_len": "[1, inf)", "data.target_len": "[1, inf)",
-    "data.mlm_probability": "(0, 1)", "data.noise_density": "(0, 1)", "data.mean_span_length": "[1, inf)",
-    "data.val_fraction": "[0, 1)", "data.tokenizer_max_rows": "[1, inf)", "data.num_proc": "[1, inf)",
-    "data.num_workers": "[0, inf)", "data.pack_len": "[1, inf)",
-    "optim.lr": "(0, inf)", "optim.min_lr_ratio": "[0, 1]", "optim.weight_decay": "[0, inf)",
-    "optim.beta1": "[0, 1)", "optim.beta2": "[0, 1)", "optim.eps": "(0, inf)", "optim.grad_clip": "[0, inf)",
-    "optim.warmup_steps": "[0, inf)", "optim.decay_steps": "[1, inf)",
-    "parallel.ac_every": "[1, inf)", "parallel.zero_stage": "[0, 3]",
-    "parallel.dp_replicate": "[1, inf)", "parallel.dp_shard": "[-1, inf)", "parallel.tp": "[1, inf)",
-    "parallel.pp": "[1, inf)", "parallel.pp_stages_per_rank": "[1, inf)",
+    "data.tokenizer_vocab_size": "[1, inf)",
+    "data.seq_len": "[1, inf)",
+    "data.target_len": "[1, inf)",
+    "data.mlm_probability": "(0, 1)",
+    "data.noise_density": "(0, 1)",
+    "data.mean_span_length": "[1, inf)",
+    "data.val_fraction": "[0, 1)",
+    "data.tokenizer_max_rows": "[1, inf)",
+    "data.num_proc": "[1, inf)",
+    "data.num_workers": "[0, inf)",
+    "data.pack_len": "[1, inf)",
+    "optim.lr": "(0, inf)",
+    "optim.min_lr_ratio": "[0, 1]",
+    "optim.weight_decay": "[0, inf)",
+    "optim.beta1": "[0, 1)",
+    "optim.beta2": "[0, 1)",
+    "optim.eps": "(0, inf)",
+    "optim.grad_clip": "[0, inf)",
+    "optim.warmup_steps": "[0, inf)",
+    "optim.decay_steps": "[1, inf)",
+    "parallel.ac_every": "[1, inf)",
+    "parallel.zero_stage": "[0, 3]",
+    "parallel.dp_replicate": "[1, inf)",
+    "parallel.dp_shard": "[-1, inf)",
+    "parallel.tp": "[1, inf)",
+    "parallel.pp": "[1, inf)",
+    "parallel.pp_stages_per_rank": "[1, inf)",
     "loss.chunk_size": "[1, inf)",
-    "optim.label_smoothing": "[0, 1)", "data.tokens_per_batch": "[1, inf)", "bleu_samples": "[1, inf)",
-    "decode.num_beams": "[1, inf)", "decode.length_penalty": "[0, inf)", "decode.max_new_tokens": "[1, inf)",
+    "optim.label_smoothing": "[0, 1)",
+    "data.tokens_per_batch": "[1, inf)",
+    "bleu_samples": "[1, inf)",
+    "decode.num_beams": "[1, inf)",
+    "decode.length_penalty": "[0, inf)",
+    "decode.max_new_tokens": "[1, inf)",
     "decode.batch_size": "[1, inf)",
 }
 
@@ -341,13 +403,11 @@ def _check_sources(entries: Any, where: str) -> list[str]:
 def check_mixture(cfg: "TrainConfig") -> None:
     d = cfg.data
     if (d.sources or d.stages) and d.source != "default":
-        raise ConfigError("data.source and data.sources/data.stages are both set; give one (a single source, or "
-                          "a mixture)")
+        raise ConfigError("data.source and data.sources/data.stages are both set; give one (a single source, or a mixture)")
     if d.sources and d.stages:
         raise ConfigError("data.sources and data.stages are both set; put the sources in the stages")
     if (d.sources or d.stages) and d.objective == "seq2seq":
-        raise ConfigError("data.sources/data.stages mix text corpora; data.objective=seq2seq takes one "
-                          "data.source of pairs")
+        raise ConfigError("data.sources/data.stages mix text corpora; data.objective=seq2seq takes one data.source of pairs")
     if (d.sources or d.stages) and d.tokens_per_batch is not None:
         raise ConfigError("data.tokens_per_batch batches one source of pairs; unset it for a mixture")
     if d.sources:
@@ -365,13 +425,17 @@ def check_mixture(cfg: "TrainConfig") -> None:
         if isinstance(step, bool) or not isinstance(step, int):
             raise ConfigError(f"{at}.until_step={step!r} must be an integer step")
         if step <= last:
-            raise ConfigError(f"{at}.until_step={step} must be greater than the previous stage's ({last}); "
-                              "list the stages in order of increasing until_step")
+            raise ConfigError(
+                f"{at}.until_step={step} must be greater than the previous stage's ({last}); "
+                "list the stages in order of increasing until_step"
+            )
         last = step
         _check_sources(st.get("sources"), f"{at}.sources")
     if last < cfg.max_steps:
-        raise ConfigError(f"data.stages end at until_step={last} but max_steps={cfg.max_steps}; raise the last "
-                          f"stage's until_step to >= {cfg.max_steps}")
+        raise ConfigError(
+            f"data.stages end at until_step={last} but max_steps={cfg.max_steps}; raise the last "
+            f"stage's until_step to >= {cfg.max_steps}"
+        )
 
 
 def check_document_mask(cfg: "TrainConfig", model: ModelConfig) -> None:
@@ -382,22 +446,30 @@ def check_document_mask(cfg: "TrainConfig", model: ModelConfig) -> None:
         return
     objective = d.objective if d.objective != "auto" else AUTO_OBJECTIVE[model.family]
     if objective == "span":
-        raise ConfigError("data.document_mask=true cannot be honoured by span corruption (its spans are cut "
-                          "across documents); use data.objective=seq2seq for packed pairs, or "
-                          "data.document_mask=false")
+        raise ConfigError(
+            "data.document_mask=true cannot be honoured by span corruption (its spans are cut "
+            "across documents); use data.objective=seq2seq for packed pairs, or "
+            "data.document_mask=false"
+        )
     if d.tokens_per_batch is not None:
-        raise ConfigError("data.document_mask=true packs pairs into rows; unset data.tokens_per_batch "
-                          "(padded token-budget batches) or set data.document_mask=false")
+        raise ConfigError(
+            "data.document_mask=true packs pairs into rows; unset data.tokens_per_batch "
+            "(padded token-budget batches) or set data.document_mask=false"
+        )
     if d.pack_len is not None and objective != "seq2seq":
-        raise ConfigError(f"data.pack_len={d.pack_len} sizes rows of packed pairs (data.objective=seq2seq); "
-                          f"{objective} packing fills data.seq_len: unset data.pack_len")
-    if (d.pack_len is not None and model.position in ("learned", "sinusoidal")
-            and d.pack_len > model.max_seq_len):
-        raise ConfigError(f"data.pack_len={d.pack_len} exceeds model.max_seq_len={model.max_seq_len} (the "
-                          f"position table); use data.pack_len <= {model.max_seq_len}")
+        raise ConfigError(
+            f"data.pack_len={d.pack_len} sizes rows of packed pairs (data.objective=seq2seq); "
+            f"{objective} packing fills data.seq_len: unset data.pack_len"
+        )
+    if d.pack_len is not None and model.position in ("learned", "sinusoidal") and d.pack_len > model.max_seq_len:
+        raise ConfigError(
+            f"data.pack_len={d.pack_len} exceeds model.max_seq_len={model.max_seq_len} (the "
+            f"position table); use data.pack_len <= {model.max_seq_len}"
+        )
     if model.attn_impl not in DOC_MASK_IMPLS:
-        raise ConfigError(f"data.document_mask=true needs model.attn_impl in {', '.join(DOC_MASK_IMPLS)}, not "
-                          f"{model.attn_impl!r}")
+        raise ConfigError(
+            f"data.document_mask=true needs model.attn_impl in {', '.join(DOC_MASK_IMPLS)}, not {model.attn_impl!r}"
+        )
 
 
 def _build(cls, data: Any, section: str):
@@ -482,8 +554,7 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                base: dict | None = None) -> TrainConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, base: dict | None = None) -> TrainConfig:
     data = load_yaml(path) if path is not None else dict(base or {})
     data = apply_overrides(data, overrides or [])
     cfg = _build(TrainConfig, data, "")

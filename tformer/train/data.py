@@ -1,4 +1,5 @@
 """From the run config to tokenizer + train/validation datasets for the family's objective."""
+
 from __future__ import annotations
 
 import hashlib
@@ -11,11 +12,27 @@ from pathlib import Path
 
 from ..config import Family, ModelConfig, check_table
 from ..files import atomic_write
-from ..data import (Collator, DataError, MLMDataset, MixtureDataset, MixtureSchedule, PackedCausalLM,
-                    PackedSeq2Seq, Seq2SeqPairs,
-                    SpanCorruptionDataset, check_seq_len, check_vocab, default_corpus_path,
-                    default_pairs_path, load_tokenizer, special_tokens, t5_lengths, tokenize_corpus,
-                    tokenize_pairs, train_tokenizer)
+from ..data import (
+    Collator,
+    DataError,
+    MLMDataset,
+    MixtureDataset,
+    MixtureSchedule,
+    PackedCausalLM,
+    PackedSeq2Seq,
+    Seq2SeqPairs,
+    SpanCorruptionDataset,
+    check_seq_len,
+    check_vocab,
+    default_corpus_path,
+    default_pairs_path,
+    load_tokenizer,
+    special_tokens,
+    t5_lengths,
+    tokenize_corpus,
+    tokenize_pairs,
+    train_tokenizer,
+)
 from ..data.loading import resolve_source
 from ..data.mixture import ConcatKeyed
 from .config import AUTO_OBJECTIVE, TrainConfig, source_name
@@ -49,9 +66,9 @@ class RunData:
     validation: object
     collator: Collator
     objective: str
-    seq_len: int                      # tokens per sample on the model's (encoder) input
-    target_len: int | None            # decoder tokens per sample (encoder-decoder)
-    model_inputs: tuple = ()          # batch keys the model's forward takes
+    seq_len: int  # tokens per sample on the model's (encoder) input
+    target_len: int | None  # decoder tokens per sample (encoder-decoder)
+    model_inputs: tuple = ()  # batch keys the model's forward takes
     validation_sources: dict | None = None  # a mixture: name -> that source's validation set
 
 
@@ -69,8 +86,10 @@ def mixture_sources(cfg: TrainConfig) -> list[dict]:
             name = source_name(e)
             entry = {"name": name, "source": e["source"], "text_column": e.get("text_column", d.text_column)}
             if name in found and found[name] != entry:
-                raise DataError(f"mixture source name {name!r} stands for {found[name]['source']} and for "
-                                f"{entry['source']}; give different sources different names")
+                raise DataError(
+                    f"mixture source name {name!r} stands for {found[name]['source']} and for "
+                    f"{entry['source']}; give different sources different names"
+                )
             found[name] = entry
     return list(found.values())
 
@@ -84,8 +103,10 @@ def mixture_schedule(cfg: TrainConfig, names: list[str], world_size: int) -> Mix
     def weights(entries):
         by_name = {source_name(e): float(e.get("weight", 1.0)) for e in entries}
         return [by_name.get(n, 0.0) for n in names]
-    return MixtureSchedule(names, [(None if st["until_step"] is None else st["until_step"] * batch,
-                                    weights(st["sources"])) for st in stages])
+
+    return MixtureSchedule(
+        names, [(None if st["until_step"] is None else st["until_step"] * batch, weights(st["sources"])) for st in stages]
+    )
 
 
 def cache_root(cfg: TrainConfig) -> Path:
@@ -104,8 +125,7 @@ def _auto_tokenizer(cfg: TrainConfig, family: str, source, column: str, vocab_si
     import torch.distributed as dist
 
     kind = TOKENIZER_KIND[family]
-    ident = json.dumps([str(source), _file_identity(source), kind, vocab_size, column,
-                        cfg.data.tokenizer_max_rows])
+    ident = json.dumps([str(source), _file_identity(source), kind, vocab_size, column, cfg.data.tokenizer_max_rows])
     path = cache_root(cfg) / "tokenizers" / hashlib.sha256(ident.encode()).hexdigest()[:16] / "tokenizer.json"
     if not path.is_file() and rank == 0:
         log.info("training a %s tokenizer (%d tokens) on %s -> %s", kind, vocab_size, source, path)
@@ -135,8 +155,7 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
     objective = AUTO_OBJECTIVE[family] if cfg.data.objective == "auto" else cfg.data.objective
     allowed = {"decoder": ("causal",), "encoder": ("mlm",), "encdec": ("span", "seq2seq")}[family]
     if objective not in allowed:
-        raise DataError(f"data.objective={objective!r} does not fit a {family} model; use "
-                        f"{' or '.join(allowed)}")
+        raise DataError(f"data.objective={objective!r} does not fit a {family} model; use {' or '.join(allowed)}")
     entries = mixture_sources(cfg) if (cfg.data.sources or cfg.data.stages) else []
     for e in entries:  # an unknown source fails here, before any tokenizer or token work
         if e["source"] != "default":
@@ -146,11 +165,15 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
     else:
         source = _source(cfg, objective)
     # translation pairs: one joint vocabulary over both sides (the paper's shared source/target BPE)
-    column = ([cfg.data.source_column, cfg.data.target_column] if objective == "seq2seq"
-              else entries[0]["text_column"] if entries else cfg.data.text_column)
+    column = (
+        [cfg.data.source_column, cfg.data.target_column]
+        if objective == "seq2seq"
+        else entries[0]["text_column"]
+        if entries
+        else cfg.data.text_column
+    )
     if cfg.data.tokenizer == "auto":
-        tok_path = _auto_tokenizer(cfg, family, source, column,
-                                   cfg.data.tokenizer_vocab_size or model_cfg.vocab_size, rank)
+        tok_path = _auto_tokenizer(cfg, family, source, column, cfg.data.tokenizer_vocab_size or model_cfg.vocab_size, rank)
     else:
         tok_path = Path(cfg.data.tokenizer)
     tok = load_tokenizer(tok_path)
@@ -173,43 +196,67 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
     seq_len = cfg.data.seq_len
     check_seq_len(seq_len, max_len, "data.seq_len")
     cache = cache_root(cfg) / "tokens"
-    opts = dict(val_fraction=cfg.data.val_fraction, num_proc=cfg.data.num_proc,
-                require_prepared=cfg.data.prepared)
+    opts = dict(val_fraction=cfg.data.val_fraction, num_proc=cfg.data.num_proc, require_prepared=cfg.data.prepared)
     masked = cfg.data.document_mask
 
     def split(name, source=source, column=column):
         if objective == "seq2seq":
-            src, tgt = tokenize_pairs(source, tok, cache, source_column=cfg.data.source_column,
-                                      target_column=cfg.data.target_column, split=name, **opts)
-            pairs = Seq2SeqPairs(src, tgt, ids.require("eos_id", "seq2seq targets"),
-                                 max_source_length=seq_len, max_target_length=cfg.data.target_len or seq_len)
+            src, tgt = tokenize_pairs(
+                source,
+                tok,
+                cache,
+                source_column=cfg.data.source_column,
+                target_column=cfg.data.target_column,
+                split=name,
+                **opts,
+            )
+            pairs = Seq2SeqPairs(
+                src,
+                tgt,
+                ids.require("eos_id", "seq2seq targets"),
+                max_source_length=seq_len,
+                max_target_length=cfg.data.target_len or seq_len,
+            )
             if not masked:
                 return pairs
-            return PackedSeq2Seq(pairs, model_cfg.decoder_start_token_id, seed=cfg.seed,
-                                 row_length=cfg.data.pack_len)
+            return PackedSeq2Seq(pairs, model_cfg.decoder_start_token_id, seed=cfg.seed, row_length=cfg.data.pack_len)
         corpus = tokenize_corpus(source, tok, cache, column=column, split=name, **opts)
         if objective == "causal":
             return PackedCausalLM(corpus, seq_len, ids.require("eos_id", "causal LM packing"))
         if objective == "mlm":
-            return MLMDataset(corpus, tok, seq_len, seed=cfg.seed, mask_prob=cfg.data.mlm_probability,
-                              whole_word=cfg.data.whole_word_mask, pairs=not masked, document_mask=masked)
-        return SpanCorruptionDataset(corpus, tok, seq_len, seed=cfg.seed,
-                                     noise_density=cfg.data.noise_density,
-                                     mean_span_length=cfg.data.mean_span_length)
+            return MLMDataset(
+                corpus,
+                tok,
+                seq_len,
+                seed=cfg.seed,
+                mask_prob=cfg.data.mlm_probability,
+                whole_word=cfg.data.whole_word_mask,
+                pairs=not masked,
+                document_mask=masked,
+            )
+        return SpanCorruptionDataset(
+            corpus,
+            tok,
+            seq_len,
+            seed=cfg.seed,
+            noise_density=cfg.data.noise_density,
+            mean_span_length=cfg.data.mean_span_length,
+        )
 
     import torch.distributed as dist
+
     multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if multi and rank != 0:
         dist.barrier()  # rank 0 tokenizes and caches first; the others then read its cache
     validation_sources = None
     if entries:
-        parts = [(default_corpus_path() if e["source"] == "default" else e["source"], e["text_column"])
-                 for e in entries]
+        parts = [(default_corpus_path() if e["source"] == "default" else e["source"], e["text_column"]) for e in entries]
         trains = [split("train", *p) for p in parts]
         vals = [split("validation", *p) for p in parts]
         names = [e["name"] for e in entries]
-        train = MixtureDataset(trains, mixture_schedule(cfg, names, world_size), seed=cfg.seed,
-                               on_exhausted=cfg.data.on_exhausted)
+        train = MixtureDataset(
+            trains, mixture_schedule(cfg, names, world_size), seed=cfg.seed, on_exhausted=cfg.data.on_exhausted
+        )
         validation, validation_sources = ConcatKeyed(vals), dict(zip(names, vals))
     else:
         train, validation = split("train"), split("validation")
@@ -224,12 +271,22 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
         check_seq_len(target_len, max_len, "decoder target length")
     if objective == "seq2seq" and masked:  # packed rows: the lengths the model sees (FLOPs, MFU)
         seq_len, target_len = max(seq_len, cfg.data.pack_len or 0), max(target_len, cfg.data.pack_len or 0)
-    return RunData(tok, tok_path, model_cfg, train, validation, Collator(pad_id=ids.pad_id or 0),
-                   objective, seq_len, target_len, model_inputs(family, masked), validation_sources)
+    return RunData(
+        tok,
+        tok_path,
+        model_cfg,
+        train,
+        validation,
+        Collator(pad_id=ids.pad_id or 0),
+        objective,
+        seq_len,
+        target_len,
+        model_inputs(family, masked),
+        validation_sources,
+    )
 
 
-def prepare_data(cfg: TrainConfig, workers: int = 1, progress: bool = True,
-                 shard_rows: int = 20_000) -> list[dict]:
+def prepare_data(cfg: TrainConfig, workers: int = 1, progress: bool = True, shard_rows: int = 20_000) -> list[dict]:
     """Tokenize every source of a recipe (train and validation splits) into the token cache, as a
     training run with the same config and ``TFORMER_CACHE`` will look for it. Returns one record per
     source and split: tokens, documents (rows) and bytes on disk."""
@@ -237,9 +294,17 @@ def prepare_data(cfg: TrainConfig, workers: int = 1, progress: bool = True,
 
     family = cfg.model.family
     objective = AUTO_OBJECTIVE[family] if cfg.data.objective == "auto" else cfg.data.objective
-    entries = mixture_sources(cfg) if (cfg.data.sources or cfg.data.stages) else [
-        {"name": source_name({"source": _source(cfg, objective)}), "source": str(_source(cfg, objective)),
-         "text_column": cfg.data.text_column}]
+    entries = (
+        mixture_sources(cfg)
+        if (cfg.data.sources or cfg.data.stages)
+        else [
+            {
+                "name": source_name({"source": _source(cfg, objective)}),
+                "source": str(_source(cfg, objective)),
+                "text_column": cfg.data.text_column,
+            }
+        ]
+    )
     for e in entries:
         if e["source"] != "default":
             resolve_source(e["source"])
@@ -247,8 +312,14 @@ def prepare_data(cfg: TrainConfig, workers: int = 1, progress: bool = True,
     pairs = objective == "seq2seq"
     columns = [[cfg.data.source_column, cfg.data.target_column] if pairs else [e["text_column"]] for e in entries]
     if cfg.data.tokenizer == "auto":
-        tok_path = _auto_tokenizer(cfg, family, sources[0], columns[0] if pairs else columns[0][0],
-                                   cfg.data.tokenizer_vocab_size or cfg.model.vocab_size, 0)
+        tok_path = _auto_tokenizer(
+            cfg,
+            family,
+            sources[0],
+            columns[0] if pairs else columns[0][0],
+            cfg.data.tokenizer_vocab_size or cfg.model.vocab_size,
+            0,
+        )
     else:
         tok_path = Path(cfg.data.tokenizer)
     tok = load_tokenizer(tok_path)
@@ -256,14 +327,29 @@ def prepare_data(cfg: TrainConfig, workers: int = 1, progress: bool = True,
     report = []
     for e, source, cols in zip(entries, sources, columns):
         for split in ("train", "validation"):
-            out = prepare_columns(source, tok, cache, cols, split=split, val_fraction=cfg.data.val_fraction,
-                                  workers=workers, progress=progress, tokenizer_path=str(tok_path),
-                                  shard_rows=shard_rows)
+            out = prepare_columns(
+                source,
+                tok,
+                cache,
+                cols,
+                split=split,
+                val_fraction=cfg.data.val_fraction,
+                workers=workers,
+                progress=progress,
+                tokenizer_path=str(tok_path),
+                shard_rows=shard_rows,
+            )
             first = next(iter(out.values()))
             entry = cache / first.meta["key"]
-            report.append({"name": e["name"], "split": split, "tokens": sum(c.num_tokens for c in out.values()),
-                           "documents": first.num_docs,
-                           "bytes": sum(f.stat().st_size for f in entry.iterdir() if f.is_file())})
+            report.append(
+                {
+                    "name": e["name"],
+                    "split": split,
+                    "tokens": sum(c.num_tokens for c in out.values()),
+                    "documents": first.num_docs,
+                    "bytes": sum(f.stat().st_size for f in entry.iterdir() if f.is_file()),
+                }
+            )
     return report
 
 

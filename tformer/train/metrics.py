@@ -1,4 +1,5 @@
 """Throughput, MFU and memory figures."""
+
 from __future__ import annotations
 
 import time
@@ -7,10 +8,17 @@ import torch
 
 # Dense peak FLOP/s per GPU (no sparsity) for MFU: (bf16/fp16 tensor core, fp32/tf32).
 GPU_PEAKS = {
-    "H100 SXM": (989e12, 494e12), "H100": (756e12, 378e12), "H200": (989e12, 494e12),
-    "A100": (312e12, 156e12), "A10G": (125e12, 62.5e12), "A10": (125e12, 62.5e12),
-    "L40S": (362e12, 181e12), "L4": (121e12, 60e12), "V100": (125e12, 15.7e12),
-    "RTX 4090": (165e12, 82.6e12), "RTX 3090": (71e12, 35.6e12),
+    "H100 SXM": (989e12, 494e12),
+    "H100": (756e12, 378e12),
+    "H200": (989e12, 494e12),
+    "A100": (312e12, 156e12),
+    "A10G": (125e12, 62.5e12),
+    "A10": (125e12, 62.5e12),
+    "L40S": (362e12, 181e12),
+    "L4": (121e12, 60e12),
+    "V100": (125e12, 15.7e12),
+    "RTX 4090": (165e12, 82.6e12),
+    "RTX 3090": (71e12, 35.6e12),
 }
 
 
@@ -31,7 +39,7 @@ def measured_matmul_peak(dtype: torch.dtype, size: int = 512, repeats: int = 3) 
         t0 = time.perf_counter()
         torch.mm(a, b)
         best = min(best, time.perf_counter() - t0)
-    _MEASURED[dtype] = 2 * size ** 3 / best
+    _MEASURED[dtype] = 2 * size**3 / best
     return _MEASURED[dtype]
 
 
@@ -44,5 +52,3 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
                 return (half if dtype in (torch.bfloat16, torch.float16) else single), f"table ({key})"
         return float("nan"), f"unknown GPU {name!r}: MFU not reported"
     return measured_matmul_peak(dtype), "measured torch.mm on this CPU"
-
-

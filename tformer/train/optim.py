@@ -1,5 +1,6 @@
 """AdamW with decay on matrices only, and the LR schedules (warmup + cosine / linear / constant / WSD,
 and the paper's inverse square root)."""
+
 from __future__ import annotations
 
 import math
@@ -16,17 +17,18 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device,
-                    allow_fused: bool = True) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimConfig, device: torch.device, allow_fused: bool = True
+) -> torch.optim.Optimizer:
     fused = cfg.fused
     if fused is None:
         fused = allow_fused and device.type in ("cuda", "cpu")  # torch >= 2.4: fused AdamW on both
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused
+    )
 
 
 def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:

@@ -1,4 +1,5 @@
 """``tformer plot RUN_DIR``: training and validation loss curves from metrics.jsonl, as a PNG."""
+
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ from pathlib import Path
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

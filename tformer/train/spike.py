@@ -6,6 +6,7 @@ around it (PaLM restarted ~100 steps earlier and skipped 200-500 batches); the t
 with ``on_spike: rollback``. The window is part of the checkpoint, so a resumed run judges the
 same steps the same way. Spikes and non-finite losses never enter the window.
 """
+
 from __future__ import annotations
 
 import math

@@ -1,5 +1,6 @@
 """One trainer for all three families: accumulation, mixed precision, DDP, evaluation,
 checkpoints with exact resume, signals, metrics (JSONL, W&B, progress bar)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -76,8 +77,12 @@ class Trainer:
         self._check_support()
         # collectives outlive the watchdog by a minute, so a hang is reported before gloo/NCCL fail
         timeout = 600 if cfg.watchdog_timeout is None else cfg.watchdog_timeout + 60
-        self.dist = init_distributed(cfg.device, cfg.parallel.backend, timeout_s=timeout,
-                                     always=cfg.parallel.strategy != "ddp" or self.dims.tp > 1 or self.dims.pp > 1)
+        self.dist = init_distributed(
+            cfg.device,
+            cfg.parallel.backend,
+            timeout_s=timeout,
+            always=cfg.parallel.strategy != "ddp" or self.dims.tp > 1 or self.dims.pp > 1,
+        )
         self.device = self.dist.device
         self.dist.dims = self.dims
         if torch.distributed.is_initialized():  # one mesh for the whole run (tformer/parallel/mesh.py)
@@ -95,20 +100,20 @@ class Trainer:
             self.data.train.check_exhaustion(cfg.max_steps * self._global_batch())
         per_step = cfg.micro_batch_size * self.dist.dp_size
         if per_step > len(self.data.train):
-            raise ConfigError(f"micro_batch_size={cfg.micro_batch_size} x {self.dist.dp_size} rank(s) needs "
-                              f"{per_step} samples per micro-step but the training set has {len(self.data.train)}; "
-                              "lower micro_batch_size or use more data")
+            raise ConfigError(
+                f"micro_batch_size={cfg.micro_batch_size} x {self.dist.dp_size} rank(s) needs "
+                f"{per_step} samples per micro-step but the training set has {len(self.data.train)}; "
+                "lower micro_batch_size or use more data"
+            )
         self.model_cfg = self.data.model_config
         check_tp(self.model_cfg, self.dims.tp)  # the tokenizer may have set the vocabulary
         self.model = build_model(self.model_cfg).to(self.device)
         self.num_parameters = self.model.num_parameters()  # the whole model's, before any split
         self.model.loss_chunk_size = cfg.loss.chunk_size  # the training loss's head, in chunks
         # AC -> per-block compile -> DDP / FSDP2, then the optimizer over the (sharded) parameters
-        self.strategy = strategy_class(cfg.parallel.strategy)(self.model, cfg, self.dist,
-                                                              DTYPES[self.precision])
+        self.strategy = strategy_class(cfg.parallel.strategy)(self.model, cfg, self.dist, DTYPES[self.precision])
         self.model = self.strategy.model  # under pipeline parallelism: this rank's stages
-        base = build_optimizer(self.model, cfg.optim, self.device,
-                               allow_fused=self.strategy.fused_optimizer_ok())
+        base = build_optimizer(self.model, cfg.optim, self.device, allow_fused=self.strategy.fused_optimizer_ok())
         # The schedule drives the torch optimizer's param groups, which DeepSpeed's wrapper shares.
         self.scheduler = build_scheduler(base, cfg.optim, cfg.max_steps)
         self.optimizer = self.strategy.setup_optimizer(base)
@@ -116,18 +121,20 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         background = cfg.checkpoint.async_ and self.strategy.async_save
         if cfg.checkpoint.async_ and not background and self.dist.is_main:
-            log.warning("checkpoint.async=true: parallel.strategy=%s saves synchronously (DeepSpeed writes its "
-                        "own checkpoint files); the loop waits for each save", cfg.parallel.strategy)
-        self.ckpt = CheckpointManager(self.ckpt_root, self.dist.rank, self.dist.world_size, cfg.keep_checkpoints,
-                                      background)
+            log.warning(
+                "checkpoint.async=true: parallel.strategy=%s saves synchronously (DeepSpeed writes its "
+                "own checkpoint files); the loop waits for each save",
+                cfg.parallel.strategy,
+            )
+        self.ckpt = CheckpointManager(self.ckpt_root, self.dist.rank, self.dist.world_size, cfg.keep_checkpoints, background)
 
         self.step = 0
-        self.consumed = 0            # global samples consumed by all ranks
-        self.tokens = 0              # global tokens consumed
-        self.skipped = 0             # consecutive non-finite steps
+        self.consumed = 0  # global samples consumed by all ranks
+        self.tokens = 0  # global tokens consumed
+        self.skipped = 0  # consecutive non-finite steps
         self.streak_start: int | None = None  # first step of the current non-finite streak
         self.spikes = SpikeDetector(cfg.spike_factor, cfg.spike_window, cfg.spike_warmup)
-        self.rollbacks = 0           # loss-spike rollbacks done (on_spike=rollback)
+        self.rollbacks = 0  # loss-spike rollbacks done (on_spike=rollback)
         self.watchdog: Watchdog | None = None
         self._watchdog_warned = False
         self.wandb_id: str | None = None
@@ -135,8 +142,9 @@ class Trainer:
         self._stop_reason: str | None = None
         self._signal: str | None = None
         self.resolved = {**cfg.to_dict(), "model": self.model_cfg.to_dict()}
-        self.flops_per_step = training_flops(self.model_cfg, cfg.micro_batch_size, self.data.seq_len,
-                                             self.data.target_len) * cfg.grad_accum
+        self.flops_per_step = (
+            training_flops(self.model_cfg, cfg.micro_batch_size, self.data.seq_len, self.data.target_len) * cfg.grad_accum
+        )
         self.peak, self.peak_source = peak_flops(self.device, DTYPES[self.precision])
         self._resume()  # last: it restores the RNG streams, which nothing may draw from afterwards
 
@@ -144,35 +152,55 @@ class Trainer:
     def _check_support(self) -> None:
         cfg = self.cfg
         if self.precision == "fp16" and self.device.type != "cuda":
-            raise ConfigError("precision=fp16 needs a CUDA GPU (loss-scaled fp16 is not supported on "
-                              f"{self.device.type}); use precision=bf16 or precision=fp32")
+            raise ConfigError(
+                "precision=fp16 needs a CUDA GPU (loss-scaled fp16 is not supported on "
+                f"{self.device.type}); use precision=bf16 or precision=fp32"
+            )
         if self.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("precision=bf16 is not supported by this GPU; use precision=fp16")
         if cfg.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("device=cuda but no CUDA GPU is visible (or this torch is a CPU build); use "
-                              "device=cpu or device=auto")
+            raise ConfigError(
+                "device=cuda but no CUDA GPU is visible (or this torch is a CPU build); use device=cpu or device=auto"
+            )
         backend = cfg.parallel.backend
         if backend is not None:
             import torch.distributed as dist
-            available = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available,
-                         "mpi": dist.is_mpi_available, "ucc": dist.is_ucc_available}[backend]()
+
+            available = {
+                "gloo": dist.is_gloo_available,
+                "nccl": dist.is_nccl_available,
+                "mpi": dist.is_mpi_available,
+                "ucc": dist.is_ucc_available,
+            }[backend]()
             if not available or (backend == "nccl" and self.device.type != "cuda"):
                 why = "needs a CUDA GPU" if backend == "nccl" else "not built into this torch"
-                raise ConfigError(f"parallel.backend={backend} is not available here ({why}); leave "
-                                  "parallel.backend unset (nccl on CUDA, gloo on CPU)")
+                raise ConfigError(
+                    f"parallel.backend={backend} is not available here ({why}); leave "
+                    "parallel.backend unset (nccl on CUDA, gloo on CPU)"
+                )
         strategy_class(cfg.parallel.strategy).check(cfg, self.precision)  # e.g. DeepSpeed missing
         check_pipeline(cfg.model, cfg.parallel, cfg.parallel.strategy)
         if (cfg.parallel.pp > 1 or cfg.parallel.sp) and cfg.data.document_mask:
-            raise ConfigError("data.document_mask=true does not compose with parallel."
-                              f"{'pp' if cfg.parallel.pp > 1 else 'sp'} yet (the document ids are not split "
-                              "with the sequence / sent between stages); turn one of them off")
+            raise ConfigError(
+                "data.document_mask=true does not compose with parallel."
+                f"{'pp' if cfg.parallel.pp > 1 else 'sp'} yet (the document ids are not split "
+                "with the sequence / sent between stages); turn one of them off"
+            )
         if cfg.parallel.pp > 1 and cfg.data.tokens_per_batch is not None:
-            raise ConfigError("parallel.pp needs micro-batches of micro_batch_size samples (the schedule splits "
-                              "the step's batch evenly); set data.tokens_per_batch=null")
+            raise ConfigError(
+                "parallel.pp needs micro-batches of micro_batch_size samples (the schedule splits "
+                "the step's batch evenly); set data.tokens_per_batch=null"
+            )
         if cfg.parallel.pp > 1 and (self.precision == "fp16" or cfg.eval_bleu):
-            raise ConfigError("parallel.pp does not compose with " + ("precision=fp16 (its loss scaler); use bf16"
-                              if self.precision == "fp16" else "eval_bleu=true (decoding needs the whole model); "
-                              "set eval_bleu=false and decode a consolidated checkpoint with tformer evaluate"))
+            raise ConfigError(
+                "parallel.pp does not compose with "
+                + (
+                    "precision=fp16 (its loss scaler); use bf16"
+                    if self.precision == "fp16"
+                    else "eval_bleu=true (decoding needs the whole model); "
+                    "set eval_bleu=false and decode a consolidated checkpoint with tformer evaluate"
+                )
+            )
         # the mesh's arithmetic and what the strategy and model shapes allow, before any process group
         self.dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
         check_strategy(self.dims, cfg.parallel.strategy)
@@ -180,32 +208,35 @@ class Trainer:
         if cfg.compile and self.dims.tp > 1 and cfg.model.position == "rotary":
             # measured on torch 2.13: the compiled block's backward hands DTensor's redistribute a plain
             # tensor ("'Tensor' object has no attribute '_local_tensor'") for rotary models only
-            raise ConfigError("compile=true with parallel.tp > 1 fails in torch's DTensor backward for rotary-position "
-                              "models (Llama flavour); set compile=false (or parallel.tp=1) for this model")
+            raise ConfigError(
+                "compile=true with parallel.tp > 1 fails in torch's DTensor backward for rotary-position "
+                "models (Llama flavour); set compile=false (or parallel.tp=1) for this model"
+            )
         self._check_paths()
 
     def _check_paths(self) -> None:
         """The run directory can be made and written; an explicit resume path exists."""
         cfg = self.cfg
         if cfg.resume not in ("auto", "none") and not Path(cfg.resume).exists():
-            raise ConfigError(f"resume={cfg.resume} does not exist; pass a run directory, one of its "
-                              "checkpoints (RUN/checkpoints/step_XXXXXXXX), auto or none")
+            raise ConfigError(
+                f"resume={cfg.resume} does not exist; pass a run directory, one of its "
+                "checkpoints (RUN/checkpoints/step_XXXXXXXX), auto or none"
+            )
         out = Path(cfg.output_dir)
         for p in (out, *out.parents):
             if p.exists():
                 if not p.is_dir():
-                    raise ConfigError(f"output_dir={cfg.output_dir} cannot be created: {p} is a file; pass a "
-                                      "directory path")
+                    raise ConfigError(f"output_dir={cfg.output_dir} cannot be created: {p} is a file; pass a directory path")
                 if not os.access(p, os.W_OK | os.X_OK) and p == out:
-                    raise ConfigError(f"output_dir={cfg.output_dir} is not writable; pass a directory you can "
-                                      "write to")
+                    raise ConfigError(f"output_dir={cfg.output_dir} is not writable; pass a directory you can write to")
                 break
 
     def _warn_slow_precision(self) -> None:
-        if (self.dist.is_main and self.precision == "bf16" and self.device.type == "cpu"
-                and not cpu_has_native_bf16()):
-            log.warning("precision=bf16 on a CPU without AVX512-BF16/AMX: torch emulates bf16 matmuls here, "
-                        "30-100x slower than fp32; precision=auto picks fp32 on this CPU")
+        if self.dist.is_main and self.precision == "bf16" and self.device.type == "cpu" and not cpu_has_native_bf16():
+            log.warning(
+                "precision=bf16 on a CPU without AVX512-BF16/AMX: torch emulates bf16 matmuls here, "
+                "30-100x slower than fp32; precision=auto picks fp32 on this CPU"
+            )
 
     def _offload(self):
         return activation_offload(self.device, self.cfg.parallel.activation_offload)
@@ -228,6 +259,7 @@ class Trainer:
     def _load(self, path: Path) -> None:
         """Model, optimizer, schedule, RNG and trainer state of a verified checkpoint."""
         from ..checkpoint.safe import check_checkpoint
+
         check_checkpoint(path, self.cfg.checkpoint.trust)  # every pickle, before any is loaded
         state = self.ckpt.read(path)
         self._check_same_model(path, state.model_config or {})
@@ -242,13 +274,18 @@ class Trainer:
         else:
             self.strategy.load(path, self.optimizer, self.scheduler, self.scaler, state.world_size)
         if not self.ckpt.restore_rng(path, state, self.cfg.checkpoint.trust):
-            log.warning("rank %d: no RNG state for this world size in %s; dropout streams restart "
-                        "(data order is unaffected)", self.dist.rank, path)
+            log.warning(
+                "rank %d: no RNG state for this world size in %s; dropout streams restart (data order is unaffected)",
+                self.dist.rank,
+                path,
+            )
         mixture = state.data_mixture
         if mixture is not None and mixture != self._mixture_fingerprint():
-            raise DataError(f"checkpoint {path} was trained on the data mixture {mixture} but this run's is "
-                            f"{self._mixture_fingerprint()}: resume with the same sources, weights, stages and "
-                            "global batch size, or start a new run")
+            raise DataError(
+                f"checkpoint {path} was trained on the data mixture {mixture} but this run's is "
+                f"{self._mixture_fingerprint()}: resume with the same sources, weights, stages and "
+                "global batch size, or start a new run"
+            )
         self.step = state.step
         self.consumed = state.consumed_samples
         self.tokens = state.tokens
@@ -263,29 +300,46 @@ class Trainer:
         ours = self.model_cfg.to_dict()
         for key, value in ours.items():
             if key in saved and saved[key] != value and key not in ("attn_impl", "dropout", "attn_dropout"):
-                raise CheckpointError(f"checkpoint {path} was trained with model.{key}={saved[key]!r} but "
-                                      f"this run has {value!r}; use the checkpoint's model config or a new "
-                                      "output_dir")
+                raise CheckpointError(
+                    f"checkpoint {path} was trained with model.{key}={saved[key]!r} but "
+                    f"this run has {value!r}; use the checkpoint's model config or a new "
+                    "output_dir"
+                )
 
     def save(self) -> Path:
         """A checkpoint of this step (all ranks take part); with ``checkpoint.async`` it returns
         once the state is copied to host memory, and is committed when its write ends."""
         self._beat("save")
-        final = self.ckpt.save(self.state(), self.resolved_yaml(),
-                               lambda tmp: self.strategy.save(tmp, self.optimizer, self.scheduler, self.scaler,
-                                                              background=self.ckpt.background))
+        final = self.ckpt.save(
+            self.state(),
+            self.resolved_yaml(),
+            lambda tmp: self.strategy.save(
+                tmp, self.optimizer, self.scheduler, self.scaler, background=self.ckpt.background
+            ),
+        )
         self._beat("save done")
         return final
 
     def state(self) -> TrainerState:
         """The record of ``trainer.json``: where the run stands, and what it trains."""
-        return TrainerState(step=self.step, consumed_samples=self.consumed, tokens=self.tokens,
-                            skipped=self.skipped, world_size=self.dist.world_size, mesh=self.dims.describe(),
-                            rollbacks=self.rollbacks, spike_detector=self.spikes.state_dict(),
-                            wandb_id=self.wandb_id, model_config=self.model_cfg.to_dict(),
-                            strategy=self.cfg.parallel.strategy, family=self.model_cfg.family,
-                            objective=self.data.objective, seq_len=self.data.seq_len,
-                            target_len=self.data.target_len, data_mixture=self._mixture_fingerprint())
+        return TrainerState(
+            step=self.step,
+            consumed_samples=self.consumed,
+            tokens=self.tokens,
+            skipped=self.skipped,
+            world_size=self.dist.world_size,
+            mesh=self.dims.describe(),
+            rollbacks=self.rollbacks,
+            spike_detector=self.spikes.state_dict(),
+            wandb_id=self.wandb_id,
+            model_config=self.model_cfg.to_dict(),
+            strategy=self.cfg.parallel.strategy,
+            family=self.model_cfg.family,
+            objective=self.data.objective,
+            seq_len=self.data.seq_len,
+            target_len=self.data.target_len,
+            data_mixture=self._mixture_fingerprint(),
+        )
 
     def wait_for_checkpoint(self) -> Path | None:
         """Finish the background save in flight, if any (all ranks)."""
@@ -300,6 +354,7 @@ class Trainer:
 
     def resolved_yaml(self) -> str:
         import yaml
+
         return yaml.safe_dump(self.resolved, sort_keys=False)
 
     # -- evaluation ------------------------------------------------------------------------
@@ -337,7 +392,7 @@ class Trainer:
         keys = list(range(self.dist.dp_rank, n, world))
         total = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, tokens, correct
         for i in range(0, len(keys), cfg.micro_batch_size):
-            batch = self.data.collator([ds[k] for k in keys[i:i + cfg.micro_batch_size]])
+            batch = self.data.collator([ds[k] for k in keys[i : i + cfg.micro_batch_size]])
             inputs = {k: batch[k].to(self.device) for k in self.data.model_inputs if k in batch}
             with self._autocast():
                 out = self.model(**inputs)
@@ -354,6 +409,7 @@ class Trainer:
         ``grad_accum`` micro-batches per data-parallel rank; each micro-batch's loss is weighted by
         its labelled tokens, as the unsplit evaluation weights its batches (no logits: no accuracy)."""
         from ..parallel.pipeline import stage_kwargs
+
         cfg = self.cfg
         world, chunk = self.dist.dp_size, cfg.micro_batch_size * cfg.grad_accum
         n = min(len(ds), max(cfg.eval_batches * cfg.micro_batch_size, world * chunk))
@@ -361,12 +417,13 @@ class Trainer:
         keys = list(range(self.dist.dp_rank, n, world))
         total = torch.zeros(3, dtype=torch.float64, device=self.device)
         for i in range(0, len(keys), chunk):
-            batch = self.data.collator([ds[k] for k in keys[i:i + chunk]])
+            batch = self.data.collator([ds[k] for k in keys[i : i + chunk]])
             inputs = {k: batch[k].to(self.device) for k in self.data.model_inputs if k in batch}
             losses: list = []
             with self._autocast(), self.strategy.loss_context():
-                self.strategy.schedule.eval(inputs["input_ids"], target=inputs["labels"], losses=losses,
-                                            return_outputs=False, **stage_kwargs(inputs))
+                self.strategy.schedule.eval(
+                    inputs["input_ids"], target=inputs["labels"], losses=losses, return_outputs=False, **stage_kwargs(inputs)
+                )
             if self.strategy.is_last_stage:
                 counts = (inputs["labels"] != -100).reshape(cfg.grad_accum, -1).sum(-1)
                 total[0] += (torch.stack([x.double() for x in losses]) * counts).sum()
@@ -383,9 +440,18 @@ class Trainer:
         n = len(ds) if samples is None else min(samples, len(ds))
         was_training = self.model.training
         with self._autocast():
-            result = bleu(self.model, ds, self.data.tokenizer, range(n), batch_size=d.batch_size,
-                          num_beams=d.num_beams, length_penalty=d.length_penalty, length_norm=d.length_norm,
-                          max_new_tokens=d.max_new_tokens, device=self.device)
+            result = bleu(
+                self.model,
+                ds,
+                self.data.tokenizer,
+                range(n),
+                batch_size=d.batch_size,
+                num_beams=d.num_beams,
+                length_penalty=d.length_penalty,
+                length_norm=d.length_norm,
+                max_new_tokens=d.max_new_tokens,
+                device=self.device,
+            )
         self.model.train(was_training)
         return result
 
@@ -394,31 +460,56 @@ class Trainer:
         cfg = self.cfg
         if cfg.data.tokens_per_batch is not None:
             from ..data import TokenBudgetSampler
+
             src, tgt = self.data.train.lengths()
-            sampler = TokenBudgetSampler(src, tgt, cfg.data.tokens_per_batch, seed=cfg.seed, rank=self.dist.dp_rank,
-                                         world_size=self.dist.dp_size, consumed=self.consumed)
-            return iter(torch.utils.data.DataLoader(
-                self.data.train, batch_sampler=sampler, collate_fn=self.data.collator,
-                num_workers=cfg.data.num_workers, persistent_workers=cfg.data.num_workers > 0,
-                generator=torch.Generator().manual_seed(cfg.seed)))
+            sampler = TokenBudgetSampler(
+                src,
+                tgt,
+                cfg.data.tokens_per_batch,
+                seed=cfg.seed,
+                rank=self.dist.dp_rank,
+                world_size=self.dist.dp_size,
+                consumed=self.consumed,
+            )
+            return iter(
+                torch.utils.data.DataLoader(
+                    self.data.train,
+                    batch_sampler=sampler,
+                    collate_fn=self.data.collator,
+                    num_workers=cfg.data.num_workers,
+                    persistent_workers=cfg.data.num_workers > 0,
+                    generator=torch.Generator().manual_seed(cfg.seed),
+                )
+            )
         if isinstance(self.data.train, MixtureDataset):
-            sampler = MixtureSampler(self.data.train, rank=self.dist.dp_rank, world_size=self.dist.dp_size,
-                                     consumed=self.consumed)
+            sampler = MixtureSampler(
+                self.data.train, rank=self.dist.dp_rank, world_size=self.dist.dp_size, consumed=self.consumed
+            )
         else:
-            sampler = ResumableSampler(len(self.data.train), seed=cfg.seed, rank=self.dist.dp_rank,
-                                       world_size=self.dist.dp_size, consumed=self.consumed)
-        loader = torch.utils.data.DataLoader(self.data.train, batch_size=cfg.micro_batch_size,
-                                             sampler=sampler, collate_fn=self.data.collator,
-                                             num_workers=cfg.data.num_workers,
-                                             persistent_workers=cfg.data.num_workers > 0,
-                                             # its own generator: creating the iterator must not
-                                             # draw from the global RNG that dropout uses
-                                             generator=torch.Generator().manual_seed(cfg.seed))
+            sampler = ResumableSampler(
+                len(self.data.train),
+                seed=cfg.seed,
+                rank=self.dist.dp_rank,
+                world_size=self.dist.dp_size,
+                consumed=self.consumed,
+            )
+        loader = torch.utils.data.DataLoader(
+            self.data.train,
+            batch_size=cfg.micro_batch_size,
+            sampler=sampler,
+            collate_fn=self.data.collator,
+            num_workers=cfg.data.num_workers,
+            persistent_workers=cfg.data.num_workers > 0,
+            # its own generator: creating the iterator must not
+            # draw from the global RNG that dropout uses
+            generator=torch.Generator().manual_seed(cfg.seed),
+        )
         return iter(loader)
 
     def _install_signals(self):
         def handler(signum, _frame):
             self._signal = signal.Signals(signum).name
+
         previous = {}
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             try:
@@ -433,12 +524,14 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(self.resolved_yaml())
             copy_tokenizer(self.data, self.out)
-            print(f"tformer: {self.model_cfg.family} model, {self.num_parameters:,} parameters, "
-                  f"{self.dist.world_size} rank(s) on {self.device}, precision {self.precision}, "
-                  f"objective {self.data.objective}\nmesh: {self.dims.describe()}"
-                  f"{' sp' if self.dims.tp > 1 and cfg.parallel.sp else ''}\n"
-                  f"--- resolved config ---\n{self.resolved_yaml()}---",
-                  flush=True)
+            print(
+                f"tformer: {self.model_cfg.family} model, {self.num_parameters:,} parameters, "
+                f"{self.dist.world_size} rank(s) on {self.device}, precision {self.precision}, "
+                f"objective {self.data.objective}\nmesh: {self.dims.describe()}"
+                f"{' sp' if self.dims.tp > 1 and cfg.parallel.sp else ''}\n"
+                f"--- resolved config ---\n{self.resolved_yaml()}---",
+                flush=True,
+            )
         previous = self._install_signals()
         tracker = WandbTracker(cfg.wandb, self.out, self.resolved, self.wandb_id) if main else None
         if tracker is not None:
@@ -447,15 +540,18 @@ class Trainer:
         bar = None
         if main and cfg.progress:
             from tqdm import tqdm
-            bar = tqdm(total=cfg.max_steps, initial=self.step, unit="step", dynamic_ncols=True,
-                       file=sys.stderr, mininterval=1.0)
+
+            bar = tqdm(
+                total=cfg.max_steps, initial=self.step, unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=1.0
+            )
         start = time.perf_counter()
         last = {}
         saved_step = self.step if self.resumed_from is not None else -1
         batches = self._batches()
         if cfg.watchdog_timeout is not None:
-            self.watchdog = Watchdog(self.out / "watchdog", self.dist.rank, self.dist.world_size,
-                                     cfg.watchdog_timeout).start()
+            self.watchdog = Watchdog(
+                self.out / "watchdog", self.dist.rank, self.dist.world_size, cfg.watchdog_timeout
+            ).start()
         try:
             while self.step < cfg.max_steps and self._stop_reason is None:
                 record = self._train_step(batches)
@@ -507,8 +603,10 @@ class Trainer:
                 signal.signal(sig, h)
         if main:
             reason = self._stop_reason or "max_steps"
-            print(f"tformer: stopped at step {self.step} ({reason}); checkpoint "
-                  f"{self.ckpt_root / f'step_{self.step:08d}'}", flush=True)
+            print(
+                f"tformer: stopped at step {self.step} ({reason}); checkpoint {self.ckpt_root / f'step_{self.step:08d}'}",
+                flush=True,
+            )
         return last
 
     def _close_checkpoints(self) -> None:
@@ -531,8 +629,12 @@ class Trainer:
         if self.skipped == 0:
             return True
         if self.dist.is_main:
-            log.warning("step %d: checkpoint not written: the loss is non-finite since step %d; the newest "
-                        "good checkpoint is %s", self.step, self.streak_start, self._last_good() or "none")
+            log.warning(
+                "step %d: checkpoint not written: the loss is non-finite since step %d; the newest good checkpoint is %s",
+                self.step,
+                self.streak_start,
+                self._last_good() or "none",
+            )
         return False
 
     def _last_good(self) -> Path | None:
@@ -557,8 +659,7 @@ class Trainer:
         median = self.spikes.check(self.step, record["loss"])
         if median is None:
             return False
-        spike = (f"loss spike at step {self.step}: {record['loss']:.4f} > {cfg.spike_factor:g} x running "
-                 f"median {median:.4f}")
+        spike = f"loss spike at step {self.step}: {record['loss']:.4f} > {cfg.spike_factor:g} x running median {median:.4f}"
         record["spike"] = True
         if cfg.on_spike == "warn":
             if self.dist.is_main:
@@ -567,28 +668,44 @@ class Trainer:
         self.wait_for_checkpoint()  # every rank then lists the same checkpoints
         target = [p for p in self.ckpt.committed() if int(p.name.split("_")[1]) < self.step]
         if self.rollbacks >= cfg.max_rollbacks:
-            raise LossSpikeError(f"{spike}; max_rollbacks={cfg.max_rollbacks} reached; the last good checkpoint is "
-                                 f"{target[-1] if target else 'none'}; lower optim.lr or check the data")
+            raise LossSpikeError(
+                f"{spike}; max_rollbacks={cfg.max_rollbacks} reached; the last good checkpoint is "
+                f"{target[-1] if target else 'none'}; lower optim.lr or check the data"
+            )
         if not target:
             if self.dist.is_main:
-                log.warning("%s; no checkpoint before it to roll back to: continuing (save more often "
-                            "with save_every)", spike)
+                log.warning(
+                    "%s; no checkpoint before it to roll back to: continuing (save more often with save_every)", spike
+                )
             return False
         spike_step, wandb_id = self.step, self.wandb_id
         verify(target[-1], deep=True)
         self._load(target[-1])
         self.wandb_id = wandb_id
         self.rollbacks += 1
-        event = {"spike_step": spike_step, "loss": record["loss"], "median": median, "to_step": self.step,
-                 "rollback": self.rollbacks, "skip_from_sample": self.consumed,
-                 "skip_samples": cfg.spike_skip_batches * self._global_batch()}
+        event = {
+            "spike_step": spike_step,
+            "loss": record["loss"],
+            "median": median,
+            "to_step": self.step,
+            "rollback": self.rollbacks,
+            "skip_from_sample": self.consumed,
+            "skip_samples": cfg.spike_skip_batches * self._global_batch(),
+        }
         self._record_rollback(event)
         self.consumed += event["skip_samples"]
         record["rollback_to"] = self.step
         if self.dist.is_main:
-            log.warning("%s; rolled back to %s and skipping %d batches (samples %d-%d), rollback %d of %d",
-                        spike, target[-1], cfg.spike_skip_batches, event["skip_from_sample"],
-                        self.consumed - 1, self.rollbacks, cfg.max_rollbacks)
+            log.warning(
+                "%s; rolled back to %s and skipping %d batches (samples %d-%d), rollback %d of %d",
+                spike,
+                target[-1],
+                cfg.spike_skip_batches,
+                event["skip_from_sample"],
+                self.consumed - 1,
+                self.rollbacks,
+                cfg.max_rollbacks,
+            )
         return True
 
     def _global_batch(self) -> int:
@@ -611,13 +728,20 @@ class Trainer:
         if self.cfg.on_spike != "rollback" or not path.is_file():
             return
         for event in json.loads(path.read_text()):
-            if event["to_step"] == self.step and event["rollback"] == self.rollbacks + 1 \
-                    and event["skip_from_sample"] == self.consumed:
+            if (
+                event["to_step"] == self.step
+                and event["rollback"] == self.rollbacks + 1
+                and event["skip_from_sample"] == self.consumed
+            ):
                 self.rollbacks += 1
                 self.consumed += event["skip_samples"]
                 if self.dist.is_main:
-                    log.info("resuming rollback %d: skipping samples %d-%d", self.rollbacks,
-                             event["skip_from_sample"], self.consumed - 1)
+                    log.info(
+                        "resuming rollback %d: skipping samples %d-%d",
+                        self.rollbacks,
+                        event["skip_from_sample"],
+                        self.consumed - 1,
+                    )
 
     def _train_step(self, batches) -> dict:
         cfg = self.cfg
@@ -636,8 +760,7 @@ class Trainer:
             tokens += inputs["input_ids"].numel() + (inputs["labels"].numel() if self.model_cfg.family == "encdec" else 0)
             last = micro == cfg.grad_accum - 1
             if self.dims.tp > 1 and cfg.parallel.sp:
-                inputs = pad_for_sequence_parallel(inputs, self.dims.tp, self.model_cfg.pad_token_id,
-                                                   self.model_cfg.family)
+                inputs = pad_for_sequence_parallel(inputs, self.dims.tp, self.model_cfg.pad_token_id, self.model_cfg.family)
             if self.dims.pp > 1:
                 pipelined.append(inputs)
                 if last:
@@ -649,13 +772,20 @@ class Trainer:
             with self.strategy.no_sync(last), self.strategy.loss_context():
                 with self._autocast(), self._offload():
                     # loss only: no vocabulary-wide logits kept; the MLM head runs at masked positions
-                    loss = self.wrapped(**inputs, return_logits=False,
-                                        label_smoothing=cfg.optim.label_smoothing).loss / cfg.grad_accum
+                    loss = (
+                        self.wrapped(**inputs, return_logits=False, label_smoothing=cfg.optim.label_smoothing).loss
+                        / cfg.grad_accum
+                    )
                 self.strategy.backward(loss, last, self.scaler)
             loss_sum += loss.detach().float()
         self._beat("loss all-reduce")
-        stats = torch.stack([loss_sum, torch.tensor(float(tokens), device=self.device),
-                             torch.tensor(1.0 if self._signal else 0.0, device=self.device)])
+        stats = torch.stack(
+            [
+                loss_sum,
+                torch.tensor(float(tokens), device=self.device),
+                torch.tensor(1.0 if self._signal else 0.0, device=self.device),
+            ]
+        )
         all_reduce(stats)
         # the tp ranks of a group agree; of a pipeline, only the last stage's ranks hold the loss
         loss_avg = stats[0].item() / (self.dist.world_size // self.dims.pp)
@@ -671,18 +801,35 @@ class Trainer:
         self.tokens += global_tokens
         dt = time.perf_counter() - t0
         self._check_watchdog_margin(dt)
-        return {"step": self.step, "loss": loss_avg, "lr": lr, "grad_norm": grad_norm,
-                "tokens_per_s": global_tokens / dt,
-                "mfu": self.flops_per_step / (self.dims.tp * self.dims.pp) / dt / self.peak,
-                "tokens": self.tokens, "step_time": dt, **self.strategy.memory_report(self.optimizer)}
+        return {
+            "step": self.step,
+            "loss": loss_avg,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": global_tokens / dt,
+            "mfu": self.flops_per_step / (self.dims.tp * self.dims.pp) / dt / self.peak,
+            "tokens": self.tokens,
+            "step_time": dt,
+            **self.strategy.memory_report(self.optimizer),
+        }
 
     def _check_watchdog_margin(self, step_time: float) -> None:
         timeout = self.cfg.watchdog_timeout
-        if (timeout is not None and self.step > 1 and step_time > timeout / 2 and self.dist.is_main
-                and not self._watchdog_warned):
+        if (
+            timeout is not None
+            and self.step > 1
+            and step_time > timeout / 2
+            and self.dist.is_main
+            and not self._watchdog_warned
+        ):
             self._watchdog_warned = True
-            log.warning("watchdog_timeout=%g s is short: a step took %.1f s here; raise it to at least %d s, or "
-                        "a slow step will be taken for a hang", timeout, step_time, math.ceil(4 * step_time))
+            log.warning(
+                "watchdog_timeout=%g s is short: a step took %.1f s here; raise it to at least %d s, or "
+                "a slow step will be taken for a hang",
+                timeout,
+                step_time,
+                math.ceil(4 * step_time),
+            )
 
     def _update(self, loss: float) -> float:
         """One optimizer step through the strategy (clip, update, clear the gradients), then the LR
@@ -704,13 +851,17 @@ class Trainer:
             self.streak_start = self.step + 1
         if must_stop or self.cfg.on_nonfinite == "stop" or self.skipped > self.cfg.max_skipped_steps:
             last = self._last_good()
-            why = ("the engine could not skip it" if must_stop else
-                   f"on_nonfinite={self.cfg.on_nonfinite}, {self.skipped} bad step(s) in a row")
-            raise NonFiniteLoss(f"non-finite {what} at step {self.step + 1}; stopping ({why}); the last good "
-                                f"checkpoint is {last or 'none'}; lower optim.lr or check the data")
+            why = (
+                "the engine could not skip it"
+                if must_stop
+                else f"on_nonfinite={self.cfg.on_nonfinite}, {self.skipped} bad step(s) in a row"
+            )
+            raise NonFiniteLoss(
+                f"non-finite {what} at step {self.step + 1}; stopping ({why}); the last good "
+                f"checkpoint is {last or 'none'}; lower optim.lr or check the data"
+            )
         if self.dist.is_main:
-            log.warning("step %d: non-finite %s; update skipped (%d in a row)", self.step + 1, what,
-                        self.skipped)
+            log.warning("step %d: non-finite %s; update skipped (%d in a row)", self.step + 1, what, self.skipped)
 
     def _stop_check(self, start: float) -> bool:
         cfg = self.cfg
@@ -727,9 +878,11 @@ class Trainer:
         metrics_file.flush()
         if tracker is not None:
             tracker.log(record)
-        text = (f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-                f"grad {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
-                f"MFU {100 * record['mfu']:.1f}%")
+        text = (
+            f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"grad {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
+            f"MFU {100 * record['mfu']:.1f}%"
+        )
         if "val_loss" in record:
             text += f" | val {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})"
         if "val_bleu" in record:
@@ -749,7 +902,9 @@ def _concat(batches: list[dict]) -> dict:
         parts = [b[k] for b in batches]
         width = max(p.shape[1] for p in parts) if parts[0].dim() > 1 else None
         if width is not None and any(p.shape[1] != width for p in parts):
-            raise ConfigError(f"pipeline parallelism needs micro-batches of one sequence length ({k} has "
-                              f"lengths {[p.shape[1] for p in parts]}); use fixed-length batches")
+            raise ConfigError(
+                f"pipeline parallelism needs micro-batches of one sequence length ({k} has "
+                f"lengths {[p.shape[1] for p in parts]}); use fixed-length batches"
+            )
         out[k] = torch.cat(parts)
     return out

@@ -13,6 +13,7 @@ interpreter lock held); a rank whose file is fresh but whose progress is old is 
 example in a collective for the rank that is not responding). The report names both, and each
 rank's stacks land in ``OUTPUT/watchdog/stacks_rank{R}.txt``.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -65,8 +66,14 @@ class Watchdog:
 
     # -- the thread ---------------------------------------------------------------------------
     def _write_heartbeat(self) -> None:
-        record = {"rank": self.rank, "pid": os.getpid(), "step": self._step, "phase": self._phase,
-                  "progress": self._progress, "written": time.time()}
+        record = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "step": self._step,
+            "phase": self._phase,
+            "progress": self._progress,
+            "written": time.time(),
+        }
         path = self.dir / f"heartbeat_rank{self.rank}.json"
         with atomic_write(path) as tmp:
             tmp.write_text(json.dumps(record))
@@ -83,8 +90,10 @@ class Watchdog:
     def _fire(self) -> None:
         stacks = self.dir / f"stacks_rank{self.rank}.txt"
         with open(stacks, "w") as f:
-            f.write(f"rank {self.rank} (pid {os.getpid()}): no progress for "
-                    f"{time.time() - self._progress:.0f} s, last at step {self._step} ({self._phase})\n")
+            f.write(
+                f"rank {self.rank} (pid {os.getpid()}): no progress for "
+                f"{time.time() - self._progress:.0f} s, last at step {self._step} ({self._phase})\n"
+            )
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         report = self.report()
@@ -103,8 +112,11 @@ class Watchdog:
         stale, waiting = [], []
         for r in range(self.world_size):
             try:
-                hb: dict[str, Any] = (json.loads((self.dir / f"heartbeat_rank{r}.json").read_text()) if r != self.rank else
-                      {"step": self._step, "phase": self._phase, "progress": self._progress, "written": now})
+                hb: dict[str, Any] = (
+                    json.loads((self.dir / f"heartbeat_rank{r}.json").read_text())
+                    if r != self.rank
+                    else {"step": self._step, "phase": self._phase, "progress": self._progress, "written": now}
+                )
             except (OSError, ValueError):
                 stale.append(f"rank {r} (no heartbeat)")
                 continue
@@ -114,5 +126,7 @@ class Watchdog:
             elif now - hb["progress"] > self.timeout or r == self.rank:
                 waiting.append(f"rank {r} waiting {now - hb['progress']:.0f} s at {where}")
         stuck = "; ".join(stale) if stale else "no rank stopped responding (all wait: a collective or data hang)"
-        return (f"watchdog: no step progress for {self.timeout:g} s (watchdog_timeout) on rank {self.rank}; "
-                f"stuck: {stuck}; {'; '.join(waiting)}")
+        return (
+            f"watchdog: no step progress for {self.timeout:g} s (watchdog_timeout) on rank {self.rank}; "
+            f"stuck: {stuck}; {'; '.join(waiting)}"
+        )
