@@ -122,6 +122,38 @@ def test_tiny_recipe_trains_logs_bleu_and_resumes_exactly(cache, tmp_path, capsy
     assert result["samples"] == 4 and result["bleu_signature"].startswith("nrefs:1")
 
 
+def test_mfu_counts_the_flops_of_the_batches_as_they_are(cache, tmp_path, monkeypatch):
+    """Token-budget batches vary in shape: each step's MFU is the FLOPs of the batches it ran (as
+    ``training_flops`` of their shapes) over its time and the device's peak, not a nominal
+    micro_batch_size x seq_len batch."""
+    import tformer.train.trainer as trainer_module
+
+    calls = []
+
+    def counted(cfg, batch, seq, target=None):
+        calls.append((batch, seq, target))
+        return training_flops(cfg, batch, seq, target)
+
+    from tformer.models.flops import training_flops
+
+    monkeypatch.setattr(trainer_module, "training_flops", counted)
+    steps = []
+    trainer = Trainer(
+        recipe(tmp_path / "run", "max_steps=3", "eval_every=0", "precision=fp32", "grad_accum=2"),
+        callbacks=[lambda tr, rec: steps.append((rec, list(calls))) or calls.clear()],
+    )
+    trainer.fit()
+    assert len(steps) == 3
+    shapes = set()
+    for record, step_calls in steps:
+        assert len(step_calls) == 2  # one per micro-batch
+        shapes.update(step_calls)
+        want = sum(training_flops(trainer.model_cfg, *c) for c in step_calls)
+        assert record["mfu"] * record["step_time"] * trainer.peak == pytest.approx(want, rel=1e-4)
+    cfg = trainer.cfg
+    assert len(shapes) > 1 and (cfg.micro_batch_size, cfg.data.seq_len, cfg.data.target_len) not in shapes
+
+
 def _err(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err

@@ -274,7 +274,7 @@ class DeepSpeedStrategy(Strategy):
 
     def _universal(self, ds_dir: Path, saved_world_size: int) -> Path:
         """Convert a ZeRO checkpoint of another world size to DeepSpeed's universal format (once)."""
-        import torch.distributed as dist
+        from .dist import barrier
 
         out = ds_dir / f"{TAG}_universal"
         if self.dist.is_main and not (out / "zero").is_dir():
@@ -303,7 +303,7 @@ class DeepSpeedStrategy(Strategy):
                     f"run `{' '.join(cmd[1:])}` by hand, or resume on "
                     f"{saved_world_size} ranks"
                 )
-        dist.barrier()
+        barrier()
         return out
 
     def clip_grad_norm(self, max_norm: float) -> float:  # the engine clips (gradient_clipping)

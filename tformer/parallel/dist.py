@@ -85,15 +85,35 @@ def init_distributed(
     return DistInfo(rank, world, local, dev)
 
 
-def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
+# Every collective of tformer's own code goes through these helpers: one process without a
+# process group runs them as no-ops, and the timeout of ``init_distributed`` bounds them all.
+
+
+def multi_process() -> bool:
+    """A process group with more than one rank exists."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce(t: torch.Tensor, op=None, group=None) -> torch.Tensor:
+    """Sum (or ``op``) ``t`` in place over ``group`` (default: every rank); returns ``t``."""
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group)
     return t
 
 
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def all_gather_object(obj, group=None) -> tuple[list, int]:
+    """Every rank's ``obj`` (picklable, small) in the order of the ranks of ``group``, and this
+    rank's index in it; ``[obj], 0`` without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj], 0
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, obj, group=group)
+    return everyone, dist.get_rank(group)
 
 
 def shutdown(exit_code: int | None = None) -> None:

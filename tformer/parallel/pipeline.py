@@ -243,16 +243,14 @@ def _local(t):
 
 
 def shared_parameters(parts: Parts, group) -> Shared:
-    import torch.distributed as dist
+    from .dist import all_gather_object
 
     mine = {Parts.strip(n): tuple(_local(p).shape) for n, p in parts.named_parameters()}
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone, me = all_gather_object(mine, group)
     owners: dict[str, list[int]] = {}
     for rank, names in enumerate(everyone):
         for name in names:
             owners.setdefault(name, []).append(rank)
-    me = dist.get_rank(group)
     shapes = {name: everyone[ranks[0]][name] for name, ranks in sorted(owners.items()) if len(ranks) > 1}
     elsewhere = frozenset(
         n for n, _ in parts.named_parameters() if Parts.strip(n) in shapes and owners[Parts.strip(n)][0] != me
@@ -262,7 +260,7 @@ def shared_parameters(parts: Parts, group) -> Shared:
 
 def sync_shared_grads(parts: Parts, shared: Shared, group) -> None:
     """Sum the gradients of weights several stages hold (each computed its share of the use)."""
-    import torch.distributed as dist
+    from .dist import all_reduce
 
     if not shared.shapes:
         return
@@ -275,4 +273,4 @@ def sync_shared_grads(parts: Parts, shared: Shared, group) -> None:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         grad = _local(p.grad) if p is not None and p.grad is not None else None
         buf = grad if grad is not None else torch.zeros(shape, device=device)
-        dist.all_reduce(buf, group=group)
+        all_reduce(buf, group=group)

@@ -359,7 +359,7 @@ def grad_norm_and_clip(named_params, max_norm: float, group=None, skip=frozenset
     to ``max_norm`` when it is > 0, as ``torch.nn.utils.clip_grad_norm_`` does. ``group``: the
     squares are also summed over that process group (pipeline stages, each with its own parameters);
     names in ``skip`` are clipped but counted by another stage (a weight two stages share)."""
-    import torch.distributed as dist
+    from .dist import all_reduce
 
     groups: dict = {}
     counted: dict = {}
@@ -379,7 +379,7 @@ def grad_norm_and_clip(named_params, max_norm: float, group=None, skip=frozenset
     if group is not None:
         device = next((g.device for grads in groups.values() for g in grads), torch.device("cpu"))
         total_sq = total_sq.to(device)
-        dist.all_reduce(total_sq, group=group)
+        all_reduce(total_sq, group=group)
     total = float(total_sq) ** 0.5
     coef = max_norm / (total + 1e-6)  # as torch.nn.utils.clip_grad_norm_
     if max_norm > 0 and coef < 1.0:

@@ -35,6 +35,7 @@ from ..data import (
 )
 from ..data.loading import resolve_source
 from ..data.mixture import ConcatKeyed
+from ..parallel.dist import barrier, multi_process
 from .config import AUTO_OBJECTIVE, TrainConfig, source_name
 
 log = logging.getLogger("tformer.train")
@@ -122,8 +123,6 @@ def _source(cfg: TrainConfig, objective: str):
 
 def _auto_tokenizer(cfg: TrainConfig, family: str, source, column: str, vocab_size: int, rank: int):
     """Train the family's tokenizer on the source once; later runs (and other ranks) reuse it."""
-    import torch.distributed as dist
-
     kind = TOKENIZER_KIND[family]
     ident = json.dumps([str(source), _file_identity(source), kind, vocab_size, column, cfg.data.tokenizer_max_rows])
     path = cache_root(cfg) / "tokenizers" / hashlib.sha256(ident.encode()).hexdigest()[:16] / "tokenizer.json"
@@ -136,8 +135,7 @@ def _auto_tokenizer(cfg: TrainConfig, family: str, source, column: str, vocab_si
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_write(path) as tmp:
             tok.save(str(tmp))
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    barrier()
     return path
 
 
@@ -243,11 +241,9 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
             mean_span_length=cfg.data.mean_span_length,
         )
 
-    import torch.distributed as dist
-
-    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    multi = multi_process()
     if multi and rank != 0:
-        dist.barrier()  # rank 0 tokenizes and caches first; the others then read its cache
+        barrier()  # rank 0 tokenizes and caches first; the others then read its cache
     validation_sources = None
     if entries:
         parts = [(default_corpus_path() if e["source"] == "default" else e["source"], e["text_column"]) for e in entries]
@@ -261,7 +257,7 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
     else:
         train, validation = split("train"), split("validation")
     if multi and rank == 0:
-        dist.barrier()
+        barrier()
     target_len = None
     if objective == "span":
         target_len = t5_lengths(seq_len, cfg.data.noise_density, cfg.data.mean_span_length)[1]

@@ -142,9 +142,6 @@ class Trainer:
         self._stop_reason: str | None = None
         self._signal: str | None = None
         self.resolved = {**cfg.to_dict(), "model": self.model_cfg.to_dict()}
-        self.flops_per_step = (
-            training_flops(self.model_cfg, cfg.micro_batch_size, self.data.seq_len, self.data.target_len) * cfg.grad_accum
-        )
         self.peak, self.peak_source = peak_flops(self.device, DTYPES[self.precision])
         self._resume()  # last: it restores the RNG streams, which nothing may draw from afterwards
 
@@ -749,7 +746,7 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         keys = self.data.model_inputs
         loss_sum = torch.zeros((), device=self.device)
-        tokens = 0
+        tokens = flops = 0
         self.wrapped.train()
         pipelined = []  # pipeline parallel: the step's micro-batches go through the schedule together
         for micro in range(cfg.grad_accum):
@@ -758,6 +755,9 @@ class Trainer:
             self._beat("forward-backward")
             inputs = {k: batch[k].to(self.device, non_blocking=True) for k in keys if k in batch}
             tokens += inputs["input_ids"].numel() + (inputs["labels"].numel() if self.model_cfg.family == "encdec" else 0)
+            # the FLOPs of the batch as it is (token-budget batches vary in shape; padding included)
+            target = inputs["labels"].shape[1] if self.model_cfg.family == "encdec" else None
+            flops += training_flops(self.model_cfg, *inputs["input_ids"].shape, target)
             last = micro == cfg.grad_accum - 1
             if self.dims.tp > 1 and cfg.parallel.sp:
                 inputs = pad_for_sequence_parallel(inputs, self.dims.tp, self.model_cfg.pad_token_id, self.model_cfg.family)
@@ -784,6 +784,7 @@ class Trainer:
                 loss_sum,
                 torch.tensor(float(tokens), device=self.device),
                 torch.tensor(1.0 if self._signal else 0.0, device=self.device),
+                torch.tensor(float(flops), device=self.device),
             ]
         )
         all_reduce(stats)
@@ -807,7 +808,9 @@ class Trainer:
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": global_tokens / dt,
-            "mfu": self.flops_per_step / (self.dims.tp * self.dims.pp) / dt / self.peak,
+            # every rank of a tp / pp group counted its group's batch: the model FLOPs of the step
+            # are sum / (tp pp), shared by all world_size devices
+            "mfu": stats[3].item() / (self.dims.tp * self.dims.pp) / self.dist.world_size / dt / self.peak,
             "tokens": self.tokens,
             "step_time": dt,
             **self.strategy.memory_report(self.optimizer),
