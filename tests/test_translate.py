@@ -160,6 +160,22 @@ def _err(capsys):
     return err[0]
 
 
+@pytest.mark.parametrize("d_model", [128, 512])
+def test_scaled_token_embeddings_start_at_the_size_of_the_positions(d_model):
+    """The paper's model multiplies its token embeddings by sqrt(d_model) before adding the
+    sinusoidal positions (unit amplitude): its token embedding starts at Normal(0, d_model**-0.5),
+    so both enter at the same scale; other models keep init_std."""
+    import torch
+
+    from tformer import build_model
+
+    torch.manual_seed(0)
+    model = build_model("transformer-tiny", d_model=d_model, num_heads=4, vocab_size=4096)
+    scaled = model.embed.tok.weight * d_model**0.5
+    assert scaled.std().item() == pytest.approx(1.0, rel=0.05)
+    assert build_model("gpt2-tiny").embed.tok.weight.std().item() == pytest.approx(0.02, rel=0.05)
+
+
 def test_bleu_of_a_non_translation_run_is_one_line(cache, tmp_path, capsys):
     from tformer.cli import main
 

@@ -74,7 +74,11 @@ class TformerModel(nn.Module):
 
     def init_weights(self) -> None:
         """Normal(0, init_std) for matrices and embeddings, zero biases, unit norm gains; the
-        projections that write into the residual stream are scaled by 1/sqrt(2 * depth) (GPT-2)."""
+        projections that write into the residual stream are scaled by 1/sqrt(2 * depth) (GPT-2).
+        With ``embed_scale`` (the paper's Transformer) the token embedding starts at Normal(0,
+        d_model**-0.5), as fairseq does: scaled by sqrt(d_model) it is of unit size, like the
+        sinusoidal positions added to it (at init_std 0.02 the positions would outweigh the tokens
+        about 3:1 at d_model 128, 9:1 at 1024)."""
         cfg = self.config
         depth = cfg.num_layers + (cfg.decoder_layers if cfg.family == "encdec" else 0)
         for name, module in self.named_modules():
@@ -82,6 +86,8 @@ class TformerModel(nn.Module):
                 std = cfg.init_std
                 if name.endswith(("o_proj", "ffn.down")):
                     std /= math.sqrt(2 * depth)
+                if cfg.embed_scale and name == "embed.tok":
+                    std = cfg.d_model**-0.5
                 nn.init.normal_(module.weight, 0.0, std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
