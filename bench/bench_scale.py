@@ -76,7 +76,8 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, jobs, out, cache):
+def _become_rank(rank, world, port, cache):
+    """The environment torchrun would give rank ``rank`` of ``world``, one thread each."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -87,6 +88,10 @@ def _worker(rank, world, port, jobs, out, cache):
         TFORMER_DIST_TIMEOUT="600",
     )
     torch.set_num_threads(1)
+
+
+def _worker(rank, world, port, jobs, out, cache):
+    _become_rank(rank, world, port, cache)
     import torch.distributed as dist
 
     from tformer.parallel.memory import model_state_bytes
@@ -341,16 +346,7 @@ MESH_LAYOUTS = {
 def _mesh_worker(rank, world, port, jobs, out, cache):
     import json
 
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TFORMER_CACHE=cache,
-        TFORMER_DIST_TIMEOUT="600",
-    )
-    torch.set_num_threads(1)
+    _become_rank(rank, world, port, cache)
     import torch.distributed as dist
 
     import tformer.parallel.tp as tp_module
@@ -573,16 +569,7 @@ class _Box:
 def _pp_worker(rank, world, port, jobs, out, cache):
     import json
 
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TFORMER_CACHE=cache,
-        TFORMER_DIST_TIMEOUT="600",
-    )
-    torch.set_num_threads(1)
+    _become_rank(rank, world, port, cache)
     import torch.distributed as dist
 
     from tformer.parallel.memory import model_state_bytes

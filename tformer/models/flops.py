@@ -9,6 +9,7 @@ S x S scores, as the dense kernels compute it.
 from __future__ import annotations
 
 from ..config import ModelConfig
+from ..nn.ffn import FFN_KINDS
 
 
 def _attention_flops(cfg: ModelConfig, q_tokens: int, kv_tokens: int, keys_per_query: int) -> int:
@@ -22,7 +23,7 @@ def _attention_flops(cfg: ModelConfig, q_tokens: int, kv_tokens: int, keys_per_q
 
 
 def _ffn_flops(cfg: ModelConfig, tokens: int) -> int:
-    mats = 3 if cfg.activation in ("swiglu", "geglu") else 2
+    mats = 3 if FFN_KINDS[cfg.activation][1] else 2
     return 2 * tokens * cfg.d_model * cfg.d_ff * mats
 
 

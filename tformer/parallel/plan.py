@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from ..args import parse_bytes
 from ..config import ConfigError, ModelConfig, Precision
+from ..nn.ffn import FFN_KINDS
 
 STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-no-reshard")
 # bytes per parameter of DeepSpeed's fp32 ZeRO as built, by device count N (see the module doc)
@@ -73,6 +74,11 @@ def model_state_bytes(strategy: str, params: int, devices: int, mixed: bool, as_
         "fsdp": 16 * p / n,
         "fsdp-no-reshard": 16 * p / n + 2 * p,
     }[strategy]
+
+
+def _gated(cfg: ModelConfig) -> bool:
+    """A gated FFN (SwiGLU, GEGLU): gate and up projections (nn/ffn.py says which kinds are)."""
+    return FFN_KINDS[cfg.activation][1]
 
 
 def _block_parts(
@@ -114,7 +120,7 @@ def _block_parts(
             out += h * keys
         return out
 
-    ffn = (2 if cfg.activation in ("swiglu", "geglu") else 1) * ff
+    ffn = (2 if _gated(cfg) else 1) * ff
     if tp > 1 and cfg.activation != "relu":
         ffn += ff
     whole = 2 * d  # attention and FFN norm outputs
@@ -132,7 +138,7 @@ def _op_ac_parts(cfg: ModelConfig, cross_len: int | None = None) -> tuple[float,
     recomputed, not saved."""
     d, h, dk, ff = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff
     kv = cfg.kv_heads * cfg.head_dim
-    heads = (h * dk + 2 * kv) + h * dk + (2 * ff if cfg.activation in ("swiglu", "geglu") else ff)
+    heads = (h * dk + 2 * kv) + h * dk + (2 * ff if _gated(cfg) else ff)
     whole, sequence = 2 * d, d  # o_proj and down outputs; the block input
     if cross_len is not None:
         whole, heads = whole + d, heads + h * dk + h * dk  # cross o_proj output; q, attention
@@ -225,7 +231,7 @@ def activation_bytes(
         kept = sum(tokens * e for tokens, e in layers)
         recompute = 0
     if ac in ("op", "full"):  # the rebuilt block is whole when its backward starts making gradients
-        ffn_grads = (3 if cfg.activation in ("swiglu", "geglu") else 2) * cfg.d_ff / tp + 2 * cfg.d_model
+        ffn_grads = (3 if _gated(cfg) else 2) * cfg.d_ff / tp + 2 * cfg.d_model
         recompute += max(tokens for tokens, _ in layers) * ffn_grads
     if offload:  # kept in host memory; a block's saved tensors come back for its backward
         recompute += (
@@ -356,7 +362,7 @@ def _tp_sharded_parts(cfg: ModelConfig) -> dict[str, int]:
     d, h, kv, dk, ff, vocab = (cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff, cfg.padded_vocab_size)
     bias = int(cfg.bias)
     attention = (h + 2 * kv) * dk * (d + bias) + h * dk * d
-    ffn = (2 if cfg.activation in ("swiglu", "geglu") else 1) * ff * (d + bias) + ff * d
+    ffn = (2 if _gated(cfg) else 1) * ff * (d + bias) + ff * d
     relative = cfg.rel_num_buckets * h if cfg.position == "relative" else 0
     head = (0 if cfg.tie_embeddings else vocab * d) + (vocab if cfg.family == "encoder" else 0)
     out = {"embed": vocab * d, "tok": vocab * d, "head": head, "block0": attention + ffn, "stack0": relative, "norm0": 0}
