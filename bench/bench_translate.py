@@ -37,29 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tformer.evaluate import bleu, corpus_scores  # noqa: E402
-from tformer.export import marian  # noqa: E402
-from tformer.export.common import to_hf  # noqa: E402
+from tformer.export import to_hf_model  # noqa: E402
 from tformer.generate import beam_search  # noqa: E402
 from tformer.train.config import load_config  # noqa: E402
 from tformer.train.optim import build_optimizer, build_scheduler  # noqa: E402
 from tformer.train.trainer import Trainer  # noqa: E402
-
-
-def hf_twin(model):
-    """HF MarianMTModel holding exactly ``model``'s weights (the exporter's mapping, in memory)."""
-    import transformers
-
-    cfg = model.config
-    state = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    hf = transformers.MarianMTModel(marian.hf_config(cfg))
-    missing, unexpected = hf.load_state_dict(
-        to_hf(marian.before_export(cfg, state), marian.rules(cfg), marian.HF_CLASS), strict=False
-    )
-    assert not unexpected and all(
-        "embed_positions" in m or "embed_tokens" in m or m in ("lm_head.weight", "final_logits_bias") for m in missing
-    ), missing
-    hf.tie_weights()
-    return hf
 
 
 def train_hf(hf, trainer: Trainer, steps: int) -> float:
@@ -191,7 +173,7 @@ def main() -> None:
         overrides.append(f"max_steps={args.steps}")
     cfg = load_config(ROOT / "configs" / "transformer-tiny-translate.yaml", overrides)
     trainer = Trainer(cfg)
-    hf = hf_twin(trainer.model)  # the same initial weights
+    hf = to_hf_model(trainer.model)  # the same initial weights
     d = cfg.decode
     max_new = d.max_new_tokens or trainer.data.target_len
     if not args.decode_only:
@@ -234,7 +216,7 @@ def main() -> None:
     mask = torch.zeros_like(src)
     for r, s in enumerate(samples):
         src[r, : len(s)], mask[r, : len(s)] = torch.as_tensor(s), 1
-    decode_speed(trainer.model, hf_twin(trainer.model), src, mask, d.num_beams, d.length_penalty, max_new, args.repeats)
+    decode_speed(trainer.model, to_hf_model(trainer.model), src, mask, d.num_beams, d.length_penalty, max_new, args.repeats)
 
 
 if __name__ == "__main__":

@@ -23,3 +23,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skipped, with the reason, where no GPU is visible."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

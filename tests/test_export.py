@@ -24,7 +24,7 @@ from tformer.checkpoint.io import commit, partial_dir, save_model_weights, write
 from tformer.cli import main as cli_main
 from tformer.config import ConfigError
 from tformer.data import default_corpus_path, hf_tokenizer, load_tokenizer, train_tokenizer
-from tformer.export import ExportError, export_hf, import_hf
+from tformer.export import ExportError, export_hf, import_hf, to_hf_model
 from tformer.export.hf import TARGETS
 from tformer.generate import generate
 from tformer.train.config import load_config
@@ -723,3 +723,28 @@ def test_cli_export_and_import(toks, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: cannot export to HF GPT2LMHeadModel: bias=False")
     assert sum(line.startswith("error") for line in err) == 1 and not (tmp_path / "hf2").exists()
+
+
+@pytest.mark.parametrize("name", ["bert-tiny", "gpt2-tiny", "llama-tiny", "t5-tiny", "t5-v1.1-tiny", "transformer-tiny"])
+def test_to_hf_model_is_the_export_in_memory(name):
+    """``to_hf_model`` (the GPU benchmark's HF twin): the exported class, the same parameter count
+    (Marian's fixed sinusoidal tables aside), equal logits, and weights of its own (a step on one
+    leaves the other as it was)."""
+    model = tformer.build_model(name).eval()
+    hf = to_hf_model(model).eval()
+    assert type(hf).__name__ == TARGETS[model.config.flavour].HF_CLASS
+    fixed = sum(p.numel() for n, p in hf.named_parameters() if "embed_positions" in n)
+    assert sum(p.numel() for p in hf.parameters()) - fixed == model.num_parameters()
+    ids = torch.randint(3, model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        if model.config.family == "encdec":
+            target = torch.randint(3, model.config.vocab_size, (2, 7))
+            ours, theirs = model(ids, labels=target).logits, hf(input_ids=ids, labels=target).logits
+        else:
+            ours, theirs = model(ids).logits, hf(input_ids=ids).logits
+    torch.testing.assert_close(ours[..., : model.config.vocab_size], theirs, atol=1e-4, rtol=1e-4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(1.0)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -7,6 +7,6 @@ checks and its name map (``Rule``: HF tensor <- our tensors).
 """
 
 from .common import ExportError, read_model_state
-from .hf import TARGETS, export_hf, import_hf
+from .hf import TARGETS, export_hf, import_hf, to_hf_model
 
-__all__ = ["ExportError", "TARGETS", "export_hf", "import_hf", "read_model_state"]
+__all__ = ["ExportError", "TARGETS", "export_hf", "import_hf", "read_model_state", "to_hf_model"]

@@ -14,6 +14,8 @@ import logging
 import shutil
 from pathlib import Path
 
+import torch
+
 from ..checkpoint.io import commit, partial_dir, write_bytes_durable
 from ..checkpoint.manager import TrainerState
 from ..config import ModelConfig
@@ -55,6 +57,55 @@ def target_of(cfg: ModelConfig):
     return target
 
 
+def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]):
+    """(HF config, HF tensors) of our model tensors (each tied tensor once, under its first name):
+    the whole export but the files. Every tensor is checked against the HF class's parameters."""
+    target = target_of(cfg)
+    target.check(cfg)
+    hf_config = target.hf_config(cfg)
+    dtype = state["embed.tok.weight"].dtype
+    hf_config.dtype = str(dtype).removeprefix("torch.")
+    state = unpad_vocab(cfg, state)
+    if hasattr(target, "before_export"):  # e.g. Marian: our d_model order -> HF's
+        state = target.before_export(cfg, state)
+    hf_state = to_hf(state, target.rules(cfg), target.HF_CLASS)
+    if hasattr(target, "fill"):
+        hf_state.update(target.fill(cfg, dtype))
+    unique, aliases = hf_expected(hf_config, target.HF_CLASS)
+    # parameters HF itself does not save but recomputes on load (Marian's sinusoidal tables)
+    unique = {k: v for k, v in unique.items() if k not in getattr(target, "NOT_SAVED", ())}
+    check_against(hf_state, (unique, aliases), target.HF_CLASS)
+    if hasattr(target, "buffers"):  # persistent HF buffers (Marian's final_logits_bias)
+        hf_state.update(target.buffers(cfg, dtype))
+    return hf_config, hf_state
+
+
+def to_hf_model(model: torch.nn.Module, attn_implementation: str = "sdpa"):
+    """The HF ``transformers`` model holding ``model``'s weights: what ``export_hf`` and
+    ``from_pretrained`` give (through a temporary directory, without the tokenizer), on the model's
+    device and dtype. For side-by-side checks and benchmarks against HF."""
+    import tempfile
+
+    import transformers
+
+    cfg = model.config
+    seen: set[int] = set()
+    state = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:  # tied tensors once, under their first name
+            seen.add(id(t))
+            state[name] = t.detach().cpu()
+    hf_config, hf_state = to_hf_state(cfg, state)
+    cls = getattr(transformers, target_of(cfg).HF_CLASS)
+    weight = state["embed.tok.weight"]
+    with tempfile.TemporaryDirectory(prefix="tformer-hf-") as tmp:
+        hf_config.save_pretrained(tmp)
+        write_safetensors(hf_state, Path(tmp), DEFAULT_SHARD_SIZE)
+        hf = cls.from_pretrained(tmp, attn_implementation=attn_implementation, dtype=weight.dtype)
+    device = next(model.parameters()).device
+    return hf.to(device).train(model.training)
+
+
 def export_hf(
     checkpoint: str | Path,
     out_dir: str | Path,
@@ -73,22 +124,7 @@ def export_hf(
     ckpt = resolve_checkpoint(checkpoint, trust)
     cfg, state = read_model_state(ckpt, trust)
     target = target_of(cfg)
-    target.check(cfg)
-    hf_config = target.hf_config(cfg)
-    dtype = state["embed.tok.weight"].dtype
-    hf_config.dtype = str(dtype).removeprefix("torch.")
-    state = unpad_vocab(cfg, state)
-    if hasattr(target, "before_export"):  # e.g. Marian: our d_model order -> HF's
-        state = target.before_export(cfg, state)
-    hf_state = to_hf(state, target.rules(cfg), target.HF_CLASS)
-    if hasattr(target, "fill"):
-        hf_state.update(target.fill(cfg, dtype))
-    unique, aliases = hf_expected(hf_config, target.HF_CLASS)
-    # parameters HF itself does not save but recomputes on load (Marian's sinusoidal tables)
-    unique = {k: v for k, v in unique.items() if k not in getattr(target, "NOT_SAVED", ())}
-    check_against(hf_state, (unique, aliases), target.HF_CLASS)
-    if hasattr(target, "buffers"):  # persistent HF buffers (Marian's final_logits_bias)
-        hf_state.update(target.buffers(cfg, dtype))
+    hf_config, hf_state = to_hf_state(cfg, state)
 
     tok_path = Path(tokenizer) if tokenizer is not None else find_tokenizer(ckpt)
     if tok_path is None:

@@ -6,20 +6,33 @@ import time
 
 import torch
 
-# Dense peak FLOP/s per GPU (no sparsity) for MFU: (bf16/fp16 tensor core, fp32/tf32).
-GPU_PEAKS = {
-    "H100 SXM": (989e12, 494e12),
-    "H100": (756e12, 378e12),
-    "H200": (989e12, 494e12),
-    "A100": (312e12, 156e12),
-    "A10G": (125e12, 62.5e12),
-    "A10": (125e12, 62.5e12),
-    "L40S": (362e12, 181e12),
-    "L4": (121e12, 60e12),
-    "V100": (125e12, 15.7e12),
-    "RTX 4090": (165e12, 82.6e12),
-    "RTX 3090": (71e12, 35.6e12),
-}
+# Dense peak FLOP/s per GPU (no sparsity) for MFU: (bf16/fp16 tensor core, fp32/tf32), from the
+# vendors' datasheets. Matched in order against ``torch.cuda.get_device_name``: the more specific
+# name first. An H100 or H200 that names no form factor ("NVIDIA H100 80GB HBM3") is the SXM part.
+GPU_PEAKS: tuple[tuple[str, float, float], ...] = (
+    ("H100 PCIe", 756e12, 378e12),
+    ("H100 NVL", 835e12, 418e12),
+    ("H100", 989e12, 494e12),  # SXM5
+    ("H200 NVL", 835e12, 418e12),
+    ("H200", 989e12, 494e12),  # SXM, and GH200
+    ("B200", 2250e12, 1100e12),
+    ("A100", 312e12, 156e12),
+    ("A10G", 125e12, 62.5e12),
+    ("A10", 125e12, 62.5e12),
+    ("L40S", 362e12, 181e12),
+    ("L4", 121e12, 60e12),
+    ("V100", 125e12, 15.7e12),
+    ("RTX 4090", 165e12, 82.6e12),
+    ("RTX 3090", 71e12, 35.6e12),
+)
+
+
+def gpu_peak(name: str, half: bool) -> tuple[float, str]:
+    """(dense peak FLOP/s, its table entry) of the GPU ``name``; NaN for one the table lacks."""
+    for key, bf16, fp32 in GPU_PEAKS:
+        if key in name:
+            return (bf16 if half else fp32), f"table ({key}, {'bf16' if half else 'tf32'} dense)"
+    return float("nan"), f"unknown GPU {name!r}: MFU not reported"
 
 
 _MEASURED: dict[torch.dtype, float] = {}
@@ -46,9 +59,5 @@ def measured_matmul_peak(dtype: torch.dtype, size: int = 512, repeats: int = 3) 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """(peak FLOP/s per device, where the figure comes from)."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, (half, single) in GPU_PEAKS.items():
-            if key in name:
-                return (half if dtype in (torch.bfloat16, torch.float16) else single), f"table ({key})"
-        return float("nan"), f"unknown GPU {name!r}: MFU not reported"
+        return gpu_peak(torch.cuda.get_device_name(device), dtype in (torch.bfloat16, torch.float16))
     return measured_matmul_peak(dtype), "measured torch.mm on this CPU"

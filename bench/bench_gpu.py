@@ -1,0 +1,444 @@
+"""Every family on one GPU against HF ``transformers``: tokens/s, MFU, peak memory against the planner,
+and KV-cached generation.
+
+    python bench/bench_gpu.py [--family gpt2,llama,bert,t5] [--compile off,on] [--steps 10]
+                              [--micro-batch auto|N] [--fill 0.85] [--peak TFLOPS] [--json out.json]
+    python bench/bench_gpu.py --tiny          # the same code on tiny presets, on CPU (CI runs this)
+
+Rows (one device, bf16 autocast with fp32 master weights): ``gpt2-small`` (seq 1,024), ``llama-1b``
+(seq 2,048), ``bert-base`` (seq 512, 15% of positions labelled), ``t5-base`` (source 512, target 114).
+For each, up to four contenders take the same batches one after another, each from the same initial
+weights (HF's through ``tformer.export.to_hf_model``, so their first losses agree):
+
+- tformer as its trainer runs it: the loss-only head in chunks of ``loss.chunk_size`` tokens (BERT's
+  MLM head at the labelled positions), ``build_optimizer`` (fused AdamW), gradients clipped to 1.0,
+  and with ``--compile on`` every block compiled on its own (``parallel.compile.compile_blocks``);
+- the HF model of identical configuration (``attn_implementation="sdpa"``, its own loss from
+  ``labels``), the same optimizer and clipping, and compiled whole (``torch.compile``) with
+  ``--compile on``.
+
+Printed per contender: micro-batch, tokens/s (median step), MFU (training FLOPs of the batch from
+``tformer.models.flops.training_flops`` -- HF models of the same configuration do the same work --
+over the step time and the device's dense bf16 peak: ``tformer.train.metrics.gpu_peak``'s table,
+989 TFLOP/s for an H100 SXM, or ``--peak``), peak allocated memory, the compile (first-step) time,
+and for tformer the planner's prediction (``parallel.plan.rank_memory`` with the trainer's head
+settings: what ``tformer plan`` prints) against the measured peak. Ratios against HF eager and HF
+compiled. Then greedy KV-cached generation (bf16 weights, 256 new tokens after a 128-token prompt,
+batch 1 and 8) against HF ``generate`` on the same weights, with the share of identical tokens.
+
+Micro-batch (``--micro-batch auto``): the largest power of two whose tformer step the planner puts
+under ``--fill`` of the device's free memory; a contender that runs out of memory halves it and
+tries again (each row says the micro-batch it ran). Targets (issue #18) are checked at the end.
+
+On CPU (``--tiny``): tiny presets, short sequences, a few steps, MFU against a measured bf16
+``torch.mm`` and no memory comparison (the CPU allocator has no peak counter): it proves the script,
+not the speed. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tformer import build_model  # noqa: E402
+from tformer.export import to_hf_model  # noqa: E402
+from tformer.generate import generate  # noqa: E402
+from tformer.models.flops import training_flops  # noqa: E402
+from tformer.models.presets import preset  # noqa: E402
+from tformer.parallel.compile import compile_blocks  # noqa: E402
+from tformer.parallel.plan import rank_memory, training_memory  # noqa: E402
+from tformer.train.config import LossConfig, OptimConfig, TrainConfig  # noqa: E402
+from tformer.train.metrics import peak_flops  # noqa: E402
+from tformer.train.optim import build_optimizer  # noqa: E402
+
+# family -> (preset, sequence, target sequence): the issue's sizes, then the --tiny ones
+ROWS = {
+    "gpt2": ("gpt2-small", 1024, None),
+    "llama": ("llama-1b", 2048, None),
+    "bert": ("bert-base", 512, None),
+    "t5": ("t5-base", 512, 114),
+}
+TINY_ROWS = {
+    "gpt2": ("gpt2-tiny", 64, None),
+    "llama": ("llama-tiny", 64, None),
+    "bert": ("bert-tiny", 64, None),
+    "t5": ("t5-tiny", 64, 16),
+}
+MLM_SHARE = 0.15
+MAX_MICRO_BATCH = 256
+TARGETS = dict(llama_mfu=0.40, llama_vs_hf=1.1, vs_hf=1.0, plan=0.10, generate=1.0)
+
+
+@dataclass
+class Row:
+    family: str
+    preset: str
+    contender: str  # tformer | HF
+    compiled: bool
+    micro_batch: int
+    seq: int
+    target: int | None
+    tokens_per_s: float = float("nan")
+    step_s: float = float("nan")
+    mfu: float = float("nan")
+    peak_mb: float = float("nan")
+    plan_mb: float = float("nan")
+    compile_s: float = float("nan")
+    first_loss: float = float("nan")
+    oom_retries: int = 0
+    error: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+def batch(cfg, b: int, s: int, t: int | None, device: torch.device, seed: int = 0) -> tuple[dict, dict]:
+    """(tformer's inputs, HF's inputs) of one random batch. tformer takes next-token labels shifted
+    (its collator's layout), HF shifts inside; BERT labels a random 15% of positions."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, cfg.vocab_size, (b, s), generator=g)
+    if cfg.family == "decoder":
+        shifted = torch.cat((ids[:, 1:], torch.full((b, 1), -100)), dim=1)
+        ours, theirs = dict(input_ids=ids, labels=shifted), dict(input_ids=ids, labels=ids)
+    elif cfg.family == "encoder":
+        labels = ids.masked_fill(torch.rand(b, s, generator=g) >= MLM_SHARE, -100)
+        ours = theirs = dict(input_ids=ids, labels=labels)
+    else:
+        target = torch.randint(3, cfg.vocab_size, (b, t), generator=g)
+        ours = theirs = dict(input_ids=ids, labels=target)
+    move = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
+    return move(ours), move(theirs)
+
+
+def planned_bytes(cfg, device: torch.device, b: int, s: int, t: int | None, chunk: int | None) -> float:
+    """The planner's per-device bytes for tformer's step (one device, bf16 mixed, no AC), with the
+    head settings the trainer uses (``training_memory``)."""
+    run = TrainConfig(model=cfg, device=device.type)
+    run.loss.chunk_size = chunk
+    memory = training_memory(run)
+    return rank_memory(cfg, seq_len=s, micro_batch=b, target_len=t, precision="bf16", strategy="ddp", **memory).total
+
+
+def auto_micro_batch(cfg, device: torch.device, s: int, t: int | None, chunk: int | None, fill: float) -> int:
+    """The largest power of two whose planned step fits in ``fill`` of the free device memory."""
+    free = torch.cuda.mem_get_info(device)[0]
+    b = 1
+    while b < MAX_MICRO_BATCH and planned_bytes(cfg, device, 2 * b, s, t, chunk) <= fill * free:
+        b *= 2
+    return b
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(model, opt, inputs: dict, ours: bool, device: torch.device):
+    """One step as the trainer takes it: bf16 autocast forward (tformer: loss only), backward,
+    clip to 1.0, AdamW, gradients cleared; returns the loss."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    extra = dict(return_logits=False) if ours else {}
+
+    def step() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(**inputs, **extra).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def measure(row: Row, base: torch.nn.Module, cfg, device, args, peak: float) -> None:
+    """Warm-up (compile included) and timed steps of one contender at ``row.micro_batch``; fills in
+    the row. Everything it allocates dies with its frame, so an out-of-memory leaves nothing behind."""
+    model = copy.deepcopy(base).to(device).train()
+    ours = row.contender == "tformer"
+    if ours:
+        model.loss_chunk_size = args.loss_chunk
+        if row.compiled:
+            compile_blocks(model)
+    elif row.compiled:
+        model = torch.compile(model)
+    opt = build_optimizer(model, OptimConfig(), device)
+    inputs = batch(cfg, row.micro_batch, row.seq, row.target, device)[0 if ours else 1]
+    step = train_step(model, opt, inputs, ours, device)
+    t0 = time.perf_counter()
+    row.first_loss = step().float().item()
+    row.compile_s = time.perf_counter() - t0
+    for _ in range(args.warmup - 1):
+        step()
+    free_memory(device)  # the peak of the timed steps: parameters and AdamW states are held by now
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        loss = step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    if not math.isfinite(loss.float().item()):
+        row.error = "non-finite loss"
+    row.step_s = statistics.median(times)
+    row.tokens_per_s = row.micro_batch * (row.seq + (row.target or 0)) / row.step_s
+    row.mfu = training_flops(cfg, row.micro_batch, row.seq, row.target) / row.step_s / peak
+    if device.type == "cuda":
+        row.peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
+    if ours:
+        row.plan_mb = planned_bytes(cfg, device, row.micro_batch, row.seq, row.target, args.loss_chunk) / 2**20
+
+
+def run_contender(row: Row, base: torch.nn.Module, cfg, device, args, peak: float) -> Row:
+    """``measure`` the contender; out of memory, halve the micro-batch and start again."""
+    while True:
+        free_memory(device)
+        torch._dynamo.reset()
+        try:
+            measure(row, base, cfg, device, args, peak)
+            return row
+        except torch.OutOfMemoryError:
+            if row.micro_batch == 1:
+                row.error = "out of memory at micro-batch 1"
+                return row
+        finally:
+            free_memory(device)
+        row.micro_batch //= 2
+        row.oom_retries += 1
+
+
+def bench_training(family: str, args, device: torch.device, peak: float) -> list[Row]:
+    name, s, t = (TINY_ROWS if args.tiny else ROWS)[family]
+    cfg = preset(name)
+    torch.manual_seed(0)
+    ours = build_model(cfg)  # on the CPU: every contender copies these weights to the device
+    theirs = to_hf_model(ours)
+    if args.micro_batch == "auto":
+        b = 4 if device.type == "cpu" else auto_micro_batch(cfg, device, s, t, args.loss_chunk, args.fill)
+    else:
+        b = int(args.micro_batch)
+    n = sum(p.numel() for p in ours.parameters())
+    how = f" (planner, fill {args.fill:.0%})" if args.micro_batch == "auto" and device.type == "cuda" else ""
+    target = f" -> {t}" if t else ""
+    print(f"\n[{family}] {name}: {n / 1e6:.1f}M parameters, seq {s}{target}, micro-batch {b}{how}", flush=True)
+    rows = []
+    for compiled in args.compile:
+        for who, base in (("tformer", ours), ("HF", theirs)):
+            row = Row(family, name, who, compiled, b, s, t)
+            rows.append(run_contender(row, base, cfg, device, args, peak))
+            r = rows[-1]
+            print(
+                f"  {who:7} {'compiled' if compiled else 'eager':8} micro-batch {r.micro_batch:3}: "
+                f"{r.tokens_per_s:10,.0f} tok/s, MFU {r.mfu:6.1%}, step {r.step_s * 1e3:8.1f} ms, "
+                f"first step {r.compile_s:6.1f} s, loss {r.first_loss:.4f}"
+                + (f", peak {r.peak_mb / 1024:.2f} GiB" if math.isfinite(r.peak_mb) else "")
+                + (f", plan {r.plan_mb / 1024:.2f} GiB" if math.isfinite(r.plan_mb) else "")
+                + (f"  [{r.error}]" if r.error else ""),
+                flush=True,
+            )
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+def bench_generate(family: str, args, device: torch.device) -> list[dict]:
+    """Greedy KV-cached decoding, tformer ``generate`` against HF ``generate``, bf16 weights."""
+    name, _, _ = (TINY_ROWS if args.tiny else ROWS)[family]
+    cfg = preset(name)
+    torch.manual_seed(0)
+    ours = build_model(cfg)
+    theirs = to_hf_model(ours)
+    ours, theirs = (m.to(device, torch.bfloat16).eval() for m in (ours, theirs))
+    prompt_len, new = (8, 16) if args.tiny else (128, 256)
+    out = []
+    for b in (1, 8):
+        prompt = torch.randint(3, cfg.vocab_size, (b, prompt_len), generator=torch.Generator().manual_seed(b)).to(device)
+        mask = torch.ones_like(prompt)
+
+        hf_args = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, num_beams=1)
+        runs = {
+            "tformer": lambda p=prompt: generate(ours, p, new, eos_token_id=None),
+            "HF": lambda p=prompt, kw=hf_args: theirs.generate(input_ids=p, pad_token_id=cfg.pad_token_id, **kw),
+        }
+        times: dict[str, list[float]] = {"tformer": [], "HF": []}
+        tokens = {}
+        with torch.inference_mode():
+            for fn in runs.values():
+                fn()  # warm-up
+            for _ in range(args.gen_repeats):
+                for who, fn in runs.items():
+                    sync(device)
+                    t0 = time.perf_counter()
+                    tokens[who] = fn()
+                    sync(device)
+                    times[who].append(time.perf_counter() - t0)
+        a, c = tokens["tformer"][:, -new:], tokens["HF"][:, -new:]
+        same = (a == c).float().mean().item() if a.shape == c.shape else float("nan")
+        row = dict(
+            family=family,
+            preset=name,
+            batch=b,
+            prompt=prompt_len,
+            new_tokens=new,
+            tformer_tok_s=b * new / statistics.median(times["tformer"]),
+            hf_tok_s=b * new / statistics.median(times["HF"]),
+            same_tokens=same,
+        )
+        row["ratio"] = row["tformer_tok_s"] / row["hf_tok_s"]
+        out.append(row)
+        print(
+            f"  generate {family} batch {b}: tformer {row['tformer_tok_s']:8,.0f} tok/s, HF {row['hf_tok_s']:8,.0f} "
+            f"tok/s -> {row['ratio']:.2f}x; identical tokens {same:.0%}",
+            flush=True,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+def verdicts(rows: list[Row], gens: list[dict], device: torch.device) -> list[str]:
+    """The issue's targets, one line each: PASS / MISS with the figure."""
+    lines = []
+
+    def best(family: str, who: str, compiled: bool | None = None) -> Row | None:
+        cands = [
+            r
+            for r in rows
+            if r.family == family and r.contender == who and not r.error and (compiled is None or r.compiled == compiled)
+        ]
+        return max(cands, key=lambda r: r.tokens_per_s, default=None)
+
+    def mark(ok: bool) -> str:
+        return "PASS" if ok else "MISS"
+
+    for family in dict.fromkeys(r.family for r in rows):
+        ours, theirs = best(family, "tformer"), best(family, "HF")
+        if ours and theirs:
+            ratio = ours.tokens_per_s / theirs.tokens_per_s
+            target = TARGETS["vs_hf"]
+            lines.append(f"{family}: best tformer / best HF tokens/s = {ratio:.2f} (>= {target}): {mark(ratio >= target)}")
+        if family == "llama":
+            compiled = best(family, "tformer", True)
+            if compiled and theirs:
+                ratio = compiled.tokens_per_s / theirs.tokens_per_s
+                lines.append(
+                    f"llama: tformer compiled MFU {compiled.mfu:.1%} (>= {TARGETS['llama_mfu']:.0%}): "
+                    f"{mark(compiled.mfu >= TARGETS['llama_mfu'])}; vs best HF {ratio:.2f}x "
+                    f"(>= {TARGETS['llama_vs_hf']}): {mark(ratio >= TARGETS['llama_vs_hf'])}"
+                )
+        if device.type == "cuda":
+            for r in rows:
+                if r.family == family and r.contender == "tformer" and not r.error:
+                    off = r.plan_mb / r.peak_mb - 1
+                    lines.append(
+                        f"{family} {'compiled' if r.compiled else 'eager'}: plan/measured peak {r.plan_mb / r.peak_mb:.3f} "
+                        f"(within {TARGETS['plan']:.0%}): {mark(abs(off) <= TARGETS['plan'])}"
+                    )
+    for g in gens:
+        lines.append(
+            f"generate {g['family']} batch {g['batch']}: {g['ratio']:.2f}x HF (>= {TARGETS['generate']}): "
+            f"{mark(g['ratio'] >= TARGETS['generate'])}"
+        )
+    return lines
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny presets and sequences (runs on CPU; CI)")
+    p.add_argument("--family", default="gpt2,llama,bert,t5", help="comma list of gpt2, llama, bert, t5")
+    p.add_argument("--compile", default="off,on", help="comma list of off, on")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 10; --tiny 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps, compile included (default 3; --tiny 1)")
+    p.add_argument("--micro-batch", default="auto", help="auto (the planner fills the GPU) or a number")
+    p.add_argument("--fill", type=float, default=0.85, help="share of free device memory the planner may fill")
+    p.add_argument("--loss-chunk", type=int, default=LossConfig().chunk_size, help="tformer's loss.chunk_size")
+    p.add_argument("--peak", type=float, default=None, help="dense bf16 peak in TFLOP/s (default: the GPU table)")
+    p.add_argument("--no-generate", action="store_true", help="skip the generation rows")
+    p.add_argument("--gen-repeats", type=int, default=3)
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when visible)")
+    p.add_argument("--json", default=None, help="write every row to this JSON file")
+    args = p.parse_args(argv)
+    args.families = [f for f in args.family.split(",") if f]
+    if bad := [f for f in args.families if f not in ROWS]:
+        p.error(f"unknown family {bad[0]!r}; use gpt2, llama, bert or t5")
+    modes = [m for m in args.compile.split(",") if m]
+    if bad := [m for m in modes if m not in ("off", "on")]:
+        p.error(f"--compile takes off and/or on, not {bad[0]!r}")
+    args.compile = [m == "on" for m in modes]
+    if args.micro_batch != "auto" and not (args.micro_batch.isdigit() and int(args.micro_batch) > 0):
+        p.error(f"--micro-batch must be auto or a positive number, not {args.micro_batch!r}")
+    if not 0 < args.fill <= 1:
+        p.error(f"--fill must be in (0, 1], not {args.fill}")
+    args.steps = args.steps or (2 if args.tiny else 10)
+    args.warmup = args.warmup or (1 if args.tiny else 3)
+    if args.tiny:
+        args.gen_repeats = 1
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda, but no CUDA GPU is visible; use --device cpu --tiny")
+    if device.type == "cpu" and not args.tiny:
+        raise SystemExit("no GPU here: the full sizes need one; run with --tiny on a CPU")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if args.peak:
+        peak, source = args.peak * 1e12, "--peak"
+    else:
+        peak, source = peak_flops(device, torch.bfloat16)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(
+        f"{name}; torch {torch.__version__}, transformers {transformers.__version__}; bf16 autocast, fp32 master "
+        f"weights; dense bf16 peak {peak / 1e12:.1f} TFLOP/s ({source}); {args.warmup} warm-up + {args.steps} "
+        f"timed steps per contender; tformer loss chunk {args.loss_chunk}",
+        flush=True,
+    )
+    rows: list[Row] = []
+    gens: list[dict] = []
+    for family in args.families:
+        rows += bench_training(family, args, device, peak)
+        if not args.no_generate and family != "bert":
+            gens += bench_generate(family, args, device)
+    lines = verdicts(rows, gens, device)
+    print("\n" + "\n".join(lines))
+    result = dict(
+        device=name,
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        peak_tflops=peak / 1e12,
+        peak_source=source,
+        training=[asdict(r) for r in rows],
+        generation=gens,
+        verdicts=lines,
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

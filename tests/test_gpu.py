@@ -1,0 +1,245 @@
+"""The CUDA paths (marker ``gpu``: skipped where no GPU is visible) and what of them a CPU can check:
+the GPU benchmark's code on tiny presets, the peak table MFU divides by, and that batches without
+padding reach SDPA with no mask tensor (which the flash kernel needs).
+
+On a GPU machine: ``python -m pytest -m gpu`` (see scripts/gpu_session.sh)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tformer import build_model
+from tformer.generate import generate
+from tformer.nn import MultiHeadAttention
+from tformer.train.config import load_config
+from tformer.train.metrics import gpu_peak
+from tformer.train.trainer import Trainer
+
+from train_helpers import CONFIGS, ROOT, env, losses, metrics, run_cli, small_overrides
+
+gpu = pytest.mark.gpu
+DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("tformer-cache-gpu")
+
+
+# -- on any machine ----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_gpu_benchmark_runs_every_family_on_tiny_presets(tmp_path, cache):
+    """``bench/bench_gpu.py --tiny`` end to end on this CPU: every family's tformer and HF rows,
+    eager, and GPT-2 compiled; the HF twin starts from tformer's weights, so both see the same
+    first loss; the planner's figure is there for tformer; generation rows for the decoders and T5."""
+    out = tmp_path / "bench.json"
+    for extra in (["--compile", "off"], ["--compile", "on", "--family", "gpt2", "--no-generate"]):
+        cmd = [sys.executable, str(ROOT / "bench" / "bench_gpu.py"), "--tiny", "--device", "cpu", "--json", str(out)]
+        done = subprocess.run(cmd + extra, env=env(cache), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(out.read_text())
+        rows = result["training"]
+        families = ["gpt2", "llama", "bert", "t5"] if extra[1] == "off" else ["gpt2"]
+        assert [(r["family"], r["contender"]) for r in rows] == [(f, w) for f in families for w in ("tformer", "HF")]
+        for r in rows:
+            assert r["error"] is None and r["compiled"] == (extra[1] == "on"), r
+            assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 10 and r["micro_batch"] == 4, r
+        for ours, theirs in zip(rows[::2], rows[1::2]):
+            # bf16 autocast: the same weights and batch give the same loss to bf16 precision
+            assert ours["first_loss"] == pytest.approx(theirs["first_loss"], abs=0.02), (ours, theirs)
+            assert ours["plan_mb"] > 0 and math.isnan(theirs["plan_mb"])
+        if extra[1] == "off":
+            gens = result["generation"]
+            assert [(g["family"], g["batch"]) for g in gens] == [(f, b) for f in ("gpt2", "llama", "t5") for b in (1, 8)]
+            assert all(g["tformer_tok_s"] > 0 and g["hf_tok_s"] > 0 for g in gens)
+            assert any(line.startswith("gpt2: best tformer / best HF") for line in result["verdicts"])
+
+
+def test_gpu_benchmark_refuses_bad_arguments_in_one_line(cache):
+    bench = str(ROOT / "bench" / "bench_gpu.py")
+    for args, says in (
+        (["--family", "gpt3"], "unknown family 'gpt3'"),
+        (["--compile", "maybe"], "--compile takes off and/or on"),
+        (["--micro-batch", "0"], "--micro-batch must be auto or a positive number"),
+        (["--fill", "1.5"], "--fill must be in (0, 1]"),
+        (["--device", "cpu"], "no GPU here: the full sizes need one; run with --tiny"),
+    ):
+        done = subprocess.run([sys.executable, bench, *args], env=env(cache), capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and says in done.stderr, (args, done.stderr[-500:])
+        assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "name,half,peak",
+    [
+        ("NVIDIA H100 80GB HBM3", True, 989e12),  # the SXM part names no form factor
+        ("NVIDIA H100 PCIe", True, 756e12),
+        ("NVIDIA H100 NVL", True, 835e12),
+        ("NVIDIA H200", True, 989e12),
+        ("NVIDIA GH200 480GB", True, 989e12),
+        ("NVIDIA A100-SXM4-80GB", True, 312e12),
+        ("NVIDIA A100-SXM4-80GB", False, 156e12),
+        ("NVIDIA L40S", True, 362e12),
+    ],
+)
+def test_gpu_peak_table_picks_the_right_part(name, half, peak):
+    assert gpu_peak(name, half)[0] == peak
+
+
+def test_unknown_gpu_reports_no_mfu_rather_than_a_wrong_one():
+    value, source = gpu_peak("Some Future Accelerator", True)
+    assert math.isnan(value) and "unknown GPU" in source
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "bert-tiny"])
+def test_unpadded_training_batches_reach_sdpa_without_a_mask_tensor(name, monkeypatch):
+    """Flash attention takes no mask tensor: a batch without padding (packed causal LM, unpadded
+    MLM) must reach SDPA as ``is_causal`` or with no mask, or a GPU falls back to a slower kernel."""
+    import torch.nn.functional as F
+
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("attn_mask"), kwargs.get("is_causal", False)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model = build_model(name)
+    ids = torch.randint(3, model.config.vocab_size, (2, 16))
+    model(ids, labels=ids, return_logits=False).loss.backward()
+    assert len(seen) == model.config.num_layers
+    causal = model.config.family == "decoder"
+    assert all(mask is None and is_causal == causal for mask, is_causal in seen), seen
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "bert-tiny", "t5-tiny", "transformer-tiny"])
+def test_every_block_compiles_to_one_graph_under_bf16_autocast(name):
+    """``compile=true`` compiles each block on its own; a graph break inside one would split it
+    into pieces and lose the fusions a GPU gains from. Every block of every family (T5's first
+    with the relative bias, decoder blocks with cross-attention) traces whole, forward and backward
+    (``fullgraph=True`` raises on a break; dynamo's tracing, not the device's kernels)."""
+    from tformer.nn import TransformerBlock
+
+    model = build_model(name).train()
+    calls = []
+    for block in (m for m in model.modules() if isinstance(m, TransformerBlock)):
+        block.register_forward_pre_hook(lambda mod, a, k: calls.append((mod, a, k)), with_kwargs=True)
+    ids = torch.randint(3, model.config.vocab_size, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids, labels=ids, return_logits=False)
+    assert len(calls) == model.config.num_layers + (model.config.decoder_layers if model.config.family == "encdec" else 0)
+
+    def fresh(t):  # a leaf of its own, so that each block's backward stands alone
+        return t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    torch._dynamo.reset()
+    try:
+        for block, args, kwargs in calls:
+            args, kwargs = [fresh(a) for a in args], {k: fresh(v) for k, v in kwargs.items()}
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = torch.compile(block.forward, fullgraph=True, backend="aot_eager")(*args, **kwargs)
+            (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+    finally:
+        torch._dynamo.reset()
+
+
+# -- on CUDA (and the same logic on the CPU where it is cheap) ---------------------------------
+@gpu
+@pytest.mark.parametrize("recipe", ["gpt2-tiny", "llama-tiny", "bert-tiny", "t5-tiny"])
+def test_tiny_recipe_trains_on_cuda_in_bf16_with_compiled_blocks(recipe, cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("TFORMER_CACHE", str(cache))
+    overrides = small_overrides(
+        recipe, tmp_path, "device=cuda", "precision=bf16", "compile=true", "max_steps=30", "eval_every=0",
+        "save_every=0", "optim.warmup_steps=5", "log_every=10",
+    )  # fmt: skip
+    t = Trainer(load_config(CONFIGS / f"{recipe}.yaml", overrides))
+    assert all(p.is_cuda for p in t.model.parameters())
+    before = t.evaluate()["val_loss"]
+    last = t.fit()
+    assert last["val_loss"] < before - 0.5, (before, last["val_loss"])
+    for r in metrics(tmp_path):
+        assert 0 < r["mfu"] < 1 and r["memory_mb"] > r["model_states_mb"] > 0, r
+
+
+@gpu
+@pytest.mark.parametrize("backend", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION"])
+@pytest.mark.parametrize("causal,gqa", [(False, False), (True, False), (True, True)])
+def test_fused_sdpa_kernels_equal_the_math_path_in_bf16(backend, causal, gqa):
+    """The flash / memory-efficient kernels, forced one at a time (an unusable kernel fails
+    instead of falling back), against the math path in fp32: outputs and input gradients."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kw = dict(d_model=256, num_heads=4, num_kv_heads=2 if gqa else None)
+    fast = MultiHeadAttention(impl="sdpa", **kw).cuda().to(torch.bfloat16)
+    ref = MultiHeadAttention(impl="math", **kw).cuda()
+    ref.load_state_dict({k: v.float() for k, v in fast.state_dict().items()})
+    x = torch.randn(2, 128, 256, device="cuda")
+    xa, xb = x.to(torch.bfloat16).requires_grad_(), x.clone().requires_grad_()
+    with sdpa_kernel(getattr(SDPBackend, backend)):
+        out = fast(xa, xa, xa, None, causal)
+        out.float().square().sum().backward()
+    expect = ref(xb, xb, xb, None, causal)
+    expect.square().sum().backward()
+    torch.testing.assert_close(out.float(), expect, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(xa.grad.float(), xb.grad, atol=1e-1, rtol=5e-2)
+
+
+@gpu
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "t5-tiny"])
+def test_kv_cached_generation_equals_uncached_on_cuda(name):
+    model = build_model(name, eos_token_id=None).cuda().eval()
+    ids = torch.randint(3, 1000, (2, 6), device="cuda")
+    assert torch.equal(generate(model, ids, 12), generate(model, ids, 12, use_cache=False))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ddp_and_fsdp2_in_a_world_of_one_equal_the_plain_run(device, cache, tmp_path):
+    """One process: DDP's path (no peer, no wrapper) and FSDP2 (a process group of one, NCCL on a
+    GPU, gloo here; every parameter a DTensor shard of the whole) train the same losses."""
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        out = tmp_path / strategy
+        args = small_overrides(
+            "gpt2-tiny", out, f"device={device}", "precision=fp32", f"parallel.strategy={strategy}", "max_steps=4",
+            "eval_every=0", "save_every=0",
+        )  # fmt: skip
+        done = run_cli(["train", str(CONFIGS / "gpt2-tiny.yaml"), *args], cache, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[strategy] = losses(out)
+    assert list(runs["ddp"]) == [1, 2, 3, 4]
+    for step, loss in runs["ddp"].items():
+        assert runs["fsdp"][step] == pytest.approx(loss, rel=1e-5), (step, runs)
+
+
+def test_gpu_benchmark_halves_the_micro_batch_when_a_contender_runs_out_of_memory(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "bench_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_gpu", bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    tried = []
+
+    def measure(row, *args):
+        tried.append(row.micro_batch)
+        if row.micro_batch > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        row.tokens_per_s = 1.0
+
+    monkeypatch.setattr(bench, "measure", measure)
+    row = bench.run_contender(
+        bench.Row("gpt2", "gpt2-tiny", "HF", False, 16, 64, None), None, None, torch.device("cpu"), None, 1.0
+    )
+    assert tried == [16, 8, 4, 2] and row.micro_batch == 2 and row.oom_retries == 3 and row.error is None
+    monkeypatch.setattr(bench, "measure", lambda row, *a: (_ for _ in ()).throw(torch.OutOfMemoryError("oom")))
+    row = bench.run_contender(
+        bench.Row("gpt2", "gpt2-tiny", "HF", False, 2, 64, None), None, None, torch.device("cpu"), None, 1.0
+    )
+    assert row.micro_batch == 1 and row.error == "out of memory at micro-batch 1"
