@@ -1,5 +1,7 @@
 """`tformer plan`: its memory prediction against memory measured on this CPU, and its formulas."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -50,9 +52,10 @@ def test_prediction_within_25_percent_of_measured_memory(name, ac):
     assert e.total > kept  # the peak adds the recomputed block / logits gradient on top
 
 
-def _saved_per_layer(name, extra, stack, b=2, s=64, t=32):
+def _saved_per_layer(name, extra, stack, b=2, s=64, t=32, mixed=False):
     """Bytes autograd saves for one more block of ``stack`` (0: encoder or only stack, 1: T5's
-    decoder), measured as the difference of two models: what the planner must predict."""
+    decoder), measured as the difference of two models: what the planner must predict. ``mixed``:
+    under bf16 autocast over fp32 weights (one device or DDP), whose bf16 weight copies count too."""
 
     def saved(layers):
         torch.manual_seed(0)
@@ -60,7 +63,8 @@ def _saved_per_layer(name, extra, stack, b=2, s=64, t=32):
         dims["num_decoder_layers" if stack else "num_layers"] = layers
         model = build_model(name, d_model=128, d_ff=512, vocab_size=1024, **dims, **extra).train()
         ids = torch.randint(3, 1000, (b, s))
-        with SavedActivations() as got:
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
+        with SavedActivations() as got, autocast:
             _ = model(input_ids=ids, labels=ids[:, :t] if model.config.family == "encdec" else ids).loss
         return got.bytes, model.config
 
@@ -68,7 +72,8 @@ def _saved_per_layer(name, extra, stack, b=2, s=64, t=32):
     target = t if cfg.family == "encdec" else None
     one = {"transient": False, "return_logits": False}
     blocks = (1, 0) if stack == 0 else (0, 1)
-    return three - two, activation_bytes(cfg, b, s, target, "none", False, blocks=blocks, head=False, **one)
+    planned = activation_bytes(cfg, b, s, target, "none", mixed, blocks=blocks, head=False, fp32_weights=mixed, **one)
+    return three - two, planned
 
 
 @pytest.mark.parametrize(
@@ -92,6 +97,21 @@ def test_one_block_activations_are_what_autograd_saves(name, extra, stack):
     saves for it (norm kinds, attention paths, grouped KV heads, activations, cross-attention)."""
     measured, planned = _saved_per_layer(name, {"dropout": 0.0, **extra}, stack)
     assert planned == pytest.approx(measured, rel=0.01), (planned, measured)
+
+
+@pytest.mark.parametrize(
+    "name,stack", [("gpt2-tiny", 0), ("llama-tiny", 0), ("bert-tiny", 0), ("transformer-tiny", 0), ("transformer-tiny", 1)]
+)
+def test_one_block_under_bf16_autocast_is_what_autograd_saves(name, stack):
+    """bf16 autocast over fp32 weights (the one-device and DDP path): the fp32 residual stream the
+    norms keep, one bf16 copy of each sub-layer input (nn/cast.py), each decoder layer's bf16 copy of
+    the encoder output, and every matmul's bf16 weight copy, against autograd's saved storages.
+    (T5's biased attention is left out: on this CPU, SDPA with an fp32 bias computes in fp32, while
+    CUDA's autocast runs it in bf16.)"""
+    measured, planned = _saved_per_layer(name, {"dropout": 0.0}, stack, mixed=True)
+    assert planned == pytest.approx(measured, rel=0.02), (planned, measured)
+    unmixed, _ = _saved_per_layer(name, {"dropout": 0.0}, stack)
+    assert measured > 0.6 * unmixed  # bf16 does not halve what a block keeps: the planner must know why
 
 
 @pytest.mark.parametrize("name,stack,masks", [("gpt2-tiny", 0, 2), ("transformer-tiny", 1, 3)])

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ATTN_IMPLS, AttnImpl
+from .cast import autocast_input
 from .position import apply_rotary
 
 
@@ -95,6 +96,13 @@ def math_attention(q, k, v, mask, scale: float, dropout_p: float = 0.0, training
     return torch.matmul(probs, v)
 
 
+def _cast_once(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    q = autocast_input(query)
+    k = q if key is query else autocast_input(key)
+    v = k if value is key else q if value is query else autocast_input(value)
+    return q, k, v
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention over ``(B, S, d_model)`` inputs.
 
@@ -171,6 +179,8 @@ class MultiHeadAttention(nn.Module):
         """
         key = query if key is None else key
         value = key if value is None else value
+        # one low-precision copy of each distinct input, kept once for q, k and v (nn/cast.py)
+        query, key, value = _cast_once(query, key, value)
         b, q_len, _ = query.shape
         q = self._heads(self.q_proj(query), self.num_heads, self.d_k)
         if cache is not None and cache.static and cache.k is not None:

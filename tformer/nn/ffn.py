@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ACTIVATIONS, Activation, check_table
+from .cast import autocast_input
 from .rebuild import Rebuild
 
 
@@ -46,6 +47,8 @@ class FeedForward(nn.Module):
         self.rebuild = activation != "relu"  # ReLU's backward needs its output: nothing to gain
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            x = autocast_input(x)  # gate and up keep one low-precision copy (nn/cast.py)
         if not (self.rebuild and torch.is_grad_enabled()) or torch.compiler.is_compiling():
             # (compiled: the partitioner already recomputes elementwise ops rather than keep them)
             h = self.act(self.gate(x)) * self.up(x) if self.gated else self.act(self.up(x))

@@ -82,7 +82,7 @@ def _gated(cfg: ModelConfig) -> bool:
 
 
 def _block_parts(
-    cfg: ModelConfig, seq: int, cross_len: int | None = None, elt: int = 4, tp: int = 1
+    cfg: ModelConfig, seq: int, cross_len: int | None = None, elt: int = 4, tp: int = 1, fp32_residual: bool = False
 ) -> tuple[float, float, float]:
     """Elements autograd keeps per token for one block, as (whole, sequence, heads) by what tensor
     parallelism does to them: ``whole``, the norm outputs that feed the column-wise projections,
@@ -102,10 +102,17 @@ def _block_parts(
     backward (nn/rebuild.py), except the down projection's input under TP (a DTensor: kept).
     Dropout keeps a mask per sub-layer output: one byte per element on CUDA (``elt``: the
     activations' bytes; on this CPU the mask is a float, four bytes); attention dropout inside
-    SDPA keeps nothing on CUDA (its kernels replay the random numbers)."""
+    SDPA keeps nothing on CUDA (its kernels replay the random numbers).
+
+    ``fp32_residual``: bf16 autocast over fp32 weights (one device, DDP). The residual stream then
+    stays fp32, so the norms keep fp32 tensors (counted here in ``elt``-sized units: twice as many),
+    while each sub-layer's input is cast once to bf16 for its projections (nn/cast.py) and every
+    cross-attention layer keeps its own bf16 copy of the encoder output for its k and v. (Under
+    FSDP2's or DeepSpeed's bf16 parameters the stream itself is bf16.)"""
     d, h, dk, ff = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff
     kv = cfg.kv_heads * dk
-    norm_in = (2 if cfg.norm == "rmsnorm" else 1) * d
+    res = 4 / elt if fp32_residual else 1
+    norm_in = (2 if cfg.norm == "rmsnorm" else 1) * d * res
     mask = d / elt if cfg.dropout > 0 else 0  # one dropout mask, in elements
 
     def attention(keys: int, self_attention: bool) -> float:
@@ -128,10 +135,21 @@ def _block_parts(
     heads = attention(seq, True) + ffn
     if cross_len is not None:  # cross-attention norm and dropout, queries, output (K/V: the caller)
         whole, sequence, heads = whole + d, sequence + norm_in + mask, heads + attention(cross_len, False)
+        if fp32_residual:
+            whole += d * cross_len / seq
     return whole, sequence, heads
 
 
-def _op_ac_parts(cfg: ModelConfig, cross_len: int | None = None) -> tuple[float, float, float]:
+def block_matmul_parameters(cfg: ModelConfig, cross: bool = False, tp: int = 1) -> int:
+    """Weights one block's matmuls read (on one TP rank): what bf16 autocast over fp32 weights
+    keeps a bf16 copy of, from the forward to the block's backward (2 bytes each)."""
+    d, q, kv = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    attention = 2 * d * q + 2 * d * kv
+    ffn = (3 if _gated(cfg) else 2) * d * cfg.d_ff
+    return (attention * (2 if cross else 1) + ffn) // tp
+
+
+def _op_ac_parts(cfg: ModelConfig, cross_len: int | None = None, res: float = 1) -> tuple[float, float, float]:
     """``_block_parts`` of what one block keeps under op-level checkpointing: its input and the
     outputs of its matmuls and attention. The row-wise o_proj and FFN down outputs are whole on
     every TP rank: each rank's matmul gives (S x d) partial sums, and the reduction after it is
@@ -139,7 +157,7 @@ def _op_ac_parts(cfg: ModelConfig, cross_len: int | None = None) -> tuple[float,
     d, h, dk, ff = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff
     kv = cfg.kv_heads * cfg.head_dim
     heads = (h * dk + 2 * kv) + h * dk + (2 * ff if _gated(cfg) else ff)
-    whole, sequence = 2 * d, d  # o_proj and down outputs; the block input
+    whole, sequence = 2 * d, d * res  # o_proj and down outputs; the block input (``res``: fp32, in elements)
     if cross_len is not None:
         whole, heads = whole + d, heads + h * dk + h * dk  # cross o_proj output; q, attention
     return whole, sequence, heads
@@ -151,19 +169,27 @@ def _split(parts: tuple[float, float, float], tp: int, sp: bool) -> float:
 
 
 def _block_elements_per_token(
-    cfg: ModelConfig, seq: int, cross_len: int | None = None, tp: int = 1, sp: bool = False, elt: int = 4
+    cfg: ModelConfig,
+    seq: int,
+    cross_len: int | None = None,
+    tp: int = 1,
+    sp: bool = False,
+    elt: int = 4,
+    fp32_residual: bool = False,
 ) -> float:
     """Elements autograd keeps per token for one block on one TP rank."""
-    whole, sequence, heads = _block_parts(cfg, seq, cross_len, elt, tp)
+    whole, sequence, heads = _block_parts(cfg, seq, cross_len, elt, tp, fp32_residual)
     if sp:  # the gathered norm outputs are kept as sequence shards (tp.KeepSequenceShard)
         whole, sequence = 0, sequence + whole
     return _split((whole, sequence, heads), tp, sp)
 
 
-def _block_elements_op_ac(cfg: ModelConfig, cross_len: int | None = None, tp: int = 1, sp: bool = False) -> float:
+def _block_elements_op_ac(
+    cfg: ModelConfig, cross_len: int | None = None, tp: int = 1, sp: bool = False, res: float = 1
+) -> float:
     """Elements per token one block keeps under op-level checkpointing on one TP rank: its input and
     the outputs of its matmuls and attention (q, k, v, attention, o_proj, FFN up(/gate) and down)."""
-    return _split(_op_ac_parts(cfg, cross_len), tp, sp)
+    return _split(_op_ac_parts(cfg, cross_len, res), tp, sp)
 
 
 def head_bytes(cfg: ModelConfig, tokens: int, mixed: bool, chunk: int | None = None) -> float:
@@ -194,6 +220,7 @@ def activation_bytes(
     loss_parallel: bool = True,
     blocks: tuple[int, int] | None = None,
     head: bool = True,
+    fp32_weights: bool = False,
 ) -> float:
     """Bytes of activations for one micro-batch: what autograd keeps from forward to backward, plus
     (``transient``) the peak added during backward: the recomputed block under activation
@@ -206,20 +233,25 @@ def activation_bytes(
     ``tp``, ``sp``, ``loss_parallel``: one rank of a tensor-parallel group (module doc); its head is
     vocabulary-sharded, which the chunked loss does not take, so ``chunk`` is ignored there.
     ``blocks`` (encoder or only stack, decoder stack) and ``head``: a pipeline stage's part of the
-    model (default: all of it)."""
+    model (default: all of it). ``fp32_weights``: mixed precision as bf16 autocast over fp32 weights
+    (one device, DDP; not FSDP2's or DeepSpeed's bf16 parameters): the residual stream stays fp32
+    and every matmul keeps a bf16 copy of its weight until its backward (``_block_parts``)."""
     elt = 2 if mixed else 4
+    autocast = mixed and fp32_weights
+    res = 4 / elt if autocast else 1  # the residual stream's elements, in units of ``elt`` bytes
     if tp > 1:
         chunk = None
-    block_input = cfg.d_model / (tp if sp else 1)  # in the sequence-parallel region
+    block_input = cfg.d_model * res / (tp if sp else 1)  # in the sequence-parallel region
     first, second = blocks if blocks is not None else (cfg.num_layers, cfg.decoder_layers)
-    op_elements = [_block_elements_op_ac(cfg, tp=tp, sp=sp)] * first
-    layers = [(seq, _block_elements_per_token(cfg, seq, tp=tp, sp=sp, elt=elt))] * first
+    op_elements = [_block_elements_op_ac(cfg, tp=tp, sp=sp, res=res)] * first
+    layers = [(seq, _block_elements_per_token(cfg, seq, tp=tp, sp=sp, elt=elt, fp32_residual=autocast))] * first
     out_tokens = seq
     if cfg.family == "encdec":
         t = target or seq
         memory_kv = 2 * cfg.kv_heads * cfg.head_dim * seq / t / tp
-        layers += [(t, _block_elements_per_token(cfg, t, cross_len=seq, tp=tp, sp=sp, elt=elt) + memory_kv)] * second
-        op_elements += [_block_elements_op_ac(cfg, cross_len=seq, tp=tp, sp=sp) + memory_kv] * second
+        per_block = _block_elements_per_token(cfg, t, cross_len=seq, tp=tp, sp=sp, elt=elt, fp32_residual=autocast)
+        layers += [(t, per_block + memory_kv)] * second
+        op_elements += [_block_elements_op_ac(cfg, cross_len=seq, tp=tp, sp=sp, res=res) + memory_kv] * second
         out_tokens = t
     if ac == "full":  # each block keeps only its input; one block is recomputed at a time
         kept = sum(tokens * block_input for tokens, _ in layers)
@@ -251,7 +283,17 @@ def activation_bytes(
     total = kept * elt + head_kept
     if transient:
         total += recompute * elt + head_peak
-    return micro_batch * total
+    weights = 0.0  # bf16 copies of the weights, each held from its matmul's forward to its backward
+    if autocast:
+        second = second if cfg.family == "encdec" else 0
+        copies = [block_matmul_parameters(cfg, False, tp)] * first + [block_matmul_parameters(cfg, True, tp)] * second
+        if ac == "none" and not offload:
+            weights += 2 * sum(copies)
+        elif transient and copies:  # only the block being recomputed (or brought back) holds them
+            weights += 2 * max(copies)
+        if head:
+            weights += 2 * cfg.padded_vocab_size * cfg.d_model / vocab_split
+    return micro_batch * total + weights
 
 
 @dataclass
@@ -552,6 +594,8 @@ def estimate(
     (None) the worst one: the first (most micro-batches in flight, the embeddings) or the last (the
     head and loss); a middle rank holds no more than the first."""
     dp_shard = devices // (pp * dp_replicate * tp)
+    # bf16 autocast over fp32 weights: plain data parallelism; FSDP2 and DeepSpeed compute in bf16 weights
+    memory = {"fp32_weights": strategy == "ddp", **memory}
     if pp == 1:
         states = model_state_bytes(strategy, tp_local_parameters(cfg, tp), dp_shard, mixed, as_built=True)
         return Estimate(
