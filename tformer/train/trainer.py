@@ -468,16 +468,7 @@ class Trainer:
                 world_size=self.dist.dp_size,
                 consumed=self.consumed,
             )
-            return iter(
-                torch.utils.data.DataLoader(
-                    self.data.train,
-                    batch_sampler=sampler,
-                    collate_fn=self.data.collator,
-                    num_workers=cfg.data.num_workers,
-                    persistent_workers=cfg.data.num_workers > 0,
-                    generator=torch.Generator().manual_seed(cfg.seed),
-                )
-            )
+            return iter(torch.utils.data.DataLoader(self.data.train, batch_sampler=sampler, **self._loader_options()))
         if isinstance(self.data.train, MixtureDataset):
             sampler = MixtureSampler(
                 self.data.train, rank=self.dist.dp_rank, world_size=self.dist.dp_size, consumed=self.consumed
@@ -491,17 +482,22 @@ class Trainer:
                 consumed=self.consumed,
             )
         loader = torch.utils.data.DataLoader(
-            self.data.train,
-            batch_size=cfg.micro_batch_size,
-            sampler=sampler,
-            collate_fn=self.data.collator,
-            num_workers=cfg.data.num_workers,
-            persistent_workers=cfg.data.num_workers > 0,
-            # its own generator: creating the iterator must not
-            # draw from the global RNG that dropout uses
-            generator=torch.Generator().manual_seed(cfg.seed),
+            self.data.train, batch_size=cfg.micro_batch_size, sampler=sampler, **self._loader_options()
         )
         return iter(loader)
+
+    def _loader_options(self) -> dict:
+        """DataLoader settings of both samplers: collation, workers, pinned host memory on a GPU
+        (so the step's ``.to(device, non_blocking=True)`` copies overlap), and a generator of its
+        own: creating the iterator must not draw from the global RNG that dropout uses."""
+        workers = self.cfg.data.num_workers
+        return dict(
+            collate_fn=self.data.collator,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            pin_memory=self.device.type == "cuda",
+            generator=torch.Generator().manual_seed(self.cfg.seed),
+        )
 
     def _install_signals(self):
         def handler(signum, _frame):
