@@ -228,6 +228,7 @@ def test_resume_inside_a_stage_and_across_the_boundary_is_exact(cache, tmp_path,
 
 
 def test_per_source_validation_loss_in_jsonl_and_wandb(cache, tmp_path, small, monkeypatch):
+    pytest.importorskip("wandb")  # optional at run time (tracking imports it only when enabled)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):

@@ -260,6 +260,8 @@ def test_tp_with_compile_and_activation_checkpointing(cache, tmp_path, tmp_path_
         "compiled-op": ["compile=true", "parallel.activation_checkpointing=op"],
         "selective": ["parallel.activation_checkpointing=selective", "parallel.ac_every=2"],
     }
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 13):  # the trainer refuses compile with TP there
+        runs = {name: flags for name, flags in runs.items() if not name.startswith("compiled")}
     jobs = []
     for name, flags in runs.items():
         recipe, overrides = _overrides("gpt2", tmp_path / name, "parallel.tp=2", "parallel.sp=true", *flags)

@@ -135,10 +135,11 @@ class DeepSpeedStrategy(Strategy):
 
     @classmethod
     def check(cls, cfg, precision: str) -> None:
-        """Everything that can be refused before the process group, data and model exist."""
-        _import_deepspeed()
+        """Everything that can be refused before the process group, data and model exist.
+
+        Mistakes in the config itself come first, so they are reported whether or not deepspeed is
+        installed here; then the package, then the C++ ops the config asks for."""
         ds = deepspeed_config(cfg, precision)
-        check_offload_ops(ds, f"parallel.deepspeed_config={cfg.parallel.deepspeed_config}")
         if cfg.parallel.activation_checkpointing == "op" and ds["zero_optimization"].get("stage") == 3:
             # ZeRO-3 gathers a layer's partitioned weight in module hooks and its own linear
             # autograd function; the op-level recomputation replays the block's ops outside them
@@ -147,6 +148,8 @@ class DeepSpeedStrategy(Strategy):
                 "(its partitioned weights are not gathered for the op-level recomputation); use "
                 "parallel.strategy=fsdp, ZeRO stage 0-2, or activation_checkpointing=full"
             )
+        _import_deepspeed()
+        check_offload_ops(ds, f"parallel.deepspeed_config={cfg.parallel.deepspeed_config}")
 
     def wrap(self, model):
         self.deepspeed = _import_deepspeed()

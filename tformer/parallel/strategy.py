@@ -327,7 +327,12 @@ class FSDPStrategy(Strategy):
                 for block in stack.layers:
                     if isinstance(block, TransformerBlock):  # not another pipeline stage's placeholder
                         fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
+        # The root (embeddings, final norm, head) keeps its gathered parameters from forward into
+        # backward, which needs them first thing: torch's own default for the root. Resharding it
+        # saves no peak memory and costs an all-gather per micro-batch; and torch < 2.13 hooks the
+        # backward re-gather only on outputs tree_flatten sees, not on our ModelOutput dataclass
+        # (backward then finds the root's parameters freed).
+        fully_shard(model, **{**kwargs, "reshard_after_forward": False})
         return model
 
     def no_sync(self, last_micro: bool):

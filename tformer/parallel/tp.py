@@ -367,6 +367,13 @@ def grad_norm_and_clip(named_params, max_norm: float, group=None, skip=frozenset
         g = p.grad
         if g is None:
             continue
+        if hasattr(g, "placements") and any(pl.is_partial() for pl in g.placements):
+            # a replicated parameter used on sequence shards (norms under SP) gets a Partial
+            # gradient: sum it now, once, so the norm and the optimizer see the reduced values
+            # (torch 2.11's DTensor ops do not always reduce it first; 2.13 gives the same values)
+            from torch.distributed.tensor import Replicate
+
+            g = p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
         key = (g.device_mesh, tuple(g.placements)) if hasattr(g, "device_mesh") else None
         groups.setdefault(key, []).append(g)
         if name not in skip:

@@ -175,7 +175,6 @@ class Trainer:
                     f"parallel.backend={backend} is not available here ({why}); leave "
                     "parallel.backend unset (nccl on CUDA, gloo on CPU)"
                 )
-        strategy_class(cfg.parallel.strategy).check(cfg, self.precision)  # e.g. DeepSpeed missing
         check_pipeline(cfg.model, cfg.parallel, cfg.parallel.strategy)
         if (cfg.parallel.pp > 1 or cfg.parallel.sp) and cfg.data.document_mask:
             raise ConfigError(
@@ -209,6 +208,15 @@ class Trainer:
                 "compile=true with parallel.tp > 1 fails in torch's DTensor backward for rotary-position "
                 "models (Llama flavour); set compile=false (or parallel.tp=1) for this model"
             )
+        if cfg.compile and self.dims.tp > 1 and torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
+            # measured on torch 2.11: dynamo fails building the compiled block's guards over the TP
+            # hooks ("'function' object has no attribute '__func__'"); 2.13 compiles them
+            raise ConfigError(
+                f"compile=true with parallel.tp > 1 needs torch >= 2.13 (this is {torch.__version__}, whose "
+                "compiler fails on the tensor-parallel blocks); set compile=false or upgrade torch"
+            )
+        # after the config's own mistakes, so those are reported whether or not the package is here
+        strategy_class(cfg.parallel.strategy).check(cfg, self.precision)  # e.g. DeepSpeed missing
         self._check_paths()
 
     def _check_paths(self) -> None:
