@@ -4,6 +4,7 @@ import gzip
 import json
 import os
 import pickle
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -58,6 +59,11 @@ def test_bundled_corpus_split_is_fixed():
     pairs = load_text_dataset(default_pairs_path(), columns=["src", "tgt"], split="validation")
     assert len(pairs) == 1138 and pairs[0]["ref"] == "Hebrews 1:1"
     assert pairs[-1]["ref"] == "Revelation of John 22:21"
+    # Strong's concordance tags of the Spanish SWORD module are gone (corpus/README.md)
+    with gzip.open(default_pairs_path(), "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 31084 and not any(re.search(r"<[GH]\d+>", r["src"] + r["tgt"]) for r in rows)
+    assert rows[29]["tgt"].endswith("en que hay vida, toda hierba verde les será para comer: y fué así.")  # Genesis 1:30
 
 
 def test_split_rows_rule():
