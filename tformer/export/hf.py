@@ -19,6 +19,7 @@ import torch
 from ..checkpoint.io import commit, partial_dir, write_bytes_durable
 from ..checkpoint.manager import TrainerState
 from ..config import ModelConfig
+from ..models.base import TformerModel
 from . import bert, gpt2, llama, marian, t5
 from .common import (
     ExportError,
@@ -80,7 +81,7 @@ def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     return hf_config, hf_state
 
 
-def to_hf_model(model: torch.nn.Module, attn_implementation: str = "sdpa"):
+def to_hf_model(model: TformerModel, attn_implementation: str = "sdpa"):
     """The HF ``transformers`` model holding ``model``'s weights: what ``export_hf`` and
     ``from_pretrained`` give (through a temporary directory, without the tokenizer), on the model's
     device and dtype. For side-by-side checks and benchmarks against HF."""
