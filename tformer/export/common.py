@@ -187,19 +187,25 @@ def read_model_state(checkpoint: str | Path, trust: bool = False) -> tuple[Model
     return cfg, state
 
 
+def unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors as a checkpoint holds them: each tied tensor once, under its first name."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t
+    return out
+
+
 def model_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
-    """Shapes of our model's tensors as a checkpoint holds them (each tied tensor once, under its
-    first name), from a model built on the meta device (no memory)."""
+    """Shapes of our model's tensors as a checkpoint holds them (``unique_tensors``), from a model
+    built on the meta device (no memory)."""
     from ..models import build_model
 
     with torch.device("meta"):
         model = build_model(cfg)
-    seen, shapes = set(), {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            shapes[name] = t.shape
-    return shapes
+    return {name: t.shape for name, t in unique_tensors(model).items()}
 
 
 def unpad_vocab(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -37,6 +37,7 @@ from .common import (
     save_generation_config,
     save_hf_tokenizer,
     to_hf,
+    unique_tensors,
     unpad_vocab,
     write_safetensors,
 )
@@ -90,12 +91,7 @@ def to_hf_model(model: TformerModel, attn_implementation: str = "sdpa"):
     import transformers
 
     cfg = model.config
-    seen: set[int] = set()
-    state = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in seen:  # tied tensors once, under their first name
-            seen.add(id(t))
-            state[name] = t.detach().cpu()
+    state = {name: t.detach().cpu() for name, t in unique_tensors(model).items()}
     hf_config, hf_state = to_hf_state(cfg, state)
     cls = getattr(transformers, target_of(cfg).HF_CLASS)
     weight = state["embed.tok.weight"]
