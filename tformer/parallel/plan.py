@@ -82,7 +82,7 @@ def _gated(cfg: ModelConfig) -> bool:
 
 
 def _block_parts(
-    cfg: ModelConfig, seq: int, cross_len: int | None = None, elt: int = 4, tp: int = 1, fp32_residual: bool = False
+    cfg: ModelConfig, seq: int, cross_len: int | None = None, elt: int = 4, tp: int = 1, res: float = 1
 ) -> tuple[float, float, float]:
     """Elements autograd keeps per token for one block, as (whole, sequence, heads) by what tensor
     parallelism does to them: ``whole``, the norm outputs that feed the column-wise projections,
@@ -104,14 +104,13 @@ def _block_parts(
     activations' bytes; on this CPU the mask is a float, four bytes); attention dropout inside
     SDPA keeps nothing on CUDA (its kernels replay the random numbers).
 
-    ``fp32_residual``: bf16 autocast over fp32 weights (one device, DDP). The residual stream then
-    stays fp32, so the norms keep fp32 tensors (counted here in ``elt``-sized units: twice as many),
+    ``res`` > 1: bf16 autocast over fp32 weights (one device, DDP; ``res`` = 2). The residual stream
+    then stays fp32, so the norms keep fp32 tensors (``res`` elements of ``elt`` bytes each),
     while each sub-layer's input is cast once to bf16 for its projections (nn/cast.py) and every
     cross-attention layer keeps its own bf16 copy of the encoder output for its k and v. (Under
     FSDP2's or DeepSpeed's bf16 parameters the stream itself is bf16.)"""
     d, h, dk, ff = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff
     kv = cfg.kv_heads * dk
-    res = 4 / elt if fp32_residual else 1
     norm_in = (2 if cfg.norm == "rmsnorm" else 1) * d * res
     mask = d / elt if cfg.dropout > 0 else 0  # one dropout mask, in elements
 
@@ -135,7 +134,7 @@ def _block_parts(
     heads = attention(seq, True) + ffn
     if cross_len is not None:  # cross-attention norm and dropout, queries, output (K/V: the caller)
         whole, sequence, heads = whole + d, sequence + norm_in + mask, heads + attention(cross_len, False)
-        if fp32_residual:
+        if res > 1:
             whole += d * cross_len / seq
     return whole, sequence, heads
 
@@ -175,10 +174,10 @@ def _block_elements_per_token(
     tp: int = 1,
     sp: bool = False,
     elt: int = 4,
-    fp32_residual: bool = False,
+    res: float = 1,
 ) -> float:
-    """Elements autograd keeps per token for one block on one TP rank."""
-    whole, sequence, heads = _block_parts(cfg, seq, cross_len, elt, tp, fp32_residual)
+    """Elements autograd keeps per token for one block on one TP rank (``res``: ``_block_parts``)."""
+    whole, sequence, heads = _block_parts(cfg, seq, cross_len, elt, tp, res)
     if sp:  # the gathered norm outputs are kept as sequence shards (tp.KeepSequenceShard)
         whole, sequence = 0, sequence + whole
     return _split((whole, sequence, heads), tp, sp)
@@ -244,12 +243,12 @@ def activation_bytes(
     block_input = cfg.d_model * res / (tp if sp else 1)  # in the sequence-parallel region
     first, second = blocks if blocks is not None else (cfg.num_layers, cfg.decoder_layers)
     op_elements = [_block_elements_op_ac(cfg, tp=tp, sp=sp, res=res)] * first
-    layers = [(seq, _block_elements_per_token(cfg, seq, tp=tp, sp=sp, elt=elt, fp32_residual=autocast))] * first
+    layers = [(seq, _block_elements_per_token(cfg, seq, tp=tp, sp=sp, elt=elt, res=res))] * first
     out_tokens = seq
     if cfg.family == "encdec":
         t = target or seq
         memory_kv = 2 * cfg.kv_heads * cfg.head_dim * seq / t / tp
-        per_block = _block_elements_per_token(cfg, t, cross_len=seq, tp=tp, sp=sp, elt=elt, fp32_residual=autocast)
+        per_block = _block_elements_per_token(cfg, t, cross_len=seq, tp=tp, sp=sp, elt=elt, res=res)
         layers += [(t, per_block + memory_kv)] * second
         op_elements += [_block_elements_op_ac(cfg, cross_len=seq, tp=tp, sp=sp, res=res) + memory_kv] * second
         out_tokens = t
