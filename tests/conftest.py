@@ -7,6 +7,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# precision=auto follows the CPU (bf16 with AVX512-BF16/AMX, else fp32), and CPUs differ between
+# machines: the suite takes the fp32 path on every CPU unless told otherwise. Tests marked ``bf16``
+# take the bf16-capable path on every CPU (see _cpu_bf16_lane). Numeric tests pin precision anyway.
+os.environ.setdefault("TFORMER_CPU_BF16", "0")
 
 TINY = ["bert-tiny", "gpt2-tiny", "llama-tiny", "t5-tiny", "t5-v1.1-tiny"]
 
@@ -14,6 +18,21 @@ TINY = ["bert-tiny", "gpt2-tiny", "llama-tiny", "t5-tiny", "t5-v1.1-tiny"]
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_bf16_lane(request, monkeypatch):
+    """The bf16 lane: in a test marked ``bf16`` this CPU counts as bf16-capable, so precision=auto
+    resolves to bf16 here and in every process the test starts (they inherit the environment)."""
+    if request.node.get_closest_marker("bf16"):
+        monkeypatch.setenv("TFORMER_CPU_BF16", "1")
+
+
+@pytest.fixture(params=["0", "1"], ids=["cpu-fp32", "cpu-bf16"])
+def cpu_bf16(request, monkeypatch):
+    """Runs a test as on both kinds of CPU: without native bf16 matmuls (False) and with them (True)."""
+    monkeypatch.setenv("TFORMER_CPU_BF16", request.param)
+    return request.param == "1"
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tformer.checkpoint import CheckpointManager, TrainerState, list_checkpoints, verify
 from tformer.train.config import load_config
@@ -193,16 +192,9 @@ def test_trainer_state_round_trips_and_reads_older_files(tmp_path):
 
 def run_two_ranks(jobs, cache, timeout=400):
     """test_parallel's workers, with a deadline that fails the test instead of hanging it."""
-    from test_parallel import _worker
-    from train_helpers import free_port as _free_port
+    from test_parallel import run_two_ranks as run
 
-    ctx = mp.start_processes(_worker, args=(2, _free_port(), jobs, cache), nprocs=2, join=False, start_method="spawn")
-    deadline = time.time() + timeout
-    while not ctx.join(timeout=max(1.0, deadline - time.time())):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"2-rank run did not end within {timeout} s")
+    run(jobs, cache, timeout)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

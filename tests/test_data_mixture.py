@@ -20,7 +20,8 @@ from tformer.data.mixture import Mixture
 from tformer.data.samples import KeyedDataset
 from tformer.train.config import load_config
 
-from train_helpers import CONFIGS, env, metrics, small_overrides
+from train_helpers import CONFIGS, env, metrics, owned, reap, run_cmd, small_overrides
+from train_helpers import start as start_cmd
 
 
 class Numbers(KeyedDataset):
@@ -275,8 +276,8 @@ def _prepare(cache_dir, tokenizer, root, *extra, wait=True):
     ]
     e = {**env(Path(cache_dir)), "HF_DATASETS_OFFLINE": "1"}
     if wait:
-        return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=300)
-    return subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return run_cmd(cmd, 300, env=e)
+    return start_cmd(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _tree(root: Path) -> dict:
@@ -292,11 +293,12 @@ def test_killed_prepare_resumes_to_a_byte_identical_cache(tmp_path, tokenizer, s
 
     proc = _prepare(tmp_path / "killed", tokenizer, small, wait=False)
     work = tmp_path / "killed" / "tokens"
-    deadline = time.time() + 120
-    while time.time() < deadline and not list(work.glob(".*.prepare/shard000003")):
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)  # between or inside shards, wherever it is
-    proc.communicate(timeout=30)
+    with owned(proc):
+        deadline = time.time() + 120
+        while time.time() < deadline and not list(work.glob(".*.prepare/shard000003")):
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)  # between or inside shards, wherever it is
+    reap([proc], 30)
     done = sorted(p.name for p in work.glob(".*.prepare/shard??????"))
     assert done, "the kill came before any shard finished"
     again = _prepare(tmp_path / "killed", tokenizer, small)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from train_helpers import ROOT, metrics
+from train_helpers import ROOT, metrics, owned, reap, run_cmd, start
 
 pytestmark = pytest.mark.cluster
 
@@ -46,6 +46,9 @@ TINY = [
     f"max_steps={STEPS}",
     f"save_every={SAVE_EVERY}",
     "seed=7",
+    # these runs compare losses across launchers at 1e-6 (1e-3 for ZeRO-2): fp32 on every CPU, where
+    # precision=auto would be bf16 on an AVX512-BF16 one (ZeRO-2 vs DDP then differ by 0.3% at step 160)
+    "precision=fp32",
 ]
 RECIPE = str(ROOT / "configs" / "gpt2-tiny.yaml")
 SLURM_DIR = os.environ.get("TFORMER_SLURM_DIR", "/tmp/tformer-slurm")
@@ -100,7 +103,7 @@ def assert_same_run(run_dir: Path, reference: dict, rel: float = 1e-6):
 
 
 def run(cmd, env, timeout=600, **kw) -> subprocess.CompletedProcess:
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, **kw)
+    p = run_cmd(cmd, timeout, env=env, **kw)
     assert p.returncode == 0, f"{cmd[0]} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p
 
@@ -122,18 +125,17 @@ def reference(cache, tmp_path_factory) -> dict:
 def test_two_torchrun_agents_on_loopback_train_together(cache, reference, tmp_path):
     port = free_port()
     procs = [
-        subprocess.Popen(
-            [str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
+        start(
+            [ROOT / "launch" / "torchrun.sh", RECIPE, *TINY, f"output_dir={tmp_path}"],
             env=launch_env(
                 cache, NNODES=2, NPROC_PER_NODE=1, NODE_RANK=node, HEAD_ADDR="127.0.0.1", RDZV_PORT=port, RDZV_ID="loopback"
             ),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            text=True,
         )
         for node in (0, 1)
     ]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
+    logs = [out for out, _ in reap(procs, 600)]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
     assert "node 1/2" in logs[1] and "2 rank(s)" in logs[0]
     assert_same_run(tmp_path, reference)
@@ -150,7 +152,7 @@ def two_hosts():
     names, addrs = [f"{tag}a", f"{tag}b"], ["10.231.7.1", "10.231.7.2"]
 
     def ip(*args):
-        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=60)
 
     try:
         for n in names:
@@ -165,12 +167,12 @@ def two_hosts():
         yield names, addrs
     finally:
         for n in names:
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+            subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=60)
 
 
 def _eth0_bytes(ns: str) -> int:
     out = subprocess.run(
-        ["ip", "-n", ns, "-s", "link", "show", "eth0"], capture_output=True, text=True, check=True
+        ["ip", "-n", ns, "-s", "link", "show", "eth0"], capture_output=True, text=True, check=True, timeout=60
     ).stdout.split("\n")
     tx = out[out.index(next(line for line in out if "TX:" in line)) + 1].split()
     return int(tx[0])
@@ -193,15 +195,14 @@ def test_two_torchrun_agents_across_network_namespaces(cache, reference, tmp_pat
             GLOO_SOCKET_IFNAME="eth0",
         )
         procs.append(
-            subprocess.Popen(
-                ["ip", "netns", "exec", ns, str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
+            start(
+                ["ip", "netns", "exec", ns, ROOT / "launch" / "torchrun.sh", RECIPE, *TINY, f"output_dir={tmp_path}"],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                text=True,
             )
         )
-    logs = [p.communicate(timeout=600)[0] for p in procs]
+    logs = [out for out, _ in reap(procs, 600)]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
     assert_same_run(tmp_path, reference)
     # The gradients crossed the veth link: each host sent at least one gradient copy per step.
@@ -225,15 +226,14 @@ def _workers(pid: int) -> list:
 
 
 def test_elastic_restart_after_a_rank_is_killed_resumes_and_finishes(cache, reference, tmp_path):
-    proc = subprocess.Popen(
-        [str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
+    proc = start(
+        [ROOT / "launch" / "torchrun.sh", RECIPE, *TINY, f"output_dir={tmp_path}"],
         env=launch_env(cache, NPROC_PER_NODE=2, MAX_RESTARTS=1),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
     )
     killed_at = None
-    try:
+    with owned(proc):
         deadline = time.time() + 300
         while time.time() < deadline and killed_at is None:
             time.sleep(0.2)
@@ -244,9 +244,7 @@ def test_elastic_restart_after_a_rank_is_killed_resumes_and_finishes(cache, refe
                 victims[0].send_signal(signal.SIGKILL)
                 killed_at = done[-1]
         assert killed_at is not None, "the run never got past the first checkpoint"
-        log = proc.communicate(timeout=600)[0]
-    finally:
-        proc.kill()
+    log = reap([proc], 600)[0][0]
     assert proc.returncode == 0, log[-4000:]
     assert killed_at < STEPS
     resumed = re.findall(r"resumed from \S+step_(\d+) at step (\d+)", log)
@@ -259,15 +257,14 @@ def test_watchdog_ends_a_hung_job_and_torchrun_restarts_it(cache, reference, tmp
     stacks, names rank 1 and exits non-zero within watchdog_timeout + 30 s; torchrun kills the
     frozen rank, restarts the group, which resumes and ends with the reference loss."""
     timeout = 10
-    proc = subprocess.Popen(
-        [str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}", f"watchdog_timeout={timeout}"],
+    proc = start(
+        [ROOT / "launch" / "torchrun.sh", RECIPE, *TINY, f"output_dir={tmp_path}", f"watchdog_timeout={timeout}"],
         env=launch_env(cache, NPROC_PER_NODE=2, MAX_RESTARTS=1),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
     )
     stacks = tmp_path / "watchdog" / "stacks_rank0.txt"
-    try:
+    with owned(proc):
         deadline, stopped = time.time() + 300, None
         while time.time() < deadline and stopped is None:
             time.sleep(0.2)
@@ -282,9 +279,7 @@ def test_watchdog_ends_a_hung_job_and_torchrun_restarts_it(cache, reference, tmp
             time.sleep(0.2)
         assert stacks.exists(), "the watchdog never fired"
         assert stacks.stat().st_mtime - stopped <= timeout + 30
-        log = proc.communicate(timeout=600)[0]
-    finally:
-        proc.kill()
+    log = reap([proc], 600)[0][0]
     assert proc.returncode == 0, log[-4000:]
     report = re.search(r"watchdog: no step progress for 10 s \(watchdog_timeout\) on rank 0; stuck: ([^;]+);", log)
     assert report and report.group(1).startswith("rank 1 not responding"), log[-4000:]
@@ -298,14 +293,13 @@ def test_usr1_checkpoints_through_a_torchrun_without_signal_forwarding(cache, re
     """A torchrun without --signals-to-handle (older releases) would die on SIGUSR1 and orphan its
     workers; launch/torchrun.sh then turns USR1 into TERM. Forced here; the run must checkpoint,
     and a second launch must resume and end with the reference loss."""
-    proc = subprocess.Popen(
-        [str(ROOT / "launch" / "torchrun.sh"), RECIPE, *TINY, f"output_dir={tmp_path}"],
+    proc = start(
+        [ROOT / "launch" / "torchrun.sh", RECIPE, *TINY, f"output_dir={tmp_path}"],
         env=launch_env(cache, NPROC_PER_NODE=2, TFORMER_USR1_AS_TERM=1),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
     )
-    try:
+    with owned(proc):
         deadline = time.time() + 300
         while time.time() < deadline:
             rows = metrics(tmp_path) if (tmp_path / "metrics.jsonl").exists() else []
@@ -313,9 +307,7 @@ def test_usr1_checkpoints_through_a_torchrun_without_signal_forwarding(cache, re
                 break
             time.sleep(0.2)
         proc.send_signal(signal.SIGUSR1)
-        log = proc.communicate(timeout=300)[0]
-    finally:
-        proc.kill()
+    log = reap([proc], 300)[0][0]
     stopped = re.search(r"stopped at step (\d+) \(signal SIGTERM\)", log)
     assert stopped and 10 <= int(stopped.group(1)) < STEPS, log[-3000:]
     assert (tmp_path / "checkpoints" / f"step_{int(stopped.group(1)):08d}" / "COMPLETE").exists()
@@ -361,7 +353,9 @@ def sshd():
         "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR",
     )
     subprocess.run(
-        ["bash", str(ROOT / "tests" / "cluster" / "sshd_up.sh"), "--down"], env=dict(os.environ, TFORMER_SSH_DIR=ssh_dir)
+        ["bash", str(ROOT / "tests" / "cluster" / "sshd_up.sh"), "--down"],
+        env=dict(os.environ, TFORMER_SSH_DIR=ssh_dir),
+        timeout=120,
     )
 
 
@@ -403,22 +397,15 @@ def test_deepspeed_launcher_without_ssh_one_launch_per_host(cache, reference, tm
     """What a SLURM step does: the launcher on every host at once, each with its NODE_RANK."""
     hosts, port = two_host_hostfile(tmp_path), free_port()
     procs = [
-        subprocess.Popen(
-            [
-                str(ROOT / "launch" / "deepspeed.sh"),
-                RECIPE,
-                *TINY,
-                f"output_dir={tmp_path / 'run'}",
-                "parallel.zero_stage=2",
-            ],
+        start(
+            [ROOT / "launch" / "deepspeed.sh", RECIPE, *TINY, f"output_dir={tmp_path / 'run'}", "parallel.zero_stage=2"],
             env=launch_env(cache, HOSTFILE=hosts, NODE_RANK=node, MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            text=True,
         )
         for node in (0, 1)
     ]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
+    logs = [out for out, _ in reap(procs, 600)]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
     assert "pdsh" not in logs[0] + logs[1]
     assert "node_rank=1" in logs[1] and "2 rank(s)" in logs[0]
@@ -436,13 +423,14 @@ def test_accelerate_launcher_runs_a_two_process_job(cache, reference, tmp_path):
 
 def test_launchers_refuse_missing_arguments_with_one_line():
     for script in ("torchrun.sh", "deepspeed.sh", "accelerate.sh"):
-        p = subprocess.run([str(ROOT / "launch" / script)], capture_output=True, text=True)
+        p = subprocess.run([str(ROOT / "launch" / script)], capture_output=True, text=True, timeout=60)
         assert p.returncode == 2 and p.stderr.strip().startswith("usage:")
     p = subprocess.run(
         [str(ROOT / "launch" / "torchrun.sh"), RECIPE],
         capture_output=True,
         text=True,
         env=launch_env(Path("/tmp"), NNODES=2),
+        timeout=60,
     )
     assert p.returncode == 2 and "needs HEAD_ADDR" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     for env, says in (
@@ -454,6 +442,7 @@ def test_launchers_refuse_missing_arguments_with_one_line():
             capture_output=True,
             text=True,
             env=launch_env(Path("/tmp"), **env),
+            timeout=60,
         )
         assert p.returncode == 2 and says in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
@@ -495,7 +484,12 @@ def sbatch(slurm, cache, tmp_path, script, *args, sbatch_args=(), **env) -> str:
 
 def job(slurm, job_id) -> dict:
     out = subprocess.run(
-        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env=dict(os.environ, **slurm), check=True
+        ["scontrol", "show", "job", "-o", job_id],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, **slurm),
+        check=True,
+        timeout=60,
     ).stdout
     return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
@@ -510,6 +504,21 @@ def wait_job(
             return info
         time.sleep(0.5)
     pytest.fail(f"job {job_id} still {info['JobState']} after {timeout} s")
+
+
+def requeued(slurm, job_id, timeout=300) -> dict:
+    """The job once SLURM has requeued it (Restarts > 0, not RUNNING); fails if it ends otherwise
+    or is not requeued within the deadline."""
+    deadline = time.time() + timeout
+    info = job(slurm, job_id)
+    while info["JobState"] == "RUNNING" or info.get("Restarts") == "0":
+        if info["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            pytest.fail(f"job {job_id} ended {info['JobState']} without a requeue")
+        if time.time() > deadline:
+            pytest.fail(f"job {job_id} not requeued after {timeout} s: {info['JobState']}, Restarts={info.get('Restarts')}")
+        time.sleep(0.5)
+        info = job(slurm, job_id)
+    return info
 
 
 def job_log(tmp_path, job_id) -> str:
@@ -564,6 +573,7 @@ def test_slurm_head_node_resolution_fails_loudly(slurm):
             capture_output=True,
             text=True,
             env=dict(os.environ, **slurm, SLURM_JOB_ID="1", SLURM_JOB_NODELIST=nodelist),
+            timeout=60,
         )
 
     assert head("node[1-2]").stdout.strip() == "127.0.0.1"  # node1's NodeAddr
@@ -588,17 +598,14 @@ def test_slurm_preemption_checkpoints_requeues_and_resumes(slurm, cache, referen
         assert job(slurm, j)["JobState"] in ("PENDING", "RUNNING"), job_log(tmp_path, j)[-3000:]
         time.sleep(0.2)
     # What SLURM sends before the time limit (#SBATCH --signal=B:USR1@120), sent now.
-    subprocess.run(["scancel", "--batch", "--signal=USR1", j], env=env, check=True)
-    info = wait_job(slurm, j, states=("PENDING", "COMPLETED", "FAILED"), timeout=300)
-    while info["JobState"] == "RUNNING" or info.get("Restarts") == "0":
-        time.sleep(0.5)
-        info = job(slurm, j)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", j], env=env, check=True, timeout=60)
+    info = requeued(slurm, j)
     assert info["JobState"] == "PENDING" and info["Restarts"] == "1", info
     # A requeued job waits for its BeginTime (about two minutes); start it sooner, but not within the
     # second of the requeue: slurmd revokes the old run's credential with one-second resolution and
     # refuses a new credential of the same second ("Job credential revoked"; the job then FAILS).
     time.sleep(3)
-    subprocess.run(["scontrol", "update", f"jobid={j}", "StartTime=now"], env=env, check=True)
+    subprocess.run(["scontrol", "update", f"jobid={j}", "StartTime=now"], env=env, check=True, timeout=60)
     info = wait_job(slurm, j)
     log = job_log(tmp_path, j)
     assert info["JobState"] == "COMPLETED", log[-4000:]
@@ -638,5 +645,7 @@ def test_slurm_chained_jobs_continue_one_run(slurm, cache, reference, tmp_path):
     assert "(max_time)" in logs[0] and "resumed from" not in logs[0]
     assert "resumed from" in logs[1]  # the second link continued the first one's run
     assert_same_run(out, reference)
-    bad = subprocess.run([str(ROOT / "slurm" / "chain.sh"), "0", "x.sbatch", RECIPE], capture_output=True, text=True)
+    bad = subprocess.run(
+        [str(ROOT / "slurm" / "chain.sh"), "0", "x.sbatch", RECIPE], capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 2 and "N must be a positive number" in bad.stderr

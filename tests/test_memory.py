@@ -324,14 +324,9 @@ def test_op_checkpointing_under_fsdp2_on_two_ranks(tmp_path):
     """Each family sharded per block and at the root on 2 gloo ranks, dropout on: op-level
     checkpointing gives the same (all-reduced) gradients and recomputes norms and dropouts, but no
     matmul, while FSDP2 gathers and frees the parameters around it."""
-    import socket
+    from train_helpers import free_port, spawn_ranks
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_fsdp_worker, args=(port, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    spawn_ranks(_fsdp_worker, (free_port(), str(tmp_path)), 2, timeout=600)
     for rank in (0, 1):
         for name, (err, recomputed, matmuls) in torch.load(tmp_path / f"rank{rank}.pt").items():
             assert err <= 1e-6, (rank, name, err)

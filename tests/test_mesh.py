@@ -7,21 +7,21 @@ timeout that fails the test (``TFORMER_DIST_TIMEOUT`` bounds each collective, ``
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tformer.config import ConfigError
 from tformer.parallel.mesh import ParallelDims
 from tformer.train.config import load_config
 from tformer.train.trainer import Trainer
 
-from train_helpers import CONFIGS, become_rank, free_port, losses, run_cli, small_overrides
+from train_helpers import CONFIGS, become_rank, free_port, losses, run_cli, small_overrides, spawn_ranks
 
 GROUP_TIMEOUT = 900  # seconds for one spawned group of jobs, then the test fails
+# a test runs references besides its group: its own deadline above fires before pytest-timeout's
+pytestmark = pytest.mark.timeout(2 * GROUP_TIMEOUT)
 
 
 def _worker(rank, world, port, jobs, cache):
@@ -70,13 +70,7 @@ def _report(trainer, rank, path):
 
 
 def run_ranks(world, jobs, cache, worker=_worker):
-    ctx = mp.start_processes(worker, args=(world, free_port(), jobs, cache), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + GROUP_TIMEOUT
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{world}-rank group did not finish in {GROUP_TIMEOUT} s")
+    spawn_ranks(worker, (world, free_port(), jobs, cache), world, GROUP_TIMEOUT)
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tformer import build_model
 from tformer.parallel.ac import apply_activation_checkpointing
 from tformer.train.config import load_config
 from tformer.train.trainer import Trainer
 
-from train_helpers import CONFIGS, become_rank, free_port, losses, metrics, small_overrides
+from train_helpers import CONFIGS, become_rank, free_port, losses, metrics, small_overrides, spawn_ranks
 
 from conftest import TINY
 
@@ -145,8 +144,8 @@ def _dump_full_model(trainer, path):
         save_file({k: v.contiguous() for k, v in state.items()}, path)
 
 
-def run_two_ranks(jobs, cache):
-    mp.start_processes(_worker, args=(2, free_port(), jobs, cache), nprocs=2, join=True, start_method="spawn")
+def run_two_ranks(jobs, cache, timeout=900):
+    spawn_ranks(_worker, (2, free_port(), jobs, cache), 2, timeout)
 
 
 def reference(recipe, out, *extra):
@@ -320,8 +319,8 @@ def _ds(stage):
     return ["parallel.strategy=deepspeed", f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / f'zero{stage}.json'}"]
 
 
-def run_one_rank(jobs, cache):
-    mp.start_processes(_worker, args=(1, free_port(), jobs, cache), nprocs=1, join=True, start_method="spawn")
+def run_one_rank(jobs, cache, timeout=600):
+    spawn_ranks(_worker, (1, free_port(), jobs, cache), 1, timeout)
 
 
 def test_deepspeed_resume_same_world_size_and_on_one_rank(cache, tmp_path):

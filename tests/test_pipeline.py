@@ -14,7 +14,7 @@ from tformer.parallel.pipeline import stage_layers
 from tformer.train.config import load_config
 from tformer.train.trainer import Trainer
 
-from test_mesh import CONFIGS, _overrides, assert_same_run, losses, reference, run_ranks, small_overrides
+from test_mesh import CONFIGS, GROUP_TIMEOUT, _overrides, assert_same_run, losses, reference, run_ranks, small_overrides
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +26,7 @@ def cache(tmp_path_factory):
     return path
 
 
+pytestmark = pytest.mark.timeout(2 * GROUP_TIMEOUT)  # as in test_mesh: its group deadline fires first
 DEEP = ["model.num_layers=4"]  # interleaved: 2 ranks x 2 stages, one block each
 # (family, flags, extra model flags shared with the reference, data-parallel ranks x accumulation)
 PP2 = [

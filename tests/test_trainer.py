@@ -17,7 +17,7 @@ from tformer.checkpoint import find_latest, list_checkpoints, load_checkpoint, v
 from tformer.train.config import load_config
 from tformer.train.trainer import NonFiniteLoss, Trainer
 
-from train_helpers import CONFIGS, ROOT, env, losses, metrics, run_cli, small_overrides
+from train_helpers import CONFIGS, ROOT, env, losses, metrics, owned, reap, run_cli, run_cmd, small_overrides, start
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +68,7 @@ def _run(cache, out, *extra, kill_after=None, kill_in_save=None, recipe="gpt2-ti
         args += ["--kill-after", str(kill_after)]
     if kill_in_save is not None:
         args += ["--kill-in-save", str(kill_in_save)]
-    return subprocess.run(args, env=env(cache), capture_output=True, text=True, timeout=600)
+    return run_cmd(args, 600, env=env(cache))
 
 
 @pytest.mark.parametrize("accum", [1, 2])
@@ -117,7 +117,7 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(cache, t
         str(CONFIGS / "gpt2-tiny.yaml"),
         *small_overrides("gpt2-tiny", tmp_path / "two", *common, "grad_accum=1"),
     ]
-    two = subprocess.run(cmd, env=env(cache), capture_output=True, text=True, timeout=600)
+    two = run_cmd(cmd, 600, env=env(cache))
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 rank(s)" in two.stdout
     # tformer's INFO lines once (from the main rank), not once per rank
@@ -142,14 +142,15 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(cache, tmp_path):
         str(CONFIGS / "gpt2-tiny.yaml"),
         *small_overrides("gpt2-tiny", tmp_path, "max_steps=100000", "save_every=0", "eval_every=0"),
     ]
-    proc = subprocess.Popen(args, env=env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if (tmp_path / "metrics.jsonl").is_file() and len(metrics(tmp_path)) >= 3:
-            break
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    proc = start(args, env=env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with owned(proc):
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if (tmp_path / "metrics.jsonl").is_file() and len(metrics(tmp_path)) >= 3:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+    out, err = reap([proc], 120)[0]
     assert proc.returncode == 0, err[-2000:]
     ckpt = find_latest(tmp_path / "checkpoints")
     verify(ckpt)

@@ -1,11 +1,15 @@
-"""Helpers for trainer tests: small configs on the bundled corpus, subprocess runs, metric reading."""
+"""Helpers for trainer tests: small configs on the bundled corpus, subprocess runs, metric reading,
+and deadlines for what a test starts (commands and spawned rank groups), which kill it on expiry."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,6 +19,9 @@ CONFIGS = ROOT / "configs"
 def small_overrides(recipe: str, out: Path, *extra: str) -> list[str]:
     base = [
         f"output_dir={out}",
+        # the same arithmetic on every CPU: the recipes' precision=auto is bf16 on an AVX512-BF16 one
+        # (a later precision=... in extra wins)
+        "precision=fp32",
         "progress=false",
         "log_every=1",
         "eval_batches=4",
@@ -52,9 +59,75 @@ def env(cache: Path) -> dict:
 
 
 def run_cli(args: list[str], cache: Path, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tformer", *args], env=env(cache), capture_output=True, text=True, timeout=timeout, **kw
-    )
+    return run_cmd([sys.executable, "-m", "tformer", *args], timeout, env=env(cache), **kw)
+
+
+# -- deadlines: a test that starts processes ends them, whatever ends the test ----------------------
+
+
+def start(cmd: list, **kw) -> subprocess.Popen:
+    """Popen in a session of its own, so that kill_group reaches the command and all it started
+    (a launcher's workers, a tokenizer's pool), not only the process itself."""
+    kw.setdefault("text", True)
+    return subprocess.Popen([str(c) for c in cmd], start_new_session=True, **kw)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.kill()
+    proc.wait()
+
+
+@contextlib.contextmanager
+def owned(*procs: subprocess.Popen):
+    """Kills every process group in procs when the block fails: an assertion, an expired deadline,
+    or pytest-timeout's per-test one (it raises in the test's thread)."""
+    try:
+        yield procs
+    except BaseException:
+        for p in procs:
+            kill_group(p)
+        raise
+
+
+def reap(procs, timeout: float) -> list:
+    """Every process's (stdout, stderr), all within one deadline; on expiry all are killed and the
+    test fails naming the command still running."""
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    with owned(*procs):
+        try:
+            return [p.communicate(timeout=max(0.1, deadline - time.monotonic())) for p in procs]
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"still running after {timeout:.0f} s, killed: {' '.join(map(str, e.cmd))[:300]}")
+
+
+def run_cmd(cmd: list, timeout: float, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run(capture_output=True, text=True) whose deadline also kills what the command started."""
+    proc = start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+    out, err = reap([proc], timeout)[0]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def spawn_ranks(worker, args: tuple, nprocs: int, timeout: float) -> None:
+    """torch.multiprocessing's spawned group (worker(rank, *args)), joined within a deadline; on expiry
+    or any failure every worker is killed and the test fails."""
+    import pytest
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{nprocs}-process group did not finish in {timeout:.0f} s; killed")
+    except BaseException:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        raise
 
 
 def metrics(run_dir: Path) -> list[dict]:
