@@ -12,7 +12,8 @@ measured in the same run; tensor bytes are tracked op by op with torch's MemTrac
 3. ac: op-level checkpointing against none and full on a 12-layer, d-512, seq-512 GPT: peak
    activation memory (activations + temporaries) and step time, interleaved. Target: <= 0.5x of
    none at <= 1.08x time.
-4. Planner predictions (``tformer plan``'s formulas) against each measured peak. Target: within 15%.
+4. Planner predictions (``tformer plan``'s formulas) against each measured peak. Target: within 15%,
+   a PASS/MISS on every line that prints a prediction (``planner_verdict``).
 
     .venv/bin/python bench/bench_memory.py [--part head|step|ac|all] [--rounds 3]
 """
@@ -34,6 +35,17 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 MB = 2**20
+PLANNER_TOLERANCE = 0.15
+
+
+def planner_verdict(predicted: float, measured: float) -> str:
+    """The planner's prediction against a measured peak: PASS within 15% either way, MISS otherwise
+    (FAIL when nothing was measured)."""
+    if not measured > 0:
+        return f"planner {predicted / MB:,.0f} MB against no measurement: FAIL"
+    ratio = predicted / measured
+    ok = abs(ratio - 1) <= PLANNER_TOLERANCE
+    return f"planner {predicted / MB:,.0f} MB = {ratio:.2f}x measured (target within 15%) {'PASS' if ok else 'MISS'}"
 
 
 def _tracked(fn, *modules_or_tensors, outer=None):
@@ -88,7 +100,7 @@ def head_part(rounds: int, chunks=(128, 256, 1024), time_tokens: int = 512) -> N
     base_peak, base_end, _ = _tracked(step, head, x, outer=mode)
     base = base_peak - base_end
     predicted = head_bytes(cfg, tokens, mixed=False)
-    print(f"unchunked: transient {base / MB:,.0f} MB (planner {predicted / MB:,.0f} MB, {predicted / base:.2f}x)")
+    print(f"unchunked: transient {base / MB:,.0f} MB; {planner_verdict(predicted, base)}")
     results = {}
     for chunk in chunks:
         step, head, x, mode = _head_loss(vocab, d, tokens, chunk, fake=True)
@@ -98,8 +110,7 @@ def head_part(rounds: int, chunks=(128, 256, 1024), time_tokens: int = 512) -> N
         ratio = results[chunk] / base
         print(
             f"chunk {chunk:>5}: transient {results[chunk] / MB:,.0f} MB = {ratio:.1%} of unchunked "
-            f"(target <= 10%) {'PASS' if ratio <= 0.10 else 'MISS'}; planner {predicted / MB:,.0f} MB "
-            f"({predicted / results[chunk]:.2f}x)"
+            f"(target <= 10%) {'PASS' if ratio <= 0.10 else 'MISS'}; {planner_verdict(predicted, results[chunk])}"
         )
     if not time_tokens:
         return
@@ -167,7 +178,7 @@ print(json.dumps({{"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrs
 
 def _fresh_step(which: str, batch: int, seq: int, chunk, threads: int, ac: str = "none") -> dict:
     code = STEP_SCRIPT.format(root=str(ROOT), which=which, batch=batch, seq=seq, chunk=chunk, threads=threads, ac=ac)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=1800)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -202,7 +213,7 @@ def step_part(batch: int = 4, seq: int = 1024, threads: int = 2, chunk: int | No
                 + 12 * r["params"]  # + grads and AdamW m, v
                 + activation_bytes(cfg, batch, seq, None, ac, False, chunk=c, return_logits=False)
             )
-            line += f"; planner (RSS before + 12 B/param + activations) {planned / r['peak_rss']:.2f}x"
+            line += f"; RSS before + 12 B/param + activations: {planner_verdict(planned, r['peak_rss'])}"
         print(line)
     ours = res[next(iter(res))]["peak_rss"]
     print(f"tformer defaults / HF: {ours / hf:.2f}x (target <= 0.5x) {'PASS' if ours <= 0.5 * hf else 'MISS'}")
@@ -264,8 +275,7 @@ def ac_part(rounds: int = 3, d_model: int = 512, batch: int = 2, seq: int = 512)
             )
         print(
             f"{mode:<5} peak activations {a / MB:6.0f} MB ({a / memory['none']:.2f}x none), step {t:.2f}s "
-            f"({t / t_none:.3f}x; rounds {min(spread):.3f}-{max(spread):.3f}); planner {planned / MB:.0f} MB "
-            f"({planned / a:.2f}x measured){verdict}"
+            f"({t / t_none:.3f}x; rounds {min(spread):.3f}-{max(spread):.3f}); {planner_verdict(planned, a)}{verdict}"
         )
 
 

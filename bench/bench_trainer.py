@@ -1,10 +1,14 @@
 """Trainer overhead and start-up time.
 
 1. Tokens/s of ``Trainer.fit`` (everything in its loop: accumulation, clipping, scheduler, metrics,
-   JSONL, progress bar) against a bare forward + backward + AdamW loop over the same model and the
-   same batches, interleaved in rounds in one process. Target: >= 0.95x.
+   JSONL, progress bar) against a bare forward + backward + AdamW loop over the same weights, the
+   trainer's own batches and the same loss computation (the chunked, loss-only head), interleaved
+   in rounds in one process. Target: >= 0.95x. Like with like is checked: both first losses must be
+   equal (the same weights, batch and head), and both runs finish every step with a finite loss;
+   otherwise the line reads FAIL.
 2. Time from ``tformer train configs/gpt2-tiny.yaml`` starting to its first logged step, with the
-   tokenizer and token caches warm (a second start). Target: <= 15 s.
+   tokenizer and token caches warm (a second start). Target: <= 15 s, and every start must log a
+   step and exit 0 (FAIL otherwise, with the run's last error line).
 3. Time the loop is blocked by a checkpoint save, ``checkpoint.async=true`` against a synchronous
    save, for the ``gpt2-small`` preset (124M parameters, fp32 + AdamW: ~2 GB per checkpoint) on
    CPU: one trainer after one step, its manager switched between the two modes, saves
@@ -22,6 +26,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -29,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -43,37 +49,89 @@ from tformer.train.trainer import Trainer  # noqa: E402
 RECIPE = ROOT / "configs" / "gpt2-tiny.yaml"
 
 
-def trainer_rate(cfg_args: list[str], steps: int, out: Path) -> float:
-    stamps = []
-    cfg = load_config(RECIPE, cfg_args + [f"output_dir={out}", f"max_steps={steps}", "resume=none"])
-    t = Trainer(cfg, callbacks=[lambda tr, rec: stamps.append(time.perf_counter())])
-    t.fit()
-    per_step = cfg.micro_batch_size * cfg.data.seq_len
+class Rate(NamedTuple):
+    tokens_per_s: float
+    losses: list[float]  # one per step: what was timed, for the checks
+
+
+def _rate(cfg, stamps: list[float], losses: list[float]) -> Rate:
     # the first step warms up allocators; time the rest, everything in the loop included
-    return per_step * (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    per_step = cfg.micro_batch_size * cfg.data.seq_len
+    return Rate(per_step * (len(stamps) - 1) / (stamps[-1] - stamps[0]), losses)
 
 
-def bare_rate(cfg_args: list[str], steps: int, out: Path) -> float:
+def trainer_rate(cfg_args: list[str], steps: int, out: Path) -> Rate:
+    stamps, losses = [], []
+
+    def record(tr, rec):
+        stamps.append(time.perf_counter())
+        losses.append(rec["loss"])
+
     cfg = load_config(RECIPE, cfg_args + [f"output_dir={out}", f"max_steps={steps}", "resume=none"])
-    t = Trainer(cfg)  # for its data and model config only
-    torch.manual_seed(cfg.seed)
+    Trainer(cfg, callbacks=[record]).fit()
+    return _rate(cfg, stamps, losses)
+
+
+def bare_rate(cfg_args: list[str], steps: int, out: Path) -> Rate:
+    """The same step without the trainer: its initial weights, its batches (sampler and collator),
+    its head (chunked, loss only) and its optimizer settings; no clipping, schedule or logging."""
+    cfg = load_config(RECIPE, cfg_args + [f"output_dir={out}", f"max_steps={steps}", "resume=none"])
+    t = Trainer(cfg)  # for its data, initial weights and batches only
     model = build_model(t.model_cfg)
+    model.load_state_dict(t.model.state_dict())
+    model.loss_chunk_size = cfg.loss.chunk_size
     opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
-    ds, collate = t.data.train, t.data.collator
-    b = cfg.micro_batch_size
-    batches = [collate([ds[i * b + j] for j in range(b)]) for i in range(steps)]
-    stamps = []
+    it = t._batches()
+    keys = t.data.model_inputs
+    batches = [{k: v for k, v in next(it).items() if k in keys} for _ in range(steps)]
+    stamps, losses = [], []
     for batch in batches:
-        loss = model(batch["input_ids"], labels=batch["labels"]).loss
+        loss = model(**batch, return_logits=False, label_smoothing=cfg.optim.label_smoothing).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         stamps.append(time.perf_counter())
-    return b * cfg.data.seq_len * (len(stamps) - 1) / (stamps[-1] - stamps[0])
+        losses.append(loss.item())
+    return _rate(cfg, stamps, losses)
 
 
-def first_step_seconds(out: Path) -> float:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def verdict(succeeded: bool, met: bool) -> str:
+    """PASS only when what was timed did what it should and met the target."""
+    return "FAIL" if not succeeded else "PASS" if met else "MISS"
+
+
+def overhead_line(bare: list[Rate], trainer: list[Rate], steps: int, target: float = 0.95) -> str:
+    """trainer / bare: FAIL unless every run finished its steps with finite losses and both sides
+    started from the same loss (the same weights, batch and head: like with like)."""
+    runs = bare + trainer
+    finished = all(len(r.losses) == steps and all(map(math.isfinite, r.losses)) for r in runs)
+    same = finished and all(math.isclose(r.losses[0], runs[0].losses[0], rel_tol=1e-5) for r in runs)
+    ratio = statistics.median(r.tokens_per_s for r in trainer) / statistics.median(r.tokens_per_s for r in bare)
+    why = "" if same else "  (a run did not finish, or the two sides did not start from the same loss)"
+    return f"trainer / bare       : {ratio:.3f}x   target >= {target}x  {verdict(same, ratio >= target)}{why}"
+
+
+class Start(NamedTuple):
+    seconds: float
+    returncode: int | None  # None: killed at the deadline
+    logged: bool  # a step reached metrics.jsonl
+    error: str  # the run's last stderr line
+
+
+def start_line(starts: list[Start], target: float = 15.0) -> str:
+    ok = all(s.returncode == 0 and s.logged for s in starts)
+    line = (
+        f"start -> first step  : {', '.join(f'{s.seconds:.1f}s' for s in starts)} (warm caches)  "
+        f"target <= {target:g} s  {verdict(ok, min(s.seconds for s in starts) <= target)}"
+    )
+    bad = next((s for s in starts if s.returncode != 0 or not s.logged), None)
+    if bad is not None:
+        line += f"  (exit {bad.returncode}, step logged: {bad.logged}: {bad.error})"
+    return line
+
+
+def first_step_seconds(out: Path, timeout: float = 600, env: dict | None = None) -> Start:
+    env = dict(env or os.environ, PYTHONPATH=str(ROOT))
     args = [
         sys.executable,
         "-m",
@@ -89,13 +147,22 @@ def first_step_seconds(out: Path) -> float:
         "resume=none",
     ]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    metrics = out / "metrics.jsonl"
-    while proc.poll() is None and not (metrics.is_file() and metrics.read_text().strip()):
-        time.sleep(0.05)
-    elapsed = time.perf_counter() - t0
-    proc.wait()
-    return elapsed
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        metrics = out / "metrics.jsonl"
+        while proc.poll() is None and not (metrics.is_file() and metrics.read_text().strip()):
+            time.sleep(0.05)
+        elapsed = time.perf_counter() - t0
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            code = None
+        err.seek(0)
+        lines = err.read().strip().splitlines()
+    logged = metrics.is_file() and bool(metrics.read_text().strip())
+    return Start(elapsed, code, logged, lines[-1] if lines else "")
 
 
 def save_blocking(out: Path, rounds: int) -> tuple[list[float], list[float], list[float]]:
@@ -171,10 +238,13 @@ def main() -> None:
         if args.only == "loc":
             return
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-    common = ["precision=fp32", "eval_every=0", "save_every=0", "log_every=10", "progress=true"]
+    # dropout off: both sides must start from the same loss, the check that they compute the same thing
+    common = ["precision=fp32", "eval_every=0", "save_every=0", "log_every=10", "progress=true", "model.dropout=0.0"]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        first_step_seconds(tmp / "warm")  # fills the tokenizer and token caches
+        warm = first_step_seconds(tmp / "warm")  # fills the tokenizer and token caches
+        if warm.returncode != 0:
+            sys.exit(f"bench_trainer: tformer train failed (exit {warm.returncode}): {warm.error}")
         starts = [first_step_seconds(tmp / f"start{i}") for i in range(3)] if args.only in (None, "start") else []
         bare, trainer = [], []
         for r in range(args.rounds if args.only in (None, "trainer") else 0):  # interleaved rounds
@@ -198,21 +268,13 @@ def main() -> None:
         return
     print("\n=== trainer benchmark (gpt2-tiny recipe, fp32, CPU) ===")
     if trainer:
-        print(
-            f"bare loop tokens/s   : median {statistics.median(bare):,.0f}  (rounds: {', '.join(f'{x:,.0f}' for x in bare)})"
-        )
-        print(
-            f"trainer tokens/s     : median {statistics.median(trainer):,.0f}  (rounds: "
-            f"{', '.join(f'{x:,.0f}' for x in trainer)})"
-        )
-        ratio = statistics.median(trainer) / statistics.median(bare)
-        print(f"trainer / bare       : {ratio:.3f}x   target >= 0.95x  {'PASS' if ratio >= 0.95 else 'MISS'}")
+        for name, rates in (("bare loop", bare), ("trainer", trainer)):
+            rounds = ", ".join(f"{r.tokens_per_s:,.0f}" for r in rates)
+            median = statistics.median(r.tokens_per_s for r in rates)
+            print(f"{name + ' tokens/s':<21}: median {median:,.0f}  (rounds: {rounds})")
+        print(overhead_line(bare, trainer, args.steps))
     if starts:
-        best = min(starts)
-        print(
-            f"start -> first step  : {', '.join(f'{s:.1f}s' for s in starts)} (warm caches)  "
-            f"target <= 15 s  {'PASS' if best <= 15 else 'MISS'}"
-        )
+        print(start_line(starts))
 
 
 if __name__ == "__main__":

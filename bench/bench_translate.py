@@ -12,7 +12,11 @@ beam-search decoding speed.
    (``F.cross_entropy(..., label_smoothing)`` on HF's logits). Dropout streams differ. Both are then
    scored on the same ``--samples`` validation pairs with sacrebleu, each decoded by its own beam
    search with the run's beams and ``length_penalty`` in HF's form (``length_norm="power"``), so the
-   decoding rule is the same. Printed: BLEU, chrF and training time of each, and the BLEU gap.
+   decoding rule is the same. Printed: BLEU, chrF and training time of each, and the verdict
+   (``quality_line``): PASS needs tformer's BLEU >= HF's - 0.5 and its validation NLL <= HF's + 2%,
+   and a comparison that says something: both trainings ran every step with a finite loss, and HF
+   reached BLEU >= 1 (two untrained models agree trivially: 0.07 vs 0.13 after 100 steps). FAIL
+   otherwise, naming why (train longer: ``--steps``).
 2. Decoding. tformer ``beam_search`` against HF ``generate(num_beams=k, length_penalty=a)`` on the
    same model and sources (the trained ones, or random weights with ``--decode-only``), interleaved
    and repeated; tokens/s from the generated tokens (the same tokens: parity is tested in
@@ -24,6 +28,7 @@ A benchmark, not a test: figures depend on the machine and on whatever else runs
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -44,15 +49,30 @@ from tformer.train.optim import build_optimizer, build_scheduler  # noqa: E402
 from tformer.train.trainer import Trainer  # noqa: E402
 
 
-def train_hf(hf, trainer: Trainer, steps: int) -> float:
-    """The plain loop: the trainer's batches, optimizer settings, schedule, clipping and smoothing."""
+MIN_BLEU = 1.0  # below this neither model translates yet: their BLEU gap says nothing
+
+
+def quality_line(ours_bleu, hf_bleu, ours_nll, hf_nll, trained: bool) -> str:
+    """The verdict of the quality comparison: FAIL when it cannot say anything, else PASS or MISS."""
+    target = "target: BLEU gap >= -0.5, NLL <= HF's + 2%"
+    if not trained:
+        return f"FAIL ({target}): a training run stopped early or its loss was not finite"
+    if hf_bleu < MIN_BLEU:
+        return f"FAIL ({target}): HF's BLEU {hf_bleu:.2f} < {MIN_BLEU}, nothing learnt to compare; train longer (--steps)"
+    met = ours_bleu >= hf_bleu - 0.5 and ours_nll <= hf_nll * 1.02
+    return f"{'PASS' if met else 'MISS'} ({target}): gap {ours_bleu - hf_bleu:+.2f}, NLL {ours_nll / hf_nll:.3f}x HF's"
+
+
+def train_hf(hf, trainer: Trainer, steps: int) -> tuple[float, bool]:
+    """The plain loop: the trainer's batches, optimizer settings, schedule, clipping and smoothing.
+    (seconds, whether every loss was finite)."""
     cfg = trainer.cfg
     opt = build_optimizer(hf, cfg.optim, torch.device("cpu"))
     sched = build_scheduler(opt, cfg.optim, cfg.max_steps)
     trainer.consumed = 0
     batches = trainer._batches()
     hf.train()
-    start = time.perf_counter()
+    start, finite = time.perf_counter(), True
     for _ in range(steps):
         batch = next(batches)
         logits = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).logits
@@ -68,7 +88,8 @@ def train_hf(hf, trainer: Trainer, steps: int) -> float:
             torch.nn.utils.clip_grad_norm_(hf.parameters(), cfg.optim.grad_clip)
         opt.step()
         sched.step()
-    return time.perf_counter() - start
+        finite &= bool(torch.isfinite(loss))
+    return time.perf_counter() - start, finite
 
 
 @torch.no_grad()
@@ -172,7 +193,8 @@ def main() -> None:
     if args.steps is not None:
         overrides.append(f"max_steps={args.steps}")
     cfg = load_config(ROOT / "configs" / "transformer-tiny-translate.yaml", overrides)
-    trainer = Trainer(cfg)
+    losses: list[float] = []
+    trainer = Trainer(cfg, callbacks=[lambda t, rec: losses.append(rec["loss"])])
     hf = to_hf_model(trainer.model)  # the same initial weights
     d = cfg.decode
     max_new = d.max_new_tokens or trainer.data.target_len
@@ -180,7 +202,8 @@ def main() -> None:
         t0 = time.perf_counter()
         trainer.fit()
         ours_time = time.perf_counter() - t0
-        hf_time = train_hf(hf, trainer, cfg.max_steps)
+        hf_time, hf_finite = train_hf(hf, trainer, cfg.max_steps)
+        trained = hf_finite and len(losses) == cfg.max_steps and all(map(math.isfinite, losses))
         ours = bleu(
             trainer.model.eval(),
             trainer.data.validation,
@@ -208,7 +231,8 @@ def main() -> None:
             f"  tformer: BLEU {ours.bleu:.2f}, chrF {ours.chrf:.2f}, val NLL {ours_nll:.3f} (training "
             f"{ours_time:.0f} s incl. evaluation and checkpointing)\n"
             f"  HF Marian: BLEU {ref_bleu:.2f}, chrF {ref_chrf:.2f}, val NLL {hf_nll:.3f} (training {hf_time:.0f} s)\n"
-            f"  BLEU gap tformer - HF: {ours.bleu - ref_bleu:+.2f} (target >= -0.5); {ours.signature}"
+            f"  {ours.signature}\n"
+            f"  quality: {quality_line(ours.bleu, ref_bleu, ours_nll, hf_nll, trained)}"
         )
     samples = [trainer.data.validation.sample(i)["input_ids"] for i in range(16)]
     width = max(len(s) for s in samples)

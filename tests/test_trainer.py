@@ -387,6 +387,27 @@ def test_bf16_on_a_cpu_without_bf16_matmuls_warns(monkeypatch, caplog, native):
     assert ("emulates bf16 matmuls" in caplog.text) is not native
 
 
+def test_precision_auto_follows_the_cpu_bf16_override(cpu_bf16, monkeypatch, tmp_path):
+    """TFORMER_CPU_BF16=1|0 stands for a CPU with or without AVX512-BF16/AMX: precision=auto is bf16 or
+    fp32 accordingly, in this process and in a real run it starts; unset, the CPU's flags decide."""
+    import tformer.train.trainer as tr
+
+    cpu = torch.device("cpu")
+    assert tr.cpu_has_native_bf16() is cpu_bf16
+    assert tr.resolve_precision("auto", cpu) == ("bf16" if cpu_bf16 else "fp32")
+    assert tr.resolve_precision("fp32", cpu) == "fp32" and tr.resolve_precision("bf16", cpu) == "bf16"
+    args = small_overrides("gpt2-tiny", tmp_path / "run", "precision=auto", "max_steps=1", "eval_every=0", "save_every=0")
+    proc = run_cli(["train", str(CONFIGS / "gpt2-tiny.yaml"), *args], tmp_path / "cache", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"precision {'bf16' if cpu_bf16 else 'fp32'}," in proc.stdout + proc.stderr
+    monkeypatch.delenv("TFORMER_CPU_BF16")
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    assert tr.cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+    monkeypatch.setenv("TFORMER_CPU_BF16", "yes")
+    with pytest.raises(tr.ConfigError, match="TFORMER_CPU_BF16=yes must be 1 or 0"):
+        tr.resolve_precision("auto", cpu)
+
+
 def test_strategy_step_contract_applies_skips_and_clears():
     """Strategy.step, the one update path of the trainer: a finite step clips, updates and clears
     the gradients (StepResult.applied, the pre-clip norm); a non-finite gradient or loss leaves the

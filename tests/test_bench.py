@@ -1,0 +1,82 @@
+"""The benchmarks' verdicts: a PASS line must be able to read FAIL or MISS. Each check function of
+bench/ is fed a failing result (a run that exited 2, two untrained models, a planner far off) and
+the like-with-like contenders of bench_trainer are checked to do the same work."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from train_helpers import ROOT, small_overrides
+
+sys.path.insert(0, str(ROOT / "bench"))
+
+import bench_memory  # noqa: E402
+import bench_trainer  # noqa: E402
+import bench_translate  # noqa: E402
+from bench_trainer import Rate, Start  # noqa: E402
+
+
+def test_start_time_fails_when_the_run_failed_however_fast(tmp_path):
+    """An unusable cache directory: tformer train exits 2 within seconds; the start-time line once
+    read '2.4s ... PASS' for it."""
+    blocked = tmp_path / "cache-is-a-file"
+    blocked.write_text("")
+    env = {**__import__("os").environ, "TFORMER_CACHE": str(blocked / "sub")}
+    start = bench_trainer.first_step_seconds(tmp_path / "run", timeout=120, env=env)
+    assert start.returncode == 2 and not start.logged, start
+    line = bench_trainer.start_line([start])
+    assert line.split("target <= 15 s")[1].split()[0] == "FAIL", line
+    assert "exit 2" in line and start.error in line and start.error.startswith("error:"), line
+    assert "PASS" in bench_trainer.start_line([Start(2.4, 0, True, "")])
+    assert "MISS" in bench_trainer.start_line([Start(20.0, 0, True, "")])
+    assert "FAIL" in bench_trainer.start_line([Start(2.4, 0, False, "")])  # exit 0, nothing logged
+    assert "FAIL" in bench_trainer.start_line([Start(2.4, None, True, "")])  # killed at the deadline
+
+
+def test_trainer_overhead_fails_unless_both_sides_did_the_same_work():
+    same = [Rate(1000.0, [7.5, 7.0]), Rate(990.0, [7.5, 7.1])]
+    assert "PASS" in bench_trainer.overhead_line(same[:1], same[1:], steps=2)
+    assert "MISS" in bench_trainer.overhead_line([Rate(1000.0, [7.5, 7.0])], [Rate(500.0, [7.5, 7.1])], steps=2)
+    for bare, trainer in (
+        (Rate(1000.0, [7.5, 7.0]), Rate(990.0, [7.4, 7.1])),  # another start: other weights or batch
+        (Rate(1000.0, [7.5, 7.0]), Rate(990.0, [7.5])),  # the trainer stopped early
+        (Rate(1000.0, [7.5, float("nan")]), Rate(990.0, [7.5, 7.1])),
+    ):
+        assert "FAIL" in bench_trainer.overhead_line([bare], [trainer], steps=2), (bare, trainer)
+
+
+def test_bare_loop_runs_the_trainers_step(tmp_path, monkeypatch):
+    """The bare loop computes what the trainer does: the chunked loss-only head (it once computed
+    full logits), from the trainer's initial weights and batches (equal first losses)."""
+    import tformer.models.base as base
+
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path / "cache"))
+    calls = []
+    chunked = base.chunked_lm_loss
+    monkeypatch.setattr(base, "chunked_lm_loss", lambda *a, **k: calls.append(1) or chunked(*a, **k))
+    args = small_overrides("gpt2-tiny", tmp_path / "x", "eval_every=0", "save_every=0", "model.dropout=0.0")[1:]
+    bare = bench_trainer.bare_rate(args, 3, tmp_path / "bare")
+    assert len(calls) == 3, "the bare loop did not use the trainer's chunked head"
+    trainer = bench_trainer.trainer_rate(args, 3, tmp_path / "trainer")
+    assert bare.losses[0] == pytest.approx(trainer.losses[0], rel=1e-6)
+    assert "FAIL" not in bench_trainer.overhead_line([bare], [trainer], steps=3)
+
+
+def test_translation_quality_fails_when_nothing_was_learnt():
+    line = bench_translate.quality_line(0.07, 0.13, 6.152, 6.152, trained=True)  # README's 100-step run
+    assert line.startswith("FAIL") and "train longer" in line, line
+    assert bench_translate.quality_line(5.0, 5.2, 4.0, 4.01, trained=True).startswith("PASS")
+    assert bench_translate.quality_line(3.0, 5.2, 4.0, 4.0, trained=True).startswith("MISS")  # BLEU behind
+    assert bench_translate.quality_line(5.2, 5.2, 4.5, 4.0, trained=True).startswith("MISS")  # NLL behind
+    assert bench_translate.quality_line(5.0, 5.2, 4.0, 4.0, trained=False).startswith("FAIL")
+
+
+def test_memory_bench_prints_a_planner_verdict():
+    mb = bench_memory.MB
+    assert bench_memory.planner_verdict(110 * mb, 100 * mb).endswith("PASS")
+    assert bench_memory.planner_verdict(86 * mb, 100 * mb).endswith("PASS")
+    assert bench_memory.planner_verdict(120 * mb, 100 * mb).endswith("MISS")
+    assert bench_memory.planner_verdict(50 * mb, 100 * mb).endswith("MISS")
+    assert bench_memory.planner_verdict(50 * mb, 0).endswith("FAIL")
