@@ -45,7 +45,10 @@ def test_prediction_within_25_percent_of_measured_memory(name, ac):
     states, activations = _measure(model, batch, ac)
     target = t if model.config.family == "encdec" else None
     e = estimate(model.config, "ddp", 1, b, s, target, ac, mixed=False)
-    assert e.model_states == pytest.approx(states, rel=0.02)  # model states are exact
+    # model states are exact: 16 B per parameter; what the planner leaves out is AdamW's step count,
+    # one 4-byte scalar per parameter tensor
+    counters = 4 * len(list(model.parameters()))
+    assert e.model_states == states - counters, (e.model_states, states, counters)
     # what is held between forward and backward: model states + the activations autograd saved
     kept = e.model_states + activation_bytes(model.config, b, s, target, ac, False, transient=False)
     assert kept == pytest.approx(states + activations, rel=0.25), (kept, states + activations)
