@@ -4,6 +4,7 @@ checkpoints, W&B offline, and one-line errors for bad input."""
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -306,6 +307,31 @@ def test_bad_config_gives_one_clear_error_line(cache, tmp_path, capsys, content,
     cfg.write_text(content)
     assert main(["train", str(cfg), f"output_dir={tmp_path / 'run'}", *overrides]) == 2
     assert match in _error_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "recipe,data,match",
+    [
+        ("source: missing.txt", None, r"file not found: .*missing\.txt"),
+        ("source: blank.txt", " \n\n\t\n", r"data source .*blank\.txt is blank \(5 bytes, all whitespace\)"),
+        ("source: blank.txt", "", r"data source .*blank\.txt is empty \(0 bytes\)"),
+        ("sources: [{source: default}, {source: blank.txt}]", "\n", r"data source .*blank\.txt is blank"),
+    ],
+    ids=["missing", "blank", "empty", "mixture"],
+)
+def test_a_missing_or_blank_source_is_refused_before_a_tokenizer_or_a_run_directory(
+    tmp_path, capsys, monkeypatch, recipe, data, match
+):
+    from tformer.cli import main
+
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    if data is not None:
+        (tmp_path / "blank.txt").write_text(data)
+    (tmp_path / "run.yaml").write_text(f"model: {{preset: gpt2-tiny}}\ndata: {{{recipe}}}\n")
+    assert main(["train", "run.yaml", "output_dir=runs/x"]) == 2
+    assert re.search(match, _error_line(capsys))
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()  # no run directory, no tokenizer
 
 
 def test_inverse_sqrt_schedule_is_the_papers():

@@ -28,7 +28,7 @@ from ..parallel.pipeline import check_pipeline
 from ..parallel.strategy import strategy_class
 from ..parallel.tp import check_tp, pad_for_sequence_parallel
 from .config import TrainConfig
-from .data import build_data, copy_tokenizer
+from .data import build_data, check_sources, copy_tokenizer
 from .dist import all_reduce, barrier, device_type, init_distributed
 from .metrics import peak_flops
 from .optim import build_optimizer, build_scheduler
@@ -75,6 +75,7 @@ class Trainer:
         self.device = torch.device(device_type(cfg.device))
         self.precision = resolve_precision(cfg.precision, self.device)
         self._check_support()
+        check_sources(cfg)  # a missing or empty data source: refused before the run directory exists
         # collectives outlive the watchdog by a minute, so a hang is reported before gloo/NCCL fail
         timeout = 600 if cfg.watchdog_timeout is None else cfg.watchdog_timeout + 60
         self.dist = init_distributed(
