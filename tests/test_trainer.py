@@ -159,6 +159,41 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(cache, tmp_path):
     assert "signal SIGTERM" in out
 
 
+def test_ctrl_c_saves_like_sigterm_even_when_it_arrives_twice(cache, tmp_path):
+    """Ctrl-C (SIGINT) finishes the step, saves and exits 0. The terminal sends it to the whole
+    process group (the DataLoader worker, data.num_workers=1, ignores it), and a torchrun agent
+    forwards it once more at once: still one clean save. The run's files all get the umask's mode
+    (model.safetensors was 0600)."""
+    args = [sys.executable, "-m", "tformer", "train", str(CONFIGS / "gpt2-tiny.yaml")]
+    args += small_overrides("gpt2-tiny", tmp_path, "max_steps=100000", "save_every=0", "eval_every=0", "data.num_workers=1")
+    umask = os.umask(0o022)
+    try:
+        proc = subprocess.Popen(
+            args, env=env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+    finally:
+        os.umask(umask)
+    try:
+        deadline = time.time() + 300
+        while not ((tmp_path / "metrics.jsonl").is_file() and len(metrics(tmp_path)) >= 3):
+            assert time.time() < deadline and proc.poll() is None, "the run did not log 3 steps in 300 s"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C
+        proc.send_signal(signal.SIGINT)  # torchrun's forwarded copy
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, err[-2000:]
+    assert "(signal SIGINT)" in out and "Ctrl-C: finishing the step" in err
+    ckpt = find_latest(tmp_path / "checkpoints")
+    verify(ckpt)
+    assert json.loads((ckpt / "trainer.json").read_text())["step"] == metrics(tmp_path)[-1]["step"] >= 3
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "config.yaml", ckpt / "model.safetensors")}
+    assert set(modes.values()) == {oct(0o644)}, modes
+
+
 def test_checkpoint_killed_mid_save_is_never_chosen(cache, tmp_path):
     common = ["max_steps=9", "save_every=3", "eval_every=0"]
     killed = _run(cache, tmp_path, *common, kill_in_save=6)

@@ -8,7 +8,6 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from .data import build_data, check_sources, copy_tokenizer
 from .dist import all_reduce, barrier, device_type, init_distributed
 from .metrics import peak_flops
 from .optim import build_optimizer, build_scheduler
+from .signals import ignore_interrupts, install_stop_signals, restore_signals
 from .spike import SpikeDetector
 from .tracking import WandbTracker
 from .watchdog import Watchdog
@@ -506,19 +506,11 @@ class Trainer:
             persistent_workers=workers > 0,
             pin_memory=self.device.type == "cuda",
             generator=torch.Generator().manual_seed(self.cfg.seed),
+            worker_init_fn=ignore_interrupts if workers > 0 else None,
         )
 
     def _install_signals(self):
-        def handler(signum, _frame):
-            self._signal = signal.Signals(signum).name
-
-        previous = {}
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            try:
-                previous[sig] = signal.signal(sig, handler)
-            except ValueError:  # not the main thread (e.g. a notebook worker): no signal handling
-                pass
-        return previous
+        return install_stop_signals(lambda name: setattr(self, "_signal", name), self.dist.is_main)
 
     def fit(self) -> dict:
         cfg, main = self.cfg, self.dist.is_main
@@ -601,8 +593,7 @@ class Trainer:
                 metrics_file.close()
             if tracker is not None:
                 tracker.finish()
-            for sig, h in previous.items():
-                signal.signal(sig, h)
+            restore_signals(previous)
         if main:
             reason = self._stop_reason or "max_steps"
             print(
