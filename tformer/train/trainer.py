@@ -25,7 +25,7 @@ from ..models.flops import training_flops
 from ..parallel.mesh import ParallelDims, check_strategy
 from ..parallel.pipeline import check_pipeline
 from ..parallel.strategy import strategy_class
-from ..parallel.tp import check_tp, pad_for_sequence_parallel
+from ..parallel.tp import check_tp, pad_for_sequence_parallel, pad_vocab_for_tp
 from .config import TrainConfig
 from .data import build_data, check_sources, copy_tokenizer
 from .dist import all_reduce, barrier, device_type, init_distributed
@@ -107,7 +107,7 @@ class Trainer:
                 "lower micro_batch_size or use more data"
             )
         self.model_cfg = self.data.model_config
-        check_tp(self.model_cfg, self.dims.tp)  # the tokenizer may have set the vocabulary
+        self.model_cfg = pad_vocab_for_tp(self.model_cfg, self.dims.tp)  # recorded in config.yaml and checkpoints
         self.model = build_model(self.model_cfg).to(self.device)
         self.num_parameters = self.model.num_parameters()  # the whole model's, before any split
         self.model.loss_chunk_size = cfg.loss.chunk_size  # the training loss's head, in chunks
