@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +76,39 @@ def test_pyproject_metadata_applies_without_deprecation_warnings():
     assert [str(w.message).splitlines()[0] for w in caught] == []
     assert dist.metadata.license_expression == "Apache-2.0"
     assert dist.metadata.version == tformer.__version__
+
+
+def _readme_commands() -> list[tuple[int, str]]:
+    """(line number, command) of README's shell blocks, comments and continuation lines aside."""
+    lines, inside, found = (ROOT / "README.md").read_text().splitlines(), False, []
+    for number, line in enumerate(lines, 1):
+        if line.startswith("```"):
+            inside = line.strip() == "```bash"
+        elif inside and line.strip() and not line.lstrip().startswith("#"):
+            found.append((number, line.split("  #")[0].strip()))
+    return found
+
+
+def test_readme_commands_run_as_written_on_a_fresh_clone():
+    """Its first two commands call .venv/bin/ themselves; every later bare `tformer`, `torchrun`
+    or `python` comes after the line that activates .venv; every input file a command names
+    (not a CAPITALISED placeholder, not an output) ships with the repository."""
+    text = (ROOT / "README.md").read_text()
+    commands = _readme_commands()
+    assert [c for _, c in commands[:2]] == [
+        "bash scripts/setup.sh && .venv/bin/tformer train configs/gpt2-tiny.yaml",
+        "bash scripts/setup.sh && .venv/bin/python -m pytest -q",
+    ]
+    activate = text.index("source .venv/bin/activate")
+    bare = [n for n, c in commands[2:] if re.match(r"(\w+=\S+ )*(tformer|torchrun|python|pytest) ", c)]
+    assert bare and len(text[:activate].splitlines()) < min(bare)
+    missing = []
+    for number, command in commands:
+        words = command.split()
+        for before, word in zip(["", *words], words):
+            output = before in ("--out", "--json", ">") or "=" in word or word.startswith(("runs/", "hf/", "tok/"))
+            placeholder = re.sub(r"[^A-Za-z]", "", Path(word).stem).isupper()
+            if re.search(r"\.(ya?ml|txt|gz|jsonl?|sh|sbatch)$", word) and not (output or placeholder):
+                if not (ROOT / word).exists():
+                    missing.append(f"README.md:{number}: {word}")
+    assert missing == []
