@@ -187,6 +187,36 @@ def test_empty_inputs(tmp_path, tok):
     assert not any((tmp_path / "cache").iterdir())  # the failed build left nothing behind
 
 
+def test_check_source_names_an_empty_or_blank_file_and_passes_real_data(tmp_path):
+    """The cheap check the trainer runs before any tokenizer or run directory: a blank file is
+    named as such, not reported later as "the corpus has 3 tokens"."""
+    (tmp_path / "empty.txt").write_text("")
+    write_text(tmp_path / "blank.txt", ["  ", "\t", ""])
+    with gzip.open(tmp_path / "empty.jsonl.gz", "wt") as f:
+        f.write("")
+    with gzip.open(tmp_path / "blank.txt.gz", "wt") as f:
+        f.write(" \n" * 100_000)  # 200 kB of whitespace: read past the first chunk
+    cases = {
+        "empty.txt": r"data source .*empty\.txt is empty \(0 bytes\)",
+        "blank.txt": r"data source .*blank\.txt is blank \(6 bytes, all whitespace\): give a file with text",
+        "empty.jsonl.gz": r"data source .*empty\.jsonl\.gz is empty \(nothing after decompression\)",
+        "blank.txt.gz": r"data source .*blank\.txt\.gz is blank \(200000 bytes",
+        "missing.txt": r"file not found: .*missing\.txt",
+    }
+    for name, match in cases.items():
+        with pytest.raises(DataError, match=match):
+            loading.check_source(tmp_path / name)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_text(shards / "a.txt", ["one line"])
+    with gzip.open(shards / "b.txt.gz", "wt") as f:
+        f.write(" " * 70_000 + "text after the first chunk\n")
+    loading.check_source(shards)  # real data, whitespace first or not
+    write_text(shards / "c.txt", [""])
+    with pytest.raises(DataError, match=r"shards/c\.txt is blank"):
+        loading.check_source(shards)
+
+
 @pytest.mark.parametrize(
     "name,data,options",
     [

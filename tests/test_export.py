@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -710,12 +711,20 @@ def test_import_refuses_what_tformer_cannot_express(tmp_path):
 
 def test_cli_export_and_import(toks, tmp_path, capsys):
     ckpt = _gpt2_run(toks, tmp_path / "run")
-    assert cli_main(["export", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")]) == 0
+    old = os.umask(0o022)
+    try:  # every file of an export and of an import: the umask's mode (safetensors' own is 0600)
+        assert cli_main(["export", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")]) == 0
+        assert cli_main(["import", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
+    finally:
+        os.umask(old)
+    files = [p for d in ("hf", "imported") for p in (tmp_path / d).rglob("*") if p.is_file()]
+    assert any(p.name == "model.safetensors" for p in files) and len(files) > 5
+    modes = {p.relative_to(tmp_path).as_posix(): oct(stat.S_IMODE(p.stat().st_mode)) for p in files}
+    assert {name: mode for name, mode in modes.items() if mode != oct(0o644)} == {}
     assert cli_main(["export", str(ckpt), "--to", "hf", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: output directory")
     assert sum(line.startswith("error") for line in err) == 1
-    assert cli_main(["import", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
     assert (tmp_path / "imported" / "checkpoints" / "step_00000000" / "COMPLETE").is_file()
     no_bias = tformer.build_model("gpt2-tiny", vocab_size=512, bias=False)
     bad = save_run(no_bias, toks["bpe"], tmp_path / "bad")

@@ -48,3 +48,23 @@ def test_output_gets_the_umask_permissions_as_if_written_in_place(tmp_path):
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "f").stat().st_mode) == 0o644
     assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o755
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask022", "umask077"])
+def test_safetensors_files_get_the_umask_permissions_like_the_rest_of_the_run(tmp_path, umask):
+    """safetensors writes a private (0600) temporary file and renames it: model.safetensors was
+    0600 beside a 0644 config.yaml. Checkpoints, consolidation and exports all write through
+    save_safetensors."""
+    import torch
+
+    from tformer.files import save_safetensors, save_weights
+
+    old = os.umask(umask)
+    try:
+        save_weights({"w": torch.ones(2, 3)}, tmp_path / "model.safetensors")
+        save_safetensors({"w": torch.ones(2)}, tmp_path / "other.safetensors", {"note": "x"})
+        (tmp_path / "config.yaml").write_text("x")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask), modes

@@ -246,6 +246,32 @@ def test_tp2_checkpoints_load_consolidate_and_export_with_hf_parity(tp2_runs, tm
         assert_logits_match(ours, hf_model(tmp_path / f"hf-{name}", ours.config.family), ours.config)
 
 
+def test_tp_pads_a_vocabulary_it_cannot_split_and_export_trims_it(cache, tmp_path, tmp_path_factory):
+    """2049 vocabulary rows at tp=2 used to be refused ("set model.pad_vocab_multiple"): the
+    trainer now pads them to 2050 itself (as Megatron does) and records it in the run; the run
+    equals the 1-process run of the same padded model, and the export holds the 2049 real rows
+    with HF logit parity."""
+    from test_export import assert_logits_match, hf_model
+
+    from tformer.checkpoint import load_checkpoint
+    from tformer.export import export_hf
+
+    odd = ["model.vocab_size=2049", "data.tokenizer_vocab_size=2048"]  # the decoders' cached tokenizer
+    recipe, overrides = _overrides("llama", tmp_path / "run", "parallel.tp=2", "parallel.sp=true", *odd)
+    run_ranks(2, [(recipe, overrides, str(tmp_path / "report"))], cache)
+    assert "pad_vocab_multiple: 2\n" in (tmp_path / "run" / "config.yaml").read_text()
+    ref = reference("llama", tmp_path_factory, 1, *odd, "model.pad_vocab_multiple=2")
+    assert ref[1]["embed.tok.weight"].shape[0] == 2050
+    assert_same_run("llama-odd-vocab", tmp_path / "run", tmp_path / "report", ref)
+    assert_counts(tmp_path / "report", 2, 2)  # 1025 rows of the embedding and of the head on each rank
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000004"
+    ours = load_checkpoint(ckpt).eval()
+    hf = hf_model(export_hf(ckpt, tmp_path / "hf"), "decoder")
+    assert hf.config.vocab_size == 2049 and hf.get_input_embeddings().weight.shape[0] == 2049
+    assert hf.get_output_embeddings().weight.shape[0] == 2049
+    assert_logits_match(ours, hf, ours.config)
+
+
 def test_tp_with_compile_and_activation_checkpointing(cache, tmp_path, tmp_path_factory):
     """tp=2 + SP with per-block compile inside full and op-level activation checkpointing: the
     1-process run's losses and parameters (inductor reorders float math: 1e-5, not bitwise)."""

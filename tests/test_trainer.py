@@ -4,6 +4,7 @@ checkpoints, W&B offline, and one-line errors for bad input."""
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -159,6 +160,41 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(cache, tmp_path):
     assert "signal SIGTERM" in out
 
 
+def test_ctrl_c_saves_like_sigterm_even_when_it_arrives_twice(cache, tmp_path):
+    """Ctrl-C (SIGINT) finishes the step, saves and exits 0. The terminal sends it to the whole
+    process group (the DataLoader worker, data.num_workers=1, ignores it), and a torchrun agent
+    forwards it once more at once: still one clean save. The run's files all get the umask's mode
+    (model.safetensors was 0600)."""
+    args = [sys.executable, "-m", "tformer", "train", str(CONFIGS / "gpt2-tiny.yaml")]
+    args += small_overrides("gpt2-tiny", tmp_path, "max_steps=100000", "save_every=0", "eval_every=0", "data.num_workers=1")
+    umask = os.umask(0o022)
+    try:
+        proc = subprocess.Popen(
+            args, env=env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+    finally:
+        os.umask(umask)
+    try:
+        deadline = time.time() + 300
+        while not ((tmp_path / "metrics.jsonl").is_file() and len(metrics(tmp_path)) >= 3):
+            assert time.time() < deadline and proc.poll() is None, "the run did not log 3 steps in 300 s"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C
+        proc.send_signal(signal.SIGINT)  # torchrun's forwarded copy
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, err[-2000:]
+    assert "(signal SIGINT)" in out and "Ctrl-C: finishing the step" in err
+    ckpt = find_latest(tmp_path / "checkpoints")
+    verify(ckpt)
+    assert json.loads((ckpt / "trainer.json").read_text())["step"] == metrics(tmp_path)[-1]["step"] >= 3
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "config.yaml", ckpt / "model.safetensors")}
+    assert set(modes.values()) == {oct(0o644)}, modes
+
+
 def test_checkpoint_killed_mid_save_is_never_chosen(cache, tmp_path):
     common = ["max_steps=9", "save_every=3", "eval_every=0"]
     killed = _run(cache, tmp_path, *common, kill_in_save=6)
@@ -307,6 +343,31 @@ def test_bad_config_gives_one_clear_error_line(cache, tmp_path, capsys, content,
     cfg.write_text(content)
     assert main(["train", str(cfg), f"output_dir={tmp_path / 'run'}", *overrides]) == 2
     assert match in _error_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "recipe,data,match",
+    [
+        ("source: missing.txt", None, r"file not found: .*missing\.txt"),
+        ("source: blank.txt", " \n\n\t\n", r"data source .*blank\.txt is blank \(5 bytes, all whitespace\)"),
+        ("source: blank.txt", "", r"data source .*blank\.txt is empty \(0 bytes\)"),
+        ("sources: [{source: default}, {source: blank.txt}]", "\n", r"data source .*blank\.txt is blank"),
+    ],
+    ids=["missing", "blank", "empty", "mixture"],
+)
+def test_a_missing_or_blank_source_is_refused_before_a_tokenizer_or_a_run_directory(
+    tmp_path, capsys, monkeypatch, recipe, data, match
+):
+    from tformer.cli import main
+
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    if data is not None:
+        (tmp_path / "blank.txt").write_text(data)
+    (tmp_path / "run.yaml").write_text(f"model: {{preset: gpt2-tiny}}\ndata: {{{recipe}}}\n")
+    assert main(["train", "run.yaml", "output_dir=runs/x"]) == 2
+    assert re.search(match, _error_line(capsys))
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()  # no run directory, no tokenizer
 
 
 def test_inverse_sqrt_schedule_is_the_papers():

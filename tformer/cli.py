@@ -1,4 +1,4 @@
-"""``tformer train | tokenizer | generate | evaluate | plot | export | import``: bad input ends in one
+"""The ``tformer`` command (``tformer --help`` lists its sub-commands): bad input ends in one
 ``error:`` line, exit 2."""
 
 from __future__ import annotations
@@ -16,7 +16,12 @@ TRUST_HELP = (
 
 
 def _train(argv: list[str]) -> int:
-    p = _Parser(prog="tformer train", description="Train a model from a YAML recipe.")
+    p = _Parser(
+        prog="tformer train",
+        description="Train a model from a YAML recipe. The keys a recipe (and a key=value override) takes "
+        "are the fields of tformer/train/config.py (model.* those of tformer/config.py); README.md's "
+        "'Training' section lists the common ones.",
+    )
     p.add_argument("config", help="YAML recipe, e.g. configs/gpt2-tiny.yaml")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. max_steps=100 optim.lr=1e-3")
     p.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP + " (= checkpoint.trust=true)")
@@ -250,7 +255,9 @@ def _plot(argv: list[str]) -> int:
 
 
 def _export(argv: list[str]) -> int:
-    p = _Parser(prog="tformer export", description="Export a checkpoint to HF transformers (BERT, GPT-2, Llama, T5).")
+    p = _Parser(
+        prog="tformer export", description="Export a checkpoint to HF transformers (BERT, GPT-2, Llama, T5, Marian)."
+    )
     p.add_argument("checkpoint", help="a run directory (its newest checkpoint) or one of its checkpoints")
     p.add_argument("--to", choices=["hf"], default="hf", help="target format (hf: transformers)")
     p.add_argument("out_dir", help="output directory (must not exist, or be empty)")
@@ -353,29 +360,56 @@ def _plan(argv: list[str]) -> int:
     )
 
 
-COMMANDS = {
-    "train": _train,
-    "data": _data,
-    "generate": _generate,
-    "evaluate": _evaluate,
-    "plot": _plot,
-    "tokenizer": _tokenizer,
-    "consolidate": _consolidate,
-    "plan": _plan,
-    "export": _export,
-    "import": _import,
+COMMANDS = {  # name: (function, its one line in `tformer --help`)
+    "train": (_train, "train a model from a YAML recipe (resumes its run directory)"),
+    "data": (_data, "tokenize a recipe's sources into the token cache ahead of training"),
+    "generate": (_generate, "continue a prompt or translate a sentence with a checkpoint"),
+    "evaluate": (_evaluate, "validation loss and perplexity of a run, BLEU/chrF with --bleu"),
+    "plot": (_plot, "plot a run's loss curves to PNG"),
+    "tokenizer": (_tokenizer, "train a tokenizer (tokenizer.json) for one of the model families"),
+    "consolidate": (_consolidate, "turn any checkpoint into one fp32 safetensors file"),
+    "plan": (_plan, "predict per-device memory per parallel layout and recommend one"),
+    "export": (_export, "export a checkpoint to HF transformers"),
+    "import": (_import, "import a HF transformers model to continue pretraining it"),
 }
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    return (
+        "usage: tformer COMMAND [ARGS ...]   (tformer COMMAND --help: its arguments)\n\ncommands:\n"
+        + "\n".join(lines)
+        + "\n\noptions:\n  -h, --help   this list\n  --version    the installed tformer's version\n"
+    )
+
+
+def _version() -> str:
+    """The installed distribution's version (its metadata), which pyproject.toml takes from
+    ``tformer.__version__``; a source tree that was never installed reports that attribute."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    try:
+        return version("tformer")
+    except PackageNotFoundError:
+        return f"{__version__} (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        known = " | ".join(COMMANDS)
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"error: unknown command {argv[0]!r}; use one of: {known}", file=sys.stderr)
-            return 2
-        print(f"usage: tformer {{{known}}} ...", file=sys.stderr)
+    if argv and argv[0] == "--version":
+        print(f"tformer {_version()}")
+        return 0
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage(), end="", file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        print(
+            f"error: unknown command {argv[0]!r}; use one of: {' | '.join(COMMANDS)} (see tformer --help)", file=sys.stderr
+        )
+        return 2
     from .logs import setup_logging
 
     setup_logging()
@@ -385,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     from .export import ExportError
 
     try:
-        return COMMANDS[argv[0]](argv[1:])
+        return COMMANDS[argv[0]][0](argv[1:])
     except (ConfigError, DataError, CheckpointError, ExportError, FileNotFoundError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

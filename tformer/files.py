@@ -73,12 +73,36 @@ def unique_tensors(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def save_weights(state: dict[str, Any], path: Path) -> None:
-    """Safetensors of a model state dict with each tied tensor once (its first name), made durable."""
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (``os.umask`` can only
+    be read by setting it, which would race with threads creating files meanwhile)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(state: dict[str, Any], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, with the permissions of any other file of the run.
+    safetensors (0.8, checked) writes through a private temporary file (mode 0600) that it renames
+    into place, so ``model.safetensors`` came out unreadable to the group and others while
+    ``config.yaml`` beside it was 0644 (umask 022)."""
     from safetensors.torch import save_file
 
+    save_file(state, str(path), metadata={"format": "pt", **(metadata or {})})
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def save_weights(state: dict[str, Any], path: Path) -> None:
+    """Safetensors of a model state dict with each tied tensor once (its first name), made durable."""
     state = {name: t.detach().contiguous().cpu() for name, t in unique_tensors(state).items()}
-    save_file(state, str(path), metadata={"format": "pt"})
+    save_safetensors(state, path)
     fsync_file(path)
 
 

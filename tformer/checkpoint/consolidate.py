@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from ..files import atomic_write, unique_tensors
+from ..files import atomic_write, save_safetensors, unique_tensors
 from .io import CheckpointError, load_model_from_dcp, resolve_checkpoint
 from .manager import TrainerState
 
@@ -54,15 +54,11 @@ def read_resolved_model_state(ckpt: Path, trust: bool = False) -> tuple[ModelCon
 def consolidate(ckpt: str | Path, out: str | Path | None = None, trust: bool = False) -> Path:
     """Write ``model.safetensors`` (one file, fp32) for any checkpoint; the model config goes in
     the file's metadata. Written to a temporary name and renamed: never a partial file."""
-    from safetensors.torch import save_file
-
     ckpt = resolve_checkpoint(ckpt, trust)
     cfg, state = read_resolved_model_state(ckpt, trust)
     out = Path(out) if out else ckpt / "consolidated.safetensors"
     with atomic_write(out) as tmp:
-        save_file(
-            {k: v.contiguous() for k, v in state.items()},
-            str(tmp),
-            metadata={"format": "pt", "tformer_model_config": json.dumps(cfg.to_dict())},
+        save_safetensors(
+            {k: v.contiguous() for k, v in state.items()}, tmp, {"tformer_model_config": json.dumps(cfg.to_dict())}
         )
     return out

@@ -84,6 +84,43 @@ def resolve_source(source) -> tuple[str, list[Path] | str]:
     return "files", files
 
 
+def check_source(source) -> None:
+    """Refuse a source that cannot give a single row, cheaply and before any tokenizer or token
+    work: a path that does not exist, or a local file that is empty or holds only whitespace
+    (which used to surface, after a tokenizer was trained, as "the corpus has 3 tokens"). Hub
+    names and saved datasets are checked when they are loaded."""
+    kind, files = resolve_source(source)
+    if kind != "files":
+        return
+    for f in files:
+        _check_not_empty(f)
+        if file_format(f) in ("text", "json", "csv"):
+            blank = _whitespace_bytes(f)
+            if blank == 0:
+                raise DataError(f"data source {f} is empty (nothing after decompression): give a file with data")
+            if blank is not None:
+                raise DataError(f"data source {f} is blank ({blank} bytes, all whitespace): give a file with text")
+
+
+def _whitespace_bytes(f: Path) -> int | None:
+    """The size of a (decompressed) text file that holds only whitespace, else None. Reading stops
+    at the first chunk with text, so a real file costs one small read."""
+    import fsspec
+
+    seen = 0
+    with fsspec.open(str(f), "rb", compression="infer") as fh:
+        while chunk := fh.read(1 << 16):
+            if chunk.strip():
+                return None
+            seen += len(chunk)
+    return seen
+
+
+def _check_not_empty(f: Path) -> None:
+    if f.stat().st_size == 0:
+        raise DataError(f"data source {f} is empty (0 bytes): give a file with data")
+
+
 def _known(path: Path) -> bool:
     try:
         file_format(path)
@@ -257,8 +294,7 @@ def _load_files(files: list[Path], *, split, streaming, val_fraction, format, te
         raise DataError(f"mixed file types ({', '.join(sorted(formats))}) in {files[0].parent}: give files of one type")
     fmt = formats.pop()
     for f in files:
-        if f.stat().st_size == 0:
-            raise DataError(f"{f} is empty (0 bytes): give a file with data")
+        _check_not_empty(f)
     kwargs = {"sample_by": text_unit} if fmt == "text" else {}
     names = ", ".join(str(f) for f in files)
     if streaming and split != "all":

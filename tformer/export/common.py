@@ -16,7 +16,7 @@ import torch
 from ..checkpoint.io import CheckpointError, resolve_checkpoint
 from ..checkpoint.manager import TrainerState
 from ..config import ConfigError, ModelConfig
-from ..files import atomic_write
+from ..files import atomic_write, save_safetensors
 
 
 class ExportError(ValueError):
@@ -258,13 +258,12 @@ def write_safetensors(state: dict[str, torch.Tensor], out: Path, max_shard_size:
     """``model.safetensors``, or shards plus ``model.safetensors.index.json`` above
     ``max_shard_size`` bytes: HF's layout, so ``from_pretrained`` reads either."""
     from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
 
     split = split_torch_state_dict_into_shards(
         state, max_shard_size=max_shard_size, filename_pattern="model{suffix}.safetensors"
     )
     for filename, names in split.filename_to_tensors.items():
-        save_file({n: state[n] for n in names}, str(out / filename), metadata={"format": "pt"})
+        save_safetensors({n: state[n] for n in names}, out / filename)
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         text = json.dumps(index, indent=2, sort_keys=True) + "\n"

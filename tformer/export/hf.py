@@ -19,6 +19,7 @@ import torch
 from ..checkpoint.io import commit, partial_dir, write_bytes_durable
 from ..checkpoint.manager import TrainerState
 from ..config import ModelConfig
+from ..files import save_safetensors
 from ..models.base import TformerModel
 from . import bert, gpt2, llama, marian, t5
 from .common import (
@@ -188,13 +189,11 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, force: bool = False) -> P
 
 def _write_checkpoint(root: Path, cfg: ModelConfig, state: dict, source: str) -> Path:
     """A step-0 checkpoint in the trainer's layout (marker last, renamed into place), weights only."""
-    from safetensors.torch import save_file
-
     from ..train.config import config_from_dict, dump_yaml
 
     tmp = partial_dir(root, 0)
     tmp.mkdir(parents=True)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, tmp / "model.safetensors")
     # weights_only: the trainer resumes it with a fresh optimizer and LR schedule
     TrainerState(step=0, weights_only=True, model_config=cfg.to_dict(), family=cfg.family, imported_from=source).write(tmp)
     write_bytes_durable(tmp / "config.yaml", dump_yaml(config_from_dict({"model": cfg.to_dict()})).encode())

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from ..args import parse_bytes
 from ..config import ConfigError, ModelConfig, Precision
 from ..nn.ffn import FFN_KINDS
+from .tp import pad_vocab_for_tp
 
 STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-no-reshard")
 # bytes per parameter of DeepSpeed's fp32 ZeRO as built, by device count N (see the module doc)
@@ -369,13 +370,13 @@ def _module_counts(fields: tuple) -> dict[str, int]:
 
 
 def tp_blocker(cfg: ModelConfig, tp: int) -> str | None:
-    """The first size that ``tp`` does not divide (TP splits heads, KV heads, the FFN width and the
-    vocabulary rows), as ``name=value``; None when ``tp`` can split them all."""
+    """The first size that ``tp`` does not divide (TP splits heads, KV heads and the FFN width;
+    the vocabulary it pads itself, ``pad_vocab_for_tp``), as ``name=value``; None when ``tp`` can
+    split them all."""
     for name, value in (
         ("num_heads", cfg.num_heads),
         ("num_kv_heads", cfg.kv_heads),
         ("d_ff", cfg.d_ff),
-        ("padded vocab_size", cfg.padded_vocab_size),
     ):
         if value % tp:
             return f"{name}={value}"
@@ -593,6 +594,7 @@ def estimate(
     (None) the worst one: the first (most micro-batches in flight, the embeddings) or the last (the
     head and loss); a middle rank holds no more than the first."""
     dp_shard = devices // (pp * dp_replicate * tp)
+    cfg = pad_vocab_for_tp(cfg, tp)  # the rows the trainer will hold
     # bf16 autocast over fp32 weights: plain data parallelism; FSDP2 and DeepSpeed compute in bf16 weights
     memory = {"fp32_weights": strategy == "ddp", **memory}
     if pp == 1:
@@ -672,8 +674,8 @@ def rank_memory(
     blocker = tp_blocker(cfg, tp)
     if blocker:
         usable = ", ".join(str(t) for t in range(1, cfg.num_heads + 1) if tp_blocker(cfg, t) is None)
-        pad = "; or pad the vocabulary: model.pad_vocab_multiple=64" if blocker.startswith("padded") else ""
-        raise ConfigError(f"parallel.tp={tp} does not divide {blocker}; use one of: {usable}{pad}")
+        raise ConfigError(f"parallel.tp={tp} does not divide {blocker}; use one of: {usable}")
+    cfg = pad_vocab_for_tp(cfg, tp)  # the rows the trainer will hold
     if precision not in PRECISIONS:
         raise ConfigError(f"precision={precision!r} is not allowed; use one of: {', '.join(PRECISIONS)}")
     if dp_replicate > 1 and not strategy.startswith("fsdp"):
@@ -943,7 +945,7 @@ def plan_main(
     )
     if skipped:
         print(
-            "tp skipped (it must divide num_heads, num_kv_heads, d_ff and the padded vocabulary): "
+            "tp skipped (it must divide num_heads, num_kv_heads and d_ff): "
             + ", ".join(f"{tp} ({why})" for tp, why in skipped.items())
         )
     print(

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Any
 
 import torch
@@ -62,12 +63,17 @@ def check_tp(cfg: ModelConfig, tp: int, sp: bool = False) -> None:
     ):
         if value % tp:
             raise ConfigError(f"parallel.tp={tp} does not divide {name}={value}; use {fix}")
-    if cfg.padded_vocab_size % tp:
-        raise ConfigError(
-            f"parallel.tp={tp} does not divide the vocabulary (model.vocab_size={cfg.vocab_size}, "
-            f"padded to {cfg.padded_vocab_size}); set model.pad_vocab_multiple={64 * tp} to pad "
-            "the embedding rows to a multiple of tp"
-        )
+
+
+def pad_vocab_for_tp(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """``cfg`` with its vocabulary rows padded to a multiple of ``tp`` as well (Megatron pads the
+    same way), so every rank holds an equal slice of the embedding and the head whatever the
+    tokenizer's size. The padding rows are never predicted (the logits are sliced, the vocabulary-
+    parallel loss masks them) and export drops them; the run's config and checkpoints record the
+    resulting ``pad_vocab_multiple``."""
+    if cfg.padded_vocab_size % tp == 0:
+        return cfg
+    return cfg.replace(pad_vocab_multiple=math.lcm(cfg.pad_vocab_multiple, tp))
 
 
 def _stacks(model):

@@ -33,7 +33,7 @@ from ..data import (
     tokenize_pairs,
     train_tokenizer,
 )
-from ..data.loading import resolve_source
+from ..data.loading import check_source
 from ..data.mixture import ConcatKeyed
 from ..parallel.dist import barrier, multi_process
 from .config import AUTO_OBJECTIVE, TrainConfig, source_name
@@ -147,6 +147,15 @@ def _file_identity(source) -> list:
     return []
 
 
+def check_sources(cfg: TrainConfig) -> None:
+    """Every data source of the run exists and holds data (``check_source``): cheap, so the
+    trainer calls it before it makes the run directory."""
+    entries = mixture_sources(cfg) if (cfg.data.sources or cfg.data.stages) else [{"source": cfg.data.source}]
+    for e in entries:
+        if e["source"] != "default":
+            check_source(e["source"])
+
+
 def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
     model_cfg = cfg.model
     family = model_cfg.family
@@ -154,10 +163,8 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
     allowed = {"decoder": ("causal",), "encoder": ("mlm",), "encdec": ("span", "seq2seq")}[family]
     if objective not in allowed:
         raise DataError(f"data.objective={objective!r} does not fit a {family} model; use {' or '.join(allowed)}")
+    check_sources(cfg)  # a missing or empty source fails here, before any tokenizer or token work
     entries = mixture_sources(cfg) if (cfg.data.sources or cfg.data.stages) else []
-    for e in entries:  # an unknown source fails here, before any tokenizer or token work
-        if e["source"] != "default":
-            resolve_source(e["source"])
     if entries:  # the tokenizer ("auto") is trained on the first source
         source = default_corpus_path() if entries[0]["source"] == "default" else entries[0]["source"]
     else:
@@ -301,9 +308,7 @@ def prepare_data(cfg: TrainConfig, workers: int = 1, progress: bool = True, shar
             }
         ]
     )
-    for e in entries:
-        if e["source"] != "default":
-            resolve_source(e["source"])
+    check_sources(cfg)
     sources = [default_corpus_path() if e["source"] == "default" else e["source"] for e in entries]
     pairs = objective == "seq2seq"
     columns = [[cfg.data.source_column, cfg.data.target_column] if pairs else [e["text_column"]] for e in entries]

@@ -8,7 +8,6 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -26,12 +25,13 @@ from ..models.flops import training_flops
 from ..parallel.mesh import ParallelDims, check_strategy
 from ..parallel.pipeline import check_pipeline
 from ..parallel.strategy import strategy_class
-from ..parallel.tp import check_tp, pad_for_sequence_parallel
+from ..parallel.tp import check_tp, pad_for_sequence_parallel, pad_vocab_for_tp
 from .config import TrainConfig
-from .data import build_data, copy_tokenizer
+from .data import build_data, check_sources, copy_tokenizer
 from .dist import all_reduce, barrier, device_type, init_distributed
 from .metrics import peak_flops
 from .optim import build_optimizer, build_scheduler
+from .signals import ignore_interrupts, install_stop_signals, restore_signals
 from .spike import SpikeDetector
 from .tracking import WandbTracker
 from .watchdog import Watchdog
@@ -81,6 +81,7 @@ class Trainer:
         self.device = torch.device(device_type(cfg.device))
         self.precision = resolve_precision(cfg.precision, self.device)
         self._check_support()
+        check_sources(cfg)  # a missing or empty data source: refused before the run directory exists
         # collectives outlive the watchdog by a minute, so a hang is reported before gloo/NCCL fail
         timeout = 600 if cfg.watchdog_timeout is None else cfg.watchdog_timeout + 60
         self.dist = init_distributed(
@@ -112,7 +113,7 @@ class Trainer:
                 "lower micro_batch_size or use more data"
             )
         self.model_cfg = self.data.model_config
-        check_tp(self.model_cfg, self.dims.tp)  # the tokenizer may have set the vocabulary
+        self.model_cfg = pad_vocab_for_tp(self.model_cfg, self.dims.tp)  # recorded in config.yaml and checkpoints
         self.model = build_model(self.model_cfg).to(self.device)
         self.num_parameters = self.model.num_parameters()  # the whole model's, before any split
         self.model.loss_chunk_size = cfg.loss.chunk_size  # the training loss's head, in chunks
@@ -511,19 +512,11 @@ class Trainer:
             persistent_workers=workers > 0,
             pin_memory=self.device.type == "cuda",
             generator=torch.Generator().manual_seed(self.cfg.seed),
+            worker_init_fn=ignore_interrupts if workers > 0 else None,
         )
 
     def _install_signals(self):
-        def handler(signum, _frame):
-            self._signal = signal.Signals(signum).name
-
-        previous = {}
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            try:
-                previous[sig] = signal.signal(sig, handler)
-            except ValueError:  # not the main thread (e.g. a notebook worker): no signal handling
-                pass
-        return previous
+        return install_stop_signals(lambda name: setattr(self, "_signal", name), self.dist.is_main)
 
     def fit(self) -> dict:
         cfg, main = self.cfg, self.dist.is_main
@@ -606,8 +599,7 @@ class Trainer:
                 metrics_file.close()
             if tracker is not None:
                 tracker.finish()
-            for sig, h in previous.items():
-                signal.signal(sig, h)
+            restore_signals(previous)
         if main:
             reason = self._stop_reason or "max_steps"
             print(
