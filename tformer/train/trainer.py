@@ -21,12 +21,13 @@ from ..config import ConfigError
 from ..data import DataError, MixtureDataset, MixtureSampler, ResumableSampler
 from ..files import atomic_write
 from ..models import build_model
+from ..models.base import pad_sequences
 from ..parallel.offload import activation_offload
 from ..models.flops import training_flops
 from ..parallel.mesh import ParallelDims, check_strategy
 from ..parallel.pipeline import check_pipeline
 from ..parallel.strategy import strategy_class
-from ..parallel.tp import check_tp, pad_for_sequence_parallel
+from ..parallel.tp import check_tp
 from .config import TrainConfig
 from .data import build_data, copy_tokenizer
 from .dist import all_reduce, barrier, device_type, init_distributed
@@ -398,7 +399,7 @@ class Trainer:
         total = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, tokens, correct
         for i in range(0, len(keys), cfg.micro_batch_size):
             batch = self.data.collator([ds[k] for k in keys[i : i + cfg.micro_batch_size]])
-            inputs = {k: batch[k].to(self.device) for k in self.data.model_inputs if k in batch}
+            inputs = self._pad_for_sp({k: batch[k].to(self.device) for k in self.data.model_inputs if k in batch})
             with self._autocast():
                 out = self.model(**inputs)
             mask = inputs["labels"] != -100
@@ -423,7 +424,7 @@ class Trainer:
         total = torch.zeros(3, dtype=torch.float64, device=self.device)
         for i in range(0, len(keys), chunk):
             batch = self.data.collator([ds[k] for k in keys[i : i + chunk]])
-            inputs = {k: batch[k].to(self.device) for k in self.data.model_inputs if k in batch}
+            inputs = self._pad_for_sp({k: batch[k].to(self.device) for k in self.data.model_inputs if k in batch})
             losses: list = []
             with self._autocast(), self.strategy.loss_context():
                 self.strategy.schedule.eval(
@@ -435,6 +436,12 @@ class Trainer:
                 total[1] += counts.sum()
         all_reduce(total)
         return total
+
+    def _pad_for_sp(self, inputs: dict) -> dict:
+        """A batch as every forward under sequence parallelism takes it (training and both
+        evaluations): padded to a multiple of tp. Decoding pads with the same function (generate.py)."""
+        multiple = self.dims.tp if self.cfg.parallel.sp else 1
+        return pad_sequences(inputs, multiple, self.model_cfg.pad_token_id, self.model_cfg.family)
 
     def evaluate_bleu(self, samples: int | None = None):
         """BLEU / chrF of the first ``samples`` validation pairs, decoded with ``cfg.decode``. Every
@@ -567,6 +574,11 @@ class Trainer:
                 stopping = self._stop_check(start)
                 due_eval = cfg.eval_every and self.step % cfg.eval_every == 0
                 final = self.step >= cfg.max_steps or stopping
+                # save before evaluating: an evaluation that fails must not cost the step's checkpoint
+                if (cfg.save_every and self.step % cfg.save_every == 0) or final:
+                    if self._may_save():
+                        self.save()
+                    saved_step = self.step
                 if due_eval or final:
                     self._beat("eval")
                     record.update(self.evaluate())
@@ -576,10 +588,6 @@ class Trainer:
                     bar.update(1)
                     bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
                 last = record
-                if (cfg.save_every and self.step % cfg.save_every == 0) or final:
-                    if self._may_save():
-                        self.save()
-                    saved_step = self.step
                 for cb in self.callbacks:
                     cb(self, record)
                 self.ckpt.poll()  # commits, in the background, need no collective
@@ -763,8 +771,7 @@ class Trainer:
             target = inputs["labels"].shape[1] if self.model_cfg.family == "encdec" else None
             flops += training_flops(self.model_cfg, *inputs["input_ids"].shape, target)
             last = micro == cfg.grad_accum - 1
-            if self.dims.tp > 1 and cfg.parallel.sp:
-                inputs = pad_for_sequence_parallel(inputs, self.dims.tp, self.model_cfg.pad_token_id, self.model_cfg.family)
+            inputs = self._pad_for_sp(inputs)
             if self.dims.pp > 1:
                 pipelined.append(inputs)
                 if last:
