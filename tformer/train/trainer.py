@@ -33,6 +33,7 @@ from .data import build_data, copy_tokenizer
 from .dist import all_reduce, barrier, device_type, init_distributed
 from .metrics import peak_flops
 from .optim import build_optimizer, build_scheduler
+from . import resume as resuming
 from .spike import SpikeDetector
 from .tracking import WandbTracker
 from .watchdog import Watchdog
@@ -76,6 +77,7 @@ class Trainer:
         self.device = torch.device(device_type(cfg.device))
         self.precision = resolve_precision(cfg.precision, self.device)
         self._check_support()
+        self._peek_resume()  # a complete run ends here, before any work
         # collectives outlive the watchdog by a minute, so a hang is reported before gloo/NCCL fail
         timeout = 600 if cfg.watchdog_timeout is None else cfg.watchdog_timeout + 60
         self.dist = init_distributed(
@@ -108,6 +110,7 @@ class Trainer:
             )
         self.model_cfg = self.data.model_config
         check_tp(self.model_cfg, self.dims.tp)  # the tokenizer may have set the vocabulary
+        self._check_resume_changes()  # before the model is built
         self.model = build_model(self.model_cfg).to(self.device)
         self.num_parameters = self.model.num_parameters()  # the whole model's, before any split
         self.model.loss_chunk_size = cfg.loss.chunk_size  # the training loss's head, in chunks
@@ -116,7 +119,7 @@ class Trainer:
         self.model = self.strategy.model  # under pipeline parallelism: this rank's stages
         base = build_optimizer(self.model, cfg.optim, self.device, allow_fused=self.strategy.fused_optimizer_ok())
         # The schedule drives the torch optimizer's param groups, which DeepSpeed's wrapper shares.
-        self.scheduler = build_scheduler(base, cfg.optim, cfg.max_steps)
+        self.scheduler = build_scheduler(base, cfg.optim, self.schedule_steps)
         self.optimizer = self.strategy.setup_optimizer(base)
         self.wrapped = self.strategy.wrapped
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
@@ -253,6 +256,49 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
 
     # -- checkpoints -----------------------------------------------------------------------
+    def _peek_resume(self) -> None:
+        """The checkpoint to resume from, read cheaply (``trainer.json``, ``config.yaml``; verified
+        when loaded): a run already complete raises ``RunComplete``; the schedule's horizon."""
+        cfg = self.cfg
+        manager = CheckpointManager(Path(cfg.output_dir) / "checkpoints")
+        path = manager.locate(cfg.resume)
+        self._resume_peek = None
+        if path is not None and path.is_dir():
+            state, saved = manager.read(path), resuming.saved_config(path)
+            resuming.check_not_complete(cfg, path, state)
+            self._resume_peek = (path, state, saved)
+        self.schedule_steps = resuming.schedule_steps(cfg, *(self._resume_peek or (None, None, {}))[1:])
+
+    def _check_resume_changes(self) -> None:
+        """Refuse (or, with ``resume_changes=allow``, warn about) what the resumed run changes."""
+        if self._resume_peek is None or self._resume_peek[1].weights_only:
+            return
+        path, state, saved = self._resume_peek
+        current = {**self.cfg.to_dict(), "model": self.model_cfg.to_dict()}
+        changes = resuming.meaning_changes(saved, current)
+        changes += resuming.batch_change(resuming.saved_global_batch(state, saved), self._global_batch_size())
+        notes = resuming.judge(changes, self.cfg, path, state.step)
+        notes.append(resuming.horizon_note(self.cfg, saved, self.schedule_steps, state.step))
+        if self.dist.is_main:
+            for note in filter(None, notes):
+                log.warning("%s", note)
+
+    def _apply_optim_config(self) -> None:
+        """A loaded optimizer and schedule carry the hyperparameters they were saved with; under
+        ``resume_changes=allow`` this run's ``optim`` section replaces them (the moments stay)."""
+        o, sched = self.cfg.optim, self.scheduler
+        decays = [o.weight_decay, 0.0]  # the groups of optim.param_groups: matrices, then the rest
+        for group, decay in zip(self.optimizer.param_groups, decays):
+            group.update(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=decay, initial_lr=o.lr)
+        sched.base_lrs = [o.lr] * len(sched.base_lrs)
+        for group, factor in zip(self.optimizer.param_groups, sched.lr_lambdas):
+            group["lr"] = o.lr * factor(sched.last_epoch)
+
+    def _global_batch_size(self) -> tuple[int, int]:
+        """(sequences, input tokens) per optimizer step; token-budget batches: (batches, budget)."""
+        per = self.cfg.data.tokens_per_batch or self.data.seq_len
+        return self._global_batch(), self._global_batch() * per
+
     def _resume(self) -> None:
         path = self.ckpt.resolve(self.cfg.resume)
         if path is None:
@@ -268,7 +314,6 @@ class Trainer:
 
         check_checkpoint(path, self.cfg.checkpoint.trust)  # every pickle, before any is loaded
         state = self.ckpt.read(path)
-        self._check_same_model(path, state.model_config or {})
         if state.weights_only:
             # A model imported from HF (`tformer import`, step 0): weights, no optimizer state, so
             # AdamW's moments start at zero and the LR schedule from its beginning.
@@ -279,6 +324,8 @@ class Trainer:
             log.warning("%s holds weights only: the optimizer and LR schedule start fresh", path)
         else:
             self.strategy.load(path, self.optimizer, self.scheduler, self.scaler, state.world_size)
+            if self.cfg.resume_changes == "allow":
+                self._apply_optim_config()
         if not self.ckpt.restore_rng(path, state, self.cfg.checkpoint.trust):
             log.warning(
                 "rank %d: no RNG state for this world size in %s; dropout streams restart (data order is unaffected)",
@@ -301,16 +348,6 @@ class Trainer:
         self.spikes.load_state_dict(state.spike_detector)
         self.streak_start = None
         self.resumed_from = path
-
-    def _check_same_model(self, path: Path, saved: dict) -> None:
-        ours = self.model_cfg.to_dict()
-        for key, value in ours.items():
-            if key in saved and saved[key] != value and key not in ("attn_impl", "dropout", "attn_dropout"):
-                raise CheckpointError(
-                    f"checkpoint {path} was trained with model.{key}={saved[key]!r} but "
-                    f"this run has {value!r}; use the checkpoint's model config or a new "
-                    "output_dir"
-                )
 
     def save(self) -> Path:
         """A checkpoint of this step (all ranks take part); with ``checkpoint.async`` it returns
@@ -345,6 +382,9 @@ class Trainer:
             seq_len=self.data.seq_len,
             target_len=self.data.target_len,
             data_mixture=self._mixture_fingerprint(),
+            global_batch=self._global_batch_size()[0],
+            global_batch_tokens=self._global_batch_size()[1],
+            schedule_steps=self.schedule_steps,
         )
 
     def wait_for_checkpoint(self) -> Path | None:
