@@ -202,9 +202,7 @@ def _generate_encdec(model, src, src_mask, steps, temperature, top_k, top_p, eos
             logits = model.decode(step_input, memory, memory_mask, cache=cache)[:, -1]
         else:
             logits = _encdec_last_logits(model, out, memory, memory_mask)
-        tok, done_next = _finish(
-            next_token(logits, temperature, top_k, top_p, generator), done, eos, cfg.pad_token_id
-        )
+        tok, done_next = _finish(next_token(logits, temperature, top_k, top_p, generator), done, eos, cfg.pad_token_id)
         out = torch.cat((out, tok[:, None]), dim=1)
         step_input, done = tok[:, None], done_next
         if done.all():

@@ -93,15 +93,13 @@ def _matches(key: str, names: tuple[str, ...]) -> bool:
     return any(key == n or key.startswith(n + ".") for n in names)
 
 
-def meaning_changes(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
+def meaning_changes(saved: dict, current: dict, weights_only: bool = False) -> list[tuple[str, Any, Any]]:
     """(key, saved value, current value) of every key both configs hold that changes what the run
-    trains (keys one of them lacks come from another tformer version: not compared)."""
+    trains (keys one of them lacks come from another tformer version: not compared). An imported
+    model (``weights_only``) may be trained with other dropout rates than its source used."""
+    free = RESUME_FREE + RESUME_EXTEND + (("model.dropout", "model.attn_dropout") if weights_only else ())
     old, new = flatten(saved), flatten(current)
-    return [
-        (k, old[k], new[k])
-        for k in old
-        if k in new and old[k] != new[k] and not _matches(k, RESUME_FREE + RESUME_EXTEND)
-    ]
+    return [(k, old[k], new[k]) for k in old if k in new and old[k] != new[k] and not _matches(k, free)]
 
 
 def batch_change(saved: tuple[int | None, int | None], current: tuple[int, int]) -> list[tuple[str, Any, Any]]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.io import CheckpointError, load_model_weights, verify
+from ..checkpoint.io import load_model_weights, verify
 from ..checkpoint.manager import CheckpointManager, TrainerState
 from ..config import ConfigError
 from ..data import DataError, MixtureDataset, MixtureSampler, ResumableSampler
@@ -271,11 +271,13 @@ class Trainer:
 
     def _check_resume_changes(self) -> None:
         """Refuse (or, with ``resume_changes=allow``, warn about) what the resumed run changes."""
-        if self._resume_peek is None or self._resume_peek[1].weights_only:
+        if self._resume_peek is None:
             return
         path, state, saved = self._resume_peek
         current = {**self.cfg.to_dict(), "model": self.model_cfg.to_dict()}
-        changes = resuming.meaning_changes(saved, current)
+        if state.weights_only:  # an import starts a run: only the model its weights belong to counts
+            saved, current = {"model": state.model_config or {}}, {"model": current["model"]}
+        changes = resuming.meaning_changes(saved, current, weights_only=state.weights_only)
         changes += resuming.batch_change(resuming.saved_global_batch(state, saved), self._global_batch_size())
         notes = resuming.judge(changes, self.cfg, path, state.step)
         notes.append(resuming.horizon_note(self.cfg, saved, self.schedule_steps, state.step))
