@@ -23,7 +23,8 @@ With degree ``t`` on the mesh's ``tp`` dimension:
   FFN all-gathers its input once and reduce-scatters its output (in place of the all-reduce).
   Each stack's first block takes the full sequence and keeps its slice, its last block gathers
   the sequence again, so embeddings, final norms, heads and cross-attention memories see whole
-  sequences. Sequence lengths must then be multiples of ``t`` (the trainer pads batches).
+  sequences. Sequence lengths must then be multiples of ``t``: the model's ``sequence_multiple``
+  says so, and training, evaluation and decoding pad with ``models.base.pad_sequences``.
   Backward keeps each gathered input as this rank's sequence shard and all-gathers it again when
   the projections' weight gradients need it (``KeepSequenceShard``, Megatron-LM's way): torch's
   sequence parallel alone would keep the whole gathered input of every sub-layer on every rank.
