@@ -5,6 +5,7 @@ import torch
 
 from tformer import build_model
 from tformer.generate import filter_logits, generate
+from tformer.nn import TransformerStack
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "t5-tiny", "t5-v1.1-tiny"])
@@ -77,3 +78,26 @@ def test_bad_generation_arguments():
         generate(model, torch.zeros(1, 2, dtype=torch.long), 2, temperature=1.0, top_p=1.5)
     with pytest.raises(TypeError, match="decoder or encoder-decoder"):
         generate(build_model("bert-tiny"), torch.zeros(1, 2, dtype=torch.long), 2)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "t5-v1.1-tiny"])
+def test_a_sequence_parallel_model_decodes_padded_and_uncached_to_the_same_tokens(name):
+    """Under SP (``sequence_multiple`` = tp) every forward needs a length that is a multiple of tp:
+    decoding pads each step's whole sequence as training pads its batches. Set on an unsplit model
+    here (3: no odd prompt or step is a multiple), greedy and beam search give the cached tokens;
+    the 2-rank run is in test_sp_lengths.py."""
+    model = build_model(name, eos_token_id=None).eval()
+    ids = torch.randint(3, 1000, (2, 7))
+    mask = torch.tensor([[1] * 7, [0] * 2 + [1] * 5])
+    ids[1, :2] = model.config.pad_token_id
+    if model.config.family == "encdec":  # a ragged source: right-padded
+        mask = mask.flip(1)
+        ids = torch.where(mask.bool(), ids, model.config.pad_token_id)
+    expected = {beams: generate(model, ids, 9, attention_mask=mask, num_beams=beams) for beams in (1, 3)}
+    lengths = []  # of every sequence a stack (encoder or decoder) ran on
+    for stack in (m for m in model.modules() if isinstance(m, TransformerStack)):
+        stack.register_forward_pre_hook(lambda m, args: lengths.append(args[0].shape[1]))
+    model.sequence_multiple = 3
+    for beams, tokens in expected.items():
+        assert torch.equal(generate(model, ids, 9, attention_mask=mask, num_beams=beams), tokens), beams
+    assert len(lengths) > 9 and all(n % 3 == 0 for n in lengths), lengths

@@ -399,7 +399,7 @@ def test_bad_checkpoints_are_refused_and_good_ones_survive(cache, tmp_path, caps
     args = small_overrides("gpt2-tiny", tmp_path, "max_steps=4", "eval_every=0")
     # a different model config
     assert main(["train", recipe, *args, "model.d_model=96"]) == 2
-    assert "was trained with model.d_model=64 but this run has 96" in _error_line(capsys)
+    assert "would change what the run trains: model.d_model 64 -> 96" in _error_line(capsys)
     # a truncated weights file in the newest checkpoint
     newest = tmp_path / "checkpoints" / "step_00000002"
     weights = newest / "model.safetensors"

@@ -99,7 +99,12 @@ def recipe(out, *extra):
 def test_tiny_recipe_trains_logs_bleu_and_resumes_exactly(cache, tmp_path, capsys):
     common = ["eval_every=2", "save_every=2", "precision=fp32", "optim.warmup_steps=2"]
     Trainer(recipe(tmp_path / "a", "max_steps=4", *common)).fit()
-    Trainer(recipe(tmp_path / "b", "max_steps=2", *common)).fit()
+
+    def preempt(trainer, record):  # the run stops after step 2 (and saves), as on SIGTERM
+        if trainer.step == 2:
+            trainer._stop_reason = "preempted"
+
+    Trainer(recipe(tmp_path / "b", "max_steps=4", *common), callbacks=[preempt]).fit()
     Trainer(recipe(tmp_path / "b", "max_steps=4", *common)).fit()  # resumes at step 2
     records = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "val_bleu" in r]

@@ -28,10 +28,19 @@ def _train(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from .train.config import load_config
     from .train.dist import shutdown
+    from .train.resume import RunComplete
     from .train.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides + (["checkpoint.trust=true"] if args.trust_checkpoint else []))
-    Trainer(cfg).fit()
+    try:
+        trainer = Trainer(cfg)
+    except RunComplete as e:  # not an error: a chain's later jobs (slurm/chain.sh) end here
+        import os
+
+        if os.environ.get("RANK", "0") == "0":
+            print(f"tformer: {e}", flush=True)
+        return 0
+    trainer.fit()
     shutdown(0)
     return 0
 

@@ -3,6 +3,12 @@ beam search.
 
 With the cache, each step feeds only the newest token as the query; the encoder-decoder computes the
 encoder output and the cross-attention keys/values once.
+
+A model under sequence parallelism (``sequence_multiple`` > 1, set by tformer/parallel/tp.py) takes
+only sequences whose length is a multiple of tp, and a cached step's one token is not: it decodes
+without the cache, each step running the whole sequence padded at the end by ``pad_sequences``
+(training's padding; causal positions never see what follows them), and reads the logits of the
+last real position.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch
 
 from .config import LENGTH_NORMS, LengthNorm
 from .models import DecoderModel, EncoderDecoderModel
+from .models.base import pad_sequences
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
@@ -118,6 +125,38 @@ def generate(
         model.train(was_training)
 
 
+def _sequence_multiple(model) -> int:
+    return getattr(model, "sequence_multiple", 1)
+
+
+def _padded(model, ids: torch.Tensor, mask: torch.Tensor | None, family: str):
+    """``ids`` and ``mask`` padded at the end to the model's sequence multiple (unchanged without SP)."""
+    batch = {"input_ids": ids} if mask is None else {"input_ids": ids, "attention_mask": mask}
+    batch = pad_sequences(batch, _sequence_multiple(model), model.config.pad_token_id, family)
+    return batch["input_ids"], batch.get("attention_mask")
+
+
+def _decoder_last_logits(model, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Uncached: the logits of the last position of ``ids`` (``mask``: the prompt's padding, None if
+    it has none)."""
+    n = ids.shape[1]
+    ids, mask = _padded(model, ids, mask, "decoder")
+    positions = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
+    return model(ids, mask, position_ids=positions).logits[:, n - 1]
+
+
+def _encdec_last_logits(model, out: torch.Tensor, memory: torch.Tensor, memory_mask) -> torch.Tensor:
+    """Uncached: the logits of the last position of the decoder sequence ``out``."""
+    n = out.shape[1]
+    return model.decode(_padded(model, out, None, "decoder")[0], memory, memory_mask)[:, n - 1]
+
+
+def _encode(model, src: torch.Tensor, src_mask: torch.Tensor | None):
+    """The encoder output and its mask (the source padded first under sequence parallelism)."""
+    src, src_mask = _padded(model, src, src_mask, "encdec")
+    return model.encode(src, src_mask), src_mask
+
+
 def _finish(tokens, done, eos, pad):
     tokens = torch.where(done, torch.full_like(tokens, pad), tokens)
     if eos is not None:
@@ -130,17 +169,17 @@ def _generate_decoder(model, ids, mask, steps, temperature, top_k, top_p, eos, g
     mask = torch.ones_like(ids) if mask is None else mask.long()
     padded = bool((mask == 0).any())
     done = torch.zeros(b, dtype=torch.bool, device=ids.device)
+    use_cache = use_cache and _sequence_multiple(model) == 1
     cache = model.new_cache() if use_cache else None
     out, step_input = ids, ids
     for _ in range(steps):
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         if use_cache:
-            positions = positions[:, -step_input.shape[1] :]
-            logits = model(step_input, mask if padded else None, position_ids=positions, cache=cache).logits
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_input.shape[1] :]
+            logits = model(step_input, mask if padded else None, position_ids=positions, cache=cache).logits[:, -1]
         else:
-            logits = model(out, mask if padded else None, position_ids=positions).logits
+            logits = _decoder_last_logits(model, out, mask if padded else None)
         tok, done_next = _finish(
-            next_token(logits[:, -1], temperature, top_k, top_p, generator), done, eos, model.config.pad_token_id
+            next_token(logits, temperature, top_k, top_p, generator), done, eos, model.config.pad_token_id
         )
         out = torch.cat((out, tok[:, None]), dim=1)
         mask = torch.cat((mask, torch.ones_like(tok[:, None])), dim=1)
@@ -152,19 +191,18 @@ def _generate_decoder(model, ids, mask, steps, temperature, top_k, top_p, eos, g
 
 def _generate_encdec(model, src, src_mask, steps, temperature, top_k, top_p, eos, generator, use_cache):
     cfg = model.config
-    memory = model.encode(src, src_mask)
+    memory, memory_mask = _encode(model, src, src_mask)
     out = torch.full((src.shape[0], 1), cfg.decoder_start_token_id, dtype=torch.long, device=src.device)
     done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
+    use_cache = use_cache and _sequence_multiple(model) == 1
     cache = model.new_cache() if use_cache else None
     step_input = out
     for _ in range(steps):
         if use_cache:
-            logits = model.decode(step_input, memory, src_mask, cache=cache)
+            logits = model.decode(step_input, memory, memory_mask, cache=cache)[:, -1]
         else:
-            logits = model.decode(out, memory, src_mask)
-        tok, done_next = _finish(
-            next_token(logits[:, -1], temperature, top_k, top_p, generator), done, eos, cfg.pad_token_id
-        )
+            logits = _encdec_last_logits(model, out, memory, memory_mask)
+        tok, done_next = _finish(next_token(logits, temperature, top_k, top_p, generator), done, eos, cfg.pad_token_id)
         out = torch.cat((out, tok[:, None]), dim=1)
         step_input, done = tok[:, None], done_next
         if done.all():
@@ -193,16 +231,19 @@ def length_normaliser(length: int, alpha: float, form: LengthNorm = "gnmt") -> f
 
 class _Stepper:
     """Feeds one decoding step of (batch * beams) rows to a decoder or an encoder-decoder through
-    the KV cache; ``reorder`` follows the beams that survived."""
+    the KV cache (under sequence parallelism: the whole sequences so far, uncached); ``reorder``
+    follows the beams that survived."""
 
     def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor | None, k: int):
         self.model, self.encdec = model, isinstance(model, EncoderDecoderModel)
         if not self.encdec and not isinstance(model, DecoderModel):
             raise TypeError(f"beam search needs a decoder or encoder-decoder model, not {type(model).__name__}")
-        self.cache = model.new_cache()
+        self.cache = model.new_cache() if _sequence_multiple(model) == 1 else None
+        self.started = False
         if self.encdec:
-            self.memory = model.encode(ids, mask).repeat_interleave(k, 0)
-            self.memory_mask = mask.repeat_interleave(k, 0) if mask is not None else None
+            memory, memory_mask = _encode(model, ids, mask)
+            self.memory = memory.repeat_interleave(k, 0)
+            self.memory_mask = memory_mask.repeat_interleave(k, 0) if memory_mask is not None else None
             self.first = torch.full(
                 (ids.shape[0] * k, 1), model.config.decoder_start_token_id, dtype=torch.long, device=ids.device
             )
@@ -211,12 +252,21 @@ class _Stepper:
             self.padded = bool((mask == 0).any())
             self.mask = mask.repeat_interleave(k, 0)
             self.first = ids.repeat_interleave(k, 0)
+        self.seq = self.first  # uncached: every row's tokens so far
 
     def __call__(self, step_input: torch.Tensor) -> torch.Tensor:
+        if self.started:  # a new token: extend the sequences (uncached) and the decoder mask
+            if self.cache is None:
+                self.seq = torch.cat((self.seq, step_input), dim=1)
+            if not self.encdec:
+                self.mask = torch.cat((self.mask, torch.ones_like(step_input)), dim=1)
+        self.started = True
+        if self.cache is None:
+            if self.encdec:
+                return _encdec_last_logits(self.model, self.seq, self.memory, self.memory_mask)
+            return _decoder_last_logits(self.model, self.seq, self.mask if self.padded else None)
         if self.encdec:
             return self.model.decode(step_input, self.memory, self.memory_mask, cache=self.cache)[:, -1]
-        if self.cache.length:  # a new token: extend the mask
-            self.mask = torch.cat((self.mask, torch.ones_like(step_input)), dim=1)
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -step_input.shape[1] :]
         return self.model(step_input, self.mask if self.padded else None, position_ids=positions, cache=self.cache).logits[
             :, -1
@@ -224,9 +274,13 @@ class _Stepper:
 
     def reorder(self, index: torch.Tensor) -> None:
         # Beams never leave their batch row, so the cross-attention cache (equal within a row)
-        # needs no reordering: only the self-attention caches and the decoder mask follow.
-        for c in self.cache.self_kv:
-            c.reorder(index)
+        # needs no reordering: only the self-attention caches (or the uncached sequences) and the
+        # decoder mask follow.
+        if self.cache is None:
+            self.seq = self.seq[index]
+        else:
+            for c in self.cache.self_kv:
+                c.reorder(index)
         if not self.encdec:
             self.mask = self.mask[index]
 

@@ -73,6 +73,11 @@ class TrainerState:
     seq_len: int | None = None
     target_len: int | None = None
     data_mixture: list | None = None  # a mixture run: its sources' schedule, lengths and seed
+    # sequences per optimizer step (micro_batch_size x grad_accum x data-parallel ranks; with
+    # token-budget batches, batches), and the input tokens they hold (token budget: at most)
+    global_batch: int | None = None
+    global_batch_tokens: int | None = None
+    schedule_steps: int | None = None  # the horizon the LR schedule was planned with (max_steps at the start)
     weights_only: bool = False  # an import: weights, no optimizer state
     imported_from: str | None = None
     time: float = field(default_factory=time.time)
@@ -173,6 +178,17 @@ class CheckpointManager:
             return found
         io.verify(path, deep=True)
         return path
+
+    def locate(self, target: str) -> Path | None:
+        """The checkpoint ``resolve`` would pick, unverified: a cheap look (``trainer.json``,
+        ``config.yaml``) before any expensive work; ``resolve`` verifies it when it is loaded."""
+        if target == "none":
+            return None
+        path = Path(target)
+        if target != "auto" and not (path / "checkpoints").is_dir():
+            return path
+        found = self.committed() if target == "auto" else io.list_checkpoints(path / "checkpoints")
+        return found[-1] if found else None
 
     def read(self, ckpt: Path) -> TrainerState:
         return TrainerState.read(ckpt)

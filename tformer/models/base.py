@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError, ModelConfig
@@ -64,6 +65,9 @@ class TformerModel(nn.Module):
     # ``gather_logits`` makes them whole where logits are returned (evaluation, generation).
     sharded_loss: Any = None
     gather_logits: Any = None
+    # Set from outside by sequence parallelism (tformer/parallel/tp.py) to the tp degree: every
+    # forward's sequence length must then be a multiple of it (see ``pad_sequences``).
+    sequence_multiple: int = 1
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Unique parameter elements (tied weights counted once)."""
@@ -192,3 +196,32 @@ class CrossEntropy(torch.autograd.Function):
 
 def default_positions(input_ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
     return torch.arange(offset, offset + input_ids.shape[1], device=input_ids.device)
+
+
+def pad_sequences(inputs: dict, multiple: int, pad_id: int, family: str) -> dict:
+    """A batch's sequences padded at the end to a multiple of ``multiple`` (sequence parallelism
+    splits them evenly over the tp ranks): the one padding path of training, evaluation and decoding.
+
+    Added positions are padding: ids ``pad_id``, attention mask 0 (created for bidirectional
+    stacks if the batch had none), labels -100; they sit at the end, so causal positions never see
+    them, and no loss, gradient or logit of a real position changes."""
+    if multiple <= 1:
+        return inputs
+    out = dict(inputs)
+
+    def grow(t, n, value):
+        return F.pad(t, (0, n), value=value) if n else t
+
+    n = -out["input_ids"].shape[1] % multiple
+    if n:
+        if "attention_mask" not in out and family != "decoder":
+            out["attention_mask"] = torch.ones_like(out["input_ids"])
+        out["input_ids"] = grow(out["input_ids"], n, pad_id)
+        for key, value in (("attention_mask", 0), ("token_type_ids", 0)):
+            if key in out:
+                out[key] = grow(out[key], n, value)
+        if family != "encdec" and "labels" in out:
+            out["labels"] = grow(out["labels"], n, -100)
+    if family == "encdec" and "labels" in out:
+        out["labels"] = grow(out["labels"], -out["labels"].shape[1] % multiple, -100)
+    return out

@@ -23,7 +23,8 @@ With degree ``t`` on the mesh's ``tp`` dimension:
   FFN all-gathers its input once and reduce-scatters its output (in place of the all-reduce).
   Each stack's first block takes the full sequence and keeps its slice, its last block gathers
   the sequence again, so embeddings, final norms, heads and cross-attention memories see whole
-  sequences. Sequence lengths must then be multiples of ``t`` (the trainer pads batches).
+  sequences. Sequence lengths must then be multiples of ``t``: the model's ``sequence_multiple``
+  says so, and training, evaluation and decoding pad with ``models.base.pad_sequences``.
   Backward keeps each gathered input as this rank's sequence shard and all-gathers it again when
   the projections' weight gradients need it (``KeepSequenceShard``, Megatron-LM's way): torch's
   sequence parallel alone would keep the whole gathered input of every sub-layer on every rank.
@@ -48,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError, ModelConfig
+from ..models.base import pad_sequences as pad_for_sequence_parallel  # noqa: F401 - its old home
 from ..nn import MultiHeadAttention, TransformerBlock, TransformerStack
 from .memory import local_part
 
@@ -170,6 +172,8 @@ def apply_tensor_parallel(model, mesh, sp: bool = False, loss_parallel: bool = T
             m.num_heads //= tp
             m.num_kv_heads //= tp
     model.loss_chunk_size = None  # the sharded logits are already 1/tp of the vocabulary
+    if sp:  # what callers pad every sequence to (training, evaluation, decoding: pad_sequences)
+        model.sequence_multiple = tp
     if loss_parallel:
         model.sharded_loss = functools.partial(vocab_parallel_loss, mesh=mesh)
         model.gather_logits = _full
@@ -399,29 +403,3 @@ def grad_norm_and_clip(named_params, max_norm: float, group=None, skip=frozenset
         for grads in groups.values():
             torch._foreach_mul_(grads, coef)
     return total
-
-
-def pad_for_sequence_parallel(inputs: dict, multiple: int, pad_id: int, family: str) -> dict:
-    """Pad a batch's sequences to a multiple of ``multiple`` (sequence parallel splits them evenly).
-
-    Added positions are padding: ids ``pad_id``, attention mask 0 (created for bidirectional
-    stacks if the batch had none), labels -100; they sit at the end, so causal positions never see
-    them, and no loss or gradient changes."""
-    out = dict(inputs)
-
-    def grow(t, n, value):
-        return F.pad(t, (0, n), value=value) if n else t
-
-    n = -out["input_ids"].shape[1] % multiple
-    if n:
-        if "attention_mask" not in out and family != "decoder":
-            out["attention_mask"] = torch.ones_like(out["input_ids"])
-        out["input_ids"] = grow(out["input_ids"], n, pad_id)
-        for key, value in (("attention_mask", 0), ("token_type_ids", 0)):
-            if key in out:
-                out[key] = grow(out[key], n, value)
-        if family != "encdec" and "labels" in out:
-            out["labels"] = grow(out["labels"], n, -100)
-    if family == "encdec" and "labels" in out:
-        out["labels"] = grow(out["labels"], -out["labels"].shape[1] % multiple, -100)
-    return out

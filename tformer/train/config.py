@@ -46,6 +46,7 @@ Device = Literal["auto", "cpu", "cuda"]
 Objective = Literal["auto", "causal", "mlm", "span", "seq2seq"]
 SpikeAction = Literal["none", "warn", "rollback"]
 Backend = Literal["gloo", "nccl", "mpi", "ucc"]
+ResumeChanges = Literal["refuse", "allow"]
 
 SCHEDULES: tuple[Schedule, ...] = get_args(Schedule)
 NONFINITE: tuple[NonFinite, ...] = get_args(NonFinite)
@@ -53,6 +54,7 @@ DEVICES: tuple[Device, ...] = get_args(Device)
 OBJECTIVES: tuple[Objective, ...] = get_args(Objective)
 SPIKE_ACTIONS: tuple[SpikeAction, ...] = get_args(SpikeAction)
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
+RESUME_CHANGES: tuple[ResumeChanges, ...] = get_args(ResumeChanges)
 DOC_MASK_IMPLS: tuple[AttnImpl, ...] = ("sdpa", "math")  # attention implementations that take a document mask
 # data.objective=auto: the objective of each family
 AUTO_OBJECTIVE: dict[Family, Objective] = {"decoder": "causal", "encoder": "mlm", "encdec": "span"}
@@ -207,6 +209,9 @@ class TrainConfig:
     save_every: int = 200  # 0 = only at the end
     keep_checkpoints: int = 3
     resume: str = "auto"  # auto (newest complete checkpoint, if any) | none | a path
+    # a resumed run whose config changes what it trains (RESUME_FREE below says what may change):
+    # refuse (one line naming each key), or allow (one warning line per key)
+    resume_changes: ResumeChanges = "refuse"
     on_nonfinite: NonFinite = "skip"  # skip the step, or stop the run
     max_skipped_steps: int = 10  # stop after this many consecutive non-finite steps
     # no step progress for this many seconds: every rank dumps its stacks to OUTPUT/watchdog/, the
@@ -362,6 +367,55 @@ RANGES = {
     "decode.max_new_tokens": "[1, inf)",
     "decode.batch_size": "[1, inf)",
 }
+
+
+# What a resumed run may change (tformer/train/resume.py; README "Resuming"), as dotted keys or
+# whole sections. Free: how the run is laid out and executed, and its bookkeeping -- the parallel
+# layout, micro_batch_size and grad_accum (as long as the global batch, micro_batch_size x
+# grad_accum x data-parallel ranks, stays the same), device, precision, compilation, attention
+# kernel, loss chunking, logging, evaluation, checkpoints, W&B, stops by time, resilience. Extend:
+# the run's length (max_steps, max_tokens); the LR schedule keeps the horizon it was planned with.
+# Every other key (model, data, optim, seed, ...) and the global batch change what the run trains:
+# refused at resume unless resume_changes=allow.
+RESUME_FREE = (
+    "parallel",
+    "micro_batch_size",
+    "grad_accum",
+    "device",
+    "precision",
+    "compile",
+    "model.attn_impl",
+    "loss",
+    "output_dir",
+    "resume",
+    "resume_changes",
+    "progress",
+    "log_every",
+    "eval_every",
+    "eval_batches",
+    "eval_bleu",
+    "bleu_samples",
+    "decode",
+    "save_every",
+    "keep_checkpoints",
+    "checkpoint",
+    "wandb",
+    "max_time",
+    "watchdog_timeout",
+    "on_nonfinite",
+    "max_skipped_steps",
+    "on_spike",
+    "spike_factor",
+    "spike_window",
+    "spike_warmup",
+    "spike_skip_batches",
+    "max_rollbacks",
+    "data.num_workers",
+    "data.num_proc",
+    "data.cache_dir",
+    "data.prepared",
+)
+RESUME_EXTEND = ("max_steps", "max_tokens")
 
 
 SOURCE_KEYS = ("source", "weight", "name", "text_column")

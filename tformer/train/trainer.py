@@ -14,24 +14,26 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.io import CheckpointError, load_model_weights, verify
+from ..checkpoint.io import load_model_weights, verify
 from ..checkpoint.manager import CheckpointManager, TrainerState
 from ..config import ConfigError
 from ..data import DataError, MixtureDataset, MixtureSampler, ResumableSampler
 from ..files import atomic_write
 from ..models import build_model
+from ..models.base import pad_sequences
 from ..parallel.offload import activation_offload
 from ..models.flops import training_flops
 from ..parallel.mesh import ParallelDims, check_strategy
 from ..parallel.pipeline import check_pipeline
 from ..parallel.strategy import strategy_class
-from ..parallel.tp import check_tp, pad_for_sequence_parallel, pad_vocab_for_tp
+from ..parallel.tp import check_tp, pad_vocab_for_tp
 from .config import TrainConfig
 from .data import build_data, check_sources, copy_tokenizer
 from .dist import all_reduce, barrier, device_type, init_distributed
 from .metrics import peak_flops
 from .optim import build_optimizer, build_scheduler
 from .signals import ignore_interrupts, install_stop_signals, restore_signals
+from . import resume as resuming
 from .spike import SpikeDetector
 from .tracking import WandbTracker
 from .watchdog import Watchdog
@@ -82,6 +84,7 @@ class Trainer:
         self.precision = resolve_precision(cfg.precision, self.device)
         self._check_support()
         check_sources(cfg)  # a missing or empty data source: refused before the run directory exists
+        self._peek_resume()  # a complete run ends here, before any work
         # collectives outlive the watchdog by a minute, so a hang is reported before gloo/NCCL fail
         timeout = 600 if cfg.watchdog_timeout is None else cfg.watchdog_timeout + 60
         self.dist = init_distributed(
@@ -114,6 +117,7 @@ class Trainer:
             )
         self.model_cfg = self.data.model_config
         self.model_cfg = pad_vocab_for_tp(self.model_cfg, self.dims.tp)  # recorded in config.yaml and checkpoints
+        self._check_resume_changes()  # before the model is built
         self.model = build_model(self.model_cfg).to(self.device)
         self.num_parameters = self.model.num_parameters()  # the whole model's, before any split
         self.model.loss_chunk_size = cfg.loss.chunk_size  # the training loss's head, in chunks
@@ -122,7 +126,7 @@ class Trainer:
         self.model = self.strategy.model  # under pipeline parallelism: this rank's stages
         base = build_optimizer(self.model, cfg.optim, self.device, allow_fused=self.strategy.fused_optimizer_ok())
         # The schedule drives the torch optimizer's param groups, which DeepSpeed's wrapper shares.
-        self.scheduler = build_scheduler(base, cfg.optim, cfg.max_steps)
+        self.scheduler = build_scheduler(base, cfg.optim, self.schedule_steps)
         self.optimizer = self.strategy.setup_optimizer(base)
         self.wrapped = self.strategy.wrapped
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
@@ -259,6 +263,51 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
 
     # -- checkpoints -----------------------------------------------------------------------
+    def _peek_resume(self) -> None:
+        """The checkpoint to resume from, read cheaply (``trainer.json``, ``config.yaml``; verified
+        when loaded): a run already complete raises ``RunComplete``; the schedule's horizon."""
+        cfg = self.cfg
+        manager = CheckpointManager(Path(cfg.output_dir) / "checkpoints")
+        path = manager.locate(cfg.resume)
+        self._resume_peek = None
+        if path is not None and path.is_dir():
+            state, saved = manager.read(path), resuming.saved_config(path)
+            resuming.check_not_complete(cfg, path, state)
+            self._resume_peek = (path, state, saved)
+        self.schedule_steps = resuming.schedule_steps(cfg, *(self._resume_peek or (None, None, {}))[1:])
+
+    def _check_resume_changes(self) -> None:
+        """Refuse (or, with ``resume_changes=allow``, warn about) what the resumed run changes."""
+        if self._resume_peek is None:
+            return
+        path, state, saved = self._resume_peek
+        current = {**self.cfg.to_dict(), "model": self.model_cfg.to_dict()}
+        if state.weights_only:  # an import starts a run: only the model its weights belong to counts
+            saved, current = {"model": state.model_config or {}}, {"model": current["model"]}
+        changes = resuming.meaning_changes(saved, current, weights_only=state.weights_only)
+        changes += resuming.batch_change(resuming.saved_global_batch(state, saved), self._global_batch_size())
+        notes = resuming.judge(changes, self.cfg, path, state.step)
+        notes.append(resuming.horizon_note(self.cfg, saved, self.schedule_steps, state.step))
+        if self.dist.is_main:
+            for note in filter(None, notes):
+                log.warning("%s", note)
+
+    def _apply_optim_config(self) -> None:
+        """A loaded optimizer and schedule carry the hyperparameters they were saved with; under
+        ``resume_changes=allow`` this run's ``optim`` section replaces them (the moments stay)."""
+        o, sched = self.cfg.optim, self.scheduler
+        decays = [o.weight_decay, 0.0]  # the groups of optim.param_groups: matrices, then the rest
+        for group, decay in zip(self.optimizer.param_groups, decays):
+            group.update(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=decay, initial_lr=o.lr)
+        sched.base_lrs = [o.lr] * len(sched.base_lrs)
+        for group, factor in zip(self.optimizer.param_groups, sched.lr_lambdas):
+            group["lr"] = o.lr * factor(sched.last_epoch)
+
+    def _global_batch_size(self) -> tuple[int, int]:
+        """(sequences, input tokens) per optimizer step; token-budget batches: (batches, budget)."""
+        per = self.cfg.data.tokens_per_batch or self.data.seq_len
+        return self._global_batch(), self._global_batch() * per
+
     def _resume(self) -> None:
         path = self.ckpt.resolve(self.cfg.resume)
         if path is None:
@@ -274,7 +323,6 @@ class Trainer:
 
         check_checkpoint(path, self.cfg.checkpoint.trust)  # every pickle, before any is loaded
         state = self.ckpt.read(path)
-        self._check_same_model(path, state.model_config or {})
         if state.weights_only:
             # A model imported from HF (`tformer import`, step 0): weights, no optimizer state, so
             # AdamW's moments start at zero and the LR schedule from its beginning.
@@ -285,6 +333,8 @@ class Trainer:
             log.warning("%s holds weights only: the optimizer and LR schedule start fresh", path)
         else:
             self.strategy.load(path, self.optimizer, self.scheduler, self.scaler, state.world_size)
+            if self.cfg.resume_changes == "allow":
+                self._apply_optim_config()
         if not self.ckpt.restore_rng(path, state, self.cfg.checkpoint.trust):
             log.warning(
                 "rank %d: no RNG state for this world size in %s; dropout streams restart (data order is unaffected)",
@@ -307,16 +357,6 @@ class Trainer:
         self.spikes.load_state_dict(state.spike_detector)
         self.streak_start = None
         self.resumed_from = path
-
-    def _check_same_model(self, path: Path, saved: dict) -> None:
-        ours = self.model_cfg.to_dict()
-        for key, value in ours.items():
-            if key in saved and saved[key] != value and key not in ("attn_impl", "dropout", "attn_dropout"):
-                raise CheckpointError(
-                    f"checkpoint {path} was trained with model.{key}={saved[key]!r} but "
-                    f"this run has {value!r}; use the checkpoint's model config or a new "
-                    "output_dir"
-                )
 
     def save(self) -> Path:
         """A checkpoint of this step (all ranks take part); with ``checkpoint.async`` it returns
@@ -351,6 +391,9 @@ class Trainer:
             seq_len=self.data.seq_len,
             target_len=self.data.target_len,
             data_mixture=self._mixture_fingerprint(),
+            global_batch=self._global_batch_size()[0],
+            global_batch_tokens=self._global_batch_size()[1],
+            schedule_steps=self.schedule_steps,
         )
 
     def wait_for_checkpoint(self) -> Path | None:
@@ -405,7 +448,7 @@ class Trainer:
         total = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, tokens, correct
         for i in range(0, len(keys), cfg.micro_batch_size):
             batch = self.data.collator([ds[k] for k in keys[i : i + cfg.micro_batch_size]])
-            inputs = {k: batch[k].to(self.device) for k in self.data.model_inputs if k in batch}
+            inputs = self._pad_for_sp({k: batch[k].to(self.device) for k in self.data.model_inputs if k in batch})
             with self._autocast():
                 out = self.model(**inputs)
             mask = inputs["labels"] != -100
@@ -430,7 +473,7 @@ class Trainer:
         total = torch.zeros(3, dtype=torch.float64, device=self.device)
         for i in range(0, len(keys), chunk):
             batch = self.data.collator([ds[k] for k in keys[i : i + chunk]])
-            inputs = {k: batch[k].to(self.device) for k in self.data.model_inputs if k in batch}
+            inputs = self._pad_for_sp({k: batch[k].to(self.device) for k in self.data.model_inputs if k in batch})
             losses: list = []
             with self._autocast(), self.strategy.loss_context():
                 self.strategy.schedule.eval(
@@ -442,6 +485,12 @@ class Trainer:
                 total[1] += counts.sum()
         all_reduce(total)
         return total
+
+    def _pad_for_sp(self, inputs: dict) -> dict:
+        """A batch as every forward under sequence parallelism takes it (training and both
+        evaluations): padded to a multiple of tp. Decoding pads with the same function (generate.py)."""
+        multiple = self.dims.tp if self.cfg.parallel.sp else 1
+        return pad_sequences(inputs, multiple, self.model_cfg.pad_token_id, self.model_cfg.family)
 
     def evaluate_bleu(self, samples: int | None = None):
         """BLEU / chrF of the first ``samples`` validation pairs, decoded with ``cfg.decode``. Every
@@ -566,6 +615,11 @@ class Trainer:
                 stopping = self._stop_check(start)
                 due_eval = cfg.eval_every and self.step % cfg.eval_every == 0
                 final = self.step >= cfg.max_steps or stopping
+                # save before evaluating: an evaluation that fails must not cost the step's checkpoint
+                if (cfg.save_every and self.step % cfg.save_every == 0) or final:
+                    if self._may_save():
+                        self.save()
+                    saved_step = self.step
                 if due_eval or final:
                     self._beat("eval")
                     record.update(self.evaluate())
@@ -575,10 +629,6 @@ class Trainer:
                     bar.update(1)
                     bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
                 last = record
-                if (cfg.save_every and self.step % cfg.save_every == 0) or final:
-                    if self._may_save():
-                        self.save()
-                    saved_step = self.step
                 for cb in self.callbacks:
                     cb(self, record)
                 self.ckpt.poll()  # commits, in the background, need no collective
@@ -761,8 +811,7 @@ class Trainer:
             target = inputs["labels"].shape[1] if self.model_cfg.family == "encdec" else None
             flops += training_flops(self.model_cfg, *inputs["input_ids"].shape, target)
             last = micro == cfg.grad_accum - 1
-            if self.dims.tp > 1 and cfg.parallel.sp:
-                inputs = pad_for_sequence_parallel(inputs, self.dims.tp, self.model_cfg.pad_token_id, self.model_cfg.family)
+            inputs = self._pad_for_sp(inputs)
             if self.dims.pp > 1:
                 pipelined.append(inputs)
                 if last:

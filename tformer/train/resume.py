@@ -1,0 +1,144 @@
+"""What a resumed run may change, judged against the checkpoint it resumes from.
+
+A checkpoint holds the run's resolved ``config.yaml`` and, in ``trainer.json``, its global batch and
+the horizon of its LR schedule. At resume (README "Resuming"):
+
+- the layout and the bookkeeping may change silently (``RESUME_FREE`` in ``train/config.py``),
+  micro_batch_size and grad_accum included as long as the global batch stays;
+- ``max_steps`` / ``max_tokens`` may change to extend or shorten the run: the LR schedule keeps the
+  horizon it was planned with (the ``max_steps`` of the run's start), so the LR never jumps; past
+  that horizon it stays at the schedule's final value;
+- any other key, and the global batch, changes what the run trains: refused in one line naming
+  each change, unless ``resume_changes=allow`` (then one warning line per change);
+- a run that has already reached ``max_steps`` (or ``max_tokens``) has nothing to train:
+  :class:`RunComplete`, before any work, with its ``config.yaml`` left as it is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..checkpoint.manager import TrainerState
+from ..config import ConfigError
+from .config import RESUME_EXTEND, RESUME_FREE, TrainConfig
+
+GLOBAL_BATCH = "global batch"  # the name a change of the global batch is reported under
+
+
+class RunComplete(Exception):
+    """The run to resume has already reached its end; nothing to train (``tformer train`` exits 0)."""
+
+
+def saved_config(ckpt: Path) -> dict:
+    """The resolved config a checkpoint was written with ({} if it has none: an import)."""
+    path = Path(ckpt) / "config.yaml"
+    data = yaml.safe_load(path.read_text()) if path.is_file() else None
+    return data if isinstance(data, dict) else {}
+
+
+def check_not_complete(cfg: TrainConfig, ckpt: Path, state: TrainerState) -> None:
+    """Raise :class:`RunComplete` if resuming ``ckpt`` leaves nothing to train."""
+    if state.weights_only:
+        return
+    if state.step >= cfg.max_steps:
+        reached = f"step {state.step}, max_steps={cfg.max_steps}"
+        extend = "pass a larger max_steps"
+    elif cfg.max_tokens is not None and state.tokens >= cfg.max_tokens:
+        reached = f"{state.tokens:,} tokens, max_tokens={cfg.max_tokens}"
+        extend = "pass a larger max_tokens"
+    else:
+        return
+    raise RunComplete(
+        f"the run in {ckpt.parent.parent} is complete ({ckpt.name}: {reached}); nothing to train and "
+        f"nothing changed. To extend it {extend}; to start afresh pass another output_dir (resume=none "
+        "in this directory would mix a new run's checkpoints with these)"
+    )
+
+
+def schedule_steps(cfg: TrainConfig, state: TrainerState | None, saved: dict) -> int:
+    """The horizon of the LR schedule: the run's first ``max_steps``, kept through every resume."""
+    if state is None or state.weights_only:
+        return cfg.max_steps
+    return state.schedule_steps or saved.get("max_steps") or cfg.max_steps
+
+
+def saved_global_batch(state: TrainerState, saved: dict) -> tuple[int | None, int | None]:
+    """(sequences, tokens) per optimizer step of the checkpoint's run; derived from its config for
+    checkpoints written before ``trainer.json`` recorded them (tokens then unknown)."""
+    if state.global_batch is not None:
+        return state.global_batch, state.global_batch_tokens
+    par = saved.get("parallel") or {}
+    try:
+        dp = state.world_size // (par.get("tp", 1) * par.get("pp", 1))
+        return saved["micro_batch_size"] * saved["grad_accum"] * dp, None
+    except (KeyError, TypeError):
+        return None, None
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _matches(key: str, names: tuple[str, ...]) -> bool:
+    return any(key == n or key.startswith(n + ".") for n in names)
+
+
+def meaning_changes(saved: dict, current: dict, weights_only: bool = False) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, current value) of every key both configs hold that changes what the run
+    trains (keys one of them lacks come from another tformer version: not compared). An imported
+    model (``weights_only``) may be trained with other dropout rates than its source used."""
+    free = RESUME_FREE + RESUME_EXTEND + (("model.dropout", "model.attn_dropout") if weights_only else ())
+    old, new = flatten(saved), flatten(current)
+    return [(k, old[k], new[k]) for k in old if k in new and old[k] != new[k] and not _matches(k, free)]
+
+
+def batch_change(saved: tuple[int | None, int | None], current: tuple[int, int]) -> list[tuple[str, Any, Any]]:
+    (seqs, tokens), (now_seqs, now_tokens) = saved, current
+    if seqs is None or (seqs == now_seqs and tokens in (None, now_tokens)):
+        return []
+    return [(GLOBAL_BATCH, f"{seqs} sequences ({tokens or '?'} tokens)", f"{now_seqs} ({now_tokens} tokens)")]
+
+
+def judge(changes: list[tuple[str, Any, Any]], cfg: TrainConfig, ckpt: Path, step: int) -> list[str]:
+    """Refuse the changes in one line, or (``resume_changes=allow``) return one warning per change."""
+    if not changes:
+        return []
+    said = [f"{k} {old!r} -> {new!r}" if k != GLOBAL_BATCH else f"{k} {old} -> {new}" for k, old, new in changes]
+    if cfg.resume_changes != "allow":
+        batch = (
+            " (the global batch is micro_batch_size x grad_accum x data-parallel ranks: keep it with "
+            "grad_accum on another layout)"
+            if any(k == GLOBAL_BATCH for k, _, _ in changes)
+            else ""
+        )
+        raise ConfigError(
+            f"resuming {ckpt} would change what the run trains: {'; '.join(said)}{batch}; resume with the "
+            "checkpoint's values (its config.yaml), start a new run in another output_dir, or set "
+            "resume_changes=allow to continue with the changes"
+        )
+    return [f"resume_changes=allow: {s} from step {step} on" for s in said]
+
+
+def horizon_note(cfg: TrainConfig, saved: dict, horizon: int, step: int) -> str | None:
+    """One line when the run's length changes: what the LR schedule does."""
+    before = saved.get("max_steps")
+    if before is None or before == cfg.max_steps:
+        return None
+    schedule = cfg.optim.schedule
+    rule = (
+        f"the LR schedule ({schedule}) does not depend on max_steps"
+        if schedule in ("constant", "inverse_sqrt")
+        else f"the LR schedule ({schedule}) keeps its {horizon}-step horizon; past step {horizon} the LR "
+        "stays at its final value"
+    )
+    return f"max_steps {before} -> {cfg.max_steps} at step {step}: {rule}"
