@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from .args import Parser as _Parser
-from .args import UsageError, byte_size as _byte_size, number as _number, shard_size as _shard_size
+from .args import SIZE_HELP as _SIZE_HELP, UsageError, byte_size as _byte_size, number as _number, shard_size as _shard_size
 
 
 TRUST_HELP = (
@@ -316,15 +316,20 @@ def _plan(argv: list[str]) -> int:
         description="Predict per-device memory for each strategy and mesh layout "
         "(pp x dp_replicate x dp_shard x tp) and recommend one.",
     )
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--devices", type=_number(int, "[1, inf)"), default=8)
-    p.add_argument("--device-memory", type=_byte_size, default="80GB")
+    p.add_argument("config", help="YAML recipe, e.g. configs/llama-1b.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.preset=llama-70b data.seq_len=8192")
+    p.add_argument("--devices", type=_number(int, "[1, inf)"), default=8, help="devices (GPUs) in the job, all nodes")
+    p.add_argument(
+        "--device-memory",
+        type=_byte_size,
+        default="80",
+        help=f"memory of one device; {_SIZE_HELP}; a layout fits within 90%% of it (default: 80 GiB)",
+    )
     p.add_argument(
         "--gpus-per-node",
         type=_number(int, "[1, inf)"),
         default=8,
-        help="tensor parallelism within a node is preferred; HSDP replicates across nodes",
+        help="devices per node: tensor parallelism within a node is preferred; HSDP replicates across nodes",
     )
     p.add_argument(
         "--pp-microbatches",
