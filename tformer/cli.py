@@ -64,6 +64,34 @@ def _data(argv: list[str]) -> int:
     return 0
 
 
+RECIPE_DEFAULT = "a translation run's"
+
+
+def _decoding_defaults(args, decode) -> None:
+    """Fill the decoding flags left unset from the run's ``decode`` recipe (``train/decoding.py``:
+    the settings ``tformer evaluate`` and the HF export use too), and say so on stderr. Sampling
+    (``--temperature`` > 0) keeps the recipe's beams out."""
+    taken = []
+    if decode is not None and args.num_beams is None and args.temperature == 0:
+        args.num_beams = decode.num_beams
+        taken.append(f"num_beams={decode.num_beams}")
+    args.num_beams = args.num_beams or 1
+    if decode is not None and args.num_beams > 1:
+        if args.length_penalty is None:
+            args.length_penalty = decode.length_penalty
+            taken.append(f"length_penalty={decode.length_penalty}")
+        if args.length_norm is None:
+            args.length_norm = decode.length_norm
+            taken.append(f"length_norm={decode.length_norm}")
+    if decode is not None and args.max_new_tokens is None and decode.max_new_tokens:
+        args.max_new_tokens = decode.max_new_tokens
+        taken.append(f"max_new_tokens={decode.max_new_tokens}")
+    args.max_new_tokens = args.max_new_tokens or 64
+    args.length_norm = args.length_norm or "gnmt"
+    if taken:
+        print(f"decoding with the run's decode settings: {' '.join(taken)} (flags override them)", file=sys.stderr)
+
+
 def _generate(argv: list[str]) -> int:
     from .config import LENGTH_NORMS
 
@@ -73,22 +101,33 @@ def _generate(argv: list[str]) -> int:
     )
     p.add_argument("checkpoint", help="a run directory or one of its checkpoints")
     p.add_argument("prompt", nargs="?", default="", help="the prompt (decoder) or the source text (encoder-decoder)")
-    p.add_argument("--max-new-tokens", type=_number(int, "[1, inf)"), default=64)
-    p.add_argument("--temperature", type=_number(float, "[0, inf)"), default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=_number(int, "[1, inf)"), default=None)
-    p.add_argument("--top-p", type=_number(float, "(0, 1]"), default=None)
-    p.add_argument("--num-beams", type=int, default=1, help="beam search with this many beams (1 = greedy)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=_number(int, "[1, inf)"),
+        default=None,
+        help=f"tokens to generate at most (default: {RECIPE_DEFAULT} decode.max_new_tokens, else its target length; 64)",
+    )
+    p.add_argument("--temperature", type=_number(float, "[0, inf)"), default=0.0, help="0 = greedy or beam search")
+    p.add_argument("--top-k", type=_number(int, "[1, inf)"), default=None, help="sampling: the k likeliest tokens only")
+    p.add_argument("--top-p", type=_number(float, "(0, 1]"), default=None, help="sampling: nucleus of this probability")
+    p.add_argument(
+        "--num-beams",
+        type=int,
+        default=None,
+        help=f"beam search with this many beams, 1 = greedy (default: {RECIPE_DEFAULT} decode.num_beams; 1)",
+    )
     p.add_argument(
         "--length-penalty",
         type=_number(float, "[0, inf)"),
         default=None,
-        help="beam search: alpha of the length normalisation (the paper: 0.6)",
+        help=f"beam search: alpha of the length normalisation (default: {RECIPE_DEFAULT} decode.length_penalty)",
     )
     p.add_argument(
         "--length-norm",
         choices=LENGTH_NORMS,
-        default="gnmt",
-        help="gnmt: ((5 + len) / 6) ** alpha (the paper's); power: len ** alpha (HF's)",
+        default=None,
+        help="gnmt: ((5 + len) / 6) ** alpha (the paper's); power: len ** alpha (HF's) "
+        f"(default: {RECIPE_DEFAULT} decode.length_norm; gnmt)",
     )
     p.add_argument(
         "--translation-only",
@@ -107,8 +146,11 @@ def _generate(argv: list[str]) -> int:
     from .data import load_tokenizer
     from .generate import generate
 
-    if args.num_beams < 1:
+    from .train.decoding import saved_decode
+
+    if args.num_beams is not None and args.num_beams < 1:
         raise ConfigError(f"--num-beams={args.num_beams} must be >= 1 (1 = greedy)")
+    _decoding_defaults(args, saved_decode(args.checkpoint))
     if args.length_penalty is not None and args.num_beams == 1:
         print(
             f"warning: --length-penalty {args.length_penalty} has no effect without beam search (--num-beams > 1); ignored",
