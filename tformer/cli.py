@@ -54,7 +54,10 @@ def _data(argv: list[str]) -> int:
     from .train.data import prepare_data
 
     cfg = load_config(args.config, args.overrides)
-    report = prepare_data(cfg, workers=args.workers, shard_rows=args.shard_rows, progress=not args.no_progress)
+    from .logs import interactive
+
+    bar = not args.no_progress and interactive()  # no bar in a log file
+    report = prepare_data(cfg, workers=args.workers, shard_rows=args.shard_rows, progress=bar)
     for r in report:
         print(
             f"{r['name']:<16} {r['split']:<10} {r['tokens']:>14,} tokens {r['documents']:>12,} documents "
@@ -217,8 +220,6 @@ def _evaluate(argv: list[str]) -> int:
     import math
     from pathlib import Path
 
-    import torch
-
     from .checkpoint import load_checkpoint
     from .config import ConfigError
     from .train.config import load_config
@@ -244,15 +245,13 @@ def _evaluate(argv: list[str]) -> int:
     data = build_data(cfg)
     val = data.validation
     n = len(val) if args.samples is None else min(args.samples, len(val))
-    total, count = 0.0, 0
-    keys = data.model_inputs
-    with torch.no_grad():
-        for i in range(0, n, cfg.micro_batch_size):
-            batch = data.collator([val[k] for k in range(i, min(n, i + cfg.micro_batch_size))])
-            out = model(**{k: batch[k] for k in keys if k in batch})
-            c = int((batch["labels"] != -100).sum())
-            total, count = total + out.loss.item() * c, count + c
-    result = {"val_loss": total / max(count, 1), "val_ppl": math.exp(min(total / max(count, 1), 50.0)), "samples": n}
+    # training's val_loss: the first eval_batches x micro_batch_size samples (one process)
+    first = min(len(val), cfg.eval_batches * cfg.micro_batch_size)
+    sums = _loss_sums(model, data, n, cfg.micro_batch_size, first)
+    loss = sums["all"][0] / max(sums["all"][1], 1)
+    result = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "samples": n, "tokens": sums["all"][1]}
+    if first <= n:
+        result["val_loss_training_subset"] = sums["first"][0] / max(sums["first"][1], 1)
     if args.bleu:
         from .evaluate import bleu
 
@@ -272,12 +271,61 @@ def _evaluate(argv: list[str]) -> int:
         for k in range(min(args.show, n)):
             src = data.tokenizer.decode([t for t in val.sample(k)["input_ids"].tolist()], skip_special_tokens=True)
             print(f"source:      {src}\ntranslation: {scored.hypotheses[k]}\nreference:   {scored.references[k]}\n")
-    line = f"{run}: val_loss {result['val_loss']:.4f} (ppl {result['val_ppl']:.1f}) on {n} pairs"
+    unit = "pairs" if cfg.data.objective == "seq2seq" else "sequences"
+    line = f"{run}: val_loss {result['val_loss']:.4f} (ppl {result['val_ppl']:.1f}) on {n:,} validation {unit}"
+    line += f" ({result['tokens']:,} labelled tokens)"
     if args.bleu:
         line += f"; BLEU {result['val_bleu']:.2f}, chrF {result['val_chrf']:.2f} ({result['bleu_signature']})"
     print(line)
+    print(_against_training(run, cfg, result, n, first, unit))
     (run / "evaluate.json").write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def _loss_sums(model, data, n: int, micro: int, first: int) -> dict[str, tuple[float, int]]:
+    """(loss sum, labelled tokens) over the first ``n`` validation samples (``all``) and over the
+    first ``first`` of them (``first``: training's subset, in training's batches), ``micro`` at a time."""
+    import torch
+
+    cut = min(first, n)
+    spans = [(i, min(i + micro, cut)) for i in range(0, cut, micro)] + [(i, min(i + micro, n)) for i in range(cut, n, micro)]
+    total, count, at_first = 0.0, 0, (0.0, 0)
+    with torch.no_grad():
+        for start, end in spans:
+            batch = data.collator([data.validation[k] for k in range(start, end)])
+            out = model(**{k: batch[k] for k in data.model_inputs if k in batch})
+            c = int((batch["labels"] != -100).sum())
+            total, count = total + out.loss.item() * c, count + c
+            if end == cut:
+                at_first = (total, count)
+    return {"all": (total, count), "first": at_first}
+
+
+def _against_training(run, cfg, result: dict, n: int, first: int, unit: str) -> str:
+    """How this number relates to the val_loss training logged: training evaluates only its first
+    ``eval_batches x micro_batch_size`` samples, under the run's precision; this command every
+    sample (or ``--samples``), in fp32 on CPU."""
+    import json
+
+    logged = None
+    metrics = run / "metrics.jsonl"
+    if metrics.is_file():
+        for text in metrics.read_text().splitlines():
+            try:
+                record = json.loads(text)
+            except ValueError:
+                continue
+            if "val_loss" in record:
+                logged = (record["step"], record["val_loss"])
+    subset = f"the first {first:,} {unit} (eval_batches={cfg.eval_batches} x micro_batch_size={cfg.micro_batch_size})"
+    if "val_loss_training_subset" not in result:
+        return f"training's val_loss is over {subset}: more than the {n:,} evaluated here"
+    text = f"on {subset}, which training's val_loss averages: {result['val_loss_training_subset']:.4f}"
+    if logged is not None:
+        text += f"; training logged val_loss {logged[1]:.4f} at step {logged[0]}"
+    if cfg.precision not in ("fp32", "auto"):
+        text += f" (computed under {cfg.precision} there, fp32 here)"
+    return text
 
 
 def _plot(argv: list[str]) -> int:
