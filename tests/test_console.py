@@ -37,7 +37,13 @@ def test_start_prints_a_summary_and_writes_the_whole_config_to_the_run(run):
     assert len(head) <= 6, head
     text = "\n".join(head)
     assert "--- resolved config ---" not in text and "optim:" not in text
-    for said in ("tformer: decoder model (gpt2", "parameters", "layout: 1 process on cpu", "data: default; causal; seq 64"):
+    for said in (
+        "tformer: decoder model (gpt2",
+        "parameters",
+        "1 rank(s) on cpu",
+        "layout: 1 process",
+        "data: default; causal; seq 64",
+    ):
         assert said in text, said
     assert "steps: 2" in text and f"output: {out} (resolved config: {out / 'config.yaml'})" in text
     saved = yaml.safe_load((out / "config.yaml").read_text())
@@ -55,11 +61,12 @@ def test_no_progress_bar_when_the_output_is_not_a_terminal(run):
     "strategy,world,kw,said",
     [
         ("ddp", 1, {}, "1 process"),
-        ("ddp", 2, {}, "ddp over 2 ranks: 2 replicas"),
-        ("fsdp", 2, {}, "fsdp over 2 ranks: dp_shard=2"),
-        ("fsdp", 8, dict(dp_replicate=2, tp=2), "fsdp over 8 ranks: dp_replicate=2 x dp_shard=2 x tp=2 (sp)"),
-        ("ddp", 4, dict(tp=2), "ddp over 4 ranks: 2 replicas x tp=2 (sp)"),
-        ("fsdp", 4, dict(pp=2), "fsdp over 4 ranks: pp=2 x dp_shard=2"),
+        ("ddp", 2, {}, "ddp: 2 replicas"),
+        ("fsdp", 2, {}, "fsdp: dp_shard=2"),
+        ("fsdp", 8, dict(dp_replicate=2, tp=2), "fsdp: dp_replicate=2 x dp_shard=2 x tp=2 (sp)"),
+        ("ddp", 4, dict(tp=2), "ddp: 2 replicas x tp=2 (sp)"),
+        ("ddp", 2, dict(tp=2), "ddp: tp=2 (sp)"),
+        ("fsdp", 4, dict(pp=2), "fsdp: pp=2 x dp_shard=2"),
     ],
 )
 def test_the_layout_line_says_what_the_run_is(strategy, world, kw, said):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 def layout(strategy: str, dims, sp: bool, world: int) -> str:
-    """The run's parallel layout in words, e.g. ``1 process``, ``ddp over 2 ranks``,
+    """The run's parallel layout in words, e.g. ``1 process``, ``ddp: 2 replicas``,
     ``fsdp: dp_replicate=2 x dp_shard=4``, ``fsdp: dp_shard=2 x tp=2 (sp)``."""
     parts = []
     if dims.pp > 1:
@@ -25,7 +25,7 @@ def layout(strategy: str, dims, sp: bool, world: int) -> str:
         parts.append(f"tp={dims.tp}" + (" (sp)" if sp else ""))
     if world == 1:
         return "1 process"
-    return f"{strategy} over {world} ranks" + (f": {' x '.join(parts)}" if parts else "")
+    return f"{strategy}: {' x '.join(parts)}" if parts else strategy
 
 
 def _data(cfg, objective: str) -> str:
@@ -52,8 +52,8 @@ def start_summary(trainer) -> str:
     return "\n".join(
         [
             f"tformer: {m.family} model ({m.flavour}, {m.num_layers} layers, d_model {m.d_model}), "
-            f"{t.num_parameters:,} parameters, precision {t.precision}",
-            f"layout: {layout(cfg.parallel.strategy, t.dims, cfg.parallel.sp, t.dist.world_size)} on {t.device}",
+            f"{t.num_parameters:,} parameters, {t.dist.world_size} rank(s) on {t.device}, precision {t.precision}",
+            f"layout: {layout(cfg.parallel.strategy, t.dims, cfg.parallel.sp, t.dist.world_size)}",
             f"data: {_data(cfg, t.data.objective)}; {batch}",
             f"steps: {cfg.max_steps:,}{start}",
             f"output: {t.out} (resolved config: {t.out / 'config.yaml'})",
