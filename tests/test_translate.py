@@ -205,3 +205,42 @@ def test_bad_translation_config_is_one_line(cache, tmp_path, capsys, overrides, 
     args = small_overrides("transformer-tiny-translate", tmp_path / "run") + overrides
     assert main(["train", str(CONFIGS / "transformer-tiny-translate.yaml"), *args]) == 2
     assert match in _err(capsys)
+
+
+def test_generate_evaluate_and_export_decode_with_the_recipes_settings(cache, tmp_path, capsys, monkeypatch):
+    """One source of decoding defaults: the run's decode.* (saved in its config.yaml) is what
+    `tformer generate` uses without flags, what `tformer evaluate --bleu` uses, and what the HF
+    export's generation_config.json holds; flags override it."""
+    import transformers
+
+    import tformer.generate
+    from tformer.cli import main
+
+    run = tmp_path / "run"
+    decode = ["decode.num_beams=3", "decode.length_penalty=0.7", "decode.length_norm=power", "decode.max_new_tokens=5"]
+    Trainer(recipe(run, "max_steps=1", "eval_every=0", "save_every=1", "precision=fp32", *decode)).fit()
+    capsys.readouterr()
+    calls = []
+    real = tformer.generate.generate
+
+    def spy(*args, **kwargs):
+        calls.append({"max_new_tokens": args[2], **kwargs})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tformer.generate, "generate", spy)
+    assert main(["generate", str(run), "in the beginning"]) == 0
+    assert "decoding with the run's decode settings: num_beams=3 length_penalty=0.7" in capsys.readouterr().err
+    assert main(["generate", str(run), "in the beginning", "--num-beams", "2", "--max-new-tokens", "4"]) == 0
+    assert main(["generate", str(run), "in the beginning", "--temperature", "1.0"]) == 0  # sampling: no beams
+    picked = [(c["num_beams"], c["length_penalty"], c["max_new_tokens"]) for c in calls]
+    assert picked == [(3, 0.7, 5), (2, 0.7, 4), (1, None, 5)]
+    assert [c["length_norm"] for c in calls[:2]] == ["power", "power"]
+
+    assert main(["evaluate", str(run), "--bleu", "--samples", "2", "--show", "0"]) == 0
+    result = json.loads((run / "evaluate.json").read_text())
+    assert (result["num_beams"], result["length_penalty"]) == (3, 0.7)
+
+    from tformer.export import export_hf
+
+    gen = transformers.GenerationConfig.from_pretrained(export_hf(run, tmp_path / "hf"))
+    assert (gen.num_beams, gen.length_penalty, gen.max_new_tokens, gen.early_stopping) == (3, 0.7, 5, False)

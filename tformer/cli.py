@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from .args import Parser as _Parser
-from .args import UsageError, byte_size as _byte_size, number as _number, shard_size as _shard_size
+from .args import SIZE_HELP as _SIZE_HELP, UsageError, byte_size as _byte_size, number as _number, shard_size as _shard_size
 
 
 TRUST_HELP = (
@@ -68,7 +68,10 @@ def _data(argv: list[str]) -> int:
     from .train.data import prepare_data
 
     cfg = load_config(args.config, args.overrides)
-    report = prepare_data(cfg, workers=args.workers, shard_rows=args.shard_rows, progress=not args.no_progress)
+    from .logs import interactive
+
+    bar = not args.no_progress and interactive()  # no bar in a log file
+    report = prepare_data(cfg, workers=args.workers, shard_rows=args.shard_rows, progress=bar)
     for r in report:
         print(
             f"{r['name']:<16} {r['split']:<10} {r['tokens']:>14,} tokens {r['documents']:>12,} documents "
@@ -76,6 +79,34 @@ def _data(argv: list[str]) -> int:
             flush=True,
         )
     return 0
+
+
+RECIPE_DEFAULT = "a translation run's"
+
+
+def _decoding_defaults(args, decode) -> None:
+    """Fill the decoding flags left unset from the run's ``decode`` recipe (``train/decoding.py``:
+    the settings ``tformer evaluate`` and the HF export use too), and say so on stderr. Sampling
+    (``--temperature`` > 0) keeps the recipe's beams out."""
+    taken = []
+    if decode is not None and args.num_beams is None and args.temperature == 0:
+        args.num_beams = decode.num_beams
+        taken.append(f"num_beams={decode.num_beams}")
+    args.num_beams = args.num_beams or 1
+    if decode is not None and args.num_beams > 1:
+        if args.length_penalty is None:
+            args.length_penalty = decode.length_penalty
+            taken.append(f"length_penalty={decode.length_penalty}")
+        if args.length_norm is None:
+            args.length_norm = decode.length_norm
+            taken.append(f"length_norm={decode.length_norm}")
+    if decode is not None and args.max_new_tokens is None and decode.max_new_tokens:
+        args.max_new_tokens = decode.max_new_tokens
+        taken.append(f"max_new_tokens={decode.max_new_tokens}")
+    args.max_new_tokens = args.max_new_tokens or 64
+    args.length_norm = args.length_norm or "gnmt"
+    if taken:
+        print(f"decoding with the run's decode settings: {' '.join(taken)} (flags override them)", file=sys.stderr)
 
 
 def _generate(argv: list[str]) -> int:
@@ -87,22 +118,33 @@ def _generate(argv: list[str]) -> int:
     )
     p.add_argument("checkpoint", help="a run directory or one of its checkpoints")
     p.add_argument("prompt", nargs="?", default="", help="the prompt (decoder) or the source text (encoder-decoder)")
-    p.add_argument("--max-new-tokens", type=_number(int, "[1, inf)"), default=64)
-    p.add_argument("--temperature", type=_number(float, "[0, inf)"), default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=_number(int, "[1, inf)"), default=None)
-    p.add_argument("--top-p", type=_number(float, "(0, 1]"), default=None)
-    p.add_argument("--num-beams", type=int, default=1, help="beam search with this many beams (1 = greedy)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=_number(int, "[1, inf)"),
+        default=None,
+        help=f"tokens to generate at most (default: {RECIPE_DEFAULT} decode.max_new_tokens, else its target length; 64)",
+    )
+    p.add_argument("--temperature", type=_number(float, "[0, inf)"), default=0.0, help="0 = greedy or beam search")
+    p.add_argument("--top-k", type=_number(int, "[1, inf)"), default=None, help="sampling: the k likeliest tokens only")
+    p.add_argument("--top-p", type=_number(float, "(0, 1]"), default=None, help="sampling: nucleus of this probability")
+    p.add_argument(
+        "--num-beams",
+        type=int,
+        default=None,
+        help=f"beam search with this many beams, 1 = greedy (default: {RECIPE_DEFAULT} decode.num_beams; 1)",
+    )
     p.add_argument(
         "--length-penalty",
         type=_number(float, "[0, inf)"),
         default=None,
-        help="beam search: alpha of the length normalisation (the paper: 0.6)",
+        help=f"beam search: alpha of the length normalisation (default: {RECIPE_DEFAULT} decode.length_penalty)",
     )
     p.add_argument(
         "--length-norm",
         choices=LENGTH_NORMS,
-        default="gnmt",
-        help="gnmt: ((5 + len) / 6) ** alpha (the paper's); power: len ** alpha (HF's)",
+        default=None,
+        help="gnmt: ((5 + len) / 6) ** alpha (the paper's); power: len ** alpha (HF's) "
+        f"(default: {RECIPE_DEFAULT} decode.length_norm; gnmt)",
     )
     p.add_argument(
         "--translation-only",
@@ -121,8 +163,11 @@ def _generate(argv: list[str]) -> int:
     from .data import load_tokenizer
     from .generate import generate
 
-    if args.num_beams < 1:
+    from .train.decoding import saved_decode
+
+    if args.num_beams is not None and args.num_beams < 1:
         raise ConfigError(f"--num-beams={args.num_beams} must be >= 1 (1 = greedy)")
+    _decoding_defaults(args, saved_decode(args.checkpoint))
     if args.length_penalty is not None and args.num_beams == 1:
         print(
             f"warning: --length-penalty {args.length_penalty} has no effect without beam search (--num-beams > 1); ignored",
@@ -189,8 +234,6 @@ def _evaluate(argv: list[str]) -> int:
     import math
     from pathlib import Path
 
-    import torch
-
     from .checkpoint import load_checkpoint
     from .config import ConfigError
     from .train.config import load_config
@@ -216,15 +259,13 @@ def _evaluate(argv: list[str]) -> int:
     data = build_data(cfg)
     val = data.validation
     n = len(val) if args.samples is None else min(args.samples, len(val))
-    total, count = 0.0, 0
-    keys = data.model_inputs
-    with torch.no_grad():
-        for i in range(0, n, cfg.micro_batch_size):
-            batch = data.collator([val[k] for k in range(i, min(n, i + cfg.micro_batch_size))])
-            out = model(**{k: batch[k] for k in keys if k in batch})
-            c = int((batch["labels"] != -100).sum())
-            total, count = total + out.loss.item() * c, count + c
-    result = {"val_loss": total / max(count, 1), "val_ppl": math.exp(min(total / max(count, 1), 50.0)), "samples": n}
+    # training's val_loss: the first eval_batches x micro_batch_size samples (one process)
+    first = min(len(val), cfg.eval_batches * cfg.micro_batch_size)
+    sums = _loss_sums(model, data, n, cfg.micro_batch_size, first)
+    loss = sums["all"][0] / max(sums["all"][1], 1)
+    result = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "samples": n, "tokens": sums["all"][1]}
+    if first <= n:
+        result["val_loss_training_subset"] = sums["first"][0] / max(sums["first"][1], 1)
     if args.bleu:
         from .evaluate import bleu
 
@@ -244,12 +285,61 @@ def _evaluate(argv: list[str]) -> int:
         for k in range(min(args.show, n)):
             src = data.tokenizer.decode([t for t in val.sample(k)["input_ids"].tolist()], skip_special_tokens=True)
             print(f"source:      {src}\ntranslation: {scored.hypotheses[k]}\nreference:   {scored.references[k]}\n")
-    line = f"{run}: val_loss {result['val_loss']:.4f} (ppl {result['val_ppl']:.1f}) on {n} pairs"
+    unit = "pairs" if cfg.data.objective == "seq2seq" else "sequences"
+    line = f"{run}: val_loss {result['val_loss']:.4f} (ppl {result['val_ppl']:.1f}) on {n:,} validation {unit}"
+    line += f" ({result['tokens']:,} labelled tokens)"
     if args.bleu:
         line += f"; BLEU {result['val_bleu']:.2f}, chrF {result['val_chrf']:.2f} ({result['bleu_signature']})"
     print(line)
+    print(_against_training(run, cfg, result, n, first, unit))
     (run / "evaluate.json").write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def _loss_sums(model, data, n: int, micro: int, first: int) -> dict[str, tuple[float, int]]:
+    """(loss sum, labelled tokens) over the first ``n`` validation samples (``all``) and over the
+    first ``first`` of them (``first``: training's subset, in training's batches), ``micro`` at a time."""
+    import torch
+
+    cut = min(first, n)
+    spans = [(i, min(i + micro, cut)) for i in range(0, cut, micro)] + [(i, min(i + micro, n)) for i in range(cut, n, micro)]
+    total, count, at_first = 0.0, 0, (0.0, 0)
+    with torch.no_grad():
+        for start, end in spans:
+            batch = data.collator([data.validation[k] for k in range(start, end)])
+            out = model(**{k: batch[k] for k in data.model_inputs if k in batch})
+            c = int((batch["labels"] != -100).sum())
+            total, count = total + out.loss.item() * c, count + c
+            if end == cut:
+                at_first = (total, count)
+    return {"all": (total, count), "first": at_first}
+
+
+def _against_training(run, cfg, result: dict, n: int, first: int, unit: str) -> str:
+    """How this number relates to the val_loss training logged: training evaluates only its first
+    ``eval_batches x micro_batch_size`` samples, under the run's precision; this command every
+    sample (or ``--samples``), in fp32 on CPU."""
+    import json
+
+    logged = None
+    metrics = run / "metrics.jsonl"
+    if metrics.is_file():
+        for text in metrics.read_text().splitlines():
+            try:
+                record = json.loads(text)
+            except ValueError:
+                continue
+            if "val_loss" in record:
+                logged = (record["step"], record["val_loss"])
+    subset = f"the first {first:,} {unit} (eval_batches={cfg.eval_batches} x micro_batch_size={cfg.micro_batch_size})"
+    if "val_loss_training_subset" not in result:
+        return f"training's val_loss is over {subset}: more than the {n:,} evaluated here"
+    text = f"on {subset}, which training's val_loss averages: {result['val_loss_training_subset']:.4f}"
+    if logged is not None:
+        text += f"; training logged val_loss {logged[1]:.4f} at step {logged[0]}"
+    if cfg.precision not in ("fp32", "auto"):
+        text += f" (computed under {cfg.precision} there, fp32 here)"
+    return text
 
 
 def _plot(argv: list[str]) -> int:
@@ -332,15 +422,20 @@ def _plan(argv: list[str]) -> int:
         description="Predict per-device memory for each strategy and mesh layout "
         "(pp x dp_replicate x dp_shard x tp) and recommend one.",
     )
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--devices", type=_number(int, "[1, inf)"), default=8)
-    p.add_argument("--device-memory", type=_byte_size, default="80GB")
+    p.add_argument("config", help="YAML recipe, e.g. configs/llama-1b.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.preset=llama-70b data.seq_len=8192")
+    p.add_argument("--devices", type=_number(int, "[1, inf)"), default=8, help="devices (GPUs) in the job, all nodes")
+    p.add_argument(
+        "--device-memory",
+        type=_byte_size,
+        default="80",
+        help=f"memory of one device; {_SIZE_HELP}; a layout fits within 90%% of it (default: 80 GiB)",
+    )
     p.add_argument(
         "--gpus-per-node",
         type=_number(int, "[1, inf)"),
         default=8,
-        help="tensor parallelism within a node is preferred; HSDP replicates across nodes",
+        help="devices per node: tensor parallelism within a node is preferred; HSDP replicates across nodes",
     )
     p.add_argument(
         "--pp-microbatches",

@@ -359,10 +359,29 @@ def save_hf_tokenizer(tok, cfg: ModelConfig, out: Path) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
-def save_generation_config(cfg: ModelConfig, out: Path) -> None:
+def save_generation_config(cfg: ModelConfig, out: Path, decode=None) -> None:
+    """``generation_config.json``: the special tokens, and with ``decode`` (a translation run's
+    ``DecodeConfig``, train/decoding.py) its beams, length penalty and length limit, so that HF's
+    ``generate`` decodes as ``tformer generate`` and ``tformer evaluate`` do by default. HF divides
+    a beam's score by len ** alpha (tformer's ``length_norm=power``); a run's ``gnmt`` norm,
+    ((5 + len) / 6) ** alpha, has no HF equivalent, and the export says so."""
+    import logging
+
     from transformers import GenerationConfig
 
     extra = {"decoder_start_token_id": cfg.decoder_start_token_id} if cfg.family == "encdec" else {}
+    if decode is not None:
+        extra.update(num_beams=decode.num_beams, max_new_tokens=decode.max_new_tokens)
+        if decode.num_beams > 1:
+            extra.update(length_penalty=decode.length_penalty, early_stopping=False)  # as tformer's beam search
+            if decode.length_norm != "power" and decode.length_penalty:
+                logging.getLogger("tformer.export").warning(
+                    "generation_config.json: HF's beam search divides by len ** %s where the run's "
+                    "decode.length_norm=%s uses ((5 + len) / 6) ** %s; beams may rank differently",
+                    decode.length_penalty,
+                    decode.length_norm,
+                    decode.length_penalty,
+                )
     GenerationConfig(
         bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id, **extra
     ).save_pretrained(str(out))

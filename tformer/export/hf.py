@@ -139,7 +139,9 @@ def export_hf(
         hf_config.save_pretrained(str(tmp))
         write_safetensors(hf_state, tmp, max_shard_size)
         if cfg.family != "encoder":
-            save_generation_config(cfg, tmp)
+            from ..train.decoding import saved_decode
+
+            save_generation_config(cfg, tmp, saved_decode(ckpt))
         save_hf_tokenizer(tok, cfg, tmp)
     log.info("exported %s to %s (%s)", ckpt, out, target.HF_CLASS)
     return out

@@ -258,7 +258,10 @@ def activation_bytes(
         recompute = max(tokens * e for tokens, e in layers)
     elif ac == "op":  # each block keeps its matmul and attention outputs; the rest is recomputed
         kept = sum(tokens * e for (tokens, _), e in zip(layers, op_elements))
-        recompute = max(tokens * (e - o) for (tokens, e), o in zip(layers, op_elements))
+        # backward rebuilds what AC none keeps, less what op kept of it: all but the row-wise
+        # outputs (o_proj, FFN down), which AC none never saves (an add keeps nothing)
+        own = [_op_ac_parts(cfg, cross_len=seq if i >= first else None)[0] for i in range(len(layers))]
+        recompute = max(max(0, tokens * (e - o + p)) for (tokens, e), o, p in zip(layers, op_elements, own))
     else:
         kept = sum(tokens * e for tokens, e in layers)
         recompute = 0
@@ -896,6 +899,23 @@ def _overrides(e: Estimate, chunked: bool) -> str:
     return f"{flag} micro_batch_size={e.micro_batch}{ac}"
 
 
+def op_ac_note(cfg: ModelConfig, seq: int, tp: int, none: float, op: float) -> str:
+    """Why op-level AC holds more than no AC at ``tp`` (with SP), in values per token and block on
+    one rank: op keeps the o_proj and FFN down matmul outputs, and under TP those are partial sums
+    over the whole sequence, whole on every rank until their reduce-scatter; AC none keeps nothing
+    whole under SP (every tensor it saves is split by tp along the heads or the sequence)."""
+    kept_none = _block_elements_per_token(cfg, seq, tp=tp, sp=True)
+    kept_op = _block_elements_op_ac(cfg, tp=tp, sp=True)
+    partial = _op_ac_parts(cfg)[0]
+    gib = 2**30
+    return (
+        f"note: at tp={tp} AC op holds more than AC none ({op / gib:.2f} vs {none / gib:.2f} GiB), and is never "
+        f"picked there: op keeps the o_proj and FFN down outputs, which under TP are partial sums over the whole "
+        f"sequence on every rank before their reduce-scatter ({partial:,.0f} of the {kept_op:,.0f} values it keeps "
+        f"per token and block), while AC none with SP keeps {kept_none:,.0f}, all split by tp"
+    )
+
+
 def _pp_refused(cfg) -> str | None:
     """A run setting pipelines do not take (the trainer refuses it), or None."""
     data = cfg.data
@@ -952,7 +972,9 @@ def plan_main(
         f"{'strategy':<16}{'dp_rep':>7}{'dp_shard':>9}{'tp':>4}{'sp':>4}  {'AC':<6}{'micro':>6}{'states GiB':>12}"
         f"{'activ. GiB':>12}{'total GiB':>11}  fits"
     )
+    worse_op: dict[int, tuple[float, float]] = {}  # tp -> (AC none, AC op) totals where op holds more
     for strategy, replicate, tp in layouts(model_cfg, devices, gpus_per_node):
+        totals = {}
         for ac in ("none", "op", "full"):
             e = estimate(
                 model_cfg,
@@ -973,6 +995,11 @@ def plan_main(
                 f"{e.micro_batch:>6}{e.model_states / gib:>12.2f}{e.activations / gib:>12.2f}{e.total / gib:>11.2f}"
                 f"  {'yes' if e.total <= 0.9 * memory else 'no'}"
             )
+            totals[ac] = e.total
+        if tp > 1 and totals["op"] > totals["none"]:
+            worse_op[tp] = (totals["none"], totals["op"])
+    if worse_op:
+        print(op_ac_note(model_cfg, cfg.data.seq_len, max(worse_op), *worse_op[max(worse_op)]))
     refused = _pp_refused(cfg)
     max_pp = 1 if refused else (max_pp or devices)
     if refused:
@@ -1055,8 +1082,8 @@ def _print_pipelines(
     m = "4 x pp" if n_micro is None else str(n_micro)
     print(
         f"\npipeline layouts (fsdp per stage; m = grad_accum = {m} micro-batches of micro_batch_size per step; "
-        "in-flight: micro-batches rank 0 holds; total GiB of the fullest pipeline rank by AC; gpipe not searched: "
-        "1f1b's bubble with all m micro-batches in flight):"
+        "in-flight: micro-batches rank 0 holds; none/op/full: total GiB of the fullest pipeline rank by AC; AC: the "
+        "cheapest that fits; gpipe not searched: 1f1b's bubble with all m micro-batches in flight):"
     )
     if skipped:
         print("pp skipped: " + ", ".join(f"{pp} ({why})" for pp, why in skipped.items()))
@@ -1064,7 +1091,7 @@ def _print_pipelines(
         return
     print(
         f"{'strategy':<16}{'dp_rep':>7}{'dp_shard':>9}{'tp':>4}{'sp':>4}{'pp':>4}  {'schedule':<17}{'v':>2}{'m':>5}"
-        f"{'bubble':>8}{'in-flight':>10}{'micro':>6}{'none':>8}{'op':>8}{'full':>8}  fits"
+        f"{'bubble':>8}{'in-flight':>10}{'micro':>6}{'none':>8}{'op':>8}{'full':>8}  fits  AC"
     )
     for strategy, replicate, tp, pp, schedule, v, n in pipes:
         totals = {
@@ -1089,11 +1116,11 @@ def _print_pipelines(
             for ac in ("none", "op", "full")
         }
         e = totals["none"]
-        fit = next((ac for ac, t in totals.items() if t.total <= 0.9 * memory), "no")
+        fit = next((ac for ac, t in totals.items() if t.total <= 0.9 * memory), None)
         held = in_flight(schedule, pp, n, 0, v) / v
         print(
             f"{strategy:<16}{replicate:>7}{e.dp_shard:>9}{tp:>4}{'on' if e.sp else '-':>4}{pp:>4}  {schedule:<17}"
             f"{v:>2}{n:>5}{e.bubble:>8.1%}{held:>10g}{micro_batch:>6}"
             + "".join(f"{t.total / gib:>8.1f}" for t in totals.values())
-            + f"  {fit}"
+            + f"  {'yes' if fit else 'no':<4}  {fit or '-'}"
         )

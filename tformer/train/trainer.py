@@ -27,7 +27,9 @@ from ..parallel.mesh import ParallelDims, check_strategy
 from ..parallel.pipeline import check_pipeline
 from ..parallel.strategy import strategy_class
 from ..parallel.tp import check_tp, pad_vocab_for_tp
+from ..logs import interactive, quiet_repeats
 from .config import TrainConfig
+from .console import start_summary
 from .data import build_data, check_sources, copy_tokenizer
 from .dist import all_reduce, barrier, device_type, init_distributed
 from .metrics import peak_flops
@@ -573,21 +575,15 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(self.resolved_yaml())
             copy_tokenizer(self.data, self.out)
-            print(
-                f"tformer: {self.model_cfg.family} model, {self.num_parameters:,} parameters, "
-                f"{self.dist.world_size} rank(s) on {self.device}, precision {self.precision}, "
-                f"objective {self.data.objective}\nmesh: {self.dims.describe()}"
-                f"{' sp' if self.dims.tp > 1 and cfg.parallel.sp else ''}\n"
-                f"--- resolved config ---\n{self.resolved_yaml()}---",
-                flush=True,
-            )
+            print(start_summary(self), flush=True)  # the whole resolved config is config.yaml
+        quiet_repeats()  # torch and DeepSpeed have set up their loggers by now
         previous = self._install_signals()
         tracker = WandbTracker(cfg.wandb, self.out, self.resolved, self.wandb_id) if main else None
         if tracker is not None:
             self.wandb_id = tracker.run_id
         metrics_file = open(self.out / "metrics.jsonl", "a") if main else None
         bar = None
-        if main and cfg.progress:
+        if main and cfg.progress and interactive():
             from tqdm import tqdm
 
             bar = tqdm(

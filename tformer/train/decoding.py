@@ -1,0 +1,42 @@
+"""One source of decoding defaults: the recipe's ``decode`` section, saved with the run.
+
+Every checkpoint directory (and its run directory) holds the resolved ``config.yaml``. Its
+``decode`` section (num_beams, length_penalty, length_norm, max_new_tokens) is how the run
+translates: ``eval_bleu`` during training and ``tformer evaluate --bleu`` decode with it, and
+``tformer generate`` and the HF export's ``generation_config.json`` take it as their defaults too
+(command-line flags override it). Runs that do not translate (``data.objective`` other than
+``seq2seq``: language models, span corruption) have no decoding recipe: greedy, as HF's default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from .config import DecodeConfig, config_from_dict
+
+
+def saved_config(path: str | Path) -> dict | None:
+    """The resolved run config (as a dict) nearest to ``path``: the config.yaml of the checkpoint
+    or run directory ``path``, else of its parents; None when there is none (an imported model)."""
+    start = Path(path)
+    for d in (start, *start.parents):
+        file = d / "config.yaml"
+        if file.is_file():
+            loaded = yaml.safe_load(file.read_text())
+            return loaded if isinstance(loaded, dict) else None
+    return None
+
+
+def saved_decode(path: str | Path) -> DecodeConfig | None:
+    """The ``decode`` settings of the translation run that wrote ``path``, with ``max_new_tokens``
+    resolved to the run's target length when the recipe leaves it to the data (as BLEU does); None
+    for a run that does not translate, or one without a config.yaml."""
+    raw = saved_config(path)
+    if raw is None or (raw.get("data") or {}).get("objective") != "seq2seq":
+        return None
+    decode = config_from_dict({"decode": raw.get("decode") or {}}).decode  # validated like the recipe
+    if decode.max_new_tokens is None:
+        decode.max_new_tokens = (raw.get("data") or {}).get("target_len") or (raw.get("data") or {}).get("seq_len")
+    return decode
