@@ -216,6 +216,20 @@ def _hf_reference(name):
                 tie_word_embeddings=p["tie_embeddings"],
             )
         )
+    if p["flavour"] == "mixtral":  # the published Mixtral-8x7B config
+        return T.MixtralForCausalLM(
+            T.MixtralConfig(
+                vocab_size=32000,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                num_local_experts=8,
+                num_experts_per_tok=2,
+                tie_word_embeddings=False,
+            )
+        )
     if p["flavour"] == "marian":
         return T.MarianMTModel(
             T.MarianConfig(
@@ -278,6 +292,7 @@ def test_well_known_sizes():
         assert build_model("llama-8b").num_parameters() == 8_030_261_248
         assert build_model("llama-70b").num_parameters() == 70_553_706_496
         assert build_model("t5-3b").num_parameters() == 2_851_598_336
+        assert build_model("mixtral-8x7b").num_parameters() == 46_702_792_704  # "46.7B" (Mistral AI)
         assert build_model("t5-11b").num_parameters() == 11_307_321_344
 
 

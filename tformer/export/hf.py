@@ -20,7 +20,7 @@ from ..checkpoint.io import commit, partial_dir, write_bytes_durable
 from ..checkpoint.manager import TrainerState
 from ..config import ModelConfig
 from ..models.base import TformerModel
-from . import bert, gpt2, llama, marian, t5
+from . import bert, gpt2, llama, marian, mixtral, t5
 from .common import (
     ExportError,
     atomic_dir,
@@ -30,6 +30,7 @@ from .common import (
     find_tokenizer,
     from_hf,
     hf_expected,
+    hf_saved_layout,
     model_shapes,
     read_hf_weights,
     read_model_state,
@@ -45,7 +46,7 @@ from .common import (
 log = logging.getLogger("tformer.export")
 
 # flavour (= HF model_type) -> the module that maps it
-TARGETS = {"bert": bert, "gpt2": gpt2, "llama": llama, "t5": t5, "marian": marian}
+TARGETS = {"bert": bert, "gpt2": gpt2, "llama": llama, "t5": t5, "marian": marian, "mixtral": mixtral}
 DEFAULT_SHARD_SIZE = "5GB"
 
 
@@ -59,10 +60,21 @@ def target_of(cfg: ModelConfig):
     return target
 
 
+def check_moe(cfg: ModelConfig, target) -> None:
+    """Mixture-of-experts FFNs go only to the HF classes that have them (``MOE = True``)."""
+    if cfg.moe.enabled and not getattr(target, "MOE", False):
+        moe_targets = ", ".join(f"{name} ({t.HF_CLASS})" for name, t in TARGETS.items() if getattr(t, "MOE", False))
+        raise ExportError(
+            f"cannot export to HF {target.HF_CLASS}: moe=(num_experts={cfg.moe.num_experts}): it has no mixture-of-experts "
+            f"FFN, and a {cfg.family} with MoE has HF twins only among flavours {moe_targets or 'none'}"
+        )
+
+
 def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     """(HF config, HF tensors) of our model tensors (each tied tensor once, under its first name):
     the whole export but the files. Every tensor is checked against the HF class's parameters."""
     target = target_of(cfg)
+    check_moe(cfg, target)
     target.check(cfg)
     hf_config = target.hf_config(cfg)
     dtype = state["embed.tok.weight"].dtype
@@ -79,6 +91,8 @@ def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     check_against(hf_state, (unique, aliases), target.HF_CLASS)
     if hasattr(target, "buffers"):  # persistent HF buffers (Marian's final_logits_bias)
         hf_state.update(target.buffers(cfg, dtype))
+    if getattr(target, "MOE", False):  # written one tensor per expert, as HF writes them
+        hf_state = hf_saved_layout(hf_config, target.HF_CLASS, hf_state)
     return hf_config, hf_state
 
 

@@ -15,25 +15,27 @@ HF_GATED_ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "gegl
 
 
 def check(cfg: ModelConfig) -> None:
-    raise_problems(
-        HF_CLASS,
-        [
-            need(cfg, "family", "decoder", "Llama is a decoder; set flavour to the family's target"),
-            need(cfg, "position", "rotary", "Llama uses rotary positions; use flavour=gpt2 for learned ones"),
-            need(cfg, "norm", "rmsnorm", "Llama uses RMSNorm; use flavour=gpt2 for LayerNorm"),
-            need(cfg, "norm_position", "pre", "Llama is pre-norm; train with norm_position=pre"),
-            need(
-                cfg,
-                "activation",
-                tuple(GATED_ACTS),
-                "Llama's MLP is gated (gate_proj/up_proj); use flavour=gpt2 for a plain MLP",
-            ),
-            need(cfg, "attn_scale", True, "Llama always scales attention by 1/sqrt(d_head)"),
-            need(cfg, "type_vocab_size", 0, "Llama has no token-type embeddings"),
-            need(cfg, "embed_norm", False, "Llama has no norm after the embeddings"),
-            need(cfg, "embed_scale", False, "Llama does not scale its embeddings"),
-        ],
-    )
+    raise_problems(HF_CLASS, problems(cfg))
+
+
+def problems(cfg: ModelConfig) -> list[str | None]:
+    """What a Llama-shaped HF decoder (Llama, Mixtral, Qwen2-MoE) cannot express."""
+    return [
+        need(cfg, "family", "decoder", "Llama is a decoder; set flavour to the family's target"),
+        need(cfg, "position", "rotary", "Llama uses rotary positions; use flavour=gpt2 for learned ones"),
+        need(cfg, "norm", "rmsnorm", "Llama uses RMSNorm; use flavour=gpt2 for LayerNorm"),
+        need(cfg, "norm_position", "pre", "Llama is pre-norm; train with norm_position=pre"),
+        need(
+            cfg,
+            "activation",
+            tuple(GATED_ACTS),
+            "Llama's MLP is gated (gate_proj/up_proj); use flavour=gpt2 for a plain MLP",
+        ),
+        need(cfg, "attn_scale", True, "Llama always scales attention by 1/sqrt(d_head)"),
+        need(cfg, "type_vocab_size", 0, "Llama has no token-type embeddings"),
+        need(cfg, "embed_norm", False, "Llama has no norm after the embeddings"),
+        need(cfg, "embed_scale", False, "Llama does not scale its embeddings"),
+    ]
 
 
 def hf_config(cfg: ModelConfig):
@@ -64,13 +66,25 @@ def hf_config(cfg: ModelConfig):
 
 
 def rules(cfg: ModelConfig) -> list[Rule]:
+    return decoder_rules(cfg, lambda i, h, o: mlp_rules(f"{h}mlp.", f"{o}ffn.", cfg.bias))
+
+
+def mlp_rules(hf: str, ours: str, bias: bool) -> list[Rule]:
+    """A gated MLP: HF ``gate_proj`` / ``up_proj`` / ``down_proj``, ours ``gate`` / ``up`` / ``down``."""
+    out = []
+    for hf_name, name in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+        out += linear(hf + hf_name, ours + name, bias)
+    return out
+
+
+def decoder_rules(cfg: ModelConfig, ffn) -> list[Rule]:
+    """A Llama-shaped decoder's map; ``ffn(i, hf_prefix, our_prefix)`` maps layer i's FFN."""
     out = [rule("model.embed_tokens.weight", "embed.tok.weight")]
     for i in range(cfg.num_layers):
         h, o = f"model.layers.{i}.", f"decoder.layers.{i}."
         for x in "qkvo":
             out += linear(f"{h}self_attn.{x}_proj", f"{o}attn.{x}_proj", cfg.bias)
-        for hf_name, ours in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
-            out += linear(f"{h}mlp.{hf_name}", f"{o}ffn.{ours}", cfg.bias)
+        out += ffn(i, h, o)
         out += [
             rule(h + "input_layernorm.weight", o + "attn_norm.weight"),
             rule(h + "post_attention_layernorm.weight", o + "ffn_norm.weight"),

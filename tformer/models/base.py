@@ -11,6 +11,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from ..nn import LearnedPositions, SinusoidalPositions, make_norm
+from ..nn.moe import Experts, moe_aux_loss
 from .loss import chunked_lm_loss
 
 
@@ -84,13 +85,15 @@ class TformerModel(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 std = cfg.init_std
-                if name.endswith(("o_proj", "ffn.down")):
+                if name.endswith(("o_proj", "ffn.down", "ffn.shared.down")):
                     std /= math.sqrt(2 * depth)
                 if cfg.embed_scale and name == "embed.tok":
                     std = cfg.d_model**-0.5
                 nn.init.normal_(module.weight, 0.0, std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, Experts):
+                module.init_weights(cfg.init_std, cfg.init_std / math.sqrt(2 * depth))
             elif hasattr(module, "weight") and module.weight is not None and module.weight.dim() == 1:
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
@@ -116,7 +119,17 @@ class TformerModel(nn.Module):
         """What a family does to the hidden states before the vocabulary projection ``lm_head``."""
         return hidden
 
-    def _head_and_loss(
+    def _head_and_loss(self, hidden: torch.Tensor, labels: torch.Tensor | None, return_logits: bool, **kw: Any):
+        """``_head_and_lm_loss``, plus the MoE layers' auxiliary losses while training (their
+        coefficients are in ``model.moe``): what the optimiser minimises."""
+        logits, loss = self._head_and_lm_loss(hidden, labels, return_logits, **kw)
+        if loss is not None and self.training and self.config.moe.enabled:
+            aux = moe_aux_loss(self)
+            if aux is not None:
+                loss = loss + aux.to(loss.dtype)
+        return logits, loss
+
+    def _head_and_lm_loss(
         self,
         hidden: torch.Tensor,
         labels: torch.Tensor | None,

@@ -97,6 +97,14 @@ TRANSFORMER = dict(
     attn_dropout=0.0,
 )
 T5_V11 = dict(T5, activation="geglu", tie_embeddings=False, tied_output_scale=False, dropout=0.0)
+# Mixture-of-experts flavours (model.moe; HF twins in tformer/export/mixtral.py, qwen2_moe.py,
+# switch_transformers.py). Mixtral: Llama with 8 SwiGLU experts in every block, top-2, softmax over
+# the two chosen logits, dropless.
+MIXTRAL = dict(
+    LLAMA,
+    flavour="mixtral",
+    moe=dict(num_experts=8, top_k=2, router_softmax="topk", aux_loss_coef=0.02),
+)
 
 PRESETS: dict[str, dict] = {
     "bert-base": dict(BERT, d_model=768, num_layers=12, num_heads=12, d_ff=3072),
@@ -226,6 +234,37 @@ PRESETS: dict[str, dict] = {
         rel_num_buckets=8,
         rel_max_distance=32,
     ),
+    # Mixtral 8x7B (config only: 46.7B parameters, 12.9B active per token)
+    "mixtral-8x7b": dict(
+        MIXTRAL,
+        vocab_size=32000,
+        d_model=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        d_ff=14336,
+        max_seq_len=32768,
+        rope_theta=1e6,
+        tie_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    ),
+    "mixtral-tiny": dict(
+        MIXTRAL,
+        vocab_size=1024,
+        max_seq_len=128,
+        d_model=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        d_ff=96,
+        tie_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        moe=dict(num_experts=4, top_k=2, router_softmax="topk", aux_loss_coef=0.02),
+    ),
     "transformer-tiny": dict(
         TRANSFORMER, vocab_size=1024, max_seq_len=128, d_model=64, num_layers=2, num_heads=4, d_ff=128, dropout=0.0
     ),
@@ -237,4 +276,7 @@ def preset(name: str, **overrides) -> ModelConfig:
         close = difflib.get_close_matches(name, PRESETS, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"unknown preset {name!r}{hint} (available: {', '.join(PRESETS)})")
-    return ModelConfig.from_dict({**PRESETS[name], **overrides})
+    base = PRESETS[name]
+    if isinstance(overrides.get("moe"), dict) and isinstance(base.get("moe"), dict):
+        overrides = {**overrides, "moe": {**base["moe"], **overrides["moe"]}}  # model.moe.top_k=1 keeps the rest
+    return ModelConfig.from_dict({**base, **overrides})
