@@ -204,6 +204,12 @@ CASES = {
             tie_embeddings=True,
         ),
     ),
+    # capacity 3 per expert per sequence of 11: some tokens pass through on the residual alone
+    "switch-capacity-drops": ("switch-tiny", dict(vocab_size=400, moe=dict(expert_capacity=3))),
+    "switch-every-block-gelu-router-bias-deeper-decoder": (
+        "switch-tiny",
+        dict(vocab_size=400, activation="gelu", num_decoder_layers=3, moe=dict(moe_every=1, router_bias=True)),
+    ),
     "t5-tied-unscaled-swiglu": (
         "t5-tiny",
         dict(vocab_size=400, tied_output_scale=False, activation="swiglu", d_head=12, num_heads=3),
@@ -524,6 +530,28 @@ def hf_configs():
             "MixtralForCausalLM",
             "bpe",
         ),
+        "switch_transformers": (
+            t.SwitchTransformersConfig(
+                vocab_size=400,
+                d_model=32,
+                d_kv=8,
+                d_ff=48,
+                num_layers=2,
+                num_decoder_layers=2,
+                num_sparse_encoder_layers=1,
+                num_sparse_decoder_layers=1,
+                num_heads=4,
+                num_experts=4,
+                expert_capacity=4,
+                relative_attention_num_buckets=8,
+                relative_attention_max_distance=32,
+                pad_token_id=0,
+                eos_token_id=1,
+                decoder_start_token_id=0,
+            ),
+            "SwitchTransformersForConditionalGeneration",
+            "unigram",
+        ),
         "marian": (
             t.MarianConfig(
                 vocab_size=400,
@@ -548,7 +576,9 @@ def hf_configs():
     }
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "bert-untied", "t5-v1.0", "t5-v1.1", "marian", "mixtral"])
+@pytest.mark.parametrize(
+    "name", ["gpt2", "llama", "bert", "bert-untied", "t5-v1.0", "t5-v1.1", "marian", "mixtral", "switch_transformers"]
+)
 def test_import_then_export_is_the_identity_on_tensors(name, toks, tmp_path):
     config, cls, kind = hf_configs()[name]
     torch.manual_seed(0)
@@ -654,6 +684,9 @@ NO_HF_EQUIVALENT = [
     ("mixtral-tiny", dict(moe={"capacity_factor": 1.25}), "moe.capacity_factor"),
     ("mixtral-tiny", dict(moe={"num_shared_experts": 1}), "moe.num_shared_experts"),
     ("mixtral-tiny", dict(moe={"router_softmax": "all"}), "moe.renormalize"),
+    ("switch-tiny", dict(moe={"expert_capacity": None}), "moe.expert_capacity"),
+    ("switch-tiny", dict(moe={"top_k": 2}), "moe.top_k"),
+    ("switch-tiny", dict(tie_embeddings=False), "tie_embeddings"),
 ]
 
 

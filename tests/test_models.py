@@ -230,6 +230,20 @@ def _hf_reference(name):
                 tie_word_embeddings=False,
             )
         )
+    if p["flavour"] == "switch_transformers":  # google/switch-base-8's config
+        return T.SwitchTransformersForConditionalGeneration(
+            T.SwitchTransformersConfig(
+                d_model=768,
+                d_ff=3072,
+                d_kv=64,
+                num_heads=12,
+                num_layers=12,
+                num_sparse_encoder_layers=6,
+                num_sparse_decoder_layers=6,
+                num_experts=8,
+                expert_capacity=64,
+            )
+        )
     if p["flavour"] == "marian":
         return T.MarianMTModel(
             T.MarianConfig(

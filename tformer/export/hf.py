@@ -20,7 +20,7 @@ from ..checkpoint.io import commit, partial_dir, write_bytes_durable
 from ..checkpoint.manager import TrainerState
 from ..config import ModelConfig
 from ..models.base import TformerModel
-from . import bert, gpt2, llama, marian, mixtral, t5
+from . import bert, gpt2, llama, marian, mixtral, switch_transformers, t5
 from .common import (
     ExportError,
     atomic_dir,
@@ -46,7 +46,15 @@ from .common import (
 log = logging.getLogger("tformer.export")
 
 # flavour (= HF model_type) -> the module that maps it
-TARGETS = {"bert": bert, "gpt2": gpt2, "llama": llama, "t5": t5, "marian": marian, "mixtral": mixtral}
+TARGETS = {
+    "bert": bert,
+    "gpt2": gpt2,
+    "llama": llama,
+    "t5": t5,
+    "marian": marian,
+    "mixtral": mixtral,
+    "switch_transformers": switch_transformers,
+}
 DEFAULT_SHARD_SIZE = "5GB"
 
 

@@ -105,6 +105,12 @@ MIXTRAL = dict(
     flavour="mixtral",
     moe=dict(num_experts=8, top_k=2, router_softmax="topk", aux_loss_coef=0.02),
 )
+# Switch Transformer: T5 v1.0 with 8 ReLU experts on every other block, top-1, capacity per sequence
+SWITCH = dict(
+    T5,
+    flavour="switch_transformers",
+    moe=dict(num_experts=8, top_k=1, moe_every=2, expert_capacity=64, jitter=0.01, aux_loss_coef=1e-3, z_loss_coef=1e-3),
+)
 
 PRESETS: dict[str, dict] = {
     "bert-base": dict(BERT, d_model=768, num_layers=12, num_heads=12, d_ff=3072),
@@ -264,6 +270,23 @@ PRESETS: dict[str, dict] = {
         eos_token_id=0,
         pad_token_id=0,
         moe=dict(num_experts=4, top_k=2, router_softmax="topk", aux_loss_coef=0.02),
+    ),
+    # Switch-Base-8 (Fedus et al. 2021; HF google/switch-base-8): T5 v1.0 base with 8 top-1 experts
+    # on every other block, 64 tokens per expert per sequence (619M parameters)
+    "switch-base-8": dict(SWITCH, d_model=768, d_head=64, num_layers=12, num_heads=12, d_ff=3072),
+    "switch-tiny": dict(
+        SWITCH,
+        vocab_size=1024,
+        max_seq_len=128,
+        d_model=64,
+        d_head=16,
+        num_layers=2,
+        num_heads=4,
+        d_ff=128,
+        rel_num_buckets=8,
+        rel_max_distance=32,
+        dropout=0.0,
+        moe=dict(num_experts=4, top_k=1, moe_every=2, expert_capacity=16, aux_loss_coef=0.01, z_loss_coef=0.001),
     ),
     "transformer-tiny": dict(
         TRANSFORMER, vocab_size=1024, max_seq_len=128, d_model=64, num_layers=2, num_heads=4, d_ff=128, dropout=0.0
