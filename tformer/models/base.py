@@ -11,7 +11,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from ..nn import LearnedPositions, SinusoidalPositions, make_norm
-from ..nn.moe import Experts, moe_aux_loss
+from ..nn.moe import Experts, moe_aux_loss, moe_layers
 from .loss import chunked_lm_loss
 
 
@@ -72,6 +72,15 @@ class TformerModel(nn.Module):
         if exclude_embeddings:
             skip = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
         return sum(p.numel() for p in self.parameters() if id(p) not in skip)
+
+    def num_active_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Parameters one token passes through: ``num_parameters`` less, in every MoE layer, the
+        experts it is not routed to (all but ``top_k`` of ``num_experts``)."""
+        idle = 0
+        for m in moe_layers(self):
+            per_expert = sum(p[0].numel() for p in m.experts.parameters())
+            idle += per_expert * (m.cfg.num_experts - m.cfg.top_k)
+        return self.num_parameters(exclude_embeddings) - idle
 
     def init_weights(self) -> None:
         """Normal(0, init_std) for matrices and embeddings, zero biases, unit norm gains; the
