@@ -3,6 +3,7 @@ one-hot mask) and against HF's own MoE blocks and auxiliary-loss functions, on t
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tformer.config import ConfigError, ModelConfig, MoEConfig
+from tformer.nn.moe import moe_layers
 from tformer.nn.ffn import FFN_KINDS
 from tformer.nn.moe import MoEFeedForward, capacity_mask, grouped_mm_ok, load_balancing_loss, router_z_loss
 
@@ -254,3 +256,63 @@ def test_bad_moe_config_is_one_line(moe, message):
     with pytest.raises(ConfigError) as err:
         ModelConfig(moe=moe)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# -- every family trains with MoE FFNs -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    import os
+
+    path = tmp_path_factory.mktemp("tformer-cache")
+    os.environ["TFORMER_CACHE"] = str(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "recipe,extra",
+    [
+        ("mixtral-tiny", ()),
+        ("switch-tiny", ()),
+        # BERT with MoE FFNs: no HF twin (its export is refused, tests/test_export.py), but it trains
+        ("bert-tiny", ("model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.moe_every=2")),
+    ],
+)
+def test_moe_recipe_lowers_validation_loss(recipe, extra, cache, tmp_path, one_thread):
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+
+    from train_helpers import CONFIGS, small_overrides
+
+    overrides = small_overrides(
+        recipe, tmp_path, "max_steps=40", "eval_every=0", "save_every=0", "optim.warmup_steps=5", "precision=fp32", *extra
+    )
+    t = Trainer(load_config(CONFIGS / f"{recipe}.yaml", overrides))
+    layers = moe_layers(t.model)
+    assert layers and all(m.cfg.num_experts == t.model_cfg.moe.num_experts for m in layers)
+    before = t.evaluate()["val_loss"]
+    last = t.fit()
+    assert last["val_loss"] < before - 0.5, (before, last["val_loss"])
+    assert all(m.aux_loss is not None and m.stats for m in layers)
+    record = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+    assert 1.0 <= record["moe/tokens_max_over_mean"] <= record["moe/tokens_max_over_mean_worst"]
+    assert record["moe/balance_loss"] > 0 and record["moe/z_loss"] > 0
+    if recipe == "switch-tiny":
+        assert 0 <= record["moe/dropped_fraction"] < 1
+    else:
+        assert record["moe/dropped_fraction"] == 0  # dropless
+
+
+def test_aux_loss_joins_the_training_loss_only_while_training():
+    import tformer
+
+    model = tformer.build_model("mixtral-tiny", vocab_size=300, moe={"aux_loss_coef": 0.5, "z_loss_coef": 0.1})
+    ids = torch.randint(0, 300, (2, 12))
+    model.train()
+    loss = model(ids, labels=ids).loss
+    aux = torch.stack([m.aux_loss for m in moe_layers(model)]).mean()
+    model.eval()
+    plain = model(ids, labels=ids).loss
+    torch.testing.assert_close(loss, plain + aux)
+    assert aux > 0.5  # the balance loss is ~1 at best, times 0.5

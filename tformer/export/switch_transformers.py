@@ -66,7 +66,8 @@ def hf_config(cfg: ModelConfig):
     from transformers import SwitchTransformersConfig
 
     moe = cfg.moe
-    return SwitchTransformersConfig(
+    assert moe.expert_capacity is not None  # check() refuses capacity-free routing
+    hf = SwitchTransformersConfig(
         vocab_size=cfg.vocab_size,
         d_model=cfg.d_model,
         d_kv=cfg.head_dim,
@@ -89,10 +90,11 @@ def hf_config(cfg: ModelConfig):
         dense_act_fn=PLAIN_ACTS[cfg.activation],
         pad_token_id=cfg.pad_token_id,
         eos_token_id=cfg.eos_token_id,
-        decoder_start_token_id=cfg.decoder_start_token_id,
         tie_word_embeddings=cfg.tie_embeddings,
         architectures=[HF_CLASS],
     )
+    hf.decoder_start_token_id = cfg.decoder_start_token_id  # not a declared field of the v5 config class
+    return hf
 
 
 def ffn_rules(cfg: ModelConfig, stack: str, i: int, h: str, o: str) -> list[Rule]:
