@@ -8,17 +8,24 @@ block: one MoE FFN forward + backward (8 experts, top-2, dropless, d 512, expert
   loop). Contenders run interleaved, round by round; the medians are compared. Like for like: the
   outputs of ours and HF's agree (1e-4) before anything is timed, every timed step's output is finite.
 
-Measured on a loaded, shared 2-core AVX2 EPYC (no AVX512), 2026-11, one thread:
-  see the README's MoE line (the figures move by ~10% between runs on a busy machine).
+balance: configs/mixtral-tiny.yaml trained ``--steps`` (300) steps on the bundled corpus, fp32, with its
+  load-balancing loss (coefficient 0.02) and without (0): max/mean tokens per expert (the trainer's
+  ``moe/tokens_max_over_mean``, averaged over the blocks, median of the last 5 logged steps).
+  Target <= 1.5 with the loss; the figure without it is printed.
 
-    .venv/bin/python bench/bench_moe.py [--part block] [--rounds 7] [--tokens 1024]
+Measured on a loaded, shared 2-core AVX2 EPYC (no AVX512), 2026-11, one thread: see the report
+lines printed (the figures move by ~10% between runs on a busy machine).
+
+    .venv/bin/python bench/bench_moe.py [--part block|balance|all] [--rounds 7] [--tokens 1024] [--steps 300]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -113,15 +120,53 @@ def bench_block(args) -> list[str]:
     return lines
 
 
+def balance_figure(steps: int, coef: float, out: Path) -> float:
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+
+    overrides = [
+        f"max_steps={steps}",
+        "eval_every=0",
+        "save_every=0",
+        "log_every=10",
+        "progress=false",
+        "precision=fp32",
+        f"model.moe.aux_loss_coef={coef}",
+        f"output_dir={out}",
+    ]
+    Trainer(load_config(ROOT / "configs" / "mixtral-tiny.yaml", overrides)).fit()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    figures = [r["moe/tokens_max_over_mean"] for r in records if "moe/tokens_max_over_mean" in r]
+    if len(figures) < 5:
+        raise SystemExit(f"MISS balance: only {len(figures)} routing records in {out / 'metrics.jsonl'}")
+    return statistics.median(figures[-5:])
+
+
+def bench_balance(args) -> list[str]:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="bench-moe-") as tmp:
+        on = balance_figure(args.steps, 0.02, Path(tmp) / "on")
+        off = balance_figure(args.steps, 0.0, Path(tmp) / "off")
+    return [
+        f"balance: mixtral-tiny, {args.steps} steps, fp32 (AVX2 CPU): max/mean tokens per expert",
+        f"{'PASS' if on <= 1.5 else 'MISS'} with the balancing loss (0.02): {on:.2f} (<= 1.5)",
+        f"  without it (0): {off:.2f}",
+    ]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["block"], default="block")
+    parser.add_argument("--part", choices=["block", "balance", "all"], default="all")
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=1024)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    for line in bench_block(args):
-        print(line, flush=True)
+    parts = {"block": bench_block, "balance": bench_balance}
+    for name, part in parts.items():
+        if args.part in (name, "all"):
+            for line in part(args):
+                print(line, flush=True)
 
 
 if __name__ == "__main__":

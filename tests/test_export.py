@@ -204,6 +204,11 @@ CASES = {
             tie_embeddings=True,
         ),
     ),
+    "qwen2-moe-shared-gated-qkv-bias": ("qwen2-moe-tiny", dict(vocab_size=512)),
+    "qwen2-moe-every-other-block-renormalised-untied": (
+        "qwen2-moe-tiny",
+        dict(vocab_size=512, num_layers=3, qkv_bias=False, moe=dict(moe_every=2, renormalize=True, top_k=3)),
+    ),
     # capacity 3 per expert per sequence of 11: some tokens pass through on the residual alone
     "switch-capacity-drops": ("switch-tiny", dict(vocab_size=400, moe=dict(expert_capacity=3))),
     "switch-every-block-gelu-router-bias-deeper-decoder": (
@@ -266,6 +271,7 @@ FLIPS = {
     "norm_position": ["pre", "post"],
     "activation": ["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu"],
     "bias": [True, False],
+    "qkv_bias": [True, False],
     "attn_scale": [True, False],
     "attn_impl": ["math"],
     "dropout": [0.1],
@@ -530,6 +536,28 @@ def hf_configs():
             "MixtralForCausalLM",
             "bpe",
         ),
+        "qwen2_moe": (
+            t.Qwen2MoeConfig(
+                vocab_size=512,
+                hidden_size=48,
+                intermediate_size=64,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                num_experts=4,
+                num_experts_per_tok=2,
+                decoder_sparse_step=2,
+                max_position_embeddings=64,
+                bos_token_id=0,
+                eos_token_id=0,
+                pad_token_id=0,
+                tie_word_embeddings=False,
+            ),
+            "Qwen2MoeForCausalLM",
+            "bpe",
+        ),
         "switch_transformers": (
             t.SwitchTransformersConfig(
                 vocab_size=400,
@@ -685,6 +713,8 @@ NO_HF_EQUIVALENT = [
     ("mixtral-tiny", dict(moe={"num_shared_experts": 1}), "moe.num_shared_experts"),
     ("mixtral-tiny", dict(moe={"router_softmax": "all"}), "moe.renormalize"),
     ("switch-tiny", dict(moe={"expert_capacity": None}), "moe.expert_capacity"),
+    ("qwen2-moe-tiny", dict(moe={"shared_gate": False}), "moe.shared_gate"),
+    ("llama-tiny", dict(qkv_bias=True), "qkv_bias"),
     ("switch-tiny", dict(moe={"top_k": 2}), "moe.top_k"),
     ("switch-tiny", dict(tie_embeddings=False), "tie_embeddings"),
 ]

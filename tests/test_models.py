@@ -230,6 +230,22 @@ def _hf_reference(name):
                 tie_word_embeddings=False,
             )
         )
+    if p["flavour"] == "qwen2_moe":  # Qwen/Qwen1.5-MoE-A2.7B's config
+        return T.Qwen2MoeForCausalLM(
+            T.Qwen2MoeConfig(
+                vocab_size=151936,
+                hidden_size=2048,
+                intermediate_size=5632,
+                moe_intermediate_size=1408,
+                shared_expert_intermediate_size=5632,
+                num_hidden_layers=24,
+                num_attention_heads=16,
+                num_key_value_heads=16,
+                num_experts=60,
+                num_experts_per_tok=4,
+                tie_word_embeddings=False,
+            )
+        )
     if p["flavour"] == "switch_transformers":  # google/switch-base-8's config
         return T.SwitchTransformersForConditionalGeneration(
             T.SwitchTransformersConfig(

@@ -162,6 +162,7 @@ class ModelConfig:
     norm_position: NormPosition = "pre"  # pre (GPT-2, Llama, T5) | post (the paper, BERT)
     activation: Activation = "gelu_tanh"
     bias: bool = True  # biases in attention and FFN projections
+    qkv_bias: bool | None = None  # biases on q/k/v alone (Qwen2: bias=false, qkv_bias=true); null: as bias
     attn_scale: bool = True  # 1/sqrt(d_k); T5 has none
     attn_impl: AttnImpl = "sdpa"  # sdpa (fast path) | math (explicit reference)
     dropout: float = 0.0
@@ -199,6 +200,10 @@ class ModelConfig:
     def padded_vocab_size(self) -> int:
         m = self.pad_vocab_multiple
         return -(-self.vocab_size // m) * m
+
+    @property
+    def attn_qkv_bias(self) -> bool:
+        return self.bias if self.qkv_bias is None else self.qkv_bias
 
     @property
     def pre_norm(self) -> bool:

@@ -20,7 +20,7 @@ from ..checkpoint.io import commit, partial_dir, write_bytes_durable
 from ..checkpoint.manager import TrainerState
 from ..config import ModelConfig
 from ..models.base import TformerModel
-from . import bert, gpt2, llama, marian, mixtral, switch_transformers, t5
+from . import bert, gpt2, llama, marian, mixtral, qwen2_moe, switch_transformers, t5
 from .common import (
     ExportError,
     atomic_dir,
@@ -53,6 +53,7 @@ TARGETS = {
     "t5": t5,
     "marian": marian,
     "mixtral": mixtral,
+    "qwen2_moe": qwen2_moe,
     "switch_transformers": switch_transformers,
 }
 DEFAULT_SHARD_SIZE = "5GB"
@@ -78,11 +79,21 @@ def check_moe(cfg: ModelConfig, target) -> None:
         )
 
 
+def check_qkv_bias(cfg: ModelConfig, target) -> None:
+    """Biases on q/k/v alone go only to the HF classes that have them (``QKV_BIAS = True``)."""
+    if cfg.attn_qkv_bias != cfg.bias and not getattr(target, "QKV_BIAS", False):
+        raise ExportError(
+            f"cannot export to HF {target.HF_CLASS}: qkv_bias={cfg.qkv_bias} with bias={cfg.bias}: it has one bias "
+            "switch for every projection; set qkv_bias=null"
+        )
+
+
 def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     """(HF config, HF tensors) of our model tensors (each tied tensor once, under its first name):
     the whole export but the files. Every tensor is checked against the HF class's parameters."""
     target = target_of(cfg)
     check_moe(cfg, target)
+    check_qkv_bias(cfg, target)
     target.check(cfg)
     hf_config = target.hf_config(cfg)
     dtype = state["embed.tok.weight"].dtype

@@ -105,6 +105,15 @@ MIXTRAL = dict(
     flavour="mixtral",
     moe=dict(num_experts=8, top_k=2, router_softmax="topk", aux_loss_coef=0.02),
 )
+# Qwen2-MoE: Llama with q/k/v biases; 60 narrow experts (top-4, not renormalised) plus a shared
+# expert as wide as four of them, gated by sigmoid(linear(x)), on every block
+QWEN2_MOE = dict(
+    LLAMA,
+    flavour="qwen2_moe",
+    qkv_bias=True,
+    norm_eps=1e-6,
+    moe=dict(num_experts=60, top_k=4, num_shared_experts=4, shared_gate=True, aux_loss_coef=1e-3),
+)
 # Switch Transformer: T5 v1.0 with 8 ReLU experts on every other block, top-1, capacity per sequence
 SWITCH = dict(
     T5,
@@ -270,6 +279,37 @@ PRESETS: dict[str, dict] = {
         eos_token_id=0,
         pad_token_id=0,
         moe=dict(num_experts=4, top_k=2, router_softmax="topk", aux_loss_coef=0.02),
+    ),
+    # Qwen1.5-MoE-A2.7B (HF Qwen/Qwen1.5-MoE-A2.7B; config only: 14.3B parameters, 2.7B active)
+    "qwen2-moe-a2.7b": dict(
+        QWEN2_MOE,
+        vocab_size=151936,
+        d_model=2048,
+        num_layers=24,
+        num_heads=16,
+        d_ff=5632,
+        max_seq_len=8192,
+        rope_theta=1e6,
+        tie_embeddings=False,
+        bos_token_id=151643,
+        eos_token_id=151643,
+        pad_token_id=151643,
+        moe=dict(QWEN2_MOE["moe"], d_expert=1408, d_shared=1408),
+    ),
+    "qwen2-moe-tiny": dict(
+        QWEN2_MOE,
+        vocab_size=1024,
+        max_seq_len=128,
+        d_model=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        d_ff=128,
+        tie_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        moe=dict(num_experts=6, top_k=2, d_expert=32, num_shared_experts=2, d_shared=32, shared_gate=True),
     ),
     # Switch-Base-8 (Fedus et al. 2021; HF google/switch-base-8): T5 v1.0 base with 8 top-1 experts
     # on every other block, 64 tokens per expert per sequence (619M parameters)

@@ -44,6 +44,7 @@ def _attention(cfg, **extra) -> MultiHeadAttention:
         num_kv_heads=cfg.kv_heads,
         d_k=cfg.head_dim,
         bias=cfg.bias,
+        qkv_bias=cfg.attn_qkv_bias,
         scale=cfg.attn_scale,
         dropout=cfg.dropout,
         attn_dropout=cfg.attn_dropout,
