@@ -294,7 +294,9 @@ PRESETS: dict[str, dict] = {
         bos_token_id=151643,
         eos_token_id=151643,
         pad_token_id=151643,
-        moe=dict(QWEN2_MOE["moe"], d_expert=1408, d_shared=1408),
+        moe=dict(
+            num_experts=60, top_k=4, num_shared_experts=4, d_expert=1408, d_shared=1408, shared_gate=True, aux_loss_coef=1e-3
+        ),
     ),
     "qwen2-moe-tiny": dict(
         QWEN2_MOE,
