@@ -111,18 +111,29 @@ def model_config(hf, tied: bool) -> ModelConfig:
         raise ExportError(
             f"HF Llama hidden_act={hf.hidden_act!r} has no tformer equivalent (supported: {', '.join(HF_GATED_ACTS)})"
         )
+    fields = {**decoder_fields(hf, "llama"), "bias": hf.attention_bias}
+    return build_config("HF Llama config", **fields, d_ff=hf.intermediate_size, tie_embeddings=tied)
+
+
+def decoder_fields(hf, flavour: str) -> dict:
+    """The Llama-shaped fields of an HF decoder config (Llama, Mixtral, Qwen2-MoE)."""
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        raise ExportError(f"HF {flavour} rope_parameters.rope_type={rope['rope_type']!r} has no tformer equivalent")
+    if hf.hidden_act not in HF_GATED_ACTS:
+        raise ExportError(f"HF {flavour} hidden_act={hf.hidden_act!r} has no tformer equivalent")
+    if getattr(hf, "sliding_window", None) is not None and getattr(hf, "use_sliding_window", True):
+        raise ExportError(f"HF {flavour} sliding_window={hf.sliding_window} has no tformer equivalent; set it to null")
     eos = first_id(hf.eos_token_id)
-    return build_config(
-        "HF Llama config",
+    return dict(
         family="decoder",
-        flavour="llama",
+        flavour=flavour,
         vocab_size=hf.vocab_size,
         d_model=hf.hidden_size,
         num_layers=hf.num_hidden_layers,
         num_heads=hf.num_attention_heads,
         num_kv_heads=hf.num_key_value_heads,
-        d_head=hf.head_dim,
-        d_ff=hf.intermediate_size,
+        d_head=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         max_seq_len=hf.max_position_embeddings,
         position="rotary",
         rope_theta=float(rope.get("rope_theta", 10000.0)),
@@ -131,9 +142,8 @@ def model_config(hf, tied: bool) -> ModelConfig:
         norm_bias=False,
         norm_position="pre",
         activation=HF_GATED_ACTS[hf.hidden_act],
-        bias=hf.attention_bias,
+        bias=False,
         attn_dropout=float(hf.attention_dropout),
-        tie_embeddings=tied,
         init_std=hf.initializer_range,
         bos_token_id=hf.bos_token_id,
         eos_token_id=eos,

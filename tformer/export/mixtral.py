@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from . import llama
-from .common import ExportError, Rule, build_config, first_id, need, need_moe, raise_problems, rule
+from .common import Rule, build_config, need, need_moe, raise_problems, rule
 
 HF_CLASS = "MixtralForCausalLM"
 AUTO_CLASS = "AutoModelForCausalLM"
@@ -86,42 +86,6 @@ def rules(cfg: ModelConfig) -> list[Rule]:
     return llama.decoder_rules(cfg, lambda i, h, o: expert_rules(f"{h}mlp.", f"{o}ffn."))
 
 
-def decoder_fields(hf, flavour: str) -> dict:
-    """The Llama-shaped fields of an HF MoE decoder config (Mixtral, Qwen2-MoE)."""
-    rope = dict(getattr(hf, "rope_parameters", None) or {})
-    if rope.get("rope_type", "default") != "default":
-        raise ExportError(f"HF {flavour} rope_parameters.rope_type={rope['rope_type']!r} has no tformer equivalent")
-    if hf.hidden_act not in llama.HF_GATED_ACTS:
-        raise ExportError(f"HF {flavour} hidden_act={hf.hidden_act!r} has no tformer equivalent")
-    if getattr(hf, "sliding_window", None) is not None and getattr(hf, "use_sliding_window", True):
-        raise ExportError(f"HF {flavour} sliding_window={hf.sliding_window} has no tformer equivalent; set it to null")
-    eos = first_id(hf.eos_token_id)
-    return dict(
-        family="decoder",
-        flavour=flavour,
-        vocab_size=hf.vocab_size,
-        d_model=hf.hidden_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=hf.num_key_value_heads,
-        d_head=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-        max_seq_len=hf.max_position_embeddings,
-        position="rotary",
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        norm="rmsnorm",
-        norm_eps=hf.rms_norm_eps,
-        norm_bias=False,
-        norm_position="pre",
-        activation=llama.HF_GATED_ACTS[hf.hidden_act],
-        bias=False,
-        attn_dropout=float(hf.attention_dropout),
-        init_std=hf.initializer_range,
-        bos_token_id=hf.bos_token_id,
-        eos_token_id=eos,
-        pad_token_id=hf.pad_token_id if hf.pad_token_id is not None else (eos or 0),
-    )
-
-
 def model_config(hf, tied: bool) -> ModelConfig:
     moe = dict(
         num_experts=hf.num_local_experts,
@@ -130,5 +94,5 @@ def model_config(hf, tied: bool) -> ModelConfig:
         aux_loss_coef=hf.router_aux_loss_coef,
         jitter=hf.router_jitter_noise,
     )
-    fields = decoder_fields(hf, "mixtral")
+    fields = llama.decoder_fields(hf, "mixtral")
     return build_config("HF Mixtral config", **fields, d_ff=hf.intermediate_size, tie_embeddings=tied, moe=moe)

@@ -115,7 +115,7 @@ def model_config(hf, tied: bool) -> ModelConfig:
         renormalize=hf.norm_topk_prob,
         aux_loss_coef=hf.router_aux_loss_coef,
     )
-    fields = mixtral.decoder_fields(hf, "qwen2_moe")
+    fields = llama.decoder_fields(hf, "qwen2_moe")
     return build_config(
         "HF Qwen2-MoE config",
         **fields,

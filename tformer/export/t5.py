@@ -129,11 +129,17 @@ def model_config(hf, tied: bool) -> ModelConfig:
         if act not in HF_PLAIN_ACTS:
             raise ExportError(f"HF T5 feed_forward_proj={hf.feed_forward_proj!r} has no tformer equivalent")
         activation = HF_PLAIN_ACTS[act]
-    start = getattr(hf, "decoder_start_token_id", None)
     return build_config(
-        "HF T5 config",
+        "HF T5 config", **encdec_fields(hf, "t5"), activation=activation, tie_embeddings=tied, tied_output_scale=scaled
+    )
+
+
+def encdec_fields(hf, flavour: str) -> dict:
+    """The T5-shaped fields of an HF encoder-decoder config (T5, Switch Transformers)."""
+    start = getattr(hf, "decoder_start_token_id", None)
+    return dict(
         family="encdec",
-        flavour="t5",
+        flavour=flavour,
         vocab_size=hf.vocab_size,
         d_model=hf.d_model,
         d_head=hf.d_kv,
@@ -149,13 +155,10 @@ def model_config(hf, tied: bool) -> ModelConfig:
         norm_eps=hf.layer_norm_epsilon,
         norm_bias=False,
         norm_position="pre",
-        activation=activation,
         bias=False,
         attn_scale=False,
         dropout=float(hf.dropout_rate),
         attn_dropout=float(hf.dropout_rate),
-        tie_embeddings=tied,
-        tied_output_scale=scaled,
         pad_token_id=hf.pad_token_id or 0,
         eos_token_id=first_id(hf.eos_token_id),
         decoder_start_token_id=start if start is not None else (hf.pad_token_id or 0),
