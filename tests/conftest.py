@@ -12,7 +12,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 # take the bf16-capable path on every CPU (see _cpu_bf16_lane). Numeric tests pin precision anyway.
 os.environ.setdefault("TFORMER_CPU_BF16", "0")
 
-TINY = ["bert-tiny", "gpt2-tiny", "llama-tiny", "t5-tiny", "t5-v1.1-tiny"]
+TINY = ["bert-tiny", "gpt2-tiny", "llama-tiny", "t5-tiny", "t5-v1.1-tiny", "mixtral-tiny", "qwen2-moe-tiny"]
 
 
 @pytest.fixture(autouse=True)

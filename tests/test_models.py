@@ -216,6 +216,50 @@ def _hf_reference(name):
                 tie_word_embeddings=p["tie_embeddings"],
             )
         )
+    if p["flavour"] == "mixtral":  # the published Mixtral-8x7B config
+        return T.MixtralForCausalLM(
+            T.MixtralConfig(
+                vocab_size=32000,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                num_local_experts=8,
+                num_experts_per_tok=2,
+                tie_word_embeddings=False,
+            )
+        )
+    if p["flavour"] == "qwen2_moe":  # Qwen/Qwen1.5-MoE-A2.7B's config
+        return T.Qwen2MoeForCausalLM(
+            T.Qwen2MoeConfig(
+                vocab_size=151936,
+                hidden_size=2048,
+                intermediate_size=5632,
+                moe_intermediate_size=1408,
+                shared_expert_intermediate_size=5632,
+                num_hidden_layers=24,
+                num_attention_heads=16,
+                num_key_value_heads=16,
+                num_experts=60,
+                num_experts_per_tok=4,
+                tie_word_embeddings=False,
+            )
+        )
+    if p["flavour"] == "switch_transformers":  # google/switch-base-8's config
+        return T.SwitchTransformersForConditionalGeneration(
+            T.SwitchTransformersConfig(
+                d_model=768,
+                d_ff=3072,
+                d_kv=64,
+                num_heads=12,
+                num_layers=12,
+                num_sparse_encoder_layers=6,
+                num_sparse_decoder_layers=6,
+                num_experts=8,
+                expert_capacity=64,
+            )
+        )
     if p["flavour"] == "marian":
         return T.MarianMTModel(
             T.MarianConfig(
@@ -278,6 +322,7 @@ def test_well_known_sizes():
         assert build_model("llama-8b").num_parameters() == 8_030_261_248
         assert build_model("llama-70b").num_parameters() == 70_553_706_496
         assert build_model("t5-3b").num_parameters() == 2_851_598_336
+        assert build_model("mixtral-8x7b").num_parameters() == 46_702_792_704  # "46.7B" (Mistral AI)
         assert build_model("t5-11b").num_parameters() == 11_307_321_344
 
 

@@ -32,7 +32,7 @@ def small_overrides(recipe: str, out: Path, *extra: str) -> list[str]:
         "data.seq_len=64",
         "micro_batch_size=8",
     ]
-    if recipe.startswith("t5"):
+    if recipe.startswith(("t5", "switch")):
         base += ["model.d_head=16", "data.tokenizer_max_rows=4000"]
     if recipe.startswith("transformer"):
         base += [

@@ -28,6 +28,7 @@ Norm = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu"]
 AttnImpl = Literal["sdpa", "math"]
+RouterSoftmax = Literal["all", "topk"]
 
 # -- training choices the lower layers act on ------------------------------------------------------
 # They live here, not in tformer/train/config.py (which re-exports them), because nn, models, data
@@ -45,6 +46,7 @@ NORMS: tuple[Norm, ...] = get_args(Norm)
 NORM_POSITIONS: tuple[NormPosition, ...] = get_args(NormPosition)
 ACTIVATIONS: tuple[Activation, ...] = get_args(Activation)
 ATTN_IMPLS: tuple[AttnImpl, ...] = get_args(AttnImpl)
+ROUTER_SOFTMAXES: tuple[RouterSoftmax, ...] = get_args(RouterSoftmax)
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 STRATEGIES: tuple[StrategyName, ...] = get_args(StrategyName)
 AC_MODES: tuple[ACMode, ...] = get_args(ACMode)
@@ -60,6 +62,78 @@ def check_table(table: Mapping[Any, Any], choice: Any, what: str) -> None:
     extra = [k for k in table if k not in get_args(choice)]
     if missing or extra:
         raise TypeError(f"{what} does not match its choices: missing {missing}, extra {extra}")
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts FFNs (``model.moe.*``); ``num_experts: 0`` keeps every FFN dense."""
+
+    num_experts: int = 0
+    top_k: int = 2  # experts per token
+    moe_every: int = 1  # blocks k-1, 2k-1, ... of each stack are MoE (Switch: 2; HF's decoder_sparse_step)
+    d_expert: int | None = None  # hidden width of each expert; default the model's d_ff
+    activation: Activation | None = None  # the experts' FFN kind; default the model's activation
+    num_shared_experts: int = 0  # experts every token passes through (Qwen2-MoE, DeepSeek)
+    d_shared: int | None = None  # hidden width of each shared expert; default d_expert
+    shared_gate: bool = False  # sigmoid(linear(x)) scales the shared experts' output (Qwen2-MoE)
+    # "topk": softmax over the k chosen logits (Mixtral); "all": softmax over every expert, then
+    # the k largest (Switch, Qwen2-MoE), renormalised to sum 1 with ``renormalize``. "topk" equals
+    # "all" with renormalisation.
+    router_softmax: RouterSoftmax = "all"
+    renormalize: bool = False
+    router_bias: bool = False
+    jitter: float = 0.0  # training only: router input times uniform noise in [1 - jitter, 1 + jitter]
+    # Capacity routing (null: dropless). Each sequence is a group; an expert takes at most
+    # ceil(capacity_factor * tokens * top_k / num_experts) of its tokens (or ``expert_capacity``,
+    # HF Switch's fixed number), first choices before second ones, earlier tokens first; a token
+    # over capacity gets nothing from that expert and goes on through the residual.
+    capacity_factor: float | None = None
+    expert_capacity: int | None = None
+    aux_loss_coef: float = 0.01  # load-balancing loss (Switch / Mixtral form), added while training
+    z_loss_coef: float = 0.0  # router z-loss (ST-MoE; 1e-3 there)
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.enabled and index % self.moe_every == self.moe_every - 1
+
+    def validate(self) -> None:
+        if not self.enabled:
+            return
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"model.moe.top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ConfigError(f"model.moe.capacity_factor={self.capacity_factor} must be > 0 (or null: dropless)")
+        if self.capacity_factor is not None and self.expert_capacity is not None:
+            raise ConfigError("model.moe.capacity_factor and model.moe.expert_capacity are exclusive; set one")
+        check_ranges(self, MOE_RANGES, "model.moe.")
+
+
+MOE_RANGES = {
+    "num_experts": "[0, inf)",
+    "top_k": "[1, inf)",
+    "moe_every": "[1, inf)",
+    "d_expert": "[1, inf)",
+    "num_shared_experts": "[0, inf)",
+    "d_shared": "[1, inf)",
+    "jitter": "[0, 1)",
+    "capacity_factor": "(0, inf)",
+    "expert_capacity": "[1, inf)",
+    "aux_loss_coef": "[0, inf)",
+    "z_loss_coef": "[0, inf)",
+}
+
+
+def moe_config(value: Any) -> MoEConfig:
+    """``model.moe`` from YAML / a saved config (a mapping) or already built."""
+    if isinstance(value, MoEConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"model.moe must be a mapping (e.g. num_experts: 8), got {value!r}")
+    check_keys(value, MoEConfig, "model.moe")
+    return MoEConfig(**value)
 
 
 @dataclass
@@ -88,6 +162,7 @@ class ModelConfig:
     norm_position: NormPosition = "pre"  # pre (GPT-2, Llama, T5) | post (the paper, BERT)
     activation: Activation = "gelu_tanh"
     bias: bool = True  # biases in attention and FFN projections
+    qkv_bias: bool | None = None  # biases on q/k/v alone (Qwen2: bias=false, qkv_bias=true); null: as bias
     attn_scale: bool = True  # 1/sqrt(d_k); T5 has none
     attn_impl: AttnImpl = "sdpa"  # sdpa (fast path) | math (explicit reference)
     dropout: float = 0.0
@@ -102,8 +177,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     decoder_start_token_id: int = 0  # encdec: first decoder input (T5 uses pad = 0)
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
+        self.moe = moe_config(self.moe)
         self.validate()
 
     # -- derived ---------------------------------------------------------------------------
@@ -123,6 +200,10 @@ class ModelConfig:
     def padded_vocab_size(self) -> int:
         m = self.pad_vocab_multiple
         return -(-self.vocab_size // m) * m
+
+    @property
+    def attn_qkv_bias(self) -> bool:
+        return self.bias if self.qkv_bias is None else self.qkv_bias
 
     @property
     def pre_norm(self) -> bool:
@@ -176,6 +257,7 @@ class ModelConfig:
             if value is not None and not 0 <= value < self.vocab_size:
                 raise ConfigError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
         check_ranges(self, MODEL_RANGES)
+        self.moe.validate()
 
     # -- conversion --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -29,18 +29,21 @@ class ExportError(ValueError):
 
 @dataclass(frozen=True)
 class Rule:
-    """One HF tensor made of one or more of ours: concatenated along dim 0 (GPT-2's fused q|k|v),
-    then transposed for HF ``Conv1D`` layers, which store weights as (in, out). A tensor of ours
-    may feed several HF tensors (BERT's untied head keeps its bias twice); on import the first
-    rule naming it wins."""
+    """One HF tensor made of one or more of ours: concatenated along ``dim`` (GPT-2's fused q|k|v
+    along 0, Mixtral's gate|up along 1 of the stacked experts), then transposed for HF ``Conv1D``
+    layers, which store weights as (in, out). ``index``: the HF tensor is row ``index`` of ours
+    (Switch's one module per expert of our stacked experts). A tensor of ours may feed several HF
+    tensors (BERT's untied head keeps its bias twice); on import the first rule naming it wins."""
 
     hf: str
     ours: tuple[str, ...]
     transpose: bool = False
+    dim: int = 0
+    index: int | None = None
 
 
-def rule(hf: str, *ours: str, transpose: bool = False) -> Rule:
-    return Rule(hf, ours, transpose)
+def rule(hf: str, *ours: str, transpose: bool = False, dim: int = 0, index: int | None = None) -> Rule:
+    return Rule(hf, ours, transpose, dim, index)
 
 
 def linear(hf: str, ours: str, bias: bool, transpose: bool = False) -> list[Rule]:
@@ -74,10 +77,11 @@ def to_hf(state: dict[str, torch.Tensor], rules: list[Rule], target: str) -> dic
                 f"the checkpoint has no tensor {missing[0]} (needed for {target}'s {r.hf}); "
                 "it does not match its model_config"
             )
-        parts = [state[o] for o in r.ours]
-        t = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+        parts = [state[o] if r.index is None else state[o][r.index] for o in r.ours]
+        t = torch.cat(parts, dim=r.dim) if len(parts) > 1 else parts[0]
         t = (t.t() if r.transpose else t).contiguous()
-        out[r.hf] = t.clone() if used.intersection(r.ours) else t  # safetensors refuses shared memory
+        shared = used.intersection(r.ours) or r.index is not None
+        out[r.hf] = t.clone() if shared else t  # safetensors refuses shared memory
         used.update(r.ours)
     left = set(state) - used
     if left:
@@ -95,6 +99,7 @@ def from_hf(
     to split fused tensors and to check every tensor lands in a place of the right size."""
     left = dict(state)
     out = {}
+    rows: dict[str, dict[int, torch.Tensor]] = {}  # index rules: the rows of one tensor of ours
     for r in rules:
         if r.hf not in left:
             raise ExportError(f"the HF model has no tensor {r.hf}; it does not match its config")
@@ -102,14 +107,22 @@ def from_hf(
         if all(o in out for o in r.ours):
             continue
         t = t.t() if r.transpose else t
-        sizes = [shapes[o][0] for o in r.ours]
-        for name, part in zip(r.ours, torch.split(t, sizes, dim=0) if len(r.ours) > 1 else [t]):
-            if part.shape != shapes[name]:
+        want = {o: shapes[o][1:] if r.index is not None else shapes[o] for o in r.ours}
+        sizes = [want[o][r.dim] for o in r.ours]
+        for name, part in zip(r.ours, torch.split(t, sizes, dim=r.dim) if len(r.ours) > 1 else [t]):
+            if part.shape != want[name]:
                 raise ExportError(
                     f"HF tensor {r.hf} has shape {tuple(t.shape)}, which does not fit "
                     f"{name} {tuple(shapes[name])}; the HF config and weights disagree"
                 )
-            out[name] = part.contiguous()
+            if r.index is None:
+                out[name] = part.contiguous()
+            else:
+                rows.setdefault(name, {})[r.index] = part
+    for name, parts in rows.items():
+        if sorted(parts) != list(range(shapes[name][0])):
+            raise ExportError(f"the name map fills only rows {sorted(parts)} of {name}; this is a bug in tformer.export")
+        out[name] = torch.stack([parts[i] for i in range(len(parts))])
     if left:
         raise ExportError(
             f"HF tensor {sorted(left)[0]} of {source} has no place in a tformer model "
@@ -132,6 +145,12 @@ def need(cfg: ModelConfig, name: str, allowed: Any, fix: str) -> str | None:
     else:
         ok = value == allowed
     return None if ok else f"{name}={value!r}: {fix}"
+
+
+def need_moe(cfg: ModelConfig, name: str, allowed: Any, fix: str) -> str | None:
+    """``need`` for a field of the ``moe`` section (the problem names ``moe.<name>``)."""
+    problem = need(cfg.moe, name, allowed, fix)  # type: ignore[arg-type]
+    return f"moe.{problem}" if problem else None
 
 
 def raise_problems(target: str, problems: list[str | None]) -> None:
@@ -233,6 +252,21 @@ def hf_expected(hf_config, class_name: str) -> tuple[dict[str, torch.Size], set[
         model = getattr(transformers, class_name)(reloaded)
     unique = {name: p.shape for name, p in model.named_parameters()}
     return unique, {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(unique)
+
+
+def hf_saved_layout(hf_config, class_name: str, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``hf_state`` (the names and layout of the HF model's parameters) in the layout HF's own
+    ``save_pretrained`` writes, through HF's own reversal of its load-time conversions. For the MoE
+    models transformers 5 stacks the experts in memory but writes (and transformers 4 reads) one
+    tensor per expert: ``block_sparse_moe.experts.{e}.w1.weight`` for Mixtral."""
+    import transformers
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        model = getattr(transformers, class_name)(type(hf_config).from_dict(hf_config.to_dict()))
+    saved = revert_weight_conversion(model, dict(hf_state))
+    # per-expert slices of one stacked tensor share its storage, which safetensors refuses
+    return {name: t.clone() if t._is_view() else t.contiguous() for name, t in saved.items()}
 
 
 def check_against(hf_state: dict[str, torch.Tensor], expected: tuple[dict[str, torch.Size], set[str]], target: str) -> None:

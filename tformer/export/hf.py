@@ -21,7 +21,7 @@ from ..checkpoint.manager import TrainerState
 from ..config import ModelConfig
 from ..files import save_safetensors
 from ..models.base import TformerModel
-from . import bert, gpt2, llama, marian, t5
+from . import bert, gpt2, llama, marian, mixtral, qwen2_moe, switch_transformers, t5
 from .common import (
     ExportError,
     atomic_dir,
@@ -31,6 +31,7 @@ from .common import (
     find_tokenizer,
     from_hf,
     hf_expected,
+    hf_saved_layout,
     model_shapes,
     read_hf_weights,
     read_model_state,
@@ -46,7 +47,16 @@ from .common import (
 log = logging.getLogger("tformer.export")
 
 # flavour (= HF model_type) -> the module that maps it
-TARGETS = {"bert": bert, "gpt2": gpt2, "llama": llama, "t5": t5, "marian": marian}
+TARGETS = {
+    "bert": bert,
+    "gpt2": gpt2,
+    "llama": llama,
+    "t5": t5,
+    "marian": marian,
+    "mixtral": mixtral,
+    "qwen2_moe": qwen2_moe,
+    "switch_transformers": switch_transformers,
+}
 DEFAULT_SHARD_SIZE = "5GB"
 
 
@@ -60,10 +70,31 @@ def target_of(cfg: ModelConfig):
     return target
 
 
+def check_moe(cfg: ModelConfig, target) -> None:
+    """Mixture-of-experts FFNs go only to the HF classes that have them (``MOE = True``)."""
+    if cfg.moe.enabled and not getattr(target, "MOE", False):
+        moe_targets = ", ".join(f"{name} ({t.HF_CLASS})" for name, t in TARGETS.items() if getattr(t, "MOE", False))
+        raise ExportError(
+            f"cannot export to HF {target.HF_CLASS}: moe=(num_experts={cfg.moe.num_experts}): it has no mixture-of-experts "
+            f"FFN, and a {cfg.family} with MoE has HF twins only among flavours {moe_targets or 'none'}"
+        )
+
+
+def check_qkv_bias(cfg: ModelConfig, target) -> None:
+    """Biases on q/k/v alone go only to the HF classes that have them (``QKV_BIAS = True``)."""
+    if cfg.attn_qkv_bias != cfg.bias and not getattr(target, "QKV_BIAS", False):
+        raise ExportError(
+            f"cannot export to HF {target.HF_CLASS}: qkv_bias={cfg.qkv_bias} with bias={cfg.bias}: it has one bias "
+            "switch for every projection; set qkv_bias=null"
+        )
+
+
 def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     """(HF config, HF tensors) of our model tensors (each tied tensor once, under its first name):
     the whole export but the files. Every tensor is checked against the HF class's parameters."""
     target = target_of(cfg)
+    check_moe(cfg, target)
+    check_qkv_bias(cfg, target)
     target.check(cfg)
     hf_config = target.hf_config(cfg)
     dtype = state["embed.tok.weight"].dtype
@@ -80,6 +111,8 @@ def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     check_against(hf_state, (unique, aliases), target.HF_CLASS)
     if hasattr(target, "buffers"):  # persistent HF buffers (Marian's final_logits_bias)
         hf_state.update(target.buffers(cfg, dtype))
+    if getattr(target, "MOE", False):  # written one tensor per expert, as HF writes them
+        hf_state = hf_saved_layout(hf_config, target.HF_CLASS, hf_state)
     return hf_config, hf_state
 
 

@@ -15,25 +15,27 @@ HF_GATED_ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "gegl
 
 
 def check(cfg: ModelConfig) -> None:
-    raise_problems(
-        HF_CLASS,
-        [
-            need(cfg, "family", "decoder", "Llama is a decoder; set flavour to the family's target"),
-            need(cfg, "position", "rotary", "Llama uses rotary positions; use flavour=gpt2 for learned ones"),
-            need(cfg, "norm", "rmsnorm", "Llama uses RMSNorm; use flavour=gpt2 for LayerNorm"),
-            need(cfg, "norm_position", "pre", "Llama is pre-norm; train with norm_position=pre"),
-            need(
-                cfg,
-                "activation",
-                tuple(GATED_ACTS),
-                "Llama's MLP is gated (gate_proj/up_proj); use flavour=gpt2 for a plain MLP",
-            ),
-            need(cfg, "attn_scale", True, "Llama always scales attention by 1/sqrt(d_head)"),
-            need(cfg, "type_vocab_size", 0, "Llama has no token-type embeddings"),
-            need(cfg, "embed_norm", False, "Llama has no norm after the embeddings"),
-            need(cfg, "embed_scale", False, "Llama does not scale its embeddings"),
-        ],
-    )
+    raise_problems(HF_CLASS, problems(cfg))
+
+
+def problems(cfg: ModelConfig) -> list[str | None]:
+    """What a Llama-shaped HF decoder (Llama, Mixtral, Qwen2-MoE) cannot express."""
+    return [
+        need(cfg, "family", "decoder", "Llama is a decoder; set flavour to the family's target"),
+        need(cfg, "position", "rotary", "Llama uses rotary positions; use flavour=gpt2 for learned ones"),
+        need(cfg, "norm", "rmsnorm", "Llama uses RMSNorm; use flavour=gpt2 for LayerNorm"),
+        need(cfg, "norm_position", "pre", "Llama is pre-norm; train with norm_position=pre"),
+        need(
+            cfg,
+            "activation",
+            tuple(GATED_ACTS),
+            "Llama's MLP is gated (gate_proj/up_proj); use flavour=gpt2 for a plain MLP",
+        ),
+        need(cfg, "attn_scale", True, "Llama always scales attention by 1/sqrt(d_head)"),
+        need(cfg, "type_vocab_size", 0, "Llama has no token-type embeddings"),
+        need(cfg, "embed_norm", False, "Llama has no norm after the embeddings"),
+        need(cfg, "embed_scale", False, "Llama does not scale its embeddings"),
+    ]
 
 
 def hf_config(cfg: ModelConfig):
@@ -64,13 +66,25 @@ def hf_config(cfg: ModelConfig):
 
 
 def rules(cfg: ModelConfig) -> list[Rule]:
+    return decoder_rules(cfg, lambda i, h, o: mlp_rules(f"{h}mlp.", f"{o}ffn.", cfg.bias))
+
+
+def mlp_rules(hf: str, ours: str, bias: bool) -> list[Rule]:
+    """A gated MLP: HF ``gate_proj`` / ``up_proj`` / ``down_proj``, ours ``gate`` / ``up`` / ``down``."""
+    out = []
+    for hf_name, name in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+        out += linear(hf + hf_name, ours + name, bias)
+    return out
+
+
+def decoder_rules(cfg: ModelConfig, ffn) -> list[Rule]:
+    """A Llama-shaped decoder's map; ``ffn(i, hf_prefix, our_prefix)`` maps layer i's FFN."""
     out = [rule("model.embed_tokens.weight", "embed.tok.weight")]
     for i in range(cfg.num_layers):
         h, o = f"model.layers.{i}.", f"decoder.layers.{i}."
         for x in "qkvo":
             out += linear(f"{h}self_attn.{x}_proj", f"{o}attn.{x}_proj", cfg.bias)
-        for hf_name, ours in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
-            out += linear(f"{h}mlp.{hf_name}", f"{o}ffn.{ours}", cfg.bias)
+        out += ffn(i, h, o)
         out += [
             rule(h + "input_layernorm.weight", o + "attn_norm.weight"),
             rule(h + "post_attention_layernorm.weight", o + "ffn_norm.weight"),
@@ -97,18 +111,29 @@ def model_config(hf, tied: bool) -> ModelConfig:
         raise ExportError(
             f"HF Llama hidden_act={hf.hidden_act!r} has no tformer equivalent (supported: {', '.join(HF_GATED_ACTS)})"
         )
+    fields = {**decoder_fields(hf, "llama"), "bias": hf.attention_bias}
+    return build_config("HF Llama config", **fields, d_ff=hf.intermediate_size, tie_embeddings=tied)
+
+
+def decoder_fields(hf, flavour: str) -> dict:
+    """The Llama-shaped fields of an HF decoder config (Llama, Mixtral, Qwen2-MoE)."""
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        raise ExportError(f"HF {flavour} rope_parameters.rope_type={rope['rope_type']!r} has no tformer equivalent")
+    if hf.hidden_act not in HF_GATED_ACTS:
+        raise ExportError(f"HF {flavour} hidden_act={hf.hidden_act!r} has no tformer equivalent")
+    if getattr(hf, "sliding_window", None) is not None and getattr(hf, "use_sliding_window", True):
+        raise ExportError(f"HF {flavour} sliding_window={hf.sliding_window} has no tformer equivalent; set it to null")
     eos = first_id(hf.eos_token_id)
-    return build_config(
-        "HF Llama config",
+    return dict(
         family="decoder",
-        flavour="llama",
+        flavour=flavour,
         vocab_size=hf.vocab_size,
         d_model=hf.hidden_size,
         num_layers=hf.num_hidden_layers,
         num_heads=hf.num_attention_heads,
         num_kv_heads=hf.num_key_value_heads,
-        d_head=hf.head_dim,
-        d_ff=hf.intermediate_size,
+        d_head=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         max_seq_len=hf.max_position_embeddings,
         position="rotary",
         rope_theta=float(rope.get("rope_theta", 10000.0)),
@@ -117,9 +142,8 @@ def model_config(hf, tied: bool) -> ModelConfig:
         norm_bias=False,
         norm_position="pre",
         activation=HF_GATED_ACTS[hf.hidden_act],
-        bias=hf.attention_bias,
+        bias=False,
         attn_dropout=float(hf.attention_dropout),
-        tie_embeddings=tied,
         init_std=hf.initializer_range,
         bos_token_id=hf.bos_token_id,
         eos_token_id=eos,

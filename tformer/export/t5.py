@@ -17,27 +17,28 @@ FF_PROJ = {**PLAIN_ACTS, "geglu": "gated-gelu", "swiglu": "gated-silu"}
 
 
 def check(cfg: ModelConfig) -> None:
-    raise_problems(
-        HF_CLASS,
-        [
-            need(cfg, "family", "encdec", "T5 is an encoder-decoder; set flavour to the family's target"),
-            need(cfg, "position", "relative", "T5 uses relative position biases"),
-            need(cfg, "norm", "rmsnorm", "T5 uses RMSNorm"),
-            need(cfg, "norm_position", "pre", "T5 is pre-norm; train with norm_position=pre"),
-            need(
-                cfg,
-                "attn_scale",
-                False,
-                "HF T5 never scales attention scores (the scale is folded into "
-                "its initialisation); train with attn_scale=false",
-            ),
-            need(cfg, "bias", False, "HF T5 has no biases in attention or feed-forward; train with bias=false"),
-            need(cfg, "num_kv_heads", lambda v: v in (None, cfg.num_heads), "T5 has no grouped-query attention"),
-            need(cfg, "type_vocab_size", 0, "T5 has no token-type embeddings"),
-            need(cfg, "embed_norm", False, "T5 has no norm after the embeddings"),
-            need(cfg, "embed_scale", False, "T5 does not scale its embeddings"),
-        ],
-    )
+    raise_problems(HF_CLASS, problems(cfg))
+
+
+def problems(cfg: ModelConfig) -> list[str | None]:
+    """What a T5-shaped HF encoder-decoder (T5, Switch Transformers) cannot express."""
+    return [
+        need(cfg, "family", "encdec", "T5 is an encoder-decoder; set flavour to the family's target"),
+        need(cfg, "position", "relative", "T5 uses relative position biases"),
+        need(cfg, "norm", "rmsnorm", "T5 uses RMSNorm"),
+        need(cfg, "norm_position", "pre", "T5 is pre-norm; train with norm_position=pre"),
+        need(
+            cfg,
+            "attn_scale",
+            False,
+            "HF T5 never scales attention scores (the scale is folded into its initialisation); train with attn_scale=false",
+        ),
+        need(cfg, "bias", False, "HF T5 has no biases in attention or feed-forward; train with bias=false"),
+        need(cfg, "num_kv_heads", lambda v: v in (None, cfg.num_heads), "T5 has no grouped-query attention"),
+        need(cfg, "type_vocab_size", 0, "T5 has no token-type embeddings"),
+        need(cfg, "embed_norm", False, "T5 has no norm after the embeddings"),
+        need(cfg, "embed_scale", False, "T5 does not scale its embeddings"),
+    ]
 
 
 def hf_config(cfg: ModelConfig):
@@ -71,8 +72,21 @@ def hf_config(cfg: ModelConfig):
 
 
 def rules(cfg: ModelConfig) -> list[Rule]:
+    return stack_rules(cfg, ffn_rules)
+
+
+def ffn_rules(cfg: ModelConfig, stack: str, i: int, h: str, o: str) -> list[Rule]:
+    """T5's FFN sub-layer ``h`` (``...layer.{1|2}.``) of block i <-> our ``o`` (``...layers.{i}.``)."""
+    d = f"{h}DenseReluDense."
+    out = [rule(d + "wo.weight", o + "ffn.down.weight"), rule(h + "layer_norm.weight", o + "ffn_norm.weight")]
+    if cfg.activation in ("geglu", "swiglu"):
+        return [rule(d + "wi_0.weight", o + "ffn.gate.weight"), rule(d + "wi_1.weight", o + "ffn.up.weight")] + out
+    return [rule(d + "wi.weight", o + "ffn.up.weight")] + out
+
+
+def stack_rules(cfg: ModelConfig, ffn) -> list[Rule]:
+    """A T5-shaped model's map; ``ffn(cfg, stack, i, hf_prefix, our_prefix)`` maps an FFN sub-layer."""
     out = [rule("shared.weight", "embed.tok.weight")]
-    gated = cfg.activation in ("geglu", "swiglu")
     for stack, layers in (("encoder", cfg.num_layers), ("decoder", cfg.decoder_layers)):
         for i in range(layers):
             h, o = f"{stack}.block.{i}.layer.", f"{stack}.layers.{i}."
@@ -83,12 +97,7 @@ def rules(cfg: ModelConfig) -> list[Rule]:
                 out += [rule(f"{h}1.EncDecAttention.{x}.weight", f"{o}cross_attn.{x}_proj.weight") for x in "qkvo"]
                 out.append(rule(h + "1.layer_norm.weight", o + "cross_norm.weight"))
                 ff = 2
-            d = f"{h}{ff}.DenseReluDense."
-            if gated:
-                out += [rule(d + "wi_0.weight", o + "ffn.gate.weight"), rule(d + "wi_1.weight", o + "ffn.up.weight")]
-            else:
-                out.append(rule(d + "wi.weight", o + "ffn.up.weight"))
-            out += [rule(d + "wo.weight", o + "ffn.down.weight"), rule(f"{h}{ff}.layer_norm.weight", o + "ffn_norm.weight")]
+            out += ffn(cfg, stack, i, f"{h}{ff}.", o)
         out += [
             rule(
                 f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", f"{stack}.rel_bias.embedding.weight"
@@ -120,11 +129,17 @@ def model_config(hf, tied: bool) -> ModelConfig:
         if act not in HF_PLAIN_ACTS:
             raise ExportError(f"HF T5 feed_forward_proj={hf.feed_forward_proj!r} has no tformer equivalent")
         activation = HF_PLAIN_ACTS[act]
-    start = getattr(hf, "decoder_start_token_id", None)
     return build_config(
-        "HF T5 config",
+        "HF T5 config", **encdec_fields(hf, "t5"), activation=activation, tie_embeddings=tied, tied_output_scale=scaled
+    )
+
+
+def encdec_fields(hf, flavour: str) -> dict:
+    """The T5-shaped fields of an HF encoder-decoder config (T5, Switch Transformers)."""
+    start = getattr(hf, "decoder_start_token_id", None)
+    return dict(
         family="encdec",
-        flavour="t5",
+        flavour=flavour,
         vocab_size=hf.vocab_size,
         d_model=hf.d_model,
         d_head=hf.d_kv,
@@ -140,13 +155,10 @@ def model_config(hf, tied: bool) -> ModelConfig:
         norm_eps=hf.layer_norm_epsilon,
         norm_bias=False,
         norm_position="pre",
-        activation=activation,
         bias=False,
         attn_scale=False,
         dropout=float(hf.dropout_rate),
         attn_dropout=float(hf.dropout_rate),
-        tie_embeddings=tied,
-        tied_output_scale=scaled,
         pad_token_id=hf.pad_token_id or 0,
         eos_token_id=first_id(hf.eos_token_id),
         decoder_start_token_id=start if start is not None else (hf.pad_token_id or 0),

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from ..nn import LearnedPositions, SinusoidalPositions, make_norm
+from ..nn.moe import Experts, moe_aux_loss, moe_layers
 from .loss import chunked_lm_loss
 
 
@@ -76,6 +77,15 @@ class TformerModel(nn.Module):
             skip = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
         return sum(p.numel() for p in self.parameters() if id(p) not in skip)
 
+    def num_active_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Parameters one token passes through: ``num_parameters`` less, in every MoE layer, the
+        experts it is not routed to (all but ``top_k`` of ``num_experts``)."""
+        idle = 0
+        for m in moe_layers(self):
+            per_expert = sum(p[0].numel() for p in m.experts.parameters())
+            idle += per_expert * (m.cfg.num_experts - m.cfg.top_k)
+        return self.num_parameters(exclude_embeddings) - idle
+
     def init_weights(self) -> None:
         """Normal(0, init_std) for matrices and embeddings, zero biases, unit norm gains; the
         projections that write into the residual stream are scaled by 1/sqrt(2 * depth) (GPT-2).
@@ -88,13 +98,15 @@ class TformerModel(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 std = cfg.init_std
-                if name.endswith(("o_proj", "ffn.down")):
+                if name.endswith(("o_proj", "ffn.down", "ffn.shared.down")):
                     std /= math.sqrt(2 * depth)
                 if cfg.embed_scale and name == "embed.tok":
                     std = cfg.d_model**-0.5
                 nn.init.normal_(module.weight, 0.0, std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, Experts):
+                module.init_weights(cfg.init_std, cfg.init_std / math.sqrt(2 * depth))
             elif hasattr(module, "weight") and module.weight is not None and module.weight.dim() == 1:
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
@@ -120,7 +132,17 @@ class TformerModel(nn.Module):
         """What a family does to the hidden states before the vocabulary projection ``lm_head``."""
         return hidden
 
-    def _head_and_loss(
+    def _head_and_loss(self, hidden: torch.Tensor, labels: torch.Tensor | None, return_logits: bool, **kw: Any):
+        """``_head_and_lm_loss``, plus the MoE layers' auxiliary losses while training (their
+        coefficients are in ``model.moe``): what the optimiser minimises."""
+        logits, loss = self._head_and_lm_loss(hidden, labels, return_logits, **kw)
+        if loss is not None and self.training and self.config.moe.enabled:
+            aux = moe_aux_loss(self)
+            if aux is not None:
+                loss = loss + aux.to(loss.dtype)
+        return logits, loss
+
+    def _head_and_lm_loss(
         self,
         hidden: torch.Tensor,
         labels: torch.Tensor | None,

@@ -22,30 +22,44 @@ def _attention_flops(cfg: ModelConfig, q_tokens: int, kv_tokens: int, keys_per_q
     return q_and_out + kv + scores
 
 
-def _ffn_flops(cfg: ModelConfig, tokens: int) -> int:
-    mats = 3 if FFN_KINDS[cfg.activation][1] else 2
-    return 2 * tokens * cfg.d_model * cfg.d_ff * mats
+def _dense_ffn_flops(d_model: int, d_ff: int, activation, tokens: int) -> int:
+    mats = 3 if FFN_KINDS[activation][1] else 2
+    return 2 * tokens * d_model * d_ff * mats
+
+
+def _ffn_flops(cfg: ModelConfig, tokens: int, layers: int) -> int:
+    """Forward FLOPs of the FFNs of a stack of ``layers`` blocks. An MoE block counts what a token
+    really computes (active FLOPs): the router, its top-k experts and the shared experts (under
+    capacity routing a dropped assignment computes nothing; counted as computed, an upper bound)."""
+    moe = cfg.moe
+    dense = _dense_ffn_flops(cfg.d_model, cfg.d_ff, cfg.activation, tokens)
+    n_moe = sum(moe.is_moe_layer(i) for i in range(layers))
+    if not n_moe:
+        return layers * dense
+    kind, d_expert = moe.activation or cfg.activation, moe.d_expert or cfg.d_ff
+    sparse = 2 * tokens * cfg.d_model * moe.num_experts + moe.top_k * _dense_ffn_flops(cfg.d_model, d_expert, kind, tokens)
+    if moe.num_shared_experts:
+        width = moe.num_shared_experts * (moe.d_shared or d_expert)
+        sparse += _dense_ffn_flops(cfg.d_model, width, kind, tokens) + (2 * tokens * cfg.d_model if moe.shared_gate else 0)
+    return (layers - n_moe) * dense + n_moe * sparse
 
 
 def forward_flops(cfg: ModelConfig, batch: int, seq_len: int, target_len: int | None = None) -> int:
     """Forward FLOPs for a batch; ``target_len`` is the decoder length of an encoder-decoder."""
     vocab = cfg.padded_vocab_size
     tokens = batch * seq_len
-    layer = _attention_flops(cfg, tokens, tokens, seq_len) + _ffn_flops(cfg, tokens)
+    stack = cfg.num_layers * _attention_flops(cfg, tokens, tokens, seq_len) + _ffn_flops(cfg, tokens, cfg.num_layers)
     if cfg.family == "encoder":
         head = 2 * tokens * cfg.d_model * cfg.d_model + 2 * tokens * cfg.d_model * vocab
-        return cfg.num_layers * layer + head
+        return stack + head
     if cfg.family == "decoder":
-        return cfg.num_layers * layer + 2 * tokens * cfg.d_model * vocab
+        return stack + 2 * tokens * cfg.d_model * vocab
     if target_len is None:
         raise ValueError("encoder-decoder FLOPs need target_len (the decoder sequence length)")
     t_tokens = batch * target_len
-    dec_layer = (
-        _attention_flops(cfg, t_tokens, t_tokens, target_len)
-        + _attention_flops(cfg, t_tokens, tokens, seq_len)
-        + _ffn_flops(cfg, t_tokens)
-    )
-    return cfg.num_layers * layer + cfg.decoder_layers * dec_layer + 2 * t_tokens * cfg.d_model * vocab
+    dec_attention = _attention_flops(cfg, t_tokens, t_tokens, target_len) + _attention_flops(cfg, t_tokens, tokens, seq_len)
+    decoder = cfg.decoder_layers * dec_attention + _ffn_flops(cfg, t_tokens, cfg.decoder_layers)
+    return stack + decoder + 2 * t_tokens * cfg.d_model * vocab
 
 
 def training_flops(cfg: ModelConfig, batch: int, seq_len: int, target_len: int | None = None) -> int:

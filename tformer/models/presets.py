@@ -97,6 +97,29 @@ TRANSFORMER = dict(
     attn_dropout=0.0,
 )
 T5_V11 = dict(T5, activation="geglu", tie_embeddings=False, tied_output_scale=False, dropout=0.0)
+# Mixture-of-experts flavours (model.moe; HF twins in tformer/export/mixtral.py, qwen2_moe.py,
+# switch_transformers.py). Mixtral: Llama with 8 SwiGLU experts in every block, top-2, softmax over
+# the two chosen logits, dropless.
+MIXTRAL = dict(
+    LLAMA,
+    flavour="mixtral",
+    moe=dict(num_experts=8, top_k=2, router_softmax="topk", aux_loss_coef=0.02),
+)
+# Qwen2-MoE: Llama with q/k/v biases; 60 narrow experts (top-4, not renormalised) plus a shared
+# expert as wide as four of them, gated by sigmoid(linear(x)), on every block
+QWEN2_MOE = dict(
+    LLAMA,
+    flavour="qwen2_moe",
+    qkv_bias=True,
+    norm_eps=1e-6,
+    moe=dict(num_experts=60, top_k=4, num_shared_experts=4, shared_gate=True, aux_loss_coef=1e-3),
+)
+# Switch Transformer: T5 v1.0 with 8 ReLU experts on every other block, top-1, capacity per sequence
+SWITCH = dict(
+    T5,
+    flavour="switch_transformers",
+    moe=dict(num_experts=8, top_k=1, moe_every=2, expert_capacity=64, jitter=0.01, aux_loss_coef=1e-3, z_loss_coef=1e-3),
+)
 
 PRESETS: dict[str, dict] = {
     "bert-base": dict(BERT, d_model=768, num_layers=12, num_heads=12, d_ff=3072),
@@ -226,6 +249,87 @@ PRESETS: dict[str, dict] = {
         rel_num_buckets=8,
         rel_max_distance=32,
     ),
+    # Mixtral 8x7B (config only: 46.7B parameters, 12.9B active per token)
+    "mixtral-8x7b": dict(
+        MIXTRAL,
+        vocab_size=32000,
+        d_model=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        d_ff=14336,
+        max_seq_len=32768,
+        rope_theta=1e6,
+        tie_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    ),
+    "mixtral-tiny": dict(
+        MIXTRAL,
+        vocab_size=1024,
+        max_seq_len=128,
+        d_model=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        d_ff=96,
+        tie_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        moe=dict(num_experts=4, top_k=2, router_softmax="topk", aux_loss_coef=0.02),
+    ),
+    # Qwen1.5-MoE-A2.7B (HF Qwen/Qwen1.5-MoE-A2.7B; config only: 14.3B parameters, 2.7B active)
+    "qwen2-moe-a2.7b": dict(
+        QWEN2_MOE,
+        vocab_size=151936,
+        d_model=2048,
+        num_layers=24,
+        num_heads=16,
+        d_ff=5632,
+        max_seq_len=8192,
+        rope_theta=1e6,
+        tie_embeddings=False,
+        bos_token_id=151643,
+        eos_token_id=151643,
+        pad_token_id=151643,
+        moe=dict(
+            num_experts=60, top_k=4, num_shared_experts=4, d_expert=1408, d_shared=1408, shared_gate=True, aux_loss_coef=1e-3
+        ),
+    ),
+    "qwen2-moe-tiny": dict(
+        QWEN2_MOE,
+        vocab_size=1024,
+        max_seq_len=128,
+        d_model=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        d_ff=128,
+        tie_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        moe=dict(num_experts=6, top_k=2, d_expert=32, num_shared_experts=2, d_shared=32, shared_gate=True),
+    ),
+    # Switch-Base-8 (Fedus et al. 2021; HF google/switch-base-8): T5 v1.0 base with 8 top-1 experts
+    # on every other block, 64 tokens per expert per sequence (619M parameters)
+    "switch-base-8": dict(SWITCH, d_model=768, d_head=64, num_layers=12, num_heads=12, d_ff=3072),
+    "switch-tiny": dict(
+        SWITCH,
+        vocab_size=1024,
+        max_seq_len=128,
+        d_model=64,
+        d_head=16,
+        num_layers=2,
+        num_heads=4,
+        d_ff=128,
+        rel_num_buckets=8,
+        rel_max_distance=32,
+        dropout=0.0,
+        moe=dict(num_experts=4, top_k=1, moe_every=2, expert_capacity=16, aux_loss_coef=0.01, z_loss_coef=0.001),
+    ),
     "transformer-tiny": dict(
         TRANSFORMER, vocab_size=1024, max_seq_len=128, d_model=64, num_layers=2, num_heads=4, d_ff=128, dropout=0.0
     ),
@@ -237,4 +341,7 @@ def preset(name: str, **overrides) -> ModelConfig:
         close = difflib.get_close_matches(name, PRESETS, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"unknown preset {name!r}{hint} (available: {', '.join(PRESETS)})")
-    return ModelConfig.from_dict({**PRESETS[name], **overrides})
+    base = PRESETS[name]
+    if isinstance(overrides.get("moe"), dict) and isinstance(base.get("moe"), dict):
+        overrides = {**overrides, "moe": {**base["moe"], **overrides["moe"]}}  # model.moe.top_k=1 keeps the rest
+    return ModelConfig.from_dict({**base, **overrides})

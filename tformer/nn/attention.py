@@ -122,6 +122,7 @@ class MultiHeadAttention(nn.Module):
         d_v: int | None = None,
         kv_dim: int | None = None,
         bias: bool = True,
+        qkv_bias: bool | None = None,
         scale: bool = True,
         dropout: float = 0.0,
         attn_dropout: float = 0.0,
@@ -145,9 +146,10 @@ class MultiHeadAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(d_k) if scale else 1.0
         self.attn_dropout = attn_dropout
         self.impl = impl
-        self.q_proj = nn.Linear(d_model, num_heads * d_k, bias=bias)
-        self.k_proj = nn.Linear(kv_dim, num_kv_heads * d_k, bias=bias)
-        self.v_proj = nn.Linear(kv_dim, num_kv_heads * d_v, bias=bias)
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        self.q_proj = nn.Linear(d_model, num_heads * d_k, bias=qkv_bias)
+        self.k_proj = nn.Linear(kv_dim, num_kv_heads * d_k, bias=qkv_bias)
+        self.v_proj = nn.Linear(kv_dim, num_kv_heads * d_v, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * d_v, d_model, bias=bias)
         self.out_dropout = nn.Dropout(dropout)
 

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import KVCache, MultiHeadAttention
 from .ffn import FeedForward
+from .moe import MoEFeedForward
 from .norm import make_norm, residual
 from .position import RelativePositionBias, Rotary
 
@@ -43,6 +44,7 @@ def _attention(cfg, **extra) -> MultiHeadAttention:
         num_kv_heads=cfg.kv_heads,
         d_k=cfg.head_dim,
         bias=cfg.bias,
+        qkv_bias=cfg.attn_qkv_bias,
         scale=cfg.attn_scale,
         dropout=cfg.dropout,
         attn_dropout=cfg.attn_dropout,
@@ -51,10 +53,17 @@ def _attention(cfg, **extra) -> MultiHeadAttention:
     )
 
 
+def _ffn(cfg, index: int) -> nn.Module:
+    """Block ``index``'s FFN: mixture of experts on every ``moe.moe_every``-th block, else dense."""
+    if cfg.moe.is_moe_layer(index):
+        return MoEFeedForward(cfg.moe, cfg.d_model, cfg.d_ff, cfg.activation, cfg.dropout)
+    return FeedForward(cfg.d_model, cfg.d_ff, cfg.activation, cfg.bias, cfg.dropout)
+
+
 class TransformerBlock(nn.Module):
     """Self-attention (+ optional cross-attention) + FFN, each a residual sub-layer."""
 
-    def __init__(self, cfg, *, causal: bool, cross: bool):
+    def __init__(self, cfg, *, causal: bool, cross: bool, index: int = 0):
         super().__init__()
         self.causal = causal
         self.pre_norm = cfg.pre_norm
@@ -66,7 +75,7 @@ class TransformerBlock(nn.Module):
         self.attn_norm = norm()
         self.cross_attn = _attention(cfg) if cross else None
         self.cross_norm = norm() if cross else None
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation, cfg.bias, cfg.dropout)
+        self.ffn = _ffn(cfg, index)
         self.ffn_norm = norm()
         # Op-level checkpointing, set from outside (tformer.parallel.apply_activation_checkpointing):
         # a torch.utils.checkpoint ``context_fn`` that decides op by op what backward keeps. It
@@ -126,7 +135,7 @@ class TransformerStack(nn.Module):
     def __init__(self, cfg, num_layers: int, *, causal: bool, cross: bool = False):
         super().__init__()
         self.causal = causal
-        self.layers = nn.ModuleList(TransformerBlock(cfg, causal=causal, cross=cross) for _ in range(num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(cfg, causal=causal, cross=cross, index=i) for i in range(num_layers))
         # T5 keeps one bias table per stack (HF stores it in block 0 and reuses it).
         self.rel_bias = (
             RelativePositionBias(cfg.num_heads, not causal, cfg.rel_num_buckets, cfg.rel_max_distance)

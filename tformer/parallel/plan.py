@@ -331,7 +331,8 @@ def num_parameters(cfg: ModelConfig) -> int:
 
 
 def _fields(cfg: ModelConfig) -> tuple:
-    return tuple(sorted(cfg.to_dict().items()))
+    # hashable for the cache: the nested ``moe`` section as a sorted tuple of its items
+    return tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in cfg.to_dict().items()))
 
 
 @functools.lru_cache(maxsize=16)
@@ -346,7 +347,7 @@ def _module_counts(fields: tuple) -> dict[str, int]:
     from ..models import build_model
 
     with torch.device("meta"):
-        model = build_model(ModelConfig(**dict(fields)))
+        model = build_model(ModelConfig(**{k: dict(v) if k == "moe" else v for k, v in fields}))
     cfg = model.config
 
     def count(module) -> int:

@@ -23,6 +23,7 @@ from ..models import build_model
 from ..models.base import pad_sequences
 from ..parallel.offload import activation_offload
 from ..models.flops import training_flops
+from ..nn.moe import moe_stats
 from ..parallel.mesh import ParallelDims, check_strategy
 from ..parallel.pipeline import check_pipeline
 from ..parallel.strategy import strategy_class
@@ -861,6 +862,8 @@ class Trainer:
             "tokens": self.tokens,
             "step_time": dt,
             **self.strategy.memory_report(self.optimizer),
+            # routing of this rank's last micro-batch: balance / z-loss, max/mean tokens per expert, dropped share
+            **(moe_stats(self.model) if self.model_cfg.moe.enabled else {}),
         }
 
     def _check_watchdog_margin(self, step_time: float) -> None:

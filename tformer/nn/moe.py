@@ -1,0 +1,283 @@
+"""Mixture-of-experts FFN: a router, experts stacked as ``(num_experts, ...)`` parameters, and the
+steps between them as separate functions so an expert-parallel wrapper can replace the local
+``dispatch`` / ``combine`` with all-to-all exchanges and keep the rest.
+
+One forward: ``route`` (router logits -> top-k experts and weights, capacity mask) -> ``dispatch``
+(assignments sorted by expert, tokens gathered into that order) -> ``Experts`` (grouped matmuls
+over contiguous per-expert slices) -> ``combine`` (weighted scatter-add back to token order).
+Routing math follows HF's Mixtral / Qwen2-MoE / Switch blocks so the exporters are name maps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import MoEConfig
+from .ffn import FFN_KINDS, FeedForward
+
+__all__ = [
+    "MoEConfig",
+    "MoEFeedForward",
+    "Experts",
+    "Routing",
+    "Dispatch",
+    "route",
+    "capacity_mask",
+    "dispatch",
+    "combine",
+    "load_balancing_loss",
+    "router_z_loss",
+    "grouped_mm_ok",
+]
+
+
+@dataclass
+class Routing:
+    """The router's decision for T tokens: ``experts`` / ``weights`` (T, k) (a dropped assignment
+    keeps its expert and gets ``keep`` False), ``logits`` / ``probs`` (T, E) in fp32."""
+
+    logits: torch.Tensor
+    probs: torch.Tensor
+    experts: torch.Tensor
+    weights: torch.Tensor
+    keep: torch.Tensor | None
+
+
+@dataclass
+class Dispatch:
+    """Kept assignments in expert order: ``token`` (N,) the token of each row, ``weight`` (N,) its
+    routing weight, ``counts`` (E,) rows per expert (each expert's rows are contiguous)."""
+
+    token: torch.Tensor
+    weight: torch.Tensor
+    counts: torch.Tensor
+
+
+def route(logits: torch.Tensor, cfg: MoEConfig, group_size: int) -> Routing:
+    """Top-k experts and weights from fp32 router ``logits`` (T, E); tokens come in groups of
+    ``group_size`` (one sequence) for capacity routing."""
+    probs = logits.softmax(-1)
+    if cfg.router_softmax == "topk":
+        top_logits, experts = logits.topk(cfg.top_k, dim=-1)
+        weights = top_logits.softmax(-1)
+    else:
+        weights, experts = probs.topk(cfg.top_k, dim=-1)
+        if cfg.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+    keep = None
+    capacity = expert_capacity(cfg, group_size)
+    if capacity is not None:
+        keep = capacity_mask(experts.view(-1, group_size, cfg.top_k), cfg.num_experts, capacity).reshape(experts.shape)
+    return Routing(logits, probs, experts, weights, keep)
+
+
+def expert_capacity(cfg: MoEConfig, group_size: int) -> int | None:
+    if cfg.expert_capacity is not None:
+        return cfg.expert_capacity
+    if cfg.capacity_factor is None:
+        return None
+    return math.ceil(cfg.capacity_factor * group_size * cfg.top_k / cfg.num_experts)
+
+
+@torch.no_grad()
+def capacity_mask(experts: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """``experts`` (G, S, k) -> keep (G, S, k): an expert takes the first ``capacity`` assignments
+    of each group, all first choices before any second choice, each choice in token order (for
+    k = 1 exactly Switch's cumulative-sum priority)."""
+    g, s, k = experts.shape
+    order = experts.transpose(1, 2).reshape(g, k * s)  # choice-major: rank 0 of every token first
+    one_hot = F.one_hot(order, num_experts)
+    position = (one_hot.cumsum(1) * one_hot).sum(-1)  # 1-based place in its expert's queue
+    return (position <= capacity).view(g, k, s).transpose(1, 2)
+
+
+def dispatch(routing: Routing, num_experts: int) -> Dispatch:
+    """Sort the kept (token, choice) assignments by expert (stable: token order inside each)."""
+    k = routing.experts.shape[-1]
+    ids = routing.experts.reshape(-1)
+    if routing.keep is not None:
+        ids = ids.masked_fill(~routing.keep.reshape(-1), num_experts)  # dropped rows sort last
+    counts = torch.bincount(ids, minlength=num_experts + 1)[:num_experts]
+    order = ids.argsort(stable=True)
+    if routing.keep is not None:
+        order = order[: int(counts.sum())]
+    return Dispatch(order // k, routing.weights.reshape(-1)[order], counts)
+
+
+def combine(y: torch.Tensor, plan: Dispatch, num_tokens: int) -> torch.Tensor:
+    """Expert outputs (N, d) in dispatch order -> (T, d): each row times its weight, summed per
+    token; a token with no kept assignment gets zeros (the residual carries it on)."""
+    out = y.new_zeros(num_tokens, y.shape[-1])
+    return out.index_add_(0, plan.token, y * plan.weight.to(y.dtype)[:, None])
+
+
+def grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands: fp32/bf16 (fp16 too on CUDA), every row
+    stride a multiple of 16 bytes (torch 2.13's CPU kernel refuses others), all on one device."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if x.dtype == torch.float16 and x.device.type != "cuda":
+        return False
+    align = 16 // x.element_size()
+    return all(w.dtype == x.dtype and w.device == x.device and w.shape[-1] % align == 0 for w in weights) and (
+        x.shape[-1] % align == 0
+    )
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient dense: ``_grouped_mm``'s CPU backward
+    refuses the stride-0 gradient that ``.sum()`` hands back ("Invalid strides/sizes")."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """Rows of ``x`` (N, in) in expert order times their expert's ``w[e]`` (E, out, in) transposed.
+
+    ``grouped``: one ``torch._grouped_mm`` call; else one matmul per expert on its contiguous slice
+    (no padding). Both give the same numbers (tests/test_moe.py)."""
+    if grouped:
+        offs = counts.cumsum(0).to(torch.int32)
+        return _DenseGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+    pieces = x.split(counts.tolist())
+    return torch.cat([p @ we.t() for p, we in zip(pieces, w.unbind(0))])
+
+
+class Experts(nn.Module):
+    """``num_experts`` FFNs of one kind, weights stacked in HF's ``(E, out, in)`` layout: ``up``
+    (and ``gate`` for gated kinds) ``(E, d_expert, d_model)``, ``down`` ``(E, d_model, d_expert)``.
+    No biases (none of the HF MoE models has them)."""
+
+    def __init__(self, num_experts: int, d_model: int, d_expert: int, activation) -> None:
+        super().__init__()
+        self.act, self.gated = FFN_KINDS[activation]
+        shape = (num_experts, d_expert, d_model)
+        self.gate = nn.Parameter(torch.empty(shape)) if self.gated else None
+        self.up = nn.Parameter(torch.empty(shape))
+        self.down = nn.Parameter(torch.empty(num_experts, d_model, d_expert))
+        # None: grouped matmuls where the operands allow them, else the per-expert loop; set False
+        # to force the loop (tests compare the two; bench/bench_moe.py times them)
+        self.grouped: bool | None = None
+
+    def init_weights(self, std: float, down_std: float) -> None:
+        for w in (self.gate, self.up):
+            if w is not None:
+                nn.init.normal_(w, 0.0, std)
+        nn.init.normal_(self.down, 0.0, down_std)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x`` (N, d) sorted by expert, ``counts`` (E,) rows per expert -> (N, d)."""
+        weights = [w for w in (self.gate, self.up, self.down) if w is not None]
+        grouped = grouped_mm_ok(x, *weights) if self.grouped is None else self.grouped
+        up = expert_matmul(x, self.up, counts, grouped)
+        h = self.act(expert_matmul(x, self.gate, counts, grouped)) * up if self.gate is not None else self.act(up)
+        return expert_matmul(h, self.down, counts, grouped)
+
+
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch / Mixtral balance loss ``E * sum_e f_e * P_e`` over T tokens: ``f_e`` the fraction of
+    tokens that chose expert e among their top k (before capacity), ``P_e`` its mean router
+    probability. 1 when perfectly balanced at k = 1 (k at top-k, as HF's Mixtral writes it)."""
+    tokens = probs.shape[0]
+    f = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype) / tokens
+    return num_experts * (f * probs.mean(0)).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's z-loss: the mean over tokens of ``logsumexp(logits)**2``."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+class MoEFeedForward(nn.Module):
+    """Routed experts (+ shared experts, optionally sigmoid-gated) in place of the dense FFN.
+
+    After each forward, ``aux_loss`` holds ``aux_loss_coef * balance + z_loss_coef * z`` (with
+    gradient, for the family's training loss) and ``stats`` the detached figures to log:
+    ``balance_loss``, ``z_loss``, ``tokens_max_over_mean`` (assignments per expert before capacity),
+    ``dropped_fraction`` (assignments over capacity)."""
+
+    def __init__(self, cfg: MoEConfig, d_model: int, d_ff: int, activation, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        kind = cfg.activation or activation
+        d_expert = cfg.d_expert or d_ff
+        self.router = nn.Linear(d_model, cfg.num_experts, bias=cfg.router_bias)
+        self.experts = Experts(cfg.num_experts, d_model, d_expert, kind)
+        width = cfg.num_shared_experts * (cfg.d_shared or d_expert)
+        self.shared = FeedForward(d_model, width, kind, bias=False) if width else None
+        self.shared_gate = nn.Linear(d_model, 1, bias=False) if width and cfg.shared_gate else None
+        self.dropout = nn.Dropout(dropout)
+        self.aux_loss: torch.Tensor | None = None
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits (T, E), outside autocast: routing decisions are precision-sensitive (Switch's
+        "selective precision")."""
+        if self.training and self.cfg.jitter > 0:
+            x = x * torch.empty_like(x).uniform_(1.0 - self.cfg.jitter, 1.0 + self.cfg.jitter)
+        with torch.autocast(x.device.type, enabled=False):
+            bias = self.router.bias.float() if self.router.bias is not None else None
+            return F.linear(x.float(), self.router.weight.float(), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        group = shape[-2] if x.dim() == 3 else flat.shape[0]  # capacity per sequence
+        routing = route(self.router_logits(flat), self.cfg, group)
+        plan = dispatch(routing, self.cfg.num_experts)
+        out = combine(self.experts(flat[plan.token], plan.counts), plan, flat.shape[0])
+        if self.shared is not None:
+            shared = self.shared(flat)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(flat)) * shared
+            out = out + shared
+        self._record(routing, plan)
+        return self.dropout(out.view(shape))
+
+    def _record(self, routing: Routing, plan: Dispatch) -> None:
+        cfg = self.cfg
+        balance = load_balancing_loss(routing.probs, routing.experts, cfg.num_experts)
+        z = router_z_loss(routing.logits)
+        self.aux_loss = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z
+        chosen = torch.bincount(routing.experts.reshape(-1), minlength=cfg.num_experts).float()
+        assignments = routing.experts.numel()
+        self.stats = {
+            "balance_loss": balance.detach(),
+            "z_loss": z.detach(),
+            "tokens_max_over_mean": (chosen.max() / chosen.mean()).detach(),
+            "dropped_fraction": 1.0 - plan.counts.sum().float() / assignments,
+        }
+
+
+def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
+    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """The mean of the MoE layers' ``aux_loss`` of the last forward (None without MoE layers).
+    A mean, not a sum, so the coefficients mean the same at any depth (HF's Mixtral pools the
+    layers' routing likewise)."""
+    losses = [m.aux_loss for m in moe_layers(model) if m.aux_loss is not None]
+    return torch.stack(losses).mean() if losses else None
+
+
+def moe_stats(model: nn.Module) -> dict[str, float]:
+    """Routing figures of the last forward, averaged over the MoE layers (``tokens_max_over_mean``
+    also as its worst layer), for the trainer's metrics."""
+    layers = [m.stats for m in moe_layers(model) if m.stats]
+    if not layers:
+        return {}
+    out = {f"moe/{k}": float(torch.stack([s[k] for s in layers]).mean()) for k in layers[0]}
+    out["moe/tokens_max_over_mean_worst"] = max(float(s["tokens_max_over_mean"]) for s in layers)
+    return out
