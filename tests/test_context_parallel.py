@@ -1,0 +1,256 @@
+"""Context parallelism: attention across sequence shards equals the 1-process attention.
+
+Every spawned group runs all its cases in one go (gloo, fp32) and writes what it measured; the test
+process asserts. Each group has a deadline that fails the test and kills its workers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tformer.config import ConfigError
+from tformer.nn.attention import local_attention
+from tformer.nn.docmask import DocumentMask
+from tformer.nn.position import RelativePositionBias
+from tformer.parallel.context import (
+    held_positions,
+    padded_length,
+    shard_seq,
+    torch_cp_refusal,
+    unshard_seq,
+)
+
+from train_helpers import free_port
+
+GROUP_TIMEOUT = 600  # seconds for one spawned group, then the test fails
+TOL = 1e-5
+
+
+def run_group(world: int, worker, *args) -> None:
+    ctx = mp.start_processes(worker, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + GROUP_TIMEOUT
+    while not ctx.join(timeout=2):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{world}-rank group did not finish in {GROUP_TIMEOUT} s")
+
+
+def init_group(rank: int, world: int, port: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
+
+
+def close_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# ---- the layout, in one process
+
+
+def test_shard_unshard_round_trip_with_padding():
+    x = torch.arange(2 * 13).view(2, 13)
+    for cp in (1, 2, 3, 4):
+        shards = [shard_seq(x, r, cp, pad_value=-1) for r in range(cp)]
+        assert {s.shape[1] for s in shards} == {padded_length(13, cp) // cp}
+        full = unshard_seq(shards)
+        assert torch.equal(full[:, :13], x) and (full[:, 13:] == -1).all()
+        # every rank's positions are those of its tokens, and together they cover the sequence once
+        pos = [held_positions(padded_length(13, cp), r, cp) for r in range(cp)]
+        assert all(torch.equal(shard_seq(torch.arange(padded_length(13, cp))[None], r, cp)[0], p) for r, p in enumerate(pos))
+        assert sorted(torch.cat(pos).tolist()) == list(range(padded_length(13, cp)))
+
+
+def test_load_balance():
+    """Under a causal mask every rank computes the same number of chunk pairs."""
+    for cp in (2, 4, 8):
+        work = [sum(i + 1 for i in (r, 2 * cp - 1 - r)) for r in range(cp)]
+        assert len(set(work)) == 1
+
+
+def test_torch_context_parallel_switch_inputs():
+    ok = dict(causal=True, padding_mask=False, doc_mask=False, bias=False, gqa=False, same_length=True)
+    assert torch_cp_refusal("cuda", **ok) is None
+    assert torch_cp_refusal("cuda", **{**ok, "causal": False, "same_length": False}) is None  # cross-attention
+    assert "CUDA kernels only" in torch_cp_refusal("cpu", **ok)
+    for key, words in (
+        ("padding_mask", "key padding mask"),
+        ("doc_mask", "document masks"),
+        ("bias", "relative positions"),
+        ("gqa", "GQA"),
+    ):
+        assert words in torch_cp_refusal("cuda", **{**ok, key: True})
+    assert "one sequence" in torch_cp_refusal("cuda", **{**ok, "same_length": False})
+
+
+def test_torch_kernel_refused_in_one_line_on_cpu():
+    from tformer.parallel.context import ContextParallelAttention
+
+    core = ContextParallelAttention.__new__(ContextParallelAttention)
+    core.kernel, core.mesh = "torch", None
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ConfigError, match="parallel.cp_kernel=torch cannot run this attention: it has CUDA kernels only"):
+        core(q, q, q, padding_mask=None, causal=True, attn_bias=None, doc_mask=None, scale=1.0, dropout_p=0.0, impl="sdpa")
+
+
+# ---- attention over 2 and 4 ranks against one process
+
+HEADS = (5, 5)  # (query heads, KV heads): odd counts
+CASES = {
+    # name: (causal, padded keys, documents, relative bias, heads, cross length)
+    "causal": (True, False, False, False, HEADS, None),
+    "bidirectional": (False, False, False, False, HEADS, None),
+    "causal+padding": (True, True, False, False, HEADS, None),
+    "bidirectional+padding": (False, True, False, False, HEADS, None),
+    "causal+documents": (True, False, True, False, HEADS, None),
+    "bidirectional+documents+padding": (False, True, True, False, HEADS, None),
+    "t5-encoder-bias+padding": (False, True, False, True, HEADS, None),
+    "t5-decoder-bias": (True, False, False, True, HEADS, None),
+    "gqa-causal": (True, False, False, False, (6, 2), None),
+    "gqa-documents": (True, True, True, False, (3, 1), None),
+    "cross+padding": (False, True, False, False, HEADS, 11),
+    "cross+documents": (False, True, True, False, (6, 3), 11),
+}
+
+
+def _inputs(name, seq, gen):
+    causal, padded, docs, bias, (h, hk), cross = CASES[name]
+    b, d = 2, 8
+    sk = cross or seq
+    q = torch.randn(b, h, seq, d, generator=gen)
+    k, v = (torch.randn(b, hk, sk, d, generator=gen) for _ in range(2))
+    pad = None
+    if padded:  # right padding of a different length per row (key 0 always real)
+        pad = torch.ones(b, sk, dtype=torch.long)
+        pad[0, sk - 3 :] = 0
+        pad[1, sk - 1 :] = 0
+    q_doc = k_doc = None
+    if docs:  # documents that run across chunk and shard borders, then a padding tail (-1)
+        q_doc = torch.tensor([[0] * 5 + [1] * (seq - 7) + [-1] * 2, [0] * (seq - 4) + [2] * 4])
+        k_doc = q_doc if cross is None else torch.tensor([[0] * 4 + [1] * (sk - 4), [0] * 6 + [2] * (sk - 7) + [-1]])
+    rel = None
+    if bias:
+        rel = RelativePositionBias(h, bidirectional=not causal, num_buckets=8, max_distance=12)
+        torch.nn.init.normal_(rel.embedding.weight, generator=gen)
+    return q, k, v, pad, q_doc, k_doc, rel, causal
+
+
+def _reference(name, seq, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, pad, q_doc, k_doc, rel, causal = _inputs(name, seq, gen)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    doc = DocumentMask(q_doc, k_doc, flex=False) if q_doc is not None else None
+    bias = rel(q.shape[2], k.shape[2]) if rel is not None else None
+    out = local_attention(
+        q, k, v, padding_mask=pad, causal=causal, attn_bias=bias, doc_mask=doc, scale=0.4, dropout_p=0.0, impl="math"
+    )
+    dout = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad(out, leaves + ([rel.embedding.weight] if rel else []), dout)
+    return out.detach(), dout, grads
+
+
+def _shards(name, seq, seed, rank, cp):
+    """This rank's part of the same inputs: padded to 2 x cp chunks, keys of the pad masked."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, pad, q_doc, k_doc, rel, causal = _inputs(name, seq, gen)
+    sk = k.shape[2]
+    if pad is None and (not causal and padded_length(sk, cp) != sk):
+        pad = torch.ones(k.shape[0], sk, dtype=torch.long)  # a bidirectional pad must be masked
+    q, k, v = (shard_seq(x, rank, cp, dim=2).requires_grad_() for x in (q, k, v))
+    pad = shard_seq(pad, rank, cp) if pad is not None else None
+    doc = None
+    if q_doc is not None:
+        k_local = shard_seq(k_doc, rank, cp, pad_value=-1)
+        doc = DocumentMask(shard_seq(q_doc, rank, cp, pad_value=-1), k_local, flex=False)
+    return q, k, v, pad, doc, rel, causal
+
+
+def _attention_worker(rank, world, port, seq, out_dir):
+    init_group(rank, world, port)
+    import torch.distributed as dist
+
+    from tformer.parallel.context import ContextParallelAttention
+
+    try:
+        core = ContextParallelAttention(dist.group.WORLD)
+        report = {}
+        for seed, name in enumerate(CASES):
+            ref_out, ref_dout, ref_grads = _reference(name, seq, seed)
+            q, k, v, pad, doc, rel, causal = _shards(name, seq, seed, rank, world)
+            out = core(
+                q, k, v, padding_mask=pad, causal=causal, attn_bias=rel, doc_mask=doc, scale=0.4, dropout_p=0.0, impl="math"
+            )
+            dout = shard_seq(ref_dout, rank, world, dim=2)
+            leaves = [q, k, v] + ([rel.embedding.weight] if rel else [])
+            grads = torch.autograd.grad(out, leaves, dout)
+            errs = {"out": _err(out, ref_out, rank, world, real_only=True)}
+            for what, got, want in zip("qkv", grads, ref_grads):
+                errs[f"d{what}"] = _err(got, want, rank, world)
+            if rel is not None:  # each rank holds its queries' share of the bias gradient
+                dist.all_reduce(grads[3])
+                errs["dbias"] = (grads[3] - ref_grads[3]).abs().max().item()
+            report[name] = errs
+        report["saved"] = _saved_bytes(core, rank, world)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        close_group()
+
+
+def _err(got, want, rank, cp, real_only=False):
+    """Largest difference from the reference's part for this rank. The pad has no reference: its
+    gradients must be zero (it is attended by no real query and scored by no loss), its outputs
+    are not compared."""
+    n = want.shape[2]
+    want = shard_seq(want, rank, cp, dim=2)
+    if real_only:
+        real = held_positions(want.shape[2] * cp, rank, cp) < n
+        got, want = got[:, :, real], want[:, :, real]
+    return (got - want).abs().max().item()
+
+
+def _saved_bytes(core, rank, cp):
+    """Bytes autograd keeps for backward of one call with 2 x 16 local tokens, against the local
+    q/k/v/out/log-sum-exp: the gathered K/V must not be among them."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    gen = torch.Generator().manual_seed(rank)
+    q = torch.randn(2, 4, 32, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 2, 32, 8, generator=gen, requires_grad=True) for _ in range(2))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = core(
+            q, k, v, padding_mask=None, causal=True, attn_bias=None, doc_mask=None, scale=0.3, dropout_p=0.0, impl="math"
+        )
+    local = sum(t.numel() * t.element_size() for t in (q, k, v, out)) + 2 * 4 * 32 * 4  # + fp32 lse
+    return {"saved": sum(saved), "local": local, "gathered_kv": 2 * cp * k.numel() * k.element_size()}
+
+
+@pytest.mark.parametrize("world,seq", [(2, 16), (2, 13), (4, 16), (4, 13)])
+def test_sharded_attention_equals_one_process(world, seq, tmp_path):
+    run_group(world, _attention_worker, seq, str(tmp_path))
+    for rank in range(world):
+        report = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
+        saved = report.pop("saved")
+        assert saved["saved"] == saved["local"] < saved["local"] + saved["gathered_kv"], saved
+        for name, errs in report.items():
+            for what, err in errs.items():
+                assert err < TOL, (world, seq, rank, name, what, err)
