@@ -254,3 +254,114 @@ def test_sharded_attention_equals_one_process(world, seq, tmp_path):
         for name, errs in report.items():
             for what, err in errs.items():
                 assert err < TOL, (world, seq, rank, name, what, err)
+
+
+# ---- the families over 2 and 4 ranks against one process
+
+FAMILIES = {
+    # name: (preset, overrides, batch kind)
+    "gpt2": ("gpt2-tiny", {}, "causal"),
+    "gpt2-documents": ("gpt2-tiny", {}, "causal-docs"),
+    "llama-gqa-documents": ("llama-tiny", {}, "causal-docs"),
+    "bert": ("bert-tiny", {}, "mlm"),
+    "t5": ("t5-tiny", {}, "seq2seq"),
+    "t5-v1.1": ("t5-v1.1-tiny", {}, "seq2seq"),
+    "transformer": ("transformer-tiny", {}, "seq2seq"),
+}
+
+
+def _batch(kind, seq, vocab, gen):
+    b = 2
+    ids = torch.randint(1, vocab, (b, seq), generator=gen)
+    if kind.startswith("causal"):
+        batch = {"input_ids": ids, "labels": torch.randint(1, vocab, (b, seq), generator=gen)}
+        batch["labels"][0, :3] = -100
+        if kind == "causal-docs":  # documents across shard borders; positions restart in each
+            batch["doc_ids"] = torch.tensor([[0] * 4 + [1] * (seq - 4), [0] * (seq - 6) + [1] * 3 + [2] * 3])
+        return batch
+    if kind == "mlm":  # ~30% of the positions scored, a right-padded second row
+        labels = torch.where(torch.rand(b, seq, generator=gen) < 0.3, ids, -100)
+        mask = torch.ones(b, seq, dtype=torch.long)
+        mask[1, seq - 4 :] = 0
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels.masked_fill(mask == 0, -100)}
+    tgt = seq - 4  # seq2seq: a target shorter than the source, both padded
+    mask = torch.ones(b, seq, dtype=torch.long)
+    mask[0, seq - 2 :] = 0
+    labels = torch.randint(1, vocab, (b, tgt), generator=gen)
+    labels[1, tgt - 3 :] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _model(name):
+    from tformer.models import build_model
+
+    preset, overrides, kind = FAMILIES[name]
+    torch.manual_seed(0)
+    return build_model(preset, dropout=0.0, attn_dropout=0.0, **overrides).float(), kind
+
+
+def _family_worker(rank, world, port, seq, out_dir):
+    init_group(rank, world, port)
+    import copy
+
+    import torch.distributed as dist
+
+    from tformer.parallel.context import apply_context_parallel, loss_tokens, shard_batch
+
+    try:
+        report = {}
+        for seed, name in enumerate(FAMILIES):
+            ref, kind = _model(name)
+            batch = _batch(kind, seq, ref.config.vocab_size, torch.Generator().manual_seed(seed))
+            want = ref(**batch, return_logits=False).loss
+            want.backward()
+            model = copy.deepcopy(ref)
+            model.zero_grad()
+            apply_context_parallel(model, dist.group.WORLD)
+            shard = shard_batch(batch, rank, world, model.config)
+            loss = model(**shard, return_logits=False, loss_tokens=loss_tokens(shard["labels"], dist.group.WORLD)).loss
+            loss.backward()
+            dist.all_reduce(loss := loss.detach())
+            errs = {"loss": abs(loss.item() - want.item())}
+            for (n, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+                dist.all_reduce(p.grad)
+                errs[n] = (p.grad - r.grad).abs().max().item()
+            report[name] = errs
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        close_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,seq", [(2, 16), (2, 13), (4, 13)])
+def test_families_equal_one_process(world, seq, tmp_path):
+    """Loss and every parameter's gradient of cp ranks, each holding its shard of the same batch
+    (its loss = its share of the sum over the whole batch's labelled tokens, gradients summed over
+    the ranks), equal the 1-process run."""
+    run_group(world, _family_worker, seq, str(tmp_path))
+    report = json.loads(Path(tmp_path, "rank0.json").read_text())
+    assert list(report) == list(FAMILIES)
+    for name, errs in report.items():
+        assert len(errs) > 10, name
+        for what, err in errs.items():
+            assert err < TOL, (world, seq, name, what, err)
+
+
+def test_loss_parts_add_up_to_the_mean():
+    """Each part of a batch divided by the whole batch's labelled count sums to the mean loss, and
+    a part without labels contributes 0 (not 0 / 0), for the plain and the chunked loss alike."""
+    from tformer.models.base import lm_loss
+    from tformer.models.loss import chunked_lm_loss
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 10, 8, generator=gen), torch.randn(16, 8, generator=gen)
+    labels = torch.randint(0, 16, (2, 10), generator=gen)
+    labels[:, 5:] = -100  # the second part has no label
+    total = (labels != -100).sum()
+    for loss in (
+        lambda x, y, n=None: lm_loss(x @ w.T, y, 0.1, n),
+        lambda x, y, n=None: chunked_lm_loss(x, w, None, y, 3, 16, 0.1, n),
+    ):
+        parts = [loss(x[:, s], labels[:, s], total) for s in (slice(0, 5), slice(5, 10))]
+        assert parts[1].item() == 0.0
+        assert torch.allclose(sum(parts), loss(x, labels), atol=1e-6)

@@ -375,3 +375,57 @@ def _torch_ring(q, k, v, causal: bool, scale: float, mesh):
         return out.to_local()  # type: ignore[attr-defined]  # a DTensor: its inputs are
     finally:
         cp_attention._disable_cp_dtensor_dispatcher()
+
+
+# ----------------------------------------------------------------------------------------------
+# A model and its batches over the layout
+
+# What the pad of each batch field holds (token ids: any valid id, the pad is never scored)
+_PAD = {"labels": -100, "attention_mask": 0, "decoder_attention_mask": 0, "doc_ids": -1, "decoder_doc_ids": -1}
+
+
+def apply_context_parallel(model, group, kernel: str = "tformer", mesh=None) -> None:
+    """Give every attention layer of ``model`` the attention across shards, and every stack's
+    relative bias per chunk pair; the model's parameters and code stay as they are."""
+    from ..nn.attention import MultiHeadAttention
+    from ..nn.block import TransformerStack
+
+    if model.config.attn_dropout:
+        raise ConfigError("context parallelism has no attention dropout; set model.attn_dropout=0")
+    core = ContextParallelAttention(group, kernel, mesh)
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention):
+            module.core = core
+        elif isinstance(module, TransformerStack):
+            module.bias_per_block = True
+
+
+def shard_batch(batch: dict[str, torch.Tensor], rank: int, cp: int, cfg) -> dict[str, torch.Tensor]:
+    """This rank's part of a batch of (B, S) fields. What needs the whole sequence is settled first:
+    positions (restarting per document where there are documents), an encoder-decoder's shifted
+    decoder input, and a key mask where a bidirectional stream gets a pad."""
+    from ..models.encdec import shift_right
+    from ..nn.docmask import positions_from_doc_ids
+
+    batch = dict(batch)
+    streams = [("input_ids", "doc_ids", "position_ids")]
+    if cfg.family == "encdec":
+        if "decoder_input_ids" not in batch:
+            batch["decoder_input_ids"] = shift_right(batch["labels"], cfg.decoder_start_token_id, cfg.pad_token_id)
+        streams.append(("decoder_input_ids", "decoder_doc_ids", "decoder_position_ids"))
+    for ids, docs, pos in streams:
+        if pos not in batch:
+            b, s = batch[ids].shape
+            batch[pos] = positions_from_doc_ids(batch[docs]) if docs in batch else torch.arange(s).expand(b, s)
+    b, s = batch["input_ids"].shape
+    if cfg.family != "decoder" and "attention_mask" not in batch and padded_length(s, cp) != s:
+        batch["attention_mask"] = torch.ones(b, s, dtype=torch.long, device=batch["input_ids"].device)
+    return {k: shard_seq(v, rank, cp, pad_value=_PAD.get(k, 0)) for k, v in batch.items()}
+
+
+def loss_tokens(labels: torch.Tensor, group) -> torch.Tensor:
+    """Labelled positions of the whole sequence, from every rank's shard of ``labels``: the divisor
+    that makes the ranks' losses add up to the mean (``models/base.lm_loss``)."""
+    count = (labels != -100).sum()
+    dist.all_reduce(count, group=group)
+    return count
