@@ -365,3 +365,89 @@ def test_loss_parts_add_up_to_the_mean():
         parts = [loss(x[:, s], labels[:, s], total) for s in (slice(0, 5), slice(5, 10))]
         assert parts[1].item() == 0.0
         assert torch.allclose(sum(parts), loss(x, labels), atol=1e-6)
+
+
+# ---- the trainer with parallel.cp
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    import os
+
+    path = tmp_path_factory.mktemp("tformer-cache-cp")
+    os.environ["TFORMER_CACHE"] = str(path)
+    return path
+
+
+TRAINER_CASES = [
+    # (family of tests/test_mesh.py, flags of both runs, flags of the cp run)
+    ("gpt2", [], ["parallel.strategy=fsdp"]),
+    ("llama", ["data.seq_len=63"], ["parallel.strategy=ddp"]),  # 63 tokens: padded to 64
+    ("bert", [], ["parallel.strategy=fsdp", "parallel.activation_checkpointing=full"]),
+    ("t5", [], ["parallel.strategy=fsdp"]),
+]
+
+
+@pytest.mark.slow
+def test_trainer_cp2_equals_the_single_process_run(cache, tmp_path_factory):
+    """4 AdamW steps at parallel.cp=2 (2 ranks, each holding half of every sequence): the losses and
+    the updated parameters of the 1-process run on the same global batch, to 1e-5."""
+    from test_mesh import _overrides, assert_same_run, reference, run_ranks
+
+    tmp = tmp_path_factory.mktemp("cp2")
+    jobs = []
+    for i, (name, common, own) in enumerate(TRAINER_CASES):
+        recipe, overrides = _overrides(name, tmp / f"run{i}", "parallel.cp=2", *common, *own)
+        jobs.append((recipe, overrides, str(tmp / f"report{i}")))
+    run_ranks(2, jobs, cache)
+    for i, (name, common, _) in enumerate(TRAINER_CASES):
+        assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, 1, *common))
+    assert "cp: 2" in (tmp / "run0" / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    "world,flags,needle",
+    [
+        (
+            2,
+            ["parallel.cp=2", "parallel.tp=2"],
+            "world size 2 is not divisible by parallel.dp_replicate x parallel.tp x parallel.cp",
+        ),
+        (4, ["parallel.cp=2", "parallel.dp_shard=4"], "world size 4 != parallel.dp_replicate x dp_shard x cp x tp"),
+        (
+            2,
+            ["parallel.cp=2", "parallel.strategy=deepspeed"],
+            "parallel.cp=2 does not compose with parallel.strategy=deepspeed",
+        ),
+        (4, ["parallel.cp=2", "parallel.tp=2", "parallel.strategy=fsdp"], "parallel.cp=2 does not run with parallel.tp=2"),
+        (2, ["parallel.cp=2", "compile=true"], "parallel.cp=2 does not run with compile=true yet"),
+        (2, ["parallel.cp=2", "model.attn_dropout=0.1"], "does not run with attention dropout yet"),
+        (2, ["parallel.cp=2", "parallel.cp_kernel=torch", "device=cpu"], "parallel.cp_kernel=torch runs torch's CUDA"),
+        (2, ["parallel.cp=0"], "parallel.cp"),
+    ],
+)
+def test_bad_cp_input_is_one_line_before_any_process_group(tmp_path, monkeypatch, world, flags, needle):
+    import torch.distributed as dist
+
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+
+    from train_helpers import CONFIGS, small_overrides
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    cfg_flags = small_overrides("gpt2-tiny", tmp_path, *flags)
+    with pytest.raises(ConfigError) as err:
+        Trainer(load_config(CONFIGS / "gpt2-tiny.yaml", cfg_flags))
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert not dist.is_initialized()
+
+
+def test_mesh_arithmetic_with_cp():
+    from tformer.parallel.mesh import ParallelDims
+
+    dims = ParallelDims.resolve(16, dp_replicate=2, dp_shard=-1, tp=2, cp=2)
+    assert (dims.dp_shard, dims.dp_size, dims.world_size) == (2, 4, 16)
+    # rank = ((replica * dp_shard + shard) * cp + cp_rank) * tp + tp_rank: a cp group sees one batch
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [dims.cp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert "cp=2" in dims.describe()

@@ -116,6 +116,7 @@ def local_attention(
     scale: float,
     dropout_p: float,
     impl: AttnImpl,
+    training: bool = False,
 ) -> torch.Tensor:
     """Attention of ``(B, h, S_q, d)`` queries over all ``(B, h_kv, S_k, d)`` keys of this device.
 
@@ -155,6 +156,7 @@ class AttentionCore(Protocol):
         scale: float,
         dropout_p: float,
         impl: AttnImpl,
+        training: bool,
     ) -> torch.Tensor: ...
 
 
@@ -265,6 +267,7 @@ class MultiHeadAttention(nn.Module):
             scale=self.scale,
             dropout_p=dropout_p,
             impl=self.impl,
+            training=self.training,
         )
         out = out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.d_v)
         return self.out_dropout(self.o_proj(out))

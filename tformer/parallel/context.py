@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
+from ..nn.attention import local_attention
 from ..nn.docmask import same_document
 
 # ----------------------------------------------------------------------------------------------
@@ -282,7 +283,12 @@ class ContextParallelAttention:
         self.mesh = mesh
         self._gathered: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def __call__(self, q, k, v, *, padding_mask, causal, attn_bias, doc_mask, scale, dropout_p, impl):
+    def __call__(self, q, k, v, *, padding_mask, causal, attn_bias, doc_mask, scale, dropout_p, impl, training=True):
+        if not training:  # evaluation and generation see whole sequences (see apply_context_parallel)
+            return local_attention(
+                q, k, v, padding_mask=padding_mask, causal=causal, attn_bias=attn_bias, doc_mask=doc_mask,
+                scale=scale, dropout_p=dropout_p, impl=impl,
+            )  # fmt: skip
         if dropout_p:
             raise ConfigError("context parallelism has no attention dropout; set model.attn_dropout=0")
         if self.kernel == "torch":
@@ -386,7 +392,10 @@ _PAD = {"labels": -100, "attention_mask": 0, "decoder_attention_mask": 0, "doc_i
 
 def apply_context_parallel(model, group, kernel: str = "tformer", mesh=None) -> None:
     """Give every attention layer of ``model`` the attention across shards, and every stack's
-    relative bias per chunk pair; the model's parameters and code stay as they are."""
+    relative bias per chunk pair; the model's parameters and code stay as they are.
+
+    Only training forwards (``model.training``) take sequence shards; in eval mode the layers attend
+    locally, so evaluation and generation run whole sequences on every rank as before."""
     from ..nn.attention import MultiHeadAttention
     from ..nn.block import TransformerStack
 
@@ -429,3 +438,34 @@ def loss_tokens(labels: torch.Tensor, group) -> torch.Tensor:
     count = (labels != -100).sum()
     dist.all_reduce(count, group=group)
     return count
+
+
+def check_context_parallel(cfg, dims) -> None:
+    """What context parallelism does not run yet, refused in one line before any process group.
+    ``cfg`` is the run config (``tformer.train.config.TrainConfig``), ``dims`` its ParallelDims."""
+    if dims.cp == 1:
+        return
+    pcfg, cp = cfg.parallel, dims.cp
+    refusals = (
+        (dims.tp > 1, f"with parallel.tp={dims.tp} (tensor parallelism)", "set parallel.tp=1"),
+        (dims.pp > 1, f"with parallel.pp={dims.pp} (pipelines)", "set parallel.pp=1"),
+        (cfg.compile, "with compile=true", "set compile=false"),
+        (pcfg.activation_checkpointing == "op", "with parallel.activation_checkpointing=op", "use full or selective"),
+        (cfg.model.attn_dropout > 0, "with attention dropout", "set model.attn_dropout=0"),
+    )
+    for bad, what, fix in refusals:
+        if bad:
+            raise ConfigError(f"parallel.cp={cp} does not run {what} yet; {fix}, or parallel.cp=1")
+    if pcfg.cp_kernel == "torch" and cfg.device != "cuda" and not torch.cuda.is_available():
+        raise ConfigError("parallel.cp_kernel=torch runs torch's CUDA ring attention only; set parallel.cp_kernel=tformer")
+
+
+def context_shard(inputs: dict[str, torch.Tensor], mesh, model_cfg) -> dict[str, torch.Tensor]:
+    """A training micro-batch for this rank of its context-parallel group: its part of every field
+    (``shard_batch``), and ``loss_tokens`` so that the group's losses add up to ``cp`` times the
+    micro-batch's mean: the data-parallel gradient average (FSDP2 over ``dp_shard x cp``, DDP over
+    all ranks) divides by the ``cp`` ranks too."""
+    cp_mesh = mesh["cp"]
+    shard = shard_batch(inputs, cp_mesh.get_local_rank(), cp_mesh.size(), model_cfg)
+    shard["loss_tokens"] = loss_tokens(shard["labels"], cp_mesh.get_group()) / cp_mesh.size()
+    return shard

@@ -23,6 +23,7 @@ from ..files import atomic_write
 from ..models import build_model
 from ..parallel.offload import activation_offload
 from ..models.flops import training_flops
+from ..parallel.context import check_context_parallel, context_shard
 from ..parallel.mesh import ParallelDims, check_strategy
 from ..parallel.pipeline import check_pipeline
 from ..parallel.strategy import strategy_class
@@ -200,6 +201,7 @@ class Trainer:
         # the mesh's arithmetic and what the strategy and model shapes allow, before any process group
         self.dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
         check_strategy(self.dims, cfg.parallel.strategy)
+        check_context_parallel(cfg, self.dims)
         check_tp(cfg.model, self.dims.tp)
         if cfg.compile and self.dims.tp > 1 and cfg.model.position == "rotary":
             # measured on torch 2.13: the compiled block's backward hands DTensor's redistribute a plain
@@ -765,6 +767,8 @@ class Trainer:
             last = micro == cfg.grad_accum - 1
             if self.dims.tp > 1 and cfg.parallel.sp:
                 inputs = pad_for_sequence_parallel(inputs, self.dims.tp, self.model_cfg.pad_token_id, self.model_cfg.family)
+            if self.dims.cp > 1:  # each rank of a context-parallel group: its part of every sequence
+                inputs = context_shard(inputs, self.dist.mesh, self.model_cfg)
             if self.dims.pp > 1:
                 pipelined.append(inputs)
                 if last:
@@ -802,7 +806,8 @@ class Trainer:
         # samples consumed, or with token-budget batches, batches consumed (the sampler's unit)
         per_batch = 1 if cfg.data.tokens_per_batch is not None else cfg.micro_batch_size
         self.consumed += per_batch * cfg.grad_accum * self.dist.dp_size
-        global_tokens = int(stats[1].item()) // (self.dims.tp * self.dims.pp)  # each counted its group's batch
+        group = self.dims.tp * self.dims.pp * self.dims.cp
+        global_tokens = int(stats[1].item()) // group  # each counted its group's batch
         self.tokens += global_tokens
         dt = time.perf_counter() - t0
         self._check_watchdog_margin(dt)
@@ -812,9 +817,9 @@ class Trainer:
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": global_tokens / dt,
-            # every rank of a tp / pp group counted its group's batch: the model FLOPs of the step
-            # are sum / (tp pp), shared by all world_size devices
-            "mfu": stats[3].item() / (self.dims.tp * self.dims.pp) / self.dist.world_size / dt / self.peak,
+            # every rank of a tp / pp / cp group counted its group's batch: the model FLOPs of the step
+            # are sum / (tp pp cp), shared by all world_size devices
+            "mfu": stats[3].item() / group / self.dist.world_size / dt / self.peak,
             "tokens": self.tokens,
             "step_time": dt,
             **self.strategy.memory_report(self.optimizer),
