@@ -451,3 +451,27 @@ def test_mesh_arithmetic_with_cp():
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [dims.cp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert "cp=2" in dims.describe()
+
+
+MESH4_CASES = [
+    # (family, flags of both runs, flags of the 4-rank run, data-parallel degree = reference's accumulation)
+    ("gpt2", ["data.document_mask=true"], ["parallel.strategy=fsdp", "parallel.cp=2", "parallel.dp_shard=2"], 2),
+    ("llama", ["data.document_mask=true"], ["parallel.strategy=fsdp", "parallel.cp=4"], 1),
+    ("t5-v1.1", [], ["parallel.strategy=fsdp", "parallel.cp=4"], 1),
+]
+
+
+@pytest.mark.slow
+def test_trainer_cp_on_four_ranks_equals_the_single_process_run(cache, tmp_path_factory):
+    """cp=2 x dp_shard=2 (FSDP2 over the four ranks, two batches of two sequence halves) and cp=4,
+    with packed documents for the decoders, against 1 process accumulating the same global batch."""
+    from test_mesh import _overrides, assert_same_run, reference, run_ranks
+
+    tmp = tmp_path_factory.mktemp("cp4")
+    jobs = []
+    for i, (name, common, own, _) in enumerate(MESH4_CASES):
+        recipe, overrides = _overrides(name, tmp / f"run{i}", *common, *own)
+        jobs.append((recipe, overrides, str(tmp / f"report{i}")))
+    run_ranks(4, jobs, cache)
+    for i, (name, common, _, dp) in enumerate(MESH4_CASES):
+        assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, dp, *common))
