@@ -1,18 +1,17 @@
 """Context parallelism: attention across sequence shards equals the 1-process attention.
 
 Every spawned group runs all its cases in one go (gloo, fp32) and writes what it measured; the test
-process asserts. Each group has a deadline that fails the test and kills its workers.
+process asserts. Each group has a deadline that fails the test and kills its workers (``run_ranks``).
 """
 
 from __future__ import annotations
 
 import json
-import time
+import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tformer.config import ConfigError
 from tformer.nn.attention import local_attention
@@ -26,20 +25,9 @@ from tformer.parallel.context import (
     unshard_seq,
 )
 
-from train_helpers import free_port
+from test_mesh import cache, run_ranks  # noqa: F401 - cache: test_mesh's fixture (usefixtures)
 
-GROUP_TIMEOUT = 600  # seconds for one spawned group, then the test fails
 TOL = 1e-5
-
-
-def run_group(world: int, worker, *args) -> None:
-    ctx = mp.start_processes(worker, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + GROUP_TIMEOUT
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{world}-rank group did not finish in {GROUP_TIMEOUT} s")
 
 
 def init_group(rank: int, world: int, port: int) -> None:
@@ -246,7 +234,7 @@ def _saved_bytes(core, rank, cp):
 
 @pytest.mark.parametrize("world,seq", [(2, 16), (2, 13), (4, 16), (4, 13)])
 def test_sharded_attention_equals_one_process(world, seq, tmp_path):
-    run_group(world, _attention_worker, seq, str(tmp_path))
+    run_ranks(world, seq, str(tmp_path), worker=_attention_worker)
     for rank in range(world):
         report = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
         saved = report.pop("saved")
@@ -338,7 +326,7 @@ def test_families_equal_one_process(world, seq, tmp_path):
     """Loss and every parameter's gradient of cp ranks, each holding its shard of the same batch
     (its loss = its share of the sum over the whole batch's labelled tokens, gradients summed over
     the ranks), equal the 1-process run."""
-    run_group(world, _family_worker, seq, str(tmp_path))
+    run_ranks(world, seq, str(tmp_path), worker=_family_worker)
     report = json.loads(Path(tmp_path, "rank0.json").read_text())
     assert list(report) == list(FAMILIES)
     for name, errs in report.items():
@@ -370,15 +358,6 @@ def test_loss_parts_add_up_to_the_mean():
 # ---- the trainer with parallel.cp
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    import os
-
-    path = tmp_path_factory.mktemp("tformer-cache-cp")
-    os.environ["TFORMER_CACHE"] = str(path)
-    return path
-
-
 TRAINER_CASES = [
     # (family of tests/test_mesh.py, flags of both runs, flags of the cp run)
     ("gpt2", [], ["parallel.strategy=fsdp"]),
@@ -389,17 +368,18 @@ TRAINER_CASES = [
 
 
 @pytest.mark.slow
-def test_trainer_cp2_equals_the_single_process_run(cache, tmp_path_factory):
+@pytest.mark.usefixtures("cache")
+def test_trainer_cp2_equals_the_single_process_run(tmp_path_factory):
     """4 AdamW steps at parallel.cp=2 (2 ranks, each holding half of every sequence): the losses and
     the updated parameters of the 1-process run on the same global batch, to 1e-5."""
-    from test_mesh import _overrides, assert_same_run, reference, run_ranks
+    from test_mesh import _overrides, assert_same_run, reference
 
     tmp = tmp_path_factory.mktemp("cp2")
     jobs = []
     for i, (name, common, own) in enumerate(TRAINER_CASES):
         recipe, overrides = _overrides(name, tmp / f"run{i}", "parallel.cp=2", *common, *own)
         jobs.append((recipe, overrides, str(tmp / f"report{i}")))
-    run_ranks(2, jobs, cache)
+    run_ranks(2, jobs, os.environ["TFORMER_CACHE"])  # the cache fixture's
     for i, (name, common, _) in enumerate(TRAINER_CASES):
         assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, 1, *common))
     assert "cp: 2" in (tmp / "run0" / "config.yaml").read_text()
@@ -462,16 +442,17 @@ MESH4_CASES = [
 
 
 @pytest.mark.slow
-def test_trainer_cp_on_four_ranks_equals_the_single_process_run(cache, tmp_path_factory):
+@pytest.mark.usefixtures("cache")
+def test_trainer_cp_on_four_ranks_equals_the_single_process_run(tmp_path_factory):
     """cp=2 x dp_shard=2 (FSDP2 over the four ranks, two batches of two sequence halves) and cp=4,
     with packed documents for the decoders, against 1 process accumulating the same global batch."""
-    from test_mesh import _overrides, assert_same_run, reference, run_ranks
+    from test_mesh import _overrides, assert_same_run, reference
 
     tmp = tmp_path_factory.mktemp("cp4")
     jobs = []
     for i, (name, common, own, _) in enumerate(MESH4_CASES):
         recipe, overrides = _overrides(name, tmp / f"run{i}", *common, *own)
         jobs.append((recipe, overrides, str(tmp / f"report{i}")))
-    run_ranks(4, jobs, cache)
+    run_ranks(4, jobs, os.environ["TFORMER_CACHE"])
     for i, (name, common, _, dp) in enumerate(MESH4_CASES):
         assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, dp, *common))

@@ -8,7 +8,7 @@ explicit math path (the reference the tests hold the fast path to).
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -142,22 +142,8 @@ def local_attention(
     return math_attention(q, k, v, mask, scale, dropout_p, dropout_p > 0)
 
 
-class AttentionCore(Protocol):
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        padding_mask: torch.Tensor | None,
-        causal: bool,
-        attn_bias,
-        doc_mask,
-        scale: float,
-        dropout_p: float,
-        impl: AttnImpl,
-        training: bool,
-    ) -> torch.Tensor: ...
+# A function called as ``local_attention`` is: (q, k, v heads, masks as keywords) -> attended values
+AttentionCore = Callable[..., torch.Tensor]
 
 
 class MultiHeadAttention(nn.Module):
