@@ -456,3 +456,37 @@ def test_trainer_cp_on_four_ranks_equals_the_single_process_run(tmp_path_factory
     run_ranks(4, jobs, os.environ["TFORMER_CACHE"])
     for i, (name, common, _, dp) in enumerate(MESH4_CASES):
         assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, dp, *common))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cache")
+def test_resume_across_cp(tmp_path):
+    """A cp=2 checkpoint (FSDP2 over the 2 ranks) resumes on one process, and a 1-process one at cp=4:
+    every resumed step's loss is the uninterrupted 1-process run's, to 1e-5."""
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+
+    from test_mesh import _overrides, _resume
+    from train_helpers import CONFIGS, losses
+
+    fsdp = ["parallel.strategy=fsdp"]
+    recipe, one = _overrides("gpt2", tmp_path / "one", "save_every=2")
+    Trainer(load_config(CONFIGS / f"{recipe}.yaml", one)).fit()
+    straight = tmp_path / "cp2"
+    run_ranks(
+        2,
+        [(recipe, _overrides("gpt2", straight, "save_every=2", "parallel.cp=2", *fsdp)[1], None)],
+        os.environ["TFORMER_CACHE"],
+    )
+    one_ckpt = tmp_path / "one" / "checkpoints" / "step_00000002"
+    cp4 = _resume("gpt2", tmp_path / "cp4", one_ckpt, "parallel.cp=4", *fsdp)[1]
+    run_ranks(4, [(recipe, cp4, None)], os.environ["TFORMER_CACHE"])
+    cp2_ckpt = straight / "checkpoints" / "step_00000002"
+    Trainer(load_config(CONFIGS / f"{recipe}.yaml", _resume("gpt2", tmp_path / "single", cp2_ckpt)[1])).fit()
+    base = losses(tmp_path / "one")
+    assert list(base) == [1, 2, 3, 4]
+    for run, steps in (("cp2", [1, 2, 3, 4]), ("cp4", [3, 4]), ("single", [3, 4])):
+        got = losses(tmp_path / run)
+        assert list(got) == steps, run
+        for step in got:
+            assert got[step] == pytest.approx(base[step], rel=1e-5), (run, step, got, base)
