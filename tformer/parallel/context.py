@@ -449,8 +449,6 @@ def check_context_parallel(cfg, dims) -> None:
     refusals = (
         (dims.tp > 1, f"with parallel.tp={dims.tp} (tensor parallelism)", "set parallel.tp=1"),
         (dims.pp > 1, f"with parallel.pp={dims.pp} (pipelines)", "set parallel.pp=1"),
-        (cfg.compile, "with compile=true", "set compile=false"),
-        (pcfg.activation_checkpointing == "op", "with parallel.activation_checkpointing=op", "use full or selective"),
         (cfg.model.attn_dropout > 0, "with attention dropout", "set model.attn_dropout=0"),
     )
     for bad, what, fix in refusals:
