@@ -232,7 +232,9 @@ def _saved_bytes(core, rank, cp):
     return {"saved": sum(saved), "local": local, "gathered_kv": 2 * cp * k.numel() * k.element_size()}
 
 
-@pytest.mark.parametrize("world,seq", [(2, 16), (2, 13), (4, 16), (4, 13)])
+@pytest.mark.parametrize(
+    "world,seq", [(2, 16), (2, 13), pytest.param(4, 16, marks=pytest.mark.slow), pytest.param(4, 13, marks=pytest.mark.slow)]
+)
 def test_sharded_attention_equals_one_process(world, seq, tmp_path):
     run_ranks(world, seq, str(tmp_path), worker=_attention_worker)
     for rank in range(world):
