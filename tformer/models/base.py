@@ -149,6 +149,7 @@ class TformerModel(nn.Module):
         return_logits: bool,
         labelled_only: bool = False,
         label_smoothing: float = 0.0,
+        loss_tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Apply the output head (``_head_input``, then ``lm_head``) and the loss.
 
@@ -156,29 +157,39 @@ class TformerModel(nn.Module):
         ``labelled_only`` the head then runs only where a label is set (masked LM: ~15% of
         positions); the loss and every gradient are those of the full head, since unlabelled
         positions contribute nothing. With ``loss_chunk_size`` set (the trainer's ``loss.chunk_size``)
-        no vocabulary-wide tensor exists at all: see ``models/loss.py``."""
+        no vocabulary-wide tensor exists at all: see ``models/loss.py``. ``loss_tokens``: see ``lm_loss``."""
         if labels is None or return_logits:
             logits = self._logits(self._head_input(hidden))
-            return logits, (lm_loss(logits, labels, label_smoothing) if labels is not None else None)
+            return logits, (lm_loss(logits, labels, label_smoothing, loss_tokens) if labels is not None else None)
         if labelled_only:
             keep = labels != -100
             hidden, labels = hidden[keep], labels[keep]
         x = self._head_input(hidden)
         if self.sharded_loss is not None:
+            if loss_tokens is not None:
+                raise ValueError("a vocabulary-sharded loss averages over its own tokens; it takes no loss_tokens yet")
             return None, self.sharded_loss(self.lm_head(x), labels, self.config.vocab_size, label_smoothing)
         if self.loss_chunk_size is None:
-            return None, lm_loss(self._logits(x), labels, label_smoothing)
+            return None, lm_loss(self._logits(x), labels, label_smoothing, loss_tokens)
+        head = self.lm_head
         return None, chunked_lm_loss(
-            x, self.lm_head.weight, self.lm_head.bias, labels, self.loss_chunk_size, self.config.vocab_size, label_smoothing
+            x, head.weight, head.bias, labels, self.loss_chunk_size, self.config.vocab_size, label_smoothing, loss_tokens
         )
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+def lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0, loss_tokens: torch.Tensor | None = None
+) -> torch.Tensor:
     """Mean cross-entropy over positions whose label is not -100. Labels are aligned with the
     logits (``labels[t]`` is the target of position ``t``); shifting is the data pipeline's job.
     ``label_smoothing`` = epsilon mixes the target with the uniform distribution, as
-    ``F.cross_entropy(..., label_smoothing=epsilon)`` does: ``(1 - e) * nll + e * mean_j(-log p_j)``."""
-    return CrossEntropy.apply(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), float(label_smoothing))
+    ``F.cross_entropy(..., label_smoothing=epsilon)`` does: ``(1 - e) * nll + e * mean_j(-log p_j)``.
+
+    ``loss_tokens`` divides the sum instead of the count of labelled positions here: a rank that holds
+    part of a sequence (context parallelism) passes the whole sequence's count, so the ranks' losses
+    add up to the mean, and a part without labels gives 0, not 0 / 0."""
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    return CrossEntropy.apply(flat, labels.reshape(-1), float(label_smoothing), loss_tokens)
 
 
 class CrossEntropy(torch.autograd.Function):
@@ -192,11 +203,11 @@ class CrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, smoothing: float = 0.0, tokens=None) -> torch.Tensor:
         valid = labels != -100
         target = labels.masked_fill(~valid, 0)[:, None]
         logp = torch.log_softmax(logits, dim=-1)
-        count = valid.sum()
+        count = valid.sum() if tokens is None else tokens
         ctx.save_for_backward(logp, target, valid, count)
         ctx.smoothing = smoothing
         nll = -(logp.gather(-1, target).squeeze(-1) * valid).sum() / count
@@ -213,7 +224,7 @@ class CrossEntropy(torch.autograd.Function):
         dlogits = logp.exp_().mul_(scale)
         if e:
             dlogits.sub_(scale * (e / logp.shape[-1]))
-        return dlogits.scatter_add_(-1, target, -(1.0 - e) * scale), None, None
+        return dlogits.scatter_add_(-1, target, -(1.0 - e) * scale), None, None, None
 
 
 def default_positions(input_ids: torch.Tensor, offset: int = 0) -> torch.Tensor:

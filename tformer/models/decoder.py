@@ -35,11 +35,12 @@ class DecoderModel(TformerModel):
         return_logits: bool = True,
         label_smoothing: float = 0.0,
         doc_ids: torch.Tensor | None = None,
+        loss_tokens: torch.Tensor | None = None,
     ) -> ModelOutput:
         """``labels`` are aligned with ``input_ids`` positions (already shifted), -100 = ignore.
         With ``cache``, ``input_ids`` are the new tokens and ``attention_mask`` covers past + new.
         ``doc_ids`` (B, S) packs documents: attention stays inside each, and positions (unless given)
-        restart at every document."""
+        restart at every document. ``loss_tokens``: the loss's divisor (``models/base.lm_loss``)."""
         offset = cache.length if cache is not None else 0
         self._check_length(input_ids.shape[1], offset)
         doc_mask = DocumentMask(doc_ids) if doc_ids is not None else None
@@ -48,5 +49,7 @@ class DecoderModel(TformerModel):
         positions = position_ids if position_ids is not None else default_positions(input_ids, offset)
         x = self.embed(input_ids, positions)
         h = self.decoder(x, attention_mask, positions=positions, cache=cache, doc_mask=doc_mask)
-        logits, loss = self._head_and_loss(h, labels, return_logits, label_smoothing=label_smoothing)
+        logits, loss = self._head_and_loss(
+            h, labels, return_logits, label_smoothing=label_smoothing, loss_tokens=loss_tokens
+        )
         return ModelOutput(logits, loss, cache)

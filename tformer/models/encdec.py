@@ -18,6 +18,12 @@ def shift_right(labels: torch.Tensor, start_id: int, pad_id: int) -> torch.Tenso
     return out.masked_fill(out == -100, pad_id)
 
 
+def _positions(ids: torch.Tensor, doc_ids, position_ids, offset: int = 0) -> torch.Tensor:
+    if position_ids is not None:
+        return position_ids
+    return default_positions(ids, offset) if doc_ids is None else positions_from_doc_ids(doc_ids)
+
+
 class EncoderDecoderModel(TformerModel):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -34,11 +40,16 @@ class EncoderDecoderModel(TformerModel):
         return StackCache(self.config.decoder_layers, cross=True)
 
     def encode(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``doc_ids`` (B, S): packed sources, each attending only to itself, positions per source."""
+        """``doc_ids`` (B, S): packed sources, each attending only to itself, positions per source.
+        ``position_ids`` (S,) or (B, S) overrides the positions (a sequence shard's own)."""
         self._check_length(input_ids.shape[1])
-        positions = default_positions(input_ids) if doc_ids is None else positions_from_doc_ids(doc_ids)
+        positions = _positions(input_ids, doc_ids, position_ids)
         doc_mask = DocumentMask(doc_ids) if doc_ids is not None else None
         return self.encoder(self.embed(input_ids, positions), attention_mask, positions=positions, doc_mask=doc_mask)
 
@@ -64,12 +75,13 @@ class EncoderDecoderModel(TformerModel):
         cache: StackCache | None = None,
         doc_ids: torch.Tensor | None = None,
         memory_doc_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``doc_ids`` (B, T) / ``memory_doc_ids`` (B, S): packed pairs; each target attends to its
         own earlier tokens and its own source only."""
         offset = cache.length if cache is not None else 0
         self._check_length(decoder_input_ids.shape[1], offset)
-        positions = default_positions(decoder_input_ids, offset) if doc_ids is None else positions_from_doc_ids(doc_ids)
+        positions = _positions(decoder_input_ids, doc_ids, position_ids, offset)
         x = self.embed(decoder_input_ids, positions)
         doc_mask = cross = None
         if doc_ids is not None:
@@ -107,11 +119,15 @@ class EncoderDecoderModel(TformerModel):
         label_smoothing: float = 0.0,
         doc_ids: torch.Tensor | None = None,
         decoder_doc_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        decoder_position_ids: torch.Tensor | None = None,
+        loss_tokens: torch.Tensor | None = None,
     ) -> ModelOutput:
         """``labels`` are the decoder targets; without ``decoder_input_ids`` they are shifted right
         behind ``decoder_start_token_id`` to form the decoder input (teacher forcing). Packed pairs
         give ``doc_ids`` (sources), ``decoder_doc_ids`` (targets) and ``decoder_input_ids`` (each
-        target shifted behind its own start token)."""
+        target shifted behind its own start token). ``position_ids`` / ``decoder_position_ids`` override
+        each stream's positions; ``loss_tokens`` is the loss's divisor (``models/base.lm_loss``)."""
         if (doc_ids is None) != (decoder_doc_ids is None):
             raise ValueError("packed pairs need both doc_ids (sources) and decoder_doc_ids (targets)")
         if decoder_input_ids is None:
@@ -120,9 +136,18 @@ class EncoderDecoderModel(TformerModel):
             cfg = self.config
             decoder_input_ids = shift_right(labels, cfg.decoder_start_token_id, cfg.pad_token_id)
         if encoder_hidden is None:
-            encoder_hidden = self.encode(input_ids, attention_mask, doc_ids)
+            encoder_hidden = self.encode(input_ids, attention_mask, doc_ids, position_ids)
         h = self.decoder_hidden(
-            decoder_input_ids, encoder_hidden, attention_mask, decoder_attention_mask, cache, decoder_doc_ids, doc_ids
+            decoder_input_ids,
+            encoder_hidden,
+            attention_mask,
+            decoder_attention_mask,
+            cache,
+            decoder_doc_ids,
+            doc_ids,
+            decoder_position_ids,
         )
-        logits, loss = self._head_and_loss(h, labels, return_logits, label_smoothing=label_smoothing)
+        logits, loss = self._head_and_loss(
+            h, labels, return_logits, label_smoothing=label_smoothing, loss_tokens=loss_tokens
+        )
         return ModelOutput(logits, loss, cache, encoder_hidden)

@@ -54,12 +54,15 @@ class EncoderModel(TformerModel):
         return_logits: bool = True,
         label_smoothing: float = 0.0,
         doc_ids: torch.Tensor | None = None,
+        loss_tokens: torch.Tensor | None = None,
     ) -> ModelOutput:
         """``return_logits=False`` (with labels) runs the MLM head at the masked positions only and
         returns the loss without logits: the same loss and gradients for a fraction of the head.
         ``doc_ids`` (B, S) packs documents that do not attend to each other (see the decoder)."""
         h = self.hidden_states(input_ids, attention_mask, token_type_ids, position_ids, doc_ids)
-        logits, loss = self._head_and_loss(h, labels, return_logits, labelled_only=True, label_smoothing=label_smoothing)
+        logits, loss = self._head_and_loss(
+            h, labels, return_logits, labelled_only=True, label_smoothing=label_smoothing, loss_tokens=loss_tokens
+        )
         return ModelOutput(logits, loss)
 
     def _head_input(self, h: torch.Tensor) -> torch.Tensor:

@@ -29,13 +29,15 @@ def chunked_lm_loss(
     chunk_size: int,
     vocab_size: int | None = None,
     label_smoothing: float = 0.0,
+    loss_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(x, weight, bias)[..., :vocab_size], labels, ignore_index=-100,
     label_smoothing=label_smoothing)`` (mean over labelled positions), ``chunk_size`` rows at a time.
 
     ``x`` (..., d) is the head's input (after any head transform), ``labels`` (...) aligned with it;
     ``vocab_size`` drops the padded rows of ``weight`` (they get a zero gradient, as when the logits
-    are sliced)."""
+    are sliced). ``loss_tokens`` replaces the count of labelled positions as the divisor (see
+    ``models/base.lm_loss``)."""
     if chunk_size < 1:
         raise ConfigError(f"loss.chunk_size={chunk_size} must be >= 1 (or null for the unchunked loss)")
     if type(weight).__name__ == "DTensor":
@@ -51,6 +53,7 @@ def chunked_lm_loss(
         chunk_size,
         vocab_size or weight.shape[0],
         float(label_smoothing),
+        loss_tokens,
     )
 
 
@@ -62,7 +65,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     (chunk x vocabulary) buffer."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, labels, chunk_size, vocab, smoothing):
+    def forward(ctx, x, weight, bias, labels, chunk_size, vocab, smoothing, loss_tokens=None):
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         with torch.autocast(device, enabled=False):
@@ -71,7 +74,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             xc, w = x.to(dtype), weight[:vocab].to(dtype)
             b = bias[:vocab].to(dtype) if bias is not None else None
             valid = labels != -100
-            count = valid.sum()
+            count = valid.sum() if loss_tokens is None else loss_tokens
             target = labels.masked_fill(~valid, 0)[:, None]
             need_x, need_w, need_b = ctx.needs_input_grad[:3]
             grad_x = torch.empty_like(x) if need_x else None
@@ -136,7 +139,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad = grad.to(dtype)
             out.append(grad if _is_one(grad_out) else grad.mul_(grad_out.to(grad.dtype)))
         ctx.grads = None
-        return (*out, None, None, None, None)
+        return (*out, None, None, None, None, None)
 
 
 def _is_one(t: torch.Tensor) -> bool:

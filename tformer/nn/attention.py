@@ -8,6 +8,7 @@ explicit math path (the reference the tests hold the fast path to).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +104,48 @@ def _cast_once(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> t
     return q, k, v
 
 
+def local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    padding_mask: torch.Tensor | None,
+    causal: bool,
+    attn_bias,
+    doc_mask,
+    scale: float,
+    dropout_p: float,
+    impl: AttnImpl,
+    training: bool = False,
+) -> torch.Tensor:
+    """Attention of ``(B, h, S_q, d)`` queries over all ``(B, h_kv, S_k, d)`` keys of this device.
+
+    ``attn_bias`` is a tensor broadcastable to the scores, or a module that builds it from the
+    query and key counts (``RelativePositionBias`` of a stack whose ``bias_per_block`` is set).
+    """
+    q_len, k_len = q.shape[2], k.shape[2]
+    if attn_bias is not None and not isinstance(attn_bias, torch.Tensor):
+        attn_bias = attn_bias(q_len, k_len, k_len - q_len)
+    gqa = k.shape[1] != q.shape[1]
+    only_causal = causal and padding_mask is None and attn_bias is None and doc_mask is None and q_len == k_len
+    if doc_mask is not None and doc_mask.flex and impl == "sdpa" and not dropout_p:
+        return doc_mask.attend(q, k, v, causal, scale, attn_bias)
+    if impl == "sdpa" and only_causal:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=gqa)
+    if doc_mask is not None:
+        mask = doc_mask.additive(padding_mask, causal, attn_bias, q.dtype, additive_mask)
+    else:
+        allowed = build_mask(padding_mask, causal and q_len > 1, q_len, k_len, q.device)
+        mask = additive_mask(allowed, attn_bias, q.dtype)
+    if impl == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+    return math_attention(q, k, v, mask, scale, dropout_p, dropout_p > 0)
+
+
+# A function called as ``local_attention`` is: (q, k, v heads, masks as keywords) -> attended values
+AttentionCore = Callable[..., torch.Tensor]
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention over ``(B, S, d_model)`` inputs.
 
@@ -152,6 +195,10 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(kv_dim, num_kv_heads * d_v, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * d_v, d_model, bias=bias)
         self.out_dropout = nn.Dropout(dropout)
+        # What turns (q, k, v) heads and the masks into the attended values: ``local_attention``
+        # here; a parallel layout replaces it from outside (context parallelism's attention across
+        # sequence shards, tformer/parallel/context.py), so this module stays single-device code.
+        self.core: AttentionCore = local_attention
 
     def _heads(self, x: torch.Tensor, n: int, d: int) -> torch.Tensor:
         b, s, _ = x.shape
@@ -196,38 +243,19 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.update(k, v)
         if rotary is not None:
             q = apply_rotary(q, *rotary)
-        k_len = k.shape[2]
         dropout_p = self.attn_dropout if self.training else 0.0
-        only_causal = causal and padding_mask is None and attn_bias is None and doc_mask is None and q_len == k_len
-        if doc_mask is not None and doc_mask.flex and self.impl == "sdpa" and not dropout_p:
-            out = doc_mask.attend(q, k, v, causal, self.scale, attn_bias)
-        elif self.impl == "sdpa" and only_causal:
-            out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                dropout_p=dropout_p,
-                is_causal=True,
-                scale=self.scale,
-                enable_gqa=self.num_kv_heads != self.num_heads,
-            )
-        else:
-            if doc_mask is not None:
-                mask = doc_mask.additive(padding_mask, causal, attn_bias, q.dtype, additive_mask)
-            else:
-                allowed = build_mask(padding_mask, causal and q_len > 1, q_len, k_len, q.device)
-                mask = additive_mask(allowed, attn_bias, q.dtype)
-            if self.impl == "sdpa":
-                out = F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    attn_mask=mask,
-                    dropout_p=dropout_p,
-                    scale=self.scale,
-                    enable_gqa=self.num_kv_heads != self.num_heads,
-                )
-            else:
-                out = math_attention(q, k, v, mask, self.scale, dropout_p, self.training)
+        out = self.core(
+            q,
+            k,
+            v,
+            padding_mask=padding_mask,
+            causal=causal,
+            attn_bias=attn_bias,
+            doc_mask=doc_mask,
+            scale=self.scale,
+            dropout_p=dropout_p,
+            impl=self.impl,
+            training=self.training,
+        )
         out = out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.d_v)
         return self.out_dropout(self.o_proj(out))

@@ -149,6 +149,10 @@ class TransformerStack(nn.Module):
         # Indices of blocks whose activations are recomputed in backward instead of stored. Set
         # from outside (tformer.parallel.apply_activation_checkpointing); names stay unchanged.
         self.checkpointed: frozenset[int] = frozenset()
+        # Set from outside by context parallelism: the attention layers then get the relative-bias
+        # module itself and build the bias of each block of (query, key) positions they compute,
+        # never one (S_q, S_k) tensor (a rank's queries against the whole sequence's keys).
+        self.bias_per_block = False
 
     def forward(
         self,
@@ -167,7 +171,9 @@ class TransformerStack(nn.Module):
         (``DocumentMask``) confine self- / cross-attention to each packed document."""
         offset = cache.length if cache is not None else 0
         seq = x.shape[1]
-        bias = self.rel_bias(seq, offset + seq, offset) if self.rel_bias is not None else None
+        bias = None
+        if self.rel_bias is not None:
+            bias = self.rel_bias if self.bias_per_block else self.rel_bias(seq, offset + seq, offset)
         rotary = None
         if self.rotary is not None:
             if positions is None:

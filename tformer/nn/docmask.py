@@ -30,6 +30,12 @@ def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
     return idx - first
 
 
+def same_document(q_ids: torch.Tensor, k_ids: torch.Tensor) -> torch.Tensor:
+    """The rule itself, over broadcastable id tensors: same document (keys of padding, id -1, are
+    never attended), and a padding query may attend anywhere."""
+    return ((q_ids == k_ids) & (k_ids >= 0)) | (q_ids < 0)
+
+
 class DocumentMask:
     def __init__(self, q_ids: torch.Tensor, k_ids: torch.Tensor | None = None, *, flex: bool | None = None):
         if q_ids.dim() != 2:
@@ -46,8 +52,7 @@ class DocumentMask:
         q_ids, k_ids = self.q_ids, self.k_ids
 
         def mod(b, h, q_idx, kv_idx):
-            qd, kd = q_ids[b, q_idx], k_ids[b, kv_idx]
-            ok = ((qd == kd) & (kd >= 0)) | (qd < 0)
+            ok = same_document(q_ids[b, q_idx], k_ids[b, kv_idx])
             return ok & (q_idx >= kv_idx) if causal else ok
 
         return mod

@@ -100,7 +100,9 @@ class RelativePositionBias(nn.Module):
     def forward(self, q_len: int, k_len: int, q_offset: int = 0) -> torch.Tensor:
         """Bias of shape (1, h, q_len, k_len); query ``i`` sits at absolute position ``q_offset + i``."""
         device = self.embedding.weight.device
-        q_pos = torch.arange(q_offset, q_offset + q_len, device=device)[:, None]
-        k_pos = torch.arange(k_len, device=device)[None, :]
-        buckets = relative_bucket(k_pos - q_pos, self.bidirectional, self.num_buckets, self.max_distance)
-        return self.embedding(buckets).permute(2, 0, 1).unsqueeze(0)
+        q_pos = torch.arange(q_offset, q_offset + q_len, device=device)
+        return self.embedding(self.buckets(q_pos, torch.arange(k_len, device=device))).permute(2, 0, 1).unsqueeze(0)
+
+    def buckets(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """The (len(q_pos), len(k_pos)) bucket of every (query, key) pair of absolute positions."""
+        return relative_bucket(k_pos[None, :] - q_pos[:, None], self.bidirectional, self.num_buckets, self.max_distance)

@@ -96,6 +96,10 @@ class Strategy:
             from .tp import apply_tensor_parallel
 
             apply_tensor_parallel(model, self.mesh["tp"], pcfg.sp, pcfg.loss_parallel)
+        if self.mesh is not None and self.mesh["cp"].size() > 1:
+            from .context import apply_context_parallel
+
+            apply_context_parallel(model, self.mesh["cp"].get_group(), pcfg.cp_kernel, self.mesh["cp"])
         if pcfg.activation_checkpointing != "none":
             apply_activation_checkpointing(model, pcfg.activation_checkpointing, pcfg.ac_every)
         if self.cfg.compile:
@@ -318,7 +322,8 @@ class FSDPStrategy(Strategy):
             mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         kwargs = {"reshard_after_forward": self.cfg.parallel.reshard_after_forward}
         if self.mesh is not None:  # 1-D: shard over dp_shard; 2-D (HSDP): replicate x shard
-            dims = ("dp_replicate", "dp_shard") if self.mesh["dp_replicate"].size() > 1 else ("dp_shard",)
+            shard = "dp_shard_cp" if self.mesh["cp"].size() > 1 else "dp_shard"  # cp ranks: same parameters
+            dims = ("dp_replicate", shard) if self.mesh["dp_replicate"].size() > 1 else (shard,)
             kwargs["mesh"] = self.mesh[dims]
         if mp is not None:
             kwargs["mp_policy"] = mp

@@ -47,6 +47,7 @@ Objective = Literal["auto", "causal", "mlm", "span", "seq2seq"]
 SpikeAction = Literal["none", "warn", "rollback"]
 Backend = Literal["gloo", "nccl", "mpi", "ucc"]
 ResumeChanges = Literal["refuse", "allow"]
+CPKernel = Literal["tformer", "torch"]
 
 SCHEDULES: tuple[Schedule, ...] = get_args(Schedule)
 NONFINITE: tuple[NonFinite, ...] = get_args(NonFinite)
@@ -151,6 +152,10 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     pp_stages_per_rank: int = 1  # interleaved_1f1b: stages (virtual stages) per rank, >= 2
     pp_layers: list | None = None  # blocks per stage, e.g. [3, 5] (default: as even as possible)
+    # Context parallelism (tformer/parallel/context.py): every sequence cut over cp ranks, each holding
+    # 2 of 2 x cp chunks (padded to a multiple of 2 x cp); attention across them.
+    cp: int = 1
+    cp_kernel: CPKernel = "tformer"  # tformer (all-gather K/V, any mask) | torch (its CUDA ring, causal only)
 
 
 @dataclass
@@ -357,6 +362,7 @@ RANGES = {
     "parallel.dp_shard": "[-1, inf)",
     "parallel.tp": "[1, inf)",
     "parallel.pp": "[1, inf)",
+    "parallel.cp": "[1, inf)",
     "parallel.pp_stages_per_rank": "[1, inf)",
     "loss.chunk_size": "[1, inf)",
     "optim.label_smoothing": "[0, 1)",

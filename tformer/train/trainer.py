@@ -24,6 +24,7 @@ from ..models.base import pad_sequences
 from ..parallel.offload import activation_offload
 from ..models.flops import training_flops
 from ..nn.moe import moe_stats
+from ..parallel.context import check_context_parallel, context_shard
 from ..parallel.mesh import ParallelDims, check_strategy
 from ..parallel.pipeline import check_pipeline
 from ..parallel.strategy import strategy_class
@@ -214,6 +215,7 @@ class Trainer:
         # the mesh's arithmetic and what the strategy and model shapes allow, before any process group
         self.dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
         check_strategy(self.dims, cfg.parallel.strategy)
+        check_context_parallel(cfg, self.dims)
         check_tp(cfg.model, self.dims.tp)
         if cfg.compile and self.dims.tp > 1 and cfg.model.position == "rotary":
             # measured on torch 2.13: the compiled block's backward hands DTensor's redistribute a plain
@@ -809,6 +811,8 @@ class Trainer:
             flops += training_flops(self.model_cfg, *inputs["input_ids"].shape, target)
             last = micro == cfg.grad_accum - 1
             inputs = self._pad_for_sp(inputs)
+            if self.dims.cp > 1:  # each rank of a context-parallel group: its part of every sequence
+                inputs = context_shard(inputs, self.dist.mesh, self.model_cfg)
             if self.dims.pp > 1:
                 pipelined.append(inputs)
                 if last:
@@ -846,7 +850,8 @@ class Trainer:
         # samples consumed, or with token-budget batches, batches consumed (the sampler's unit)
         per_batch = 1 if cfg.data.tokens_per_batch is not None else cfg.micro_batch_size
         self.consumed += per_batch * cfg.grad_accum * self.dist.dp_size
-        global_tokens = int(stats[1].item()) // (self.dims.tp * self.dims.pp)  # each counted its group's batch
+        group = self.dims.tp * self.dims.pp * self.dims.cp
+        global_tokens = int(stats[1].item()) // group  # each counted its group's batch
         self.tokens += global_tokens
         dt = time.perf_counter() - t0
         self._check_watchdog_margin(dt)
@@ -856,9 +861,9 @@ class Trainer:
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": global_tokens / dt,
-            # every rank of a tp / pp group counted its group's batch: the model FLOPs of the step
-            # are sum / (tp pp), shared by all world_size devices
-            "mfu": stats[3].item() / (self.dims.tp * self.dims.pp) / self.dist.world_size / dt / self.peak,
+            # every rank of a tp / pp / cp group counted its group's batch: the model FLOPs of the step
+            # are sum / (tp pp cp), shared by all world_size devices
+            "mfu": stats[3].item() / group / self.dist.world_size / dt / self.peak,
             "tokens": self.tokens,
             "step_time": dt,
             **self.strategy.memory_report(self.optimizer),

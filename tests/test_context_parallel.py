@@ -1,0 +1,495 @@
+"""Context parallelism: attention across sequence shards equals the 1-process attention.
+
+Every spawned group runs all its cases in one go (gloo, fp32) and writes what it measured; the test
+process asserts. Each group has a deadline that fails the test and kills its workers (``run_ranks``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tformer.config import ConfigError
+from tformer.nn.attention import local_attention
+from tformer.nn.docmask import DocumentMask
+from tformer.nn.position import RelativePositionBias
+from tformer.parallel.context import (
+    held_positions,
+    padded_length,
+    shard_seq,
+    torch_cp_refusal,
+    unshard_seq,
+)
+
+from test_mesh import cache, run_ranks  # noqa: F401 - cache: test_mesh's fixture (usefixtures)
+
+TOL = 1e-5
+
+
+def init_group(rank: int, world: int, port: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
+
+
+def close_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# ---- the layout, in one process
+
+
+def test_shard_unshard_round_trip_with_padding():
+    x = torch.arange(2 * 13).view(2, 13)
+    for cp in (1, 2, 3, 4):
+        shards = [shard_seq(x, r, cp, pad_value=-1) for r in range(cp)]
+        assert {s.shape[1] for s in shards} == {padded_length(13, cp) // cp}
+        full = unshard_seq(shards)
+        assert torch.equal(full[:, :13], x) and (full[:, 13:] == -1).all()
+        # every rank's positions are those of its tokens, and together they cover the sequence once
+        pos = [held_positions(padded_length(13, cp), r, cp) for r in range(cp)]
+        assert all(torch.equal(shard_seq(torch.arange(padded_length(13, cp))[None], r, cp)[0], p) for r, p in enumerate(pos))
+        assert sorted(torch.cat(pos).tolist()) == list(range(padded_length(13, cp)))
+
+
+def test_load_balance():
+    """Under a causal mask every rank computes the same number of chunk pairs."""
+    for cp in (2, 4, 8):
+        work = [sum(i + 1 for i in (r, 2 * cp - 1 - r)) for r in range(cp)]
+        assert len(set(work)) == 1
+
+
+def test_torch_context_parallel_switch_inputs():
+    ok = dict(causal=True, padding_mask=False, doc_mask=False, bias=False, gqa=False, same_length=True)
+    assert torch_cp_refusal("cuda", **ok) is None
+    assert torch_cp_refusal("cuda", **{**ok, "causal": False, "same_length": False}) is None  # cross-attention
+    assert "CUDA kernels only" in torch_cp_refusal("cpu", **ok)
+    for key, words in (
+        ("padding_mask", "key padding mask"),
+        ("doc_mask", "document masks"),
+        ("bias", "relative positions"),
+        ("gqa", "GQA"),
+    ):
+        assert words in torch_cp_refusal("cuda", **{**ok, key: True})
+    assert "one sequence" in torch_cp_refusal("cuda", **{**ok, "same_length": False})
+
+
+def test_torch_kernel_refused_in_one_line_on_cpu():
+    from tformer.parallel.context import ContextParallelAttention
+
+    core = ContextParallelAttention.__new__(ContextParallelAttention)
+    core.kernel, core.mesh = "torch", None
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ConfigError, match="parallel.cp_kernel=torch cannot run this attention: it has CUDA kernels only"):
+        core(q, q, q, padding_mask=None, causal=True, attn_bias=None, doc_mask=None, scale=1.0, dropout_p=0.0, impl="sdpa")
+
+
+# ---- attention over 2 and 4 ranks against one process
+
+HEADS = (5, 5)  # (query heads, KV heads): odd counts
+CASES = {
+    # name: (causal, padded keys, documents, relative bias, heads, cross length)
+    "causal": (True, False, False, False, HEADS, None),
+    "bidirectional": (False, False, False, False, HEADS, None),
+    "causal+padding": (True, True, False, False, HEADS, None),
+    "bidirectional+padding": (False, True, False, False, HEADS, None),
+    "causal+documents": (True, False, True, False, HEADS, None),
+    "bidirectional+documents+padding": (False, True, True, False, HEADS, None),
+    "t5-encoder-bias+padding": (False, True, False, True, HEADS, None),
+    "t5-decoder-bias": (True, False, False, True, HEADS, None),
+    "gqa-causal": (True, False, False, False, (6, 2), None),
+    "gqa-documents": (True, True, True, False, (3, 1), None),
+    "cross+padding": (False, True, False, False, HEADS, 11),
+    "cross+documents": (False, True, True, False, (6, 3), 11),
+}
+
+
+def _inputs(name, seq, gen):
+    causal, padded, docs, bias, (h, hk), cross = CASES[name]
+    b, d = 2, 8
+    sk = cross or seq
+    q = torch.randn(b, h, seq, d, generator=gen)
+    k, v = (torch.randn(b, hk, sk, d, generator=gen) for _ in range(2))
+    pad = None
+    if padded:  # right padding of a different length per row (key 0 always real)
+        pad = torch.ones(b, sk, dtype=torch.long)
+        pad[0, sk - 3 :] = 0
+        pad[1, sk - 1 :] = 0
+    q_doc = k_doc = None
+    if docs:  # documents that run across chunk and shard borders, then a padding tail (-1)
+        q_doc = torch.tensor([[0] * 5 + [1] * (seq - 7) + [-1] * 2, [0] * (seq - 4) + [2] * 4])
+        k_doc = q_doc if cross is None else torch.tensor([[0] * 4 + [1] * (sk - 4), [0] * 6 + [2] * (sk - 7) + [-1]])
+    rel = None
+    if bias:
+        rel = RelativePositionBias(h, bidirectional=not causal, num_buckets=8, max_distance=12)
+        torch.nn.init.normal_(rel.embedding.weight, generator=gen)
+    return q, k, v, pad, q_doc, k_doc, rel, causal
+
+
+def _reference(name, seq, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, pad, q_doc, k_doc, rel, causal = _inputs(name, seq, gen)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    doc = DocumentMask(q_doc, k_doc, flex=False) if q_doc is not None else None
+    bias = rel(q.shape[2], k.shape[2]) if rel is not None else None
+    out = local_attention(
+        q, k, v, padding_mask=pad, causal=causal, attn_bias=bias, doc_mask=doc, scale=0.4, dropout_p=0.0, impl="math"
+    )
+    dout = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad(out, leaves + ([rel.embedding.weight] if rel else []), dout)
+    return out.detach(), dout, grads
+
+
+def _shards(name, seq, seed, rank, cp):
+    """This rank's part of the same inputs: padded to 2 x cp chunks, keys of the pad masked."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, pad, q_doc, k_doc, rel, causal = _inputs(name, seq, gen)
+    sk = k.shape[2]
+    if pad is None and (not causal and padded_length(sk, cp) != sk):
+        pad = torch.ones(k.shape[0], sk, dtype=torch.long)  # a bidirectional pad must be masked
+    q, k, v = (shard_seq(x, rank, cp, dim=2).requires_grad_() for x in (q, k, v))
+    pad = shard_seq(pad, rank, cp) if pad is not None else None
+    doc = None
+    if q_doc is not None:
+        k_local = shard_seq(k_doc, rank, cp, pad_value=-1)
+        doc = DocumentMask(shard_seq(q_doc, rank, cp, pad_value=-1), k_local, flex=False)
+    return q, k, v, pad, doc, rel, causal
+
+
+def _attention_worker(rank, world, port, seq, out_dir):
+    init_group(rank, world, port)
+    import torch.distributed as dist
+
+    from tformer.parallel.context import ContextParallelAttention
+
+    try:
+        core = ContextParallelAttention(dist.group.WORLD)
+        report = {}
+        for seed, name in enumerate(CASES):
+            ref_out, ref_dout, ref_grads = _reference(name, seq, seed)
+            q, k, v, pad, doc, rel, causal = _shards(name, seq, seed, rank, world)
+            out = core(
+                q, k, v, padding_mask=pad, causal=causal, attn_bias=rel, doc_mask=doc, scale=0.4, dropout_p=0.0, impl="math"
+            )
+            dout = shard_seq(ref_dout, rank, world, dim=2)
+            leaves = [q, k, v] + ([rel.embedding.weight] if rel else [])
+            grads = torch.autograd.grad(out, leaves, dout)
+            errs = {"out": _err(out, ref_out, rank, world, real_only=True)}
+            for what, got, want in zip("qkv", grads, ref_grads):
+                errs[f"d{what}"] = _err(got, want, rank, world)
+            if rel is not None:  # each rank holds its queries' share of the bias gradient
+                dist.all_reduce(grads[3])
+                errs["dbias"] = (grads[3] - ref_grads[3]).abs().max().item()
+            report[name] = errs
+        report["saved"] = _saved_bytes(core, rank, world)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        close_group()
+
+
+def _err(got, want, rank, cp, real_only=False):
+    """Largest difference from the reference's part for this rank. The pad has no reference: its
+    gradients must be zero (it is attended by no real query and scored by no loss), its outputs
+    are not compared."""
+    n = want.shape[2]
+    want = shard_seq(want, rank, cp, dim=2)
+    if real_only:
+        real = held_positions(want.shape[2] * cp, rank, cp) < n
+        got, want = got[:, :, real], want[:, :, real]
+    return (got - want).abs().max().item()
+
+
+def _saved_bytes(core, rank, cp):
+    """Bytes autograd keeps for backward of one call with 2 x 16 local tokens, against the local
+    q/k/v/out/log-sum-exp: the gathered K/V must not be among them."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    gen = torch.Generator().manual_seed(rank)
+    q = torch.randn(2, 4, 32, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 2, 32, 8, generator=gen, requires_grad=True) for _ in range(2))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = core(
+            q, k, v, padding_mask=None, causal=True, attn_bias=None, doc_mask=None, scale=0.3, dropout_p=0.0, impl="math"
+        )
+    local = sum(t.numel() * t.element_size() for t in (q, k, v, out)) + 2 * 4 * 32 * 4  # + fp32 lse
+    return {"saved": sum(saved), "local": local, "gathered_kv": 2 * cp * k.numel() * k.element_size()}
+
+
+@pytest.mark.parametrize(
+    "world,seq", [(2, 16), (2, 13), pytest.param(4, 16, marks=pytest.mark.slow), pytest.param(4, 13, marks=pytest.mark.slow)]
+)
+def test_sharded_attention_equals_one_process(world, seq, tmp_path):
+    run_ranks(world, seq, str(tmp_path), worker=_attention_worker)
+    for rank in range(world):
+        report = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
+        saved = report.pop("saved")
+        assert saved["saved"] == saved["local"] < saved["local"] + saved["gathered_kv"], saved
+        for name, errs in report.items():
+            for what, err in errs.items():
+                assert err < TOL, (world, seq, rank, name, what, err)
+
+
+# ---- the families over 2 and 4 ranks against one process
+
+FAMILIES = {
+    # name: (preset, overrides, batch kind)
+    "gpt2": ("gpt2-tiny", {}, "causal"),
+    "gpt2-documents": ("gpt2-tiny", {}, "causal-docs"),
+    "llama-gqa-documents": ("llama-tiny", {}, "causal-docs"),
+    "bert": ("bert-tiny", {}, "mlm"),
+    "t5": ("t5-tiny", {}, "seq2seq"),
+    "t5-v1.1": ("t5-v1.1-tiny", {}, "seq2seq"),
+    "transformer": ("transformer-tiny", {}, "seq2seq"),
+}
+
+
+def _batch(kind, seq, vocab, gen):
+    b = 2
+    ids = torch.randint(1, vocab, (b, seq), generator=gen)
+    if kind.startswith("causal"):
+        batch = {"input_ids": ids, "labels": torch.randint(1, vocab, (b, seq), generator=gen)}
+        batch["labels"][0, :3] = -100
+        if kind == "causal-docs":  # documents across shard borders; positions restart in each
+            batch["doc_ids"] = torch.tensor([[0] * 4 + [1] * (seq - 4), [0] * (seq - 6) + [1] * 3 + [2] * 3])
+        return batch
+    if kind == "mlm":  # ~30% of the positions scored, a right-padded second row
+        labels = torch.where(torch.rand(b, seq, generator=gen) < 0.3, ids, -100)
+        mask = torch.ones(b, seq, dtype=torch.long)
+        mask[1, seq - 4 :] = 0
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels.masked_fill(mask == 0, -100)}
+    tgt = seq - 4  # seq2seq: a target shorter than the source, both padded
+    mask = torch.ones(b, seq, dtype=torch.long)
+    mask[0, seq - 2 :] = 0
+    labels = torch.randint(1, vocab, (b, tgt), generator=gen)
+    labels[1, tgt - 3 :] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _model(name):
+    from tformer.models import build_model
+
+    preset, overrides, kind = FAMILIES[name]
+    torch.manual_seed(0)
+    return build_model(preset, dropout=0.0, attn_dropout=0.0, **overrides).float(), kind
+
+
+def _family_worker(rank, world, port, seq, out_dir):
+    init_group(rank, world, port)
+    import copy
+
+    import torch.distributed as dist
+
+    from tformer.parallel.context import apply_context_parallel, loss_tokens, shard_batch
+
+    try:
+        report = {}
+        for seed, name in enumerate(FAMILIES):
+            ref, kind = _model(name)
+            batch = _batch(kind, seq, ref.config.vocab_size, torch.Generator().manual_seed(seed))
+            want = ref(**batch, return_logits=False).loss
+            want.backward()
+            model = copy.deepcopy(ref)
+            model.zero_grad()
+            apply_context_parallel(model, dist.group.WORLD)
+            shard = shard_batch(batch, rank, world, model.config)
+            loss = model(**shard, return_logits=False, loss_tokens=loss_tokens(shard["labels"], dist.group.WORLD)).loss
+            loss.backward()
+            dist.all_reduce(loss := loss.detach())
+            errs = {"loss": abs(loss.item() - want.item())}
+            for (n, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+                dist.all_reduce(p.grad)
+                errs[n] = (p.grad - r.grad).abs().max().item()
+            report[name] = errs
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        close_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,seq", [(2, 16), (2, 13), (4, 13)])
+def test_families_equal_one_process(world, seq, tmp_path):
+    """Loss and every parameter's gradient of cp ranks, each holding its shard of the same batch
+    (its loss = its share of the sum over the whole batch's labelled tokens, gradients summed over
+    the ranks), equal the 1-process run."""
+    run_ranks(world, seq, str(tmp_path), worker=_family_worker)
+    report = json.loads(Path(tmp_path, "rank0.json").read_text())
+    assert list(report) == list(FAMILIES)
+    for name, errs in report.items():
+        assert len(errs) > 10, name
+        for what, err in errs.items():
+            assert err < TOL, (world, seq, name, what, err)
+
+
+def test_loss_parts_add_up_to_the_mean():
+    """Each part of a batch divided by the whole batch's labelled count sums to the mean loss, and
+    a part without labels contributes 0 (not 0 / 0), for the plain and the chunked loss alike."""
+    from tformer.models.base import lm_loss
+    from tformer.models.loss import chunked_lm_loss
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 10, 8, generator=gen), torch.randn(16, 8, generator=gen)
+    labels = torch.randint(0, 16, (2, 10), generator=gen)
+    labels[:, 5:] = -100  # the second part has no label
+    total = (labels != -100).sum()
+    for loss in (
+        lambda x, y, n=None: lm_loss(x @ w.T, y, 0.1, n),
+        lambda x, y, n=None: chunked_lm_loss(x, w, None, y, 3, 16, 0.1, n),
+    ):
+        parts = [loss(x[:, s], labels[:, s], total) for s in (slice(0, 5), slice(5, 10))]
+        assert parts[1].item() == 0.0
+        assert torch.allclose(sum(parts), loss(x, labels), atol=1e-6)
+
+
+# ---- the trainer with parallel.cp
+
+
+TRAINER_CASES = [
+    # (family of tests/test_mesh.py, flags of both runs, flags of the cp run)
+    ("gpt2", [], ["parallel.strategy=fsdp"]),
+    ("llama", ["data.seq_len=63"], ["parallel.strategy=ddp"]),  # 63 tokens: padded to 64
+    ("bert", [], ["parallel.strategy=fsdp", "parallel.activation_checkpointing=full"]),
+    ("t5", [], ["parallel.strategy=fsdp"]),
+    ("gpt2", [], ["parallel.strategy=fsdp", "parallel.activation_checkpointing=op"]),
+    ("llama", [], ["parallel.strategy=fsdp", "compile=true"]),  # the attention core breaks the block's graph
+]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cache")
+def test_trainer_cp2_equals_the_single_process_run(tmp_path_factory):
+    """4 AdamW steps at parallel.cp=2 (2 ranks, each holding half of every sequence): the losses and
+    the updated parameters of the 1-process run on the same global batch, to 1e-5."""
+    from test_mesh import _overrides, assert_same_run, reference
+
+    tmp = tmp_path_factory.mktemp("cp2")
+    jobs = []
+    for i, (name, common, own) in enumerate(TRAINER_CASES):
+        recipe, overrides = _overrides(name, tmp / f"run{i}", "parallel.cp=2", *common, *own)
+        jobs.append((recipe, overrides, str(tmp / f"report{i}")))
+    run_ranks(2, jobs, os.environ["TFORMER_CACHE"])  # the cache fixture's
+    for i, (name, common, _) in enumerate(TRAINER_CASES):
+        assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, 1, *common))
+    assert "cp: 2" in (tmp / "run0" / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    "world,flags,needle",
+    [
+        (
+            2,
+            ["parallel.cp=2", "parallel.tp=2"],
+            "world size 2 is not divisible by parallel.dp_replicate x parallel.tp x parallel.cp",
+        ),
+        (4, ["parallel.cp=2", "parallel.dp_shard=4"], "world size 4 != parallel.dp_replicate x dp_shard x cp x tp"),
+        (
+            2,
+            ["parallel.cp=2", "parallel.strategy=deepspeed"],
+            "parallel.cp=2 does not compose with parallel.strategy=deepspeed",
+        ),
+        (4, ["parallel.cp=2", "parallel.tp=2", "parallel.strategy=fsdp"], "parallel.cp=2 does not run with parallel.tp=2"),
+        (2, ["parallel.cp=2", "model.attn_dropout=0.1"], "does not run with attention dropout yet"),
+        (2, ["parallel.cp=2", "parallel.cp_kernel=torch", "device=cpu"], "parallel.cp_kernel=torch runs torch's CUDA"),
+        (2, ["parallel.cp=0"], "parallel.cp"),
+    ],
+)
+def test_bad_cp_input_is_one_line_before_any_process_group(tmp_path, monkeypatch, world, flags, needle):
+    import torch.distributed as dist
+
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+
+    from train_helpers import CONFIGS, small_overrides
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    cfg_flags = small_overrides("gpt2-tiny", tmp_path, *flags)
+    with pytest.raises(ConfigError) as err:
+        Trainer(load_config(CONFIGS / "gpt2-tiny.yaml", cfg_flags))
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert not dist.is_initialized()
+
+
+def test_mesh_arithmetic_with_cp():
+    from tformer.parallel.mesh import ParallelDims
+
+    dims = ParallelDims.resolve(16, dp_replicate=2, dp_shard=-1, tp=2, cp=2)
+    assert (dims.dp_shard, dims.dp_size, dims.world_size) == (2, 4, 16)
+    # rank = ((replica * dp_shard + shard) * cp + cp_rank) * tp + tp_rank: a cp group sees one batch
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [dims.cp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert "cp=2" in dims.describe()
+
+
+MESH4_CASES = [
+    # (family, flags of both runs, flags of the 4-rank run, data-parallel degree = reference's accumulation)
+    ("gpt2", ["data.document_mask=true"], ["parallel.strategy=fsdp", "parallel.cp=2", "parallel.dp_shard=2"], 2),
+    ("llama", ["data.document_mask=true"], ["parallel.strategy=fsdp", "parallel.cp=4"], 1),
+    ("t5-v1.1", [], ["parallel.strategy=fsdp", "parallel.cp=4"], 1),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cache")
+def test_trainer_cp_on_four_ranks_equals_the_single_process_run(tmp_path_factory):
+    """cp=2 x dp_shard=2 (FSDP2 over the four ranks, two batches of two sequence halves) and cp=4,
+    with packed documents for the decoders, against 1 process accumulating the same global batch."""
+    from test_mesh import _overrides, assert_same_run, reference
+
+    tmp = tmp_path_factory.mktemp("cp4")
+    jobs = []
+    for i, (name, common, own, _) in enumerate(MESH4_CASES):
+        recipe, overrides = _overrides(name, tmp / f"run{i}", *common, *own)
+        jobs.append((recipe, overrides, str(tmp / f"report{i}")))
+    run_ranks(4, jobs, os.environ["TFORMER_CACHE"])
+    for i, (name, common, _, dp) in enumerate(MESH4_CASES):
+        assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, dp, *common))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cache")
+def test_resume_across_cp(tmp_path):
+    """A cp=2 checkpoint (FSDP2 over the 2 ranks) resumes on one process, and a 1-process one at cp=4:
+    every resumed step's loss is the uninterrupted 1-process run's, to 1e-5."""
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+
+    from test_mesh import _overrides, _resume
+    from train_helpers import CONFIGS, losses
+
+    fsdp = ["parallel.strategy=fsdp"]
+    recipe, one = _overrides("gpt2", tmp_path / "one", "save_every=2")
+    Trainer(load_config(CONFIGS / f"{recipe}.yaml", one)).fit()
+    straight = tmp_path / "cp2"
+    run_ranks(
+        2,
+        [(recipe, _overrides("gpt2", straight, "save_every=2", "parallel.cp=2", *fsdp)[1], None)],
+        os.environ["TFORMER_CACHE"],
+    )
+    one_ckpt = tmp_path / "one" / "checkpoints" / "step_00000002"
+    cp4 = _resume("gpt2", tmp_path / "cp4", one_ckpt, "parallel.cp=4", *fsdp)[1]
+    run_ranks(4, [(recipe, cp4, None)], os.environ["TFORMER_CACHE"])
+    cp2_ckpt = straight / "checkpoints" / "step_00000002"
+    Trainer(load_config(CONFIGS / f"{recipe}.yaml", _resume("gpt2", tmp_path / "single", cp2_ckpt)[1])).fit()
+    base = losses(tmp_path / "one")
+    assert list(base) == [1, 2, 3, 4]
+    for run, steps in (("cp2", [1, 2, 3, 4]), ("cp4", [3, 4]), ("single", [3, 4])):
+        got = losses(tmp_path / run)
+        assert list(got) == steps, run
+        for step in got:
+            assert got[step] == pytest.approx(base[step], rel=1e-5), (run, step, got, base)

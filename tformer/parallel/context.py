@@ -1,0 +1,469 @@
+"""Context parallelism: a sequence cut over ``cp`` ranks, and attention across the cuts.
+
+**Layout.** A sequence is padded to a multiple of ``2 cp`` and cut into ``2 cp`` equal chunks; rank
+``i`` holds chunks ``i`` and ``2cp-1-i``. Under a causal mask a query chunk attends to the key chunks
+before it, so the early chunk of one rank and the late chunk of its mirror balance: every rank
+computes the same number of (query chunk, key chunk) pairs. The pad is inert: its labels are -100,
+its keys are masked (``attention_mask`` 0, document id -1), its positions are 0.
+
+**Attention.** Each rank's queries attend to the keys of the whole sequence. Keys and values are
+all-gathered in forward (the Llama 3 paper's choice: one collective of the K/V heads, smaller than
+the queries under GQA) and attention runs per (query chunk, key chunk) pair with a memory-efficient
+kernel that also returns each row's log-sum-exp; the pairs' outputs are merged by it. Backward keeps
+only the rank's own K/V (gathering again), so the saved state per token does not grow with ``cp``;
+the gradients of the gathered K/V go back to their owners with one reduce-scatter. Pairs above a
+causal diagonal are skipped, and no tensor wider than a chunk pair is built: masks (padding,
+documents, causal) and T5's relative bias are made per pair from global positions.
+
+A row with no key to attend to (a sequence of padding only) comes out as zeros here, where the
+single-device path spreads it evenly over the masked keys; such rows carry no label and are attended
+by no one, so losses and gradients are the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError
+from ..nn.attention import local_attention
+from ..nn.docmask import same_document
+
+# ----------------------------------------------------------------------------------------------
+# The layout of a sequence over cp ranks
+
+
+def padded_length(seq_len: int, cp: int) -> int:
+    return -(-seq_len // (2 * cp)) * 2 * cp
+
+
+def held_chunks(rank: int, cp: int) -> tuple[int, int]:
+    return rank, 2 * cp - 1 - rank
+
+
+def held_positions(seq_len: int, rank: int, cp: int, device=None) -> torch.Tensor:
+    """Global positions of the tokens ``rank`` holds of a ``seq_len`` sequence (already padded)."""
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in held_chunks(rank, cp)])
+
+
+def pad_seq(x: torch.Tensor, length: int, value, dim: int = 1) -> torch.Tensor:
+    if x.shape[dim] == length:
+        return x
+    shape = list(x.shape)
+    shape[dim] = length - x.shape[dim]
+    return torch.cat((x, x.new_full(shape, value)), dim)
+
+
+def shard_seq(x: torch.Tensor, rank: int, cp: int, dim: int = 1, pad_value=0) -> torch.Tensor:
+    """The part of ``x`` (padded with ``pad_value`` along ``dim``) that ``rank`` holds."""
+    chunks = pad_seq(x, padded_length(x.shape[dim], cp), pad_value, dim).chunk(2 * cp, dim)
+    return torch.cat([chunks[i] for i in held_chunks(rank, cp)], dim)
+
+
+def unshard_seq(shards: list[torch.Tensor] | torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """The padded sequence back from every rank's shard, in rank order."""
+    cp = len(shards)
+    chunks: list[Any] = [None] * (2 * cp)
+    for rank, shard in enumerate(shards):
+        chunks[rank], chunks[2 * cp - 1 - rank] = shard.chunk(2, dim)
+    return torch.cat(chunks, dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention across the shards
+
+
+@dataclass
+class _Keys:
+    """What every (query chunk, key chunk) pair needs besides q/k/v, built once per call."""
+
+    group: Any
+    cp: int
+    rank: int
+    causal: bool
+    scale: float
+    q_pos: tuple[torch.Tensor, torch.Tensor]  # global positions of the two held query chunks
+    k_chunk: int  # key chunk length
+    q_doc: torch.Tensor | None  # (B, S_q local) document ids of the queries
+    k_doc: torch.Tensor | None  # (B, S_k) of all keys, in sequence order
+    k_pad: torch.Tensor | None  # (B, S_k) bool, True = real key
+    bias: Any = None  # RelativePositionBias (its table is the Function's ``table`` input)
+
+    def pairs(self):
+        """(query half, key chunk) pairs that a causal mask leaves non-empty."""
+        for a, i in enumerate(held_chunks(self.rank, self.cp)):
+            for j in range(2 * self.cp):
+                if not (self.causal and j > i):
+                    yield a, i, j
+
+    def mask(self, a: int, i: int, j: int, table: torch.Tensor | None, dtype):
+        """(additive mask or None, is_causal, rows that have a key or None, buckets or None)."""
+        ks = slice(j * self.k_chunk, (j + 1) * self.k_chunk)
+        diag = self.causal and i == j
+        allowed = None
+        if self.k_pad is not None:
+            allowed = self.k_pad[:, None, None, ks]
+        if self.q_doc is not None and self.k_doc is not None:
+            half = self.q_doc.shape[1] // 2
+            qd = self.q_doc[:, a * half : (a + 1) * half]
+            ok = same_document(qd[:, None, :, None], self.k_doc[:, None, None, ks])
+            allowed = ok if allowed is None else allowed & ok
+        buckets = bias = None
+        if table is not None:
+            k_pos = torch.arange(j * self.k_chunk, (j + 1) * self.k_chunk, device=table.device)
+            buckets = self.bias.buckets(self.q_pos[a], k_pos)
+            bias = table[buckets].permute(2, 0, 1).unsqueeze(0).to(dtype)
+        if diag and (allowed is not None or bias is not None):
+            tri = torch.ones(self.k_chunk, self.k_chunk, dtype=torch.bool, device=self.q_pos[a].device).tril()
+            allowed = tri if allowed is None else allowed & tri
+            diag = False
+        if allowed is None:
+            return bias, diag, None, buckets
+        base = bias if bias is not None else torch.zeros((), dtype=dtype, device=allowed.device)
+        return torch.where(allowed, base, float("-inf")).to(dtype), diag, allowed.any(-1), buckets
+
+
+def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _pair_forward(q, k, v, mask, is_causal: bool, scale: float):
+    """(out, log-sum-exp) of one chunk pair with the device's memory-efficient kernel."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
+        )
+    # elsewhere the chunk pair's scores written out (a chunk-pair-sized tensor, as the mask is)
+    s = _scores(q, k, mask, is_causal, scale)
+    lse = torch.logsumexp(s, -1)
+    return torch.matmul(torch.exp(s - lse[..., None]).to(v.dtype), _expand_heads(v, q.shape[1])), lse
+
+
+def _scores(q, k, mask, is_causal: bool, scale: float) -> torch.Tensor:
+    s = torch.matmul(q.float(), _expand_heads(k, q.shape[1]).float().transpose(-2, -1)) * scale
+    if mask is not None:
+        s = s + mask
+    if is_causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    return s
+
+
+def _fold_heads(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Sum a per-query-head gradient over the query heads that share each KV head."""
+    b, h, s, d = g.shape
+    return g if h == kv_heads else g.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+
+
+def _pair_backward(dout, q, k, v, out, lse, mask, is_causal: bool, scale: float, delta, need_ds: bool):
+    """dq, dk, dv (and the score gradient when a bias needs it) of one pair, from the merged output
+    and the merged log-sum-exp (+inf on rows with no key: their probabilities are 0)."""
+    if q.device.type == "cpu" and not need_ds:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
+        )
+        return dq, dk, dv, None
+    p = torch.exp(_scores(q, k, mask, is_causal, scale) - lse[..., None])
+    dv = _fold_heads(torch.matmul(p.transpose(-2, -1), dout.float()), k.shape[1])
+    dp = torch.matmul(dout.float(), _expand_heads(v, q.shape[1]).float().transpose(-2, -1))
+    ds = p * (dp - delta[..., None])
+    dq = torch.matmul(ds, _expand_heads(k, q.shape[1]).float()) * scale
+    dk = _fold_heads(torch.matmul(ds.transpose(-2, -1), q.float()) * scale, k.shape[1])
+    return dq, dk, dv, ds
+
+
+def _merge(acc, out: torch.Tensor, lse: torch.Tensor):
+    """Fold one pair's (out, lse) into the running (out, lse) of the same queries (fp32)."""
+    out = out.float()
+    if acc is None:
+        return out, lse
+    acc_out, acc_lse = acc
+    new = torch.logaddexp(acc_lse, lse)
+    finite = torch.isfinite(new)
+    w_old = torch.where(finite, torch.exp(acc_lse - new), 0.0)[..., None]
+    w_new = torch.where(finite, torch.exp(lse - new), 0.0)[..., None]
+    return acc_out * w_old + out * w_new, new
+
+
+def _gather(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """(cp, *x.shape): every rank's ``x``, in rank order (no autograd: the Function owns backward)."""
+    out = x.new_empty((cp * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out.view(cp, *x.shape)
+
+
+def _key_chunks(gathered: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    """The 2cp key chunks in sequence order from the (cp, B, h, 2c, d) gathered shards."""
+    cp = gathered.shape[0]
+    return [
+        gathered[j if j < cp else 2 * cp - 1 - j, :, :, (j >= cp) * chunk : (j >= cp) * chunk + chunk] for j in range(2 * cp)
+    ]
+
+
+class _ShardedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, table, keys: _Keys):
+        c = q.shape[2] // 2
+        ks = _key_chunks(_gather(k, keys.group, keys.cp), keys.k_chunk)
+        vs = _key_chunks(_gather(v, keys.group, keys.cp), keys.k_chunk)
+        acc: list[Any] = [None, None]
+        for a, i, j in keys.pairs():
+            mask, is_causal, rows, _ = keys.mask(a, i, j, table, q.dtype)
+            if rows is not None and not rows.any():
+                continue  # a pair the masks empty entirely (documents that do not meet)
+            out, lse = _pair_forward(q[:, :, a * c : (a + 1) * c], ks[j], vs[j], mask, is_causal, keys.scale)
+            if rows is not None:
+                out, lse = out.masked_fill(~rows[..., None], 0.0), lse.masked_fill(~rows, float("-inf"))
+            acc[a] = _merge(acc[a], out, lse)
+        for a in (0, 1):
+            if acc[a] is None:  # every key masked for these queries
+                b, h = q.shape[:2]
+                acc[a] = (q.new_zeros((b, h, c, v.shape[-1]), dtype=torch.float32), q.new_full((b, h, c), float("-inf")))
+        out = torch.cat([o for o, _ in acc], 2).to(q.dtype)
+        lse = torch.cat([s for _, s in acc], 2)
+        ctx.keys = keys
+        ctx.save_for_backward(q, k, v, out, lse, table)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, table = ctx.saved_tensors
+        keys: _Keys = ctx.keys
+        c, cp = q.shape[2] // 2, keys.cp
+        ks = _key_chunks(_gather(k, keys.group, cp), keys.k_chunk)
+        vs = _key_chunks(_gather(v, keys.group, cp), keys.k_chunk)
+        lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
+        delta = (dout.float() * out.float()).sum(-1)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dks = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in ks]
+        dvs = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in vs]
+        dtable = torch.zeros_like(table, dtype=torch.float32) if table is not None else None
+        for a, i, j in keys.pairs():
+            mask, is_causal, rows, buckets = keys.mask(a, i, j, table, q.dtype)
+            if rows is not None and not rows.any():
+                continue
+            qs = slice(a * c, (a + 1) * c)
+            dqa, dk, dv, ds = _pair_backward(
+                dout[:, :, qs], q[:, :, qs], ks[j], vs[j], out[:, :, qs], lse[:, :, qs], mask, is_causal,
+                keys.scale, delta[:, :, qs], dtable is not None,
+            )  # fmt: skip
+            dq[:, :, qs] += dqa
+            dks[j] += dk
+            dvs[j] += dv
+            if ds is not None:
+                dtable.index_add_(0, buckets.flatten(), ds.sum(0).flatten(1).T)
+        return dq.to(q.dtype), _scatter_back(dks, keys, k), _scatter_back(dvs, keys, v), dtable, None
+
+
+def _scatter_back(chunks: list[torch.Tensor], keys: _Keys, like: torch.Tensor) -> torch.Tensor:
+    """Sum every rank's gradient of the gathered keys into the owners' shards (one reduce-scatter)."""
+    cp = keys.cp
+    per_rank = [torch.cat((chunks[r], chunks[2 * cp - 1 - r]), 2) for r in range(cp)]
+    out = torch.empty(like.shape, dtype=torch.float32, device=like.device)
+    dist.reduce_scatter_tensor(out, torch.cat(per_rank, 0), group=keys.group)
+    return out.to(like.dtype)
+
+
+class ContextParallelAttention:
+    """An attention core (``MultiHeadAttention.core``) over sequence shards: queries, keys and
+    values are this rank's held tokens (see the layout above), masks are given for them.
+
+    ``kernel="torch"`` runs torch's own ring attention (``context_parallel``'s SDPA dispatch) where
+    it supports the call (``torch_cp_refusal``), and refuses otherwise.
+    """
+
+    def __init__(self, group, kernel: str = "tformer", mesh=None):
+        self.group = group
+        self.cp = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.kernel = kernel
+        self.mesh = mesh
+        self._gathered: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, q, k, v, *, padding_mask, causal, attn_bias, doc_mask, scale, dropout_p, impl, training=True):
+        if not training:  # evaluation and generation see whole sequences (see apply_context_parallel)
+            return local_attention(
+                q, k, v, padding_mask=padding_mask, causal=causal, attn_bias=attn_bias, doc_mask=doc_mask,
+                scale=scale, dropout_p=dropout_p, impl=impl,
+            )  # fmt: skip
+        if dropout_p:
+            raise ConfigError("context parallelism has no attention dropout; set model.attn_dropout=0")
+        if self.kernel == "torch":
+            return self._torch(q, k, v, padding_mask, causal, attn_bias, doc_mask, scale)
+        if causal and q.shape[2] != k.shape[2]:
+            raise ValueError("causal attention under context parallelism needs queries and keys of one sequence")
+        if q.shape[2] % 2 or k.shape[2] % 2:
+            raise ValueError(f"a context-parallel shard holds two equal chunks; got {q.shape[2]} queries, {k.shape[2]} keys")
+        if isinstance(attn_bias, torch.Tensor):
+            raise ValueError("context parallelism builds the relative bias per chunk pair: set the stack's bias_per_block")
+        s_q = q.shape[2] * self.cp
+        keys = _Keys(
+            group=self.group,
+            cp=self.cp,
+            rank=self.rank,
+            causal=causal,
+            scale=scale,
+            q_pos=held_positions(s_q, self.rank, self.cp, q.device).chunk(2),
+            k_chunk=k.shape[2] // 2,
+            q_doc=doc_mask.q_ids if doc_mask is not None else None,
+            k_doc=self._all_keys(doc_mask.k_ids) if doc_mask is not None else None,
+            k_pad=self._all_keys(padding_mask).bool() if padding_mask is not None else None,
+            bias=attn_bias,
+        )
+        table = attn_bias.embedding.weight if attn_bias is not None else None
+        return _ShardedAttention.apply(q, k, v, table, keys)
+
+    def _all_keys(self, local: torch.Tensor) -> torch.Tensor:
+        """A (B, S_k/cp) per-key tensor of this rank -> (B, S_k) of the whole sequence. Every layer
+        passes the same mask object, so it is gathered once per forward."""
+        for src, full in self._gathered:
+            if src is local:
+                return full
+        full = unshard_seq(_gather(local.long(), self.group, self.cp))
+        self._gathered = [*self._gathered[-3:], (local, full)]
+        return full
+
+    def _torch(self, q, k, v, padding_mask, causal, attn_bias, doc_mask, scale):
+        why = torch_cp_refusal(
+            q.device.type,
+            causal=causal,
+            padding_mask=padding_mask is not None,
+            doc_mask=doc_mask is not None,
+            bias=attn_bias is not None,
+            gqa=k.shape[1] != q.shape[1],
+            same_length=q.shape[2] == k.shape[2],
+        )
+        if why:
+            raise ConfigError(f"parallel.cp_kernel=torch cannot run this attention: {why}; use parallel.cp_kernel=tformer")
+        return _torch_ring(q, k, v, causal, scale, self.mesh)
+
+
+def torch_cp_refusal(
+    device_type: str, *, causal: bool, padding_mask: bool, doc_mask: bool, bias: bool, gqa: bool, same_length: bool
+) -> str | None:
+    """Why torch's ``context_parallel`` (torch 2.13) cannot run an attention call, or None.
+
+    Its ring attention is registered for the CUDA SDPA kernels only (flash, efficient, cuDNN; on CPU
+    ``_scaled_dot_product_flash_attention_for_cpu`` has no sharding strategy), takes no attention
+    mask or bias (only ``is_causal``), needs equal query and key lengths for causal attention, and
+    its flash kernel wants as many KV heads as query heads.
+    """
+    if device_type != "cuda":
+        return f"it has CUDA kernels only (device {device_type})"
+    for present, what in (
+        (padding_mask, "a key padding mask"),
+        (doc_mask, "document masks"),
+        (bias, "an additive bias (T5's relative positions)"),
+    ):
+        if present:
+            return f"it takes no attention mask, and this call has {what}"
+    if gqa:
+        return "its kernels need as many key/value heads as query heads (GQA)"
+    if causal and not same_length:
+        return "causal attention needs queries and keys of one sequence"
+    return None
+
+
+def _torch_ring(q, k, v, causal: bool, scale: float, mesh):
+    """torch's ring attention over this rank's shards (its head-tail load balance is our layout)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
+
+    cp_attention._cp_options.enable_load_balance = causal
+    cp_attention._enable_cp_dtensor_dispatcher()
+    try:
+        dq, dk, dv = (DTensor.from_local(x.contiguous(), mesh, [Shard(2)]) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=causal, scale=scale)
+        return out.to_local()  # type: ignore[attr-defined]  # a DTensor: its inputs are
+    finally:
+        cp_attention._disable_cp_dtensor_dispatcher()
+
+
+# ----------------------------------------------------------------------------------------------
+# A model and its batches over the layout
+
+# What the pad of each batch field holds (token ids: any valid id, the pad is never scored)
+_PAD = {"labels": -100, "attention_mask": 0, "decoder_attention_mask": 0, "doc_ids": -1, "decoder_doc_ids": -1}
+
+
+def apply_context_parallel(model, group, kernel: str = "tformer", mesh=None) -> None:
+    """Give every attention layer of ``model`` the attention across shards, and every stack's
+    relative bias per chunk pair; the model's parameters and code stay as they are.
+
+    Only training forwards (``model.training``) take sequence shards; in eval mode the layers attend
+    locally, so evaluation and generation run whole sequences on every rank as before."""
+    from ..nn.attention import MultiHeadAttention
+    from ..nn.block import TransformerStack
+
+    if model.config.attn_dropout:
+        raise ConfigError("context parallelism has no attention dropout; set model.attn_dropout=0")
+    core = ContextParallelAttention(group, kernel, mesh)
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention):
+            module.core = core
+        elif isinstance(module, TransformerStack):
+            module.bias_per_block = True
+
+
+def shard_batch(batch: dict[str, torch.Tensor], rank: int, cp: int, cfg) -> dict[str, torch.Tensor]:
+    """This rank's part of a batch of (B, S) fields. What needs the whole sequence is settled first:
+    positions (restarting per document where there are documents), an encoder-decoder's shifted
+    decoder input, and a key mask where a bidirectional stream gets a pad."""
+    from ..models.encdec import shift_right
+    from ..nn.docmask import positions_from_doc_ids
+
+    batch = dict(batch)
+    streams = [("input_ids", "doc_ids", "position_ids")]
+    if cfg.family == "encdec":
+        if "decoder_input_ids" not in batch:
+            batch["decoder_input_ids"] = shift_right(batch["labels"], cfg.decoder_start_token_id, cfg.pad_token_id)
+        streams.append(("decoder_input_ids", "decoder_doc_ids", "decoder_position_ids"))
+    for ids, docs, pos in streams:
+        if pos not in batch:
+            b, s = batch[ids].shape
+            batch[pos] = positions_from_doc_ids(batch[docs]) if docs in batch else torch.arange(s).expand(b, s)
+    b, s = batch["input_ids"].shape
+    if cfg.family != "decoder" and "attention_mask" not in batch and padded_length(s, cp) != s:
+        batch["attention_mask"] = torch.ones(b, s, dtype=torch.long, device=batch["input_ids"].device)
+    return {k: shard_seq(v, rank, cp, pad_value=_PAD.get(k, 0)) for k, v in batch.items()}
+
+
+def loss_tokens(labels: torch.Tensor, group) -> torch.Tensor:
+    """Labelled positions of the whole sequence, from every rank's shard of ``labels``: the divisor
+    that makes the ranks' losses add up to the mean (``models/base.lm_loss``)."""
+    count = (labels != -100).sum()
+    dist.all_reduce(count, group=group)
+    return count
+
+
+def check_context_parallel(cfg, dims) -> None:
+    """What context parallelism does not run yet, refused in one line before any process group.
+    ``cfg`` is the run config (``tformer.train.config.TrainConfig``), ``dims`` its ParallelDims."""
+    if dims.cp == 1:
+        return
+    pcfg, cp = cfg.parallel, dims.cp
+    refusals = (
+        (dims.tp > 1, f"with parallel.tp={dims.tp} (tensor parallelism)", "set parallel.tp=1"),
+        (dims.pp > 1, f"with parallel.pp={dims.pp} (pipelines)", "set parallel.pp=1"),
+        (cfg.model.attn_dropout > 0, "with attention dropout", "set model.attn_dropout=0"),
+    )
+    for bad, what, fix in refusals:
+        if bad:
+            raise ConfigError(f"parallel.cp={cp} does not run {what} yet; {fix}, or parallel.cp=1")
+    if pcfg.cp_kernel == "torch" and cfg.device != "cuda" and not torch.cuda.is_available():
+        raise ConfigError("parallel.cp_kernel=torch runs torch's CUDA ring attention only; set parallel.cp_kernel=tformer")
+
+
+def context_shard(inputs: dict[str, torch.Tensor], mesh, model_cfg) -> dict[str, torch.Tensor]:
+    """A training micro-batch for this rank of its context-parallel group: its part of every field
+    (``shard_batch``), and ``loss_tokens`` so that the group's losses add up to ``cp`` times the
+    micro-batch's mean: the data-parallel gradient average (FSDP2 over ``dp_shard x cp``, DDP over
+    all ranks) divides by the ``cp`` ranks too."""
+    cp_mesh = mesh["cp"]
+    shard = shard_batch(inputs, cp_mesh.get_local_rank(), cp_mesh.size(), model_cfg)
+    shard["loss_tokens"] = loss_tokens(shard["labels"], cp_mesh.get_group()) / cp_mesh.size()
+    return shard
