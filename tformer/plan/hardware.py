@@ -35,6 +35,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..config import ConfigError
 
@@ -157,7 +158,7 @@ def profile(name: str, **overrides: float) -> Hardware:
 
 def override(hw: Hardware, **overrides: float) -> Hardware:
     peak = dict(hw.peak)
-    plain = {}
+    plain: dict[str, Any] = {}
     for key, value in overrides.items():
         if key.startswith("peak_"):
             peak[key[len("peak_") :]] = float(value)

@@ -106,21 +106,23 @@ class StepTime:
 
 
 def why_not_priced(layout: Layout, hw: Hardware) -> str | None:
+    """Every reason the model cannot price ``layout`` on ``hw``, joined; None when it can."""
+    reasons = []
     if layout.float8:
-        return "float8 matmuls (two peak rates in one step; no efficiency figure for them)"
+        reasons.append("float8 matmuls (two peak rates in one step; no efficiency figure for them)")
     if layout.async_tp:
-        return "async TP (TP collectives hidden behind matmuls; not modelled)"
+        reasons.append("async TP (TP collectives hidden behind matmuls; not modelled)")
     if layout.cp > 1:
-        return f"context parallelism cp={layout.cp} (not built in tformer yet)"
+        reasons.append(f"context parallelism cp={layout.cp} (not built in tformer yet)")
     if layout.ep > 1:
-        return f"expert parallelism ep={layout.ep} (not built in tformer yet)"
+        reasons.append(f"expert parallelism ep={layout.ep} (not built in tformer yet)")
     if layout.strategy not in memory_plan.STRATEGY_NAMES:
-        return f"strategy {layout.strategy!r} (priced: {', '.join(memory_plan.STRATEGY_NAMES)})"
+        reasons.append(f"strategy {layout.strategy!r} (priced: {', '.join(memory_plan.STRATEGY_NAMES)})")
     if layout.precision not in hw.peak:
-        return f"precision {layout.precision}: {hw.name} has no {layout.precision} peak figure"
+        reasons.append(f"precision {layout.precision}: {hw.name} has no {layout.precision} peak figure")
     if layout.dp_replicate > 1 and not layout.strategy.startswith("fsdp"):
-        return f"dp_replicate={layout.dp_replicate} with {layout.strategy} (HSDP is FSDP2's)"
-    return None
+        reasons.append(f"dp_replicate={layout.dp_replicate} with {layout.strategy} (HSDP is FSDP2's)")
+    return "; ".join(reasons) or None
 
 
 # --- compute: the GEMMs of one micro-batch's forward on one rank ------------------------------------
