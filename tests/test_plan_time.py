@@ -87,3 +87,37 @@ def test_the_numbers_agree_with_each_other():
     assert r.tokens_per_s_per_device == pytest.approx(r.tokens_per_step / r.step / 8)
     assert r.time_to_train(1e9) == pytest.approx(1e9 / r.tokens_per_step * r.step)
     assert r.memory > 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpu", "h300"], "unknown gpu 'h300'"),
+        (["--set", "inter_bandwidth=0"], "inter_bandwidth=0.0 of h100-sxm must be positive"),
+        (["--set", "peak_bf16=fast"], "give FIGURE=NUMBER"),
+        (["--tokens", "many"], "'many' is not a number"),
+        (["--tokens", "-5"], "out of range"),
+    ],
+)
+def test_bad_speed_options_are_one_line(capsys, args, message):
+    from tformer.cli import main
+
+    assert main(["plan", "configs/gpt2-tiny.yaml", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_plan_prints_the_speed_of_every_layout_and_the_fastest(capsys):
+    from tformer.cli import main
+
+    assert main(["plan", "configs/llama-1b.yaml", "--devices", "16", "--max-pp", "1", "--tokens", "1e11"]) == 0
+    out = capsys.readouterr().out
+    speed = out[out.index("predicted speed on h100-sxm") :]
+    rows = [line for line in speed.splitlines() if line.startswith(("ddp", "zero", "fsdp"))]
+    assert len(rows) >= 10 and all(line.rstrip().endswith(" d") for line in rows)  # days to 1e11 tokens
+    assert "fastest that fits:" in speed and "breakdown: compute" in speed
+    # a slower network changes the answer's speed, not the memory table
+    main(["plan", "configs/llama-1b.yaml", "--devices", "16", "--max-pp", "1", "--set", "inter_bandwidth=1e9"])
+    slow = capsys.readouterr().out
+    assert slow[: slow.index("predicted speed")] == out[: out.index("predicted speed")]
+    assert slow[slow.index("fastest") :] != speed[speed.index("fastest") :]

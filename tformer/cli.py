@@ -316,7 +316,7 @@ def _plan(argv: list[str]) -> int:
         description="Predict per-device memory for each strategy and mesh layout "
         "(pp x dp_replicate x dp_shard x tp) and recommend one.",
     )
-    p.add_argument("config")
+    p.add_argument("config", nargs="?" if "--calibrate" in argv else None)
     p.add_argument("overrides", nargs="*")
     p.add_argument("--devices", type=_number(int, "[1, inf)"), default=8)
     p.add_argument("--device-memory", type=_byte_size, default="80GB")
@@ -338,12 +338,19 @@ def _plan(argv: list[str]) -> int:
         default=None,
         help="the largest pipeline degree tried (default: the device count; 1: no pipelines)",
     )
+    from .plan import report
+
+    report.add_options(p, _number)
     args = p.parse_args(argv)
+    if args.calibrate:
+        return report.calibrate_main(args.calibrate)
+    hw = report.hardware(args.gpu, args.set, args.gpus_per_node)  # bad figures fail here, before any work
     from .parallel.plan import plan_main
     from .train.config import load_config
 
-    return plan_main(
-        load_config(args.config, args.overrides),
+    cfg = load_config(args.config, args.overrides)
+    rc = plan_main(
+        cfg,
         args.config,
         args.devices,
         args.device_memory,
@@ -351,6 +358,8 @@ def _plan(argv: list[str]) -> int:
         args.pp_microbatches,
         args.max_pp,
     )
+    speed = (args.devices, args.device_memory, args.gpus_per_node, args.pp_microbatches, args.max_pp)
+    return rc or report.plan_speed(cfg, *speed, hw, args.tokens)
 
 
 COMMANDS = {
