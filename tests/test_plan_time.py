@@ -113,7 +113,7 @@ def test_plan_prints_the_speed_of_every_layout_and_the_fastest(capsys):
     assert main(["plan", "configs/llama-1b.yaml", "--devices", "16", "--max-pp", "1", "--tokens", "1e11"]) == 0
     out = capsys.readouterr().out
     speed = out[out.index("predicted speed on h100-sxm") :]
-    rows = [line for line in speed.splitlines() if line.startswith(("ddp", "zero", "fsdp"))]
+    rows = [line for line in speed.splitlines() if line.startswith(("  ddp", "  zero", "  fsdp"))]
     assert len(rows) >= 10 and all(line.rstrip().endswith(" d") for line in rows)  # days to 1e11 tokens
     assert "fastest that fits:" in speed and "breakdown: compute" in speed
     # a slower network changes the answer's speed, not the memory table

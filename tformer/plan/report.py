@@ -97,17 +97,17 @@ def speed_report(
     precision = "bf16" if cfg.precision in ("auto", "bf16") else cfg.precision
     model = cfg.model
     print(f"\npredicted speed on {hw.name} ({hw.gpus_per_node} per node; {precision}; time model: tformer/plan/time.py):")
-    head = f"{'layout':<40}{'AC':<6}{'micro':>6}{'GiB':>7}{'step s':>9}{'tok/s/dev':>11}{'MFU':>6}"
+    head = f"  {'layout':<40}{'AC':<6}{'micro':>6}{'GiB':>7}{'step s':>9}{'tok/s/dev':>11}{'MFU':>6}"
     print(head + (f"{'to train':>11}" if tokens else ""))
     priced: list[tuple[memory_plan.Estimate, StepTime]] = []
     for e in fits:
         try:
             r = step_time(model, layout_of(e, precision), hw, seq, target, memory=False)
         except NotPriced as why:
-            print(f"{_name(e):<40}{e.ac:<6}{e.micro_batch:>6}{e.total / 2**30:>7.1f}  {why}")
+            print(f"  {_name(e):<40}{e.ac:<6}{e.micro_batch:>6}{e.total / 2**30:>7.1f}  {why}")
             continue
         priced.append((e, r))
-        line = f"{_name(e):<40}{e.ac:<6}{e.micro_batch:>6}{e.total / 2**30:>7.1f}{r.step:>9.3f}"
+        line = f"  {_name(e):<40}{e.ac:<6}{e.micro_batch:>6}{e.total / 2**30:>7.1f}{r.step:>9.3f}"
         line += f"{r.tokens_per_s_per_device:>11,.0f}{r.mfu:>6.0%}"
         print(line + (f"{_duration(r.time_to_train(tokens)):>11}" if tokens else ""))
     if not priced:
