@@ -19,14 +19,12 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
-import torch.multiprocessing as mp
 from bench_scale import ROOT, _become_rank, _port
 
 from tformer.plan import Layout, load_profile, step_time
-from tformer.plan.calibrate import calibrate
+from tformer.plan.calibrate import calibrate, spawn_with_deadline
 
 MODELS = {"gpt2": "gpt2-tiny.yaml", "t5": "t5-tiny.yaml"}
 # name: (processes, trainer overrides, the same layout for the time model)
@@ -82,13 +80,7 @@ def measure(world: int, config: str, overrides: list[str], tmp: Path, cache: str
     result = tmp / "result.json"
     result.unlink(missing_ok=True)
     args = (world, _port(), config, overrides, str(result), cache)
-    ctx = mp.start_processes(_worker, args=args, nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise SystemExit(f"FAIL: {config} {overrides} did not finish in {DEADLINE_S} s")
+    spawn_with_deadline(_worker, args, world, DEADLINE_S, f"FAIL: {config} {overrides}")
     return json.loads(result.read_text())["median"]
 
 

@@ -101,21 +101,27 @@ def _gloo_worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def gloo_link(tmp: Path) -> tuple[float, float]:
-    """(latency per hop, bandwidth) of gloo between 2 local processes."""
+def spawn_with_deadline(fn, args: tuple, nprocs: int, deadline_s: float, what: str) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; kill them all and fail after
+    ``deadline_s`` seconds."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp / "gloo.txt"
-    ctx = mp.start_processes(_gloo_worker, args=(port, str(out)), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + deadline_s
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            raise ConfigError(f"calibration: the gloo processes did not finish in {DEADLINE_S:.0f} s; run it again")
+            raise ConfigError(f"{what} did not finish in {deadline_s:.0f} s; run it again")
+
+
+def gloo_link(tmp: Path) -> tuple[float, float]:
+    """(latency per hop, bandwidth) of gloo between 2 local processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp / "gloo.txt"
+    spawn_with_deadline(_gloo_worker, (port, str(out)), 2, DEADLINE_S, "calibration's gloo processes")
     small, large = map(float, out.read_text().split())
     latency = small / 2  # an all-reduce over 2 ranks is 2 ring hops
     bandwidth = 4 * 4 * 2**20 / max(large - small, 1e-9)  # one hop moves half, twice: the whole buffer
