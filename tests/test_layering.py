@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("tformer.models", "tformer.generate", "tformer.evaluate")),
     ("data", ("tformer.data",)),
     ("parallel", ("tformer.parallel",)),
+    ("plan", ("tformer.plan",)),  # the planner reads parallel/'s layouts and memory model
     ("checkpoint", ("tformer.checkpoint",)),
     ("train", ("tformer.train",)),
     ("export/cli", ("tformer.export", "tformer.cli", "tformer.__main__", "tformer")),

@@ -422,7 +422,7 @@ def _plan(argv: list[str]) -> int:
         description="Predict per-device memory for each strategy and mesh layout "
         "(pp x dp_replicate x dp_shard x tp) and recommend one.",
     )
-    p.add_argument("config", help="YAML recipe, e.g. configs/llama-1b.yaml")
+    p.add_argument("config", nargs="?" if "--calibrate" in argv else None, help="YAML recipe, e.g. configs/llama-1b.yaml")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.preset=llama-70b data.seq_len=8192")
     p.add_argument("--devices", type=_number(int, "[1, inf)"), default=8, help="devices (GPUs) in the job, all nodes")
     p.add_argument(
@@ -449,12 +449,19 @@ def _plan(argv: list[str]) -> int:
         default=None,
         help="the largest pipeline degree tried (default: the device count; 1: no pipelines)",
     )
+    from .plan import report
+
+    report.add_options(p, _number)
     args = p.parse_args(argv)
+    if args.calibrate:
+        return report.calibrate_main(args.calibrate)
+    hw = report.hardware(args.gpu, args.set, args.gpus_per_node)  # bad figures fail here, before any work
     from .parallel.plan import plan_main
     from .train.config import load_config
 
-    return plan_main(
-        load_config(args.config, args.overrides),
+    cfg = load_config(args.config, args.overrides)
+    rc = plan_main(
+        cfg,
         args.config,
         args.devices,
         args.device_memory,
@@ -462,6 +469,8 @@ def _plan(argv: list[str]) -> int:
         args.pp_microbatches,
         args.max_pp,
     )
+    speed = (args.devices, args.device_memory, args.gpus_per_node, args.pp_microbatches, args.max_pp)
+    return rc or report.plan_speed(cfg, *speed, hw, args.tokens)
 
 
 COMMANDS = {  # name: (function, its one line in `tformer --help`)

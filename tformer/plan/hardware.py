@@ -1,0 +1,185 @@
+"""Hardware profiles: the few published figures the time model divides by.
+
+Every figure is per GPU and from the vendor's datasheet (dense rates: the sparsity figures a
+datasheet prints beside them are halved), except where a comment says it was measured:
+- H100 SXM5 / H100 PCIe: NVIDIA H100 Tensor Core GPU datasheet (2023): bf16/fp16 989.4 / 756 TFLOP/s,
+  tf32 494.7 / 378, fp32 66.9 / 51.2, fp8 1978.9 / 1513; HBM3 80 GB at 3.35 TB/s / HBM2e 80 GB at
+  2.0 TB/s; NVLink 900 GB/s (both directions together) on SXM; the PCIe card talks over PCIe Gen5 x16
+  (128 GB/s both directions). DGX H100: one 400 Gb/s ConnectX-7 port per GPU (50 GB/s).
+- H200 SXM: NVIDIA H200 datasheet (2024): the H100 SXM's rates, HBM3e 141 GB at 4.8 TB/s, NVLink 900 GB/s;
+  HGX H200 with one 400 Gb/s NIC per GPU.
+- A100 80GB SXM: NVIDIA A100 datasheet (2021): bf16/fp16 312 TFLOP/s, tf32 156, fp32 19.5, no fp8;
+  HBM2e 80 GB at 2.039 TB/s; NVLink 600 GB/s; DGX A100: one 200 Gb/s HDR InfiniBand port per GPU (25 GB/s).
+- B200: NVIDIA DGX B200 datasheet (2024): 72 PFLOP/s fp8 training for 8 GPUs with sparsity, i.e. 4.5 dense
+  fp8 and 2.25 bf16 per GPU, tf32 1.1 dense; 1,440 GB of HBM3e at 64 TB/s for 8 GPUs (180 GB, 8 TB/s each);
+  NVLink 5 at 1.8 TB/s; 8 x 400 Gb/s ConnectX-7 ports. The datasheet gives no plain fp32 rate, so the
+  profile has none: an fp32 layout on it is reported as not priced.
+
+NVLink figures are halved to the bandwidth one direction carries (a ring sends and receives at once).
+Latencies are orders of magnitude (a few microseconds per NVLink hop, ~10 over the network), not
+measurements; they only matter for small messages.
+
+Two measured constants describe how much of the peak a GEMM reaches (``time.gemm_efficiency``):
+``gemm_half`` = 128, the tile edge of Hopper's and Ampere's cuBLAS kernels (a dimension of 128 fills
+half of what a large one does), and ``gemm_max`` chosen so that an 8192^3 bf16 GEMM runs at 798 TFLOP/s
+on an H100 SXM, as measured once on the lent H100 of this workplace (/work/.library/device/KINDS.md,
+2026-11-13): 798 / 989.4 / (8192 / 8320)^3 = 0.845. ``hbm_efficiency`` 0.9: the same machine copied at
+3.0 of its 3.35 TB/s. These two are used for every GPU profile.
+
+The CPU profile is not published anywhere: ``tformer plan --calibrate`` measures it (calibrate.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError
+
+TFLOPS, GBPS, GB = 1e12, 1e9, 1e9
+GEMM_HALF = 128.0  # cuBLAS tile edge on Ampere/Hopper
+GEMM_MAX = 0.845  # measured once: 8192^3 bf16 at 798 TFLOP/s on an H100 SXM (module doc)
+HBM_EFFICIENCY = 0.9  # measured once: 3.0 of 3.35 TB/s on the same machine
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device kind. Rates in FLOP/s and bytes/s per device; ``intra_*``: the link inside a node
+    (NVLink, PCIe, or shared memory for the CPU), one direction; ``inter_*``: the network, per device."""
+
+    name: str
+    peak: dict[str, float]  # dense FLOP/s by precision: bf16, fp16, tf32, fp32, fp8
+    memory: float  # bytes of device memory
+    hbm_bandwidth: float
+    intra_bandwidth: float
+    inter_bandwidth: float
+    gpus_per_node: int = 8
+    intra_latency: float = 3e-6
+    inter_latency: float = 10e-6
+    gemm_half: float = GEMM_HALF
+    gemm_max: float = GEMM_MAX
+    hbm_efficiency: float = HBM_EFFICIENCY
+    op_overhead: float = 0.0  # seconds per kernel not hidden by launching ahead (GPU: hidden; CPU: measured)
+    overlap: bool = True  # communication runs beside compute (GPU: its own engines; CPU gloo: the same cores)
+    source: str = ""
+
+    def check(self) -> "Hardware":
+        figures = {f"peak.{k}": v for k, v in self.peak.items()}
+        figures.update(
+            (f.name, getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if f.type in ("float", "int") and f.name not in ("op_overhead",)
+        )
+        for name, value in figures.items():
+            if not value > 0:
+                raise ConfigError(f"hardware figure {name}={value} of {self.name} must be positive; give a number > 0")
+        if self.op_overhead < 0:
+            raise ConfigError(f"hardware figure op_overhead={self.op_overhead} must be >= 0")
+        return self
+
+
+def _sxm_h100(name: str, memory: float, hbm: float, source: str) -> Hardware:
+    return Hardware(
+        name,
+        {
+            "bf16": 989.4 * TFLOPS,
+            "fp16": 989.4 * TFLOPS,
+            "tf32": 494.7 * TFLOPS,
+            "fp32": 66.9 * TFLOPS,
+            "fp8": 1978.9 * TFLOPS,
+        },
+        memory,
+        hbm,
+        intra_bandwidth=450 * GBPS,
+        inter_bandwidth=50 * GBPS,
+        source=source,
+    )
+
+
+PROFILES: dict[str, Hardware] = {
+    "h100-sxm": _sxm_h100("h100-sxm", 80 * GB, 3.35e12, "NVIDIA H100 datasheet (SXM5); DGX H100"),
+    "h100-pcie": Hardware(
+        "h100-pcie",
+        {"bf16": 756 * TFLOPS, "fp16": 756 * TFLOPS, "tf32": 378 * TFLOPS, "fp32": 51.2 * TFLOPS, "fp8": 1513 * TFLOPS},
+        80 * GB,
+        2.0e12,
+        intra_bandwidth=64 * GBPS,
+        inter_bandwidth=50 * GBPS,
+        intra_latency=5e-6,
+        source="NVIDIA H100 datasheet (PCIe); PCIe Gen5 x16",
+    ),
+    "h200": _sxm_h100("h200", 141 * GB, 4.8e12, "NVIDIA H200 datasheet (SXM); HGX H200"),
+    "a100-80gb": Hardware(
+        "a100-80gb",
+        {"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "tf32": 156 * TFLOPS, "fp32": 19.5 * TFLOPS},
+        80 * GB,
+        2.039e12,
+        intra_bandwidth=300 * GBPS,
+        inter_bandwidth=25 * GBPS,
+        source="NVIDIA A100 datasheet (80GB SXM); DGX A100",
+    ),
+    "b200": Hardware(
+        "b200",
+        {"bf16": 2250 * TFLOPS, "fp16": 2250 * TFLOPS, "tf32": 1100 * TFLOPS, "fp8": 4500 * TFLOPS},
+        180 * GB,
+        8.0e12,
+        intra_bandwidth=900 * GBPS,
+        inter_bandwidth=50 * GBPS,
+        source="NVIDIA DGX B200 datasheet",
+    ),
+}
+
+# figures a user may override, with what each one means (the CLI's --set NAME=VALUE)
+OVERRIDABLE = (
+    "memory",
+    "hbm_bandwidth",
+    "intra_bandwidth",
+    "inter_bandwidth",
+    "gpus_per_node",
+    "intra_latency",
+    "inter_latency",
+    "gemm_half",
+    "gemm_max",
+    "hbm_efficiency",
+    "op_overhead",
+)
+
+
+def profile(name: str, **overrides: float) -> Hardware:
+    """The profile ``name`` with figures replaced: any of ``OVERRIDABLE``, or ``peak_<precision>``.
+    Every figure is checked to be positive (one line naming it otherwise)."""
+    if name not in PROFILES:
+        raise ConfigError(f"unknown gpu {name!r}; use one of: {', '.join(PROFILES)} (or a calibration file)")
+    return override(PROFILES[name], **overrides)
+
+
+def override(hw: Hardware, **overrides: float) -> Hardware:
+    peak = dict(hw.peak)
+    plain: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if key.startswith("peak_"):
+            peak[key[len("peak_") :]] = float(value)
+        elif key in OVERRIDABLE:
+            plain[key] = int(value) if key == "gpus_per_node" else float(value)
+        else:
+            allowed = ", ".join((*OVERRIDABLE, "peak_bf16", "peak_fp32", "..."))
+            raise ConfigError(f"unknown hardware figure {key!r}; use one of: {allowed}")
+    return dataclasses.replace(hw, peak=peak, **plain).check()
+
+
+def load_profile(path: str | Path) -> Hardware:
+    """A profile written by ``tformer plan --calibrate`` (JSON of ``Hardware``'s fields)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return Hardware(**data).check()
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"cannot read the hardware profile {path}: {e}; run `tformer plan --calibrate` again") from e
+
+
+def save_profile(hw: Hardware, path: str | Path) -> None:
+    from ..files import write_bytes_durable
+
+    write_bytes_durable(Path(path), (json.dumps(dataclasses.asdict(hw), indent=1) + "\n").encode())

@@ -1,0 +1,176 @@
+"""``tformer plan``'s speed report: every layout that fits, priced; the fastest recommended.
+
+The memory planner (parallel/plan.py: ``recommend``) gives each layout and activation-checkpointing
+mode that fits with its largest micro-batch, in its memory-first order; this prices each one
+(time.py) and prints step time, tokens/s per device, MFU and the time to train ``--tokens``. The
+recommendation is the fastest layout that fits; the memory-only choice is printed beside it, with
+its predicted speed, when it differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..args import parse_bytes
+from ..config import ConfigError
+from ..parallel import plan as memory_plan
+from .hardware import Hardware, load_profile, profile
+from .time import Layout, NotPriced, StepTime, step_time
+
+
+def add_options(p: argparse.ArgumentParser, number) -> None:
+    """The speed options of ``tformer plan`` (``number``: the CLI's range-checked number type)."""
+    p.add_argument(
+        "--gpu",
+        default="h100-sxm",
+        help="hardware profile: h100-sxm, h100-pcie, h200, a100-80gb, b200, or a file from --calibrate",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIGURE=VALUE",
+        help="override a profile figure (e.g. inter_bandwidth=25e9, peak_bf16=800e12); repeatable",
+    )
+    p.add_argument("--tokens", type=number(float, "(0, inf)"), default=None, help="tokens to train: prints the time")
+    p.add_argument("--calibrate", metavar="PROFILE", default=None, help="measure this machine and write PROFILE")
+
+
+def hardware(gpu: str, figures: list[str], gpus_per_node: int | None = None) -> Hardware:
+    """The profile named (or the calibration file) with ``NAME=VALUE`` overrides, checked."""
+    overrides: dict[str, float] = {}
+    for item in figures:
+        name, _, value = item.partition("=")
+        try:
+            overrides[name.strip()] = float(value)
+        except ValueError:
+            raise ConfigError(f"--set {item!r}: give FIGURE=NUMBER, e.g. --set inter_bandwidth=25e9") from None
+    if gpus_per_node is not None:
+        overrides.setdefault("gpus_per_node", gpus_per_node)
+    if Path(gpu).suffix == ".json" or Path(gpu).is_file():
+        from .hardware import override
+
+        return override(load_profile(gpu), **overrides)
+    return profile(gpu, **overrides)
+
+
+def layout_of(e: memory_plan.Estimate, precision: str) -> Layout:
+    return Layout(
+        strategy=e.strategy,
+        micro_batch=e.micro_batch,
+        dp_replicate=e.dp_replicate,
+        dp_shard=e.dp_shard,
+        tp=e.tp,
+        sp=e.sp,
+        pp=e.pp,
+        schedule=e.schedule or "1f1b",
+        stages_per_rank=e.stages_per_rank,
+        n_micro=e.n_micro if e.pp > 1 else None,
+        ac=e.ac,
+        precision=precision,
+    )
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.1f} s"
+
+
+def _name(e: memory_plan.Estimate) -> str:
+    pipe = f" pp{e.pp} {e.schedule}{'' if e.stages_per_rank == 1 else f'x{e.stages_per_rank}'}" if e.pp > 1 else ""
+    return f"{e.strategy} {e.dp_replicate}x{e.dp_shard} tp{e.tp}{pipe}"
+
+
+def speed_report(
+    cfg,
+    fits: list[memory_plan.Estimate],
+    hw: Hardware,
+    seq: int,
+    target: int | None,
+    tokens: float | None,
+) -> int:
+    """Print the priced table of ``fits`` (parallel.plan.recommend's, best for memory first), the
+    fastest layout's breakdown and, when it differs, the memory-only choice's speed."""
+    precision = "bf16" if cfg.precision in ("auto", "bf16") else cfg.precision
+    model = cfg.model
+    print(f"\npredicted speed on {hw.name} ({hw.gpus_per_node} per node; {precision}; time model: tformer/plan/time.py):")
+    head = f"  {'layout':<40}{'AC':<6}{'micro':>6}{'GiB':>7}{'step s':>9}{'tok/s/dev':>11}{'MFU':>6}"
+    print(head + (f"{'to train':>11}" if tokens else ""))
+    priced: list[tuple[memory_plan.Estimate, StepTime]] = []
+    for e in fits:
+        try:
+            r = step_time(model, layout_of(e, precision), hw, seq, target, memory=False)
+        except NotPriced as why:
+            print(f"  {_name(e):<40}{e.ac:<6}{e.micro_batch:>6}{e.total / 2**30:>7.1f}  {why}")
+            continue
+        priced.append((e, r))
+        line = f"  {_name(e):<40}{e.ac:<6}{e.micro_batch:>6}{e.total / 2**30:>7.1f}{r.step:>9.3f}"
+        line += f"{r.tokens_per_s_per_device:>11,.0f}{r.mfu:>6.0%}"
+        print(line + (f"{_duration(r.time_to_train(tokens)):>11}" if tokens else ""))
+    if not priced:
+        print("speed: no layout that fits could be priced")
+        return 1
+    best, fastest = max(priced, key=lambda pair: pair[1].tokens_per_s_per_device)
+    print(
+        f"fastest that fits: {_name(best)}, AC {best.ac}, micro_batch_size={best.micro_batch}: "
+        f"{fastest.step:.3f} s per step, {fastest.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {fastest.mfu:.0%}"
+        + (f", {_duration(fastest.time_to_train(tokens))} for {tokens:.3g} tokens" if tokens else "")
+    )
+    print("  breakdown: " + ", ".join(f"{k} {v:.3f} s" for k, v in fastest.breakdown.items() if v > 0))
+    first, first_time = priced[0]
+    if first is not fits[0]:
+        print(f"  (the memory-first choice {_name(fits[0])} could not be priced)")
+    elif first is not best:
+        print(
+            f"  the memory-only choice, {_name(first)}, AC {first.ac}, micro_batch_size={first.micro_batch}, "
+            f"would run {first_time.tokens_per_s_per_device:,.0f} tokens/s per device "
+            f"({first_time.tokens_per_s_per_device / fastest.tokens_per_s_per_device:.2f}x the fastest)"
+        )
+    return 0
+
+
+def plan_speed(cfg, devices: int, device_memory: str, gpus_per_node: int, n_micro, max_pp, hw: Hardware, tokens) -> int:
+    """``recommend``'s fits for the run config ``cfg`` (as parallel.plan.plan_main searches them), priced."""
+    model = cfg.model
+    memory = parse_bytes(device_memory)
+    mixed = cfg.precision != "fp32"
+    target = None
+    if model.family == "encdec":
+        from ..data import t5_lengths
+
+        target = cfg.data.target_len or t5_lengths(cfg.data.seq_len)[1]
+    settings = {**memory_plan.training_memory(cfg), "loss_parallel": cfg.parallel.loss_parallel}
+    refused = memory_plan._pp_refused(cfg)
+    fits = memory_plan.recommend(
+        model,
+        devices,
+        memory,
+        cfg.data.seq_len,
+        target,
+        mixed,
+        settings=settings,
+        gpus_per_node=gpus_per_node,
+        max_pp=1 if refused else (max_pp or devices),
+        n_micro=n_micro,
+    )
+    if not fits:
+        return 1
+    return speed_report(cfg, fits, hw, cfg.data.seq_len, target, tokens)
+
+
+def calibrate_main(path: str) -> int:
+    import tempfile
+
+    from .calibrate import calibrate
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hw = calibrate(path, Path(tmp))
+    print(
+        f"wrote {path}: fp32 peak {hw.peak['fp32'] / 1e9:.1f} GFLOP/s (gemm_half {hw.gemm_half:.0f}), memory "
+        f"{hw.hbm_bandwidth / 1e9:.1f} GB/s, gloo {hw.intra_bandwidth / 1e9:.2f} GB/s + {hw.intra_latency * 1e6:.0f} us "
+        f"per hop, {hw.op_overhead * 1e6:.1f} us per op; use it with: tformer plan CONFIG --gpu {path}"
+    )
+    return 0
