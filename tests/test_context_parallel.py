@@ -403,7 +403,7 @@ def test_trainer_cp2_equals_the_single_process_run(tmp_path_factory):
             ["parallel.cp=2", "parallel.strategy=deepspeed"],
             "parallel.cp=2 does not compose with parallel.strategy=deepspeed",
         ),
-        (4, ["parallel.cp=2", "parallel.tp=2", "parallel.strategy=fsdp"], "parallel.cp=2 does not run with parallel.tp=2"),
+        (4, ["parallel.cp=2", "parallel.tp=2", "parallel.strategy=ddp"], "parallel.cp=2 with parallel.tp>1 needs parallel.strategy=fsdp"),
         (2, ["parallel.cp=2", "model.attn_dropout=0.1"], "does not run with attention dropout yet"),
         (2, ["parallel.cp=2", "parallel.cp_kernel=torch", "device=cpu"], "parallel.cp_kernel=torch runs torch's CUDA"),
         (2, ["parallel.cp=0"], "parallel.cp"),
@@ -515,3 +515,30 @@ def test_cp2_evaluates_decodes_and_generates_like_one_process(tmp_path):
         assert torch.equal(got[beams], tokens), beams
     sp._reference(sp.TRANSLATE, tmp_path / "translate-ref")
     sp.assert_same_run(tmp_path / "translate", tmp_path / "translate-ref")
+
+
+CP_TP_CASES = [
+    # (family, flags of both runs, flags of the cp=2 x tp=2 run)
+    ("gpt2", [], ["parallel.sp=true"]),
+    ("llama", ["data.seq_len=61"], ["parallel.sp=true"]),  # 61 -> 62 (SP) -> 64: 2 chunks x 2 cp x 2 tp
+    ("t5", [], ["parallel.sp=true"]),  # relative bias table split by head, label smoothing 0.1
+    ("bert", [], ["parallel.sp=false", "parallel.loss_parallel=false"]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cache")
+def test_cp2_x_tp2_equals_the_single_process_run(tmp_path_factory):
+    """cp=2 x tp=2 on 4 ranks (FSDP2 over the cp ranks, TP with sequence and loss parallel inside
+    each cp rank's shard): the losses and updated parameters of the 1-process run, to 1e-5."""
+    from test_mesh import _overrides, assert_same_run, reference
+
+    tmp = tmp_path_factory.mktemp("cp2tp2")
+    flags = ["parallel.cp=2", "parallel.tp=2", "parallel.strategy=fsdp"]
+    jobs = []
+    for i, (name, common, own) in enumerate(CP_TP_CASES):
+        recipe, overrides = _overrides(name, tmp / f"run{i}", *common, *flags, *own)
+        jobs.append((recipe, overrides, str(tmp / f"report{i}")))
+    run_ranks(4, jobs, os.environ["TFORMER_CACHE"])
+    for i, (name, common, _) in enumerate(CP_TP_CASES):
+        assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, 1, *common))

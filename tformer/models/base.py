@@ -61,7 +61,7 @@ class TformerModel(nn.Module):
     # blocks' activation checkpointing: it changes memory and time, never the loss or a gradient.
     loss_chunk_size: int | None = None
     # Set from outside by a tensor-parallel layout (tformer/parallel/tp.py), whose ``lm_head`` then
-    # returns vocabulary-sharded logits: ``sharded_loss(logits, labels, vocab_size, label_smoothing)``
+    # returns vocabulary-sharded logits: ``sharded_loss(logits, labels, vocab_size, label_smoothing, loss_tokens)``
     # computes the training loss on them without gathering them ("loss parallel"), and
     # ``gather_logits`` makes them whole where logits are returned (evaluation, generation).
     sharded_loss: Any = None
@@ -166,9 +166,7 @@ class TformerModel(nn.Module):
             hidden, labels = hidden[keep], labels[keep]
         x = self._head_input(hidden)
         if self.sharded_loss is not None:
-            if loss_tokens is not None:
-                raise ValueError("a vocabulary-sharded loss averages over its own tokens; it takes no loss_tokens yet")
-            return None, self.sharded_loss(self.lm_head(x), labels, self.config.vocab_size, label_smoothing)
+            return None, self.sharded_loss(self.lm_head(x), labels, self.config.vocab_size, label_smoothing, loss_tokens)
         if self.loss_chunk_size is None:
             return None, lm_loss(self._logits(x), labels, label_smoothing, loss_tokens)
         head = self.lm_head

@@ -22,6 +22,7 @@ by no one, so losses and gradients are the same.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +37,11 @@ from ..nn.docmask import same_document
 # The layout of a sequence over cp ranks
 
 
-def padded_length(seq_len: int, cp: int) -> int:
-    return -(-seq_len // (2 * cp)) * 2 * cp
+def padded_length(seq_len: int, cp: int, tp: int = 1) -> int:
+    """``seq_len`` padded to ``2 cp`` chunks; with ``tp`` ranks of sequence parallelism under each
+    cp rank, a rank's two chunks (its shard) must also split into ``tp`` equal parts."""
+    multiple = cp * math.lcm(2, tp)
+    return -(-seq_len // multiple) * multiple
 
 
 def held_chunks(rank: int, cp: int) -> tuple[int, int]:
@@ -58,9 +62,9 @@ def pad_seq(x: torch.Tensor, length: int, value, dim: int = 1) -> torch.Tensor:
     return torch.cat((x, x.new_full(shape, value)), dim)
 
 
-def shard_seq(x: torch.Tensor, rank: int, cp: int, dim: int = 1, pad_value=0) -> torch.Tensor:
-    """The part of ``x`` (padded with ``pad_value`` along ``dim``) that ``rank`` holds."""
-    chunks = pad_seq(x, padded_length(x.shape[dim], cp), pad_value, dim).chunk(2 * cp, dim)
+def shard_seq(x: torch.Tensor, rank: int, cp: int, dim: int = 1, pad_value=0, tp: int = 1) -> torch.Tensor:
+    """The part of ``x`` (padded with ``pad_value`` along ``dim``, see ``padded_length``) that ``rank`` holds."""
+    chunks = pad_seq(x, padded_length(x.shape[dim], cp, tp), pad_value, dim).chunk(2 * cp, dim)
     return torch.cat([chunks[i] for i in held_chunks(rank, cp)], dim)
 
 
@@ -238,8 +242,9 @@ class _ShardedAttention(torch.autograd.Function):
         lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
         delta = (dout.float() * out.float()).sum(-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dks = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in ks]
-        dvs = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in vs]
+        # the gathered keys' gradients, laid out as the reduce-scatter sends them (no staging copy)
+        dk_all, dv_all = (torch.zeros((cp, *x.shape), dtype=torch.float32, device=x.device) for x in (k, v))
+        dks, dvs = _key_chunks(dk_all, keys.k_chunk), _key_chunks(dv_all, keys.k_chunk)
         dtable = torch.zeros_like(table, dtype=torch.float32) if table is not None else None
         for a, i, j in keys.pairs():
             mask, is_causal, rows, buckets = keys.mask(a, i, j, table, q.dtype)
@@ -255,15 +260,15 @@ class _ShardedAttention(torch.autograd.Function):
             dvs[j] += dv
             if ds is not None:
                 dtable.index_add_(0, buckets.flatten(), ds.sum(0).flatten(1).T)
-        return dq.to(q.dtype), _scatter_back(dks, keys, k), _scatter_back(dvs, keys, v), dtable, None
+        del ks, vs  # the gathered keys: freed before the reduce-scatters
+        return dq.to(q.dtype), _scatter_back(dk_all, keys, k), _scatter_back(dv_all, keys, v), dtable, None
 
 
-def _scatter_back(chunks: list[torch.Tensor], keys: _Keys, like: torch.Tensor) -> torch.Tensor:
-    """Sum every rank's gradient of the gathered keys into the owners' shards (one reduce-scatter)."""
-    cp = keys.cp
-    per_rank = [torch.cat((chunks[r], chunks[2 * cp - 1 - r]), 2) for r in range(cp)]
+def _scatter_back(grads: torch.Tensor, keys: _Keys, like: torch.Tensor) -> torch.Tensor:
+    """Sum every rank's gradient of the gathered keys, (cp, *shard) in rank order, into the
+    owners' shards (one reduce-scatter)."""
     out = torch.empty(like.shape, dtype=torch.float32, device=like.device)
-    dist.reduce_scatter_tensor(out, torch.cat(per_rank, 0), group=keys.group)
+    dist.reduce_scatter_tensor(out, grads.view(-1, *like.shape[1:]), group=keys.group)
     return out.to(like.dtype)
 
 
@@ -314,6 +319,8 @@ class ContextParallelAttention:
             bias=attn_bias,
         )
         table = attn_bias.embedding.weight if attn_bias is not None else None
+        if hasattr(table, "to_local"):  # tensor parallel: this rank's heads' columns (a DTensor)
+            table = table.to_local()
         return _ShardedAttention.apply(q, k, v, table, keys)
 
     def _all_keys(self, local: torch.Tensor) -> torch.Tensor:
@@ -409,7 +416,7 @@ def apply_context_parallel(model, group, kernel: str = "tformer", mesh=None) -> 
             module.bias_per_block = True
 
 
-def shard_batch(batch: dict[str, torch.Tensor], rank: int, cp: int, cfg) -> dict[str, torch.Tensor]:
+def shard_batch(batch: dict[str, torch.Tensor], rank: int, cp: int, cfg, tp: int = 1) -> dict[str, torch.Tensor]:
     """This rank's part of a batch of (B, S) fields. What needs the whole sequence is settled first:
     positions (restarting per document where there are documents), an encoder-decoder's shifted
     decoder input, and a key mask where a bidirectional stream gets a pad."""
@@ -427,9 +434,9 @@ def shard_batch(batch: dict[str, torch.Tensor], rank: int, cp: int, cfg) -> dict
             b, s = batch[ids].shape
             batch[pos] = positions_from_doc_ids(batch[docs]) if docs in batch else torch.arange(s).expand(b, s)
     b, s = batch["input_ids"].shape
-    if cfg.family != "decoder" and "attention_mask" not in batch and padded_length(s, cp) != s:
+    if cfg.family != "decoder" and "attention_mask" not in batch and padded_length(s, cp, tp) != s:
         batch["attention_mask"] = torch.ones(b, s, dtype=torch.long, device=batch["input_ids"].device)
-    return {k: shard_seq(v, rank, cp, pad_value=_PAD.get(k, 0)) for k, v in batch.items()}
+    return {k: shard_seq(v, rank, cp, pad_value=_PAD.get(k, 0), tp=tp) for k, v in batch.items()}
 
 
 def loss_tokens(labels: torch.Tensor, group) -> torch.Tensor:
@@ -447,13 +454,17 @@ def check_context_parallel(cfg, dims) -> None:
         return
     pcfg, cp = cfg.parallel, dims.cp
     refusals = (
-        (dims.tp > 1, f"with parallel.tp={dims.tp} (tensor parallelism)", "set parallel.tp=1"),
         (dims.pp > 1, f"with parallel.pp={dims.pp} (pipelines)", "set parallel.pp=1"),
         (cfg.model.attn_dropout > 0, "with attention dropout", "set model.attn_dropout=0"),
     )
     for bad, what, fix in refusals:
         if bad:
             raise ConfigError(f"parallel.cp={cp} does not run {what} yet; {fix}, or parallel.cp=1")
+    if pcfg.strategy == "ddp" and (dims.tp > 1 or dims.pp > 1):
+        raise ConfigError(
+            f"parallel.cp={cp} with parallel.{'tp' if dims.tp > 1 else 'pp'}>1 needs parallel.strategy=fsdp (DDP does "
+            "not wrap tensor-parallel or pipelined models, so the cp ranks' gradients would not be summed); set it"
+        )
     if pcfg.cp_kernel == "torch" and cfg.device != "cuda" and not torch.cuda.is_available():
         raise ConfigError("parallel.cp_kernel=torch runs torch's CUDA ring attention only; set parallel.cp_kernel=tformer")
 
@@ -464,6 +475,7 @@ def context_shard(inputs: dict[str, torch.Tensor], mesh, model_cfg) -> dict[str,
     micro-batch's mean: the data-parallel gradient average (FSDP2 over ``dp_shard x cp``, DDP over
     all ranks) divides by the ``cp`` ranks too."""
     cp_mesh = mesh["cp"]
-    shard = shard_batch(inputs, cp_mesh.get_local_rank(), cp_mesh.size(), model_cfg)
+    # under tensor parallelism each shard is a multiple of tp too (sequence parallel splits it again)
+    shard = shard_batch(inputs, cp_mesh.get_local_rank(), cp_mesh.size(), model_cfg, mesh["tp"].size())
     shard["loss_tokens"] = loss_tokens(shard["labels"], cp_mesh.get_group()) / cp_mesh.size()
     return shard

@@ -326,7 +326,9 @@ def loss_context(enabled: bool):
     return loss_parallel()
 
 
-def vocab_parallel_loss(logits, labels: torch.Tensor, vocab_size: int, label_smoothing: float = 0.0, *, mesh):
+def vocab_parallel_loss(
+    logits, labels: torch.Tensor, vocab_size: int, label_smoothing: float = 0.0, loss_tokens=None, *, mesh
+):
     """Mean cross-entropy over labelled positions of vocabulary-sharded logits (a DTensor sharded on
     its last dim), under ``loss_parallel``: the same value and gradients as ``lm_loss`` on the
     gathered logits sliced to ``vocab_size``.
@@ -334,7 +336,8 @@ def vocab_parallel_loss(logits, labels: torch.Tensor, vocab_size: int, label_smo
     torch's loss parallel covers log-softmax + NLL only (its log-softmax backward is fused into
     NLL's), so label smoothing is written without a second log-softmax use:
     ``(1 - e) nll + e (lse - mean z) = nll + e (z_target - mean z)``, a linear term whose pieces
-    are per-shard sums added over the ranks."""
+    are per-shard sums added over the ranks. ``loss_tokens`` divides the sums in place of the count of
+    labelled positions (``models/base.lm_loss``)."""
     from torch.distributed.tensor import DTensor, Partial, Shard
 
     padded = logits.shape[-1]
@@ -346,8 +349,10 @@ def vocab_parallel_loss(logits, labels: torch.Tensor, vocab_size: int, label_smo
     masked = logits
     if padded != vocab_size:  # padded columns never win probability mass
         masked = logits + DTensor.from_local((~real).float() * -1e30, mesh, [Shard(0)], run_check=False)
-    loss = F.nll_loss(F.log_softmax(masked, dim=-1), labels, ignore_index=-100)
-    loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+    valid = (labels != -100).float()
+    count = valid.sum() if loss_tokens is None else loss_tokens
+    loss = F.nll_loss(F.log_softmax(masked, dim=-1), labels, ignore_index=-100, reduction="sum")
+    loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss) / count
     if not label_smoothing:
         return loss
     local = logits.to_local()
@@ -358,8 +363,7 @@ def vocab_parallel_loss(logits, labels: torch.Tensor, vocab_size: int, label_smo
     def summed(t):  # the sum over the tp ranks of each rank's part
         return DTensor.from_local(t, mesh, [Partial()], run_check=False).full_tensor()
 
-    valid = (labels != -100).float()
-    extra = ((summed(picked) - summed(row_sum) / vocab_size) * valid).sum() / valid.sum()
+    extra = ((summed(picked) - summed(row_sum) / vocab_size) * valid).sum() / count
     return loss + label_smoothing * extra
 
 
