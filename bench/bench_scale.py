@@ -45,6 +45,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -760,9 +761,143 @@ def cp_part(tmp: str, cache: str) -> None:
     )
 
 
+# The longest sequence within a per-rank budget (module doc, part 7): a tiny Llama (d 64, 2 layers,
+# GQA 4/2 heads, vocabulary 1024), one sequence, fp32, AC none, the unchunked loss-only head
+CP_BUDGET = 48 * 2**20  # activation + temporary bytes per rank (MemTracker's running peak)
+CP_PLAN_SEQ = 8192  # where tformer plan's per-rank activations are held against the measured peak
+
+
+def _cp_model():
+    from tformer.models import build_model
+
+    torch.manual_seed(0)
+    return build_model("llama-tiny", num_layers=2, max_seq_len=1 << 17, dropout=0.0, attn_dropout=0.0)
+
+
+def _cp_step(model, seq, rank, world, track: bool):
+    """(peak activation + temporary bytes of the largest rank, seconds) of one training forward +
+    backward of one ``seq``-token sequence, this rank holding its cp shard of it."""
+    import time
+
+    import torch.distributed as dist
+
+    from tformer.parallel.context import loss_tokens, shard_batch
+
+    gen = torch.Generator().manual_seed(seq)
+    vocab = model.config.vocab_size
+    batch = {"input_ids": torch.randint(1, vocab, (1, seq), generator=gen)}
+    batch["labels"] = torch.randint(1, vocab, (1, seq), generator=gen)
+    if world > 1:
+        batch = shard_batch(batch, rank, world, model.config)
+        batch["loss_tokens"] = loss_tokens(batch["labels"], dist.group.WORLD)
+    tracker = _activation_peak_tracker() if track else contextlib.nullcontext()
+    if track:
+        tracker.track_external(model)
+    t0 = time.perf_counter()
+    with tracker:
+        loss = model(**batch, return_logits=False).loss
+        loss.backward()
+    seconds = time.perf_counter() - t0
+    ok = bool(torch.isfinite(loss)) and all(p.grad is not None for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    stats = torch.tensor([float(tracker.peak_activations if track else 0), seconds, 0.0 if ok else 1.0])
+    if world > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    return stats[0].item(), stats[1].item(), stats[2].item() == 0
+
+
+def _longest(model, rank, world) -> tuple[int, bool]:
+    """The longest sequence (to 2%, a multiple of 2 cp) whose step stays within ``CP_BUDGET``:
+    doubling, then bisection; every rank probes the same lengths (the ranks' largest peak decides)."""
+    step = 2 * world
+    fits = lambda n: _cp_step(model, n, rank, world, True)[0] <= CP_BUDGET  # noqa: E731
+    lo, hi, ok = 0, 1024, True
+    while fits(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > max(step, lo // 50):
+        mid = (lo + hi) // 2 // step * step
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, ok
+
+
+def _cp_length_worker(rank, world, port, out, cache):
+    import json
+
+    _become_rank(rank, world, port, cache)
+    import torch.distributed as dist
+
+    from tformer.parallel.context import apply_context_parallel
+
+    if world > 1:
+        dist.init_process_group("gloo")
+    model = _cp_model()
+    if world > 1:
+        apply_context_parallel(model, dist.group.WORLD)
+    peak, _, ok = _cp_step(model, CP_PLAN_SEQ, rank, world, True)
+    _cp_step(model, CP_PLAN_SEQ, rank, world, False)  # warm-up for the timed step
+    seconds = _cp_step(model, CP_PLAN_SEQ, rank, world, False)[1]
+    longest, _ = _longest(model, rank, world)
+    if rank == 0:
+        report = {"peak": peak, "ok": ok, "seconds": seconds, "longest": longest}
+        Path(f"{out}/cplen{world}.json").write_text(json.dumps(report))
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _planned_activations(cp: int) -> float:
+    from tformer.parallel.plan import activation_bytes, cp_activation_bytes
+
+    cfg = _cp_model().config
+    memory = {"return_logits": False, "chunk": None}
+    if cp == 1:
+        return activation_bytes(cfg, 1, CP_PLAN_SEQ, None, "none", False, **memory)
+    return cp_activation_bytes(cfg, 1, CP_PLAN_SEQ, None, "none", False, cp, **memory)
+
+
+def cp_length_part(tmp: str, cache: str) -> None:
+    """The longest sequence per rank budget, tformer plan against the measured peak, step time
+    (module doc, part 7)."""
+    import json
+
+    _cp_length_worker(0, 1, _port(), tmp, cache)
+    for world in (2, 4):
+        mp.start_processes(
+            _cp_length_worker, args=(world, _port(), tmp, cache), nprocs=world, join=True, start_method="spawn"
+        )
+    runs = {w: json.loads(Path(f"{tmp}/cplen{w}.json").read_text()) for w in (1, 2, 4)}
+    mb = 2**20
+    print(
+        f"\n=== context parallelism: the longest sequence within {CP_BUDGET / mb:.0f} MB of activations + temporaries "
+        "per rank (MemTracker peak of one forward + backward), tiny Llama d 64, 2 layers, fp32 ==="
+    )
+    print(f"{'cp':>3}{'longest':>9}{'vs cp=1':>9}{'plan MB':>9}{'measured MB':>12}{'plan/meas':>10}{'step s':>8}{'ran':>5}")
+    misses = []
+    for w, r in runs.items():
+        plan = _planned_activations(w)
+        ratio = plan / r["peak"]
+        misses.append(abs(ratio - 1) > 0.15 or not r["ok"])
+        print(
+            f"{w:>3}{r['longest']:>9}{r['longest'] / runs[1]['longest']:>9.2f}{plan / mb:>9.1f}{r['peak'] / mb:>12.1f}"
+            f"{ratio:>10.3f}{r['seconds']:>8.2f}{'yes' if r['ok'] else 'NO':>5}"
+        )
+    reach = runs[4]["longest"] / runs[1]["longest"]
+    print(f"longest sequence cp=4 / cp=1: {reach:.2f}x (target >= 3.5x) {'PASS' if reach >= 3.5 else 'MISS'}")
+    print(
+        f"tformer plan's per-rank activations at seq {CP_PLAN_SEQ} within 15% of the measured peak for cp 1, 2, 4: "
+        f"{'PASS' if not any(misses) else 'MISS'}"
+    )
+    print(
+        f"step time at seq {CP_PLAN_SEQ}: cp=2 {runs[2]['seconds']:.2f}s vs 1 process {runs[1]['seconds']:.2f}s "
+        f"({runs[1]['seconds'] / runs[2]['seconds']:.2f}x; informational on a shared 2-core CPU)"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--part", choices=("memory", "ac", "throughput", "mesh", "pipeline", "cp", "all"), default="all")
+    p.add_argument(
+        "--part", choices=("memory", "ac", "throughput", "mesh", "pipeline", "cp", "cp-length", "all"), default="all"
+    )
     p.add_argument("--precisions", default="bf16,fp32", help="memory part: bf16 (mixed) and/or fp32")
     p.add_argument("--micro", type=int, default=8, help="throughput part: micro-batch per rank")
     p.add_argument("--seq", type=int, default=256, help="throughput part: sequence length")
@@ -784,6 +919,9 @@ def main() -> None:
             pipeline_part(tmp, cache)
         if args.part in ("cp", "all"):
             cp_part(tmp, cache)
+            cp_length_part(tmp, cache)
+        if args.part == "cp-length":
+            cp_length_part(tmp, cache)
 
 
 if __name__ == "__main__":

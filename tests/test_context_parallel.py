@@ -403,7 +403,11 @@ def test_trainer_cp2_equals_the_single_process_run(tmp_path_factory):
             ["parallel.cp=2", "parallel.strategy=deepspeed"],
             "parallel.cp=2 does not compose with parallel.strategy=deepspeed",
         ),
-        (4, ["parallel.cp=2", "parallel.tp=2", "parallel.strategy=ddp"], "parallel.cp=2 with parallel.tp>1 needs parallel.strategy=fsdp"),
+        (
+            4,
+            ["parallel.cp=2", "parallel.tp=2", "parallel.strategy=ddp"],
+            "parallel.cp=2 with parallel.tp>1 needs parallel.strategy=fsdp",
+        ),
         (2, ["parallel.cp=2", "model.attn_dropout=0.1"], "does not run with attention dropout yet"),
         (2, ["parallel.cp=2", "parallel.cp_kernel=torch", "device=cpu"], "parallel.cp_kernel=torch runs torch's CUDA"),
         (2, ["parallel.cp=0"], "parallel.cp"),
@@ -542,3 +546,72 @@ def test_cp2_x_tp2_equals_the_single_process_run(tmp_path_factory):
     run_ranks(4, jobs, os.environ["TFORMER_CACHE"])
     for i, (name, common, _) in enumerate(CP_TP_CASES):
         assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, 1, *common))
+
+
+# ---- the planner with cp
+
+
+def _long_gpt2(seq=65536):
+    from tformer.train.config import load_config
+
+    from train_helpers import CONFIGS
+
+    return load_config(
+        CONFIGS / "gpt2-tiny.yaml",
+        [f"data.seq_len={seq}", f"model.max_seq_len={seq}", "micro_batch_size=1", "precision=fp32"],
+    )
+
+
+def test_plan_layouts_include_cp():
+    from tformer.parallel.plan import cp_layouts
+
+    got = cp_layouts(_long_gpt2().model, 8)
+    assert {cp for _, _, cp in got} == {2, 4, 8}
+    assert ("fsdp", 2, 2) in got and ("ddp", 1, 4) in got and ("ddp", 2, 2) not in got  # DDP does not wrap TP
+    assert all(8 % (tp * cp) == 0 for _, tp, cp in got)
+
+
+def test_plan_cp_activations_per_rank_with_the_gathered_kv():
+    """Per rank: the blocks' and the head's activations of seq / cp tokens, plus one attention call's
+    whole-sequence K/V (gathered) and their fp32 gradients, which do not shrink with cp."""
+    from tformer.parallel.plan import activation_bytes, cp_activation_bytes, cp_attention_bytes
+
+    cfg = _long_gpt2().model
+    seq, kv = 8192, cfg.kv_heads * cfg.head_dim
+    gathered = cp_attention_bytes(cfg, 1, seq, None, False, 4)
+    assert gathered == 2 * kv * seq * (4 + 4) == cp_attention_bytes(cfg, 1, seq, None, False, 2)
+    assert cp_attention_bytes(cfg, 1, seq, None, True, 4) == 2 * kv * seq * (2 + 4)  # bf16 K/V, fp32 grads
+    memory = {"return_logits": False, "chunk": None}
+    one = activation_bytes(cfg, 1, seq, None, "none", False, **memory)
+    for cp in (2, 4):
+        per_rank = cp_activation_bytes(cfg, 1, seq, None, "none", False, cp, **memory)
+        local = activation_bytes(cfg, 1, seq // cp, None, "none", False, **memory)
+        lse = cfg.num_layers * seq // cp * cfg.num_heads * 4
+        assert per_rank == pytest.approx(local + lse + gathered)
+        assert one / cp < per_rank < one / cp + gathered + lse + 1
+    # T5: keys of the longer stream; the chunk pair's scores with the relative bias
+    t5 = _long_gpt2().model.replace(family="encdec", position="relative", num_decoder_layers=2)
+    plain = cp_attention_bytes(t5.replace(position="learned"), 1, 4096, 1024, False, 2)
+    assert plain == 2 * kv * 4096 * 8
+    assert cp_attention_bytes(t5, 1, 4096, 1024, False, 2) == plain + t5.num_heads * 1024 * 1024 * 16
+
+
+def test_plan_recommends_cp_when_a_sequence_fits_no_other_layout(capsys):
+    """A 65k-token sequence on 8 devices of 500 MiB: no layout without CP fits (AC full recomputes a
+    whole block of 65k tokens), cp=4 does; plan prints its table and overrides."""
+    from tformer.parallel.plan import plan_main, recommend, recommend_cp, training_memory
+
+    cfg = _long_gpt2()
+    settings = {**training_memory(cfg), "loss_parallel": True}
+    memory = 500 * 2**20
+    assert recommend(cfg.model, 8, memory, 65536, None, False, settings=settings, max_pp=8) == []
+    best = recommend_cp(cfg.model, 8, memory, 65536, None, False, settings=settings)[0]
+    assert best.cp > 1 and best.total <= 0.9 * memory
+    assert plan_main(cfg, "gpt2-tiny.yaml", 8, "500MiB") == 0
+    out = capsys.readouterr().out
+    assert "context-parallel layouts" in out and "recommendation: context parallelism" in out
+    assert f"parallel.cp={best.cp}" in out and "nothing fits" not in out
+    # a sequence that fits without CP is not sent to it
+    short = _long_gpt2(1024)
+    assert plan_main(short, "gpt2-tiny.yaml", 8, "500MiB") == 0
+    assert "context parallelism" not in capsys.readouterr().out

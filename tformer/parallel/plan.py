@@ -317,6 +317,7 @@ class Estimate:
     pp_rank: int = 0  # the pipeline rank these bytes are of (the layout's worst one)
     in_flight: float = 1  # micro-batches (through all of the rank's blocks) held at the peak
     bubble: float = 0.0  # the step's idle share
+    cp: int = 1  # context-parallel ranks sharing each sequence (cp_estimate)
 
     @property
     def total(self) -> float:
@@ -931,6 +932,168 @@ def _pp_refused(cfg) -> str | None:
     return None
 
 
+# --- context parallelism (parallel/context.py): each sequence cut over cp ranks ---------------------
+CP_DEGREES = (2, 4, 8, 16, 32)
+
+
+def cp_local_length(seq: int, cp: int, tp: int = 1, sp: bool = False) -> int:
+    """Tokens one rank holds of a ``seq``-token sequence (padded to 2 cp chunks, and to tp under SP)."""
+    from .context import padded_length
+
+    return padded_length(seq, cp, tp if sp else 1) // cp
+
+
+def cp_attention_bytes(
+    cfg: ModelConfig, micro_batch: int, seq: int, target: int | None, mixed: bool, cp: int, tp: int = 1
+) -> float:
+    """Peak bytes one context-parallel attention call adds in its backward, one call at a time: the
+    whole sequence's keys and values all-gathered (the activations' dtype), their gradients (fp32,
+    in the reduce-scatter's layout) and, with T5's relative bias, the chunk pair's scores, their
+    gradient and bias (fp32, the math path that also gives the bias its gradient)."""
+    elt = 2 if mixed else 4
+    keys = max(seq, target or 0)  # the longest stream of keys (T5's cross-attention: the encoder's)
+    kv = cfg.kv_heads * cfg.head_dim / tp
+    gathered = 2 * kv * keys * (elt + 4)
+    pair = 0.0
+    if cfg.position == "relative":
+        chunk = -(-keys // (2 * cp))
+        pair = cfg.num_heads / tp * chunk * chunk * (3 * 4 + elt)
+    return micro_batch * (gathered + pair)
+
+
+def cp_activation_bytes(
+    cfg: ModelConfig,
+    micro_batch: int,
+    seq: int,
+    target: int | None,
+    ac: str,
+    mixed: bool,
+    cp: int,
+    tp: int = 1,
+    sp: bool = False,
+    transient: bool = True,
+    **memory,
+) -> float:
+    """``activation_bytes`` of one rank holding ``seq / cp`` tokens of every sequence (and of the
+    target): its blocks keep per token what they keep on one device, except that the attention
+    keeps q, k, v, its output and a log-sum-exp (fp32) per head whatever the kernel, never (queries
+    x keys) probabilities or a bias; with ``transient`` the gathered K/V of one attention call
+    (``cp_attention_bytes``) are added to the backward peak."""
+    local = cp_local_length(seq, cp, tp, sp)
+    local_target = cp_local_length(target, cp, tp, sp) if target else None
+    kept_like_sdpa = cfg.replace(attn_impl="sdpa", position="none")
+    total = activation_bytes(
+        kept_like_sdpa, micro_batch, local, local_target, ac, mixed, transient=transient, tp=tp, sp=sp, **memory
+    )
+    if ac == "none":
+        calls = cfg.num_layers + (2 * cfg.decoder_layers if cfg.family == "encdec" else 0)
+        total += micro_batch * calls * max(local, local_target or 0) * cfg.num_heads / tp * 4  # log-sum-exp
+    if transient:
+        total += cp_attention_bytes(cfg, micro_batch, seq, target, mixed, cp, tp)
+    return total
+
+
+def cp_estimate(
+    cfg: ModelConfig,
+    strategy: str,
+    devices: int,
+    micro_batch: int,
+    seq: int,
+    target: int | None,
+    ac: str,
+    mixed: bool,
+    cp: int,
+    tp: int = 1,
+    sp: bool = False,
+    **memory,
+) -> Estimate:
+    """One rank of ``devices`` = dp_shard x cp x tp (``estimate``'s mesh with cp): FSDP2 shards the
+    model states over dp_shard x cp (the cp ranks hold the same parameters); DDP keeps them whole."""
+    dp_shard = devices // (cp * tp)
+    cfg = pad_vocab_for_tp(cfg, tp)
+    memory = {"fp32_weights": strategy == "ddp", **memory}
+    states = model_state_bytes(strategy, tp_local_parameters(cfg, tp), dp_shard * cp, mixed, as_built=True)
+    activations = cp_activation_bytes(cfg, micro_batch, seq, target, ac, mixed, cp, tp=tp, sp=sp, **memory)
+    return Estimate(strategy, ac, micro_batch, states, activations, 1, dp_shard, tp, sp, cp=cp)
+
+
+def cp_layouts(cfg: ModelConfig, devices: int) -> list[tuple[str, int, int]]:
+    """(strategy, tp, cp) of every context-parallel layout tried: cp a power of two dividing the
+    devices (with tp), FSDP2 (and DDP without TP) over the rest; pipelines do not take cp yet."""
+    out = []
+    for cp in (c for c in CP_DEGREES if devices % c == 0):
+        for tp in (t for t in tp_degrees(cfg, devices)[0] if devices % (cp * t) == 0):
+            out += [(strategy, tp, cp) for strategy in (("ddp", "fsdp") if tp == 1 else ("fsdp",))]
+    return out
+
+
+def recommend_cp(
+    cfg: ModelConfig,
+    devices: int,
+    memory: float,
+    seq: int,
+    target: int | None,
+    mixed: bool = True,
+    headroom: float = 0.9,
+    settings: dict | None = None,
+    gpus_per_node: int = 8,
+) -> list[Estimate]:
+    """The context-parallel layouts that fit, best first, for a sequence no other layout fits
+    (``recommend`` is asked first): the smallest cp (its K/V all-gather per attention call is the
+    cost), no full recomputation, then ``recommend``'s order (tp within a node, no tp, the cheapest
+    communication and recomputation, the largest micro-batch)."""
+    fits = []
+    for index, (strategy, tp, cp) in enumerate(cp_layouts(cfg, devices)):
+        for ac_rank, ac in enumerate(("none", "op", "full")):
+            for mb in (64, 32, 16, 8, 4, 2, 1):
+                e = cp_estimate(cfg, strategy, devices, mb, seq, target, ac, mixed, cp, tp=tp, sp=tp > 1, **(settings or {}))
+                if e.total <= headroom * memory:
+                    fits.append(((ac == "full", cp, tp > gpus_per_node, tp, index, ac_rank, -mb), e))
+                    break
+    return [e for _, e in sorted(fits, key=lambda pair: pair[0])]
+
+
+def _cp_overrides(e: Estimate) -> str:
+    ac = "" if e.ac == "none" else f" parallel.activation_checkpointing={e.ac}"
+    return (
+        f"parallel.strategy={e.strategy} parallel.cp={e.cp} parallel.dp_shard={e.dp_shard} parallel.tp={e.tp}"
+        + (" parallel.sp=true loss.chunk_size=null" if e.sp else "")
+        + f" micro_batch_size={e.micro_batch}{ac}"
+    )
+
+
+def _print_cp_recommendation(cfg, model_cfg, devices: int, memory: float, target, mixed: bool, settings: dict) -> int:
+    """When no layout without CP fits: the context-parallel table and the best CP layout."""
+    gib = 2**30
+    seq = cfg.data.seq_len
+    print(f"\ncontext-parallel layouts (each sequence cut over cp ranks; per rank, micro-batch {cfg.micro_batch_size}):")
+    print(f"{'strategy':<16}{'dp_shard':>9}{'cp':>4}{'tp':>4}{'tokens/rank':>12}{'none':>8}{'op':>8}{'full':>8}")
+    for strategy, tp, cp in cp_layouts(model_cfg, devices):
+        mb = cfg.micro_batch_size
+        totals = [
+            cp_estimate(model_cfg, strategy, devices, mb, seq, target, ac, mixed, cp, tp=tp, sp=tp > 1, **settings)
+            for ac in ("none", "op", "full")
+        ]
+        print(
+            f"{strategy:<16}{totals[0].dp_shard:>9}{cp:>4}{tp:>4}{cp_local_length(seq, cp, tp, tp > 1):>12}"
+            + "".join(f"{t.total / gib:>8.1f}" for t in totals)
+        )
+    fits = recommend_cp(model_cfg, devices, memory, seq, target, mixed, settings=settings)
+    if not fits:
+        print("recommendation: nothing fits, with context parallelism either; use more devices or a shorter sequence")
+        return 1
+    best = fits[0]
+    gathered = cp_attention_bytes(model_cfg, best.micro_batch, seq, target, mixed, best.cp, best.tp)
+    print(
+        f"recommendation: context parallelism (no layout without it fits seq {seq}): {best.strategy}, mesh "
+        f"dp_shard={best.dp_shard} cp={best.cp} tp={best.tp}{' sp' if best.sp else ''}, micro_batch_size="
+        f"{best.micro_batch}, AC {best.ac} ({best.total / gib:.2f} GiB per device, of which "
+        f"{gathered / gib:.2f} the gathered K/V)\n"
+        f"  overrides: {_cp_overrides(best)}"
+    )
+    return 0
+
+
 def plan_main(
     cfg,
     config: str,
@@ -1033,8 +1196,7 @@ def plan_main(
         n_micro=n_micro,
     )
     if not fits:
-        print("recommendation: nothing fits; use more devices, a shorter sequence or a smaller model")
-        return 1
+        return _print_cp_recommendation(cfg, model_cfg, devices, memory, target, mixed, settings)
     best = fits[0]
     pipe = "" if best.pp == 1 else f"pp={best.pp} "
     mesh = (
