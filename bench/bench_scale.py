@@ -39,7 +39,15 @@
    0.522x / 0.261x; T5 726 MB -> 0.033x / 0.016x, because one process builds T5's (heads, S, S)
    relative bias and mask whole (~0.7 GB at 4096), which the chunk-pair path never does.
 
-    .venv/bin/python bench/bench_scale.py [--part memory|ac|throughput|mesh|pipeline|cp] [--micro 8 --seq 256 --rounds 2]
+7. Context parallelism's reach (``--part cp`` after 6, or ``--part cp-length`` alone; 1, 2 and 4 CPU
+   processes): the longest sequence a tiny Llama (d 64, 2 layers, GQA) trains within a fixed budget
+   of activation + temporary bytes per rank (MemTracker's running peak over one forward + backward,
+   the gathered K/V included), searched by doubling and bisection to 2%; target cp=4 >= 3.5x cp=1.
+   Then ``tformer plan``'s per-rank activations (``plan.cp_activation_bytes``) against the measured
+   peak at seq 8192 for cp 1, 2, 4 (within 15%), and the step time of cp=2 against one process
+   (informational).
+
+    .venv/bin/python bench/bench_scale.py [--part memory|ac|throughput|mesh|pipeline|cp|cp-length] [--micro 8 --seq 256 --rounds 2]
 """
 
 from __future__ import annotations

@@ -506,12 +506,12 @@ def test_cp2_evaluates_decodes_and_generates_like_one_process(tmp_path):
     at seq 63 under FSDP2 over the cp ranks; the translation Transformer's ragged token-budget batches)."""
     import test_sp_lengths as sp
 
-    cache = tmp_path / "cache"
-    os.environ["TFORMER_CACHE"] = str(cache)
+    cache_dir = tmp_path / "cache"
+    os.environ["TFORMER_CACHE"] = str(cache_dir)
     cp = ["parallel.cp=2", "parallel.strategy=fsdp"]
     llama = sp._overrides(sp.LLAMA_GQA, tmp_path / "llama", *sp.ODD, *cp)
     translate = sp._overrides(sp.TRANSLATE, tmp_path / "translate", *cp)
-    run_ranks(2, [(*llama, str(tmp_path / "llama.pt")), (*translate, None)], str(cache), worker=sp._worker)
+    run_ranks(2, [(*llama, str(tmp_path / "llama.pt")), (*translate, None)], str(cache_dir), worker=sp._worker)
     ref = sp._reference(sp.LLAMA_GQA, tmp_path / "llama-ref", *sp.ODD)
     sp.assert_same_run(tmp_path / "llama", tmp_path / "llama-ref")
     got = torch.load(tmp_path / "llama.pt")
