@@ -47,7 +47,8 @@
    peak at seq 8192 for cp 1, 2, 4 (within 15%), and the step time of cp=2 against one process
    (informational).
 
-    .venv/bin/python bench/bench_scale.py [--part memory|ac|throughput|mesh|pipeline|cp|cp-length] [--micro 8 --seq 256 --rounds 2]
+    .venv/bin/python bench/bench_scale.py [--part memory|ac|throughput|mesh|pipeline|cp|cp-length]
+        [--micro 8 --seq 256 --rounds 2]
 """
 
 from __future__ import annotations
