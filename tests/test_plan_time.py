@@ -161,3 +161,31 @@ def test_op_alternate_recomputes_every_second_mm_of_a_block(name, recomputed):
     assert alternate.breakdown["compute"] - op.breakdown["compute"] == pytest.approx(extra, rel=1e-9)
     assert alternate.breakdown["memory-bound"] == op.breakdown["memory-bound"]  # both recompute the elementwise ops
     assert "op-alternate" in AC_POLICIES and alternate.memory == op.memory  # memory priced as op (an upper bound)
+
+
+def test_unfused_attention_executes_every_score_and_moves_them_through_memory():
+    """Explicit score GEMMs (Megatron-LM 2021) compute all S x S products of causal attention and
+    a 2x backward: at equal tokens, doubling the sequence adds 3 x the whole core's forward (flash:
+    3.5 x half of it). Their softmax and dropout kernels read and write the scores: with dropout
+    and full recomputation, 2 x 9 bytes forward + 11 backward per fp16 score; flash moves none."""
+    cfg, hw = preset("gpt2-tiny"), _ideal()
+    shapes = ((2, 512), (1, 1024))
+
+    def run(attention, ac="none"):
+        return [step_time(cfg, Layout(micro_batch=mb, attention=attention, ac=ac), hw, seq) for mb, seq in shapes]
+
+    core = [sum(g.counted for g in block_gemms(cfg, mb, seq) if not g.linear) * cfg.num_layers for mb, seq in shapes]
+    seconds_per_flop = 1 / (hw.peak["bf16"] * hw.gemm_max)
+    for attention, factor in (("unfused", 3.0), ("flash", 3.5 / 2)):
+        short, long = run(attention)
+        added = (long.breakdown["compute"] - short.breakdown["compute"]) / ((core[1] - core[0]) * seconds_per_flop)
+        assert added == pytest.approx(factor, rel=1e-6), attention
+    dropout = preset("gpt2-tiny", attn_dropout=0.1)
+    flash, unfused = (
+        step_time(dropout, Layout(micro_batch=2, attention=a, ac="full"), hw, 512) for a in ("flash", "unfused")
+    )
+    scores = 2 * dropout.num_heads * 512 * 512 * dropout.num_layers
+    moved = (unfused.breakdown["memory-bound"] - flash.breakdown["memory-bound"]) * hw.hbm_bandwidth * hw.hbm_efficiency
+    assert moved == pytest.approx(scores * (2 * 9 + 11), rel=1e-9)
+    with pytest.raises(NotPriced, match="attention kernel 'xformers'"):
+        step_time(cfg, Layout(attention="xformers"), hw, 64)

@@ -11,11 +11,14 @@ One step on one device is the sum of
   and up of a Llama block, priced so that its published rows can be; tformer's trainer does not
   offer it); the head (forward and a 2x backward). Causal attention executes half of its S x S
   products (flash kernels skip the masked blocks), while MFU counts all of them (models/flops.py,
-  the field's convention);
+  the field's convention). ``Layout.attention="unfused"`` prices the explicit kernels other systems
+  ran before flash attention (Megatron-LM 2021: two batched GEMMs around a fused
+  scale-mask-softmax): all S x S products executed, a backward of 2 x the forward;
 - **memory-bound work** at ``hbm_bandwidth x hbm_efficiency``: the elementwise ops (norms, residual
   adds, rotary, activations, dropout; backward twice the forward's traffic, the recomputed ones again
   under any checkpointing policy), the head's softmax and loss, and the optimizer step (AdamW, the gradient norm
-  and zeroing: 44 bytes per fp32 parameter the rank updates);
+  and zeroing: 44 bytes per fp32 parameter the rank updates); with unfused attention, the softmax
+  and dropout kernels over the S x S scores (``_score_bytes``);
 - **exposed communication** by kind, priced with ring formulas (all-gather or reduce-scatter of S
   bytes over n ranks: (n-1)/n S / bandwidth + (n-1) latency; all-reduce twice that) over the link
   the group lies on: inside a node when its ranks fit in one (``_link``), the network otherwise;
@@ -55,6 +58,7 @@ OPTIMIZER_BYTES = (
 
 ATTENTION_BACKWARD = 2.5  # flash attention's backward: 5 matmuls of the forward's 2 (``_backward_time``)
 AC_POLICIES = ("none", "op", "op-alternate", "full")
+ATTENTION_KERNELS = ("flash", "unfused")
 
 
 class NotPriced(ConfigError):
@@ -85,6 +89,7 @@ class Layout:
     ep: int = 1  # expert parallelism: not built, not priced
     float8: bool = False  # not priced
     async_tp: bool = False  # not priced
+    attention: str = "flash"  # ATTENTION_KERNELS: flash (SDPA, tformer's) | unfused (explicit S x S scores)
 
     @property
     def devices(self) -> int:
@@ -128,6 +133,8 @@ def why_not_priced(layout: Layout, hw: Hardware) -> str | None:
         reasons.append(f"context parallelism cp={layout.cp} (not built in tformer yet)")
     if layout.ep > 1:
         reasons.append(f"expert parallelism ep={layout.ep} (not built in tformer yet)")
+    if layout.attention not in ATTENTION_KERNELS:
+        reasons.append(f"attention kernel {layout.attention!r} (priced: {', '.join(ATTENTION_KERNELS)})")
     if layout.ac not in AC_POLICIES:
         reasons.append(f"activation checkpointing {layout.ac!r} (priced: {', '.join(AC_POLICIES)})")
     if layout.strategy not in memory_plan.STRATEGY_NAMES:
@@ -166,13 +173,16 @@ def _linear(tokens: float, n_out: float, k_in: float) -> Gemm:
     return Gemm(2 * tokens * n_out * k_in, 2 * tokens * n_out * k_in, tokens, n_out, k_in)
 
 
-def _attention_gemms(cfg: ModelConfig, batch: int, q_len: int, kv_len: int, tp: int, causal: bool) -> list[Gemm]:
+def _attention_gemms(
+    cfg: ModelConfig, batch: int, q_len: int, kv_len: int, tp: int, causal: bool, flash: bool
+) -> list[Gemm]:
     """One attention layer in execution order: the q, k, v projections over the tokens, scores and
-    weighted values per sample and head, the output projection."""
+    weighted values per sample and head, the output projection. A flash kernel skips the masked
+    half of causal scores; explicit (unfused) score GEMMs compute all of them."""
     d, h, kv, dk = cfg.d_model, cfg.num_heads // tp, cfg.kv_heads // tp, cfg.head_dim
     tq, tk = batch * q_len, batch * kv_len
     core = 2 * batch * h * q_len * kv_len * dk
-    executed = core / 2 if causal else core
+    executed = core / 2 if causal and flash else core
     return [
         _linear(tq, h * dk, d),  # q
         _linear(tk, kv * dk, d),  # k
@@ -190,13 +200,15 @@ def _ffn_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[Gemm]:
     return [_linear(tokens, ff, d)] * (2 if gated else 1) + [_linear(tokens, d, ff)]
 
 
-def block_gemms(cfg: ModelConfig, batch: int, seq: int, tp: int = 1, cross_len: int | None = None) -> list[Gemm]:
+def block_gemms(
+    cfg: ModelConfig, batch: int, seq: int, tp: int = 1, cross_len: int | None = None, flash: bool = True
+) -> list[Gemm]:
     """The forward GEMMs of one block in execution order (``cross_len``: an encoder-decoder's
     decoder block)."""
     causal = cfg.family != "encoder"
-    out = _attention_gemms(cfg, batch, seq, seq, tp, causal)
+    out = _attention_gemms(cfg, batch, seq, seq, tp, causal, flash)
     if cross_len is not None:
-        out += _attention_gemms(cfg, batch, seq, cross_len, tp, False)
+        out += _attention_gemms(cfg, batch, seq, cross_len, tp, False, flash)
     return out + _ffn_gemms(cfg, batch * seq, tp)
 
 
@@ -225,11 +237,31 @@ def _gemm_time(gemms: list[Gemm], peak: float, hw: Hardware) -> float:
     return sum(g.executed / (peak * gemm_efficiency(g.m, g.n, g.k, hw)) for g in gemms)
 
 
-def _backward_time(gemms: list[Gemm], peak: float, hw: Hardware) -> float:
+def _backward_time(gemms: list[Gemm], peak: float, hw: Hardware, flash: bool = True) -> float:
     """A linear layer's backward is two GEMMs of its forward's size (input and weight gradients);
     attention's core under flash / memory-efficient kernels is 2.5 times its forward: the kernel
-    recomputes the scores (QK^T) and then makes dV, dP, dQ and dK, five products against two."""
-    return sum((2.0 if g.linear else ATTENTION_BACKWARD) * _gemm_time([g], peak, hw) for g in gemms)
+    recomputes the scores (QK^T) and then makes dV, dP, dQ and dK, five products against two.
+    Unfused attention keeps its probabilities and makes only the last four: 2 times."""
+    core = ATTENTION_BACKWARD if flash else 2.0
+    return sum((2.0 if g.linear else core) * _gemm_time([g], peak, hw) for g in gemms)
+
+
+def _score_bytes(cfg: ModelConfig, layout: Layout, batch: int, q_len: int, kv_len: int) -> float:
+    """Bytes the elementwise kernels of unfused attention move over the S x S scores of one
+    attention layer in one step (flash keeps them on chip: 0). Per score, forward: the fused
+    scale-mask-softmax reads and writes (2 elements), dropout on the probabilities reads, writes
+    and stores a 1-byte mask; backward: dropout's backward reads, writes and reads the mask, the
+    softmax's backward reads the probabilities and their gradient and writes the scores' (3); the
+    forward once more under full recomputation. The GEMMs' own reads and writes overlap their
+    compute, as everywhere in this model."""
+    if layout.attention == "flash":
+        return 0.0
+    elt = 2 if layout.mixed else 4
+    drop = cfg.attn_dropout > 0
+    forward = (2 + 2 * drop) * elt + drop
+    backward = (3 + 2 * drop) * elt + drop
+    scores = batch * cfg.num_heads / layout.tp * q_len * kv_len
+    return scores * (forward * (2 if layout.ac == "full" else 1) + backward)
 
 
 # --- memory-bound work ------------------------------------------------------------------------------
@@ -343,11 +375,12 @@ def _micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, 
     first, second = stage.blocks
     out_len = target if cfg.family == "encdec" and target else seq
     stacks = [(first, seq, None), (second, out_len, seq)]
+    flash = layout.attention == "flash"
     fwd = bwd = 0.0
     for n, length, cross in stacks:
-        gemms = block_gemms(cfg, mb, length, tp, cross)
+        gemms = block_gemms(cfg, mb, length, tp, cross, flash)
         fwd += n * _gemm_time(gemms, peak, hw)
-        bwd += n * (_backward_time(gemms, peak, hw) + _gemm_time(recomputed_gemms(gemms, layout.ac), peak, hw))
+        bwd += n * (_backward_time(gemms, peak, hw, flash) + _gemm_time(recomputed_gemms(gemms, layout.ac), peak, hw))
     head = _gemm_time(head_gemms(cfg, mb * out_len, tp), peak, hw) if stage.head else 0.0
     compute = fwd + bwd + 3 * head
     elements = kernels = 0.0
@@ -356,6 +389,11 @@ def _micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, 
         elements, kernels = elements + n * mb * length * e, kernels + n * k
     passes = 3 + (1 if layout.ac != "none" else 0)  # forward, backward (2x), recomputed forward
     memory = passes * elements * elt / bandwidth
+    for n, length, cross in stacks:
+        scores = _score_bytes(cfg, layout, mb, length, length) + (
+            _score_bytes(cfg, layout, mb, length, cross) if cross else 0
+        )
+        memory += n * scores / bandwidth
     if stage.head:
         memory += _head_bytes(cfg, mb * out_len, tp if layout.loss_parallel else 1, mixed) / bandwidth
     if stage.embed:
@@ -488,7 +526,8 @@ def step_time(
 
 
 def predicted_memory(cfg: ModelConfig, layout: Layout, seq: int, target: int | None = None) -> memory_plan.Estimate:
-    """parallel.plan's per-rank bytes of the layout (the trainer's loss path: no returned logits)."""
+    """parallel.plan's per-rank bytes of the layout (the trainer's loss path: no returned logits;
+    tformer's flash attention: the S x S probabilities an unfused kernel keeps are not in it)."""
     return memory_plan.estimate(
         cfg,
         layout.strategy,
