@@ -9,7 +9,7 @@ from tformer.config import ConfigError
 from tformer.models.flops import forward_flops
 from tformer.models.presets import preset
 from tformer.plan import Layout, NotPriced, profile, step_time
-from tformer.plan.time import block_gemms, head_gemms
+from tformer.plan.time import AC_POLICIES, block_gemms, head_gemms, recomputed_gemms
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny", "t5-tiny", "llama-tiny"])
@@ -38,6 +38,7 @@ def test_the_gemms_count_the_flops_of_models_flops(name, tp):
         (Layout(cp=2, dp_shard=4), "h100-sxm", "context parallelism"),
         (Layout(precision="fp32", dp_shard=8), "b200", "no fp32 peak"),
         (Layout(strategy="ddp", dp_replicate=2, dp_shard=4), "h100-sxm", "HSDP"),
+        (Layout(ac="selective", dp_shard=8), "h100-sxm", "activation checkpointing 'selective'"),
     ],
 )
 def test_a_layout_it_cannot_price_is_refused_not_priced_at_zero(layout, gpu, why):
@@ -121,3 +122,70 @@ def test_plan_prints_the_speed_of_every_layout_and_the_fastest(capsys):
     slow = capsys.readouterr().out
     assert slow[: slow.index("predicted speed")] == out[: out.index("predicted speed")]
     assert slow[slow.index("fastest") :] != speed[speed.index("fastest") :]
+
+
+def _ideal(gpu="h100-sxm"):
+    """A profile whose GEMMs all run at gemm_max x peak, whatever their shape: times are FLOPs."""
+    return profile(gpu, gemm_half=1e-9)
+
+
+def test_attention_backward_under_flash_is_two_and_a_half_forwards():
+    """At equal tokens, doubling the sequence adds only attention's core (scores, weighted
+    values); the step's compute grows by 3.5 x that core's forward: 1 forward + 2.5 backward
+    (flash recomputes QK^T, then dV, dP, dQ, dK), not the 3 of a plain matmul."""
+    cfg, hw = preset("llama-tiny"), _ideal()
+    short, long = (step_time(cfg, Layout(dp_shard=1, micro_batch=mb), hw, seq) for mb, seq in ((2, 512), (1, 1024)))
+    core = [
+        sum(g.executed for g in block_gemms(cfg, mb, seq) if not g.linear) * cfg.num_layers
+        for mb, seq in ((2, 512), (1, 1024))
+    ]
+    seconds_per_flop = 1 / (hw.peak["bf16"] * hw.gemm_max)
+    added = (long.breakdown["compute"] - short.breakdown["compute"]) / ((core[1] - core[0]) * seconds_per_flop)
+    assert added == pytest.approx(3.5, rel=1e-6)
+
+
+@pytest.mark.parametrize("name, recomputed", [("llama-tiny", ["k", "o", "up"]), ("gpt2-tiny", ["k", "o", "down"])])
+def test_op_alternate_recomputes_every_second_mm_of_a_block(name, recomputed):
+    """torchtitan's op policy (``_apply_ac_to_transformer_block``: a per-block counter of aten.mm,
+    recompute when it is even) over a block's linear layers in execution order q, k, v, o, gate,
+    up, down: k, o and up are run again; attention's core is saved. The step pays exactly their
+    forward on top of tformer's op policy, which keeps every matmul."""
+    cfg, hw = preset(name), _ideal()
+    gemms = block_gemms(cfg, 2, 64)
+    names = ["q", "k", "v", "o", "gate", "up", "down"] if cfg.activation == "swiglu" else ["q", "k", "v", "o", "up", "down"]
+    linear = dict(zip(names, [g for g in gemms if g.linear]))
+    assert recomputed_gemms(gemms, "op-alternate") == [linear[n] for n in recomputed]
+    assert recomputed_gemms(gemms, "full") == gemms and recomputed_gemms(gemms, "op") == []
+    op, alternate = (step_time(cfg, Layout(micro_batch=2, ac=ac), hw, 64) for ac in ("op", "op-alternate"))
+    extra = sum(linear[n].executed for n in recomputed) * cfg.num_layers / (hw.peak["bf16"] * hw.gemm_max)
+    assert alternate.breakdown["compute"] - op.breakdown["compute"] == pytest.approx(extra, rel=1e-9)
+    assert alternate.breakdown["memory-bound"] == op.breakdown["memory-bound"]  # both recompute the elementwise ops
+    assert "op-alternate" in AC_POLICIES and alternate.memory == op.memory  # memory priced as op (an upper bound)
+
+
+def test_unfused_attention_executes_every_score_and_moves_them_through_memory():
+    """Explicit score GEMMs (Megatron-LM 2021) compute all S x S products of causal attention and
+    a 2x backward: at equal tokens, doubling the sequence adds 3 x the whole core's forward (flash:
+    3.5 x half of it). Their softmax and dropout kernels read and write the scores: with dropout
+    and full recomputation, 2 x 9 bytes forward + 11 backward per fp16 score; flash moves none."""
+    cfg, hw = preset("gpt2-tiny"), _ideal()
+    shapes = ((2, 512), (1, 1024))
+
+    def run(attention, ac="none"):
+        return [step_time(cfg, Layout(micro_batch=mb, attention=attention, ac=ac), hw, seq) for mb, seq in shapes]
+
+    core = [sum(g.counted for g in block_gemms(cfg, mb, seq) if not g.linear) * cfg.num_layers for mb, seq in shapes]
+    seconds_per_flop = 1 / (hw.peak["bf16"] * hw.gemm_max)
+    for attention, factor in (("unfused", 3.0), ("flash", 3.5 / 2)):
+        short, long = run(attention)
+        added = (long.breakdown["compute"] - short.breakdown["compute"]) / ((core[1] - core[0]) * seconds_per_flop)
+        assert added == pytest.approx(factor, rel=1e-6), attention
+    dropout = preset("gpt2-tiny", attn_dropout=0.1)
+    flash, unfused = (
+        step_time(dropout, Layout(micro_batch=2, attention=a, ac="full"), hw, 512) for a in ("flash", "unfused")
+    )
+    scores = 2 * dropout.num_heads * 512 * 512 * dropout.num_layers
+    moved = (unfused.breakdown["memory-bound"] - flash.breakdown["memory-bound"]) * hw.hbm_bandwidth * hw.hbm_efficiency
+    assert moved == pytest.approx(scores * (2 * 9 + 11), rel=1e-9)
+    with pytest.raises(NotPriced, match="attention kernel 'xformers'"):
+        step_time(cfg, Layout(attention="xformers"), hw, 64)

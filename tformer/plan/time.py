@@ -1,14 +1,24 @@
 """Step time of one layout, from the model's shapes and a few hardware figures (hardware.py).
 
 One step on one device is the sum of
-- **compute**: every GEMM of the step (forward, backward = 2 x forward, the recomputed forward under
-  full activation checkpointing, the head) at ``peak x gemm_efficiency(m, n, k)``; causal attention
-  executes half of its S x S products (flash kernels skip the masked blocks), while MFU counts all of
-  them (models/flops.py, the field's convention);
+- **compute**: every GEMM of the step at ``peak x gemm_efficiency(m, n, k)``: the forward; the
+  backward, two GEMMs of a linear layer's size per linear layer (input and weight gradients) and 2.5
+  times the forward for attention's core, because flash / memory-efficient kernels recompute the
+  scores (forward: QK^T and PV; backward: QK^T again, dV, dP, dQ, dK: 5 products against 2); the
+  GEMMs the activation-checkpointing policy runs again (``recomputed_gemms``: full recomputes the
+  block's forward; tformer's op policy keeps every matmul and attention output; op-alternate is
+  torchtitan's "selective op" policy, which recomputes every second linear ``mm`` of a block: k, o
+  and up of a Llama block, priced so that its published rows can be; tformer's trainer does not
+  offer it); the head (forward and a 2x backward). Causal attention executes half of its S x S
+  products (flash kernels skip the masked blocks), while MFU counts all of them (models/flops.py,
+  the field's convention). ``Layout.attention="unfused"`` prices the explicit kernels other systems
+  ran before flash attention (Megatron-LM 2021: two batched GEMMs around a fused
+  scale-mask-softmax): all S x S products executed, a backward of 2 x the forward;
 - **memory-bound work** at ``hbm_bandwidth x hbm_efficiency``: the elementwise ops (norms, residual
   adds, rotary, activations, dropout; backward twice the forward's traffic, the recomputed ones again
-  under checkpointing), the head's softmax and loss, and the optimizer step (AdamW, the gradient norm
-  and zeroing: 44 bytes per fp32 parameter the rank updates);
+  under any checkpointing policy), the head's softmax and loss, and the optimizer step (AdamW, the gradient norm
+  and zeroing: 44 bytes per fp32 parameter the rank updates); with unfused attention, the softmax
+  and dropout kernels over the S x S scores (``_score_bytes``);
 - **exposed communication** by kind, priced with ring formulas (all-gather or reduce-scatter of S
   bytes over n ranks: (n-1)/n S / bandwidth + (n-1) latency; all-reduce twice that) over the link
   the group lies on: inside a node when its ranks fit in one (``_link``), the network otherwise;
@@ -32,6 +42,7 @@ TP, context and expert parallelism (not built in tformer yet), a precision witho
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..config import ConfigError, ModelConfig
 from ..models.flops import training_flops
@@ -43,6 +54,11 @@ BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: the last one is never hidden
 OPTIMIZER_BYTES = (
     44  # per fp32 parameter: AdamW reads p, g, m, v and writes p, m, v (28); grad norm + clip (12); zeroing (4)
 )
+
+
+ATTENTION_BACKWARD = 2.5  # flash attention's backward: 5 matmuls of the forward's 2 (``_backward_time``)
+AC_POLICIES = ("none", "op", "op-alternate", "full")
+ATTENTION_KERNELS = ("flash", "unfused")
 
 
 class NotPriced(ConfigError):
@@ -65,7 +81,7 @@ class Layout:
     stages_per_rank: int = 1
     n_micro: int | None = None  # pp > 1: micro-batches per step (default 4 x pp)
     grad_accum: int = 1  # pp == 1: micro-batches per step
-    ac: str = "none"  # none | op | full
+    ac: str = "none"  # AC_POLICIES: none | op | op-alternate (torchtitan's; priced, not built) | full
     precision: str = "bf16"  # bf16 | fp16 (mixed) | fp32
     loss_parallel: bool = True
     compile: bool = False  # torch.compile fuses each elementwise chain into one read and one write
@@ -73,6 +89,7 @@ class Layout:
     ep: int = 1  # expert parallelism: not built, not priced
     float8: bool = False  # not priced
     async_tp: bool = False  # not priced
+    attention: str = "flash"  # ATTENTION_KERNELS: flash (SDPA, tformer's) | unfused (explicit S x S scores)
 
     @property
     def devices(self) -> int:
@@ -116,6 +133,10 @@ def why_not_priced(layout: Layout, hw: Hardware) -> str | None:
         reasons.append(f"context parallelism cp={layout.cp} (not built in tformer yet)")
     if layout.ep > 1:
         reasons.append(f"expert parallelism ep={layout.ep} (not built in tformer yet)")
+    if layout.attention not in ATTENTION_KERNELS:
+        reasons.append(f"attention kernel {layout.attention!r} (priced: {', '.join(ATTENTION_KERNELS)})")
+    if layout.ac not in AC_POLICIES:
+        reasons.append(f"activation checkpointing {layout.ac!r} (priced: {', '.join(AC_POLICIES)})")
     if layout.strategy not in memory_plan.STRATEGY_NAMES:
         reasons.append(f"strategy {layout.strategy!r} (priced: {', '.join(memory_plan.STRATEGY_NAMES)})")
     if layout.precision not in hw.peak:
@@ -135,47 +156,112 @@ def gemm_efficiency(m: float, n: float, k: float, hw: Hardware) -> float:
     return eff
 
 
-def _attention_gemms(cfg: ModelConfig, batch: int, q_len: int, kv_len: int, tp: int, causal: bool) -> list[tuple]:
-    """(executed FLOPs, counted FLOPs, m, n, k) of one attention layer: q/k/v and output projections
-    over the tokens, scores and weighted values per sample and head."""
+class Gemm(NamedTuple):
+    """One GEMM of a forward pass: the FLOPs it executes and the FLOPs MFU counts (they differ for
+    causal attention's scores), its shape (m x k) @ (k x n), and whether it is a linear layer's
+    ``mm`` (what an op-level AC policy counts) or attention's core (scores, weighted values)."""
+
+    executed: float
+    counted: float
+    m: float
+    n: float
+    k: float
+    linear: bool = True
+
+
+def _linear(tokens: float, n_out: float, k_in: float) -> Gemm:
+    return Gemm(2 * tokens * n_out * k_in, 2 * tokens * n_out * k_in, tokens, n_out, k_in)
+
+
+def _attention_gemms(
+    cfg: ModelConfig, batch: int, q_len: int, kv_len: int, tp: int, causal: bool, flash: bool
+) -> list[Gemm]:
+    """One attention layer in execution order: the q, k, v projections over the tokens, scores and
+    weighted values per sample and head, the output projection. A flash kernel skips the masked
+    half of causal scores; explicit (unfused) score GEMMs compute all of them."""
     d, h, kv, dk = cfg.d_model, cfg.num_heads // tp, cfg.kv_heads // tp, cfg.head_dim
     tq, tk = batch * q_len, batch * kv_len
     core = 2 * batch * h * q_len * kv_len * dk
-    executed = core / 2 if causal else core
+    executed = core / 2 if causal and flash else core
     return [
-        (2 * tq * d * h * dk,) * 2 + (tq, h * dk, d),  # q
-        (2 * tk * d * 2 * kv * dk,) * 2 + (tk, 2 * kv * dk, d),  # k, v
-        (executed, core, q_len, kv_len, dk),  # scores
-        (executed, core, q_len, dk, kv_len),  # probabilities x values
-        (2 * tq * h * dk * d,) * 2 + (tq, d, h * dk),  # output
+        _linear(tq, h * dk, d),  # q
+        _linear(tk, kv * dk, d),  # k
+        _linear(tk, kv * dk, d),  # v
+        Gemm(executed, core, q_len, kv_len, dk, linear=False),  # scores
+        Gemm(executed, core, q_len, dk, kv_len, linear=False),  # probabilities x values
+        _linear(tq, d, h * dk),  # output
     ]
 
 
-def _ffn_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[tuple]:
+def _ffn_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[Gemm]:
+    """In execution order: gate (gated kinds only), up, down."""
     d, ff = cfg.d_model, cfg.d_ff // tp
-    up = 2 if FFN_KINDS[cfg.activation][1] else 1
-    return [(2 * tokens * d * ff * up,) * 2 + (tokens, ff * up, d), (2 * tokens * ff * d,) * 2 + (tokens, d, ff)]
+    gated = FFN_KINDS[cfg.activation][1]
+    return [_linear(tokens, ff, d)] * (2 if gated else 1) + [_linear(tokens, d, ff)]
 
 
-def block_gemms(cfg: ModelConfig, batch: int, seq: int, tp: int = 1, cross_len: int | None = None) -> list[tuple]:
-    """The forward GEMMs of one block (``cross_len``: an encoder-decoder's decoder block)."""
+def block_gemms(
+    cfg: ModelConfig, batch: int, seq: int, tp: int = 1, cross_len: int | None = None, flash: bool = True
+) -> list[Gemm]:
+    """The forward GEMMs of one block in execution order (``cross_len``: an encoder-decoder's
+    decoder block)."""
     causal = cfg.family != "encoder"
-    out = _attention_gemms(cfg, batch, seq, seq, tp, causal)
+    out = _attention_gemms(cfg, batch, seq, seq, tp, causal, flash)
     if cross_len is not None:
-        out += _attention_gemms(cfg, batch, seq, cross_len, tp, False)
+        out += _attention_gemms(cfg, batch, seq, cross_len, tp, False, flash)
     return out + _ffn_gemms(cfg, batch * seq, tp)
 
 
-def head_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[tuple]:
+def recomputed_gemms(gemms: list[Gemm], ac: str) -> list[Gemm]:
+    """The GEMMs of one block's forward that the backward runs again under ``ac``: all of them
+    (full), none (none, op: tformer's op policy keeps every matmul and attention output), or every
+    second linear ``mm`` in execution order (op-alternate: torchtitan's op policy, whose counter
+    starts at 1 for each block and recomputes the even ones; attention's core is saved)."""
+    if ac == "full":
+        return gemms
+    if ac != "op-alternate":
+        return []
+    linear = [g for g in gemms if g.linear]
+    return linear[1::2]
+
+
+def head_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[Gemm]:
     d, vocab = cfg.d_model, cfg.padded_vocab_size // tp
-    out = [(2 * tokens * d * vocab,) * 2 + (tokens, vocab, d)]
+    out = [_linear(tokens, vocab, d)]
     if cfg.family == "encoder":
-        out.append((2 * tokens * d * d,) * 2 + (tokens, d, d))
+        out.append(_linear(tokens, d, d))
     return out
 
 
-def _gemm_time(gemms: list[tuple], peak: float, hw: Hardware) -> float:
-    return sum(executed / (peak * gemm_efficiency(m, n, k, hw)) for executed, _, m, n, k in gemms)
+def _gemm_time(gemms: list[Gemm], peak: float, hw: Hardware) -> float:
+    return sum(g.executed / (peak * gemm_efficiency(g.m, g.n, g.k, hw)) for g in gemms)
+
+
+def _backward_time(gemms: list[Gemm], peak: float, hw: Hardware, flash: bool = True) -> float:
+    """A linear layer's backward is two GEMMs of its forward's size (input and weight gradients);
+    attention's core under flash / memory-efficient kernels is 2.5 times its forward: the kernel
+    recomputes the scores (QK^T) and then makes dV, dP, dQ and dK, five products against two.
+    Unfused attention keeps its probabilities and makes only the last four: 2 times."""
+    core = ATTENTION_BACKWARD if flash else 2.0
+    return sum((2.0 if g.linear else core) * _gemm_time([g], peak, hw) for g in gemms)
+
+
+def _score_bytes(cfg: ModelConfig, layout: Layout, batch: int, q_len: int, kv_len: int) -> float:
+    """Bytes the elementwise kernels of unfused attention move over the S x S scores of one
+    attention layer in one step (flash keeps them on chip: 0). Per score, forward: the fused
+    scale-mask-softmax reads and writes (2 elements), dropout on the probabilities reads, writes
+    and stores a 1-byte mask; backward: dropout's backward reads, writes and reads the mask, the
+    softmax's backward reads the probabilities and their gradient and writes the scores' (3); the
+    forward once more under full recomputation. The GEMMs' own reads and writes overlap their
+    compute, as everywhere in this model."""
+    if layout.attention == "flash":
+        return 0.0
+    elt = 2 if layout.mixed else 4
+    drop = cfg.attn_dropout > 0
+    forward = (2 + 2 * drop) * elt + drop
+    backward = (3 + 2 * drop) * elt + drop
+    scores = batch * cfg.num_heads / layout.tp * q_len * kv_len
+    return scores * (forward * (2 if layout.ac == "full" else 1) + backward)
 
 
 # --- memory-bound work ------------------------------------------------------------------------------
@@ -289,24 +375,39 @@ def _micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, 
     first, second = stage.blocks
     out_len = target if cfg.family == "encdec" and target else seq
     stacks = [(first, seq, None), (second, out_len, seq)]
-    fwd_gemm = sum(n * _gemm_time(block_gemms(cfg, mb, length, tp, cross), peak, hw) for n, length, cross in stacks)
+    flash = layout.attention == "flash"
+    fwd = bwd = 0.0
+    for n, length, cross in stacks:
+        gemms = block_gemms(cfg, mb, length, tp, cross, flash)
+        fwd += n * _gemm_time(gemms, peak, hw)
+        bwd += n * (_backward_time(gemms, peak, hw, flash) + _gemm_time(recomputed_gemms(gemms, layout.ac), peak, hw))
     head = _gemm_time(head_gemms(cfg, mb * out_len, tp), peak, hw) if stage.head else 0.0
-    recompute = fwd_gemm if layout.ac == "full" else 0.0
-    compute = 3 * fwd_gemm + recompute + 3 * head
+    compute = fwd + bwd + 3 * head
     elements = kernels = 0.0
     for n, length, cross in stacks:
         e, k = _elementwise(cfg, tp, sp, layout.compile, cross is not None)
         elements, kernels = elements + n * mb * length * e, kernels + n * k
-    passes = 3 + (1 if layout.ac in ("op", "full") else 0)  # forward, backward (2x), recomputed forward
+    passes = 3 + (1 if layout.ac != "none" else 0)  # forward, backward (2x), recomputed forward
     memory = passes * elements * elt / bandwidth
+    for n, length, cross in stacks:
+        scores = _score_bytes(cfg, layout, mb, length, length) + (
+            _score_bytes(cfg, layout, mb, length, cross) if cross else 0
+        )
+        memory += n * scores / bandwidth
     if stage.head:
         memory += _head_bytes(cfg, mb * out_len, tp if layout.loss_parallel else 1, mixed) / bandwidth
     if stage.embed:
         memory += 3 * mb * seq * cfg.d_model * elt / bandwidth  # the lookup and its scatter-add gradient
-    gemms = sum(n * len(block_gemms(cfg, 1, 1, 1, cross)) for n, _, cross in stacks)
-    overhead = hw.op_overhead * passes * (kernels + gemms)
+    launches = sum(n * len(block_gemms(cfg, 1, 1, 1, cross)) for n, _, cross in stacks)
+    overhead = hw.op_overhead * passes * (kernels + launches)
     tp_comm = _tp_comm(cfg, layout, hw, stage, seq, out_len)
-    return {"compute": compute, "memory-bound": memory + overhead, "tp": tp_comm, "fwd": fwd_gemm + head}
+    return {
+        "compute": compute,
+        "memory-bound": memory + overhead,
+        "tp": tp_comm,
+        "fwd": fwd + head,
+        "bwd": bwd + 2 * head,
+    }
 
 
 def _tp_comm(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, seq: int, out_len: int) -> float:
@@ -397,7 +498,7 @@ def step_time(
     ranks = []
     for stage in _stages(cfg, layout):
         mb = _micro_batch(cfg, layout, hw, stage, seq, target)
-        dp = _data_parallel(layout, hw, stage, mb["fwd"], 2 * mb["fwd"], sum(stage.blocks))
+        dp = _data_parallel(layout, hw, stage, mb["fwd"], mb["bwd"], sum(stage.blocks))
         ranks.append((mb, dp, stage))
     mb, dp, stage = max(ranks, key=lambda r: r[0]["compute"] + r[0]["memory-bound"] + r[0]["tp"] + sum(r[1].values()))
     m = layout.micro_batches
@@ -425,7 +526,8 @@ def step_time(
 
 
 def predicted_memory(cfg: ModelConfig, layout: Layout, seq: int, target: int | None = None) -> memory_plan.Estimate:
-    """parallel.plan's per-rank bytes of the layout (the trainer's loss path: no returned logits)."""
+    """parallel.plan's per-rank bytes of the layout (the trainer's loss path: no returned logits;
+    tformer's flash attention: the S x S probabilities an unfused kernel keeps are not in it)."""
     return memory_plan.estimate(
         cfg,
         layout.strategy,
@@ -433,7 +535,7 @@ def predicted_memory(cfg: ModelConfig, layout: Layout, seq: int, target: int | N
         layout.micro_batch,
         seq,
         target,
-        layout.ac,
+        "op" if layout.ac == "op-alternate" else layout.ac,  # an upper bound: it keeps fewer matmul outputs
         layout.mixed,
         dp_replicate=layout.dp_replicate,
         tp=layout.tp,
