@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import ConfigError, ModelConfig
+from ..models import spec_of
 from ..models.flops import training_flops
 from ..nn.ffn import FFN_KINDS
 from ..parallel import plan as memory_plan
@@ -159,7 +160,7 @@ def _ffn_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[tuple]:
 
 def block_gemms(cfg: ModelConfig, batch: int, seq: int, tp: int = 1, cross_len: int | None = None) -> list[tuple]:
     """The forward GEMMs of one block (``cross_len``: an encoder-decoder's decoder block)."""
-    causal = cfg.family != "encoder"
+    causal = not spec_of(cfg).masked_lm
     out = _attention_gemms(cfg, batch, seq, seq, tp, causal)
     if cross_len is not None:
         out += _attention_gemms(cfg, batch, seq, cross_len, tp, False)
@@ -169,7 +170,7 @@ def block_gemms(cfg: ModelConfig, batch: int, seq: int, tp: int = 1, cross_len: 
 def head_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[tuple]:
     d, vocab = cfg.d_model, cfg.padded_vocab_size // tp
     out = [(2 * tokens * d * vocab,) * 2 + (tokens, vocab, d)]
-    if cfg.family == "encoder":
+    if spec_of(cfg).masked_lm:  # the MLM head's dense layer
         out.append((2 * tokens * d * d,) * 2 + (tokens, d, d))
     return out
 
@@ -258,12 +259,13 @@ def _stages(cfg: ModelConfig, layout: Layout) -> list[_Stage]:
     from ..parallel.pipeline import stage_layers, stages_of_rank
 
     pp, v = layout.pp, (layout.stages_per_rank if layout.schedule == "interleaved_1f1b" else 1)
+    stacks = [n for n, _, _ in spec_of(cfg).stack_shapes(cfg, 1, None)]
     if pp == 1:
-        both = (cfg.num_layers, cfg.decoder_layers if cfg.family == "encdec" else 0)
+        both = (*stacks, 0)[:2]
         return [_Stage(both, True, True, memory_plan.tp_local_parameters(cfg, layout.tp))]
     params = memory_plan.stage_parameters(cfg, pp * v, layout.tp)
-    if cfg.family == "encdec":
-        return [_Stage((cfg.num_layers, 0), True, False, params[0]), _Stage((0, cfg.decoder_layers), True, True, params[1])]
+    if len(stacks) > 1:  # one stage per stack (the model's ``cut_stage``)
+        return [_Stage((stacks[0], 0), True, False, params[0]), _Stage((0, stacks[1]), True, True, params[1])]
     layers = stage_layers(cfg.num_layers, pp * v)
     out = []
     for rank in range(pp):
@@ -274,7 +276,7 @@ def _stages(cfg: ModelConfig, layout: Layout) -> list[_Stage]:
 
 
 def _lengths(cfg: ModelConfig, seq: int, target: int | None) -> tuple[int, int | None]:
-    if cfg.family != "encdec":
+    if not spec_of(cfg).seq2seq:
         return seq, None
     return seq, target or seq
 
@@ -287,7 +289,7 @@ def _micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, 
     elt = 2 if mixed else 4
     bandwidth = hw.hbm_bandwidth * hw.hbm_efficiency
     first, second = stage.blocks
-    out_len = target if cfg.family == "encdec" and target else seq
+    out_len = spec_of(cfg).output_len(seq, target)
     stacks = [(first, seq, None), (second, out_len, seq)]
     fwd_gemm = sum(n * _gemm_time(block_gemms(cfg, mb, length, tp, cross), peak, hw) for n, length, cross in stacks)
     head = _gemm_time(head_gemms(cfg, mb * out_len, tp), peak, hw) if stage.head else 0.0
