@@ -91,6 +91,9 @@ class TformerModel(nn.Module):
     MASKED_LM: ClassVar[bool] = False  # the head runs at labelled positions only, through a dense + norm
 
     config: ModelConfig
+    # absent (None) in a pipeline stage that does not run them (``cut_stage``)
+    embed: Any
+    lm_head: Any
     # Tokens per chunk of the training loss's head (None: one piece). Set from outside, like the
     # blocks' activation checkpointing: it changes memory and time, never the loss or a gradient.
     loss_chunk_size: int | None = None

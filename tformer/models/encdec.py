@@ -3,6 +3,8 @@ one embedding shared by both stacks and (v1.0) the LM head."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -29,6 +31,8 @@ class EncoderDecoderModel(TformerModel):
     FAMILY = "encdec"
     STACKS = ("encoder", "decoder")
     SEQ2SEQ = True
+    encoder: Any  # None in pipeline stage 1, like ``decoder`` in stage 0 (``cut_stage``)
+    decoder: Any
 
     @classmethod
     def stack_shapes(cls, cfg: ModelConfig, seq: int, target: int | None) -> list[tuple[int, int, int | None]]:

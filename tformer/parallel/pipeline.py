@@ -121,7 +121,7 @@ def _loss_call(label_smoothing: float):
     return hook
 
 
-def _loss_only(_module, _args, output: ModelOutput) -> torch.Tensor:
+def _loss_only(_module, _args, output: ModelOutput) -> torch.Tensor | None:
     return output.loss
 
 

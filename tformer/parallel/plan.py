@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 from ..args import parse_bytes
 from ..config import ConfigError, ModelConfig, Precision
@@ -119,7 +120,7 @@ def _block_parts(
     def attention(keys: int, self_attention: bool) -> float:
         """q, k, v (cross-attention's k, v are counted per source token by the caller) and the
         output (= the o_proj input)."""
-        out = h * dk + (2 * kv if self_attention else 0) + h * dk
+        out: float = h * dk + (2 * kv if self_attention else 0) + h * dk
         if cfg.attn_impl == "math":
             out += h * keys * (1 + (1 / elt + 1 if cfg.attn_dropout > 0 else 0))  # probs (+ mask, dropped)
             if self_attention and kv != h * dk:
@@ -128,10 +129,10 @@ def _block_parts(
             out += h * keys
         return out
 
-    ffn = (2 if _gated(cfg) else 1) * ff
+    ffn: float = (2 if _gated(cfg) else 1) * ff
     if tp > 1 and cfg.activation != "relu":
         ffn += ff
-    whole = 2 * d  # attention and FFN norm outputs
+    whole: float = 2 * d  # attention and FFN norm outputs
     sequence = 2 * norm_in + 2 * mask  # attention and FFN norm inputs; the dropout masks
     heads = attention(seq, True) + ffn
     if cross_len is not None:  # cross-attention norm and dropout, queries, output (K/V: the caller)
@@ -350,7 +351,8 @@ def _module_counts(fields: tuple) -> dict[str, int]:
     from ..models import build_model
 
     with torch.device("meta"):
-        model = build_model(ModelConfig(**{k: dict(v) if k == "moe" else v for k, v in fields}))
+        values: dict[str, Any] = {k: dict(v) if k == "moe" else v for k, v in fields}
+        model = build_model(ModelConfig(**values))
 
     def count(module) -> int:
         return sum(p.numel() for p in module.parameters()) if module is not None else 0
@@ -800,6 +802,40 @@ def print_savings(cfg: ModelConfig, micro_batch: int, seq: int, target: int | No
         print(f"{name:<38}{value / gib:>11.2f}{(base - value) / gib:>11.2f}{1 - value / base:>7.0%}")
 
 
+def layout_estimate(
+    cfg: ModelConfig,
+    layout: tuple[str, int, int, int, str, int, int],
+    devices: int,
+    micro_batch: int,
+    seq: int,
+    target: int | None,
+    ac: str,
+    mixed: bool,
+    settings: dict,
+) -> Estimate:
+    """``estimate`` of one searched layout, (strategy, dp_replicate, tp, pp, schedule, stages_per_rank,
+    n_micro) as ``layouts`` and ``pp_layouts`` give them: TP layouts run sequence parallel."""
+    strategy, replicate, tp, pp, schedule, v, m = layout
+    return estimate(
+        cfg,
+        strategy,
+        devices,
+        micro_batch,
+        seq,
+        target,
+        ac,
+        mixed,
+        dp_replicate=replicate,
+        tp=tp,
+        sp=tp > 1,
+        pp=pp,
+        schedule=schedule,
+        stages_per_rank=v,
+        n_micro=m,
+        **settings,
+    )
+
+
 def recommend(
     cfg: ModelConfig,
     devices: int,
@@ -839,24 +875,8 @@ def recommend(
         index = comm.setdefault((strategy, replicate, tp, pp), len(comm))
         for ac_rank, ac in enumerate(("none", "op", "full")):
             for mb in (64, 32, 16, 8, 4, 2, 1):
-                e = estimate(
-                    cfg,
-                    strategy,
-                    devices,
-                    mb,
-                    seq,
-                    target,
-                    ac,
-                    mixed,
-                    dp_replicate=replicate,
-                    tp=tp,
-                    sp=tp > 1,
-                    pp=pp,
-                    schedule=schedule,
-                    stages_per_rank=v,
-                    n_micro=m,
-                    **(settings or {}),
-                )
+                layout = (strategy, replicate, tp, pp, schedule, v, m)
+                e = layout_estimate(cfg, layout, devices, mb, seq, target, ac, mixed, settings or {})
                 if e.total <= headroom * memory:
                     fits.append(
                         (
@@ -981,19 +1001,9 @@ def plan_main(
     for strategy, replicate, tp in layouts(model_cfg, devices, gpus_per_node):
         totals = {}
         for ac in ("none", "op", "full"):
-            e = estimate(
-                model_cfg,
-                strategy,
-                devices,
-                cfg.micro_batch_size,
-                cfg.data.seq_len,
-                target,
-                ac,
-                mixed,
-                dp_replicate=replicate,
-                tp=tp,
-                sp=tp > 1,
-                **settings,
+            layout = (strategy, replicate, tp, 1, "1f1b", 1, 1)
+            e = layout_estimate(
+                model_cfg, layout, devices, cfg.micro_batch_size, cfg.data.seq_len, target, ac, mixed, settings
             )
             print(
                 f"{strategy:<16}{replicate:>7}{e.dp_shard:>9}{tp:>4}{'on' if e.sp else '-':>4}  {ac:<6}"
@@ -1100,23 +1110,8 @@ def _print_pipelines(
     )
     for strategy, replicate, tp, pp, schedule, v, n in pipes:
         totals = {
-            ac: estimate(
-                cfg,
-                strategy,
-                devices,
-                micro_batch,
-                seq,
-                target,
-                ac,
-                mixed,
-                dp_replicate=replicate,
-                tp=tp,
-                sp=tp > 1,
-                pp=pp,
-                schedule=schedule,
-                stages_per_rank=v,
-                n_micro=n,
-                **settings,
+            ac: layout_estimate(
+                cfg, (strategy, replicate, tp, pp, schedule, v, n), devices, micro_batch, seq, target, ac, mixed, settings
             )
             for ac in ("none", "op", "full")
         }

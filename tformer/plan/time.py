@@ -261,7 +261,7 @@ def _stages(cfg: ModelConfig, layout: Layout) -> list[_Stage]:
     pp, v = layout.pp, (layout.stages_per_rank if layout.schedule == "interleaved_1f1b" else 1)
     stacks = [n for n, _, _ in spec_of(cfg).stack_shapes(cfg, 1, None)]
     if pp == 1:
-        both = (*stacks, 0)[:2]
+        both = (stacks[0], stacks[1] if len(stacks) > 1 else 0)
         return [_Stage(both, True, True, memory_plan.tp_local_parameters(cfg, layout.tp))]
     params = memory_plan.stage_parameters(cfg, pp * v, layout.tp)
     if len(stacks) > 1:  # one stage per stack (the model's ``cut_stage``)
