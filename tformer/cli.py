@@ -162,6 +162,7 @@ def _generate(argv: list[str]) -> int:
     from .config import ConfigError
     from .data import load_tokenizer
     from .generate import generate
+    from .models import spec_of
 
     from .train.decoding import saved_decode
 
@@ -186,7 +187,8 @@ def _generate(argv: list[str]) -> int:
     tok = load_tokenizer(tok_path)
     cfg = model.config
     ids = tok.encode(args.prompt, add_special_tokens=False).ids
-    if cfg.family == "decoder":
+    causal_lm = spec_of(cfg).causal_lm
+    if causal_lm:
         ids = [cfg.bos_token_id or 0] + ids
     elif cfg.eos_token_id is not None:
         ids = ids + [cfg.eos_token_id]  # sources end in EOS, as in training (Seq2SeqPairs)
@@ -202,7 +204,7 @@ def _generate(argv: list[str]) -> int:
         length_penalty=args.length_penalty,
         length_norm=args.length_norm,
     )
-    if cfg.family == "decoder":
+    if causal_lm:
         print(args.prompt + tok.decode(out[0, len(ids) :].tolist()))
         return 0
     text = tok.decode(out[0, 1:].tolist(), skip_special_tokens=True)

@@ -17,6 +17,7 @@ from ..checkpoint.io import CheckpointError, resolve_checkpoint
 from ..checkpoint.manager import TrainerState
 from ..config import ConfigError, ModelConfig
 from ..files import atomic_write, save_safetensors
+from ..models import spec_of
 
 
 class ExportError(ValueError):
@@ -363,9 +364,10 @@ def check_tokenizer(tok, cfg: ModelConfig) -> None:
         )
     s = special_tokens(tok)
     pairs = [("pad_token_id", s.pad_id, "pad")]
-    if cfg.family != "encoder":
+    spec = spec_of(cfg)
+    if not spec.masked_lm:
         pairs.append(("eos_token_id", s.eos_id, "eos"))
-    if cfg.family == "decoder" and cfg.bos_token_id is not None:
+    if spec.causal_lm and cfg.bos_token_id is not None:
         pairs.append(("bos_token_id", s.eos_id, "bos (= end-of-text)"))
     for field, tok_id, role in pairs:
         ours = getattr(cfg, field)
@@ -403,7 +405,7 @@ def save_generation_config(cfg: ModelConfig, out: Path, decode=None) -> None:
 
     from transformers import GenerationConfig
 
-    extra = {"decoder_start_token_id": cfg.decoder_start_token_id} if cfg.family == "encdec" else {}
+    extra = {"decoder_start_token_id": cfg.decoder_start_token_id} if spec_of(cfg).seq2seq else {}
     if decode is not None:
         extra.update(num_beams=decode.num_beams, max_new_tokens=decode.max_new_tokens)
         if decode.num_beams > 1:

@@ -10,9 +10,12 @@ never a silently dropped tensor. Output appears in one rename once complete.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import shutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,8 +23,8 @@ from ..checkpoint.io import commit, partial_dir, write_bytes_durable
 from ..checkpoint.manager import TrainerState
 from ..config import ModelConfig
 from ..files import save_safetensors
+from ..models import SPECS, spec_of
 from ..models.base import TformerModel
-from . import bert, gpt2, llama, marian, mixtral, qwen2_moe, switch_transformers, t5
 from .common import (
     ExportError,
     atomic_dir,
@@ -46,17 +49,32 @@ from .common import (
 
 log = logging.getLogger("tformer.export")
 
-# flavour (= HF model_type) -> the module that maps it
-TARGETS = {
-    "bert": bert,
-    "gpt2": gpt2,
-    "llama": llama,
-    "t5": t5,
-    "marian": marian,
-    "mixtral": mixtral,
-    "qwen2_moe": qwen2_moe,
-    "switch_transformers": switch_transformers,
-}
+
+class _Targets(Mapping):
+    """flavour (= HF model_type) -> the module that maps it: the ``exporter`` of every registered
+    ``ModelSpec`` (models/spec.py names it by module path; it is imported here, the layer that may)."""
+
+    def _all(self) -> dict[str, Any]:
+        return {name: _module(spec.exporter) for name, spec in SPECS.items() if spec.exporter is not None}
+
+    def __getitem__(self, flavour: str) -> Any:
+        spec = SPECS.get(flavour)
+        if spec is None or spec.exporter is None:
+            raise KeyError(flavour)
+        return _module(spec.exporter)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+def _module(exporter: Any) -> Any:
+    return importlib.import_module(exporter) if isinstance(exporter, str) else exporter
+
+
+TARGETS = _Targets()
 DEFAULT_SHARD_SIZE = "5GB"
 
 
@@ -171,7 +189,7 @@ def export_hf(
     with atomic_dir(out, force, ckpt) as tmp:
         hf_config.save_pretrained(str(tmp))
         write_safetensors(hf_state, tmp, max_shard_size)
-        if cfg.family != "encoder":
+        if not spec_of(cfg).masked_lm:  # a model that generates
             from ..train.decoding import saved_decode
 
             save_generation_config(cfg, tmp, saved_decode(ckpt))

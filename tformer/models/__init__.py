@@ -4,19 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import ConfigError, Family, ModelConfig, check_table
+from ..config import ConfigError, ModelConfig
 from .base import ModelOutput, TformerModel
 from .decoder import DecoderModel
 from .encdec import EncoderDecoderModel
 from .encoder import EncoderModel
 from .presets import PRESETS, preset
-
-FAMILY_CLASSES: dict[Family, type[TformerModel]] = {
-    "encoder": EncoderModel,
-    "decoder": DecoderModel,
-    "encdec": EncoderDecoderModel,
-}
-check_table(FAMILY_CLASSES, Family, "FAMILY_CLASSES")
+from .spec import FAMILY_CLASSES, SPECS, ModelSpec, register, spec_of
 
 
 def build_config(preset_or_config: str | ModelConfig | dict[str, Any], **overrides: Any) -> ModelConfig:
@@ -37,7 +31,7 @@ def build_model(preset_or_config: str | ModelConfig | dict[str, Any], **override
     """Build a model from a preset name (``"gpt2-small"``), a ``ModelConfig`` or a dict, with field
     overrides: ``build_model("gpt2-tiny", num_layers=4)``."""
     cfg = build_config(preset_or_config, **overrides)
-    return FAMILY_CLASSES[cfg.family](cfg)
+    return spec_of(cfg).build(cfg)
 
 
 __all__ = [
@@ -51,4 +45,9 @@ __all__ = [
     "EncoderModel",
     "DecoderModel",
     "EncoderDecoderModel",
+    "FAMILY_CLASSES",
+    "ModelSpec",
+    "SPECS",
+    "register",
+    "spec_of",
 ]

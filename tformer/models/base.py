@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError, Family, ModelConfig
 from ..nn import LearnedPositions, SinusoidalPositions, make_norm
 from ..nn.moe import Experts, moe_aux_loss, moe_layers
+from .flops import head_flops, stack_flops
 from .loss import chunked_lm_loss
 
 
@@ -53,10 +54,46 @@ class Embeddings(nn.Module):
         return self.dropout(x)
 
 
+def stage_layers(num_layers: int, stages: int, pp_layers: list | None = None) -> list[range]:
+    """Block indices of each pipeline stage: ``pp_layers`` counts, or as even as possible (earlier
+    stages take the remainder: the last stage also runs the head and the loss)."""
+    counts = list(pp_layers) if pp_layers else [num_layers // stages + (i < num_layers % stages) for i in range(stages)]
+    out, start = [], 0
+    for n in counts:
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+class SkipBlock(nn.Module):
+    """A block another pipeline stage runs: passes the hidden states through, holds nothing. It keeps
+    the stage's own blocks at their indices, so parameter names stay the unsplit model's."""
+
+    def forward(self, x, *args, **kwargs):
+        return x
+
+
 class TformerModel(nn.Module):
-    """Base of the three families."""
+    """Base of the three families. A family says what it is made of in the class attributes below
+    and counts itself in the class methods (``stack_shapes``, ``forward_flops``): the planner, the
+    pipeline and the exporters read those through the family's ``ModelSpec`` (models/spec.py).
+
+    Every forward tolerates absent modules, so a pipeline stage is the model with what it does not
+    run removed (``cut_stage``): no ``embed`` (or a floating-point input): the input is the hidden
+    states of the stage before; no output head: the forward returns its hidden states."""
+
+    FAMILY: ClassVar[Family]
+    STACKS: ClassVar[tuple[str, ...]]  # attributes holding the TransformerStacks, input side first
+    HEAD: ClassVar[tuple[str, ...]] = ("lm_head",)  # the output head's modules (the last stage's)
+    LM_HEAD_BIAS: ClassVar[bool] = False  # the vocabulary projection has a bias (BERT's)
+    SEQ2SEQ: ClassVar[bool] = False  # labels are a target sequence read by a cross-attending decoder
+    CAUSAL_LM: ClassVar[bool] = False  # one causal stream: prompts start with BOS, no padding mask needed
+    MASKED_LM: ClassVar[bool] = False  # the head runs at labelled positions only, through a dense + norm
 
     config: ModelConfig
+    # absent (None) in a pipeline stage that does not run them (``cut_stage``)
+    embed: Any
+    lm_head: Any
     # Tokens per chunk of the training loss's head (None: one piece). Set from outside, like the
     # blocks' activation checkpointing: it changes memory and time, never the loss or a gradient.
     loss_chunk_size: int | None = None
@@ -69,6 +106,46 @@ class TformerModel(nn.Module):
     # Set from outside by sequence parallelism (tformer/parallel/tp.py) to the tp degree: every
     # forward's sequence length must then be a multiple of it (see ``pad_sequences``).
     sequence_multiple: int = 1
+
+    @classmethod
+    def stack_shapes(cls, cfg: ModelConfig, seq: int, target: int | None) -> list[tuple[int, int, int | None]]:
+        """(blocks, tokens per sample, cross-attended tokens or None) of each stack, in ``STACKS`` order."""
+        return [(cfg.num_layers, seq, None)]
+
+    @classmethod
+    def forward_flops(cls, cfg: ModelConfig, batch: int, seq: int, target: int | None) -> int:
+        """Forward FLOPs of a batch (models/flops.py's conventions): the stack and the head."""
+        tokens = batch * seq
+        return stack_flops(cfg, tokens, seq, cfg.num_layers) + head_flops(cfg, tokens)
+
+    def stacks(self) -> list:
+        return [getattr(self, name) for name in self.STACKS]
+
+    def cut_stage(self, stage: int, stages: int, pp_layers: list | None = None) -> None:
+        """Remove in place what pipeline stage ``stage`` of ``stages`` does not run: the other
+        stages' blocks (``stage_layers``), the embeddings after the first stage (a head tied to the
+        token embedding keeps that one tensor, by its name), the final norm and the head before
+        the last."""
+        first, last = stage == 0, stage == stages - 1
+        stack = self.stacks()[0]
+        keep = stage_layers(len(stack.layers), stages, pp_layers)[stage]
+        for i in range(len(stack.layers)):
+            if i not in keep:
+                stack.layers[i] = SkipBlock()
+        if not last:
+            stack.final_norm = None
+            for name in self.HEAD:
+                setattr(self, name, None)
+        if not first:
+            if last and self.config.tie_embeddings:
+                emb = self.embed
+                emb.pos, emb.types, emb.norm = None, None, None
+            else:
+                self.embed = None
+
+    def _embed_or_hidden(self, x: torch.Tensor, positions: torch.Tensor, *args: Any) -> torch.Tensor:
+        """A floating-point input is the hidden states of the pipeline stage before; ids are embedded."""
+        return x if x.is_floating_point() else self.embed(x, positions, *args)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Unique parameter elements (tied weights counted once)."""
@@ -94,7 +171,7 @@ class TformerModel(nn.Module):
         sinusoidal positions added to it (at init_std 0.02 the positions would outweigh the tokens
         about 3:1 at d_model 128, 9:1 at 1024)."""
         cfg = self.config
-        depth = cfg.num_layers + (cfg.decoder_layers if cfg.family == "encdec" else 0)
+        depth = sum(blocks for blocks, _, _ in self.stack_shapes(cfg, 1, None))
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 std = cfg.init_std
@@ -238,6 +315,9 @@ def pad_sequences(inputs: dict, multiple: int, pad_id: int, family: str) -> dict
     them, and no loss, gradient or logit of a real position changes."""
     if multiple <= 1:
         return inputs
+    from .spec import FAMILY_CLASSES
+
+    kind = FAMILY_CLASSES[family]  # type: ignore[index]
     out = dict(inputs)
 
     def grow(t, n, value):
@@ -245,14 +325,14 @@ def pad_sequences(inputs: dict, multiple: int, pad_id: int, family: str) -> dict
 
     n = -out["input_ids"].shape[1] % multiple
     if n:
-        if "attention_mask" not in out and family != "decoder":
+        if "attention_mask" not in out and not kind.CAUSAL_LM:
             out["attention_mask"] = torch.ones_like(out["input_ids"])
         out["input_ids"] = grow(out["input_ids"], n, pad_id)
         for key, value in (("attention_mask", 0), ("token_type_ids", 0)):
             if key in out:
                 out[key] = grow(out[key], n, value)
-        if family != "encdec" and "labels" in out:
+        if not kind.SEQ2SEQ and "labels" in out:
             out["labels"] = grow(out["labels"], n, -100)
-    if family == "encdec" and "labels" in out:
+    if kind.SEQ2SEQ and "labels" in out:
         out["labels"] = grow(out["labels"], -out["labels"].shape[1] % multiple, -100)
     return out

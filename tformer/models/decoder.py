@@ -12,6 +12,10 @@ from .base import Embeddings, ModelOutput, TformerModel, default_positions
 
 
 class DecoderModel(TformerModel):
+    FAMILY = "decoder"
+    STACKS = ("decoder",)
+    CAUSAL_LM = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -36,19 +40,23 @@ class DecoderModel(TformerModel):
         label_smoothing: float = 0.0,
         doc_ids: torch.Tensor | None = None,
         loss_tokens: torch.Tensor | None = None,
-    ) -> ModelOutput:
+    ) -> ModelOutput | torch.Tensor:
         """``labels`` are aligned with ``input_ids`` positions (already shifted), -100 = ignore.
         With ``cache``, ``input_ids`` are the new tokens and ``attention_mask`` covers past + new.
         ``doc_ids`` (B, S) packs documents: attention stays inside each, and positions (unless given)
-        restart at every document. ``loss_tokens``: the loss's divisor (``models/base.lm_loss``)."""
+        restart at every document. ``loss_tokens``: the loss's divisor (``models/base.lm_loss``).
+        A pipeline stage (``cut_stage``) takes hidden states for ids after the first stage and
+        returns its hidden states before the last."""
         offset = cache.length if cache is not None else 0
         self._check_length(input_ids.shape[1], offset)
         doc_mask = DocumentMask(doc_ids) if doc_ids is not None else None
         if position_ids is None and doc_ids is not None:
             position_ids = positions_from_doc_ids(doc_ids)
         positions = position_ids if position_ids is not None else default_positions(input_ids, offset)
-        x = self.embed(input_ids, positions)
+        x = self._embed_or_hidden(input_ids, positions)
         h = self.decoder(x, attention_mask, positions=positions, cache=cache, doc_mask=doc_mask)
+        if self.lm_head is None:
+            return h
         logits, loss = self._head_and_loss(
             h, labels, return_logits, label_smoothing=label_smoothing, loss_tokens=loss_tokens
         )

@@ -3,12 +3,15 @@ one embedding shared by both stacks and (v1.0) the LM head."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from ..config import ModelConfig
 from ..nn import DocumentMask, StackCache, TransformerStack, positions_from_doc_ids
 from .base import Embeddings, ModelOutput, TformerModel, default_positions
+from .flops import _attention_flops, _ffn_flops, head_flops, stack_flops
 
 
 def shift_right(labels: torch.Tensor, start_id: int, pad_id: int) -> torch.Tensor:
@@ -25,6 +28,35 @@ def _positions(ids: torch.Tensor, doc_ids, position_ids, offset: int = 0) -> tor
 
 
 class EncoderDecoderModel(TformerModel):
+    FAMILY = "encdec"
+    STACKS = ("encoder", "decoder")
+    SEQ2SEQ = True
+    encoder: Any  # None in pipeline stage 1, like ``decoder`` in stage 0 (``cut_stage``)
+    decoder: Any
+
+    @classmethod
+    def stack_shapes(cls, cfg: ModelConfig, seq: int, target: int | None) -> list[tuple[int, int, int | None]]:
+        """The encoder over the source, the decoder over the target (default: as long) attending to it."""
+        return [(cfg.num_layers, seq, None), (cfg.decoder_layers, target or seq, seq)]
+
+    @classmethod
+    def forward_flops(cls, cfg: ModelConfig, batch: int, seq: int, target: int | None) -> int:
+        if target is None:
+            raise ValueError("encoder-decoder FLOPs need target_len (the decoder sequence length)")
+        tokens, t_tokens = batch * seq, batch * target
+        attention = _attention_flops(cfg, t_tokens, t_tokens, target) + _attention_flops(cfg, t_tokens, tokens, seq)
+        decoder = cfg.decoder_layers * attention + _ffn_flops(cfg, t_tokens, cfg.decoder_layers)
+        return stack_flops(cfg, tokens, seq, cfg.num_layers) + decoder + head_flops(cfg, t_tokens)
+
+    def cut_stage(self, stage: int, stages: int, pp_layers: list | None = None) -> None:
+        """Split at the encoder/decoder boundary (``pipeline.check_pipeline`` refuses any other):
+        stage 0 embeds and encodes; stage 1 embeds the decoder input with the shared embedding and
+        runs the decoder, the head and the loss."""
+        if stage == 0:
+            self.decoder, self.lm_head = None, None
+        else:
+            self.encoder = None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -122,12 +154,18 @@ class EncoderDecoderModel(TformerModel):
         position_ids: torch.Tensor | None = None,
         decoder_position_ids: torch.Tensor | None = None,
         loss_tokens: torch.Tensor | None = None,
-    ) -> ModelOutput:
+    ) -> ModelOutput | torch.Tensor:
         """``labels`` are the decoder targets; without ``decoder_input_ids`` they are shifted right
         behind ``decoder_start_token_id`` to form the decoder input (teacher forcing). Packed pairs
         give ``doc_ids`` (sources), ``decoder_doc_ids`` (targets) and ``decoder_input_ids`` (each
         target shifted behind its own start token). ``position_ids`` / ``decoder_position_ids`` override
-        each stream's positions; ``loss_tokens`` is the loss's divisor (``models/base.lm_loss``)."""
+        each stream's positions; ``loss_tokens`` is the loss's divisor (``models/base.lm_loss``).
+        A pipeline stage (``cut_stage``) without the decoder returns the encoder output; one without
+        the encoder takes the encoder output for ``input_ids``."""
+        if self.decoder is None:  # pipeline stage 0: input ids -> encoder output
+            return self.encode(input_ids, attention_mask, doc_ids, position_ids)
+        if self.encoder is None:  # pipeline stage 1: the input is the encoder output
+            encoder_hidden = input_ids
         if (doc_ids is None) != (decoder_doc_ids is None):
             raise ValueError("packed pairs need both doc_ids (sources) and decoder_doc_ids (targets)")
         if decoder_input_ids is None:

@@ -13,6 +13,18 @@ from .base import Embeddings, ModelOutput, TformerModel, default_positions
 
 
 class EncoderModel(TformerModel):
+    FAMILY = "encoder"
+    STACKS = ("encoder",)
+    HEAD = ("head_dense", "head_norm", "lm_head")
+    LM_HEAD_BIAS = True
+    MASKED_LM = True
+
+    @classmethod
+    def forward_flops(cls, cfg: ModelConfig, batch: int, seq: int, target: int | None) -> int:
+        """The stack, the MLM head's dense layer and its vocabulary projection (at every position)."""
+        tokens = batch * seq
+        return super().forward_flops(cfg, batch, seq, target) + 2 * tokens * cfg.d_model * cfg.d_model
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -23,7 +35,7 @@ class EncoderModel(TformerModel):
         act, gated = FFN_KINDS[cfg.activation]
         self.head_act = F.gelu if gated else act  # a gated kind is no one function: its head uses GELU
         self.head_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=True)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=self.LM_HEAD_BIAS)
         self.init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.tok.weight
@@ -40,7 +52,7 @@ class EncoderModel(TformerModel):
         if position_ids is None and doc_ids is not None:
             position_ids = positions_from_doc_ids(doc_ids)
         positions = position_ids if position_ids is not None else default_positions(input_ids)
-        x = self.embed(input_ids, positions, token_type_ids)
+        x = self._embed_or_hidden(input_ids, positions, token_type_ids)
         doc_mask = DocumentMask(doc_ids) if doc_ids is not None else None
         return self.encoder(x, attention_mask, positions=positions, doc_mask=doc_mask)
 
@@ -55,11 +67,14 @@ class EncoderModel(TformerModel):
         label_smoothing: float = 0.0,
         doc_ids: torch.Tensor | None = None,
         loss_tokens: torch.Tensor | None = None,
-    ) -> ModelOutput:
+    ) -> ModelOutput | torch.Tensor:
         """``return_logits=False`` (with labels) runs the MLM head at the masked positions only and
         returns the loss without logits: the same loss and gradients for a fraction of the head.
-        ``doc_ids`` (B, S) packs documents that do not attend to each other (see the decoder)."""
+        ``doc_ids`` (B, S) packs documents that do not attend to each other (see the decoder).
+        A pipeline stage before the last (no ``lm_head``) returns its hidden states."""
         h = self.hidden_states(input_ids, attention_mask, token_type_ids, position_ids, doc_ids)
+        if self.lm_head is None:
+            return h
         logits, loss = self._head_and_loss(
             h, labels, return_logits, labelled_only=True, label_smoothing=label_smoothing, loss_tokens=loss_tokens
         )

@@ -44,22 +44,22 @@ def _ffn_flops(cfg: ModelConfig, tokens: int, layers: int) -> int:
     return (layers - n_moe) * dense + n_moe * sparse
 
 
+def stack_flops(cfg: ModelConfig, tokens: int, seq_len: int, layers: int) -> int:
+    """Forward FLOPs of a self-attention stack of ``layers`` blocks over ``tokens`` (``seq_len`` keys each)."""
+    return layers * _attention_flops(cfg, tokens, tokens, seq_len) + _ffn_flops(cfg, tokens, layers)
+
+
+def head_flops(cfg: ModelConfig, tokens: int) -> int:
+    """Forward FLOPs of the vocabulary projection over ``tokens`` positions."""
+    return 2 * tokens * cfg.d_model * cfg.padded_vocab_size
+
+
 def forward_flops(cfg: ModelConfig, batch: int, seq_len: int, target_len: int | None = None) -> int:
-    """Forward FLOPs for a batch; ``target_len`` is the decoder length of an encoder-decoder."""
-    vocab = cfg.padded_vocab_size
-    tokens = batch * seq_len
-    stack = cfg.num_layers * _attention_flops(cfg, tokens, tokens, seq_len) + _ffn_flops(cfg, tokens, cfg.num_layers)
-    if cfg.family == "encoder":
-        head = 2 * tokens * cfg.d_model * cfg.d_model + 2 * tokens * cfg.d_model * vocab
-        return stack + head
-    if cfg.family == "decoder":
-        return stack + 2 * tokens * cfg.d_model * vocab
-    if target_len is None:
-        raise ValueError("encoder-decoder FLOPs need target_len (the decoder sequence length)")
-    t_tokens = batch * target_len
-    dec_attention = _attention_flops(cfg, t_tokens, t_tokens, target_len) + _attention_flops(cfg, t_tokens, tokens, seq_len)
-    decoder = cfg.decoder_layers * dec_attention + _ffn_flops(cfg, t_tokens, cfg.decoder_layers)
-    return stack + decoder + 2 * t_tokens * cfg.d_model * vocab
+    """Forward FLOPs for a batch; ``target_len`` is the decoder length of an encoder-decoder. Each
+    family counts itself (``forward_flops`` of its model class, reached through its spec)."""
+    from .spec import spec_of
+
+    return spec_of(cfg).forward_flops(cfg, batch, seq_len, target_len)
 
 
 def training_flops(cfg: ModelConfig, batch: int, seq_len: int, target_len: int | None = None) -> int:
@@ -69,5 +69,7 @@ def training_flops(cfg: ModelConfig, batch: int, seq_len: int, target_len: int |
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int, target_len: int | None = None) -> float:
     """Training FLOPs per token (per input token; encoder-decoder: per input + target token)."""
-    tokens = seq_len + ((target_len or 0) if cfg.family == "encdec" else 0)
+    from .spec import spec_of
+
+    tokens = seq_len + ((target_len or 0) if spec_of(cfg).seq2seq else 0)
     return training_flops(cfg, 1, seq_len, target_len) / tokens

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..config import ConfigError
 from ..nn.attention import local_attention
+from ..models import spec_of
 from ..nn.docmask import same_document
 
 # ----------------------------------------------------------------------------------------------
@@ -425,7 +426,8 @@ def shard_batch(batch: dict[str, torch.Tensor], rank: int, cp: int, cfg, tp: int
 
     batch = dict(batch)
     streams = [("input_ids", "doc_ids", "position_ids")]
-    if cfg.family == "encdec":
+    spec = spec_of(cfg)
+    if spec.seq2seq:
         if "decoder_input_ids" not in batch:
             batch["decoder_input_ids"] = shift_right(batch["labels"], cfg.decoder_start_token_id, cfg.pad_token_id)
         streams.append(("decoder_input_ids", "decoder_doc_ids", "decoder_position_ids"))
@@ -434,7 +436,7 @@ def shard_batch(batch: dict[str, torch.Tensor], rank: int, cp: int, cfg, tp: int
             b, s = batch[ids].shape
             batch[pos] = positions_from_doc_ids(batch[docs]) if docs in batch else torch.arange(s).expand(b, s)
     b, s = batch["input_ids"].shape
-    if cfg.family != "decoder" and "attention_mask" not in batch and padded_length(s, cp, tp) != s:
+    if not spec.causal_lm and "attention_mask" not in batch and padded_length(s, cp, tp) != s:
         batch["attention_mask"] = torch.ones(b, s, dtype=torch.long, device=batch["input_ids"].device)
     return {k: shard_seq(v, rank, cp, pad_value=_PAD.get(k, 0), tp=tp) for k, v in batch.items()}
 

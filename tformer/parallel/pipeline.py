@@ -29,29 +29,19 @@ FSDP2/TP hooks); the schedule's loss function passes it through.
 from __future__ import annotations
 
 import copy
-import types
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..config import PP_SCHEDULES, ConfigError, ModelConfig
-from ..nn import TransformerStack
+from ..models import spec_of
+from ..models.base import ModelOutput
+from ..models.base import stage_layers as stage_layers  # the models' own split, re-exported for the planner
 
 
 def num_stages(pcfg) -> int:
     return pcfg.pp * (pcfg.pp_stages_per_rank if pcfg.pp_schedule == "interleaved_1f1b" else 1)
-
-
-def stage_layers(num_layers: int, stages: int, pp_layers: list | None = None) -> list[range]:
-    """Block indices of each stage: ``pp_layers`` counts, or as even as possible (earlier stages
-    take the remainder: the last stage also runs the head and the loss)."""
-    counts = list(pp_layers) if pp_layers else [num_layers // stages + (i < num_layers % stages) for i in range(stages)]
-    out, start = [], 0
-    for n in counts:
-        out.append(range(start, start + n))
-        start += n
-    return out
 
 
 def check_pipeline(cfg: ModelConfig, pcfg, strategy: str) -> None:
@@ -77,7 +67,7 @@ def check_pipeline(cfg: ModelConfig, pcfg, strategy: str) -> None:
             "parallel.pp_schedule=interleaved_1f1b; set it, or parallel.pp_stages_per_rank=1"
         )
     stages = num_stages(pcfg)
-    if cfg.family == "encdec":
+    if len(spec_of(cfg).model.STACKS) > 1:
         if stages != 2 or pcfg.pp_layers:
             raise ConfigError(
                 f"encoder-decoder models split only at the encoder/decoder boundary: "
@@ -111,81 +101,28 @@ def check_pipeline(cfg: ModelConfig, pcfg, strategy: str) -> None:
         )
 
 
-class _Skip(nn.Module):
-    """A block another stage runs: passes the hidden states through, holds nothing."""
-
-    def forward(self, x, *args, **kwargs):
-        return x
-
-
-def _keep_blocks(stack: TransformerStack, keep: range, last: bool) -> None:
-    for i in range(len(stack.layers)):
-        if i not in keep:
-            stack.layers[i] = _Skip()
-    if not last:
-        stack.final_norm = None
-
-
-def _decoder_forward(self, x, labels=None):
-    positions = torch.arange(x.shape[1], device=x.device)
-    if self.pp_first:
-        x = self.embed(x, positions)
-    h = self.decoder(x, None, positions=positions)
-    if not self.pp_last:
-        return h
-    return self._head_and_loss(h, labels, False, label_smoothing=self.pp_smoothing)[1]
-
-
-def _encoder_forward(self, x, attention_mask=None, token_type_ids=None, labels=None):
-    positions = torch.arange(x.shape[1], device=x.device)
-    if self.pp_first:
-        x = self.embed(x, positions, token_type_ids)
-    h = self.encoder(x, attention_mask, positions=positions)
-    if not self.pp_last:
-        return h
-    return self._head_and_loss(h, labels, False, labelled_only=True, label_smoothing=self.pp_smoothing)[1]
-
-
-def _encdec_forward(self, x, attention_mask=None, labels=None):
-    if self.pp_first:  # input ids -> encoder output
-        return self.encode(x, attention_mask)
-    from ..models.encdec import shift_right
-
-    cfg = self.config
-    h = self.decoder_hidden(shift_right(labels, cfg.decoder_start_token_id, cfg.pad_token_id), x, attention_mask)
-    return self._head_and_loss(h, labels, False, label_smoothing=self.pp_smoothing)[1]
-
-
 def build_stage(model, stage: int, stages: int, pp_layers: list | None, label_smoothing: float) -> nn.Module:
-    """Stage ``stage`` of ``stages``: a pruned copy of ``model`` whose forward runs that stage."""
-    cfg = model.config
-    first, last = stage == 0, stage == stages - 1
+    """Stage ``stage`` of ``stages``: a copy of ``model`` cut by its own ``cut_stage``; its one
+    forward runs what is left. The last stage is called as the schedule needs it, through torch's
+    module hooks (its parameter names must stay the model's, so it is not wrapped): the trainer's
+    loss-only path (``return_logits=False``, the run's label smoothing) in, the loss tensor out."""
     part = copy.deepcopy(model)
-    part.pp_first, part.pp_last, part.pp_smoothing = first, last, label_smoothing
-    tied = cfg.tie_embeddings
-    if cfg.family == "encdec":
-        if first:
-            part.decoder = None
-            part.lm_head = None
-        else:  # the decoder embeds its inputs with the shared embedding
-            part.encoder = None
-        part.forward = types.MethodType(_encdec_forward, part)
-        return part
-    stack = part.decoder if cfg.family == "decoder" else part.encoder
-    _keep_blocks(stack, stage_layers(len(stack.layers), stages, pp_layers)[stage], last)
-    if not last:
-        part.lm_head = None
-        for name in ("head_dense", "head_norm"):
-            if hasattr(part, name):
-                setattr(part, name, None)
-    if not first:
-        if last and tied:  # the head's weight is the embedding's: keep that one tensor, by its name
-            emb = part.embed
-            emb.pos, emb.types, emb.norm = None, None, None
-        else:
-            part.embed = None
-    part.forward = types.MethodType(_decoder_forward if cfg.family == "decoder" else _encoder_forward, part)
+    part.cut_stage(stage, stages, pp_layers)
+    if stage == stages - 1:
+        part.register_forward_pre_hook(_loss_call(label_smoothing), with_kwargs=True)
+        part.register_forward_hook(_loss_only)
     return part
+
+
+def _loss_call(label_smoothing: float):
+    def hook(_module, args, kwargs):
+        return args, {**kwargs, "return_logits": False, "label_smoothing": label_smoothing}
+
+    return hook
+
+
+def _loss_only(_module, _args, output: ModelOutput) -> torch.Tensor | None:
+    return output.loss
 
 
 def stages_of_rank(pp_rank: int, pp: int, stages: int) -> list[int]:

@@ -37,9 +37,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 from ..args import parse_bytes
 from ..config import ConfigError, ModelConfig, Precision
+from ..models import spec_of
 from ..nn.ffn import FFN_KINDS
 from .tp import pad_vocab_for_tp
 
@@ -118,7 +120,7 @@ def _block_parts(
     def attention(keys: int, self_attention: bool) -> float:
         """q, k, v (cross-attention's k, v are counted per source token by the caller) and the
         output (= the o_proj input)."""
-        out = h * dk + (2 * kv if self_attention else 0) + h * dk
+        out: float = h * dk + (2 * kv if self_attention else 0) + h * dk
         if cfg.attn_impl == "math":
             out += h * keys * (1 + (1 / elt + 1 if cfg.attn_dropout > 0 else 0))  # probs (+ mask, dropped)
             if self_attention and kv != h * dk:
@@ -127,10 +129,10 @@ def _block_parts(
             out += h * keys
         return out
 
-    ffn = (2 if _gated(cfg) else 1) * ff
+    ffn: float = (2 if _gated(cfg) else 1) * ff
     if tp > 1 and cfg.activation != "relu":
         ffn += ff
-    whole = 2 * d  # attention and FFN norm outputs
+    whole: float = 2 * d  # attention and FFN norm outputs
     sequence = 2 * norm_in + 2 * mask  # attention and FFN norm inputs; the dropout masks
     heads = attention(seq, True) + ffn
     if cross_len is not None:  # cross-attention norm and dropout, queries, output (K/V: the caller)
@@ -242,17 +244,20 @@ def activation_bytes(
     if tp > 1:
         chunk = None
     block_input = cfg.d_model * res / (tp if sp else 1)  # in the sequence-parallel region
-    first, second = blocks if blocks is not None else (cfg.num_layers, cfg.decoder_layers)
-    op_elements = [_block_elements_op_ac(cfg, tp=tp, sp=sp, res=res)] * first
-    layers = [(seq, _block_elements_per_token(cfg, seq, tp=tp, sp=sp, elt=elt, res=res))] * first
-    out_tokens = seq
-    if cfg.family == "encdec":
-        t = target or seq
-        memory_kv = 2 * cfg.kv_heads * cfg.head_dim * seq / t / tp
-        per_block = _block_elements_per_token(cfg, t, cross_len=seq, tp=tp, sp=sp, elt=elt, res=res)
-        layers += [(t, per_block + memory_kv)] * second
-        op_elements += [_block_elements_op_ac(cfg, cross_len=seq, tp=tp, sp=sp, res=res) + memory_kv] * second
-        out_tokens = t
+    shapes = spec_of(cfg).stack_shapes(cfg, seq, target)  # (blocks, tokens, cross-attended tokens)
+    counts = blocks if blocks is not None else tuple(n for n, _, _ in shapes) + (0,)
+    layers: list[tuple[int, float]] = []  # (tokens, elements per token) of every block, stack by stack
+    op_elements: list[float] = []
+    crosses: list[int | None] = []
+    for count, (_, tokens, cross) in zip(counts, shapes):
+        # a cross-attending block also keeps the k and v of the memory, per source token
+        memory_kv = 0 if cross is None else 2 * cfg.kv_heads * cfg.head_dim * cross / tokens / tp
+        per_block = _block_elements_per_token(cfg, tokens, cross_len=cross, tp=tp, sp=sp, elt=elt, res=res)
+        layers += [(tokens, per_block + memory_kv if cross is not None else per_block)] * count
+        op_block = _block_elements_op_ac(cfg, cross_len=cross, tp=tp, sp=sp, res=res)
+        op_elements += [op_block + memory_kv if cross is not None else op_block] * count
+        crosses += [cross] * count
+    out_tokens = shapes[-1][1]
     if ac == "full":  # each block keeps only its input; one block is recomputed at a time
         kept = sum(tokens * block_input for tokens, _ in layers)
         recompute = max(tokens * e for tokens, e in layers)
@@ -260,7 +265,7 @@ def activation_bytes(
         kept = sum(tokens * e for (tokens, _), e in zip(layers, op_elements))
         # backward rebuilds what AC none keeps, less what op kept of it: all but the row-wise
         # outputs (o_proj, FFN down), which AC none never saves (an add keeps nothing)
-        own = [_op_ac_parts(cfg, cross_len=seq if i >= first else None)[0] for i in range(len(layers))]
+        own = [_op_ac_parts(cfg, cross_len=cross)[0] for cross in crosses]
         recompute = max(max(0, tokens * (e - o + p)) for (tokens, e), o, p in zip(layers, op_elements, own))
     else:
         kept = sum(tokens * e for tokens, e in layers)
@@ -288,8 +293,7 @@ def activation_bytes(
         total += recompute * elt + head_peak
     weights = 0.0  # bf16 copies of the weights, each held from its matmul's forward to its backward
     if autocast:
-        second = second if cfg.family == "encdec" else 0
-        copies = [block_matmul_parameters(cfg, False, tp)] * first + [block_matmul_parameters(cfg, True, tp)] * second
+        copies = [block_matmul_parameters(cfg, cross is not None, tp) for cross in crosses]
         if ac == "none" and not offload:
             weights += 2 * sum(copies)
         elif transient and copies:  # only the block being recomputed (or brought back) holds them
@@ -348,26 +352,21 @@ def _module_counts(fields: tuple) -> dict[str, int]:
     from ..models import build_model
 
     with torch.device("meta"):
-        model = build_model(ModelConfig(**{k: dict(v) if k == "moe" else v for k, v in fields}))
-    cfg = model.config
+        values: dict[str, Any] = {k: dict(v) if k == "moe" else v for k, v in fields}
+        model = build_model(ModelConfig(**values))
 
     def count(module) -> int:
         return sum(p.numel() for p in module.parameters()) if module is not None else 0
 
     out = {"all": model.num_parameters(), "embed": count(model.embed), "tok": model.embed.tok.weight.numel()}
-    stacks = (
-        [model.encoder, model.decoder]
-        if cfg.family == "encdec"
-        else [model.decoder if cfg.family == "decoder" else model.encoder]
-    )
-    for i, stack in enumerate(stacks):
+    for i, stack in enumerate(model.stacks()):
         out[f"block{i}"] = count(stack.layers[0])  # the blocks of a stack are alike
         out[f"norm{i}"] = count(stack.final_norm)
         out[f"stack{i}"] = count(stack) - len(stack.layers) * out[f"block{i}"] - out[f"norm{i}"]
     embedded = {id(p) for p in model.embed.parameters()}
     out["head"] = sum(
         p.numel()
-        for name in ("lm_head", "head_dense", "head_norm")
+        for name in model.HEAD
         for p in (getattr(model, name).parameters() if getattr(model, name, None) is not None else ())
         if id(p) not in embedded
     )
@@ -411,10 +410,11 @@ def _tp_sharded_parts(cfg: ModelConfig) -> dict[str, int]:
     attention = (h + 2 * kv) * dk * (d + bias) + h * dk * d
     ffn = (2 if _gated(cfg) else 1) * ff * (d + bias) + ff * d
     relative = cfg.rel_num_buckets * h if cfg.position == "relative" else 0
-    head = (0 if cfg.tie_embeddings else vocab * d) + (vocab if cfg.family == "encoder" else 0)
-    out = {"embed": vocab * d, "tok": vocab * d, "head": head, "block0": attention + ffn, "stack0": relative, "norm0": 0}
-    if cfg.family == "encdec":
-        out.update(block1=2 * attention + ffn, stack1=relative, norm1=0)
+    spec = spec_of(cfg)
+    head = (0 if cfg.tie_embeddings else vocab * d) + (vocab if spec.model.LM_HEAD_BIAS else 0)
+    out = {"embed": vocab * d, "tok": vocab * d, "head": head}
+    for i, (_, _, cross) in enumerate(spec.stack_shapes(cfg, 1, None)):
+        out.update({f"block{i}": (2 if cross is not None else 1) * attention + ffn, f"stack{i}": relative, f"norm{i}": 0})
     return out
 
 
@@ -422,7 +422,7 @@ def tp_sharded_parameters(cfg: ModelConfig) -> int:
     """Parameters tensor parallelism splits over the TP ranks (``_tp_sharded_parts`` of the whole
     model)."""
     parts = _tp_sharded_parts(cfg)
-    stacks = [(0, cfg.num_layers)] + ([(1, cfg.decoder_layers)] if cfg.family == "encdec" else [])
+    stacks = enumerate(n for n, _, _ in spec_of(cfg).stack_shapes(cfg, 1, None))
     return parts["embed"] + parts["head"] + sum(n * parts[f"block{i}"] + parts[f"stack{i}"] for i, n in stacks)
 
 
@@ -475,10 +475,15 @@ def stage_parameters(cfg: ModelConfig, stages: int, tp: int = 1) -> list[int]:
     local = {k: counts[k] - n + n // tp for k, n in sharded.items()}
     if stages == 1:
         return [tp_local_parameters(cfg, tp)]
-    if cfg.family == "encdec":
+    shapes = spec_of(cfg).stack_shapes(cfg, 1, None)
+    if len(shapes) > 1:  # one stage per stack (``cut_stage``), each with the shared embedding
         return [
-            local["embed"] + local["stack0"] + cfg.num_layers * local["block0"] + local["norm0"],
-            local["embed"] + local["stack1"] + cfg.decoder_layers * local["block1"] + local["norm1"] + local["head"],
+            local["embed"]
+            + local[f"stack{i}"]
+            + n * local[f"block{i}"]
+            + local[f"norm{i}"]
+            + (local["head"] if i == len(shapes) - 1 else 0)
+            for i, (n, _, _) in enumerate(shapes)
         ]
     out = []
     for stage, blocks in enumerate(stage_layers(cfg.num_layers, stages)):
@@ -541,8 +546,9 @@ def _pipeline_rank(
     last = stages - 1 in mine
     params = stage_parameters(cfg, stages, tp)
     states = model_state_bytes(strategy, sum(params[s] for s in mine), dp_shard, mixed, as_built=True)
-    if cfg.family == "encdec":
-        blocks = (cfg.num_layers, 0) if rank == 0 else (0, cfg.decoder_layers)
+    shapes = spec_of(cfg).stack_shapes(cfg, seq, target)
+    if len(shapes) > 1:  # rank i runs stack i
+        blocks = tuple(n if i == rank else 0 for i, (n, _, _) in enumerate(shapes))
     else:  # interleaved stages are equal (the blocks divide evenly); 1F1B and GPipe: the rank's one stage
         blocks = (max(len(stage_layers(cfg.num_layers, stages)[s]) for s in mine), 0)
 
@@ -566,7 +572,7 @@ def _pipeline_rank(
     activations = units * kept + act(head=last) - kept
     if last and schedule == "gpipe":  # every micro-batch's forward ends in the loss before a backward
         if memory.get("chunk") and tp == 1 and not memory.get("return_logits", True):
-            rows = micro_batch * ((target or seq) if cfg.family == "encdec" else seq) * memory.get("labelled", 1.0)
+            rows = micro_batch * spec_of(cfg).output_len(seq, target) * memory.get("labelled", 1.0)
             head = 4 * cfg.d_model * (cfg.padded_vocab_size + rows)  # its carried weight and input gradients
         else:  # the saved log-probabilities
             head = act(head=True) - act()
@@ -768,7 +774,7 @@ def training_memory(cfg) -> dict:
         "return_logits": False,
         "chunk": cfg.loss.chunk_size,
         "offload": cfg.parallel.activation_offload and cfg.device != "cpu",
-        "labelled": cfg.data.mlm_probability if model_cfg.family == "encoder" else 1.0,
+        "labelled": cfg.data.mlm_probability if spec_of(model_cfg).masked_lm else 1.0,
     }
 
 
@@ -795,6 +801,40 @@ def print_savings(cfg: ModelConfig, micro_batch: int, seq: int, target: int | No
     print(f"{'setting':<38}{'activ. GiB':>11}{'saves GiB':>11}{'saves':>7}")
     for name, value in rows:
         print(f"{name:<38}{value / gib:>11.2f}{(base - value) / gib:>11.2f}{1 - value / base:>7.0%}")
+
+
+def layout_estimate(
+    cfg: ModelConfig,
+    layout: tuple[str, int, int, int, str, int, int],
+    devices: int,
+    micro_batch: int,
+    seq: int,
+    target: int | None,
+    ac: str,
+    mixed: bool,
+    settings: dict,
+) -> Estimate:
+    """``estimate`` of one searched layout, (strategy, dp_replicate, tp, pp, schedule, stages_per_rank,
+    n_micro) as ``layouts`` and ``pp_layouts`` give them: TP layouts run sequence parallel."""
+    strategy, replicate, tp, pp, schedule, v, m = layout
+    return estimate(
+        cfg,
+        strategy,
+        devices,
+        micro_batch,
+        seq,
+        target,
+        ac,
+        mixed,
+        dp_replicate=replicate,
+        tp=tp,
+        sp=tp > 1,
+        pp=pp,
+        schedule=schedule,
+        stages_per_rank=v,
+        n_micro=m,
+        **settings,
+    )
 
 
 def recommend(
@@ -836,24 +876,8 @@ def recommend(
         index = comm.setdefault((strategy, replicate, tp, pp), len(comm))
         for ac_rank, ac in enumerate(("none", "op", "full")):
             for mb in (64, 32, 16, 8, 4, 2, 1):
-                e = estimate(
-                    cfg,
-                    strategy,
-                    devices,
-                    mb,
-                    seq,
-                    target,
-                    ac,
-                    mixed,
-                    dp_replicate=replicate,
-                    tp=tp,
-                    sp=tp > 1,
-                    pp=pp,
-                    schedule=schedule,
-                    stages_per_rank=v,
-                    n_micro=m,
-                    **(settings or {}),
-                )
+                layout = (strategy, replicate, tp, pp, schedule, v, m)
+                e = layout_estimate(cfg, layout, devices, mb, seq, target, ac, mixed, settings or {})
                 if e.total <= headroom * memory:
                     fits.append(
                         (
@@ -986,7 +1010,7 @@ def cp_activation_bytes(
         kept_like_sdpa, micro_batch, local, local_target, ac, mixed, transient=transient, tp=tp, sp=sp, **memory
     )
     if ac == "none":
-        calls = cfg.num_layers + (2 * cfg.decoder_layers if cfg.family == "encdec" else 0)
+        calls = cfg.num_layers + (2 * cfg.decoder_layers if spec_of(cfg).seq2seq else 0)
         total += micro_batch * calls * max(local, local_target or 0) * cfg.num_heads / tp * 4  # log-sum-exp
     if transient:
         total += cp_attention_bytes(cfg, micro_batch, seq, target, mixed, cp, tp)
@@ -1111,7 +1135,7 @@ def plan_main(
     memory = parse_bytes(device_memory)
     mixed = cfg.precision != "fp32"
     target = None
-    if model_cfg.family == "encdec":
+    if spec_of(model_cfg).seq2seq:
         from ..data import t5_lengths
 
         target = cfg.data.target_len or t5_lengths(cfg.data.seq_len)[1]
@@ -1140,19 +1164,9 @@ def plan_main(
     for strategy, replicate, tp in layouts(model_cfg, devices, gpus_per_node):
         totals = {}
         for ac in ("none", "op", "full"):
-            e = estimate(
-                model_cfg,
-                strategy,
-                devices,
-                cfg.micro_batch_size,
-                cfg.data.seq_len,
-                target,
-                ac,
-                mixed,
-                dp_replicate=replicate,
-                tp=tp,
-                sp=tp > 1,
-                **settings,
+            layout = (strategy, replicate, tp, 1, "1f1b", 1, 1)
+            e = layout_estimate(
+                model_cfg, layout, devices, cfg.micro_batch_size, cfg.data.seq_len, target, ac, mixed, settings
             )
             print(
                 f"{strategy:<16}{replicate:>7}{e.dp_shard:>9}{tp:>4}{'on' if e.sp else '-':>4}  {ac:<6}"
@@ -1258,23 +1272,8 @@ def _print_pipelines(
     )
     for strategy, replicate, tp, pp, schedule, v, n in pipes:
         totals = {
-            ac: estimate(
-                cfg,
-                strategy,
-                devices,
-                micro_batch,
-                seq,
-                target,
-                ac,
-                mixed,
-                dp_replicate=replicate,
-                tp=tp,
-                sp=tp > 1,
-                pp=pp,
-                schedule=schedule,
-                stages_per_rank=v,
-                n_micro=n,
-                **settings,
+            ac: layout_estimate(
+                cfg, (strategy, replicate, tp, pp, schedule, v, n), devices, micro_batch, seq, target, ac, mixed, settings
             )
             for ac in ("none", "op", "full")
         }

@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError, ModelConfig
+from ..models import spec_of
 from ..models.base import pad_sequences as pad_for_sequence_parallel  # noqa: F401 - its old home
 from ..nn import MultiHeadAttention, TransformerBlock, TransformerStack
 from .memory import local_part
@@ -162,7 +163,8 @@ def apply_tensor_parallel(model, mesh, sp: bool = False, loss_parallel: bool = T
     tp = mesh.size()
     cfg = model.config
     check_tp(cfg, tp, sp)
-    parallelize_module(model, mesh, tp_plan(model, sp, loss_parallel))
+    plan = spec_of(cfg).tp_plan or tp_plan  # a flavour with its own layout says so in its spec
+    parallelize_module(model, mesh, plan(model, sp, loss_parallel))
     if sp:
         keep_gathered_inputs_sharded(model, mesh)
     if cfg.tie_embeddings and getattr(model, "embed", None) is not None and getattr(model, "lm_head", None) is not None:

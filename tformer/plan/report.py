@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..args import parse_bytes
 from ..config import ConfigError
+from ..models import spec_of
 from ..parallel import plan as memory_plan
 from .hardware import Hardware, load_profile, profile
 from .time import Layout, NotPriced, StepTime, step_time
@@ -138,7 +139,7 @@ def plan_speed(cfg, devices: int, device_memory: str, gpus_per_node: int, n_micr
     memory = parse_bytes(device_memory)
     mixed = cfg.precision != "fp32"
     target = None
-    if model.family == "encdec":
+    if spec_of(model).seq2seq:
         from ..data import t5_lengths
 
         target = cfg.data.target_len or t5_lengths(cfg.data.seq_len)[1]

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..config import ConfigError, ModelConfig
+from ..models import spec_of
 from ..models.flops import training_flops
 from ..nn.ffn import FFN_KINDS
 from ..parallel import plan as memory_plan
@@ -205,7 +206,7 @@ def block_gemms(
 ) -> list[Gemm]:
     """The forward GEMMs of one block in execution order (``cross_len``: an encoder-decoder's
     decoder block)."""
-    causal = cfg.family != "encoder"
+    causal = not spec_of(cfg).masked_lm
     out = _attention_gemms(cfg, batch, seq, seq, tp, causal, flash)
     if cross_len is not None:
         out += _attention_gemms(cfg, batch, seq, cross_len, tp, False, flash)
@@ -228,7 +229,7 @@ def recomputed_gemms(gemms: list[Gemm], ac: str) -> list[Gemm]:
 def head_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[Gemm]:
     d, vocab = cfg.d_model, cfg.padded_vocab_size // tp
     out = [_linear(tokens, vocab, d)]
-    if cfg.family == "encoder":
+    if spec_of(cfg).masked_lm:  # the MLM head's dense layer
         out.append(_linear(tokens, d, d))
     return out
 
@@ -344,12 +345,13 @@ def _stages(cfg: ModelConfig, layout: Layout) -> list[_Stage]:
     from ..parallel.pipeline import stage_layers, stages_of_rank
 
     pp, v = layout.pp, (layout.stages_per_rank if layout.schedule == "interleaved_1f1b" else 1)
+    stacks = [n for n, _, _ in spec_of(cfg).stack_shapes(cfg, 1, None)]
     if pp == 1:
-        both = (cfg.num_layers, cfg.decoder_layers if cfg.family == "encdec" else 0)
+        both = (stacks[0], stacks[1] if len(stacks) > 1 else 0)
         return [_Stage(both, True, True, memory_plan.tp_local_parameters(cfg, layout.tp))]
     params = memory_plan.stage_parameters(cfg, pp * v, layout.tp)
-    if cfg.family == "encdec":
-        return [_Stage((cfg.num_layers, 0), True, False, params[0]), _Stage((0, cfg.decoder_layers), True, True, params[1])]
+    if len(stacks) > 1:  # one stage per stack (the model's ``cut_stage``)
+        return [_Stage((stacks[0], 0), True, False, params[0]), _Stage((0, stacks[1]), True, True, params[1])]
     layers = stage_layers(cfg.num_layers, pp * v)
     out = []
     for rank in range(pp):
@@ -360,7 +362,7 @@ def _stages(cfg: ModelConfig, layout: Layout) -> list[_Stage]:
 
 
 def _lengths(cfg: ModelConfig, seq: int, target: int | None) -> tuple[int, int | None]:
-    if cfg.family != "encdec":
+    if not spec_of(cfg).seq2seq:
         return seq, None
     return seq, target or seq
 
@@ -373,7 +375,7 @@ def _micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, 
     elt = 2 if mixed else 4
     bandwidth = hw.hbm_bandwidth * hw.hbm_efficiency
     first, second = stage.blocks
-    out_len = target if cfg.family == "encdec" and target else seq
+    out_len = spec_of(cfg).output_len(seq, target)
     stacks = [(first, seq, None), (second, out_len, seq)]
     flash = layout.attention == "flash"
     fwd = bwd = 0.0

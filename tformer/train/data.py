@@ -35,6 +35,7 @@ from ..data import (
 )
 from ..data.loading import check_source
 from ..data.mixture import ConcatKeyed
+from ..models import spec_of
 from ..parallel.dist import barrier, multi_process
 from .config import AUTO_OBJECTIVE, TrainConfig, source_name
 
@@ -189,11 +190,12 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
     updates = {}
     if ids.pad_id is not None:
         updates["pad_token_id"] = ids.pad_id
-    if family != "encoder" and ids.eos_id is not None:
+    spec = spec_of(model_cfg)
+    if not spec.masked_lm and ids.eos_id is not None:
         updates["eos_token_id"] = ids.eos_id
-    if family == "decoder" and ids.eos_id is not None:
+    if spec.causal_lm and ids.eos_id is not None:
         updates["bos_token_id"] = ids.eos_id
-    if family == "encdec":
+    if spec.seq2seq:
         updates["decoder_start_token_id"] = updates.get("pad_token_id", model_cfg.pad_token_id)
     model_cfg = model_cfg.replace(**updates)
 

@@ -19,7 +19,7 @@ from ..checkpoint.manager import CheckpointManager, TrainerState
 from ..config import ConfigError
 from ..data import DataError, MixtureDataset, MixtureSampler, ResumableSampler
 from ..files import atomic_write
-from ..models import build_model
+from ..models import build_model, spec_of
 from ..models.base import pad_sequences
 from ..parallel.offload import activation_offload
 from ..models.flops import training_flops
@@ -805,9 +805,10 @@ class Trainer:
             batch = next(batches)
             self._beat("forward-backward")
             inputs = {k: batch[k].to(self.device, non_blocking=True) for k in keys if k in batch}
-            tokens += inputs["input_ids"].numel() + (inputs["labels"].numel() if self.model_cfg.family == "encdec" else 0)
+            seq2seq = spec_of(self.model_cfg).seq2seq  # the labels are a second (target) sequence
+            tokens += inputs["input_ids"].numel() + (inputs["labels"].numel() if seq2seq else 0)
             # the FLOPs of the batch as it is (token-budget batches vary in shape; padding included)
-            target = inputs["labels"].shape[1] if self.model_cfg.family == "encdec" else None
+            target = inputs["labels"].shape[1] if seq2seq else None
             flops += training_flops(self.model_cfg, *inputs["input_ids"].shape, target)
             last = micro == cfg.grad_accum - 1
             inputs = self._pad_for_sp(inputs)
