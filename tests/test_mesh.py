@@ -431,11 +431,6 @@ def test_sequence_parallel_keeps_gathered_inputs_as_shards(cache, tmp_path):
         (4, ["parallel.tp=4", "model.num_heads=2", "model.d_model=64"], "parallel.tp=4 does not divide model.num_heads=2"),
         (2, ["parallel.tp=2", "model.num_heads=4", "model.num_kv_heads=1"], "does not divide model.num_kv_heads=1"),
         (2, ["parallel.tp=2", "model.d_ff=127"], "does not divide model.d_ff=127"),
-        (
-            2,
-            ["parallel.tp=2", "model.vocab_size=2047"],
-            "does not divide the vocabulary (model.vocab_size=2047, padded to 2047)",
-        ),
         (2, ["parallel.tp=2", "parallel.strategy=deepspeed"], "parallel.strategy=deepspeed does not compose"),
         (2, ["parallel.dp_replicate=2"], "parallel.dp_replicate=2 (HSDP) needs parallel.strategy=fsdp"),
         (4, ["parallel.tp=2"], "parallel.tp=2 with 2 data-parallel ranks needs parallel.strategy=fsdp"),
