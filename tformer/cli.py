@@ -20,7 +20,7 @@ def _train(argv: list[str]) -> int:
         prog="tformer train",
         description="Train a model from a YAML recipe. The keys a recipe (and a key=value override) takes "
         "are the fields of tformer/train/config.py (model.* those of tformer/config.py); README.md's "
-        "'Training' section lists the common ones.",
+        "'Training' section lists the common ones, docs/reference/config.md every one.",
     )
     p.add_argument("config", help="YAML recipe, e.g. configs/gpt2-tiny.yaml")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. max_steps=100 optim.lr=1e-3")
