@@ -108,3 +108,13 @@ def validate(self):
         "self.parallel.ac_every < 1",
         "self.optim.lr <= 0",
     ]
+
+
+def test_the_exporter_reads_and_writes_run_configs_through_the_checkpoint_package():
+    """export/ takes the run config's file from checkpoint/runconfig.py, not the trainer's package."""
+    from test_layering import imports
+
+    root = ROOT / "tformer"
+    used = {m for path in (root / "export").glob("*.py") for _, m in imports(path, root)}
+    assert "tformer.checkpoint.runconfig" in used
+    assert "tformer.train.config" not in used

@@ -12,21 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
+from ..checkpoint.runconfig import find_run_config as saved_config  # its old name here
 from .config import DecodeConfig, config_from_dict
-
-
-def saved_config(path: str | Path) -> dict | None:
-    """The resolved run config (as a dict) nearest to ``path``: the config.yaml of the checkpoint
-    or run directory ``path``, else of its parents; None when there is none (an imported model)."""
-    start = Path(path)
-    for d in (start, *start.parents):
-        file = d / "config.yaml"
-        if file.is_file():
-            loaded = yaml.safe_load(file.read_text())
-            return loaded if isinstance(loaded, dict) else None
-    return None
 
 
 def saved_decode(path: str | Path) -> DecodeConfig | None:

@@ -50,7 +50,8 @@ def field_comments(cls: type) -> dict[str, str]:
             continue
         text = comments.get(number) if not line.lstrip().startswith("#") else None
         if not text:
-            above, n = [], number - 1
+            above: list[str] = []
+            n = number - 1
             while n >= 1 and lines[n - 1].strip().startswith("#"):
                 above.insert(0, comments[n])
                 n -= 1
