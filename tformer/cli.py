@@ -267,20 +267,10 @@ def _evaluate(argv: list[str]) -> int:
     if first <= n:
         result["val_loss_training_subset"] = sums["first"][0] / max(sums["first"][1], 1)
     if args.bleu:
-        from .evaluate import bleu
+        from .train.decoding import decoded_bleu
 
         d = cfg.decode
-        scored = bleu(
-            model,
-            val,
-            data.tokenizer,
-            range(n),
-            batch_size=d.batch_size,
-            num_beams=d.num_beams,
-            length_penalty=d.length_penalty,
-            length_norm=d.length_norm,
-            max_new_tokens=d.max_new_tokens,
-        )
+        scored = decoded_bleu(d, model, val, data.tokenizer, n)
         result.update(scored.record(), num_beams=d.num_beams, length_penalty=d.length_penalty)
         for k in range(min(args.show, n)):
             src = data.tokenizer.decode([t for t in val.sample(k)["input_ids"].tolist()], skip_special_tokens=True)
