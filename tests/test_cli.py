@@ -78,15 +78,30 @@ def test_pyproject_metadata_applies_without_deprecation_warnings():
     assert dist.metadata.version == tformer.__version__
 
 
-def _readme_commands() -> list[tuple[int, str]]:
-    """(line number, command) of README's shell blocks, comments and continuation lines aside."""
-    lines, inside, found = (ROOT / "README.md").read_text().splitlines(), False, []
+def _readme_commands(page: str = "README.md") -> list[tuple[int, str]]:
+    """(line number, command) of a page's shell blocks, comments and continuation lines aside."""
+    lines, inside, found = (ROOT / page).read_text().splitlines(), False, []
     for number, line in enumerate(lines, 1):
         if line.startswith("```"):
             inside = line.strip() == "```bash"
         elif inside and line.strip() and not line.lstrip().startswith("#"):
             found.append((number, line.split("  #")[0].strip()))
     return found
+
+
+def _missing_inputs(page: str) -> list[str]:
+    """Input files the page's commands name (not a CAPITALISED placeholder, not an output) that the
+    repository does not ship, as ``page:line: file``."""
+    missing = []
+    for number, command in _readme_commands(page):
+        words = command.split()
+        for before, word in zip(["", *words], words):
+            output = before in ("--out", "--json", ">") or "=" in word or word.startswith(("runs/", "hf/", "tok/"))
+            placeholder = re.sub(r"[^A-Za-z]", "", Path(word).stem).isupper()
+            if re.search(r"\.(ya?ml|txt|gz|jsonl?|sh|sbatch)$", word) and not (output or placeholder):
+                if not (ROOT / word).exists():
+                    missing.append(f"{page}:{number}: {word}")
+    return missing
 
 
 def test_readme_commands_run_as_written_on_a_fresh_clone():
@@ -102,13 +117,21 @@ def test_readme_commands_run_as_written_on_a_fresh_clone():
     activate = text.index("source .venv/bin/activate")
     bare = [n for n, c in commands[2:] if re.match(r"(\w+=\S+ )*(tformer|torchrun|python|pytest) ", c)]
     assert bare and len(text[:activate].splitlines()) < min(bare)
-    missing = []
-    for number, command in commands:
-        words = command.split()
-        for before, word in zip(["", *words], words):
-            output = before in ("--out", "--json", ">") or "=" in word or word.startswith(("runs/", "hf/", "tok/"))
-            placeholder = re.sub(r"[^A-Za-z]", "", Path(word).stem).isupper()
-            if re.search(r"\.(ya?ml|txt|gz|jsonl?|sh|sbatch)$", word) and not (output or placeholder):
-                if not (ROOT / word).exists():
-                    missing.append(f"README.md:{number}: {word}")
-    assert missing == []
+    assert _missing_inputs("README.md") == []
+
+
+def test_docs_commands_name_files_that_ship():
+    """The pages under docs/ (where most of the README's commands moved) hold to the same rule."""
+    pages = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))
+    assert "docs/launching.md" in pages
+    assert [m for page in pages for m in _missing_inputs(page)] == []
+
+
+def test_readme_is_one_page_whose_links_resolve():
+    """README stays a newcomer's page (the rest lives in docs/); each relative link it makes names a
+    file of the repository (mkdocs --strict checks the links inside docs/)."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    assert "docs/reference/config.md" in links
+    assert [link for link in links if "://" not in link and not (ROOT / link).exists()] == []

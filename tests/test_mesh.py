@@ -112,6 +112,16 @@ def _overrides(name, out, *extra):
     return recipe, small_overrides(recipe, out, *COMMON, *own, *extra)
 
 
+def run_cases(world, cases, tmp, cache, *common):
+    """Train every ``(family, flags)`` of ``cases`` on ``world`` ranks in one spawned group: run i
+    in ``tmp/run{i}`` with ``common`` + its flags, its report in ``tmp/report{i}``."""
+    jobs = []
+    for i, (name, flags) in enumerate(cases):
+        recipe, overrides = _overrides(name, tmp / f"run{i}", *common, *flags)
+        jobs.append((recipe, overrides, str(tmp / f"report{i}")))
+    run_ranks(world, jobs, cache)
+
+
 def reference(name, tmp_path_factory, grad_accum, *extra):
     """The 1-process run with the same global batch (cached per family, accumulation and extras)."""
     key = (name, grad_accum, *extra)
@@ -203,11 +213,7 @@ TP_CASES = [
 def tp2_runs(cache, tmp_path_factory):
     """Every TP case trained for 4 steps on 2 ranks (each run ends with a tp=2 checkpoint)."""
     tmp = tmp_path_factory.mktemp("tp2")
-    jobs = []
-    for i, (name, flags) in enumerate(TP_CASES):
-        recipe, overrides = _overrides(name, tmp / f"run{i}", "parallel.tp=2", *flags)
-        jobs.append((recipe, overrides, str(tmp / f"report{i}")))
-    run_ranks(2, jobs, cache)
+    run_cases(2, TP_CASES, tmp, cache, "parallel.tp=2")
     return tmp
 
 
@@ -316,11 +322,7 @@ def test_fsdp_x_tp_and_hsdp_equal_the_single_process_run(cache, tmp_path_factory
     accumulating the same global batch; under FSDP2 x TP each rank holds 1/(tp x dp_shard) of a
     TP-sharded parameter."""
     tmp = tmp_path_factory.mktemp("mesh4")
-    jobs = []
-    for i, (name, flags, _) in enumerate(MESH_CASES):
-        recipe, overrides = _overrides(name, tmp / f"run{i}", *flags)
-        jobs.append((recipe, overrides, str(tmp / f"report{i}")))
-    run_ranks(4, jobs, cache)
+    run_cases(4, [(name, flags) for name, flags, _ in MESH_CASES], tmp, cache)
     for i, (name, _, dp) in enumerate(MESH_CASES):
         assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, dp))
     for i, (_, flags, _) in enumerate(MESH_CASES):

@@ -14,7 +14,8 @@ from tformer.parallel.pipeline import stage_layers
 from tformer.train.config import load_config
 from tformer.train.trainer import Trainer
 
-from test_mesh import CONFIGS, GROUP_TIMEOUT, _overrides, assert_same_run, losses, reference, run_ranks, small_overrides
+from test_mesh import CONFIGS, GROUP_TIMEOUT, _overrides, assert_same_run, losses, reference, run_cases, run_ranks
+from test_mesh import small_overrides
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +51,7 @@ def test_pp2_equals_the_single_process_run(cache, tmp_path_factory):
     the same 2 micro-batches: losses and updated parameters at 1e-5 (fp32); also with per-block
     compile inside activation checkpointing (inductor reorders float math: 1e-4 here, not bitwise)."""
     tmp = tmp_path_factory.mktemp("pp2")
-    jobs = []
-    for i, (name, flags, extra) in enumerate(PP2):
-        recipe, overrides = _overrides(name, tmp / f"run{i}", "parallel.pp=2", "grad_accum=2", *flags, *extra)
-        jobs.append((recipe, overrides, str(tmp / f"report{i}")))
-    run_ranks(2, jobs, cache)
+    run_cases(2, [(name, [*flags, *extra]) for name, flags, extra in PP2], tmp, cache, "parallel.pp=2", "grad_accum=2")
     for i, (name, flags, extra) in enumerate(PP2):
         assert_same_run(
             f"{name} {flags}",
@@ -86,11 +83,7 @@ PP4 = [
 
 def test_pp_with_dp_shard_and_tp_on_four_ranks(cache, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pp4")
-    jobs = []
-    for i, (name, flags, _) in enumerate(PP4):
-        recipe, overrides = _overrides(name, tmp / f"run{i}", *flags)
-        jobs.append((recipe, overrides, str(tmp / f"report{i}")))
-    run_ranks(4, jobs, cache)
+    run_cases(4, [(name, flags) for name, flags, _ in PP4], tmp, cache)
     for i, (name, flags, accum) in enumerate(PP4):
         assert_same_run(f"{name} {flags}", tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, accum))
 

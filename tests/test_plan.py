@@ -637,7 +637,7 @@ def test_plan_cli_prints_pipeline_layouts_and_the_bubble(capsys):
     assert "pipeline layouts" not in capsys.readouterr().out
 
 
-# --- what `tformer plan` prints: sizes, columns, the README's picks, op-level AC under TP -------------
+# --- what `tformer plan` prints: sizes, columns, the documented picks, op-level AC under TP -------------
 def test_device_memory_bare_number_is_gib_and_a_byte_count_says_so(capsys):
     from tformer.cli import main
 
@@ -666,17 +666,17 @@ def test_plan_help_gives_units_and_every_default(capsys):
 
 
 def _readme_plans() -> list[tuple[list[str], str]]:
-    """The README's `tformer plan` examples that state their pick: (arguments, the pick's line)."""
+    """The `tformer plan` examples of docs/planning.md that state their pick: (arguments, the pick's line)."""
     import re
     import shlex
 
-    readme = (CONFIGS.parent / "README.md").read_text()
+    readme = (CONFIGS.parent / "docs" / "planning.md").read_text()
     found = re.findall(r"^tformer plan (.+?)\n# (recommendation: .+)$", readme.replace("\\\n", " "), re.MULTILINE)
     return [(shlex.split(args), line) for args, line in found]
 
 
 def test_readme_plan_picks_are_what_the_tool_prints(capsys):
-    """Each README example with a stated recommendation prints exactly that line."""
+    """Each documented example with a stated recommendation prints exactly that line."""
     from tformer.cli import main
 
     examples = _readme_plans()

@@ -212,11 +212,12 @@ def test_watchdog_warns_when_a_step_takes_most_of_the_timeout(caplog):
 # -- bad input: every numeric key's range, every CLI flag ---------------------------------------
 
 
-def _ranges():
-    from tformer.config import MODEL_RANGES
+def _ranges(moe: bool = False):
+    from tformer.config import MODEL_RANGES, MOE_RANGES
     from tformer.train.config import RANGES
 
-    return {**RANGES, **{f"model.{k}": v for k, v in MODEL_RANGES.items()}}
+    moe_keys = {f"model.moe.{k}": v for k, v in MOE_RANGES.items()} if moe else {}
+    return {**RANGES, **{f"model.{k}": v for k, v in MODEL_RANGES.items()}, **moe_keys}
 
 
 def _numeric_fields(cls, prefix=""):
@@ -237,10 +238,10 @@ def test_every_numeric_key_has_a_documented_range():
     from tformer.train.config import TrainConfig
 
     keys = set(_numeric_fields(TrainConfig)) | {f"model.{k}" for k in _numeric_fields(ModelConfig)}
-    assert keys == set(_ranges()), keys ^ set(_ranges())
-    readme = (ROOT / "README.md").read_text()
-    for key, spec in _ranges().items():  # README's "Allowed ranges" table lists the same
-        assert f"`{key.removeprefix('model.')}` | `{spec}`" in readme or f"`{key}` | `{spec}`" in readme, key
+    assert keys == set(_ranges(moe=True)), keys ^ set(_ranges(moe=True))
+    reference = (ROOT / "docs" / "reference" / "config.md").read_text()
+    for key, spec in _ranges(moe=True).items():  # the configuration reference lists the same
+        assert re.search(rf"^\| `{re.escape(key)}` \|.*\| `{re.escape(spec)}` \|", reference, re.MULTILINE), key
 
 
 def _outside(spec: str, integer: bool) -> list:

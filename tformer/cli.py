@@ -20,7 +20,7 @@ def _train(argv: list[str]) -> int:
         prog="tformer train",
         description="Train a model from a YAML recipe. The keys a recipe (and a key=value override) takes "
         "are the fields of tformer/train/config.py (model.* those of tformer/config.py); README.md's "
-        "'Training' section lists the common ones.",
+        "'Training' section lists the common ones, docs/reference/config.md every one.",
     )
     p.add_argument("config", help="YAML recipe, e.g. configs/gpt2-tiny.yaml")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. max_steps=100 optim.lr=1e-3")
@@ -269,20 +269,10 @@ def _evaluate(argv: list[str]) -> int:
     if first <= n:
         result["val_loss_training_subset"] = sums["first"][0] / max(sums["first"][1], 1)
     if args.bleu:
-        from .evaluate import bleu
+        from .train.decoding import decoded_bleu
 
         d = cfg.decode
-        scored = bleu(
-            model,
-            val,
-            data.tokenizer,
-            range(n),
-            batch_size=d.batch_size,
-            num_beams=d.num_beams,
-            length_penalty=d.length_penalty,
-            length_norm=d.length_norm,
-            max_new_tokens=d.max_new_tokens,
-        )
+        scored = decoded_bleu(d, model, val, data.tokenizer, n)
         result.update(scored.record(), num_beams=d.num_beams, length_penalty=d.length_penalty)
         for k in range(min(args.show, n)):
             src = data.tokenizer.decode([t for t in val.sample(k)["input_ids"].tolist()], skip_special_tokens=True)

@@ -64,33 +64,61 @@ def check_table(table: Mapping[Any, Any], choice: Any, what: str) -> None:
         raise TypeError(f"{what} does not match its choices: missing {missing}, extra {extra}")
 
 
+def parse_range(spec: str) -> tuple[float, bool, float, bool]:
+    """``"[0, 1)"`` -> (0.0, True, 1.0, False): bounds and whether each is included."""
+    lo, hi = (float(x) for x in spec[1:-1].split(","))
+    return lo, spec[0] == "[", hi, spec[-1] == "]"
+
+
+def in_range(value: float, spec: str) -> bool:
+    lo, lo_in, hi, hi_in = parse_range(spec)
+    return (value > lo or (lo_in and value == lo)) and (value < hi or (hi_in and value == hi))
+
+
+def ranged(default: Any, spec: str, *, says: str | None = None, note: str | None = None) -> Any:
+    """A numeric config field with its allowed range declared beside it, the one place a range is
+    written: ``"[1, inf)"``, ``"(0, 1)"`` (inf for no bound; null, where the type allows it, is never
+    out of range). ``check_ranges`` checks every such field and words the error from the range
+    (``must be >= 1``, ``must be > 0``, ``must be in [0, 1)``); ``says`` replaces that wording,
+    ``note`` adds a word on the value in brackets. The configuration reference lists the same."""
+    parse_range(spec)  # a malformed range fails at import
+    extra = {k: v for k, v in (("says", says), ("note", note)) if v is not None}
+    return dataclasses.field(default=default, metadata={"range": spec, **extra})
+
+
+def positive(default: int | None) -> Any:
+    """A model size or count: an integer >= 1 (null, where the type allows it, for its default)."""
+    return ranged(default, "[1, inf)", says="a positive integer", note=None if default else "or null for the default")
+
+
 @dataclass
 class MoEConfig:
     """Mixture-of-experts FFNs (``model.moe.*``); ``num_experts: 0`` keeps every FFN dense."""
 
-    num_experts: int = 0
-    top_k: int = 2  # experts per token
-    moe_every: int = 1  # blocks k-1, 2k-1, ... of each stack are MoE (Switch: 2; HF's decoder_sparse_step)
-    d_expert: int | None = None  # hidden width of each expert; default the model's d_ff
+    num_experts: int = ranged(0, "[0, inf)")  # experts per MoE block; 0 = every FFN dense
+    top_k: int = ranged(2, "[1, inf)", says="in [1, num_experts={num_experts}]")  # experts per token
+    # blocks k-1, 2k-1, ... of each stack are MoE (Switch: 2; HF's decoder_sparse_step)
+    moe_every: int = ranged(1, "[1, inf)")
+    d_expert: int | None = ranged(None, "[1, inf)")  # hidden width of each expert; default the model's d_ff
     activation: Activation | None = None  # the experts' FFN kind; default the model's activation
-    num_shared_experts: int = 0  # experts every token passes through (Qwen2-MoE, DeepSeek)
-    d_shared: int | None = None  # hidden width of each shared expert; default d_expert
+    num_shared_experts: int = ranged(0, "[0, inf)")  # experts every token passes through (Qwen2-MoE, DeepSeek)
+    d_shared: int | None = ranged(None, "[1, inf)")  # hidden width of each shared expert; default d_expert
     shared_gate: bool = False  # sigmoid(linear(x)) scales the shared experts' output (Qwen2-MoE)
     # "topk": softmax over the k chosen logits (Mixtral); "all": softmax over every expert, then
     # the k largest (Switch, Qwen2-MoE), renormalised to sum 1 with ``renormalize``. "topk" equals
     # "all" with renormalisation.
     router_softmax: RouterSoftmax = "all"
-    renormalize: bool = False
-    router_bias: bool = False
-    jitter: float = 0.0  # training only: router input times uniform noise in [1 - jitter, 1 + jitter]
+    renormalize: bool = False  # router_softmax=all: the top-k weights rescaled to sum 1
+    router_bias: bool = False  # the router projection has a bias
+    jitter: float = ranged(0.0, "[0, 1)")  # training only: router input times uniform noise in [1 - jitter, 1 + jitter]
     # Capacity routing (null: dropless). Each sequence is a group; an expert takes at most
     # ceil(capacity_factor * tokens * top_k / num_experts) of its tokens (or ``expert_capacity``,
     # HF Switch's fixed number), first choices before second ones, earlier tokens first; a token
     # over capacity gets nothing from that expert and goes on through the residual.
-    capacity_factor: float | None = None
-    expert_capacity: int | None = None
-    aux_loss_coef: float = 0.01  # load-balancing loss (Switch / Mixtral form), added while training
-    z_loss_coef: float = 0.0  # router z-loss (ST-MoE; 1e-3 there)
+    capacity_factor: float | None = ranged(None, "(0, inf)", note="or null: dropless")  # routing capacity; null: dropless
+    expert_capacity: int | None = ranged(None, "[1, inf)")  # per expert and sequence (HF Switch); or capacity_factor
+    aux_loss_coef: float = ranged(0.01, "[0, inf)")  # load-balancing loss (Switch / Mixtral form), added while training
+    z_loss_coef: float = ranged(0.0, "[0, inf)")  # router z-loss (ST-MoE; 1e-3 there)
 
     @property
     def enabled(self) -> bool:
@@ -102,28 +130,11 @@ class MoEConfig:
     def validate(self) -> None:
         if not self.enabled:
             return
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ConfigError(f"model.moe.top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
-        if self.capacity_factor is not None and self.capacity_factor <= 0:
-            raise ConfigError(f"model.moe.capacity_factor={self.capacity_factor} must be > 0 (or null: dropless)")
+        if self.top_k > self.num_experts:  # its bound by another field; the range itself is on the field
+            raise ConfigError(range_error(self, "top_k", "model.moe."))
+        check_ranges(self, "model.moe.")
         if self.capacity_factor is not None and self.expert_capacity is not None:
             raise ConfigError("model.moe.capacity_factor and model.moe.expert_capacity are exclusive; set one")
-        check_ranges(self, MOE_RANGES, "model.moe.")
-
-
-MOE_RANGES = {
-    "num_experts": "[0, inf)",
-    "top_k": "[1, inf)",
-    "moe_every": "[1, inf)",
-    "d_expert": "[1, inf)",
-    "num_shared_experts": "[0, inf)",
-    "d_shared": "[1, inf)",
-    "jitter": "[0, 1)",
-    "capacity_factor": "(0, inf)",
-    "expert_capacity": "[1, inf)",
-    "aux_loss_coef": "[0, inf)",
-    "z_loss_coef": "[0, inf)",
-}
 
 
 def moe_config(value: Any) -> MoEConfig:
@@ -142,41 +153,41 @@ class ModelConfig:
 
     family: Family = "decoder"  # encoder (BERT-like) | decoder (GPT-like) | encdec (T5-like)
     flavour: str = "gpt2"  # HF counterpart for export: bert | gpt2 | llama | t5 | marian | custom
-    vocab_size: int = 50257
-    pad_vocab_multiple: int = 1  # pad the embedding rows to a multiple (64 is fast); 1 = off
-    d_model: int = 768
-    num_layers: int = 12  # encoder layers for encdec
-    num_decoder_layers: int | None = None  # encdec only; default = num_layers
-    num_heads: int = 12
-    num_kv_heads: int | None = None  # < num_heads: grouped-query attention; 1: multi-query
-    d_head: int | None = None  # per-head width d_k = d_v; default d_model // num_heads
-    d_ff: int = 3072
-    max_seq_len: int = 1024
-    position: Position = "learned"
-    rope_theta: float = 10000.0
-    rel_num_buckets: int = 32
-    rel_max_distance: int = 128
-    norm: Norm = "layernorm"
-    norm_eps: float = 1e-5
-    norm_bias: bool = True
+    vocab_size: int = positive(50257)  # token ids the embedding holds (the tokenizer's size)
+    pad_vocab_multiple: int = positive(1)  # pad the embedding rows to a multiple (64 is fast); 1 = off
+    d_model: int = positive(768)  # width of the residual stream
+    num_layers: int = positive(12)  # blocks; encoder layers for encdec
+    num_decoder_layers: int | None = positive(None)  # encdec only; default = num_layers
+    num_heads: int = positive(12)  # attention (query) heads
+    num_kv_heads: int | None = positive(None)  # < num_heads: grouped-query attention; 1: multi-query
+    d_head: int | None = positive(None)  # per-head width d_k = d_v; default d_model // num_heads
+    d_ff: int = positive(3072)  # hidden width of the FFN
+    max_seq_len: int = positive(1024)  # longest sequence (size of a learned position table)
+    position: Position = "learned"  # how positions enter: none, learned or sinusoidal tables, rotary, T5 relative bias
+    rope_theta: float = ranged(10000.0, "(0, inf)")  # base of the rotary frequencies
+    rel_num_buckets: int = positive(32)  # T5 relative-position buckets
+    rel_max_distance: int = positive(128)  # T5: distances beyond share the last bucket
+    norm: Norm = "layernorm"  # the norm of every block and the final one
+    norm_eps: float = ranged(1e-5, "(0, 1)")  # epsilon of every norm
+    norm_bias: bool = True  # LayerNorm with a bias (RMSNorm has none)
     norm_position: NormPosition = "pre"  # pre (GPT-2, Llama, T5) | post (the paper, BERT)
-    activation: Activation = "gelu_tanh"
+    activation: Activation = "gelu_tanh"  # the FFN kind (swiglu, geglu: gated)
     bias: bool = True  # biases in attention and FFN projections
     qkv_bias: bool | None = None  # biases on q/k/v alone (Qwen2: bias=false, qkv_bias=true); null: as bias
     attn_scale: bool = True  # 1/sqrt(d_k); T5 has none
     attn_impl: AttnImpl = "sdpa"  # sdpa (fast path) | math (explicit reference)
-    dropout: float = 0.0
-    attn_dropout: float = 0.0
-    tie_embeddings: bool = True
+    dropout: float = ranged(0.0, "[0, 1)")  # residual and FFN dropout
+    attn_dropout: float = ranged(0.0, "[0, 1)")  # dropout on the attention probabilities
+    tie_embeddings: bool = True  # the output head shares the token embedding
     tied_output_scale: bool = False  # scale by d_model**-0.5 before a tied LM head (T5 v1.0)
-    type_vocab_size: int = 0  # token-type (segment) embeddings, BERT uses 2
+    type_vocab_size: int = ranged(0, "[0, inf)", note="0 = no token types")  # token-type (segment) embeddings, BERT uses 2
     embed_norm: bool = False  # norm right after the embedding sum (BERT)
     embed_scale: bool = False  # multiply token embeddings by sqrt(d_model) (the paper)
-    init_std: float = 0.02
-    pad_token_id: int = 0
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-    decoder_start_token_id: int = 0  # encdec: first decoder input (T5 uses pad = 0)
+    init_std: float = ranged(0.02, "(0, inf)")  # standard deviation of the initial weights
+    pad_token_id: int = ranged(0, "[0, inf)")  # padding id (masked out, ignored by the loss)
+    bos_token_id: int | None = ranged(None, "[0, inf)")  # beginning-of-sequence id, if the tokenizer has one
+    eos_token_id: int | None = ranged(None, "[0, inf)")  # end-of-sequence id (stops generation)
+    decoder_start_token_id: int = ranged(0, "[0, inf)")  # encdec: first decoder input (T5 uses pad = 0)
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
@@ -212,28 +223,7 @@ class ModelConfig:
     # -- validation --------------------------------------------------------------------------
     def validate(self) -> None:
         check_fields(self)
-        for name in (
-            "vocab_size",
-            "d_model",
-            "num_layers",
-            "num_heads",
-            "d_ff",
-            "max_seq_len",
-            "pad_vocab_multiple",
-            "rel_num_buckets",
-            "rel_max_distance",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be a positive integer")
-        for name in ("num_decoder_layers", "num_kv_heads", "d_head"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ConfigError(f"{name}={value} must be a positive integer (or null for the default)")
-        if self.type_vocab_size < 0:
-            raise ConfigError(f"type_vocab_size={self.type_vocab_size} must be >= 0 (0 = no token types)")
-        for name in ("dropout", "attn_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")
+        check_ranges(self)  # before the checks below, which divide by some of these
         if self.d_head is None and self.d_model % self.num_heads:
             raise ConfigError(
                 f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
@@ -256,7 +246,6 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
                 raise ConfigError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
-        check_ranges(self, MODEL_RANGES)
         self.moe.validate()
 
     # -- conversion --------------------------------------------------------------------------
@@ -273,55 +262,43 @@ class ModelConfig:
         return dataclasses.replace(self, **overrides)
 
 
-# Allowed range of every numeric key: "[lo, hi)" style, inf for no bound. Checked at config time,
-# listed in README ("Allowed ranges"); a key that is null (where allowed) is not checked.
-MODEL_RANGES = {
-    "vocab_size": "[1, inf)",
-    "pad_vocab_multiple": "[1, inf)",
-    "d_model": "[1, inf)",
-    "num_layers": "[1, inf)",
-    "num_decoder_layers": "[1, inf)",
-    "num_heads": "[1, inf)",
-    "num_kv_heads": "[1, inf)",
-    "d_head": "[1, inf)",
-    "d_ff": "[1, inf)",
-    "max_seq_len": "[1, inf)",
-    "rope_theta": "(0, inf)",
-    "rel_num_buckets": "[1, inf)",
-    "rel_max_distance": "[1, inf)",
-    "norm_eps": "(0, 1)",
-    "dropout": "[0, 1)",
-    "attn_dropout": "[0, 1)",
-    "type_vocab_size": "[0, inf)",
-    "init_std": "(0, inf)",
-    "pad_token_id": "[0, inf)",
-    "bos_token_id": "[0, inf)",
-    "eos_token_id": "[0, inf)",
-    "decoder_start_token_id": "[0, inf)",
-}
-
-
-def parse_range(spec: str) -> tuple[float, bool, float, bool]:
-    """``"[0, 1)"`` -> (0.0, True, 1.0, False): bounds and whether each is included."""
-    lo, hi = (float(x) for x in spec[1:-1].split(","))
-    return lo, spec[0] == "[", hi, spec[-1] == "]"
-
-
-def in_range(value: float, spec: str) -> bool:
+def _range_words(spec: str) -> str:
     lo, lo_in, hi, hi_in = parse_range(spec)
-    return (value > lo or (lo_in and value == lo)) and (value < hi or (hi_in and value == hi))
+    if hi == math.inf:
+        return f"{'>=' if lo_in else '>'} {lo:g}"
+    return f"in {spec}"
 
 
-def check_ranges(obj: Any, table: dict[str, str], prefix: str = "") -> None:
-    """One ConfigError for the first key of ``table`` (dotted paths into ``obj``) out of range."""
-    for key, spec in table.items():
-        value = obj
-        for part in key.split("."):
-            value = getattr(value, part)
-        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+def range_error(obj: Any, name: str, prefix: str = "") -> str:
+    """The one line for field ``name`` of ``obj`` outside its declared range."""
+    f = next(f for f in fields(obj) if f.name == name)
+    says = f.metadata.get("says", "").format(**vars(obj)) or _range_words(f.metadata["range"])
+    note = f" ({f.metadata['note']})" if "note" in f.metadata else ""
+    return f"{prefix}{config_key(f)}={getattr(obj, name)} must be {says}{note}"
+
+
+def check_ranges(obj: Any, prefix: str = "") -> None:
+    """One ConfigError for the first field of dataclass ``obj`` outside the range its declaration
+    (``ranged``) gives; nested sections are checked by their own ``validate``."""
+    for f in fields(obj):
+        spec, value = f.metadata.get("range"), getattr(obj, f.name)
+        if spec is None or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue  # null where allowed; wrong types are reported by the type check
         if math.isnan(value) or not in_range(value, spec):  # NaN is in no range
-            raise ConfigError(f"{prefix}{key}={value} is out of range; use a value in {spec}")
+            raise ConfigError(range_error(obj, f.name, prefix))
+
+
+def ranges(cls: type, prefix: str = "", nested: bool = True) -> dict[str, str]:
+    """Dotted key -> allowed range of every ranged field of dataclass ``cls`` (and, with ``nested``,
+    of its sections): a table derived from the declarations, never written by hand."""
+    hints, out = field_hints(cls), {}
+    for f in fields(cls):
+        hint = hints[f.name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint) and nested:
+            out.update(ranges(hint, f"{prefix}{config_key(f)}."))
+        elif "range" in f.metadata:
+            out[prefix + config_key(f)] = f.metadata["range"]
+    return out
 
 
 def _divisors(n: int) -> list[int]:
@@ -428,3 +405,8 @@ def check_fields(obj: Any, prefix: str = "") -> None:
         _check_type(name, value, hint)
     for name, value, hint, f in entries:
         _check_choice(name, value, hint, f.metadata.get("null"))
+
+
+# Tables derived from the declarations, for callers that want them whole (the tests, the reference)
+MODEL_RANGES = ranges(ModelConfig, nested=False)
+MOE_RANGES = ranges(MoEConfig)

@@ -122,6 +122,19 @@ def _source_identity(source, cache_key: str | None) -> list:
     return [kind] + [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 
+def _settings(split: str, val_fraction, format, text_unit: str, config_name, max_tokens) -> dict:
+    """What, besides the source and the tokenizer, makes a cache entry: part of its key, so a
+    training run and ``tformer data prepare`` with the same inputs meet in the same entry."""
+    return dict(
+        split=split,
+        val_fraction=val_fraction if split != "all" else None,  # the whole source has no split
+        format=format,
+        text_unit=text_unit,
+        config_name=config_name,
+        max_tokens=max_tokens,
+    )
+
+
 def _cache_key(identity: list, tok: Tokenizer, columns: list[str], settings: dict) -> str:
     blob = json.dumps(
         {
@@ -164,14 +177,7 @@ def _cached(
     max_tokens: int | None = None,
     require_prepared: bool = False,
 ) -> dict[str, TokenizedCorpus]:
-    settings = dict(
-        split=split,
-        val_fraction=val_fraction if split != "all" else None,
-        format=format,
-        text_unit=text_unit,
-        config_name=config_name,
-        max_tokens=max_tokens,
-    )
+    settings = _settings(split, val_fraction, format, text_unit, config_name, max_tokens)
     identity = _source_identity(source, cache_key)
     key = _cache_key(identity, tok, columns, settings)
     cache_dir = Path(cache_dir)
@@ -308,14 +314,7 @@ def prepare_columns(
     ``<cache>/.<key>.prepare/`` at once; a re-run after a crash (even SIGKILL) keeps finished shards
     and redoes only the rest, and the assembled entry is byte-identical to an uninterrupted build.
     """
-    settings = dict(
-        split=split,
-        val_fraction=val_fraction if split != "all" else None,
-        format=format,
-        text_unit=text_unit,
-        config_name=config_name,
-        max_tokens=None,
-    )
+    settings = _settings(split, val_fraction, format, text_unit, config_name, max_tokens=None)
     identity = _source_identity(source, None)
     key = _cache_key(identity, tokenizer, columns, settings)
     cache_dir = Path(cache_dir)

@@ -21,6 +21,7 @@ import torch
 
 from ..checkpoint.io import commit, partial_dir, write_bytes_durable
 from ..checkpoint.manager import TrainerState
+from ..checkpoint.runconfig import CONFIG_FILE, run_config_yaml
 from ..config import ModelConfig
 from ..files import save_safetensors
 from ..models import SPECS, spec_of
@@ -235,29 +236,25 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, force: bool = False) -> P
         else:
             log.warning("%s has no tokenizer.json; give the run one with data.tokenizer=PATH", hf_dir)
         _write_checkpoint(tmp / "checkpoints", cfg, state, str(hf_dir))
-        (tmp / "config.yaml").write_text(_recipe(cfg, out, tok_file.is_file()))
+        (tmp / CONFIG_FILE).write_text(_recipe(cfg, out, tok_file.is_file()))
     log.info("imported %s to %s", hf_dir, out)
     return out
 
 
 def _write_checkpoint(root: Path, cfg: ModelConfig, state: dict, source: str) -> Path:
     """A step-0 checkpoint in the trainer's layout (marker last, renamed into place), weights only."""
-    from ..train.config import config_from_dict, dump_yaml
-
     tmp = partial_dir(root, 0)
     tmp.mkdir(parents=True)
     save_safetensors(state, tmp / "model.safetensors")
     # weights_only: the trainer resumes it with a fresh optimizer and LR schedule
     TrainerState(step=0, weights_only=True, model_config=cfg.to_dict(), family=cfg.family, imported_from=source).write(tmp)
-    write_bytes_durable(tmp / "config.yaml", dump_yaml(config_from_dict({"model": cfg.to_dict()})).encode())
+    write_bytes_durable(tmp / CONFIG_FILE, run_config_yaml(cfg).encode())
     return commit(root, 0, keep=1)
 
 
 def _recipe(cfg: ModelConfig, out: Path, has_tokenizer: bool) -> str:
     """``config.yaml`` of the imported run: ``tformer train OUT/config.yaml`` continues pretraining
-    (resume=auto finds the step-0 checkpoint)."""
-    from ..train.config import config_from_dict, dump_yaml
-
+    (resume=auto finds the step-0 checkpoint); every key it leaves out takes its default."""
     out = out.resolve()
     data = {"tokenizer": str(out / "tokenizer.json")} if has_tokenizer else {}
-    return dump_yaml(config_from_dict({"model": cfg.to_dict(), "data": data, "output_dir": str(out)}))
+    return run_config_yaml(cfg, data=data, output_dir=str(out))

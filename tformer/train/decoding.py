@@ -12,21 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
+from ..checkpoint.runconfig import find_run_config as saved_config  # its old name here
 from .config import DecodeConfig, config_from_dict
-
-
-def saved_config(path: str | Path) -> dict | None:
-    """The resolved run config (as a dict) nearest to ``path``: the config.yaml of the checkpoint
-    or run directory ``path``, else of its parents; None when there is none (an imported model)."""
-    start = Path(path)
-    for d in (start, *start.parents):
-        file = d / "config.yaml"
-        if file.is_file():
-            loaded = yaml.safe_load(file.read_text())
-            return loaded if isinstance(loaded, dict) else None
-    return None
 
 
 def saved_decode(path: str | Path) -> DecodeConfig | None:
@@ -40,3 +27,14 @@ def saved_decode(path: str | Path) -> DecodeConfig | None:
     if decode.max_new_tokens is None:
         decode.max_new_tokens = (raw.get("data") or {}).get("target_len") or (raw.get("data") or {}).get("seq_len")
     return decode
+
+
+def decoded_bleu(decode: DecodeConfig, model, pairs, tokenizer, n: int, device=None):
+    """BLEU / chrF (``evaluate.BleuResult``) of the first ``n`` of ``pairs`` decoded with the run's
+    ``decode`` settings: what ``eval_bleu`` logs in training and ``tformer evaluate --bleu`` prints."""
+    from ..evaluate import bleu
+
+    d = decode
+    beams = dict(num_beams=d.num_beams, length_penalty=d.length_penalty, length_norm=d.length_norm)
+    lengths = dict(batch_size=d.batch_size, max_new_tokens=d.max_new_tokens)
+    return bleu(model, pairs, tokenizer, range(n), device=device, **beams, **lengths)

@@ -1,7 +1,7 @@
 """What a resumed run may change, judged against the checkpoint it resumes from.
 
 A checkpoint holds the run's resolved ``config.yaml`` and, in ``trainer.json``, its global batch and
-the horizon of its LR schedule. At resume (README "Resuming"):
+the horizon of its LR schedule. At resume (docs/reliability.md, "Resuming"):
 
 - the layout and the bookkeeping may change silently (``RESUME_FREE`` in ``train/config.py``),
   micro_batch_size and grad_accum included as long as the global batch stays;

@@ -500,24 +500,13 @@ class Trainer:
     def evaluate_bleu(self, samples: int | None = None):
         """BLEU / chrF of the first ``samples`` validation pairs, decoded with ``cfg.decode``. Every
         rank decodes the same pairs (sharded forwards are collective); the scores are identical."""
-        from ..evaluate import bleu
+        from .decoding import decoded_bleu
 
-        ds, d = self.data.validation, self.cfg.decode
+        ds = self.data.validation
         n = len(ds) if samples is None else min(samples, len(ds))
         was_training = self.model.training
         with self._autocast():
-            result = bleu(
-                self.model,
-                ds,
-                self.data.tokenizer,
-                range(n),
-                batch_size=d.batch_size,
-                num_beams=d.num_beams,
-                length_penalty=d.length_penalty,
-                length_norm=d.length_norm,
-                max_new_tokens=d.max_new_tokens,
-                device=self.device,
-            )
+            result = decoded_bleu(self.cfg.decode, self.model, ds, self.data.tokenizer, n, device=self.device)
         self.model.train(was_training)
         return result
 

@@ -1,0 +1,57 @@
+"""The run config's ``parallel`` section: the strategy, the device mesh and how the model is laid
+out on it. Its owner is this package; ``tformer/train/config.py`` composes it into the run config
+(and re-exports it). Ranges are declared on the fields (``ranged``) and checked by
+``check_ranges``; the layout's cross-checks (``check_strategy``, ``check_tp``, ``check_pipeline``)
+need the world size and the model, so they run when the trainer builds the mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from ..config import ACMode, ConfigError, StrategyName, ranged
+
+Backend = Literal["gloo", "nccl", "mpi", "ucc"]
+CPKernel = Literal["tformer", "torch"]
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
+
+
+@dataclass
+class ParallelConfig:
+    strategy: StrategyName = "ddp"  # ddp | fsdp (FSDP2) | deepspeed
+    # null: nccl on CUDA, gloo on CPU (metadata "null" says so in the not-allowed message)
+    backend: Backend | None = field(default=None, metadata={"null": "nccl on CUDA, gloo on CPU"})
+    # none | full (every block) | selective (every ac_every-th) | op (per op: keep matmuls + attention)
+    activation_checkpointing: ACMode = "none"
+    ac_every: int = ranged(2, "[1, inf)")  # selective: checkpoint every ac_every-th block
+    activation_offload: bool = False  # saved activations in (pinned) host memory; no-op on CPU
+    reshard_after_forward: bool = True  # fsdp: true = ZeRO-3-like, false = ZeRO-2-like
+    zero_stage: int = ranged(2, "[0, 3]")  # deepspeed without deepspeed_config: ZeRO stage 0-3
+    deepspeed_config: str | None = None  # deepspeed: a JSON such as configs/deepspeed/zero3.json
+    # The device mesh (tformer/parallel/mesh.py): world size = dp_replicate x dp_shard x tp.
+    dp_replicate: int = ranged(1, "[1, inf)")  # HSDP replicas (e.g. one per node); > 1 needs strategy=fsdp
+    dp_shard: int = ranged(-1, "[-1, inf)")  # data-parallel (FSDP2 shard) group size; -1 = whatever is left
+    tp: int = ranged(1, "[1, inf)")  # tensor-parallel degree (heads, FFN width, vocabulary split)
+    sp: bool = False  # tp: sequence parallel for norms, dropout and residual adds
+    loss_parallel: bool = True  # tp: cross-entropy over the vocabulary-sharded logits
+    # Pipeline parallelism (tformer/parallel/pipeline.py): pp stages, outermost mesh dimension. The
+    # pipeline's micro-batches are the grad_accum micro-batches of micro_batch_size samples each.
+    pp: int = ranged(1, "[1, inf)")  # pipeline stages (ranks)
+    # gpipe | 1f1b | interleaved_1f1b (PP_SCHEDULES). A string, not the PPSchedule Literal: its value
+    # is checked by check_pipeline with the rest of the layout, when the trainer builds the pipeline.
+    pp_schedule: str = "1f1b"
+    pp_stages_per_rank: int = ranged(1, "[1, inf)")  # interleaved_1f1b: stages (virtual stages) per rank, >= 2
+    pp_layers: list | None = None  # blocks per stage, e.g. [3, 5] (default: as even as possible)
+    # Context parallelism (tformer/parallel/context.py): every sequence cut over cp ranks, each holding
+    # 2 of 2 x cp chunks (padded to a multiple of 2 x cp); attention across them.
+    cp: int = ranged(1, "[1, inf)")  # context-parallel degree
+    cp_kernel: CPKernel = "tformer"  # tformer (all-gather K/V, any mask) | torch (its CUDA ring, causal only)
+
+    def check(self) -> None:
+        """The section's rule that is not a range: its ranges are checked with every section's."""
+        if self.dp_shard == 0:
+            raise ConfigError(
+                "parallel.dp_shard=0 is not allowed; use a positive shard-group size, or -1 for "
+                "whatever the world size leaves after dp_replicate x tp"
+            )
