@@ -137,7 +137,7 @@ class TformerModel(nn.Module):
         coefficients are in ``model.moe``): what the optimiser minimises."""
         logits, loss = self._head_and_lm_loss(hidden, labels, return_logits, **kw)
         if loss is not None and self.training and self.config.moe.enabled:
-            aux = moe_aux_loss(self)
+            aux = moe_aux_loss(self, moe_layer_count(self.config))
             if aux is not None:
                 loss = loss + aux.to(loss.dtype)
         return logits, loss
@@ -175,6 +175,12 @@ class TformerModel(nn.Module):
         return None, chunked_lm_loss(
             x, head.weight, head.bias, labels, self.loss_chunk_size, self.config.vocab_size, label_smoothing, loss_tokens
         )
+
+
+def moe_layer_count(cfg) -> int:
+    """MoE layers of the whole model (a pipeline stage holds some of them)."""
+    stacks = [cfg.num_layers] + ([cfg.decoder_layers] if cfg.family == "encdec" else [])
+    return sum(cfg.moe.is_moe_layer(i) for n in stacks for i in range(n))
 
 
 def lm_loss(

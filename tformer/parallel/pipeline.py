@@ -132,7 +132,7 @@ def _decoder_forward(self, x, labels=None):
         x = self.embed(x, positions)
     h = self.decoder(x, None, positions=positions)
     if not self.pp_last:
-        return h
+        return _with_aux(self, h)
     return self._head_and_loss(h, labels, False, label_smoothing=self.pp_smoothing)[1]
 
 
@@ -142,18 +142,42 @@ def _encoder_forward(self, x, attention_mask=None, token_type_ids=None, labels=N
         x = self.embed(x, positions, token_type_ids)
     h = self.encoder(x, attention_mask, positions=positions)
     if not self.pp_last:
-        return h
+        return _with_aux(self, h)
     return self._head_and_loss(h, labels, False, labelled_only=True, label_smoothing=self.pp_smoothing)[1]
 
 
 def _encdec_forward(self, x, attention_mask=None, labels=None):
     if self.pp_first:  # input ids -> encoder output
-        return self.encode(x, attention_mask)
+        return _with_aux(self, self.encode(x, attention_mask))
     from ..models.encdec import shift_right
 
     cfg = self.config
     h = self.decoder_hidden(shift_right(labels, cfg.decoder_start_token_id, cfg.pad_token_id), x, attention_mask)
     return self._head_and_loss(h, labels, False, label_smoothing=self.pp_smoothing)[1]
+
+
+def _with_aux(self, h):
+    """A stage before the last: its MoE layers' share of the auxiliary loss joins the backward
+    through its output (``AttachAux``), and its value waits in ``pp_aux`` for the logged loss."""
+    from ..models.base import moe_layer_count
+    from ..nn.moe import AttachAux, moe_aux_loss
+
+    if not (self.training and self.config.moe.enabled):
+        return h
+    aux = moe_aux_loss(self, moe_layer_count(self.config))
+    if aux is None:
+        return h
+    self.pp_aux.append(aux.detach().float())
+    return AttachAux.apply(h, aux)
+
+
+def stage_aux(parts) -> torch.Tensor | None:
+    """The sum of this rank's earlier stages' auxiliary losses over the step's micro-batches (their
+    part of the training loss the last stage reports), emptied for the next step."""
+    values = [v for part in parts.parts for v in part.pp_aux]
+    for part in parts.parts:
+        part.pp_aux.clear()
+    return torch.stack(values).sum() if values else None
 
 
 def build_stage(model, stage: int, stages: int, pp_layers: list | None, label_smoothing: float) -> nn.Module:
@@ -162,6 +186,7 @@ def build_stage(model, stage: int, stages: int, pp_layers: list | None, label_sm
     first, last = stage == 0, stage == stages - 1
     part = copy.deepcopy(model)
     part.pp_first, part.pp_last, part.pp_smoothing = first, last, label_smoothing
+    part.pp_aux = []  # a stage before the last: its auxiliary losses of the step (_with_aux)
     tied = cfg.tie_embeddings
     if cfg.family == "encdec":
         if first:

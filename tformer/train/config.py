@@ -156,6 +156,9 @@ class ParallelConfig:
     # 2 of 2 x cp chunks (padded to a multiple of 2 x cp); attention across them.
     cp: int = 1
     cp_kernel: CPKernel = "tformer"  # tformer (all-gather K/V, any mask) | torch (its CUDA ring, causal only)
+    # Expert parallelism (tformer/parallel/ep.py): the MoE layers' experts split over ep ranks taken
+    # from the dp_shard x cp ranks (tokens exchanged by all-to-all); needs strategy=fsdp
+    ep: int = 1
 
 
 @dataclass
@@ -363,6 +366,7 @@ RANGES = {
     "parallel.tp": "[1, inf)",
     "parallel.pp": "[1, inf)",
     "parallel.cp": "[1, inf)",
+    "parallel.ep": "[1, inf)",
     "parallel.pp_stages_per_rank": "[1, inf)",
     "loss.chunk_size": "[1, inf)",
     "optim.label_smoothing": "[0, 1)",
