@@ -90,9 +90,9 @@ def shard_experts(model: nn.Module, mesh, dims, **fsdp_kwargs) -> None:
     names = ("dp_replicate", "dp_shard_mod_ep") if dims.dp_replicate > 1 else ("dp_shard_mod_ep",)
     for module in model.modules():
         if isinstance(module, Experts):
-            fully_shard(module, mesh=mesh[names], **fsdp_kwargs)
-            module.set_gradient_divide_factor(float(dims.dp_replicate * dims.dp_shard * dims.cp))
-            module.set_force_sum_reduction_for_comms(mesh["dp_shard_mod_ep"].size() > 1)
+            sharded = fully_shard(module, mesh=mesh[names], **fsdp_kwargs)
+            sharded.set_gradient_divide_factor(float(dims.dp_replicate * dims.dp_shard * dims.cp))
+            sharded.set_force_sum_reduction_for_comms(mesh["dp_shard_mod_ep"].size() > 1)
 
 
 class ExpertExchange:
