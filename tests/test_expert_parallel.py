@@ -63,26 +63,17 @@ def _expert_counts(report, world, ep, dp_mod_ep):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("cache")
-def test_ep2_equals_the_single_process_run(tmp_path_factory):
-    """ep=2 on 2 ranks (each routes its own micro-batches, holds four of eight experts): losses and
-    updated parameters of 1 process accumulating the same micro-batches, to 1e-5."""
-    tmp = tmp_path_factory.mktemp("ep2")
-    run_ranks(2, _jobs(tmp, 2, "parallel.ep=2"), os.environ["TFORMER_CACHE"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep2_equals_the_single_process_run(world, tmp_path_factory):
+    """parallel.ep=2 on 2 ranks (each routes its own micro-batches, holds four of eight experts) and
+    on 4 (ep borrowed from dp_shard=4: experts split over 2 and FSDP2-sharded over the other 2,
+    every other weight over all 4): losses and updated parameters of 1 process accumulating the
+    same micro-batches, to 1e-5."""
+    tmp = tmp_path_factory.mktemp(f"ep2-world{world}")
+    run_ranks(world, _jobs(tmp, world, "parallel.ep=2"), os.environ["TFORMER_CACHE"])
     for i, name in enumerate(MOE_FAMILIES):
         assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", _reference(name, tmp_path_factory))
-        _expert_counts(tmp / f"report{i}", 2, 2, 1)
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("cache")
-def test_ep2_times_dp_shard2_equals_the_single_process_run(tmp_path_factory):
-    """4 ranks, parallel.ep=2 borrowed from dp_shard=4: experts split over 2 and FSDP2-sharded over
-    the other 2, every other weight over all 4; equal to 1 process accumulating the same micro-batches."""
-    tmp = tmp_path_factory.mktemp("ep2dp2")
-    run_ranks(4, _jobs(tmp, 4, "parallel.ep=2"), os.environ["TFORMER_CACHE"])
-    for i, name in enumerate(MOE_FAMILIES):
-        assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", _reference(name, tmp_path_factory))
-        _expert_counts(tmp / f"report{i}", 4, 2, 2)
+        _expert_counts(tmp / f"report{i}", world, 2, world // 2)
 
 
 @pytest.mark.slow
