@@ -171,10 +171,12 @@ def _with_aux(self, h):
     return AttachAux.apply(h, aux)
 
 
-def stage_aux(parts) -> torch.Tensor | None:
-    """The sum of this rank's earlier stages' auxiliary losses over the step's micro-batches (their
-    part of the training loss the last stage reports), emptied for the next step."""
-    values = [v for part in parts.parts for v in part.pp_aux]
+def stage_aux(parts, n_micro: int) -> torch.Tensor | None:
+    """The sum of this rank's earlier stages' auxiliary losses over the step's ``n_micro``
+    micro-batches (their part of the training loss the last stage reports), emptied for the next
+    step. The last ``n_micro`` of each stage: torch's first schedule step also runs a stage forward
+    of its own to learn the output shapes, whose output no backward reaches."""
+    values = [v for part in parts.parts for v in part.pp_aux[-n_micro:]]
     for part in parts.parts:
         part.pp_aux.clear()
     return torch.stack(values).sum() if values else None

@@ -206,7 +206,7 @@ class Strategy:
         kwargs = stage_kwargs(inputs)
         run = self.schedule.step if train else self.schedule.eval
         run(inputs["input_ids"], target=inputs["labels"], losses=losses, return_outputs=False, **kwargs)
-        aux = stage_aux(self.model)
+        aux = stage_aux(self.model, self.cfg.grad_accum)
         aux = aux / self.cfg.grad_accum if aux is not None else None
         if not self.is_last_stage:
             return aux
