@@ -113,6 +113,11 @@ class TformerModel(nn.Module):
         return [(cfg.num_layers, seq, None)]
 
     @classmethod
+    def moe_layer_count(cls, cfg: ModelConfig) -> int:
+        """MoE layers of the whole model (a pipeline stage holds some of them)."""
+        return sum(cfg.moe.is_moe_layer(i) for n, _, _ in cls.stack_shapes(cfg, 1, 1) for i in range(n))
+
+    @classmethod
     def forward_flops(cls, cfg: ModelConfig, batch: int, seq: int, target: int | None) -> int:
         """Forward FLOPs of a batch (models/flops.py's conventions): the stack and the head."""
         tokens = batch * seq
@@ -214,7 +219,7 @@ class TformerModel(nn.Module):
         coefficients are in ``model.moe``): what the optimiser minimises."""
         logits, loss = self._head_and_lm_loss(hidden, labels, return_logits, **kw)
         if loss is not None and self.training and self.config.moe.enabled:
-            aux = moe_aux_loss(self)
+            aux = moe_aux_loss(self, self.moe_layer_count(self.config))
             if aux is not None:
                 loss = loss + aux.to(loss.dtype)
         return logits, loss

@@ -11,6 +11,7 @@ Routing math follows HF's Mixtral / Qwen2-MoE / Switch blocks so the exporters a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ __all__ = [
     "load_balancing_loss",
     "router_z_loss",
     "grouped_mm_ok",
+    "AttachAux",
 ]
 
 
@@ -169,6 +171,12 @@ class Experts(nn.Module):
         # None: grouped matmuls where the operands allow them, else the per-expert loop; set False
         # to force the loop (tests compare the two; bench/bench_moe.py times them)
         self.grouped: bool | None = None
+        # Set from outside (expert parallelism, tformer/parallel/ep.py): ``exchange(x, counts,
+        # weights, ffn)`` takes the rows for every expert, sends each to the rank that holds its
+        # expert, runs ``ffn(rows, counts, *weights)`` there on the local experts, and brings the
+        # outputs back in ``x``'s order. Called inside this module's forward, so hooks that gather
+        # the weights before it (FSDP2) have run.
+        self.exchange: Callable | None = None
 
     def init_weights(self, std: float, down_std: float) -> None:
         for w in (self.gate, self.up):
@@ -178,11 +186,19 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (N, d) sorted by expert, ``counts`` (E,) rows per expert -> (N, d)."""
-        weights = [w for w in (self.gate, self.up, self.down) if w is not None]
-        grouped = grouped_mm_ok(x, *weights) if self.grouped is None else self.grouped
-        up = expert_matmul(x, self.up, counts, grouped)
-        h = self.act(expert_matmul(x, self.gate, counts, grouped)) * up if self.gate is not None else self.act(up)
-        return expert_matmul(h, self.down, counts, grouped)
+        weights = (self.gate, self.up, self.down)
+        if self.exchange is not None:
+            return self.exchange(x, counts, weights, self.ffn)
+        return self.ffn(x, counts, *weights)
+
+    def ffn(self, x: torch.Tensor, counts: torch.Tensor, gate, up, down) -> torch.Tensor:
+        """The experts' FFNs on rows sorted by expert, with the given (stacked) weights: this
+        module's own, or under expert parallelism the rank's slice of them."""
+        present = [w for w in (gate, up, down) if w is not None]
+        grouped = grouped_mm_ok(x, *present) if self.grouped is None else self.grouped
+        h = expert_matmul(x, up, counts, grouped)
+        h = self.act(expert_matmul(x, gate, counts, grouped)) * h if gate is not None else self.act(h)
+        return expert_matmul(h, down, counts, grouped)
 
 
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -264,12 +280,31 @@ def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
 
 
-def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
-    """The mean of the MoE layers' ``aux_loss`` of the last forward (None without MoE layers).
-    A mean, not a sum, so the coefficients mean the same at any depth (HF's Mixtral pools the
-    layers' routing likewise)."""
+def moe_aux_loss(model: nn.Module, num_layers: int | None = None) -> torch.Tensor | None:
+    """The MoE layers' ``aux_loss`` of the last forward summed and divided by ``num_layers``, the
+    whole model's MoE layer count (default: those present), so a pipeline stage's part of the mean
+    is the same share it is in the unsplit model (None without MoE layers here). A mean, not a sum,
+    so the coefficients mean the same at any depth (HF's Mixtral pools the layers' routing likewise)."""
     losses = [m.aux_loss for m in moe_layers(model) if m.aux_loss is not None]
-    return torch.stack(losses).mean() if losses else None
+    if not losses:
+        return None
+    return torch.stack(losses).sum() / (num_layers or len(losses))
+
+
+class AttachAux(torch.autograd.Function):
+    """``x`` unchanged, with ``aux`` (a scalar loss term) joining the backward through it: the
+    gradient that reaches ``x`` flows on, and ``aux`` gets gradient 1, as a term added to the final
+    loss would. For a pipeline stage before the last, whose MoE layers' auxiliary losses cannot be
+    added to the loss computed on another rank."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_dtype = aux.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones((), dtype=ctx.aux_dtype, device=grad.device)
 
 
 def moe_stats(model: nn.Module) -> dict[str, float]:

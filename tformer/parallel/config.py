@@ -47,6 +47,9 @@ class ParallelConfig:
     # 2 of 2 x cp chunks (padded to a multiple of 2 x cp); attention across them.
     cp: int = ranged(1, "[1, inf)")  # context-parallel degree
     cp_kernel: CPKernel = "tformer"  # tformer (all-gather K/V, any mask) | torch (its CUDA ring, causal only)
+    # Expert parallelism (tformer/parallel/ep.py): the MoE layers' experts split over ep ranks taken
+    # from the dp_shard x cp ranks (tokens exchanged by all-to-all); needs strategy=fsdp
+    ep: int = ranged(1, "[1, inf)")  # expert-parallel degree
 
     def check(self) -> None:
         """The section's rule that is not a range: its ranges are checked with every section's."""

@@ -34,13 +34,21 @@ class ParallelDims:
     tp: int
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallelism: borrows its ranks from dp_shard x cp (no dimension of its own)
 
     @classmethod
     def resolve(
-        cls, world_size: int, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, pp: int = 1, cp: int = 1
+        cls,
+        world_size: int,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        tp: int = 1,
+        pp: int = 1,
+        cp: int = 1,
+        ep: int = 1,
     ) -> ParallelDims:
         """The dims for ``world_size`` ranks; ``dp_shard=-1`` takes what pp x dp_replicate x cp x tp leave."""
-        for name, value in (("dp_replicate", dp_replicate), ("tp", tp), ("pp", pp), ("cp", cp)):
+        for name, value in (("dp_replicate", dp_replicate), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
             if value < 1:
                 raise ConfigError(f"parallel.{name}={value} must be >= 1")
         if dp_shard == -1:
@@ -66,11 +74,14 @@ class ParallelDims:
                 f"{f'{cp} x ' if cp > 1 else ''}{tp} = {pp * dp_replicate * dp_shard * cp * tp}; launch that many "
                 "ranks or set parallel.dp_shard=-1 to use whatever is left"
             )
-        return cls(dp_replicate, dp_shard, tp, pp, cp)
+        check_ep(ep, dp_shard, cp)
+        return cls(dp_replicate, dp_shard, tp, pp, cp, ep)
 
     @classmethod
     def from_config(cls, pcfg, world_size: int) -> ParallelDims:
-        return cls.resolve(world_size, pcfg.dp_replicate, pcfg.dp_shard, pcfg.tp, pcfg.pp, getattr(pcfg, "cp", 1))
+        return cls.resolve(
+            world_size, pcfg.dp_replicate, pcfg.dp_shard, pcfg.tp, pcfg.pp, getattr(pcfg, "cp", 1), getattr(pcfg, "ep", 1)
+        )
 
     @property
     def world_size(self) -> int:
@@ -97,6 +108,7 @@ class ParallelDims:
         return (
             f"{f'pp={self.pp} ' if self.pp > 1 else ''}dp_replicate={self.dp_replicate} "
             f"dp_shard={self.dp_shard} {f'cp={self.cp} ' if self.cp > 1 else ''}tp={self.tp}"
+            f"{f' ep={self.ep}' if self.ep > 1 else ''}"
         )
 
     def build_mesh(self, device_type: str):
@@ -105,11 +117,43 @@ class ParallelDims:
         started process group."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        if self.ep > 1:
+            return self._build_mesh_with_ep(device_type)
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return mesh
+
+    def _build_mesh_with_ep(self, device_type: str):
+        """With expert parallelism, as torchtitan lays it out: dp_shard splits into
+        ``dp_shard_mod_ep`` x ``dp_shard_in_ep``, and ``ep`` is ``dp_shard_in_ep x cp`` flattened,
+        so an expert group is a block of neighbouring ranks. Expert weights are sharded over ``ep``
+        and FSDP2-sharded over ``dp_shard_mod_ep`` (what EP leaves); every other weight over
+        ``dp_shard_cp`` as without EP. The names ``dp_shard``, ``dp``, ``dp_shard_cp`` exist as before."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        in_ep = self.ep // self.cp
+        shape = (self.pp, self.dp_replicate, self.dp_shard // in_ep, in_ep, self.cp, self.tp)
+        names = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        mesh["dp_shard_mod_ep", "dp_shard_in_ep"]._flatten("dp_shard")
+        mesh["dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep"]._flatten("dp")
+        mesh["dp_shard_mod_ep", "dp_shard_in_ep", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_shard_in_ep", "cp"]._flatten("ep")
+        return mesh
+
+
+def check_ep(ep: int, dp_shard: int, cp: int) -> None:
+    """ep ranks are taken from dp_shard x cp: whole cp groups, and a divisor of dp_shard of them."""
+    if ep == 1:
+        return
+    if ep % cp or dp_shard % (ep // cp):
+        raise ConfigError(
+            f"parallel.ep={ep} must be a multiple of parallel.cp={cp} that divides parallel.dp_shard x cp = "
+            f"{dp_shard} x {cp} (expert parallelism borrows those ranks); choose ep among "
+            f"{[cp * d for d in range(1, dp_shard + 1) if dp_shard % d == 0]}"
+        )
 
 
 def check_strategy(dims: ParallelDims, strategy: str) -> None:

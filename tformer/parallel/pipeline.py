@@ -108,9 +108,12 @@ def build_stage(model, stage: int, stages: int, pp_layers: list | None, label_sm
     loss-only path (``return_logits=False``, the run's label smoothing) in, the loss tensor out."""
     part = copy.deepcopy(model)
     part.cut_stage(stage, stages, pp_layers)
+    part.pp_aux = []  # a stage before the last: its auxiliary losses of the step (_attach_aux)
     if stage == stages - 1:
         part.register_forward_pre_hook(_loss_call(label_smoothing), with_kwargs=True)
         part.register_forward_hook(_loss_only)
+    elif model.config.moe.enabled:
+        part.register_forward_hook(_attach_aux)
     return part
 
 
@@ -123,6 +126,31 @@ def _loss_call(label_smoothing: float):
 
 def _loss_only(_module, _args, output: ModelOutput) -> torch.Tensor | None:
     return output.loss
+
+
+def _attach_aux(module, _args, h: torch.Tensor) -> torch.Tensor:
+    """A stage before the last: its MoE layers' share of the auxiliary loss joins the backward
+    through its output (``AttachAux``), and its value waits in ``pp_aux`` for the logged loss."""
+    from ..nn.moe import AttachAux, moe_aux_loss
+
+    if not module.training:
+        return h
+    aux = moe_aux_loss(module, module.moe_layer_count(module.config))
+    if aux is None:
+        return h
+    module.pp_aux.append(aux.detach().float())
+    return AttachAux.apply(h, aux)
+
+
+def stage_aux(parts, n_micro: int) -> torch.Tensor | None:
+    """The sum of this rank's earlier stages' auxiliary losses over the step's ``n_micro``
+    micro-batches (their part of the training loss the last stage reports), emptied for the next
+    step. The last ``n_micro`` of each stage: torch's first schedule step also runs a stage forward
+    of its own to learn the output shapes, whose output no backward reaches."""
+    values = [v for part in parts.parts for v in part.pp_aux[-n_micro:]]
+    for part in parts.parts:
+        part.pp_aux.clear()
+    return torch.stack(values).sum() if values else None
 
 
 def stages_of_rank(pp_rank: int, pp: int, stages: int) -> list[int]:

@@ -1151,6 +1151,10 @@ def plan_main(
         f"{num_parameters(model_cfg) / 1e9:.2f}B parameters; tp candidates {', '.join(map(str, usable))} "
         f"({gpus_per_node} GPUs per node; tp > 1 with sequence parallel and an unchunked vocabulary-sharded head)"
     )
+    from .moe_plan import moe_lines  # MoE terms: total vs active, expert states under ep, all-to-all
+
+    for line in moe_lines(model_cfg, num_parameters(model_cfg), devices, cfg.micro_batch_size * cfg.data.seq_len, mixed):
+        print(line)
     if skipped:
         print(
             "tp skipped (it must divide num_heads, num_kv_heads and d_ff): "

@@ -69,6 +69,7 @@ class Strategy:
         self.mesh = getattr(dist_info, "mesh", None)
         self.tp = self.mesh["tp"].size() if self.mesh is not None else 1
         self.pp = self.mesh["pp"].size() if self.mesh is not None else 1
+        self.ep = getattr(pcfg, "ep", 1) if self.mesh is not None else 1
         self.loss_parallel = self.tp > 1 and pcfg.loss_parallel
         if self.pp == 1:
             self.wrapped = self.wrap(self._prepare(model))
@@ -100,6 +101,10 @@ class Strategy:
             from .context import apply_context_parallel
 
             apply_context_parallel(model, self.mesh["cp"].get_group(), pcfg.cp_kernel, self.mesh["cp"])
+        if self.ep > 1:
+            from .ep import apply_expert_parallel
+
+            apply_expert_parallel(model, self.mesh["ep"])
         if pcfg.activation_checkpointing != "none":
             apply_activation_checkpointing(model, pcfg.activation_checkpointing, pcfg.ac_every)
         if self.cfg.compile:
@@ -180,7 +185,7 @@ class Strategy:
                 group=self.mesh["pp"].get_group(),
                 skip=self.shared.counted_elsewhere,
             )
-        if self.tp > 1:  # parameters on several meshes (TP, TP x FSDP, replicated)
+        if self.tp > 1 or self.ep > 1:  # parameters on several meshes (TP, TP x FSDP, experts, replicated)
             from .tp import grad_norm_and_clip
 
             return grad_norm_and_clip(self.model.named_parameters(), max_norm)
@@ -193,16 +198,20 @@ class Strategy:
     # -- pipeline --------------------------------------------------------------------------------
     def pipeline_step(self, inputs: dict, train: bool = True) -> torch.Tensor | None:
         """One pass of the schedule over the step's micro-batches (forward and, when training,
-        backward). Returns the mean of the micro-batch losses on the last stage, else None."""
-        from .pipeline import stage_kwargs
+        backward). Returns the mean of the micro-batch losses on the last stage, plus (MoE) the
+        mean auxiliary loss of this rank's earlier stages; None on a rank with neither."""
+        from .pipeline import stage_aux, stage_kwargs
 
         losses: list = []
         kwargs = stage_kwargs(inputs)
         run = self.schedule.step if train else self.schedule.eval
         run(inputs["input_ids"], target=inputs["labels"], losses=losses, return_outputs=False, **kwargs)
+        aux = stage_aux(self.model, self.cfg.grad_accum)
+        aux = aux / self.cfg.grad_accum if aux is not None else None
         if not self.is_last_stage:
-            return None
-        return torch.stack([loss.detach().float() for loss in losses]).mean()
+            return aux
+        loss = torch.stack([loss.detach().float() for loss in losses]).mean()
+        return loss + aux if aux is not None else loss
 
     # -- checkpoints -------------------------------------------------------------------------
     def _dcp_state(self, optimizer):
@@ -327,6 +336,10 @@ class FSDPStrategy(Strategy):
             kwargs["mesh"] = self.mesh[dims]
         if mp is not None:
             kwargs["mp_policy"] = mp
+        if self.ep > 1:  # expert weights: sharded over what EP leaves, first (tformer/parallel/ep.py)
+            from .ep import shard_experts
+
+            shard_experts(model, self.mesh, self.dist.dims, **{k: v for k, v in kwargs.items() if k != "mesh"})
         for stack in model.modules():
             if isinstance(stack, TransformerStack):
                 for block in stack.layers:

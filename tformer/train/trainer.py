@@ -25,6 +25,7 @@ from ..parallel.offload import activation_offload
 from ..models.flops import training_flops
 from ..nn.moe import moe_stats
 from ..parallel.context import check_context_parallel, context_shard
+from ..parallel.ep import check_moe_layout
 from ..parallel.mesh import ParallelDims, check_strategy
 from ..parallel.pipeline import check_pipeline
 from ..parallel.strategy import strategy_class
@@ -216,6 +217,7 @@ class Trainer:
         self.dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
         check_strategy(self.dims, cfg.parallel.strategy)
         check_context_parallel(cfg, self.dims)
+        check_moe_layout(cfg, self.dims)
         check_tp(cfg.model, self.dims.tp)
         if cfg.compile and self.dims.tp > 1 and cfg.model.position == "rotary":
             # measured on torch 2.13: the compiled block's backward hands DTensor's redistribute a plain
