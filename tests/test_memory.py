@@ -64,7 +64,10 @@ def test_chunked_loss_equals_unchunked_loss_and_gradients(name, tied):
             assert loss == pytest.approx(want_loss, rel=1e-6), (sparse, chunk)
             assert grads.keys() == want.keys()
             for n in want:
-                _assert_rel(grads[n], want[n], f"{n} sparse={sparse} chunk={chunk}")
+                # an MoE router's or shared-expert gate's few outputs sum over every token: their
+                # gradients carry the reduction order's rounding (~1e-6 relative)
+                rel = 1e-5 if "router" in n or "shared_gate" in n else 1e-6
+                _assert_rel(grads[n], want[n], f"{n} sparse={sparse} chunk={chunk}", rel)
     padded = model.lm_head.weight.grad[1000:]
     assert padded.abs().max() == 0  # padded vocabulary rows get no gradient
 
@@ -268,7 +271,7 @@ def test_ffn_rebuilds_its_activation_in_backward_with_the_same_gradients(name, a
     assert torch.equal(loss, want_loss)
     for n, g in got.items():
         assert torch.equal(g, want[n]), n
-    if ac == "none" and not offload:
+    if ac == "none" and not offload and not model.config.moe.enabled:  # dense FFNs: d_ff wide
         cfg = model.config  # _batch: 2 x 12 tokens (encoder-decoder: 2 x 7 target tokens)
         block_tokens = cfg.num_layers * 2 * 12 + (cfg.decoder_layers * 2 * 7 if cfg.family == "encdec" else 0)
         per_token = {"relu": 0, "swiglu": 2, "geglu": 2}.get(cfg.activation, 1) * cfg.d_ff * (2 if autocast else 4)
