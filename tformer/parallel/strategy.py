@@ -195,6 +195,9 @@ class Strategy:
     def fused_optimizer_ok(self) -> bool:
         return self.tp == 1 and self.pp == 1  # DTensor parameters: the foreach implementation
 
+    def release_gathered(self) -> None:
+        """After a forward without backward: nothing stays gathered under DDP (FSDP2 overrides)."""
+
     # -- pipeline --------------------------------------------------------------------------------
     def pipeline_step(self, inputs: dict, train: bool = True) -> torch.Tensor | None:
         """One pass of the schedule over the step's micro-batches (forward and, when training,
@@ -352,6 +355,16 @@ class FSDPStrategy(Strategy):
         # (backward then finds the root's parameters freed).
         fully_shard(model, **{**kwargs, "reshard_after_forward": False})
         return model
+
+    def release_gathered(self) -> None:
+        """Free the parameters a forward without backward (evaluation, decoding) left gathered: the
+        root keeps its own from forward into backward, so after an evaluation every rank would hold
+        the whole embedding and head until the next training step."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def no_sync(self, last_micro: bool):
         self.model.set_requires_gradient_sync(last_micro)

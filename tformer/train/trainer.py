@@ -439,6 +439,7 @@ class Trainer:
             result["val_mlm_acc"] = (total[2] / total[1].clamp(min=1)).item()
         if self.cfg.eval_bleu:
             result.update(self.evaluate_bleu(self.cfg.bleu_samples).record())
+        self.strategy.release_gathered()
         return result
 
     def _eval_sums(self, ds) -> torch.Tensor:
