@@ -135,6 +135,8 @@ def reference(name, tmp_path_factory, grad_accum, *extra):
 
 
 def assert_same_run(name, got_dir, report, ref, tol=1e-5):
+    """The run in ``got_dir`` (its parameters in ``report``) against ``ref``: losses and updated
+    parameters within ``tol``, relative; returns the largest differences (loss, parameter)."""
     ref_losses, ref_state = ref
     got = losses(got_dir)
     assert list(got) == list(ref_losses) == [1, 2, 3, 4]
@@ -156,6 +158,7 @@ def assert_same_run(name, got_dir, report, ref, tol=1e-5):
         errs[k] = ((v - ref_state[k]).abs().max() / scale).item()
     bad = {k: e for k, e in errs.items() if e > tol}
     assert not bad, (name, bad)
+    return max(abs(got[s] - ref_losses[s]) / abs(ref_losses[s]) for s in got), max(errs.values())
 
 
 def sharded(name: str) -> bool:

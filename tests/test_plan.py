@@ -304,6 +304,8 @@ MESH_MODELS = [
     ("bert-tiny", dict(tie_embeddings=False)),
     ("llama-tiny", dict(num_kv_heads=4, bias=True, vocab_size=1000, pad_vocab_multiple=64)),
     ("t5-tiny", dict(num_decoder_layers=3, attn_impl="math")),
+    ("mixtral-tiny", {}),  # MoE FFNs: whole on every TP rank, attention split
+    ("qwen2-moe-tiny", {}),  # + a shared expert and its gate, whole as well
 ]
 
 

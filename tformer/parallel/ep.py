@@ -10,6 +10,13 @@ any ep), and every ``Experts`` module gets the all-to-all ``exchange`` (``nn/moe
 shards the expert weights over what EP leaves (``dp_shard_mod_ep``) and everything else over the
 data-parallel group as without EP (``shard_experts``), as torchtitan lays it out.
 
+With a pipeline (``parallel.pp``) each stage's experts are split over the ep ranks of that stage
+(the ep ranks share its pp index): every stage module gets its own layers' exchange, and the ranks
+of one stage run the same schedule, so their exchanges pair up. With tensor parallelism the MoE
+FFNs run whole on every TP rank (``tp.py``) and the ep ranks share a TP index: each TP rank of an ep
+group exchanges the same rows with its peers of that TP index, and the experts' gradients are the
+same on every TP rank.
+
 Per layer and micro-batch a rank exchanges its routed rows twice (forward: to the experts and
 back; backward: their gradients likewise), ``(ep - 1) / ep`` of them leaving the rank when the
 routing is balanced: ``tformer plan`` counts these bytes (``tformer/parallel/moe_plan.py``).
@@ -35,11 +42,6 @@ def check_moe_layout(cfg, dims) -> None:
             "model.moe does not run with parallel.strategy=deepspeed (its experts would be partitioned "
             "like dense weights, with no expert parallelism); use parallel.strategy=fsdp (or ddp)"
         )
-    if moe.enabled and dims.tp > 1:
-        raise ConfigError(
-            f"model.moe does not run with parallel.tp={dims.tp} yet (the tensor-parallel plan has no "
-            "layout for the router and stacked experts); set parallel.tp=1, and parallel.ep to split the experts"
-        )
     if dims.ep == 1:
         return
     if not moe.enabled:
@@ -51,13 +53,11 @@ def check_moe_layout(cfg, dims) -> None:
             f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={dims.ep}; choose an ep "
             "that divides the number of experts"
         )
-    refusals = (
-        (pcfg.strategy != "fsdp", f"with parallel.strategy={pcfg.strategy}", "set parallel.strategy=fsdp"),
-        (dims.pp > 1, f"with parallel.pp={dims.pp} (pipelines) yet", "set parallel.pp=1"),
-    )
-    for bad, what, fix in refusals:
-        if bad:
-            raise ConfigError(f"parallel.ep={dims.ep} does not run {what}; {fix}, or parallel.ep=1")
+    if pcfg.strategy != "fsdp":
+        raise ConfigError(
+            f"parallel.ep={dims.ep} does not run with parallel.strategy={pcfg.strategy}; set "
+            "parallel.strategy=fsdp, or parallel.ep=1"
+        )
 
 
 def apply_expert_parallel(model: nn.Module, mesh) -> None:

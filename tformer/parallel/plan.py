@@ -407,8 +407,10 @@ def _tp_sharded_parts(cfg: ModelConfig) -> dict[str, int]:
     BERT's head bias; T5's relative-bias tables (one per stack)."""
     d, h, kv, dk, ff, vocab = (cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff, cfg.padded_vocab_size)
     bias = int(cfg.bias)
-    attention = (h + 2 * kv) * dk * (d + bias) + h * dk * d
+    attention = (h + 2 * kv) * dk * (d + int(cfg.attn_qkv_bias)) + h * dk * d  # (Qwen: q/k/v biases alone)
     ffn = (2 if _gated(cfg) else 1) * ff * (d + bias) + ff * d
+    if cfg.moe.is_moe_layer(0):  # an MoE FFN runs whole on every TP rank (parallel/tp.py); blocks as block 0
+        ffn = 0
     relative = cfg.rel_num_buckets * h if cfg.position == "relative" else 0
     spec = spec_of(cfg)
     head = (0 if cfg.tie_embeddings else vocab * d) + (vocab if spec.model.LM_HEAD_BIAS else 0)

@@ -30,9 +30,15 @@ With degree ``t`` on the mesh's ``tp`` dimension:
   sequence parallel alone would keep the whole gathered input of every sub-layer on every rank.
 
 What stays replicated on every TP rank: norms (their gradients are summed over the sequence shards
-under SP), position and token-type embeddings, BERT's MLM transform, and the biases of row-wise
-projections. Model files never import ``torch.distributed``: this module sets the attention
-modules' local head counts and the model's ``sharded_loss``/``gather_logits`` hooks from outside.
+under SP), position and token-type embeddings, BERT's MLM transform, the biases of row-wise
+projections, and mixture-of-experts FFNs (router, experts, shared experts; ``nn/moe.py``): each TP
+rank runs the whole MoE FFN on the whole sequence (under SP its input is gathered before it and its
+output cut back to the rank's slice after it), so routing, capacity groups and auxiliary losses are
+the unsplit model's, and its plain parameters get the same gradient on every TP rank. Splitting the
+experts is expert parallelism's job (``ep.py``: its groups are ranks with the same TP index).
+
+Model files never import ``torch.distributed``: this module sets the attention modules' local head
+counts and the model's ``sharded_loss``/``gather_logits`` hooks from outside.
 
 Order of application (``Strategy.__init__``): TP (+SP) -> activation checkpointing -> per-block
 compile -> FSDP2 (HSDP) or nothing, as torchtitan's ``parallelize_llama`` does.
@@ -52,6 +58,7 @@ from ..config import ConfigError, ModelConfig
 from ..models import spec_of
 from ..models.base import pad_sequences as pad_for_sequence_parallel  # noqa: F401 - its old home
 from ..nn import MultiHeadAttention, TransformerBlock, TransformerStack
+from ..nn.moe import MoEFeedForward
 from .memory import local_part
 
 
@@ -115,11 +122,13 @@ def tp_plan(model, sp: bool, loss_parallel: bool) -> dict:
                 for proj in ("q_proj", "k_proj", "v_proj"):
                     plan[f"{p}.{attn}.{proj}"] = ColwiseParallel()
                 plan[f"{p}.{attn}.o_proj"] = RowwiseParallel(output_layouts=between)
-            for proj in ("up", "gate") if block.ffn.gated else ("up",):
-                plan[f"{p}.ffn.{proj}"] = ColwiseParallel()
-            plan[f"{p}.ffn.down"] = RowwiseParallel(output_layouts=between)
+            moe = isinstance(block.ffn, MoEFeedForward)
+            if not moe:
+                for proj in ("up", "gate") if block.ffn.gated else ("up",):
+                    plan[f"{p}.ffn.{proj}"] = ColwiseParallel()
+                plan[f"{p}.ffn.down"] = RowwiseParallel(output_layouts=between)
             if not sp:
-                continue
+                continue  # an MoE FFN gets the whole (replicated) stream as a plain tensor already
             for norm in ("attn_norm", "cross_norm", "ffn_norm"):
                 if getattr(block, norm) is not None:
                     plan[f"{p}.{norm}"] = SequenceParallel(use_local_output=True)
@@ -131,9 +140,19 @@ def tp_plan(model, sp: bool, loss_parallel: bool) -> dict:
                 plan[f"{p}.cross_attn"] = PrepareModuleInput(
                     input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
                 )
-            plan[f"{p}.ffn"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-            )
+            if moe:  # replicated: the whole sequence in, this rank's slice of the output back
+                plan[f"{p}.ffn"] = PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_input=True,
+                    output_layouts=Replicate(),
+                    desired_output_layouts=Shard(1),
+                    use_local_output=True,
+                )
+            else:
+                plan[f"{p}.ffn"] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                )
             # stack boundaries: the first block keeps its slice of the sequence (no communication),
             # the last one gathers it (block inputs: x, padding_mask)
             if i == first and i == last:
