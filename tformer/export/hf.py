@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.io import commit, partial_dir, write_bytes_durable
+from ..checkpoint.io import RUN_CONFIG, WEIGHTS, commit, partial_dir, write_bytes_durable
 from ..checkpoint.manager import TrainerState
 from ..config import ModelConfig
 from ..files import save_safetensors
@@ -228,10 +228,10 @@ def _write_checkpoint(root: Path, cfg: ModelConfig, state: dict, source: str) ->
 
     tmp = partial_dir(root, 0)
     tmp.mkdir(parents=True)
-    save_safetensors(state, tmp / "model.safetensors")
+    save_safetensors(state, tmp / WEIGHTS)
     # weights_only: the trainer resumes it with a fresh optimizer and LR schedule
     TrainerState(step=0, weights_only=True, model_config=cfg.to_dict(), family=cfg.family, imported_from=source).write(tmp)
-    write_bytes_durable(tmp / "config.yaml", dump_yaml(config_from_dict({"model": cfg.to_dict()})).encode())
+    write_bytes_durable(tmp / RUN_CONFIG, dump_yaml(config_from_dict({"model": cfg.to_dict()})).encode())
     return commit(root, 0, keep=1)
 
 

@@ -2,8 +2,7 @@
 
 The engine owns the accumulation boundary, the gradient clipping and the optimizer step; the
 client optimizer is torch AdamW (DeepSpeed's FusedAdam/CPUAdam would compile C++ on first use).
-Checkpoints are DeepSpeed's own (``deepspeed/state/``); at a different world size they are
-converted once to DeepSpeed's universal format and loaded from there.
+The engine's checkpoints are saved and loaded by ``checkpoint/deepspeed.py``.
 """
 
 from __future__ import annotations
@@ -11,15 +10,11 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from ..config import ConfigError
-from ..files import torch_save_durable
-from ..safeload import CheckpointError, torch_load_safe
 from .strategy import StepResult, Strategy
 
 log = logging.getLogger("tformer.parallel")
@@ -128,7 +123,6 @@ class DeepSpeedStrategy(Strategy):
     """The engine clips, steps, skips non-finite steps and zeroes the gradients itself."""
 
     name = "deepspeed"
-    async_save = False
     engine = None  # made with the optimizer (setup_optimizer)
     base_optimizer = None  # the torch AdamW whose state DeepSpeed fills on load
     _finite = None  # this rank's micro-batch losses so far this step were all finite
@@ -210,109 +204,5 @@ class DeepSpeedStrategy(Strategy):
         norm = self.engine.get_global_grad_norm()
         return StepResult(float(norm) if norm is not None else float("nan"), applied, must_stop=applied and not loss_finite)
 
-    def save(self, tmp: Path, optimizer, scheduler, scaler, background: bool = False) -> None:
-        """Always synchronous: DeepSpeed's ``save_checkpoint`` has no background mode that hands
-        back a completion to commit on (``checkpoint.async`` is ignored, with a warning)."""
-        self.engine.save_checkpoint(str(tmp / "deepspeed"), tag=TAG)
-        if self.dist.is_main:
-            torch_save_durable(
-                {"scheduler": scheduler.state_dict(), "scaler": None, "param_groups": _hyperparameters(optimizer)},
-                tmp / "scheduler.pt",
-            )
-
-    def load(self, path: Path, optimizer, scheduler, scaler, saved_world_size: int | None = None) -> None:
-        ds_dir = path / "deepspeed"
-        if not (ds_dir / TAG).is_dir():
-            raise CheckpointError(
-                f"checkpoint {path} has no deepspeed/{TAG}; it was written by another "
-                "strategy: resume it with parallel.strategy=ddp or fsdp"
-            )
-        # DeepSpeed (and its universal converter) unpickle these files freely: read them first
-        from ..safeload import check_deepspeed_dir
-
-        check_deepspeed_dir(ds_dir, self.cfg.checkpoint.trust)
-        if saved_world_size is not None and saved_world_size != self.dist.world_size:
-            universal = self._universal(ds_dir, saved_world_size)
-            self.engine._config.load_universal_checkpoint = True
-            load_dir, tag = universal.parent, universal.name
-        else:
-            load_dir, tag = ds_dir, TAG
-        own_groups = _hyperparameters(optimizer)
-        try:
-            loaded, _ = self.engine.load_checkpoint(
-                str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
-            )
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(
-                f"DeepSpeed checkpoint {load_dir / tag} cannot be loaded ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}); use an earlier checkpoint"
-            ) from None
-        if loaded is None:
-            raise CheckpointError(f"DeepSpeed found no checkpoint in {load_dir / tag}")
-        extra = torch_load_safe(path / "scheduler.pt", self.cfg.checkpoint.trust)
-        if tag != TAG:
-            # ZeRO-3's universal load gives *every* param group the hyperparameters of group 0
-            # (deepspeed 0.19 stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3), so the
-            # no-decay group would suddenly decay. Put back each group's own values: the saved
-            # ones (lr, weight_decay, betas, ...), else this run's.
-            saved = extra.get("param_groups") or own_groups
-            groups = optimizer.param_groups
-            if len(saved) != len(groups):
-                raise CheckpointError(
-                    f"checkpoint {path} has {len(saved)} optimizer param groups but this "
-                    f"run has {len(groups)}; resume with the same optimizer settings"
-                )
-            for group, values in zip(groups, saved):
-                group.update(values)
-            # ...and it hands every param group the *same* ``step`` tensor object: torch's AdamW
-            # increments it in place once per group, so Adam's step count (and with it the bias
-            # correction) would advance twice per step. Give each state its own copy.
-            for state in self.base_optimizer.state.values():
-                if torch.is_tensor(state.get("step")):
-                    state["step"] = state["step"].clone()
-        scheduler.load_state_dict(extra["scheduler"])
-        if tag != TAG:  # the schedule's learning rates of the saved step (not this run's start)
-            for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-                group["lr"] = lr
-
-    def _universal(self, ds_dir: Path, saved_world_size: int) -> Path:
-        """Convert a ZeRO checkpoint of another world size to DeepSpeed's universal format (once)."""
-        from .dist import barrier
-
-        out = ds_dir / f"{TAG}_universal"
-        if self.dist.is_main and not (out / "zero").is_dir():
-            log.info(
-                "converting the %d-rank DeepSpeed checkpoint for %d rank(s): %s -> %s",
-                saved_world_size,
-                self.dist.world_size,
-                ds_dir / TAG,
-                out,
-            )
-            cmd = [
-                sys.executable,
-                "-m",
-                "deepspeed.checkpoint.ds_to_universal",
-                "--input_folder",
-                str(ds_dir / TAG),
-                "--output_folder",
-                str(out),
-                "--inject_missing_state",
-            ]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                raise CheckpointError(
-                    f"converting {ds_dir / TAG} to a universal checkpoint failed ({tail}); "
-                    f"run `{' '.join(cmd[1:])}` by hand, or resume on "
-                    f"{saved_world_size} ranks"
-                )
-        barrier()
-        return out
-
     def clip_grad_norm(self, max_norm: float) -> float:  # the engine clips (gradient_clipping)
         raise RuntimeError("DeepSpeed clips inside engine.step()")
-
-
-def _hyperparameters(optimizer) -> list[dict]:
-    """Each param group's settings without its tensors (lr, weight_decay, betas, eps, ...)."""
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]

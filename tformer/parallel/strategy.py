@@ -5,10 +5,8 @@ see ``tp.py``) -> activation checkpointing -> per-block ``torch.compile`` -> sha
 block, then the root, on the mesh's data-parallel dimensions: HSDP when ``dp_replicate > 1``) or
 DDP. Model code knows none of this. The run's ``DeviceMesh`` (``mesh.py``) arrives on ``dist_info``.
 
-Checkpoints of ``ddp`` and ``fsdp`` store model + optimizer with ``torch.distributed.checkpoint``
-(DCP) in ``dcp/``: each rank writes its shards, and a load reshards to any world size and either
-strategy. ``ddp`` also writes ``model.safetensors`` (rank 0 holds the full model anyway). With
-``checkpoint.async=true`` both are written in the background from a staged copy (``async_save.py``).
+Checkpoints are not a strategy's business: ``checkpoint/`` saves and loads the model and
+optimizer (DCP, or DeepSpeed's engine) with everything else a resume restores.
 """
 
 from __future__ import annotations
@@ -16,17 +14,13 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..config import StrategyName
-from ..files import save_model_weights, torch_save_durable
 from ..nn import TransformerBlock, TransformerStack
-from ..safeload import CheckpointError, torch_load_safe
 from .ac import apply_activation_checkpointing
-from .async_save import AsyncSaver, BackgroundWrite
 from .compile import compile_blocks
 
 
@@ -51,8 +45,8 @@ class Strategy:
     ``memory_report``. The trainer has one update path whatever the strategy."""
 
     name = "ddp"
-    async_save = True  # checkpoint.async: DCP writes in the background (DeepSpeed: synchronous)
-    _saver: AsyncSaver | None = None  # made at the first background save
+    engine = None  # DeepSpeed's: it checkpoints model and optimizer itself (checkpoint/deepspeed.py)
+    base_optimizer = None
     # pipeline only (pp > 1): this rank's stage indices, whether it holds the last stage (the
     # loss), torch's schedule and the parameters shared between stages (tied embeddings)
     stage_ids: list[int] = []
@@ -204,103 +198,6 @@ class Strategy:
             return None
         return torch.stack([loss.detach().float() for loss in losses]).mean()
 
-    # -- checkpoints -------------------------------------------------------------------------
-    def _dcp_state(self, optimizer):
-        """Model and optimizer state by parameter name (optimizer states flattened to one key per
-        tensor, ``state.NAME.exp_avg``), so any layout loads any other: the names are the unsplit
-        model's under every strategy, mesh and pipeline split."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        msd, osd = get_state_dict(self.model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
-        if self.pp > 1:
-            from .pipeline import Parts
-
-            msd = {Parts.strip(k): v for k, v in msd.items()}
-            osd = {_strip_optimizer_key(k): v for k, v in osd.items()}
-        return {"model": msd, "optimizer": osd}
-
-    def save(self, tmp: Path, optimizer, scheduler, scaler, background: bool = False) -> BackgroundWrite | None:
-        """Write this rank's part of the checkpoint into ``tmp``. ``background`` (checkpoint.async):
-        return once the state is copied to host memory; the files are complete when the returned
-        write's ``result()`` returns (``async_save.py``)."""
-        import torch.distributed.checkpoint as dcp
-
-        weights = self.dist.is_main and self.name == "ddp" and self.tp == 1 and self.pp == 1
-        if background:
-            if self._saver is None:
-                self._saver = AsyncSaver(self.dist.device)
-            write = self._saver.save(self._dcp_state(optimizer), tmp / "dcp", tmp / "model.safetensors" if weights else None)
-        else:
-            dcp.save(self._dcp_state(optimizer), checkpoint_id=str(tmp / "dcp"))
-        if self.dist.is_main:
-            torch_save_durable(
-                {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None},
-                tmp / "scheduler.pt",
-            )
-            if weights and not background:
-                save_model_weights(self.model, tmp / "model.safetensors")
-        return write if background else None
-
-    def load_weights(self, path: Path) -> None:
-        """A weights-only checkpoint (``tformer import``: one full ``model.safetensors``) into the
-        live model, tensor-parallel or split into pipeline stages: each rank takes its part."""
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        from .pipeline import Parts
-
-        full = load_file(path / "model.safetensors")
-        own = self.model.state_dict()
-        if self.model_config_tied():  # the file stores the tied head once, as the embedding
-            full.setdefault("lm_head.weight", full.get("embed.tok.weight"))
-        missing = [k for k in own if Parts.strip(k) not in full]
-        if missing:
-            raise CheckpointError(
-                f"checkpoint {path} does not fit this model (missing: {', '.join(missing[:3])}); "
-                "use the model config the checkpoint was trained with"
-            )
-        set_model_state_dict(
-            self.model, {k: full[Parts.strip(k)] for k in own}, options=StateDictOptions(full_state_dict=True)
-        )
-
-    def model_config_tied(self) -> bool:
-        return bool(getattr(getattr(self.model, "config", None), "tie_embeddings", False))
-
-    def load(self, path: Path, optimizer, scheduler, scaler, saved_world_size: int | None = None) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        from ..safeload import dcp_load
-
-        if not (path / "dcp").is_dir():
-            raise CheckpointError(
-                f"checkpoint {path} has no dcp/ directory; it was not written by the "
-                "ddp or fsdp strategy (a deepspeed checkpoint needs parallel.strategy="
-                "deepspeed, or `tformer consolidate` first)"
-            )
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        msd, osd = get_state_dict(self.model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
-        state = self._dcp_state(optimizer)  # the same tensors, by the unsplit model's names
-        dcp_load(state, path / "dcp", self.cfg.checkpoint.trust)
-        if self.pp > 1:  # back to this rank's names (the loaded tensors are the same objects)
-            from .pipeline import Parts
-
-            msd = {k: state["model"][Parts.strip(k)] for k in msd}
-            osd = {k: state["optimizer"][_strip_optimizer_key(k)] for k in osd}
-        else:
-            msd, osd = state["model"], state["optimizer"]
-        set_state_dict(
-            self.model,
-            optimizer,
-            model_state_dict=msd,
-            optim_state_dict=osd,
-            options=StateDictOptions(flatten_optimizer_state_dict=True),
-        )
-        extra = torch_load_safe(path / "scheduler.pt", self.cfg.checkpoint.trust)
-        scheduler.load_state_dict(extra["scheduler"])
-        if scaler is not None and extra.get("scaler"):
-            scaler.load_state_dict(extra["scaler"])
-
 
 class FSDPStrategy(Strategy):
     """FSDP2: ``fully_shard`` on every transformer block, then on the root module."""
@@ -346,14 +243,6 @@ class FSDPStrategy(Strategy):
 
     def fused_optimizer_ok(self) -> bool:
         return False  # DTensor parameters: use the foreach implementation
-
-
-def _strip_optimizer_key(key: str) -> str:
-    """``state.parts.1.NAME.exp_avg`` -> ``state.NAME.exp_avg`` (and ``param_groups.`` keys)."""
-    head, _, rest = key.partition(".")
-    if rest.startswith("parts."):
-        rest = rest.split(".", 2)[2]
-    return f"{head}.{rest}"
 
 
 def strategy_class(name: StrategyName):

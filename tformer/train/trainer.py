@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.io import load_model_weights, verify
+from ..checkpoint import parts
 from ..checkpoint.manager import CheckpointManager, TrainerState
 from ..config import ConfigError
-from ..data import DataError, MixtureDataset, MixtureSampler, ResumableSampler
+from ..data import MixtureDataset, MixtureSampler, ResumableSampler
 from ..files import atomic_write
 from ..models import build_model
 from ..models.base import pad_sequences
@@ -39,6 +39,7 @@ from .optim import build_optimizer, build_scheduler
 from .signals import ignore_interrupts, install_stop_signals, restore_signals
 from . import resume as resuming
 from .spike import SpikeDetector
+from .state import DataPosition, Progress
 from .tracking import WandbTracker
 from .watchdog import Watchdog
 
@@ -134,14 +135,6 @@ class Trainer:
         self.optimizer = self.strategy.setup_optimizer(base)
         self.wrapped = self.strategy.wrapped
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
-        background = cfg.checkpoint.async_ and self.strategy.async_save
-        if cfg.checkpoint.async_ and not background and self.dist.is_main:
-            log.warning(
-                "checkpoint.async=true: parallel.strategy=%s saves synchronously (DeepSpeed writes its "
-                "own checkpoint files); the loop waits for each save",
-                cfg.parallel.strategy,
-            )
-        self.ckpt = CheckpointManager(self.ckpt_root, self.dist.rank, self.dist.world_size, cfg.keep_checkpoints, background)
 
         self.step = 0
         self.consumed = 0  # global samples consumed by all ranks
@@ -158,6 +151,7 @@ class Trainer:
         self._signal: str | None = None
         self.resolved = {**cfg.to_dict(), "model": self.model_cfg.to_dict()}
         self.peak, self.peak_source = peak_flops(self.device, DTYPES[self.precision])
+        self.ckpt = self._checkpointer()
         self._resume()  # last: it restores the RNG streams, which nothing may draw from afterwards
 
     # -- setup -----------------------------------------------------------------------------
@@ -313,104 +307,75 @@ class Trainer:
         per = self.cfg.data.tokens_per_batch or self.data.seq_len
         return self._global_batch(), self._global_batch() * per
 
+    def _checkpointer(self) -> CheckpointManager:
+        """Everything a resume restores, as the checkpoint's parts, in load order: model and
+        optimizer (DCP, or DeepSpeed's engine), the LR schedule and loss scaler, this rank's RNG
+        streams, the data position and the run's own state (``trainer.json``), the run config."""
+        cfg, d, trust = self.cfg, self.dist, self.cfg.checkpoint.trust
+        record = parts.TrainerStatePart([DataPosition(self), Progress(self)], d.is_main)
+        self._record = record
+        return CheckpointManager(
+            self.ckpt_root,
+            d.rank,
+            d.world_size,
+            cfg.keep_checkpoints,
+            background=cfg.checkpoint.async_,
+            trust=trust,
+            parts={
+                "model": self._model_part(),
+                "schedule": parts.SharedPart(
+                    {"scheduler": parts.Schedule(self.scheduler, self.optimizer), "scaler": self.scaler}, d.is_main, trust
+                ),
+                "rng": parts.PerRankPart(parts.RNGState(), d.rank, d.world_size, trust),
+                "trainer": record,
+                "config": parts.TextPart(self.resolved_yaml(), d.is_main),
+            },
+        )
+
+    def _model_part(self) -> parts.Part:
+        s, d, trust = self.strategy, self.dist, self.cfg.checkpoint.trust
+        if s.engine is not None:  # DeepSpeed's engine saves and loads its own ZeRO partitions
+            from ..checkpoint.deepspeed import DeepSpeedPart
+
+            return DeepSpeedPart(s.engine, self.optimizer, s.base_optimizer, d.rank, d.world_size, trust)
+        split = self.dims.tp > 1 or self.dims.pp > 1
+        # ddp without tp/pp holds the full model on rank 0 anyway: it also writes the weights file
+        weights = d.is_main and self.cfg.parallel.strategy == "ddp" and not split
+        return parts.DCPPart(parts.ModelOptimizer(self.model, self.optimizer), self.device, trust, weights, split)
+
     def _resume(self) -> None:
-        path = self.ckpt.resolve(self.cfg.resume)
-        if path is None:
-            return
-        self._load(path)
-        self._apply_pending_rollback()
-        if self.dist.is_main:
-            log.info("resumed from %s at step %d", path, self.step)
+        if self._load(self.cfg.resume):
+            self._apply_pending_rollback()
+            if self.dist.is_main:
+                log.info("resumed from %s at step %d", self.resumed_from, self.step)
 
-    def _load(self, path: Path) -> None:
-        """Model, optimizer, schedule, RNG and trainer state of a verified checkpoint."""
-        from ..checkpoint.safe import check_checkpoint
-
-        check_checkpoint(path, self.cfg.checkpoint.trust)  # every pickle, before any is loaded
-        state = self.ckpt.read(path)
-        if state.weights_only:
-            # A model imported from HF (`tformer import`, step 0): weights, no optimizer state, so
-            # AdamW's moments start at zero and the LR schedule from its beginning.
-            if self.dims.tp == 1 and self.dims.pp == 1:
-                load_model_weights(self.model, path)
-            else:  # each rank takes its shard / its stages
-                self.strategy.load_weights(path)
-            log.warning("%s holds weights only: the optimizer and LR schedule start fresh", path)
-        else:
-            self.strategy.load(path, self.optimizer, self.scheduler, self.scaler, state.world_size)
-            if self.cfg.resume_changes == "allow":
-                self._apply_optim_config()
-        if not self.ckpt.restore_rng(path, state, self.cfg.checkpoint.trust):
-            log.warning(
-                "rank %d: no RNG state for this world size in %s; dropout streams restart (data order is unaffected)",
-                self.dist.rank,
-                path,
-            )
-        mixture = state.data_mixture
-        if mixture is not None and mixture != self._mixture_fingerprint():
-            raise DataError(
-                f"checkpoint {path} was trained on the data mixture {mixture} but this run's is "
-                f"{self._mixture_fingerprint()}: resume with the same sources, weights, stages and "
-                "global batch size, or start a new run"
-            )
-        self.step = state.step
-        self.consumed = state.consumed_samples
-        self.tokens = state.tokens
-        self.skipped = state.skipped
-        self.wandb_id = state.wandb_id
-        self.rollbacks = state.rollbacks
-        self.spikes.load_state_dict(state.spike_detector)
-        self.streak_start = None
-        self.resumed_from = path
+    def _load(self, target: str | Path) -> bool:
+        """Every part of the checkpoint ``target`` names (``resume``'s values or a path); False if
+        there is none."""
+        found = self.ckpt.load(target)
+        if found is None:
+            return False
+        self.resumed_from, saved = found
+        if not saved.weights_only and self.cfg.resume_changes == "allow":
+            self._apply_optim_config()
+        return True
 
     def save(self) -> Path:
         """A checkpoint of this step (all ranks take part); with ``checkpoint.async`` it returns
         once the state is copied to host memory, and is committed when its write ends."""
         self._beat("save")
-        final = self.ckpt.save(
-            self.state(),
-            self.resolved_yaml(),
-            lambda tmp: self.strategy.save(
-                tmp, self.optimizer, self.scheduler, self.scaler, background=self.ckpt.background
-            ),
-        )
+        final = self.ckpt.save(self.step)
         self._beat("save done")
         return final
 
     def state(self) -> TrainerState:
         """The record of ``trainer.json``: where the run stands, and what it trains."""
-        return TrainerState(
-            step=self.step,
-            consumed_samples=self.consumed,
-            tokens=self.tokens,
-            skipped=self.skipped,
-            world_size=self.dist.world_size,
-            mesh=self.dims.describe(),
-            rollbacks=self.rollbacks,
-            spike_detector=self.spikes.state_dict(),
-            wandb_id=self.wandb_id,
-            model_config=self.model_cfg.to_dict(),
-            strategy=self.cfg.parallel.strategy,
-            family=self.model_cfg.family,
-            objective=self.data.objective,
-            seq_len=self.data.seq_len,
-            target_len=self.data.target_len,
-            data_mixture=self._mixture_fingerprint(),
-            global_batch=self._global_batch_size()[0],
-            global_batch_tokens=self._global_batch_size()[1],
-            schedule_steps=self.schedule_steps,
-        )
+        return self._record.record()
 
     def wait_for_checkpoint(self) -> Path | None:
         """Finish the background save in flight, if any (all ranks)."""
         self._beat("save wait")
         return self.ckpt.wait()
-
-    def _mixture_fingerprint(self):
-        train = self.data.train
-        if not isinstance(train, MixtureDataset):
-            return None
-        return train.schedule.fingerprint() + [train.lengths, train.seed]
 
     def resolved_yaml(self) -> str:
         import yaml
@@ -727,8 +692,7 @@ class Trainer:
                 )
             return False
         spike_step, wandb_id = self.step, self.wandb_id
-        verify(target[-1], deep=True)
-        self._load(target[-1])
+        self._load(target[-1])  # verified and checked like any resume
         self.wandb_id = wandb_id
         self.rollbacks += 1
         event = {
