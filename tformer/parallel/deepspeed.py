@@ -7,15 +7,17 @@ The engine's checkpoints are saved and loaded by ``checkpoint/deepspeed.py``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..config import ConfigError
-from .strategy import StepResult, Strategy
+from .strategy import MODEL_STEPS, Layout, StepResult, memory_report, parallelize
 
 log = logging.getLogger("tformer.parallel")
 TAG = "state"
@@ -119,16 +121,33 @@ def check_offload_ops(ds: dict, where: str) -> None:
         )
 
 
-class DeepSpeedStrategy(Strategy):
-    """The engine clips, steps, skips non-finite steps and zeroes the gradients itself."""
+class DeepSpeedStrategy:
+    """DeepSpeed's engine behind the :class:`~tformer.parallel.strategy.Strategy` contract: the
+    model steps of the mesh strategy (activation checkpointing, compile) run first, then the engine
+    takes the data-parallel step's place. The engine clips (``gradient_clipping``, from
+    ``optim.grad_clip``), steps, skips non-finite steps and zeroes the gradients itself."""
 
     name = "deepspeed"
-    engine = None  # made with the optimizer (setup_optimizer)
-    base_optimizer = None  # the torch AdamW whose state DeepSpeed fills on load
-    _finite = None  # this rank's micro-batch losses so far this step were all finite
+    pipeline = None  # parallel.pp is refused with DeepSpeed (mesh.check_strategy)
+    engine: Any = None  # made with the optimizer (setup_optimizer)
+    base_optimizer: Any = None  # the torch AdamW whose state DeepSpeed fills on load
+    _finite: torch.Tensor | None = None  # this rank's micro-batch losses so far this step were all finite
+
+    def __init__(self, model: torch.nn.Module, cfg: Any, dist_info: Any, dtype: torch.dtype):
+        self.deepspeed = _import_deepspeed()
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ConfigError(
+                "parallel.strategy=deepspeed needs a process group: launch with torchrun, "
+                "the deepspeed launcher, or accelerate launch"
+            )
+        self.dist = dist_info
+        self.ds_config = deepspeed_config(cfg, {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"))
+        self.model = self.wrapped = parallelize(model, Layout.of(cfg, dist_info, dtype), MODEL_STEPS)
 
     @classmethod
-    def check(cls, cfg, precision: str) -> None:
+    def check(cls, cfg: Any, precision: str) -> None:
         """Everything that can be refused before the process group, data and model exist.
 
         Mistakes in the config itself come first, so they are reported whether or not deepspeed is
@@ -145,20 +164,7 @@ class DeepSpeedStrategy(Strategy):
         _import_deepspeed()
         check_offload_ops(ds, f"parallel.deepspeed_config={cfg.parallel.deepspeed_config}")
 
-    def wrap(self, model):
-        self.deepspeed = _import_deepspeed()
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            raise ConfigError(
-                "parallel.strategy=deepspeed needs a process group: launch with torchrun, "
-                "the deepspeed launcher, or accelerate launch"
-            )
-        self.ds_config = deepspeed_config(self.cfg, {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32"))
-        self.engine = None
-        return model  # the engine is made with the optimizer, in setup_optimizer
-
-    def setup_optimizer(self, optimizer):
+    def setup_optimizer(self, optimizer: Any) -> Any:
         self.base_optimizer = optimizer  # the torch AdamW whose state DeepSpeed fills on load
         self.engine, ds_optimizer, _, _ = self.deepspeed.initialize(
             model=self.model, optimizer=optimizer, config=self.ds_config
@@ -166,12 +172,16 @@ class DeepSpeedStrategy(Strategy):
         self.wrapped = self.engine
         return ds_optimizer
 
-    def no_sync(self, last_micro: bool):
-        import contextlib
+    def fused_optimizer_ok(self) -> bool:
+        return True  # plain parameters: ZeRO partitions them itself
 
-        return contextlib.nullcontext()
+    def no_sync(self, last_micro: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the engine owns the accumulation boundary
 
-    def backward(self, loss, last_micro: bool, scaler=None) -> None:
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # no tensor parallelism
+
+    def backward(self, loss: torch.Tensor, last_micro: bool, scaler: Any = None) -> None:
         # The trainer already divided the loss by the accumulation steps. A non-finite loss in any
         # micro-batch of this rank makes the last one's gradients NaN (no host sync): the gradient
         # reduction spreads them, the engine's global norm is then non-finite on every rank, and
@@ -191,11 +201,11 @@ class DeepSpeedStrategy(Strategy):
         not finite (and clear its gradients); a plain torch optimizer under stage 0 fp32 does not."""
         return hasattr(self.engine.optimizer, "overflow")
 
-    def step(self, optimizer, scaler, max_norm: float, loss_finite: bool) -> StepResult:
-        """The engine clips (``gradient_clipping``, from ``optim.grad_clip``) and updates, or skips
-        a step whose global norm is not finite. Where it cannot skip (``can_skip``), a non-finite
-        loss stops the run before the update; an update it applied on a non-finite loss stops it
-        after."""
+    def step(self, optimizer: Any, scaler: Any, max_norm: float, loss_finite: bool) -> StepResult:
+        """The engine clips to ``gradient_clipping`` (``max_norm`` came from the same
+        ``optim.grad_clip``) and updates, or skips a step whose global norm is not finite. Where it
+        cannot skip (``can_skip``), a non-finite loss stops the run before the update; an update it
+        applied on a non-finite loss stops it after."""
         if not loss_finite and not self.can_skip:
             return StepResult(float("nan"), applied=False, must_stop=True)
         skipped = self.engine.skipped_steps
@@ -204,5 +214,5 @@ class DeepSpeedStrategy(Strategy):
         norm = self.engine.get_global_grad_norm()
         return StepResult(float(norm) if norm is not None else float("nan"), applied, must_stop=applied and not loss_finite)
 
-    def clip_grad_norm(self, max_norm: float) -> float:  # the engine clips (gradient_clipping)
-        raise RuntimeError("DeepSpeed clips inside engine.step()")
+    def memory_report(self, optimizer: Any) -> dict[str, float]:
+        return memory_report(self.model, optimizer, self.dist.device)

@@ -1,24 +1,34 @@
-"""How the model is wrapped, synchronised, stepped and checkpointed, per ``parallel.strategy``.
+"""How the model is parallelised, synchronised and stepped, per ``parallel.*`` and the run's mesh.
 
-The order of application is fixed: tensor parallelism (+ sequence parallelism, ``parallel.tp``,
-see ``tp.py``) -> activation checkpointing -> per-block ``torch.compile`` -> sharding (FSDP2 per
-block, then the root, on the mesh's data-parallel dimensions: HSDP when ``dp_replicate > 1``) or
-DDP. Model code knows none of this. The run's ``DeviceMesh`` (``mesh.py``) arrives on ``dist_info``.
+The run is built from the ``DeviceMesh`` (``mesh.py``, on ``dist_info``) by a flat sequence of
+``apply_*`` steps, each a function of (module, :class:`Layout`) that does nothing when its
+dimension or option is off, in the order torchtitan's parallelize functions use:
 
-Checkpoints are not a strategy's business: ``checkpoint/`` saves and loads the model and
-optimizer (DCP, or DeepSpeed's engine) with everything else a resume restores.
+    apply_tp (+SP) -> apply_cp -> apply_ac -> apply_compile -> apply_data_parallel (FSDP2 / HSDP or DDP)
+
+and, when ``pp > 1``, ``apply_pipeline`` first cuts this rank's stages, each then taken through the
+same steps. A new dimension is one more ``apply_*`` function and one more entry in ``STEPS``.
+Model code knows none of this.
+
+:class:`MeshStrategy` is the result: the one backward / clip / step path, which reads the mesh
+(the norm of TP, FSDP and plain parameters alike, summed over pipeline stages). DeepSpeed is a
+separate engine behind the same :class:`Strategy` contract (``deepspeed.py``). Checkpoints are
+not a strategy's business: ``checkpoint/`` saves and loads the model and optimizer (DCP, or
+DeepSpeed's engine) with everything else a resume restores.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from ..config import StrategyName
+from ..config import ConfigError, StrategyName
 from ..nn import TransformerBlock, TransformerStack
 from .ac import apply_activation_checkpointing
 from .compile import compile_blocks
@@ -36,221 +46,335 @@ class StepResult:
     must_stop: bool = False
 
 
-class Strategy:
-    """The contract every strategy implements, and the DDP / TP / PP behaviour (``FSDPStrategy``
-    and ``DeepSpeedStrategy`` override what differs): ``check`` (before any process group),
-    ``wrap`` and ``setup_optimizer`` (at construction), ``no_sync`` / ``loss_context`` /
-    ``backward`` (per micro-batch), ``step`` (per optimizer step: clip, update, clear the
-    gradients, one ``StepResult``), ``save`` / ``load`` / ``load_weights`` (checkpoints) and
-    ``memory_report``. The trainer has one update path whatever the strategy."""
+class Strategy(Protocol):
+    """What the trainer uses, whatever runs the model: ``model`` (this rank's unwrapped module:
+    state dicts, evaluation), ``wrapped`` (what the forward calls), ``setup_optimizer`` (at
+    construction), ``no_sync`` / ``loss_context`` / ``backward`` (per micro-batch), ``step`` (per
+    optimizer step: clip, update, clear the gradients, one :class:`StepResult`), ``memory_report``;
+    ``pipeline`` (pp > 1: the schedule) and ``engine`` (DeepSpeed's) are None elsewhere."""
 
-    name = "ddp"
-    engine = None  # DeepSpeed's: it checkpoints model and optimizer itself (checkpoint/deepspeed.py)
-    base_optimizer = None
-    # pipeline only (pp > 1): this rank's stage indices, whether it holds the last stage (the
-    # loss), torch's schedule and the parameters shared between stages (tied embeddings)
-    stage_ids: list[int] = []
-    is_last_stage = True
-    schedule = None
-    shared = None
+    name: str
+    model: Any
+    wrapped: Any
+    engine: Any
+    base_optimizer: Any
+    pipeline: Pipeline | None
 
-    def __init__(self, model: torch.nn.Module, cfg, dist_info, dtype: torch.dtype):
-        self.model = model  # the unwrapped module (for state dicts and evaluation)
-        self.cfg = cfg
-        self.dist = dist_info
-        self.dtype = dtype
-        pcfg = cfg.parallel
-        self.mesh = getattr(dist_info, "mesh", None)
-        self.tp = self.mesh["tp"].size() if self.mesh is not None else 1
-        self.pp = self.mesh["pp"].size() if self.mesh is not None else 1
-        self.loss_parallel = self.tp > 1 and pcfg.loss_parallel
-        if self.pp == 1:
-            self.wrapped = self.wrap(self._prepare(model))
-            return
-        # pipeline: this rank's stages, each prepared and wrapped like a whole model
-        from . import pipeline
+    def setup_optimizer(self, optimizer: Any) -> Any: ...
 
-        stages = pipeline.num_stages(pcfg)
-        self.stage_ids = pipeline.stages_of_rank(self.mesh["pp"].get_local_rank(), self.pp, stages)
-        parts = [
-            self.wrap(self._prepare(pipeline.build_stage(model, s, stages, pcfg.pp_layers, cfg.optim.label_smoothing)))
-            for s in self.stage_ids
-        ]
-        self.model = self.wrapped = pipeline.Parts(parts)
-        self.is_last_stage = stages - 1 in self.stage_ids
-        self.schedule = pipeline.make_schedule(
-            parts, self.stage_ids, stages, pcfg, cfg.grad_accum, dist_info.device, self.mesh["pp"].get_group()
-        )
-        self.shared = pipeline.shared_parameters(self.model, self.mesh["pp"].get_group())
+    def fused_optimizer_ok(self) -> bool: ...
 
-    def _prepare(self, model):
-        """TP (+SP) -> activation checkpointing -> per-block compile, in place."""
-        pcfg = self.cfg.parallel
-        if self.tp > 1:
-            from .tp import apply_tensor_parallel
+    def no_sync(self, last_micro: bool) -> contextlib.AbstractContextManager: ...
 
-            apply_tensor_parallel(model, self.mesh["tp"], pcfg.sp, pcfg.loss_parallel)
-        if self.mesh is not None and self.mesh["cp"].size() > 1:
-            from .context import apply_context_parallel
+    def loss_context(self) -> contextlib.AbstractContextManager: ...
 
-            apply_context_parallel(model, self.mesh["cp"].get_group(), pcfg.cp_kernel, self.mesh["cp"])
-        if pcfg.activation_checkpointing != "none":
-            apply_activation_checkpointing(model, pcfg.activation_checkpointing, pcfg.ac_every)
-        if self.cfg.compile:
-            compile_blocks(model)
-        return model
+    def backward(self, loss: torch.Tensor, last_micro: bool, scaler: Any = None) -> None: ...
+
+    def step(self, optimizer: Any, scaler: Any, max_norm: float, loss_finite: bool) -> StepResult: ...
+
+    def memory_report(self, optimizer: Any) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the ``apply_*`` steps read: the run config, its mesh (None: one process) and the
+    parameters' compute dtype."""
+
+    cfg: Any
+    mesh: Any
+    dtype: torch.dtype
+    device: torch.device
+    distributed: bool
 
     @classmethod
-    def check(cls, cfg, precision: str) -> None:
-        """Refuse what the installed packages cannot run, before any distributed work."""
+    def of(cls, cfg: Any, dist_info: Any, dtype: torch.dtype) -> Layout:
+        return cls(cfg, getattr(dist_info, "mesh", None), dtype, dist_info.device, dist_info.distributed)
 
-    # -- wrapping and stepping -------------------------------------------------------------
-    def wrap(self, model):
-        if not self.dist.distributed or self.tp > 1 or self.pp > 1:  # TP / PP alone: no data-parallel peer
-            return model
-        from torch.nn.parallel import DistributedDataParallel as DDP
+    def size(self, dim: str) -> int:
+        return self.mesh[dim].size() if self.mesh is not None else 1
 
-        ids = [self.dist.device.index] if self.dist.device.type == "cuda" else None
-        return DDP(model, device_ids=ids)
+    @property
+    def tp(self) -> int:
+        return self.size("tp")
 
-    def setup_optimizer(self, optimizer):
-        return optimizer
+    @property
+    def pp(self) -> int:
+        return self.size("pp")
 
-    def backward(self, loss, last_micro: bool, scaler=None) -> None:
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+    @property
+    def cp(self) -> int:
+        return self.size("cp")
 
-    def no_sync(self, last_micro: bool):
-        """Skip the gradient all-reduce on all but the last micro-batch of an accumulation."""
-        if last_micro or self.wrapped is self.model:
-            return contextlib.nullcontext()
-        return self.wrapped.no_sync()
 
-    def loss_context(self):
-        """Where the forward and backward of a micro-batch run: torch's ``loss_parallel`` under
-        tensor parallelism (the cross-entropy over vocabulary-sharded logits), else nothing."""
-        from .tp import loss_context
+# -- the apply steps -------------------------------------------------------------------------------
 
-        return loss_context(self.loss_parallel)
 
-    def step(self, optimizer, scaler, max_norm: float, loss_finite: bool) -> StepResult:
-        """Clip to ``max_norm`` (inf: measure only), update and clear the gradients. A non-finite
-        loss or gradient norm skips the update; under fp16 the scaler skips overflowing steps itself
-        (counted as applied: it lowers its scale and the run goes on)."""
-        grad_norm, applied = float("nan"), False
-        if loss_finite:
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            grad_norm = self.clip_grad_norm(max_norm)
-            if math.isfinite(grad_norm) or scaler is not None:
-                if scaler is not None:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-                applied = True
-        optimizer.zero_grad(set_to_none=True)
-        return StepResult(grad_norm, applied)
+def apply_tp(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    """Tensor parallelism (+ sequence parallelism) over ``mesh["tp"]`` (``tp.py``)."""
+    if layout.tp > 1:
+        from .tp import apply_tensor_parallel
 
-    def memory_report(self, optimizer) -> dict[str, float]:
-        """This rank's memory in MB: the model states it holds (parameters, gradients still held,
-        optimizer states: its shards under FSDP2 / TP / PP / ZeRO) and the process's peak on its
-        device (``parallel.memory.peak_memory_mb``)."""
-        from .memory import model_state_bytes, peak_memory_mb
+        pcfg = layout.cfg.parallel
+        apply_tensor_parallel(model, layout.mesh["tp"], pcfg.sp, pcfg.loss_parallel)
+    return model
 
-        return {
-            "model_states_mb": model_state_bytes(self.model, optimizer) / 2**20,
-            "memory_mb": peak_memory_mb(self.dist.device),
-        }
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        if self.pp > 1:  # shared weights' gradients summed over the stages; the norm over all stages
-            from .pipeline import sync_shared_grads
-            from .tp import grad_norm_and_clip
+def apply_cp(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    """Context parallelism: attention over the sequence shards of ``mesh["cp"]`` (``context.py``)."""
+    if layout.cp > 1:
+        from .context import apply_context_parallel
 
-            sync_shared_grads(self.model, self.shared, self.mesh["pp"].get_group())
-            return grad_norm_and_clip(
-                self.model.named_parameters(),
-                max_norm,
-                group=self.mesh["pp"].get_group(),
-                skip=self.shared.counted_elsewhere,
-            )
-        if self.tp > 1:  # parameters on several meshes (TP, TP x FSDP, replicated)
-            from .tp import grad_norm_and_clip
+        cp = layout.mesh["cp"]
+        apply_context_parallel(model, cp.get_group(), layout.cfg.parallel.cp_kernel, cp)
+    return model
 
-            return grad_norm_and_clip(self.model.named_parameters(), max_norm)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    def fused_optimizer_ok(self) -> bool:
-        return self.tp == 1 and self.pp == 1  # DTensor parameters: the foreach implementation
+def apply_ac(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    pcfg = layout.cfg.parallel
+    if pcfg.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, pcfg.activation_checkpointing, pcfg.ac_every)
+    return model
 
-    # -- pipeline --------------------------------------------------------------------------------
-    def pipeline_step(self, inputs: dict, train: bool = True) -> torch.Tensor | None:
+
+def apply_compile(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    """Per block, before sharding (whole-model compile graph-breaks in FSDP2's hooks)."""
+    if layout.cfg.compile:
+        compile_blocks(model)
+    return model
+
+
+def apply_fsdp(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    """FSDP2: ``fully_shard`` on every transformer block, then on the root module, over the mesh's
+    data-parallel dimensions (HSDP when ``dp_replicate > 1``; cp ranks hold the same parameters)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():
+        raise ConfigError(
+            "parallel.strategy=fsdp needs a process group: launch with torchrun "
+            "(torchrun --nproc_per_node N -m tformer train ...)"
+        )
+    kwargs: dict[str, Any] = {"reshard_after_forward": layout.cfg.parallel.reshard_after_forward}
+    if layout.mesh is not None:
+        shard = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
+        dims = ("dp_replicate", shard) if layout.size("dp_replicate") > 1 else (shard,)
+        kwargs["mesh"] = layout.mesh[dims]
+    if layout.dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=layout.dtype, reduce_dtype=torch.float32)
+    for stack in model.modules():
+        if isinstance(stack, TransformerStack):
+            for block in stack.layers:
+                if isinstance(block, TransformerBlock):  # not another pipeline stage's placeholder
+                    fully_shard(block, **kwargs)
+    # The root (embeddings, final norm, head) keeps its gathered parameters from forward into
+    # backward, which needs them first thing: torch's own default for the root. Resharding it
+    # saves no peak memory and costs an all-gather per micro-batch; and torch < 2.13 hooks the
+    # backward re-gather only on outputs tree_flatten sees, not on our ModelOutput dataclass
+    # (backward then finds the root's parameters freed).
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+    return model
+
+
+def apply_ddp(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    """DDP over every rank: only with no tp / pp peers (the mesh refuses DDP beside them otherwise,
+    ``mesh.check_strategy``); TP or PP alone have no data-parallel peer to wrap for."""
+    if not layout.distributed or layout.tp > 1 or layout.pp > 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [layout.device.index] if layout.device.type == "cuda" else None
+    return DDP(model, device_ids=ids)
+
+
+def apply_data_parallel(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    return (apply_fsdp if layout.cfg.parallel.strategy == "fsdp" else apply_ddp)(model, layout)
+
+
+Step = Callable[[torch.nn.Module, Layout], torch.nn.Module]
+# The order is fixed: TP shards the blocks' weights first; AC and compile wrap what TP made;
+# sharding comes last, over the finished blocks (torchtitan's parallelize_llama does the same).
+# MODEL_STEPS change the module in place; DeepSpeed's engine takes the place of the last step.
+MODEL_STEPS: tuple[Step, ...] = (apply_tp, apply_cp, apply_ac, apply_compile)
+STEPS: tuple[Step, ...] = (*MODEL_STEPS, apply_data_parallel)
+
+
+def parallelize(model: torch.nn.Module, layout: Layout, steps: tuple[Step, ...] = STEPS) -> torch.nn.Module:
+    """``model`` taken through ``steps``; returns what the forward calls (DDP's wrapper, or the
+    module itself, changed in place)."""
+    for step in steps:
+        model = step(model, layout)
+    return model
+
+
+# -- the pipeline ----------------------------------------------------------------------------------
+
+
+class Pipeline:
+    """This rank's stages (``pipeline.py``), torch's schedule over them and the parameters shared
+    between stages (tied embeddings)."""
+
+    def __init__(self, model: torch.nn.Module, layout: Layout, label_smoothing: float, grad_accum: int):
+        from . import pipeline
+
+        pcfg, pp = layout.cfg.parallel, layout.mesh["pp"]
+        stages = pipeline.num_stages(pcfg)
+        self.stage_ids = pipeline.stages_of_rank(pp.get_local_rank(), pp.size(), stages)
+        modules = [pipeline.build_stage(model, s, stages, pcfg.pp_layers, label_smoothing) for s in self.stage_ids]
+        parts = [parallelize(m, layout) for m in modules]
+        self.parts = pipeline.Parts(parts)
+        self.is_last_stage = stages - 1 in self.stage_ids
+        self.group = pp.get_group()
+        self.schedule: Any = pipeline.make_schedule(
+            parts, self.stage_ids, stages, pcfg, grad_accum, layout.device, self.group
+        )
+        self.shared = pipeline.shared_parameters(self.parts, self.group)
+
+    def step(self, inputs: dict, train: bool = True) -> torch.Tensor | None:
         """One pass of the schedule over the step's micro-batches (forward and, when training,
         backward). Returns the mean of the micro-batch losses on the last stage, else None."""
-        from .pipeline import stage_kwargs
-
-        losses: list = []
-        kwargs = stage_kwargs(inputs)
-        run = self.schedule.step if train else self.schedule.eval
-        run(inputs["input_ids"], target=inputs["labels"], losses=losses, return_outputs=False, **kwargs)
+        losses = self.run(inputs, train)
         if not self.is_last_stage:
             return None
         return torch.stack([loss.detach().float() for loss in losses]).mean()
 
+    def run(self, inputs: dict, train: bool) -> list:
+        """The schedule over ``inputs``; the micro-batch losses (last stage only, else empty)."""
+        from .pipeline import stage_kwargs
 
-class FSDPStrategy(Strategy):
-    """FSDP2: ``fully_shard`` on every transformer block, then on the root module."""
+        losses: list = []
+        run = self.schedule.step if train else self.schedule.eval
+        run(inputs["input_ids"], target=inputs["labels"], losses=losses, return_outputs=False, **stage_kwargs(inputs))
+        return losses
 
-    name = "fsdp"
 
-    def wrap(self, model):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def apply_pipeline(model: torch.nn.Module, layout: Layout) -> Pipeline | None:
+    if layout.pp == 1:
+        return None
+    cfg = layout.cfg
+    return Pipeline(model, layout, cfg.optim.label_smoothing, cfg.grad_accum)
 
-        if not dist.is_initialized():
-            from ..config import ConfigError
 
-            raise ConfigError(
-                "parallel.strategy=fsdp needs a process group: launch with torchrun "
-                "(torchrun --nproc_per_node N -m tformer train ...)"
-            )
-        mp = None
-        if self.dtype != torch.float32:
-            mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
-        kwargs = {"reshard_after_forward": self.cfg.parallel.reshard_after_forward}
-        if self.mesh is not None:  # 1-D: shard over dp_shard; 2-D (HSDP): replicate x shard
-            shard = "dp_shard_cp" if self.mesh["cp"].size() > 1 else "dp_shard"  # cp ranks: same parameters
-            dims = ("dp_replicate", shard) if self.mesh["dp_replicate"].size() > 1 else (shard,)
-            kwargs["mesh"] = self.mesh[dims]
-        if mp is not None:
-            kwargs["mp_policy"] = mp
-        for stack in model.modules():
-            if isinstance(stack, TransformerStack):
-                for block in stack.layers:
-                    if isinstance(block, TransformerBlock):  # not another pipeline stage's placeholder
-                        fully_shard(block, **kwargs)
-        # The root (embeddings, final norm, head) keeps its gathered parameters from forward into
-        # backward, which needs them first thing: torch's own default for the root. Resharding it
-        # saves no peak memory and costs an all-gather per micro-batch; and torch < 2.13 hooks the
-        # backward re-gather only on outputs tree_flatten sees, not on our ModelOutput dataclass
-        # (backward then finds the root's parameters freed).
-        fully_shard(model, **{**kwargs, "reshard_after_forward": False})
-        return model
+# -- clip and step ---------------------------------------------------------------------------------
 
-    def no_sync(self, last_micro: bool):
-        self.model.set_requires_gradient_sync(last_micro)
-        return contextlib.nullcontext()
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, layout: Layout, pipeline: Pipeline | None = None) -> float:
+    """The global gradient norm (before clipping), clipped to ``max_norm`` (inf: measure only), over
+    whatever the mesh made of the parameters: pipeline stages (shared weights' gradients summed
+    first, counted once), TP / TP x FSDP DTensors on several meshes, or one kind (plain / FSDP)."""
+    from .tp import grad_norm_and_clip
+
+    if pipeline is not None:
+        from .pipeline import sync_shared_grads
+
+        sync_shared_grads(pipeline.parts, pipeline.shared, pipeline.group)
+        return grad_norm_and_clip(
+            model.named_parameters(), max_norm, group=pipeline.group, skip=pipeline.shared.counted_elsewhere
+        )
+    if layout.tp > 1:
+        return grad_norm_and_clip(model.named_parameters(), max_norm)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def optimizer_step(optimizer: Any, scaler: Any, loss_finite: bool, clip: Callable[[], float]) -> StepResult:
+    """Clip, update and clear the gradients. A non-finite loss or gradient norm skips the update;
+    under fp16 the scaler skips overflowing steps itself (counted as applied: it lowers its scale
+    and the run goes on)."""
+    grad_norm, applied = float("nan"), False
+    if loss_finite:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        grad_norm = clip()
+        if math.isfinite(grad_norm) or scaler is not None:
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            applied = True
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(grad_norm, applied)
+
+
+def memory_report(model: torch.nn.Module, optimizer: Any, device: torch.device) -> dict[str, float]:
+    """This rank's memory in MB: the model states it holds (parameters, gradients still held,
+    optimizer states: its shards under FSDP2 / TP / PP / ZeRO) and the process's peak on its
+    device (``parallel.memory.peak_memory_mb``)."""
+    from .memory import model_state_bytes, peak_memory_mb
+
+    return {"model_states_mb": model_state_bytes(model, optimizer) / 2**20, "memory_mb": peak_memory_mb(device)}
+
+
+class MeshStrategy:
+    """ddp / fsdp with any tp, cp and pp: the model taken through the ``apply_*`` steps."""
+
+    engine = None
+    base_optimizer = None
+
+    def __init__(self, model: torch.nn.Module, cfg: Any, dist_info: Any, dtype: torch.dtype):
+        self.name: str = cfg.parallel.strategy
+        self.dist = dist_info
+        self.layout = Layout.of(cfg, dist_info, dtype)
+        self.loss_parallel = self.layout.tp > 1 and cfg.parallel.loss_parallel
+        self.pipeline = apply_pipeline(model, self.layout)
+        if self.pipeline is not None:
+            self.model: torch.nn.Module = self.pipeline.parts
+            self.wrapped: torch.nn.Module = self.model
+        else:
+            self.model = model  # the unwrapped module (state dicts and evaluation)
+            self.wrapped = parallelize(model, self.layout)
+
+    @classmethod
+    def check(cls, cfg: Any, precision: str) -> None:
+        """Refuse what the installed packages cannot run, before any distributed work."""
+
+    def setup_optimizer(self, optimizer: Any) -> Any:
+        return optimizer
 
     def fused_optimizer_ok(self) -> bool:
-        return False  # DTensor parameters: use the foreach implementation
+        # DTensor parameters (FSDP2, TP, stages under FSDP2) need the foreach implementation
+        return self.name == "ddp" and self.layout.tp == 1 and self.layout.pp == 1
+
+    def no_sync(self, last_micro: bool) -> contextlib.AbstractContextManager:
+        """Skip the gradient reduction on all but the last micro-batch of an accumulation."""
+        if self.name == "fsdp" and self.pipeline is None:
+            self.model.set_requires_gradient_sync(last_micro)  # type: ignore[operator]
+            return contextlib.nullcontext()
+        if last_micro or self.wrapped is self.model:
+            return contextlib.nullcontext()
+        return self.wrapped.no_sync()  # type: ignore[operator]
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """torch's ``loss_parallel`` under tensor parallelism (the cross-entropy over
+        vocabulary-sharded logits), else nothing."""
+        from .tp import loss_context
+
+        return loss_context(self.loss_parallel)
+
+    def backward(self, loss: torch.Tensor, last_micro: bool, scaler: Any = None) -> None:
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return clip_grad_norm(self.model, max_norm, self.layout, self.pipeline)
+
+    def step(self, optimizer: Any, scaler: Any, max_norm: float, loss_finite: bool) -> StepResult:
+        return optimizer_step(optimizer, scaler, loss_finite, lambda: self.clip_grad_norm(max_norm))
+
+    def memory_report(self, optimizer: Any) -> dict[str, float]:
+        return memory_report(self.model, optimizer, self.dist.device)
 
 
-def strategy_class(name: StrategyName):
+def strategy_class(name: StrategyName) -> Any:
+    """The class that runs ``parallel.strategy``: its ``check`` refuses, before any process group,
+    what this install cannot run."""
     if name == "deepspeed":
         from .deepspeed import DeepSpeedStrategy
 
         return DeepSpeedStrategy
-    return {"ddp": Strategy, "fsdp": FSDPStrategy}[name]
+    return MeshStrategy
+
+
+def build_strategy(model: torch.nn.Module, cfg: Any, dist_info: Any, dtype: torch.dtype) -> Strategy:
+    return strategy_class(cfg.parallel.strategy)(model, cfg, dist_info, dtype)
 
 
 def param_counts(model: torch.nn.Module) -> tuple[int, int]:

@@ -27,7 +27,7 @@ from ..nn.moe import moe_stats
 from ..parallel.context import check_context_parallel, context_shard
 from ..parallel.mesh import ParallelDims, check_strategy
 from ..parallel.pipeline import check_pipeline
-from ..parallel.strategy import strategy_class
+from ..parallel.strategy import Pipeline, Strategy, build_strategy, strategy_class
 from ..parallel.tp import check_tp, pad_vocab_for_tp
 from ..logs import interactive, quiet_repeats
 from .config import TrainConfig
@@ -127,7 +127,7 @@ class Trainer:
         self.num_parameters = self.model.num_parameters()  # the whole model's, before any split
         self.model.loss_chunk_size = cfg.loss.chunk_size  # the training loss's head, in chunks
         # AC -> per-block compile -> DDP / FSDP2, then the optimizer over the (sharded) parameters
-        self.strategy = strategy_class(cfg.parallel.strategy)(self.model, cfg, self.dist, DTYPES[self.precision])
+        self.strategy: Strategy = build_strategy(self.model, cfg, self.dist, DTYPES[self.precision])
         self.model = self.strategy.model  # under pipeline parallelism: this rank's stages
         base = build_optimizer(self.model, cfg.optim, self.device, allow_fused=self.strategy.fused_optimizer_ok())
         # The schedule drives the torch optimizer's param groups, which DeepSpeed's wrapper shares.
@@ -433,8 +433,6 @@ class Trainer:
         """(loss sum, label count, 0) through the pipeline schedule (forward only), in whole steps of
         ``grad_accum`` micro-batches per data-parallel rank; each micro-batch's loss is weighted by
         its labelled tokens, as the unsplit evaluation weights its batches (no logits: no accuracy)."""
-        from ..parallel.pipeline import stage_kwargs
-
         cfg = self.cfg
         world, chunk = self.dist.dp_size, cfg.micro_batch_size * cfg.grad_accum
         n = min(len(ds), max(cfg.eval_batches * cfg.micro_batch_size, world * chunk))
@@ -444,17 +442,18 @@ class Trainer:
         for i in range(0, len(keys), chunk):
             batch = self.data.collator([ds[k] for k in keys[i : i + chunk]])
             inputs = self._pad_for_sp({k: batch[k].to(self.device) for k in self.data.model_inputs if k in batch})
-            losses: list = []
             with self._autocast(), self.strategy.loss_context():
-                self.strategy.schedule.eval(
-                    inputs["input_ids"], target=inputs["labels"], losses=losses, return_outputs=False, **stage_kwargs(inputs)
-                )
-            if self.strategy.is_last_stage:
+                losses = self._pipeline().run(inputs, train=False)
+            if self._pipeline().is_last_stage:
                 counts = (inputs["labels"] != -100).reshape(cfg.grad_accum, -1).sum(-1)
                 total[0] += (torch.stack([x.double() for x in losses]) * counts).sum()
                 total[1] += counts.sum()
         all_reduce(total)
         return total
+
+    def _pipeline(self) -> Pipeline:
+        assert self.strategy.pipeline is not None, "parallel.pp > 1 builds a pipeline"
+        return self.strategy.pipeline
 
     def _pad_for_sp(self, inputs: dict) -> dict:
         """A batch as every forward under sequence parallelism takes it (training and both
@@ -781,7 +780,7 @@ class Trainer:
                 pipelined.append(inputs)
                 if last:
                     with self.strategy.loss_context(), self._autocast():
-                        loss = self.strategy.pipeline_step(_concat(pipelined))
+                        loss = self._pipeline().step(_concat(pipelined))
                     if loss is not None:  # the last stage's ranks hold the loss
                         loss_sum += loss
                 continue
