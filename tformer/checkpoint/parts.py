@@ -116,8 +116,9 @@ class ModelOptimizer(Stateful):
 
         full = load_file(path / WEIGHTS)
         own = self.model.state_dict()
-        if getattr(getattr(self.model, "config", None), "tie_embeddings", False):
-            full.setdefault("lm_head.weight", full.get("embed.tok.weight"))  # the file stores it once
+        tied = getattr(getattr(self.model, "config", None), "tie_embeddings", False)
+        if tied and "embed.tok.weight" in full:
+            full.setdefault("lm_head.weight", full["embed.tok.weight"])  # the file stores it once
         missing = [k for k in own if Parts.strip(k) not in full]
         if missing:
             raise CheckpointError(

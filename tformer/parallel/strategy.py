@@ -383,7 +383,7 @@ def param_counts(model: torch.nn.Module) -> tuple[int, int]:
     local = total = 0
     for p in model.parameters():
         if hasattr(p, "ds_tensor"):
-            local, total = local + p.ds_tensor.numel(), total + p.ds_numel
+            local, total = local + p.ds_tensor.numel(), total + p.ds_numel  # type: ignore[attr-defined]
         elif hasattr(p, "to_local"):
             local, total = local + p.to_local().numel(), total + p.numel()
         else:

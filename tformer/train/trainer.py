@@ -10,7 +10,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sized
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -114,10 +116,11 @@ class Trainer:
         if isinstance(self.data.train, MixtureDataset):  # refuse (on_exhausted=stop) or log re-epochs now
             self.data.train.check_exhaustion(cfg.max_steps * self._global_batch())
         per_step = cfg.micro_batch_size * self.dist.dp_size
-        if per_step > len(self.data.train):
+        train_size = len(cast(Sized, self.data.train))
+        if per_step > train_size:
             raise ConfigError(
                 f"micro_batch_size={cfg.micro_batch_size} x {self.dist.dp_size} rank(s) needs "
-                f"{per_step} samples per micro-step but the training set has {len(self.data.train)}; "
+                f"{per_step} samples per micro-step but the training set has {train_size}; "
                 "lower micro_batch_size or use more data"
             )
         self.model_cfg = self.data.model_config
@@ -218,7 +221,7 @@ class Trainer:
                 "compile=true with parallel.tp > 1 fails in torch's DTensor backward for rotary-position "
                 "models (Llama flavour); set compile=false (or parallel.tp=1) for this model"
             )
-        if cfg.compile and self.dims.tp > 1 and torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
+        if cfg.compile and self.dims.tp > 1 and torch.torch_version.TorchVersion(torch.__version__) < "2.13":
             # measured on torch 2.11: dynamo fails building the compiled block's guards over the TP
             # hooks ("'function' object has no attribute '__func__'"); 2.13 compiles them
             raise ConfigError(
@@ -285,7 +288,7 @@ class Trainer:
             saved, current = {"model": state.model_config or {}}, {"model": current["model"]}
         changes = resuming.meaning_changes(saved, current, weights_only=state.weights_only)
         changes += resuming.batch_change(resuming.saved_global_batch(state, saved), self._global_batch_size())
-        notes = resuming.judge(changes, self.cfg, path, state.step)
+        notes: list[str | None] = list(resuming.judge(changes, self.cfg, path, state.step))
         notes.append(resuming.horizon_note(self.cfg, saved, self.schedule_steps, state.step))
         if self.dist.is_main:
             for note in filter(None, notes):
@@ -392,7 +395,7 @@ class Trainer:
         self.model.eval()
         totals = {name: self._eval_sums(ds) for name, ds in sources.items()}
         self.model.train(was_training)
-        total = sum(totals.values())
+        total = sum(totals.values(), torch.zeros(3, dtype=torch.float64, device=self.device))
         loss = (total[0] / total[1].clamp(min=1)).item()
         result = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
         if self.data.validation_sources:
@@ -466,7 +469,7 @@ class Trainer:
         rank decodes the same pairs (sharded forwards are collective); the scores are identical."""
         from ..evaluate import bleu
 
-        ds, d = self.data.validation, self.cfg.decode
+        ds, d = cast(Sized, self.data.validation), self.cfg.decode
         n = len(ds) if samples is None else min(samples, len(ds))
         was_training = self.model.training
         with self._autocast():
@@ -771,7 +774,8 @@ class Trainer:
             tokens += inputs["input_ids"].numel() + (inputs["labels"].numel() if self.model_cfg.family == "encdec" else 0)
             # the FLOPs of the batch as it is (token-budget batches vary in shape; padding included)
             target = inputs["labels"].shape[1] if self.model_cfg.family == "encdec" else None
-            flops += training_flops(self.model_cfg, *inputs["input_ids"].shape, target)
+            batch_size, seq_len = inputs["input_ids"].shape
+            flops += training_flops(self.model_cfg, batch_size, seq_len, target)
             last = micro == cfg.grad_accum - 1
             inputs = self._pad_for_sp(inputs)
             if self.dims.cp > 1:  # each rank of a context-parallel group: its part of every sequence
