@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 # the writers and the error live below parallel/, whose strategies use them; the old names stay here
-from ..files import fsync_dir, publish, save_model_weights, torch_save_durable, write_bytes_durable  # noqa: F401
+from ..files import PARTIAL, fsync_dir, publish, save_model_weights, torch_save_durable, write_bytes_durable  # noqa: F401
 from ..safeload import CheckpointError, torch_load_safe  # noqa: F401
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -25,7 +25,6 @@ SHARED_STATE = "scheduler.pt"  # rank 0's small states: LR schedule, loss scaler
 TRAINER_STATE = "trainer.json"
 RUN_CONFIG = "config.yaml"
 RNG_FILE = "rng_rank{rank}.pt"
-PARTIAL_PREFIX = ".partial-"
 
 
 def step_dir_name(step: int) -> str:
@@ -33,7 +32,7 @@ def step_dir_name(step: int) -> str:
 
 
 def partial_dir(root: Path, step: int) -> Path:
-    return root / f"{PARTIAL_PREFIX}{step_dir_name(step)}"
+    return root / f"{PARTIAL}{step_dir_name(step)}"  # files.PARTIAL: never a complete output
 
 
 def crc32(path: Path) -> int:
