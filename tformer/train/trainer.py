@@ -17,6 +17,7 @@ from typing import cast
 import torch
 
 from ..checkpoint import parts
+from ..checkpoint.io import RUN_CONFIG
 from ..checkpoint.manager import CheckpointManager, TrainerState
 from ..config import ConfigError
 from ..data import MixtureDataset, MixtureSampler, ResumableSampler
@@ -535,7 +536,7 @@ class Trainer:
         cfg, main = self.cfg, self.dist.is_main
         if main:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(self.resolved_yaml())
+            (self.out / RUN_CONFIG).write_text(self.resolved_yaml())  # the run's, as in each checkpoint
             copy_tokenizer(self.data, self.out)
             print(start_summary(self), flush=True)  # the whole resolved config is config.yaml
         quiet_repeats()  # torch and DeepSpeed have set up their loggers by now
