@@ -613,11 +613,11 @@ def _pp_worker(rank, world, port, jobs, out, cache):
             # fit() ended with an evaluation: torch's schedule re-infers its stages' metadata on the
             # next training step (eval -> train) with a real forward whose graph it keeps; one step
             # first, so the measured one is a training step like every other
-            t.strategy.pipeline_step(inputs)
+            t.strategy.pipeline.step(inputs)
             t.optimizer.zero_grad(set_to_none=True)
         with LiveSaved() as live:
             if t.dims.pp > 1:
-                t.strategy.pipeline_step(inputs)
+                t.strategy.pipeline.step(inputs)
             else:
                 for b in batches:
                     (

@@ -275,6 +275,40 @@ def test_fsdp_resume_same_world_size_and_on_one_rank(cache, tmp_path):
         assert c[step] == pytest.approx(a[step], rel=1e-5)
 
 
+def _release_worker(rank, world, port, cfg_overrides, cache, out):
+    become_rank(rank, world, port, cache, 120)
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    try:
+        trainer = Trainer(load_config(CONFIGS / "gpt2-tiny.yaml", cfg_overrides))
+        gathered = []
+        for release in (False, True):
+            if not release:  # the evaluation without the release: the root stays gathered
+                keep, trainer.strategy.release_gathered = trainer.strategy.release_gathered, lambda: None
+            trainer.evaluate()
+            if not release:
+                trainer.strategy.release_gathered = keep
+            gathered.append(sorted(n for n, p in trainer.model.named_parameters() if not isinstance(p, DTensor)))
+        Path(f"{out}.rank{rank}").write_text(repr(gathered))
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def test_fsdp_evaluation_leaves_no_parameter_gathered(cache, tmp_path):
+    """FSDP2's root keeps its parameters gathered from a forward into the backward: after an
+    evaluation (no backward) the strategy reshards them (``release_gathered``), so no rank holds
+    the whole embedding and head until the next step."""
+    overrides = small_overrides("gpt2-tiny", tmp_path / "run", *COMMON, "parallel.strategy=fsdp")
+    spawn_ranks(_release_worker, (2, free_port(), overrides, cache, str(tmp_path / "gathered")), 2, 300)
+    for rank in range(2):
+        without, with_release = eval((tmp_path / f"gathered.rank{rank}").read_text())
+        assert "embed.tok.weight" in without  # the check sees a gathered root
+        assert with_release == [], with_release
+
+
 MEMORY_SETTINGS = {
     "chunked-loss": ["loss.chunk_size=7"],
     "op-ac": ["parallel.activation_checkpointing=op"],

@@ -474,12 +474,12 @@ def test_strategy_step_contract_applies_skips_and_clears():
     the gradients (StepResult.applied, the pre-clip norm); a non-finite gradient or loss leaves the
     parameters as they were and still clears the gradients."""
     from tformer.parallel.dist import DistInfo
-    from tformer.parallel.strategy import StepResult, Strategy
+    from tformer.parallel.strategy import MeshStrategy, StepResult
     from tformer.train.config import TrainConfig
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
-    strategy = Strategy(model, TrainConfig(), DistInfo(), torch.float32)
+    strategy = MeshStrategy(model, TrainConfig(), DistInfo(), torch.float32)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def run(scale, loss_finite=True):

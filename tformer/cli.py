@@ -237,19 +237,20 @@ def _evaluate(argv: list[str]) -> int:
     from pathlib import Path
 
     from .checkpoint import load_checkpoint
+    from .checkpoint.io import RUN_CONFIG
     from .config import ConfigError
     from .train.config import load_config
     from .train.data import build_data
 
     run = Path(args.run_dir)
-    if not (run / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run} holds no config.yaml; pass a run directory written by tformer train")
+    if not (run / RUN_CONFIG).is_file():
+        raise FileNotFoundError(f"{run} holds no {RUN_CONFIG}; pass a run directory written by tformer train")
     overrides = [f"data.tokenizer={run / 'tokenizer.json'}", f"output_dir={run}"]
     if args.num_beams is not None:
         overrides.append(f"decode.num_beams={args.num_beams}")
     if args.length_penalty is not None:
         overrides.append(f"decode.length_penalty={args.length_penalty}")
-    cfg = load_config(run / "config.yaml", overrides)
+    cfg = load_config(run / RUN_CONFIG, overrides)
     if args.samples is not None and args.samples < 1:
         raise ConfigError(f"--samples={args.samples} must be >= 1")
     if args.bleu and cfg.data.objective != "seq2seq":

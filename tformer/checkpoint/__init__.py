@@ -3,7 +3,8 @@
 A checkpoint is ``<run>/checkpoints/step_00000100/`` holding
 
     dcp/                     model + optimizer, DCP shards of every rank (ddp, fsdp)
-    deepspeed/state/         or DeepSpeed's own files (parallel.strategy=deepspeed)
+    deepspeed/state/         or DeepSpeed's own files (parallel.strategy=deepspeed), and beside
+    deepspeed/param_groups.pt  them each param group's hyperparameters (for a universal load)
     model.safetensors        ddp (no tensor parallelism) and imports: the weights, tied tensors once
     scheduler.pt             LR schedule and loss-scaler state (loaded with weights_only=True)
     rng_rank{R}.pt           RNG state of every rank (weights_only=True)
@@ -13,7 +14,9 @@ A checkpoint is ``<run>/checkpoints/step_00000100/`` holding
 
 It is assembled in ``.partial-step_...`` and renamed into place only when complete, so a crash
 during a save never leaves a directory that ``resume: auto`` would pick. ``manager.py`` owns the
-protocol (also for saves written in the background, ``checkpoint.async``); ``io.py`` the files.
+protocol (also for saves written in the background, ``checkpoint.async``) and loads; ``parts.py``
+holds the ``Stateful`` parts it saves and loads (``deepspeed.py`` DeepSpeed's engine); ``io.py``
+the files and every file name.
 """
 
 from .io import (

@@ -11,7 +11,7 @@ import torch
 
 from ..config import ModelConfig
 from ..files import atomic_write, save_safetensors, unique_tensors
-from .io import CheckpointError, load_model_from_dcp, resolve_checkpoint
+from .io import DCP_DIR, DEEPSPEED_DIR, DEEPSPEED_TAG, WEIGHTS, CheckpointError, load_model_from_dcp, resolve_checkpoint
 from .manager import TrainerState
 
 
@@ -30,11 +30,11 @@ def read_resolved_model_state(ckpt: Path, trust: bool = False) -> tuple[ModelCon
     if saved is None:
         raise CheckpointError(f"checkpoint {ckpt} records no model_config; it is not a tformer checkpoint")
     cfg = ModelConfig.from_dict(dict(saved))
-    if (ckpt / "model.safetensors").is_file():
+    if (ckpt / WEIGHTS).is_file():
         from safetensors.torch import load_file
 
-        return cfg, load_file(ckpt / "model.safetensors")
-    if (ckpt / "dcp").is_dir():
+        return cfg, load_file(ckpt / WEIGHTS)
+    if (ckpt / DCP_DIR).is_dir():
         with torch.device("meta"):
             model = build_model(cfg)
         model.to_empty(device="cpu")
@@ -42,13 +42,13 @@ def read_resolved_model_state(ckpt: Path, trust: bool = False) -> tuple[ModelCon
             model.lm_head.weight = model.embed.tok.weight
         load_model_from_dcp(model, ckpt, trust)
         return cfg, unique_tensors(dict(model.state_dict()))
-    if (ckpt / "deepspeed").is_dir():
+    if (ckpt / DEEPSPEED_DIR).is_dir():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         # its pickles were read through the allow-list by resolve_checkpoint (check_checkpoint)
-        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "deepspeed"), tag="state")
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
         return cfg, unique_tensors({k: v.float() for k, v in state.items()})
-    raise CheckpointError(f"checkpoint {ckpt} holds no model weights (model.safetensors, dcp/ or deepspeed/)")
+    raise CheckpointError(f"checkpoint {ckpt} holds no model weights ({WEIGHTS}, {DCP_DIR}/ or {DEEPSPEED_DIR}/)")
 
 
 def consolidate(ckpt: str | Path, out: str | Path | None = None, trust: bool = False) -> Path:

@@ -11,11 +11,20 @@ from pathlib import Path
 import torch
 
 # the writers and the error live below parallel/, whose strategies use them; the old names stay here
-from ..files import fsync_dir, publish, save_model_weights, torch_save_durable, write_bytes_durable  # noqa: F401
+from ..files import PARTIAL, fsync_dir, publish, save_model_weights, torch_save_durable, write_bytes_durable  # noqa: F401
 from ..safeload import CheckpointError, torch_load_safe  # noqa: F401
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+# Every name inside a checkpoint directory, spelt once (the package docstring says what each holds).
 MARKER = "COMPLETE"
+WEIGHTS = "model.safetensors"
+DCP_DIR = "dcp"
+DEEPSPEED_DIR = "deepspeed"
+DEEPSPEED_TAG = "state"  # deepspeed/state/: the tag of DeepSpeed's own save
+SHARED_STATE = "scheduler.pt"  # rank 0's small states: LR schedule, loss scaler, ...
+TRAINER_STATE = "trainer.json"
+RUN_CONFIG = "config.yaml"
+RNG_FILE = "rng_rank{rank}.pt"
 
 
 def step_dir_name(step: int) -> str:
@@ -23,7 +32,7 @@ def step_dir_name(step: int) -> str:
 
 
 def partial_dir(root: Path, step: int) -> Path:
-    return root / f".partial-{step_dir_name(step)}"
+    return root / f"{PARTIAL}{step_dir_name(step)}"  # files.PARTIAL: never a complete output
 
 
 def crc32(path: Path) -> int:
@@ -105,7 +114,7 @@ def verify(ckpt: str | Path, deep: bool = False) -> dict:
 
 
 def read_trainer_state(ckpt: str | Path) -> dict:
-    path = Path(ckpt) / "trainer.json"
+    path = Path(ckpt) / TRAINER_STATE
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
@@ -115,13 +124,14 @@ def read_trainer_state(ckpt: str | Path) -> dict:
 
 
 def load_model_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
-    """Load ``model.safetensors`` into ``model``; a shape or name mismatch is one clear error."""
+    """Load the checkpoint's weights file (``WEIGHTS``) into ``model``; a shape or name mismatch is
+    one clear error."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = Path(ckpt) / "model.safetensors"
+    path = Path(ckpt) / WEIGHTS
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {ckpt} has no model.safetensors")
+        raise CheckpointError(f"checkpoint {ckpt} has no {WEIGHTS}")
     try:
         state = load_file(path)
     except (SafetensorError, OSError, ValueError) as e:
@@ -184,7 +194,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", trust:
     if model_cfg is None:
         raise CheckpointError(f"checkpoint {path} records no model_config")
     model = build_model(dict(model_cfg))
-    if (path / "model.safetensors").is_file():
+    if (path / WEIGHTS).is_file():
         load_model_weights(model, path)
     else:  # DCP shards or DeepSpeed partitions, consolidated on CPU
         from .consolidate import read_resolved_model_state
@@ -207,8 +217,8 @@ def load_model_from_dcp(model: torch.nn.Module, ckpt: Path, trust: bool = False)
 
     from ..safeload import dcp_load
 
-    if not (ckpt / "dcp").is_dir():
-        raise CheckpointError(f"checkpoint {ckpt} holds neither model.safetensors nor dcp/")
+    if not (ckpt / DCP_DIR).is_dir():
+        raise CheckpointError(f"checkpoint {ckpt} holds neither {WEIGHTS} nor {DCP_DIR}/")
     state = {"model": get_model_state_dict(model)}
-    dcp_load(state, ckpt / "dcp", trust)
+    dcp_load(state, ckpt / DCP_DIR, trust)
     set_model_state_dict(model, state["model"])

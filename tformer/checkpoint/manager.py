@@ -1,26 +1,32 @@
-"""The one owner of a run's checkpoints: where they live, how a save becomes complete, which one
-a resume picks, and what ``trainer.json`` holds.
+"""The one owner of a run's checkpoints: what they hold (its :mod:`parts <tformer.checkpoint.parts>`,
+each a ``Stateful`` with its place in the directory), how a save becomes complete, which one a
+resume picks, the safety checks before anything is read, and what ``trainer.json`` holds.
 
-A save (every rank takes part) is
+A save (``save(step)``, every rank takes part) is
 
-1. ``begin``: finish the save still in flight, if any; rank 0 makes a fresh
+1. finish the save still in flight, if any; rank 0 makes a fresh
    ``checkpoints/.partial-step_XXXXXXXX/``; barrier;
-2. the strategy writes model and optimizer state into it (DCP shards or DeepSpeed's files) --
-   in the background with ``checkpoint.async=true``, after a copy to host memory;
-3. rank 0 writes ``trainer.json`` (a :class:`TrainerState`) and ``config.yaml``, every rank its
-   ``rng_rank{R}.pt``; barrier;
-4. the commit (rank 0): the ``COMPLETE`` marker with every file's size and CRC-32, the rename to
+2. every part writes its files into it, in order: model and optimizer (DCP shards or DeepSpeed's
+   files -- in the background with ``checkpoint.async=true``, after a copy to host memory), the
+   LR schedule and scaler, ``trainer.json`` and ``config.yaml`` (rank 0), the RNG file of every
+   rank; barrier;
+3. the commit (rank 0): the ``COMPLETE`` marker with every file's size and CRC-32, the rename to
    ``step_XXXXXXXX``, pruning to ``keep_checkpoints`` complete ones. A synchronous save commits at
    once; a background one in its own thread, when the write has ended -- never earlier.
 
-Rank 0's commit needs no other rank: DCP ends a save with a collective that returns only after
-every rank's files are written, and the RNG files are in place before step 3's barrier. A save in
-flight is finished before the next one starts (``begin``), before a rollback reads the list
-(``wait``), and before the trainer returns or leaves on an error; its thread is not a daemon, so
-even a caller that forgets ``wait`` does not exit before the commit.
+A load (``load("auto" | path)``) resolves the checkpoint, verifies it (sizes and CRC-32), reads
+every pickle through the allow-lists (``safeload.check_checkpoint``) and then hands it to each part
+in the same order; DCP reshards model and optimizer to this run's layout, DeepSpeed converts a
+checkpoint of another world size.
 
-This module sits below ``train/``: the trainer hands it a state record and a function that writes
-the strategy's part; it imports nothing above ``parallel/``.
+Rank 0's commit needs no other rank: DCP ends a save with a collective that returns only after
+every rank's files are written, and the RNG files are in place before step 2's barrier. A save in
+flight is finished before the next one starts, before a rollback reads the list (``wait``), and
+before the trainer returns or leaves on an error; its thread is not a daemon, so even a caller
+that forgets ``wait`` does not exit before the commit.
+
+This module sits below ``train/``: the trainer hands it its parts; it imports nothing above
+``parallel/``.
 """
 
 from __future__ import annotations
@@ -28,26 +34,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import random
 import shutil
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
-from ..files import torch_save_durable, write_bytes_durable
+from ..data.errors import DataError
+from ..files import write_bytes_durable
+from ..parallel.async_save import BackgroundWrite
 from ..parallel.dist import barrier
+from ..safeload import check_checkpoint
 from . import io
-from .io import CheckpointError
+from .io import TRAINER_STATE, CheckpointError
+from .parts import Part
 
 log = logging.getLogger("tformer.checkpoint")
 
-TRAINER_STATE = "trainer.json"
 # keys written only when set: a weights-only import's, absent from a trainer's file
 _ONLY_WHEN_SET = ("weights_only", "imported_from")
 
@@ -90,7 +94,7 @@ class TrainerState:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str | Path = "trainer.json") -> TrainerState:
+    def from_dict(cls, data: dict[str, Any], where: str | Path = TRAINER_STATE) -> TrainerState:
         """Tolerant of older files (missing keys take their defaults) and of newer ones (unknown
         keys are ignored); a missing step is an error."""
         if not isinstance(data, dict) or "step" not in data:
@@ -109,39 +113,34 @@ class TrainerState:
         return cls.from_dict(io.read_trainer_state(ckpt), Path(ckpt) / TRAINER_STATE)
 
 
-def capture_rng() -> dict:
-    """This process's RNG streams (torch, Python, NumPy, CUDA): dropout and anything else random."""
-    np_state: Any = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def rng_file(ckpt: Path, rank: int) -> Path:
-    return ckpt / f"rng_rank{rank}.pt"
-
-
 class CheckpointManager:
-    """Saves, commits, finds and verifies the checkpoints under ``root`` for one rank."""
+    """Saves, commits, finds, verifies and loads the checkpoints under ``root`` for one rank.
 
-    def __init__(self, root: str | Path, rank: int = 0, world_size: int = 1, keep: int = 0, background: bool = False):
+    ``parts`` (name -> :class:`~tformer.checkpoint.parts.Part`, in save and load order) are what a
+    checkpoint holds; ``background`` (``checkpoint.async``) writes in the background when every
+    part can (``can_write_in_background``), else synchronously with one warning."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        rank: int = 0,
+        world_size: int = 1,
+        keep: int = 0,
+        background: bool = False,
+        trust: bool = False,
+        parts: dict[str, Part] | None = None,
+    ):
         self.root = Path(root)
-        self.rank, self.world_size, self.keep = rank, world_size, keep
-        self.background = background  # the strategy writes in the background (checkpoint.async)
+        self.rank, self.world_size, self.keep, self.trust = rank, world_size, keep, trust
+        self.parts: dict[str, Part] = dict(parts or {})
+        self.background = background and all(p.can_write_in_background for p in self.parts.values())
+        if background and not self.background and self.is_main:
+            slow = [name for name, p in self.parts.items() if not p.can_write_in_background]
+            log.warning(
+                "checkpoint.async=true: the %s part writes its own files synchronously (DeepSpeed's engine); "
+                "the loop waits for each save",
+                ", ".join(slow),
+            )
         self._pending: tuple[int, Future] | None = None  # (step, its commit) while in flight
         self._pool: ThreadPoolExecutor | None = None
 
@@ -193,20 +192,29 @@ class CheckpointManager:
     def read(self, ckpt: Path) -> TrainerState:
         return TrainerState.read(ckpt)
 
-    def restore_rng(self, ckpt: Path, state: TrainerState, trust: bool = False) -> bool:
-        """This rank's RNG streams from ``ckpt`` if it was written by as many ranks; False if not."""
-        path = rng_file(ckpt, self.rank)
-        if not path.is_file() or state.world_size != self.world_size:
-            return False
-        restore_rng(io.torch_load_safe(path, trust))
-        return True
+    # -- loading ---------------------------------------------------------------------------
+    def load(self, target: str | Path) -> tuple[Path, TrainerState] | None:
+        """Restore every part from the checkpoint ``target`` names (``auto``, ``none``, a run or a
+        checkpoint directory, as ``resolve``): verified, its pickles checked against the allow-lists
+        (unless ``trust``) before any is loaded. Returns (its path, its ``trainer.json``), or None
+        when there is nothing to resume."""
+        path = self.resolve(str(target))
+        if path is None:
+            return None
+        check_checkpoint(path, self.trust)
+        saved = self.read(path)
+        for part in self.parts.values():
+            try:
+                part.load(path, saved)
+            except DataError as e:  # a part that refuses this checkpoint (another data mixture)
+                raise DataError(f"checkpoint {path}: {e}") from None
+        return path, saved
 
     # -- saving ----------------------------------------------------------------------------
-    def save(self, state: TrainerState, config_yaml: str, write: Callable[[Path], Any]) -> Path:
-        """One checkpoint of ``state.step`` (all ranks call it). ``write(tmp)`` writes the strategy's
-        part into the partial directory and returns None (done) or a background write with
-        ``result()``; the path returned is where the checkpoint is (or will be, once committed)."""
-        step = state.step
+    def save(self, step: int) -> Path:
+        """One checkpoint of ``step`` (all ranks call it): every part into the partial directory,
+        then the commit. Returns where the checkpoint is (or will be, once a background write
+        ends and it is committed)."""
         self.wait(sync=False)  # one save at a time; this save's barrier follows
         tmp = io.partial_dir(self.root, step)
         if self.is_main:
@@ -214,13 +222,10 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         barrier()
-        pending = write(tmp)
-        if self.is_main:
-            state.write(tmp)
-            write_bytes_durable(tmp / "config.yaml", config_yaml.encode())
-        torch_save_durable(capture_rng(), rng_file(tmp, self.rank))
+        writes = [part.save(tmp, self.background) for part in self.parts.values()]
+        pending = [w for w in writes if w is not None]
         barrier()
-        if pending is None:
+        if not pending:
             final = self._commit(step)
             barrier()
             return final
@@ -233,8 +238,9 @@ class CheckpointManager:
         # through the module: tests stop a save here (tests/kill_during_training.py)
         return io.commit(self.root, step, self.keep) if self.is_main else self.path(step)
 
-    def _finish(self, step: int, pending: Any) -> Path:
-        pending.result()  # every file of this rank written (rank 0: of every rank, see above)
+    def _finish(self, step: int, pending: list[BackgroundWrite]) -> Path:
+        for write in pending:
+            write.result()  # every file of this rank written (rank 0: of every rank, see above)
         return self._commit(step)
 
     def poll(self) -> Path | None:

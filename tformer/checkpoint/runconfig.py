@@ -14,8 +14,7 @@ from typing import Any
 import yaml
 
 from ..config import ModelConfig
-
-CONFIG_FILE = "config.yaml"
+from .io import RUN_CONFIG
 
 
 def find_run_config(path: str | Path) -> dict | None:
@@ -23,7 +22,7 @@ def find_run_config(path: str | Path) -> dict | None:
     directory ``path``, else of its parents; None when there is none (an imported model)."""
     start = Path(path)
     for d in (start, *start.parents):
-        file = d / CONFIG_FILE
+        file = d / RUN_CONFIG
         if file.is_file():
             loaded = yaml.safe_load(file.read_text())
             return loaded if isinstance(loaded, dict) else None

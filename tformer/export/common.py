@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..checkpoint.io import CheckpointError, resolve_checkpoint
+from ..checkpoint.io import TRAINER_STATE, WEIGHTS, CheckpointError, resolve_checkpoint
 from ..checkpoint.manager import TrainerState
 from ..config import ConfigError, ModelConfig
 from ..files import atomic_write, save_safetensors
@@ -193,9 +193,9 @@ def read_model_state(checkpoint: str | Path, trust: bool = False) -> tuple[Model
     path = resolve_checkpoint(checkpoint, trust)
     saved = TrainerState.read(path).model_config
     if saved is None:
-        raise CheckpointError(f"checkpoint {path} records no model_config in trainer.json")
+        raise CheckpointError(f"checkpoint {path} records no model_config in {TRAINER_STATE}")
     cfg = ModelConfig.from_dict(dict(saved))
-    weights = path / "model.safetensors"
+    weights = path / WEIGHTS
     if not weights.is_file():  # FSDP2 / DDP shards in dcp/, or DeepSpeed ZeRO partitions
         from ..checkpoint.consolidate import read_resolved_model_state
 

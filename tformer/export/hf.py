@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.io import commit, partial_dir, write_bytes_durable
+from ..checkpoint.io import RUN_CONFIG, WEIGHTS, commit, partial_dir, write_bytes_durable
 from ..checkpoint.manager import TrainerState
-from ..checkpoint.runconfig import CONFIG_FILE, run_config_yaml
+from ..checkpoint.runconfig import run_config_yaml
 from ..config import ModelConfig
 from ..files import save_safetensors
 from ..models import SPECS, spec_of
@@ -236,7 +236,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, force: bool = False) -> P
         else:
             log.warning("%s has no tokenizer.json; give the run one with data.tokenizer=PATH", hf_dir)
         _write_checkpoint(tmp / "checkpoints", cfg, state, str(hf_dir))
-        (tmp / CONFIG_FILE).write_text(_recipe(cfg, out, tok_file.is_file()))
+        (tmp / RUN_CONFIG).write_text(_recipe(cfg, out, tok_file.is_file()))
     log.info("imported %s to %s", hf_dir, out)
     return out
 
@@ -245,10 +245,10 @@ def _write_checkpoint(root: Path, cfg: ModelConfig, state: dict, source: str) ->
     """A step-0 checkpoint in the trainer's layout (marker last, renamed into place), weights only."""
     tmp = partial_dir(root, 0)
     tmp.mkdir(parents=True)
-    save_safetensors(state, tmp / "model.safetensors")
+    save_safetensors(state, tmp / WEIGHTS)
     # weights_only: the trainer resumes it with a fresh optimizer and LR schedule
     TrainerState(step=0, weights_only=True, model_config=cfg.to_dict(), family=cfg.family, imported_from=source).write(tmp)
-    write_bytes_durable(tmp / CONFIG_FILE, run_config_yaml(cfg).encode())
+    write_bytes_durable(tmp / RUN_CONFIG, run_config_yaml(cfg).encode())
     return commit(root, 0, keep=1)
 
 

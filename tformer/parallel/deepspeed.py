@@ -2,25 +2,22 @@
 
 The engine owns the accumulation boundary, the gradient clipping and the optimizer step; the
 client optimizer is torch AdamW (DeepSpeed's FusedAdam/CPUAdam would compile C++ on first use).
-Checkpoints are DeepSpeed's own (``deepspeed/state/``); at a different world size they are
-converted once to DeepSpeed's universal format and loaded from there.
+The engine's checkpoints are saved and loaded by ``checkpoint/deepspeed.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..config import ConfigError
-from ..files import torch_save_durable
-from ..safeload import CheckpointError, torch_load_safe
-from .strategy import StepResult, Strategy
+from .strategy import MODEL_STEPS, Layout, StepResult, memory_report, parallelize
 
 log = logging.getLogger("tformer.parallel")
 TAG = "state"
@@ -124,17 +121,33 @@ def check_offload_ops(ds: dict, where: str) -> None:
         )
 
 
-class DeepSpeedStrategy(Strategy):
-    """The engine clips, steps, skips non-finite steps and zeroes the gradients itself."""
+class DeepSpeedStrategy:
+    """DeepSpeed's engine behind the :class:`~tformer.parallel.strategy.Strategy` contract: the
+    model steps of the mesh strategy (activation checkpointing, compile) run first, then the engine
+    takes the data-parallel step's place. The engine clips (``gradient_clipping``, from
+    ``optim.grad_clip``), steps, skips non-finite steps and zeroes the gradients itself."""
 
     name = "deepspeed"
-    async_save = False
-    engine = None  # made with the optimizer (setup_optimizer)
-    base_optimizer = None  # the torch AdamW whose state DeepSpeed fills on load
-    _finite = None  # this rank's micro-batch losses so far this step were all finite
+    pipeline = None  # parallel.pp is refused with DeepSpeed (mesh.check_strategy)
+    engine: Any = None  # made with the optimizer (setup_optimizer)
+    base_optimizer: Any = None  # the torch AdamW whose state DeepSpeed fills on load
+    _finite: torch.Tensor | None = None  # this rank's micro-batch losses so far this step were all finite
+
+    def __init__(self, model: torch.nn.Module, cfg: Any, dist_info: Any, dtype: torch.dtype):
+        self.deepspeed = _import_deepspeed()
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ConfigError(
+                "parallel.strategy=deepspeed needs a process group: launch with torchrun, "
+                "the deepspeed launcher, or accelerate launch"
+            )
+        self.dist = dist_info
+        self.ds_config = deepspeed_config(cfg, {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"))
+        self.model = self.wrapped = parallelize(model, Layout.of(cfg, dist_info, dtype), MODEL_STEPS)
 
     @classmethod
-    def check(cls, cfg, precision: str) -> None:
+    def check(cls, cfg: Any, precision: str) -> None:
         """Everything that can be refused before the process group, data and model exist.
 
         Mistakes in the config itself come first, so they are reported whether or not deepspeed is
@@ -151,20 +164,7 @@ class DeepSpeedStrategy(Strategy):
         _import_deepspeed()
         check_offload_ops(ds, f"parallel.deepspeed_config={cfg.parallel.deepspeed_config}")
 
-    def wrap(self, model):
-        self.deepspeed = _import_deepspeed()
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            raise ConfigError(
-                "parallel.strategy=deepspeed needs a process group: launch with torchrun, "
-                "the deepspeed launcher, or accelerate launch"
-            )
-        self.ds_config = deepspeed_config(self.cfg, {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32"))
-        self.engine = None
-        return model  # the engine is made with the optimizer, in setup_optimizer
-
-    def setup_optimizer(self, optimizer):
+    def setup_optimizer(self, optimizer: Any) -> Any:
         self.base_optimizer = optimizer  # the torch AdamW whose state DeepSpeed fills on load
         self.engine, ds_optimizer, _, _ = self.deepspeed.initialize(
             model=self.model, optimizer=optimizer, config=self.ds_config
@@ -172,12 +172,16 @@ class DeepSpeedStrategy(Strategy):
         self.wrapped = self.engine
         return ds_optimizer
 
-    def no_sync(self, last_micro: bool):
-        import contextlib
+    def fused_optimizer_ok(self) -> bool:
+        return True  # plain parameters: ZeRO partitions them itself
 
-        return contextlib.nullcontext()
+    def no_sync(self, last_micro: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the engine owns the accumulation boundary
 
-    def backward(self, loss, last_micro: bool, scaler=None) -> None:
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # no tensor parallelism
+
+    def backward(self, loss: torch.Tensor, last_micro: bool, scaler: Any = None) -> None:
         # The trainer already divided the loss by the accumulation steps. A non-finite loss in any
         # micro-batch of this rank makes the last one's gradients NaN (no host sync): the gradient
         # reduction spreads them, the engine's global norm is then non-finite on every rank, and
@@ -197,11 +201,11 @@ class DeepSpeedStrategy(Strategy):
         not finite (and clear its gradients); a plain torch optimizer under stage 0 fp32 does not."""
         return hasattr(self.engine.optimizer, "overflow")
 
-    def step(self, optimizer, scaler, max_norm: float, loss_finite: bool) -> StepResult:
-        """The engine clips (``gradient_clipping``, from ``optim.grad_clip``) and updates, or skips
-        a step whose global norm is not finite. Where it cannot skip (``can_skip``), a non-finite
-        loss stops the run before the update; an update it applied on a non-finite loss stops it
-        after."""
+    def step(self, optimizer: Any, scaler: Any, max_norm: float, loss_finite: bool) -> StepResult:
+        """The engine clips to ``gradient_clipping`` (``max_norm`` came from the same
+        ``optim.grad_clip``) and updates, or skips a step whose global norm is not finite. Where it
+        cannot skip (``can_skip``), a non-finite loss stops the run before the update; an update it
+        applied on a non-finite loss stops it after."""
         if not loss_finite and not self.can_skip:
             return StepResult(float("nan"), applied=False, must_stop=True)
         skipped = self.engine.skipped_steps
@@ -210,109 +214,8 @@ class DeepSpeedStrategy(Strategy):
         norm = self.engine.get_global_grad_norm()
         return StepResult(float(norm) if norm is not None else float("nan"), applied, must_stop=applied and not loss_finite)
 
-    def save(self, tmp: Path, optimizer, scheduler, scaler, background: bool = False) -> None:
-        """Always synchronous: DeepSpeed's ``save_checkpoint`` has no background mode that hands
-        back a completion to commit on (``checkpoint.async`` is ignored, with a warning)."""
-        self.engine.save_checkpoint(str(tmp / "deepspeed"), tag=TAG)
-        if self.dist.is_main:
-            torch_save_durable(
-                {"scheduler": scheduler.state_dict(), "scaler": None, "param_groups": _hyperparameters(optimizer)},
-                tmp / "scheduler.pt",
-            )
+    def release_gathered(self) -> None:
+        """Nothing: ZeRO-3 releases the parameters it gathered for a forward itself."""
 
-    def load(self, path: Path, optimizer, scheduler, scaler, saved_world_size: int | None = None) -> None:
-        ds_dir = path / "deepspeed"
-        if not (ds_dir / TAG).is_dir():
-            raise CheckpointError(
-                f"checkpoint {path} has no deepspeed/{TAG}; it was written by another "
-                "strategy: resume it with parallel.strategy=ddp or fsdp"
-            )
-        # DeepSpeed (and its universal converter) unpickle these files freely: read them first
-        from ..safeload import check_deepspeed_dir
-
-        check_deepspeed_dir(ds_dir, self.cfg.checkpoint.trust)
-        if saved_world_size is not None and saved_world_size != self.dist.world_size:
-            universal = self._universal(ds_dir, saved_world_size)
-            self.engine._config.load_universal_checkpoint = True
-            load_dir, tag = universal.parent, universal.name
-        else:
-            load_dir, tag = ds_dir, TAG
-        own_groups = _hyperparameters(optimizer)
-        try:
-            loaded, _ = self.engine.load_checkpoint(
-                str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
-            )
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(
-                f"DeepSpeed checkpoint {load_dir / tag} cannot be loaded ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}); use an earlier checkpoint"
-            ) from None
-        if loaded is None:
-            raise CheckpointError(f"DeepSpeed found no checkpoint in {load_dir / tag}")
-        extra = torch_load_safe(path / "scheduler.pt", self.cfg.checkpoint.trust)
-        if tag != TAG:
-            # ZeRO-3's universal load gives *every* param group the hyperparameters of group 0
-            # (deepspeed 0.19 stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3), so the
-            # no-decay group would suddenly decay. Put back each group's own values: the saved
-            # ones (lr, weight_decay, betas, ...), else this run's.
-            saved = extra.get("param_groups") or own_groups
-            groups = optimizer.param_groups
-            if len(saved) != len(groups):
-                raise CheckpointError(
-                    f"checkpoint {path} has {len(saved)} optimizer param groups but this "
-                    f"run has {len(groups)}; resume with the same optimizer settings"
-                )
-            for group, values in zip(groups, saved):
-                group.update(values)
-            # ...and it hands every param group the *same* ``step`` tensor object: torch's AdamW
-            # increments it in place once per group, so Adam's step count (and with it the bias
-            # correction) would advance twice per step. Give each state its own copy.
-            for state in self.base_optimizer.state.values():
-                if torch.is_tensor(state.get("step")):
-                    state["step"] = state["step"].clone()
-        scheduler.load_state_dict(extra["scheduler"])
-        if tag != TAG:  # the schedule's learning rates of the saved step (not this run's start)
-            for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-                group["lr"] = lr
-
-    def _universal(self, ds_dir: Path, saved_world_size: int) -> Path:
-        """Convert a ZeRO checkpoint of another world size to DeepSpeed's universal format (once)."""
-        from .dist import barrier
-
-        out = ds_dir / f"{TAG}_universal"
-        if self.dist.is_main and not (out / "zero").is_dir():
-            log.info(
-                "converting the %d-rank DeepSpeed checkpoint for %d rank(s): %s -> %s",
-                saved_world_size,
-                self.dist.world_size,
-                ds_dir / TAG,
-                out,
-            )
-            cmd = [
-                sys.executable,
-                "-m",
-                "deepspeed.checkpoint.ds_to_universal",
-                "--input_folder",
-                str(ds_dir / TAG),
-                "--output_folder",
-                str(out),
-                "--inject_missing_state",
-            ]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                raise CheckpointError(
-                    f"converting {ds_dir / TAG} to a universal checkpoint failed ({tail}); "
-                    f"run `{' '.join(cmd[1:])}` by hand, or resume on "
-                    f"{saved_world_size} ranks"
-                )
-        barrier()
-        return out
-
-    def clip_grad_norm(self, max_norm: float) -> float:  # the engine clips (gradient_clipping)
-        raise RuntimeError("DeepSpeed clips inside engine.step()")
-
-
-def _hyperparameters(optimizer) -> list[dict]:
-    """Each param group's settings without its tensors (lr, weight_decay, betas, eps, ...)."""
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    def memory_report(self, optimizer: Any) -> dict[str, float]:
+        return memory_report(self.model, optimizer, self.dist.device)

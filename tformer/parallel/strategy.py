@@ -1,32 +1,37 @@
-"""How the model is wrapped, synchronised, stepped and checkpointed, per ``parallel.strategy``.
+"""How the model is parallelised, synchronised and stepped, per ``parallel.*`` and the run's mesh.
 
-The order of application is fixed: tensor parallelism (+ sequence parallelism, ``parallel.tp``,
-see ``tp.py``) -> activation checkpointing -> per-block ``torch.compile`` -> sharding (FSDP2 per
-block, then the root, on the mesh's data-parallel dimensions: HSDP when ``dp_replicate > 1``) or
-DDP. Model code knows none of this. The run's ``DeviceMesh`` (``mesh.py``) arrives on ``dist_info``.
+The run is built from the ``DeviceMesh`` (``mesh.py``, on ``dist_info``) by a flat sequence of
+``apply_*`` steps, each a function of (module, :class:`Layout`) that does nothing when its
+dimension or option is off, in the order torchtitan's parallelize functions use:
 
-Checkpoints of ``ddp`` and ``fsdp`` store model + optimizer with ``torch.distributed.checkpoint``
-(DCP) in ``dcp/``: each rank writes its shards, and a load reshards to any world size and either
-strategy. ``ddp`` also writes ``model.safetensors`` (rank 0 holds the full model anyway). With
-``checkpoint.async=true`` both are written in the background from a staged copy (``async_save.py``).
+    apply_tp (+SP) -> apply_cp -> apply_ep -> apply_ac -> apply_compile
+        -> apply_data_parallel (FSDP2 / HSDP, experts first under EP; or DDP)
+
+and, when ``pp > 1``, ``apply_pipeline`` first cuts this rank's stages, each then taken through the
+same steps. A new dimension is one more ``apply_*`` function and one more entry in ``STEPS``.
+Model code knows none of this.
+
+:class:`MeshStrategy` is the result: the one backward / clip / step path, which reads the mesh
+(the norm of TP, FSDP and plain parameters alike, summed over pipeline stages). DeepSpeed is a
+separate engine behind the same :class:`Strategy` contract (``deepspeed.py``). Checkpoints are
+not a strategy's business: ``checkpoint/`` saves and loads the model and optimizer (DCP, or
+DeepSpeed's engine) with everything else a resume restores.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from ..config import StrategyName
-from ..files import save_model_weights, torch_save_durable
+from ..config import ConfigError, StrategyName
 from ..nn import TransformerBlock, TransformerStack
-from ..safeload import CheckpointError, torch_load_safe
 from .ac import apply_activation_checkpointing
-from .async_save import AsyncSaver, BackgroundWrite
 from .compile import compile_blocks
 
 
@@ -42,352 +47,382 @@ class StepResult:
     must_stop: bool = False
 
 
-class Strategy:
-    """The contract every strategy implements, and the DDP / TP / PP behaviour (``FSDPStrategy``
-    and ``DeepSpeedStrategy`` override what differs): ``check`` (before any process group),
-    ``wrap`` and ``setup_optimizer`` (at construction), ``no_sync`` / ``loss_context`` /
-    ``backward`` (per micro-batch), ``step`` (per optimizer step: clip, update, clear the
-    gradients, one ``StepResult``), ``save`` / ``load`` / ``load_weights`` (checkpoints) and
-    ``memory_report``. The trainer has one update path whatever the strategy."""
+class Strategy(Protocol):
+    """What the trainer uses, whatever runs the model: ``model`` (this rank's unwrapped module:
+    state dicts, evaluation), ``wrapped`` (what the forward calls), ``setup_optimizer`` (at
+    construction), ``no_sync`` / ``loss_context`` / ``backward`` (per micro-batch), ``step`` (per
+    optimizer step: clip, update, clear the gradients, one :class:`StepResult`),
+    ``release_gathered`` (after a forward without backward: evaluation, decoding), ``memory_report``;
+    ``pipeline`` (pp > 1: the schedule) and ``engine`` (DeepSpeed's) are None elsewhere."""
 
-    name = "ddp"
-    async_save = True  # checkpoint.async: DCP writes in the background (DeepSpeed: synchronous)
-    _saver: AsyncSaver | None = None  # made at the first background save
-    # pipeline only (pp > 1): this rank's stage indices, whether it holds the last stage (the
-    # loss), torch's schedule and the parameters shared between stages (tied embeddings)
-    stage_ids: list[int] = []
-    is_last_stage = True
-    schedule = None
-    shared = None
+    name: str
+    model: Any
+    wrapped: Any
+    engine: Any
+    base_optimizer: Any
+    pipeline: Pipeline | None
 
-    def __init__(self, model: torch.nn.Module, cfg, dist_info, dtype: torch.dtype):
-        self.model = model  # the unwrapped module (for state dicts and evaluation)
-        self.cfg = cfg
-        self.dist = dist_info
-        self.dtype = dtype
-        pcfg = cfg.parallel
-        self.mesh = getattr(dist_info, "mesh", None)
-        self.tp = self.mesh["tp"].size() if self.mesh is not None else 1
-        self.pp = self.mesh["pp"].size() if self.mesh is not None else 1
-        self.ep = getattr(pcfg, "ep", 1) if self.mesh is not None else 1
-        self.loss_parallel = self.tp > 1 and pcfg.loss_parallel
-        if self.pp == 1:
-            self.wrapped = self.wrap(self._prepare(model))
-            return
-        # pipeline: this rank's stages, each prepared and wrapped like a whole model
-        from . import pipeline
+    def setup_optimizer(self, optimizer: Any) -> Any: ...
 
-        stages = pipeline.num_stages(pcfg)
-        self.stage_ids = pipeline.stages_of_rank(self.mesh["pp"].get_local_rank(), self.pp, stages)
-        parts = [
-            self.wrap(self._prepare(pipeline.build_stage(model, s, stages, pcfg.pp_layers, cfg.optim.label_smoothing)))
-            for s in self.stage_ids
-        ]
-        self.model = self.wrapped = pipeline.Parts(parts)
-        self.is_last_stage = stages - 1 in self.stage_ids
-        self.schedule = pipeline.make_schedule(
-            parts, self.stage_ids, stages, pcfg, cfg.grad_accum, dist_info.device, self.mesh["pp"].get_group()
-        )
-        self.shared = pipeline.shared_parameters(self.model, self.mesh["pp"].get_group())
+    def fused_optimizer_ok(self) -> bool: ...
 
-    def _prepare(self, model):
-        """TP (+SP) -> activation checkpointing -> per-block compile, in place."""
-        pcfg = self.cfg.parallel
-        if self.tp > 1:
-            from .tp import apply_tensor_parallel
+    def no_sync(self, last_micro: bool) -> contextlib.AbstractContextManager: ...
 
-            apply_tensor_parallel(model, self.mesh["tp"], pcfg.sp, pcfg.loss_parallel)
-        if self.mesh is not None and self.mesh["cp"].size() > 1:
-            from .context import apply_context_parallel
+    def loss_context(self) -> contextlib.AbstractContextManager: ...
 
-            apply_context_parallel(model, self.mesh["cp"].get_group(), pcfg.cp_kernel, self.mesh["cp"])
-        if self.ep > 1:
-            from .ep import apply_expert_parallel
+    def backward(self, loss: torch.Tensor, last_micro: bool, scaler: Any = None) -> None: ...
 
-            apply_expert_parallel(model, self.mesh["ep"])
-        if pcfg.activation_checkpointing != "none":
-            apply_activation_checkpointing(model, pcfg.activation_checkpointing, pcfg.ac_every)
-        if self.cfg.compile:
-            compile_blocks(model)
-        return model
+    def step(self, optimizer: Any, scaler: Any, max_norm: float, loss_finite: bool) -> StepResult: ...
+
+    def release_gathered(self) -> None: ...
+
+    def memory_report(self, optimizer: Any) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the ``apply_*`` steps read: the run config, its mesh and the degrees it was built from
+    (``ParallelDims``; both None: one process) and the parameters' compute dtype."""
+
+    cfg: Any
+    mesh: Any
+    dims: Any
+    dtype: torch.dtype
+    device: torch.device
+    distributed: bool
 
     @classmethod
-    def check(cls, cfg, precision: str) -> None:
-        """Refuse what the installed packages cannot run, before any distributed work."""
+    def of(cls, cfg: Any, dist_info: Any, dtype: torch.dtype) -> Layout:
+        mesh = getattr(dist_info, "mesh", None)
+        dims = getattr(dist_info, "dims", None) if mesh is not None else None
+        return cls(cfg, mesh, dims, dtype, dist_info.device, dist_info.distributed)
 
-    # -- wrapping and stepping -------------------------------------------------------------
-    def wrap(self, model):
-        if not self.dist.distributed or self.tp > 1 or self.pp > 1:  # TP / PP alone: no data-parallel peer
-            return model
-        from torch.nn.parallel import DistributedDataParallel as DDP
+    def size(self, dim: str) -> int:
+        return self.mesh[dim].size() if self.mesh is not None else 1
 
-        ids = [self.dist.device.index] if self.dist.device.type == "cuda" else None
-        return DDP(model, device_ids=ids)
+    @property
+    def tp(self) -> int:
+        return self.size("tp")
 
-    def setup_optimizer(self, optimizer):
-        return optimizer
+    @property
+    def pp(self) -> int:
+        return self.size("pp")
 
-    def backward(self, loss, last_micro: bool, scaler=None) -> None:
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+    @property
+    def cp(self) -> int:
+        return self.size("cp")
 
-    def no_sync(self, last_micro: bool):
-        """Skip the gradient all-reduce on all but the last micro-batch of an accumulation."""
-        if last_micro or self.wrapped is self.model:
-            return contextlib.nullcontext()
-        return self.wrapped.no_sync()
+    @property
+    def ep(self) -> int:  # borrowed from dp_shard x cp: the mesh has an ``ep`` dimension only when > 1
+        return self.dims.ep if self.dims is not None else 1
 
-    def loss_context(self):
-        """Where the forward and backward of a micro-batch run: torch's ``loss_parallel`` under
-        tensor parallelism (the cross-entropy over vocabulary-sharded logits), else nothing."""
-        from .tp import loss_context
 
-        return loss_context(self.loss_parallel)
+# -- the apply steps -------------------------------------------------------------------------------
 
-    def step(self, optimizer, scaler, max_norm: float, loss_finite: bool) -> StepResult:
-        """Clip to ``max_norm`` (inf: measure only), update and clear the gradients. A non-finite
-        loss or gradient norm skips the update; under fp16 the scaler skips overflowing steps itself
-        (counted as applied: it lowers its scale and the run goes on)."""
-        grad_norm, applied = float("nan"), False
-        if loss_finite:
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            grad_norm = self.clip_grad_norm(max_norm)
-            if math.isfinite(grad_norm) or scaler is not None:
-                if scaler is not None:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-                applied = True
-        optimizer.zero_grad(set_to_none=True)
-        return StepResult(grad_norm, applied)
 
-    def memory_report(self, optimizer) -> dict[str, float]:
-        """This rank's memory in MB: the model states it holds (parameters, gradients still held,
-        optimizer states: its shards under FSDP2 / TP / PP / ZeRO) and the process's peak on its
-        device (``parallel.memory.peak_memory_mb``)."""
-        from .memory import model_state_bytes, peak_memory_mb
+def apply_tp(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    """Tensor parallelism (+ sequence parallelism) over ``mesh["tp"]`` (``tp.py``)."""
+    if layout.tp > 1:
+        from .tp import apply_tensor_parallel
 
-        return {
-            "model_states_mb": model_state_bytes(self.model, optimizer) / 2**20,
-            "memory_mb": peak_memory_mb(self.dist.device),
-        }
+        pcfg = layout.cfg.parallel
+        apply_tensor_parallel(model, layout.mesh["tp"], pcfg.sp, pcfg.loss_parallel)
+    return model
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        if self.pp > 1:  # shared weights' gradients summed over the stages; the norm over all stages
-            from .pipeline import sync_shared_grads
-            from .tp import grad_norm_and_clip
 
-            sync_shared_grads(self.model, self.shared, self.mesh["pp"].get_group())
-            return grad_norm_and_clip(
-                self.model.named_parameters(),
-                max_norm,
-                group=self.mesh["pp"].get_group(),
-                skip=self.shared.counted_elsewhere,
-            )
-        if self.tp > 1 or self.ep > 1:  # parameters on several meshes (TP, TP x FSDP, experts, replicated)
-            from .tp import grad_norm_and_clip
+def apply_cp(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    """Context parallelism: attention over the sequence shards of ``mesh["cp"]`` (``context.py``)."""
+    if layout.cp > 1:
+        from .context import apply_context_parallel
 
-            return grad_norm_and_clip(self.model.named_parameters(), max_norm)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        cp = layout.mesh["cp"]
+        apply_context_parallel(model, cp.get_group(), layout.cfg.parallel.cp_kernel, cp)
+    return model
 
-    def fused_optimizer_ok(self) -> bool:
-        return self.tp == 1 and self.pp == 1  # DTensor parameters: the foreach implementation
 
-    def release_gathered(self) -> None:
-        """After a forward without backward: nothing stays gathered under DDP (FSDP2 overrides)."""
+def apply_ep(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    """Expert parallelism: every MoE layer keeps its share of the experts on ``mesh["ep"]`` and
+    routes tokens to them (``ep.py``)."""
+    if layout.ep > 1:
+        from .ep import apply_expert_parallel
 
-    # -- pipeline --------------------------------------------------------------------------------
-    def pipeline_step(self, inputs: dict, train: bool = True) -> torch.Tensor | None:
+        apply_expert_parallel(model, layout.mesh["ep"])
+    return model
+
+
+def apply_ac(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    pcfg = layout.cfg.parallel
+    if pcfg.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, pcfg.activation_checkpointing, pcfg.ac_every)
+    return model
+
+
+def apply_compile(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    """Per block, before sharding (whole-model compile graph-breaks in FSDP2's hooks)."""
+    if layout.cfg.compile:
+        compile_blocks(model)
+    return model
+
+
+def apply_fsdp(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    """FSDP2: ``fully_shard`` on every transformer block, then on the root module, over the mesh's
+    data-parallel dimensions (HSDP when ``dp_replicate > 1``; cp ranks hold the same parameters).
+    Under EP the expert weights are sharded first, over what EP leaves (``ep.shard_experts``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():
+        raise ConfigError(
+            "parallel.strategy=fsdp needs a process group: launch with torchrun "
+            "(torchrun --nproc_per_node N -m tformer train ...)"
+        )
+    kwargs: dict[str, Any] = {"reshard_after_forward": layout.cfg.parallel.reshard_after_forward}
+    if layout.mesh is not None:
+        shard = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
+        dims = ("dp_replicate", shard) if layout.size("dp_replicate") > 1 else (shard,)
+        kwargs["mesh"] = layout.mesh[dims]
+    if layout.dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=layout.dtype, reduce_dtype=torch.float32)
+    if layout.ep > 1:
+        from .ep import shard_experts
+
+        shard_experts(model, layout.mesh, layout.dims, **{k: v for k, v in kwargs.items() if k != "mesh"})
+    for stack in model.modules():
+        if isinstance(stack, TransformerStack):
+            for block in stack.layers:
+                if isinstance(block, TransformerBlock):  # not another pipeline stage's placeholder
+                    fully_shard(block, **kwargs)
+    # The root (embeddings, final norm, head) keeps its gathered parameters from forward into
+    # backward, which needs them first thing: torch's own default for the root. Resharding it
+    # saves no peak memory and costs an all-gather per micro-batch; and torch < 2.13 hooks the
+    # backward re-gather only on outputs tree_flatten sees, not on our ModelOutput dataclass
+    # (backward then finds the root's parameters freed).
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+    return model
+
+
+def apply_ddp(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    """DDP over every rank: only with no tp / pp peers (the mesh refuses DDP beside them otherwise,
+    ``mesh.check_strategy``); TP or PP alone have no data-parallel peer to wrap for."""
+    if not layout.distributed or layout.tp > 1 or layout.pp > 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [layout.device.index] if layout.device.type == "cuda" else None
+    return DDP(model, device_ids=ids)
+
+
+def apply_data_parallel(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    return (apply_fsdp if layout.cfg.parallel.strategy == "fsdp" else apply_ddp)(model, layout)
+
+
+Step = Callable[[torch.nn.Module, Layout], torch.nn.Module]
+# The order is fixed: TP shards the blocks' weights first; AC and compile wrap what TP made;
+# sharding comes last, over the finished blocks (torchtitan's parallelize_llama does the same).
+# MODEL_STEPS change the module in place; DeepSpeed's engine takes the place of the last step.
+MODEL_STEPS: tuple[Step, ...] = (apply_tp, apply_cp, apply_ep, apply_ac, apply_compile)
+STEPS: tuple[Step, ...] = (*MODEL_STEPS, apply_data_parallel)
+
+
+def parallelize(model: torch.nn.Module, layout: Layout, steps: tuple[Step, ...] = STEPS) -> torch.nn.Module:
+    """``model`` taken through ``steps``; returns what the forward calls (DDP's wrapper, or the
+    module itself, changed in place)."""
+    for step in steps:
+        model = step(model, layout)
+    return model
+
+
+# -- the pipeline ----------------------------------------------------------------------------------
+
+
+class Pipeline:
+    """This rank's stages (``pipeline.py``), torch's schedule over them and the parameters shared
+    between stages (tied embeddings)."""
+
+    def __init__(self, model: torch.nn.Module, layout: Layout, label_smoothing: float, grad_accum: int):
+        from . import pipeline
+
+        self.grad_accum = grad_accum
+        pcfg, pp = layout.cfg.parallel, layout.mesh["pp"]
+        stages = pipeline.num_stages(pcfg)
+        self.stage_ids = pipeline.stages_of_rank(pp.get_local_rank(), pp.size(), stages)
+        modules = [pipeline.build_stage(model, s, stages, pcfg.pp_layers, label_smoothing) for s in self.stage_ids]
+        parts = [parallelize(m, layout) for m in modules]
+        self.parts = pipeline.Parts(parts)
+        self.is_last_stage = stages - 1 in self.stage_ids
+        self.group = pp.get_group()
+        self.schedule: Any = pipeline.make_schedule(
+            parts, self.stage_ids, stages, pcfg, grad_accum, layout.device, self.group
+        )
+        self.shared = pipeline.shared_parameters(self.parts, self.group)
+
+    def step(self, inputs: dict, train: bool = True) -> torch.Tensor | None:
         """One pass of the schedule over the step's micro-batches (forward and, when training,
         backward). Returns the mean of the micro-batch losses on the last stage, plus (MoE) the
         mean auxiliary loss of this rank's earlier stages; None on a rank with neither."""
-        from .pipeline import stage_aux, stage_kwargs
+        from .pipeline import stage_aux
 
-        losses: list = []
-        kwargs = stage_kwargs(inputs)
-        run = self.schedule.step if train else self.schedule.eval
-        run(inputs["input_ids"], target=inputs["labels"], losses=losses, return_outputs=False, **kwargs)
-        aux = stage_aux(self.model, self.cfg.grad_accum)
-        aux = aux / self.cfg.grad_accum if aux is not None else None
+        losses = self.run(inputs, train)
+        aux = stage_aux(self.parts, self.grad_accum)
+        aux = aux / self.grad_accum if aux is not None else None
         if not self.is_last_stage:
             return aux
         loss = torch.stack([loss.detach().float() for loss in losses]).mean()
         return loss + aux if aux is not None else loss
 
-    # -- checkpoints -------------------------------------------------------------------------
-    def _dcp_state(self, optimizer):
-        """Model and optimizer state by parameter name (optimizer states flattened to one key per
-        tensor, ``state.NAME.exp_avg``), so any layout loads any other: the names are the unsplit
-        model's under every strategy, mesh and pipeline split."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    def run(self, inputs: dict, train: bool) -> list:
+        """The schedule over ``inputs``; the micro-batch losses (last stage only, else empty)."""
+        from .pipeline import stage_kwargs
 
-        msd, osd = get_state_dict(self.model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
-        if self.pp > 1:
-            from .pipeline import Parts
+        losses: list = []
+        run = self.schedule.step if train else self.schedule.eval
+        run(inputs["input_ids"], target=inputs["labels"], losses=losses, return_outputs=False, **stage_kwargs(inputs))
+        return losses
 
-            msd = {Parts.strip(k): v for k, v in msd.items()}
-            osd = {_strip_optimizer_key(k): v for k, v in osd.items()}
-        return {"model": msd, "optimizer": osd}
 
-    def save(self, tmp: Path, optimizer, scheduler, scaler, background: bool = False) -> BackgroundWrite | None:
-        """Write this rank's part of the checkpoint into ``tmp``. ``background`` (checkpoint.async):
-        return once the state is copied to host memory; the files are complete when the returned
-        write's ``result()`` returns (``async_save.py``)."""
-        import torch.distributed.checkpoint as dcp
+def apply_pipeline(model: torch.nn.Module, layout: Layout) -> Pipeline | None:
+    if layout.pp == 1:
+        return None
+    cfg = layout.cfg
+    return Pipeline(model, layout, cfg.optim.label_smoothing, cfg.grad_accum)
 
-        weights = self.dist.is_main and self.name == "ddp" and self.tp == 1 and self.pp == 1
-        if background:
-            if self._saver is None:
-                self._saver = AsyncSaver(self.dist.device)
-            write = self._saver.save(self._dcp_state(optimizer), tmp / "dcp", tmp / "model.safetensors" if weights else None)
-        else:
-            dcp.save(self._dcp_state(optimizer), checkpoint_id=str(tmp / "dcp"))
-        if self.dist.is_main:
-            torch_save_durable(
-                {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None},
-                tmp / "scheduler.pt",
-            )
-            if weights and not background:
-                save_model_weights(self.model, tmp / "model.safetensors")
-        return write if background else None
 
-    def load_weights(self, path: Path) -> None:
-        """A weights-only checkpoint (``tformer import``: one full ``model.safetensors``) into the
-        live model, tensor-parallel or split into pipeline stages: each rank takes its part."""
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+# -- clip and step ---------------------------------------------------------------------------------
 
-        from .pipeline import Parts
 
-        full = load_file(path / "model.safetensors")
-        own = self.model.state_dict()
-        if self.model_config_tied():  # the file stores the tied head once, as the embedding
-            full.setdefault("lm_head.weight", full.get("embed.tok.weight"))
-        missing = [k for k in own if Parts.strip(k) not in full]
-        if missing:
-            raise CheckpointError(
-                f"checkpoint {path} does not fit this model (missing: {', '.join(missing[:3])}); "
-                "use the model config the checkpoint was trained with"
-            )
-        set_model_state_dict(
-            self.model, {k: full[Parts.strip(k)] for k in own}, options=StateDictOptions(full_state_dict=True)
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, layout: Layout, pipeline: Pipeline | None = None) -> float:
+    """The global gradient norm (before clipping), clipped to ``max_norm`` (inf: measure only), over
+    whatever the mesh made of the parameters: pipeline stages (shared weights' gradients summed
+    first, counted once), DTensors on several meshes (TP, TP x FSDP, EP experts beside FSDP), or
+    one kind (plain / FSDP)."""
+    from .tp import grad_norm_and_clip
+
+    if pipeline is not None:
+        from .pipeline import sync_shared_grads
+
+        sync_shared_grads(pipeline.parts, pipeline.shared, pipeline.group)
+        return grad_norm_and_clip(
+            model.named_parameters(), max_norm, group=pipeline.group, skip=pipeline.shared.counted_elsewhere
         )
+    if layout.tp > 1 or layout.ep > 1:
+        return grad_norm_and_clip(model.named_parameters(), max_norm)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    def model_config_tied(self) -> bool:
-        return bool(getattr(getattr(self.model, "config", None), "tie_embeddings", False))
 
-    def load(self, path: Path, optimizer, scheduler, scaler, saved_world_size: int | None = None) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+def optimizer_step(optimizer: Any, scaler: Any, loss_finite: bool, clip: Callable[[], float]) -> StepResult:
+    """Clip, update and clear the gradients. A non-finite loss or gradient norm skips the update;
+    under fp16 the scaler skips overflowing steps itself (counted as applied: it lowers its scale
+    and the run goes on)."""
+    grad_norm, applied = float("nan"), False
+    if loss_finite:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        grad_norm = clip()
+        if math.isfinite(grad_norm) or scaler is not None:
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            applied = True
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(grad_norm, applied)
 
-        from ..safeload import dcp_load
 
-        if not (path / "dcp").is_dir():
-            raise CheckpointError(
-                f"checkpoint {path} has no dcp/ directory; it was not written by the "
-                "ddp or fsdp strategy (a deepspeed checkpoint needs parallel.strategy="
-                "deepspeed, or `tformer consolidate` first)"
-            )
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+def release_gathered(model: torch.nn.Module) -> None:
+    """Free the parameters a forward without backward (evaluation, decoding) left gathered: FSDP2's
+    root keeps its own from forward into backward, so after an evaluation every rank would hold the
+    whole embedding and head until the next training step. Nothing to do without FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
 
-        msd, osd = get_state_dict(self.model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
-        state = self._dcp_state(optimizer)  # the same tensors, by the unsplit model's names
-        dcp_load(state, path / "dcp", self.cfg.checkpoint.trust)
-        if self.pp > 1:  # back to this rank's names (the loaded tensors are the same objects)
-            from .pipeline import Parts
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
-            msd = {k: state["model"][Parts.strip(k)] for k in msd}
-            osd = {k: state["optimizer"][_strip_optimizer_key(k)] for k in osd}
+
+def memory_report(model: torch.nn.Module, optimizer: Any, device: torch.device) -> dict[str, float]:
+    """This rank's memory in MB: the model states it holds (parameters, gradients still held,
+    optimizer states: its shards under FSDP2 / TP / PP / ZeRO) and the process's peak on its
+    device (``parallel.memory.peak_memory_mb``)."""
+    from .memory import model_state_bytes, peak_memory_mb
+
+    return {"model_states_mb": model_state_bytes(model, optimizer) / 2**20, "memory_mb": peak_memory_mb(device)}
+
+
+class MeshStrategy:
+    """ddp / fsdp with any tp, cp, ep and pp: the model taken through the ``apply_*`` steps."""
+
+    engine = None
+    base_optimizer = None
+
+    def __init__(self, model: torch.nn.Module, cfg: Any, dist_info: Any, dtype: torch.dtype):
+        self.name: str = cfg.parallel.strategy
+        self.dist = dist_info
+        self.layout = Layout.of(cfg, dist_info, dtype)
+        self.loss_parallel = self.layout.tp > 1 and cfg.parallel.loss_parallel
+        self.pipeline = apply_pipeline(model, self.layout)
+        if self.pipeline is not None:
+            self.model: torch.nn.Module = self.pipeline.parts
+            self.wrapped: torch.nn.Module = self.model
         else:
-            msd, osd = state["model"], state["optimizer"]
-        set_state_dict(
-            self.model,
-            optimizer,
-            model_state_dict=msd,
-            optim_state_dict=osd,
-            options=StateDictOptions(flatten_optimizer_state_dict=True),
-        )
-        extra = torch_load_safe(path / "scheduler.pt", self.cfg.checkpoint.trust)
-        scheduler.load_state_dict(extra["scheduler"])
-        if scaler is not None and extra.get("scaler"):
-            scaler.load_state_dict(extra["scaler"])
+            self.model = model  # the unwrapped module (state dicts and evaluation)
+            self.wrapped = parallelize(model, self.layout)
 
+    @classmethod
+    def check(cls, cfg: Any, precision: str) -> None:
+        """Refuse what the installed packages cannot run, before any distributed work."""
 
-class FSDPStrategy(Strategy):
-    """FSDP2: ``fully_shard`` on every transformer block, then on the root module."""
-
-    name = "fsdp"
-
-    def wrap(self, model):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        if not dist.is_initialized():
-            from ..config import ConfigError
-
-            raise ConfigError(
-                "parallel.strategy=fsdp needs a process group: launch with torchrun "
-                "(torchrun --nproc_per_node N -m tformer train ...)"
-            )
-        mp = None
-        if self.dtype != torch.float32:
-            mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
-        kwargs = {"reshard_after_forward": self.cfg.parallel.reshard_after_forward}
-        if self.mesh is not None:  # 1-D: shard over dp_shard; 2-D (HSDP): replicate x shard
-            shard = "dp_shard_cp" if self.mesh["cp"].size() > 1 else "dp_shard"  # cp ranks: same parameters
-            dims = ("dp_replicate", shard) if self.mesh["dp_replicate"].size() > 1 else (shard,)
-            kwargs["mesh"] = self.mesh[dims]
-        if mp is not None:
-            kwargs["mp_policy"] = mp
-        if self.ep > 1:  # expert weights: sharded over what EP leaves, first (tformer/parallel/ep.py)
-            from .ep import shard_experts
-
-            shard_experts(model, self.mesh, self.dist.dims, **{k: v for k, v in kwargs.items() if k != "mesh"})
-        for stack in model.modules():
-            if isinstance(stack, TransformerStack):
-                for block in stack.layers:
-                    if isinstance(block, TransformerBlock):  # not another pipeline stage's placeholder
-                        fully_shard(block, **kwargs)
-        # The root (embeddings, final norm, head) keeps its gathered parameters from forward into
-        # backward, which needs them first thing: torch's own default for the root. Resharding it
-        # saves no peak memory and costs an all-gather per micro-batch; and torch < 2.13 hooks the
-        # backward re-gather only on outputs tree_flatten sees, not on our ModelOutput dataclass
-        # (backward then finds the root's parameters freed).
-        fully_shard(model, **{**kwargs, "reshard_after_forward": False})
-        return model
-
-    def release_gathered(self) -> None:
-        """Free the parameters a forward without backward (evaluation, decoding) left gathered: the
-        root keeps its own from forward into backward, so after an evaluation every rank would hold
-        the whole embedding and head until the next training step."""
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-
-    def no_sync(self, last_micro: bool):
-        self.model.set_requires_gradient_sync(last_micro)
-        return contextlib.nullcontext()
+    def setup_optimizer(self, optimizer: Any) -> Any:
+        return optimizer
 
     def fused_optimizer_ok(self) -> bool:
-        return False  # DTensor parameters: use the foreach implementation
+        # DTensor parameters (FSDP2, TP, stages under FSDP2) need the foreach implementation
+        return self.name == "ddp" and self.layout.tp == 1 and self.layout.pp == 1
+
+    def no_sync(self, last_micro: bool) -> contextlib.AbstractContextManager:
+        """Skip the gradient reduction on all but the last micro-batch of an accumulation."""
+        if self.name == "fsdp" and self.pipeline is None:
+            self.model.set_requires_gradient_sync(last_micro)  # type: ignore[operator]
+            return contextlib.nullcontext()
+        if last_micro or self.wrapped is self.model:
+            return contextlib.nullcontext()
+        return self.wrapped.no_sync()  # type: ignore[operator]
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """torch's ``loss_parallel`` under tensor parallelism (the cross-entropy over
+        vocabulary-sharded logits), else nothing."""
+        from .tp import loss_context
+
+        return loss_context(self.loss_parallel)
+
+    def backward(self, loss: torch.Tensor, last_micro: bool, scaler: Any = None) -> None:
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return clip_grad_norm(self.model, max_norm, self.layout, self.pipeline)
+
+    def step(self, optimizer: Any, scaler: Any, max_norm: float, loss_finite: bool) -> StepResult:
+        return optimizer_step(optimizer, scaler, loss_finite, lambda: self.clip_grad_norm(max_norm))
+
+    def release_gathered(self) -> None:
+        release_gathered(self.model)
+
+    def memory_report(self, optimizer: Any) -> dict[str, float]:
+        return memory_report(self.model, optimizer, self.dist.device)
 
 
-def _strip_optimizer_key(key: str) -> str:
-    """``state.parts.1.NAME.exp_avg`` -> ``state.NAME.exp_avg`` (and ``param_groups.`` keys)."""
-    head, _, rest = key.partition(".")
-    if rest.startswith("parts."):
-        rest = rest.split(".", 2)[2]
-    return f"{head}.{rest}"
-
-
-def strategy_class(name: StrategyName):
+def strategy_class(name: StrategyName) -> Any:
+    """The class that runs ``parallel.strategy``: its ``check`` refuses, before any process group,
+    what this install cannot run."""
     if name == "deepspeed":
         from .deepspeed import DeepSpeedStrategy
 
         return DeepSpeedStrategy
-    return {"ddp": Strategy, "fsdp": FSDPStrategy}[name]
+    return MeshStrategy
+
+
+def build_strategy(model: torch.nn.Module, cfg: Any, dist_info: Any, dtype: torch.dtype) -> Strategy:
+    return strategy_class(cfg.parallel.strategy)(model, cfg, dist_info, dtype)
 
 
 def param_counts(model: torch.nn.Module) -> tuple[int, int]:
@@ -396,7 +431,7 @@ def param_counts(model: torch.nn.Module) -> tuple[int, int]:
     local = total = 0
     for p in model.parameters():
         if hasattr(p, "ds_tensor"):
-            local, total = local + p.ds_tensor.numel(), total + p.ds_numel
+            local, total = local + p.ds_tensor.numel(), total + p.ds_numel  # type: ignore[attr-defined]
         elif hasattr(p, "to_local"):
             local, total = local + p.to_local().numel(), total + p.numel()
         else:

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from ..checkpoint.io import RUN_CONFIG
 from ..checkpoint.manager import TrainerState
 from ..config import ConfigError
 from .config import RESUME_EXTEND, RESUME_FREE, TrainConfig
@@ -34,7 +35,7 @@ class RunComplete(Exception):
 
 def saved_config(ckpt: Path) -> dict:
     """The resolved config a checkpoint was written with ({} if it has none: an import)."""
-    path = Path(ckpt) / "config.yaml"
+    path = Path(ckpt) / RUN_CONFIG
     data = yaml.safe_load(path.read_text()) if path.is_file() else None
     return data if isinstance(data, dict) else {}
 

@@ -10,14 +10,17 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sized
 from pathlib import Path
+from typing import cast
 
 import torch
 
-from ..checkpoint.io import load_model_weights, verify
+from ..checkpoint import parts
+from ..checkpoint.io import RUN_CONFIG
 from ..checkpoint.manager import CheckpointManager, TrainerState
 from ..config import ConfigError
-from ..data import DataError, MixtureDataset, MixtureSampler, ResumableSampler
+from ..data import MixtureDataset, MixtureSampler, ResumableSampler
 from ..files import atomic_write
 from ..models import build_model, spec_of
 from ..models.base import pad_sequences
@@ -28,7 +31,7 @@ from ..parallel.context import check_context_parallel, context_shard
 from ..parallel.ep import check_moe_layout
 from ..parallel.mesh import ParallelDims, check_strategy
 from ..parallel.pipeline import check_pipeline
-from ..parallel.strategy import strategy_class
+from ..parallel.strategy import Pipeline, Strategy, build_strategy, strategy_class
 from ..parallel.tp import check_tp, pad_vocab_for_tp
 from ..logs import interactive, quiet_repeats
 from .config import TrainConfig
@@ -40,6 +43,7 @@ from .optim import build_optimizer, build_scheduler
 from .signals import ignore_interrupts, install_stop_signals, restore_signals
 from . import resume as resuming
 from .spike import SpikeDetector
+from .state import DataPosition, Progress
 from .tracking import WandbTracker
 from .watchdog import Watchdog
 
@@ -114,10 +118,11 @@ class Trainer:
         if isinstance(self.data.train, MixtureDataset):  # refuse (on_exhausted=stop) or log re-epochs now
             self.data.train.check_exhaustion(cfg.max_steps * self._global_batch())
         per_step = cfg.micro_batch_size * self.dist.dp_size
-        if per_step > len(self.data.train):
+        train_size = len(cast(Sized, self.data.train))
+        if per_step > train_size:
             raise ConfigError(
                 f"micro_batch_size={cfg.micro_batch_size} x {self.dist.dp_size} rank(s) needs "
-                f"{per_step} samples per micro-step but the training set has {len(self.data.train)}; "
+                f"{per_step} samples per micro-step but the training set has {train_size}; "
                 "lower micro_batch_size or use more data"
             )
         self.model_cfg = self.data.model_config
@@ -127,7 +132,7 @@ class Trainer:
         self.num_parameters = self.model.num_parameters()  # the whole model's, before any split
         self.model.loss_chunk_size = cfg.loss.chunk_size  # the training loss's head, in chunks
         # AC -> per-block compile -> DDP / FSDP2, then the optimizer over the (sharded) parameters
-        self.strategy = strategy_class(cfg.parallel.strategy)(self.model, cfg, self.dist, DTYPES[self.precision])
+        self.strategy: Strategy = build_strategy(self.model, cfg, self.dist, DTYPES[self.precision])
         self.model = self.strategy.model  # under pipeline parallelism: this rank's stages
         base = build_optimizer(self.model, cfg.optim, self.device, allow_fused=self.strategy.fused_optimizer_ok())
         # The schedule drives the torch optimizer's param groups, which DeepSpeed's wrapper shares.
@@ -135,14 +140,6 @@ class Trainer:
         self.optimizer = self.strategy.setup_optimizer(base)
         self.wrapped = self.strategy.wrapped
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
-        background = cfg.checkpoint.async_ and self.strategy.async_save
-        if cfg.checkpoint.async_ and not background and self.dist.is_main:
-            log.warning(
-                "checkpoint.async=true: parallel.strategy=%s saves synchronously (DeepSpeed writes its "
-                "own checkpoint files); the loop waits for each save",
-                cfg.parallel.strategy,
-            )
-        self.ckpt = CheckpointManager(self.ckpt_root, self.dist.rank, self.dist.world_size, cfg.keep_checkpoints, background)
 
         self.step = 0
         self.consumed = 0  # global samples consumed by all ranks
@@ -159,6 +156,7 @@ class Trainer:
         self._signal: str | None = None
         self.resolved = {**cfg.to_dict(), "model": self.model_cfg.to_dict()}
         self.peak, self.peak_source = peak_flops(self.device, DTYPES[self.precision])
+        self.ckpt = self._checkpointer()
         self._resume()  # last: it restores the RNG streams, which nothing may draw from afterwards
 
     # -- setup -----------------------------------------------------------------------------
@@ -226,7 +224,7 @@ class Trainer:
                 "compile=true with parallel.tp > 1 fails in torch's DTensor backward for rotary-position "
                 "models (Llama flavour); set compile=false (or parallel.tp=1) for this model"
             )
-        if cfg.compile and self.dims.tp > 1 and torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
+        if cfg.compile and self.dims.tp > 1 and torch.torch_version.TorchVersion(torch.__version__) < "2.13":
             # measured on torch 2.11: dynamo fails building the compiled block's guards over the TP
             # hooks ("'function' object has no attribute '__func__'"); 2.13 compiles them
             raise ConfigError(
@@ -293,7 +291,7 @@ class Trainer:
             saved, current = {"model": state.model_config or {}}, {"model": current["model"]}
         changes = resuming.meaning_changes(saved, current, weights_only=state.weights_only)
         changes += resuming.batch_change(resuming.saved_global_batch(state, saved), self._global_batch_size())
-        notes = resuming.judge(changes, self.cfg, path, state.step)
+        notes: list[str | None] = list(resuming.judge(changes, self.cfg, path, state.step))
         notes.append(resuming.horizon_note(self.cfg, saved, self.schedule_steps, state.step))
         if self.dist.is_main:
             for note in filter(None, notes):
@@ -315,104 +313,75 @@ class Trainer:
         per = self.cfg.data.tokens_per_batch or self.data.seq_len
         return self._global_batch(), self._global_batch() * per
 
+    def _checkpointer(self) -> CheckpointManager:
+        """Everything a resume restores, as the checkpoint's parts, in load order: model and
+        optimizer (DCP, or DeepSpeed's engine), the LR schedule and loss scaler, this rank's RNG
+        streams, the data position and the run's own state (``trainer.json``), the run config."""
+        cfg, d, trust = self.cfg, self.dist, self.cfg.checkpoint.trust
+        record = parts.TrainerStatePart([DataPosition(self), Progress(self)], d.is_main)
+        self._record = record
+        return CheckpointManager(
+            self.ckpt_root,
+            d.rank,
+            d.world_size,
+            cfg.keep_checkpoints,
+            background=cfg.checkpoint.async_,
+            trust=trust,
+            parts={
+                "model": self._model_part(),
+                "schedule": parts.SharedPart(
+                    {"scheduler": parts.Schedule(self.scheduler, self.optimizer), "scaler": self.scaler}, d.is_main, trust
+                ),
+                "rng": parts.PerRankPart(parts.RNGState(), d.rank, d.world_size, trust),
+                "trainer": record,
+                "config": parts.TextPart(self.resolved_yaml(), d.is_main),
+            },
+        )
+
+    def _model_part(self) -> parts.Part:
+        s, d, trust = self.strategy, self.dist, self.cfg.checkpoint.trust
+        if s.engine is not None:  # DeepSpeed's engine saves and loads its own ZeRO partitions
+            from ..checkpoint.deepspeed import DeepSpeedPart
+
+            return DeepSpeedPart(s.engine, self.optimizer, s.base_optimizer, d.rank, d.world_size, trust)
+        split = self.dims.tp > 1 or self.dims.pp > 1
+        # ddp without tp/pp holds the full model on rank 0 anyway: it also writes the weights file
+        weights = d.is_main and self.cfg.parallel.strategy == "ddp" and not split
+        return parts.DCPPart(parts.ModelOptimizer(self.model, self.optimizer), self.device, trust, weights, split)
+
     def _resume(self) -> None:
-        path = self.ckpt.resolve(self.cfg.resume)
-        if path is None:
-            return
-        self._load(path)
-        self._apply_pending_rollback()
-        if self.dist.is_main:
-            log.info("resumed from %s at step %d", path, self.step)
+        if self._load(self.cfg.resume):
+            self._apply_pending_rollback()
+            if self.dist.is_main:
+                log.info("resumed from %s at step %d", self.resumed_from, self.step)
 
-    def _load(self, path: Path) -> None:
-        """Model, optimizer, schedule, RNG and trainer state of a verified checkpoint."""
-        from ..checkpoint.safe import check_checkpoint
-
-        check_checkpoint(path, self.cfg.checkpoint.trust)  # every pickle, before any is loaded
-        state = self.ckpt.read(path)
-        if state.weights_only:
-            # A model imported from HF (`tformer import`, step 0): weights, no optimizer state, so
-            # AdamW's moments start at zero and the LR schedule from its beginning.
-            if self.dims.tp == 1 and self.dims.pp == 1:
-                load_model_weights(self.model, path)
-            else:  # each rank takes its shard / its stages
-                self.strategy.load_weights(path)
-            log.warning("%s holds weights only: the optimizer and LR schedule start fresh", path)
-        else:
-            self.strategy.load(path, self.optimizer, self.scheduler, self.scaler, state.world_size)
-            if self.cfg.resume_changes == "allow":
-                self._apply_optim_config()
-        if not self.ckpt.restore_rng(path, state, self.cfg.checkpoint.trust):
-            log.warning(
-                "rank %d: no RNG state for this world size in %s; dropout streams restart (data order is unaffected)",
-                self.dist.rank,
-                path,
-            )
-        mixture = state.data_mixture
-        if mixture is not None and mixture != self._mixture_fingerprint():
-            raise DataError(
-                f"checkpoint {path} was trained on the data mixture {mixture} but this run's is "
-                f"{self._mixture_fingerprint()}: resume with the same sources, weights, stages and "
-                "global batch size, or start a new run"
-            )
-        self.step = state.step
-        self.consumed = state.consumed_samples
-        self.tokens = state.tokens
-        self.skipped = state.skipped
-        self.wandb_id = state.wandb_id
-        self.rollbacks = state.rollbacks
-        self.spikes.load_state_dict(state.spike_detector)
-        self.streak_start = None
-        self.resumed_from = path
+    def _load(self, target: str | Path) -> bool:
+        """Every part of the checkpoint ``target`` names (``resume``'s values or a path); False if
+        there is none."""
+        found = self.ckpt.load(target)
+        if found is None:
+            return False
+        self.resumed_from, saved = found
+        if not saved.weights_only and self.cfg.resume_changes == "allow":
+            self._apply_optim_config()
+        return True
 
     def save(self) -> Path:
         """A checkpoint of this step (all ranks take part); with ``checkpoint.async`` it returns
         once the state is copied to host memory, and is committed when its write ends."""
         self._beat("save")
-        final = self.ckpt.save(
-            self.state(),
-            self.resolved_yaml(),
-            lambda tmp: self.strategy.save(
-                tmp, self.optimizer, self.scheduler, self.scaler, background=self.ckpt.background
-            ),
-        )
+        final = self.ckpt.save(self.step)
         self._beat("save done")
         return final
 
     def state(self) -> TrainerState:
         """The record of ``trainer.json``: where the run stands, and what it trains."""
-        return TrainerState(
-            step=self.step,
-            consumed_samples=self.consumed,
-            tokens=self.tokens,
-            skipped=self.skipped,
-            world_size=self.dist.world_size,
-            mesh=self.dims.describe(),
-            rollbacks=self.rollbacks,
-            spike_detector=self.spikes.state_dict(),
-            wandb_id=self.wandb_id,
-            model_config=self.model_cfg.to_dict(),
-            strategy=self.cfg.parallel.strategy,
-            family=self.model_cfg.family,
-            objective=self.data.objective,
-            seq_len=self.data.seq_len,
-            target_len=self.data.target_len,
-            data_mixture=self._mixture_fingerprint(),
-            global_batch=self._global_batch_size()[0],
-            global_batch_tokens=self._global_batch_size()[1],
-            schedule_steps=self.schedule_steps,
-        )
+        return self._record.record()
 
     def wait_for_checkpoint(self) -> Path | None:
         """Finish the background save in flight, if any (all ranks)."""
         self._beat("save wait")
         return self.ckpt.wait()
-
-    def _mixture_fingerprint(self):
-        train = self.data.train
-        if not isinstance(train, MixtureDataset):
-            return None
-        return train.schedule.fingerprint() + [train.lengths, train.seed]
 
     def resolved_yaml(self) -> str:
         import yaml
@@ -429,7 +398,7 @@ class Trainer:
         self.model.eval()
         totals = {name: self._eval_sums(ds) for name, ds in sources.items()}
         self.model.train(was_training)
-        total = sum(totals.values())
+        total = sum(totals.values(), torch.zeros(3, dtype=torch.float64, device=self.device))
         loss = (total[0] / total[1].clamp(min=1)).item()
         result = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
         if self.data.validation_sources:
@@ -471,8 +440,6 @@ class Trainer:
         """(loss sum, label count, 0) through the pipeline schedule (forward only), in whole steps of
         ``grad_accum`` micro-batches per data-parallel rank; each micro-batch's loss is weighted by
         its labelled tokens, as the unsplit evaluation weights its batches (no logits: no accuracy)."""
-        from ..parallel.pipeline import stage_kwargs
-
         cfg = self.cfg
         world, chunk = self.dist.dp_size, cfg.micro_batch_size * cfg.grad_accum
         n = min(len(ds), max(cfg.eval_batches * cfg.micro_batch_size, world * chunk))
@@ -482,17 +449,18 @@ class Trainer:
         for i in range(0, len(keys), chunk):
             batch = self.data.collator([ds[k] for k in keys[i : i + chunk]])
             inputs = self._pad_for_sp({k: batch[k].to(self.device) for k in self.data.model_inputs if k in batch})
-            losses: list = []
             with self._autocast(), self.strategy.loss_context():
-                self.strategy.schedule.eval(
-                    inputs["input_ids"], target=inputs["labels"], losses=losses, return_outputs=False, **stage_kwargs(inputs)
-                )
-            if self.strategy.is_last_stage:
+                losses = self._pipeline().run(inputs, train=False)
+            if self._pipeline().is_last_stage:
                 counts = (inputs["labels"] != -100).reshape(cfg.grad_accum, -1).sum(-1)
                 total[0] += (torch.stack([x.double() for x in losses]) * counts).sum()
                 total[1] += counts.sum()
         all_reduce(total)
         return total
+
+    def _pipeline(self) -> Pipeline:
+        assert self.strategy.pipeline is not None, "parallel.pp > 1 builds a pipeline"
+        return self.strategy.pipeline
 
     def _pad_for_sp(self, inputs: dict) -> dict:
         """A batch as every forward under sequence parallelism takes it (training and both
@@ -505,7 +473,7 @@ class Trainer:
         rank decodes the same pairs (sharded forwards are collective); the scores are identical."""
         from .decoding import decoded_bleu
 
-        ds = self.data.validation
+        ds = cast(Sized, self.data.validation)
         n = len(ds) if samples is None else min(samples, len(ds))
         was_training = self.model.training
         with self._autocast():
@@ -568,7 +536,7 @@ class Trainer:
         cfg, main = self.cfg, self.dist.is_main
         if main:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(self.resolved_yaml())
+            (self.out / RUN_CONFIG).write_text(self.resolved_yaml())  # the run's, as in each checkpoint
             copy_tokenizer(self.data, self.out)
             print(start_summary(self), flush=True)  # the whole resolved config is config.yaml
         quiet_repeats()  # torch and DeepSpeed have set up their loggers by now
@@ -719,8 +687,7 @@ class Trainer:
                 )
             return False
         spike_step, wandb_id = self.step, self.wandb_id
-        verify(target[-1], deep=True)
-        self._load(target[-1])
+        self._load(target[-1])  # verified and checked like any resume
         self.wandb_id = wandb_id
         self.rollbacks += 1
         event = {
@@ -801,7 +768,8 @@ class Trainer:
             tokens += inputs["input_ids"].numel() + (inputs["labels"].numel() if seq2seq else 0)
             # the FLOPs of the batch as it is (token-budget batches vary in shape; padding included)
             target = inputs["labels"].shape[1] if seq2seq else None
-            flops += training_flops(self.model_cfg, *inputs["input_ids"].shape, target)
+            batch_size, seq_len = inputs["input_ids"].shape
+            flops += training_flops(self.model_cfg, batch_size, seq_len, target)
             last = micro == cfg.grad_accum - 1
             inputs = self._pad_for_sp(inputs)
             if self.dims.cp > 1:  # each rank of a context-parallel group: its part of every sequence
@@ -810,7 +778,7 @@ class Trainer:
                 pipelined.append(inputs)
                 if last:
                     with self.strategy.loss_context(), self._autocast():
-                        loss = self.strategy.pipeline_step(_concat(pipelined))
+                        loss = self._pipeline().step(_concat(pipelined))
                     if loss is not None:  # the last stage's ranks hold the loss
                         loss_sum += loss
                 continue
