@@ -58,7 +58,7 @@ from tformer.generate import generate  # noqa: E402
 from tformer.models.flops import training_flops  # noqa: E402
 from tformer.models.presets import preset  # noqa: E402
 from tformer.parallel.compile import compile_blocks  # noqa: E402
-from tformer.parallel.plan import rank_memory, training_memory  # noqa: E402
+from tformer.plan.memory import rank_memory, training_memory  # noqa: E402
 from tformer.train.config import LossConfig, OptimConfig, TrainConfig  # noqa: E402
 from tformer.train.metrics import peak_flops  # noqa: E402
 from tformer.train.optim import build_optimizer  # noqa: E402

@@ -19,7 +19,7 @@ from tformer.export.hf import TARGETS, export_hf
 from tformer.models import DecoderModel, ModelSpec, build_model, register, spec_of
 from tformer.models.flops import training_flops
 from tformer.models.spec import SPECS, unregister
-from tformer.parallel import plan
+from tformer.plan import memory as plan
 from tformer.train.config import load_config
 from tformer.train.trainer import Trainer
 

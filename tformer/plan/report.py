@@ -15,7 +15,7 @@ from pathlib import Path
 from ..args import parse_bytes
 from ..config import ConfigError
 from ..models import spec_of
-from ..parallel import plan as memory_plan
+from . import memory as memory_plan
 from .hardware import Hardware, load_profile, profile
 from .time import Layout, NotPriced, StepTime, step_time
 

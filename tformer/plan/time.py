@@ -48,7 +48,7 @@ from ..config import ConfigError, ModelConfig
 from ..models import spec_of
 from ..models.flops import training_flops
 from ..nn.ffn import FFN_KINDS
-from ..parallel import plan as memory_plan
+from . import memory as memory_plan
 from .hardware import Hardware
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: the last one is never hidden

@@ -43,7 +43,7 @@ from ..args import parse_bytes
 from ..config import ConfigError, ModelConfig, Precision
 from ..models import spec_of
 from ..nn.ffn import FFN_KINDS
-from .tp import pad_vocab_for_tp
+from ..parallel.tp import pad_vocab_for_tp
 
 STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-no-reshard")
 # bytes per parameter of DeepSpeed's fp32 ZeRO as built, by device count N (see the module doc)
@@ -449,7 +449,7 @@ def pipeline_blocker(
     or None."""
     from types import SimpleNamespace
 
-    from .pipeline import check_pipeline
+    from ..parallel.pipeline import check_pipeline
 
     pcfg = SimpleNamespace(pp=pp, pp_schedule=schedule, pp_stages_per_rank=stages_per_rank, pp_layers=None)
     try:
@@ -469,7 +469,7 @@ def stage_parameters(cfg: ModelConfig, stages: int, tp: int = 1) -> list[int]:
     the stack keeps (T5's relative-bias table); the embeddings on the first stage; the final norm
     and the head on the last, with the token embedding again when the head is tied to it; an
     encoder-decoder model's encoder (with the embedding) and decoder (with the embedding and head)."""
-    from .pipeline import stage_layers
+    from ..parallel.pipeline import stage_layers
 
     counts, sharded = _module_counts(_fields(cfg)), _tp_sharded_parts(cfg)
     local = {k: counts[k] - n + n // tp for k, n in sharded.items()}
@@ -539,7 +539,7 @@ def _pipeline_rank(
     memory: dict,
 ) -> tuple[float, float, float]:
     """(model states, activations, micro-batches in flight) of pipeline rank ``rank``."""
-    from .pipeline import stage_layers, stages_of_rank
+    from ..parallel.pipeline import stage_layers, stages_of_rank
 
     stages = pp * v
     mine = stages_of_rank(rank, pp, stages)
@@ -962,7 +962,7 @@ CP_DEGREES = (2, 4, 8, 16, 32)
 
 def cp_local_length(seq: int, cp: int, tp: int = 1, sp: bool = False) -> int:
     """Tokens one rank holds of a ``seq``-token sequence (padded to 2 cp chunks, and to tp under SP)."""
-    from .context import padded_length
+    from ..parallel.context import padded_length
 
     return padded_length(seq, cp, tp if sp else 1) // cp
 
@@ -1151,7 +1151,7 @@ def plan_main(
         f"{num_parameters(model_cfg) / 1e9:.2f}B parameters; tp candidates {', '.join(map(str, usable))} "
         f"({gpus_per_node} GPUs per node; tp > 1 with sequence parallel and an unchunked vocabulary-sharded head)"
     )
-    from .moe_plan import moe_lines  # MoE terms: total vs active, expert states under ep, all-to-all
+    from .moe import moe_lines  # MoE terms: total vs active, expert states under ep, all-to-all
 
     for line in moe_lines(model_cfg, num_parameters(model_cfg), devices, cfg.micro_batch_size * cfg.data.seq_len, mixed):
         print(line)

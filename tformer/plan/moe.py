@@ -75,7 +75,7 @@ def moe_lines(cfg: ModelConfig, total: int, devices: int, tokens: int, mixed: bo
     devices allow (FSDP2 over all of them), the per-rank expert states and exchange volume."""
     if not cfg.moe.enabled:
         return []
-    from .plan import model_state_bytes
+    from .memory import model_state_bytes
 
     experts = expert_parameters(cfg)
     lines = [
