@@ -592,7 +592,8 @@ def _pp_worker(rank, world, port, jobs, out, cache):
     import torch.distributed as dist
 
     from tformer.parallel.memory import model_state_bytes
-    from tformer.plan.memory import rank_memory, training_memory
+    from tformer.plan import rank_memory
+    from tformer.plan.memory import training_memory
     from tformer.train.config import load_config
     from tformer.train.trainer import Trainer, _concat
 

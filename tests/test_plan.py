@@ -7,7 +7,8 @@ import torch
 
 from tformer import ConfigError, build_model
 from tformer.parallel.memory import SavedActivations, model_state_bytes
-from tformer.plan.memory import activation_bytes, estimate, model_state_bytes as formula, parse_bytes
+from tformer.args import parse_bytes
+from tformer.plan.memory import activation_bytes, estimate, model_state_bytes as formula
 
 
 def _measure(model, batch, ac):
@@ -144,7 +145,7 @@ def test_zero_formulas_and_the_planner_choice():
     with torch.device("meta"):
         cfg = build_model("llama-1b").config
     # A 1.2B model does not fit plain DDP on 16 GiB with Adam; the planner must shard
-    from tformer.plan.memory import recommend
+    from tformer.plan import recommend
 
     fits = recommend(cfg, 8, 16 * 2**30, 2048, None)
     assert fits and fits[0].strategy != "ddp"
@@ -334,7 +335,7 @@ def test_tp_and_sp_activation_formulas():
     on every TP rank without SP, and are kept as sequence shards with it (gathered again in
     backward); q, k, v, attention and the FFN width split by tp; norm inputs and dropout masks split
     along the sequence only with SP. The logits split by tp with loss parallelism."""
-    from tformer.plan.memory import rank_memory
+    from tformer.plan import rank_memory
 
     with torch.device("meta"):
         cfg = build_model("gpt2-small", pad_vocab_multiple=64).config
@@ -373,7 +374,8 @@ def test_tp_and_sp_activation_formulas():
 
 
 def test_only_tp_degrees_that_split_the_model_are_candidates():
-    from tformer.plan.memory import layouts, rank_memory, recommend, tp_degrees
+    from tformer.plan import layouts, rank_memory, recommend
+    from tformer.plan.search import tp_degrees
 
     with torch.device("meta"):
         llama = build_model("llama-70b").config
@@ -395,7 +397,7 @@ def test_only_tp_degrees_that_split_the_model_are_candidates():
 
 
 def test_recommendation_is_tp_for_llama_70b_and_none_for_gpt2_small():
-    from tformer.plan.memory import recommend
+    from tformer.plan import recommend
 
     trainer = dict(return_logits=False, chunk=128)
     with torch.device("meta"):
@@ -550,7 +552,7 @@ def test_pipeline_activations_are_the_micro_batches_in_flight():
 
 
 def test_invalid_pipeline_degrees_are_skipped_with_a_reason():
-    from tformer.plan.memory import pp_layouts, rank_memory
+    from tformer.plan import pp_layouts, rank_memory
 
     with torch.device("meta"):
         gpt2 = build_model("gpt2-small").config  # 12 blocks
@@ -578,7 +580,8 @@ def test_invalid_pipeline_degrees_are_skipped_with_a_reason():
 
 
 def test_pipelines_come_after_tp_within_a_node_and_before_full_recomputation():
-    from tformer.plan.memory import MAX_BUBBLE, recommend
+    from tformer.plan import recommend
+    from tformer.plan.search import MAX_BUBBLE
 
     trainer = dict(return_logits=False, chunk=None)
     with torch.device("meta"):
@@ -707,7 +710,8 @@ def test_pipeline_table_says_fits_and_the_cheapest_ac_in_two_columns(capsys):
 def test_op_ac_under_tp_holds_more_than_none_and_the_plan_says_why(capsys):
     """At tp=8 with SP, Llama 70B's op-level AC keeps the o_proj and FFN down outputs whole (partial
     sums before their reduce-scatter): more than AC none, whose saved tensors are all split by tp."""
-    from tformer.plan.memory import op_ac_note, rank_memory
+    from tformer.plan import rank_memory
+    from tformer.plan.memory_report import op_ac_note
 
     with torch.device("meta"):
         cfg = build_model("llama-70b").config

@@ -448,7 +448,7 @@ def _plan(argv: list[str]) -> int:
     if args.calibrate:
         return report.calibrate_main(args.calibrate)
     hw = report.hardware(args.gpu, args.set, args.gpus_per_node)  # bad figures fail here, before any work
-    from .plan.memory import plan_main
+    from .plan.memory_report import plan_main
     from .train.config import load_config
 
     cfg = load_config(args.config, args.overrides)

@@ -1,5 +1,5 @@
 """The planner's mixture-of-experts terms (``tformer plan``), apart from the dense counts in
-``plan.py``: total against active parameters, the expert states a rank holds under expert
+``memory.py``: total against active parameters, the expert states a rank holds under expert
 parallelism x FSDP2, the dispatch buffers of one MoE layer, and the all-to-all bytes of a step.
 
 The exchange volume (``parallel/ep.py``): per MoE layer and micro-batch a rank sends its routed

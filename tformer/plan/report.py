@@ -1,6 +1,6 @@
 """``tformer plan``'s speed report: every layout that fits, priced; the fastest recommended.
 
-The memory planner (parallel/plan.py: ``recommend``) gives each layout and activation-checkpointing
+The memory planner (search.py: ``recommend``) gives each layout and activation-checkpointing
 mode that fits with its largest micro-batch, in its memory-first order; this prices each one
 (time.py) and prints step time, tokens/s per device, MFU and the time to train ``--tokens``. The
 recommendation is the fastest layout that fits; the memory-only choice is printed beside it, with
@@ -16,6 +16,7 @@ from ..args import parse_bytes
 from ..config import ConfigError
 from ..models import spec_of
 from . import memory as memory_plan
+from . import memory_report, search
 from .hardware import Hardware, load_profile, profile
 from .time import Layout, NotPriced, StepTime, step_time
 
@@ -93,7 +94,7 @@ def speed_report(
     target: int | None,
     tokens: float | None,
 ) -> int:
-    """Print the priced table of ``fits`` (parallel.plan.recommend's, best for memory first), the
+    """Print the priced table of ``fits`` (search.recommend's, best for memory first), the
     fastest layout's breakdown and, when it differs, the memory-only choice's speed."""
     precision = "bf16" if cfg.precision in ("auto", "bf16") else cfg.precision
     model = cfg.model
@@ -134,7 +135,7 @@ def speed_report(
 
 
 def plan_speed(cfg, devices: int, device_memory: str, gpus_per_node: int, n_micro, max_pp, hw: Hardware, tokens) -> int:
-    """``recommend``'s fits for the run config ``cfg`` (as parallel.plan.plan_main searches them), priced."""
+    """``recommend``'s fits for the run config ``cfg`` (as memory_report.plan_main searches them), priced."""
     model = cfg.model
     memory = parse_bytes(device_memory)
     mixed = cfg.precision != "fp32"
@@ -144,8 +145,8 @@ def plan_speed(cfg, devices: int, device_memory: str, gpus_per_node: int, n_micr
 
         target = cfg.data.target_len or t5_lengths(cfg.data.seq_len)[1]
     settings = {**memory_plan.training_memory(cfg), "loss_parallel": cfg.parallel.loss_parallel}
-    refused = memory_plan._pp_refused(cfg)
-    fits = memory_plan.recommend(
+    refused = memory_report._pp_refused(cfg)
+    fits = search.recommend(
         model,
         devices,
         memory,

@@ -22,7 +22,7 @@ One step on one device is the sum of
 - **exposed communication** by kind, priced with ring formulas (all-gather or reduce-scatter of S
   bytes over n ranks: (n-1)/n S / bandwidth + (n-1) latency; all-reduce twice that) over the link
   the group lies on: inside a node when its ranks fit in one (``_link``), the network otherwise;
-- **the pipeline bubble**: the busy time x b / (1 - b), b from parallel.plan.bubble.
+- **the pipeline bubble**: the busy time x b / (1 - b), b from memory.bubble.
 
 The overlap rules, all here and nowhere else (``_overlap``):
 1. FSDP2 / ZeRO-3 all-gathers (and backward reduce-scatters) are prefetched one block ahead: what
@@ -71,7 +71,7 @@ class Layout:
     """One training layout on pp x dp_replicate x dp_shard x tp devices (tp innermost, as the
     mesh builds it). For ddp and zero1/2/3, dp_shard is the data-parallel degree."""
 
-    strategy: str = "fsdp"  # parallel.plan.STRATEGY_NAMES
+    strategy: str = "fsdp"  # memory.STRATEGY_NAMES
     micro_batch: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -112,7 +112,7 @@ class StepTime:
     devices: int
     mfu: float
     breakdown: dict[str, float] = field(default_factory=dict)  # seconds by part; they add up to ``step``
-    memory: float = 0.0  # predicted peak bytes per device (parallel.plan)
+    memory: float = 0.0  # predicted peak bytes per device (memory.py)
 
     @property
     def tokens_per_s_per_device(self) -> float:
@@ -528,7 +528,7 @@ def step_time(
 
 
 def predicted_memory(cfg: ModelConfig, layout: Layout, seq: int, target: int | None = None) -> memory_plan.Estimate:
-    """parallel.plan's per-rank bytes of the layout (the trainer's loss path: no returned logits;
+    """memory.py's per-rank bytes of the layout (the trainer's loss path: no returned logits;
     tformer's flash attention: the S x S probabilities an unfused kernel keeps are not in it)."""
     return memory_plan.estimate(
         cfg,
