@@ -321,6 +321,7 @@ class Estimate:
     in_flight: float = 1  # micro-batches (through all of the rank's blocks) held at the peak
     bubble: float = 0.0  # the step's idle share
     cp: int = 1  # context-parallel ranks sharing each sequence (cp_estimate)
+    ep: int = 1  # expert-parallel ranks (search.ep_variants: the states of FSDP2 over dp_shard x cp)
 
     @property
     def total(self) -> float:
@@ -651,15 +652,19 @@ def rank_memory(
     pp_stages_per_rank: int = 1,
     n_micro: int | None = None,
     pp_rank: int = 0,
+    cp: int = 1,
+    ep: int = 1,
     **memory,
 ) -> Estimate:
-    """Predicted bytes one rank holds on the mesh pp x dp_replicate x dp_shard x tp: ``model_states``
-    (parameters, gradients, AdamW) and ``activations`` (kept for backward plus the backward peak),
-    for ``bench/bench_scale.py`` to hold against measured per-rank peaks. ``precision`` fp32 or
-    bf16 (mixed); ``ac`` none | op | full; ``memory``: ``activation_bytes``'s head settings
-    (``return_logits=False`` and ``chunk`` for the trainer's loss path, ``loss_parallel``).
-    ``pp`` > 1: pipeline rank ``pp_rank`` of ``pp_schedule`` over ``n_micro`` micro-batches
-    (``grad_accum``; default 4 x pp); ``in_flight`` and ``bubble`` come with it."""
+    """Predicted bytes one rank holds on the mesh pp x dp_replicate x dp_shard x cp x tp:
+    ``model_states`` (parameters, gradients, AdamW) and ``activations`` (kept for backward plus the
+    backward peak), for ``bench/bench_scale.py`` to hold against measured per-rank peaks.
+    ``precision`` fp32 or bf16 (mixed); ``ac`` none | op | full; ``memory``: ``activation_bytes``'s
+    head settings (``return_logits=False`` and ``chunk`` for the trainer's loss path,
+    ``loss_parallel``). ``pp`` > 1: pipeline rank ``pp_rank`` of ``pp_schedule`` over ``n_micro``
+    micro-batches (``grad_accum``; default 4 x pp); ``in_flight`` and ``bubble`` come with it.
+    ``cp`` > 1: context parallelism (``cp_estimate``); ``ep`` > 1: an MoE model's experts over ep of
+    the dp_shard x cp ranks (``with_expert_parallel``)."""
     blocker = tp_blocker(cfg, tp)
     if blocker:
         usable = ", ".join(str(t) for t in range(1, cfg.num_heads + 1) if tp_blocker(cfg, t) is None)
@@ -678,7 +683,16 @@ def rank_memory(
         why = pipeline_blocker(cfg, pp, pp_schedule, pp_stages_per_rank, n_micro or 4 * pp)
         if why:
             raise ConfigError(why)
-    return estimate(
+    if cp > 1 and pp > 1:
+        raise ConfigError(f"parallel.cp={cp} does not run with parallel.pp={pp} yet; set parallel.pp=1 or parallel.cp=1")
+    check_expert_parallel(cfg, ep, dp_shard, cp, strategy)
+    mixed = precision != "fp32"
+    if cp > 1:
+        e = cp_estimate(
+            cfg, strategy, dp_shard * cp * tp, micro_batch, seq_len, target_len, ac, mixed, cp, tp=tp, sp=sp, **memory
+        )
+        return with_expert_parallel(e, cfg, seq_len, mixed, ep)
+    e = estimate(
         cfg,
         strategy,
         pp * dp_replicate * dp_shard * tp,
@@ -697,6 +711,41 @@ def rank_memory(
         pp_rank=pp_rank,
         **memory,
     )
+    return with_expert_parallel(e, cfg, seq_len, mixed, ep)
+
+
+def check_expert_parallel(cfg: ModelConfig, ep: int, dp_shard: int, cp: int, strategy: str) -> None:
+    """What ``parallel.ep`` needs (parallel/ep.py, mesh.check_ep), refused in one line."""
+    from ..parallel.mesh import check_ep
+
+    if ep == 1:
+        return
+    if not cfg.moe.enabled:
+        raise ConfigError(
+            f"parallel.ep={ep} needs a mixture-of-experts model (model.moe.num_experts > 0); set parallel.ep=1"
+        )
+    if cfg.moe.num_experts % ep:
+        raise ConfigError(
+            f"model.moe.num_experts={cfg.moe.num_experts} is not divisible by parallel.ep={ep}; choose an ep that divides it"
+        )
+    if not strategy.startswith("fsdp"):
+        raise ConfigError(f"parallel.ep={ep} needs parallel.strategy=fsdp, not {strategy!r}")
+    check_ep(ep, dp_shard, cp)
+
+
+def with_expert_parallel(e: Estimate, cfg: ModelConfig, seq: int, mixed: bool, ep: int) -> Estimate:
+    """``e`` with its MoE layers' experts over ``ep`` ranks: the same model states (FSDP2 shards the
+    experts over dp_shard x cp either way: moe.expert_states_per_rank) and the rows each MoE layer
+    receives, kept for backward besides those it sent (``moe.ep_activation_bytes``)."""
+    if ep == 1:
+        return e
+    from dataclasses import replace
+
+    from .moe import ep_activation_bytes
+
+    local = cp_local_length(seq, e.cp, e.tp, e.sp) if e.cp > 1 else seq
+    extra = e.micro_batch * ep_activation_bytes(cfg, local, ep, 2 if mixed else 4, e.ac)
+    return replace(e, activations=e.activations + extra, ep=ep)
 
 
 def training_memory(cfg) -> dict:

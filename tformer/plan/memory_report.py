@@ -21,7 +21,7 @@ from .memory import (
     num_parameters,
     training_memory,
 )
-from .search import cp_layouts, layout_estimate, layouts, pp_layouts, recommend, recommend_cp, tp_degrees
+from .search import cp_blocker, cp_layouts, layout_estimate, layouts, pp_layouts, recommend, recommend_cp, tp_degrees
 
 
 def print_savings(cfg: ModelConfig, micro_batch: int, seq: int, target: int | None, mixed: bool, settings: dict) -> None:
@@ -116,13 +116,25 @@ def _cp_overrides(e: Estimate) -> str:
     )
 
 
-def _print_cp_recommendation(cfg, model_cfg, devices: int, memory: float, target, mixed: bool, settings: dict) -> int:
-    """When no layout without CP fits: the context-parallel table and the best CP layout."""
+def cp_searched(model_cfg: ModelConfig, max_cp: int | None) -> str | None:
+    """Why context-parallel layouts are not searched (``--max-cp 1``, or a model the trainer runs
+    no CP for), or None."""
+    if max_cp == 1:
+        return "--max-cp 1"
+    return cp_blocker(model_cfg)
+
+
+def _print_cp_table(cfg, model_cfg, devices: int, target, mixed: bool, settings: dict, max_cp: int | None) -> None:
+    """The context-parallel layouts' table: per rank, the total of each AC at the run's micro-batch."""
     gib = 2**30
     seq = cfg.data.seq_len
+    why = cp_searched(model_cfg, max_cp)
+    if why:
+        print(f"\ncontext-parallel layouts not searched: {why}")
+        return
     print(f"\ncontext-parallel layouts (each sequence cut over cp ranks; per rank, micro-batch {cfg.micro_batch_size}):")
     print(f"{'strategy':<16}{'dp_shard':>9}{'cp':>4}{'tp':>4}{'tokens/rank':>12}{'none':>8}{'op':>8}{'full':>8}")
-    for strategy, tp, cp in cp_layouts(model_cfg, devices):
+    for strategy, tp, cp in cp_layouts(model_cfg, devices, max_cp):
         mb = cfg.micro_batch_size
         totals = [
             cp_estimate(model_cfg, strategy, devices, mb, seq, target, ac, mixed, cp, tp=tp, sp=tp > 1, **settings)
@@ -132,9 +144,22 @@ def _print_cp_recommendation(cfg, model_cfg, devices: int, memory: float, target
             f"{strategy:<16}{totals[0].dp_shard:>9}{cp:>4}{tp:>4}{cp_local_length(seq, cp, tp, tp > 1):>12}"
             + "".join(f"{t.total / gib:>8.1f}" for t in totals)
         )
-    fits = recommend_cp(model_cfg, devices, memory, seq, target, mixed, settings=settings)
+
+
+def _print_cp_recommendation(
+    cfg, model_cfg, devices: int, memory: float, target, mixed: bool, settings: dict, max_cp: int | None
+) -> int:
+    """When no layout without CP fits: the best CP layout, with its overrides."""
+    gib = 2**30
+    seq = cfg.data.seq_len
+    fits = (
+        []
+        if cp_searched(model_cfg, max_cp)
+        else recommend_cp(model_cfg, devices, memory, seq, target, mixed, settings=settings, max_cp=max_cp)
+    )
     if not fits:
-        print("recommendation: nothing fits, with context parallelism either; use more devices or a shorter sequence")
+        either = "" if cp_searched(model_cfg, max_cp) else ", with context parallelism either"
+        print(f"recommendation: nothing fits{either}; use more devices or a shorter sequence")
         return 1
     best = fits[0]
     gathered = cp_attention_bytes(model_cfg, best.micro_batch, seq, target, mixed, best.cp, best.tp)
@@ -156,11 +181,12 @@ def plan_main(
     gpus_per_node: int = 8,
     n_micro: int | None = None,
     max_pp: int | None = None,
+    max_cp: int | None = None,
 ) -> int:
-    """Print the table and the recommendation for ``cfg``, the run config (a ``TrainConfig``,
-    loaded by the CLI from the file ``config``: train/ is a layer above this one). ``n_micro``:
-    the pipeline layouts' micro-batches per step (default 4 x pp); ``max_pp``: the largest pp tried
-    (default: the device count; 1: no pipelines)."""
+    """Print the tables and the memory-first recommendation for ``cfg``, the run config (a
+    ``TrainConfig``, loaded by the CLI from the file ``config``: train/ is a layer above this one).
+    ``n_micro``: the pipeline layouts' micro-batches per step (default 4 x pp); ``max_pp`` and
+    ``max_cp``: the largest pp and cp tried (default: the device count; 1: none)."""
     model_cfg = cfg.model
     memory = parse_bytes(device_memory)
     mixed = cfg.precision != "fp32"
@@ -230,6 +256,7 @@ def plan_main(
             n_micro,
             max_pp,
         )
+    _print_cp_table(cfg, model_cfg, devices, target, mixed, settings, max_cp)
     print_savings(model_cfg, cfg.micro_batch_size, cfg.data.seq_len, target, mixed, settings)
     fits = recommend(
         model_cfg,
@@ -244,7 +271,7 @@ def plan_main(
         n_micro=n_micro,
     )
     if not fits:
-        return _print_cp_recommendation(cfg, model_cfg, devices, memory, target, mixed, settings)
+        return _print_cp_recommendation(cfg, model_cfg, devices, memory, target, mixed, settings, max_cp)
     best = fits[0]
     pipe = "" if best.pp == 1 else f"pp={best.pp} "
     mesh = (

@@ -18,15 +18,20 @@ from .memory import (
     estimate,
     pipeline_blocker,
     tp_blocker,
+    with_expert_parallel,
 )
+
+# what the trainer runs a mixture-of-experts model with (parallel/ep.py, check_moe_layout): no
+# DeepSpeed (its experts would be partitioned like dense weights), tp = 1
+MOE_STRATEGIES = ("ddp", "fsdp", "fsdp-no-reshard")
 
 
 def tp_degrees(cfg: ModelConfig, devices: int) -> tuple[list[int], dict[int, str]]:
     """The tp values a layout of ``devices`` can use (divisors of the device count that split the
-    model), and the others with what they do not divide."""
+    model), and the others with what they do not divide (or, for an MoE model, that it runs tp=1)."""
     usable, skipped = [], {}
     for tp in (t for t in range(1, devices + 1) if devices % t == 0):
-        blocker = tp_blocker(cfg, tp)
+        blocker = tp_blocker(cfg, tp) or ("model.moe: its layers run at tp=1" if cfg.moe.enabled and tp > 1 else None)
         if blocker:
             skipped[tp] = blocker
         else:
@@ -52,7 +57,7 @@ def layouts(cfg: ModelConfig, devices: int, gpus_per_node: int = 8) -> list[tupl
     out = []
     for tp in tp_degrees(cfg, devices)[0]:
         hsdp = nodes > 1 and gpus_per_node % tp == 0 and gpus_per_node // tp > 1
-        strategies = STRATEGY_NAMES if tp == 1 else ("fsdp",)
+        strategies = (MOE_STRATEGIES if cfg.moe.enabled else STRATEGY_NAMES) if tp == 1 else ("fsdp",)
         for strategy in strategies:
             if strategy == "fsdp" and hsdp:
                 out.append((strategy, nodes, tp))
@@ -188,11 +193,21 @@ def recommend(
 CP_DEGREES = (2, 4, 8, 16, 32)
 
 
-def cp_layouts(cfg: ModelConfig, devices: int) -> list[tuple[str, int, int]]:
+def cp_blocker(cfg: ModelConfig) -> str | None:
+    """Why the trainer runs no context parallelism for this model (parallel/context.py), or None."""
+    if cfg.attn_dropout > 0:
+        return f"model.attn_dropout={cfg.attn_dropout} (context parallelism has no attention dropout)"
+    return None
+
+
+def cp_layouts(cfg: ModelConfig, devices: int, max_cp: int | None = None) -> list[tuple[str, int, int]]:
     """(strategy, tp, cp) of every context-parallel layout tried: cp a power of two dividing the
-    devices (with tp), FSDP2 (and DDP without TP) over the rest; pipelines do not take cp yet."""
+    devices (with tp; at most ``max_cp``), FSDP2 (and DDP without TP) over the rest; pipelines do
+    not take cp yet; none where the model cannot run it (``cp_blocker``)."""
+    if cp_blocker(cfg):
+        return []
     out = []
-    for cp in (c for c in CP_DEGREES if devices % c == 0):
+    for cp in (c for c in CP_DEGREES if devices % c == 0 and c <= (max_cp or devices)):
         for tp in (t for t in tp_degrees(cfg, devices)[0] if devices % (cp * t) == 0):
             out += [(strategy, tp, cp) for strategy in (("ddp", "fsdp") if tp == 1 else ("fsdp",))]
     return out
@@ -208,13 +223,14 @@ def recommend_cp(
     headroom: float = 0.9,
     settings: dict | None = None,
     gpus_per_node: int = 8,
+    max_cp: int | None = None,
 ) -> list[Estimate]:
-    """The context-parallel layouts that fit, best first, for a sequence no other layout fits
-    (``recommend`` is asked first): the smallest cp (its K/V all-gather per attention call is the
-    cost), no full recomputation, then ``recommend``'s order (tp within a node, no tp, the cheapest
-    communication and recomputation, the largest micro-batch)."""
+    """The context-parallel layouts that fit (cp up to ``max_cp``), best first, for a sequence no
+    other layout fits (``recommend`` is asked first): the smallest cp (its K/V all-gather per
+    attention call is the cost), no full recomputation, then ``recommend``'s order (tp within a
+    node, no tp, the cheapest communication and recomputation, the largest micro-batch)."""
     fits = []
-    for index, (strategy, tp, cp) in enumerate(cp_layouts(cfg, devices)):
+    for index, (strategy, tp, cp) in enumerate(cp_layouts(cfg, devices, max_cp)):
         for ac_rank, ac in enumerate(("none", "op", "full")):
             for mb in (64, 32, 16, 8, 4, 2, 1):
                 e = cp_estimate(cfg, strategy, devices, mb, seq, target, ac, mixed, cp, tp=tp, sp=tp > 1, **(settings or {}))
@@ -222,3 +238,52 @@ def recommend_cp(
                     fits.append(((ac == "full", cp, tp > gpus_per_node, tp, index, ac_rank, -mb), e))
                     break
     return [e for _, e in sorted(fits, key=lambda pair: pair[0])]
+
+
+# --- expert parallelism: an MoE model's experts split over ep of the dp_shard x cp ranks -------------
+def ep_degrees(cfg: ModelConfig, dp_shard: int, cp: int = 1) -> list[int]:
+    """The ep > 1 a layout of dp_shard x cp ranks can take: divisors of the experts that are a
+    multiple of cp dividing dp_shard x cp (parallel/mesh.check_ep); none for a dense model."""
+    if not cfg.moe.enabled:
+        return []
+    return [
+        ep
+        for ep in range(2, cfg.moe.num_experts + 1)
+        if cfg.moe.num_experts % ep == 0 and ep % cp == 0 and dp_shard % (ep // cp) == 0
+    ]
+
+
+def ep_variants(
+    cfg: ModelConfig,
+    fits: list[Estimate],
+    devices: int,
+    memory: float,
+    seq: int,
+    target: int | None,
+    mixed: bool = True,
+    headroom: float = 0.9,
+    settings: dict | None = None,
+) -> list[Estimate]:
+    """The expert-parallel versions of the FSDP2 layouts in ``fits`` (``recommend``'s and
+    ``recommend_cp``'s; tp 1, no pipeline: what parallel.ep runs), one per ``ep_degrees``, each at
+    the largest micro-batch up to its base layout's that still fits. EP saves no memory: FSDP2
+    shards the experts over dp_shard x cp either way (moe.expert_states_per_rank), and each MoE
+    layer keeps the rows it received as well (``ep_activation_bytes``); what it saves is time (the
+    expert weights FSDP2 would gather, time.py), so the memory-first order puts these last."""
+    settings = settings or {}
+    out = []
+    for e in fits:
+        if not e.strategy.startswith("fsdp") or e.tp > 1 or e.pp > 1:
+            continue
+        for ep in ep_degrees(cfg, e.dp_shard, e.cp):
+            for mb in (m for m in (64, 32, 16, 8, 4, 2, 1) if m <= e.micro_batch):
+                if e.cp > 1:
+                    base = cp_estimate(cfg, e.strategy, devices, mb, seq, target, e.ac, mixed, e.cp, **settings)
+                else:
+                    layout = (e.strategy, e.dp_replicate, 1, 1, "1f1b", 1, 1)
+                    base = layout_estimate(cfg, layout, devices, mb, seq, target, e.ac, mixed, settings)
+                variant = with_expert_parallel(base, cfg, seq, mixed, ep)
+                if variant.total <= headroom * memory:
+                    out.append(variant)
+                    break
+    return out
