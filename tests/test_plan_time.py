@@ -445,3 +445,30 @@ def test_the_python_api_gives_the_cli_rows(capsys, argv, marker):
             loss_parallel=cfg.parallel.loss_parallel,
         )
         assert f"{e.total / 2**30:.1f}" == gib, name
+
+
+def _speed_examples() -> list[tuple[list[str], list[str]]]:
+    """The `tformer plan` examples of docs/planning.md that state speed lines: (arguments, the
+    lines, whitespace collapsed)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "planning.md").read_text().replace("\\\n", " ")
+    found = re.findall(r"^tformer plan (.+)\n((?:# .+\n)+)", text, re.MULTILINE)
+    return [
+        (shlex.split(args), [" ".join(line[2:].split()) for line in lines.splitlines()])
+        for args, lines in found
+        if "fastest that fits" in lines
+    ]
+
+
+def test_the_documented_speed_examples_print_what_they_state(capsys):
+    from tformer.cli import main
+
+    examples = _speed_examples()
+    assert len(examples) == 2
+    for args, stated in examples:
+        assert main(["plan", *args]) == 0
+        printed = {" ".join(line.split()) for line in capsys.readouterr().out.splitlines()}
+        assert set(stated) <= printed, args
