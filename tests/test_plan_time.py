@@ -340,8 +340,8 @@ def test_ep_gathers_only_its_share_of_the_experts():
 @pytest.mark.parametrize(
     "name, layout, message",
     [
-        ("gpt2-tiny", Layout(ep=2, dp_shard=2), "Layout.ep=2 needs a mixture-of-experts model"),
-        ("mixtral-tiny", Layout(ep=3, dp_shard=3), "Layout.ep=3 does not divide model.moe.num_experts=4"),
+        ("gpt2-tiny", Layout(ep=2, dp_shard=2), "parallel.ep=2 needs a mixture-of-experts model"),
+        ("mixtral-tiny", Layout(ep=3, dp_shard=3), "model.moe.num_experts=4 is not divisible by parallel.ep=3"),
         ("mixtral-tiny", Layout(cp=4, ep=2, dp_shard=2), "parallel.ep=2 must be a multiple of parallel.cp=4"),
         ("mixtral-tiny", Layout(cp=2, ep=4, dp_shard=1), "parallel.ep=4 must be a multiple of parallel.cp=2 that divides"),
         ("gpt2-tiny", Layout(tp=3), "Layout.tp=3 does not divide num_heads=4"),
@@ -472,3 +472,24 @@ def test_the_documented_speed_examples_print_what_they_state(capsys):
         assert main(["plan", *args]) == 0
         printed = {" ".join(line.split()) for line in capsys.readouterr().out.splitlines()}
         assert set(stated) <= printed, args
+
+
+def test_rank_memory_takes_cp_and_ep():
+    """The memory API lays out cp and ep as the speed table does: EP keeps the model states (FSDP2
+    shards the experts over dp_shard x cp either way) and adds the received rows; CP shrinks the
+    activations per rank; what the trainer refuses is one line."""
+    from tformer.plan import rank_memory
+
+    cfg = preset("mixtral-tiny")
+    base = rank_memory(cfg, seq_len=256, micro_batch=4, dp_shard=4)
+    ep = rank_memory(cfg, seq_len=256, micro_batch=4, dp_shard=4, ep=2)
+    assert ep.model_states == base.model_states and ep.activations > base.activations and ep.ep == 2
+    cp = rank_memory(cfg, seq_len=256, micro_batch=4, dp_shard=2, cp=2)
+    assert cp.cp == 2 and cp.activations < base.activations and cp.model_states == base.model_states
+    for kwargs, message in (
+        ({"ep": 2, "strategy": "ddp"}, "parallel.ep=2 needs parallel.strategy=fsdp"),
+        ({"cp": 2, "pp": 2}, "parallel.cp=2 does not run with parallel.pp=2"),
+        ({"ep": 3}, "not divisible by parallel.ep=3"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            rank_memory(cfg, seq_len=256, dp_shard=4, **kwargs)

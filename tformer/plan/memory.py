@@ -685,7 +685,9 @@ def rank_memory(
             raise ConfigError(why)
     if cp > 1 and pp > 1:
         raise ConfigError(f"parallel.cp={cp} does not run with parallel.pp={pp} yet; set parallel.pp=1 or parallel.cp=1")
-    check_expert_parallel(cfg, ep, dp_shard, cp, strategy)
+    check_expert_parallel(cfg, ep, dp_shard, cp)
+    if ep > 1 and not strategy.startswith("fsdp"):
+        raise ConfigError(f"parallel.ep={ep} needs parallel.strategy=fsdp, not {strategy!r}")
     mixed = precision != "fp32"
     if cp > 1:
         e = cp_estimate(
@@ -714,8 +716,9 @@ def rank_memory(
     return with_expert_parallel(e, cfg, seq_len, mixed, ep)
 
 
-def check_expert_parallel(cfg: ModelConfig, ep: int, dp_shard: int, cp: int, strategy: str) -> None:
-    """What ``parallel.ep`` needs (parallel/ep.py, mesh.check_ep), refused in one line."""
+def check_expert_parallel(cfg: ModelConfig, ep: int, dp_shard: int, cp: int) -> None:
+    """What any ``parallel.ep`` needs (parallel/ep.py, mesh.check_ep), refused in one line: experts,
+    an ep that divides them, a multiple of cp that divides dp_shard x cp."""
     from ..parallel.mesh import check_ep
 
     if ep == 1:
@@ -728,8 +731,6 @@ def check_expert_parallel(cfg: ModelConfig, ep: int, dp_shard: int, cp: int, str
         raise ConfigError(
             f"model.moe.num_experts={cfg.moe.num_experts} is not divisible by parallel.ep={ep}; choose an ep that divides it"
         )
-    if not strategy.startswith("fsdp"):
-        raise ConfigError(f"parallel.ep={ep} needs parallel.strategy=fsdp, not {strategy!r}")
     check_ep(ep, dp_shard, cp)
 
 

@@ -175,24 +175,13 @@ def check_layout(cfg: ModelConfig, layout: Layout) -> None:
     a tp that does not split the heads, ep without experts, or an ep that does not divide the
     experts or is not a multiple of cp dividing dp_shard x cp (what parallel/ep.py and mesh.py
     refuse)."""
-    from ..parallel.mesh import check_ep
-
     for name in ("micro_batch", "dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"):
         if getattr(layout, name) < 1:
             raise ConfigError(f"Layout.{name}={getattr(layout, name)} must be >= 1")
     blocker = memory_plan.tp_blocker(cfg, layout.tp)
     if blocker:
         raise ConfigError(f"Layout.tp={layout.tp} does not divide {blocker}; choose a tp that divides it")
-    if layout.ep == 1:
-        return
-    if not cfg.moe.enabled:
-        raise ConfigError(f"Layout.ep={layout.ep} needs a mixture-of-experts model (model.moe.num_experts > 0); set ep=1")
-    if cfg.moe.num_experts % layout.ep:
-        raise ConfigError(
-            f"Layout.ep={layout.ep} does not divide model.moe.num_experts={cfg.moe.num_experts}; "
-            "choose an ep that divides the number of experts"
-        )
-    check_ep(layout.ep, layout.dp_shard, layout.cp)
+    memory_plan.check_expert_parallel(cfg, layout.ep, layout.dp_shard, layout.cp)
 
 
 def why_not_priced(cfg: ModelConfig, layout: Layout, hw: Hardware) -> str | None:
