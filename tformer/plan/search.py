@@ -1,9 +1,11 @@
 """The layouts ``tformer plan`` tries, and the memory-first ranking of those that fit.
 
 A layout is a strategy on the mesh pp x dp_replicate x dp_shard x cp x tp (``layouts``: no pipeline;
-``pp_layouts``: pipelines; ``cp_layouts``: context parallelism); ``recommend`` and ``recommend_cp``
-keep every layout and activation-checkpointing mode that fits a device, each at its largest
-micro-batch, ordered by what a practitioner would try first when memory is the only question.
+``pp_layouts``: pipelines; ``cp_layouts``: context parallelism), for an MoE model with its experts
+over ep of the dp_shard x cp ranks (``ep_variants``); ``recommend`` and ``recommend_cp`` keep every
+layout and activation-checkpointing mode that fits a device, each at its largest micro-batch,
+ordered by what a practitioner would try first when memory is the only question. Only what the
+trainer runs is offered (an MoE model: tp 1, no DeepSpeed; CP: no attention dropout, no pipeline).
 The per-rank bytes come from memory.py; which of the fitting layouts is fastest, from time.py
 (report.py prints both).
 """
