@@ -21,7 +21,7 @@ Printed per contender: micro-batch, tokens/s (median step), MFU (training FLOPs 
 ``tformer.models.flops.training_flops`` -- HF models of the same configuration do the same work --
 over the step time and the device's dense bf16 peak: ``tformer.train.metrics.gpu_peak``'s table,
 989 TFLOP/s for an H100 SXM, or ``--peak``), peak allocated memory, the compile (first-step) time,
-and for tformer the planner's prediction (``parallel.plan.rank_memory`` with the trainer's head
+and for tformer the planner's prediction (``tformer.plan.rank_memory`` with the trainer's head
 settings: what ``tformer plan`` prints) against the measured peak. Ratios against HF eager and HF
 compiled. Then greedy KV-cached generation (bf16 weights, 256 new tokens after a 128-token prompt,
 batch 1 and 8) against HF ``generate`` on the same weights, with the share of identical tokens.
@@ -58,7 +58,8 @@ from tformer.generate import generate  # noqa: E402
 from tformer.models.flops import training_flops  # noqa: E402
 from tformer.models.presets import preset  # noqa: E402
 from tformer.parallel.compile import compile_blocks  # noqa: E402
-from tformer.parallel.plan import rank_memory, training_memory  # noqa: E402
+from tformer.plan import rank_memory  # noqa: E402
+from tformer.plan.memory import training_memory  # noqa: E402
 from tformer.train.config import LossConfig, OptimConfig, TrainConfig  # noqa: E402
 from tformer.train.metrics import peak_flops  # noqa: E402
 from tformer.train.optim import build_optimizer  # noqa: E402

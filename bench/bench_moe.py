@@ -15,7 +15,7 @@ balance: configs/mixtral-tiny.yaml trained ``--steps`` (300) steps on the bundle
 
 a2a: ep=2 on 2 gloo ranks (mixtral-tiny, 8 experts, top-2): the bytes each rank's expert all-to-alls
   send to the other rank in a forward + backward step, counted at torch's functional all-to-all op
-  (forward and autograd's backward), against ``tformer.parallel.moe_plan.all_to_all_bytes_per_step``:
+  (forward and autograd's backward), against ``tformer.plan.moe.all_to_all_bytes_per_step``:
   target within 5%. Measured (AVX2 CPU, 2026-11-24): 2.00 MiB per rank per step on both ranks,
   planner 2.00 MiB (0.2%): the router at initialisation is close to balanced, which the formula
   assumes; a trained, skewed router moves the measured figure away from it.
@@ -214,7 +214,7 @@ def bench_a2a(args) -> list[str]:
     import torch.multiprocessing as mp
 
     import tformer
-    from tformer.parallel.moe_plan import MoELayout, all_to_all_bytes_per_step
+    from tformer.plan.moe import MoELayout, all_to_all_bytes_per_step
 
     with tempfile.TemporaryDirectory(prefix="bench-moe-a2a-") as tmp:
         import socket

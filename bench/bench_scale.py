@@ -166,11 +166,11 @@ def common(precision: str) -> list[str]:
 # DeepSpeed in pure fp32 still clones the parameter partition into a separate fp32 master copy
 # (4Ψ/N more than the paper's fp32 variant), and ZeRO-1 frees the full gradients once they are
 # reduced into the partition (measured after backward, as here). Bytes per Ψ for N ranks:
-from tformer.parallel.plan import DEEPSPEED_FP32_AS_BUILT as AS_BUILT_FP32  # noqa: E402
+from tformer.plan.memory import DEEPSPEED_FP32_AS_BUILT as AS_BUILT_FP32  # noqa: E402
 
 
 def memory_part(tmp: str, cache: str, precisions=("bf16", "fp32")) -> None:
-    from tformer.parallel.plan import model_state_bytes as formula
+    from tformer.plan.memory import model_state_bytes as formula
 
     n = 2
     for precision in precisions:
@@ -370,7 +370,7 @@ def _mesh_worker(rank, world, port, jobs, out, cache):
 
     import tformer.parallel.tp as tp_module
     from tformer.parallel.memory import SavedActivations, model_state_bytes
-    from tformer.parallel.plan import _block_parts, rank_memory, training_memory
+    from tformer.plan.memory import _block_parts, rank_memory, training_memory
     from tformer.parallel.strategy import param_counts
     from tformer.train.config import load_config
     from tformer.train.trainer import Trainer
@@ -592,7 +592,8 @@ def _pp_worker(rank, world, port, jobs, out, cache):
     import torch.distributed as dist
 
     from tformer.parallel.memory import model_state_bytes
-    from tformer.parallel.plan import rank_memory, training_memory
+    from tformer.plan import rank_memory
+    from tformer.plan.memory import training_memory
     from tformer.train.config import load_config
     from tformer.train.trainer import Trainer, _concat
 
@@ -855,7 +856,7 @@ def _cp_length_worker(rank, world, port, out, cache):
 
 
 def _planned_activations(cp: int) -> float:
-    from tformer.parallel.plan import activation_bytes, cp_activation_bytes
+    from tformer.plan.memory import activation_bytes, cp_activation_bytes
 
     cfg = _cp_model().config
     memory = {"return_logits": False, "chunk": None}

@@ -563,7 +563,7 @@ def _long_gpt2(seq=65536):
 
 
 def test_plan_layouts_include_cp():
-    from tformer.parallel.plan import cp_layouts
+    from tformer.plan.search import cp_layouts
 
     got = cp_layouts(_long_gpt2().model, 8)
     assert {cp for _, _, cp in got} == {2, 4, 8}
@@ -574,7 +574,7 @@ def test_plan_layouts_include_cp():
 def test_plan_cp_activations_per_rank_with_the_gathered_kv():
     """Per rank: the blocks' and the head's activations of seq / cp tokens, plus one attention call's
     whole-sequence K/V (gathered) and their fp32 gradients, which do not shrink with cp."""
-    from tformer.parallel.plan import activation_bytes, cp_activation_bytes, cp_attention_bytes
+    from tformer.plan.memory import activation_bytes, cp_activation_bytes, cp_attention_bytes
 
     cfg = _long_gpt2().model
     seq, kv = 8192, cfg.kv_heads * cfg.head_dim
@@ -599,7 +599,9 @@ def test_plan_cp_activations_per_rank_with_the_gathered_kv():
 def test_plan_recommends_cp_when_a_sequence_fits_no_other_layout(capsys):
     """A 65k-token sequence on 8 devices of 500 MiB: no layout without CP fits (AC full recomputes a
     whole block of 65k tokens), cp=4 does; plan prints its table and overrides."""
-    from tformer.parallel.plan import plan_main, recommend, recommend_cp, training_memory
+    from tformer.plan import recommend, recommend_cp
+    from tformer.plan.memory import training_memory
+    from tformer.plan.memory_report import plan_main
 
     cfg = _long_gpt2()
     settings = {**training_memory(cfg), "loss_parallel": True}

@@ -346,7 +346,7 @@ def test_planner_moe_terms():
     are 1/(ep x dp_shard/ep) of the experts' states; the all-to-all volume is 4 exchanges of
     (ep-1)/ep of the routed rows per MoE layer and micro-batch (bench_moe.py --part a2a measures it)."""
     import tformer
-    from tformer.parallel.moe_plan import (
+    from tformer.plan.moe import (
         MoELayout,
         active_parameters,
         all_to_all_bytes_per_step,

@@ -129,10 +129,10 @@ def test_the_check_finds_an_import_of_a_higher_layer(tmp_path, line, target):
             "config.py": "",
             "train/__init__.py": "",
             "train/config.py": "",
-            "train/trainer.py": "from ..parallel import plan\nfrom ..config import X\n",
+            "train/trainer.py": "from ..parallel import mesh\nfrom ..config import X\n",
             "parallel/__init__.py": "",
             # lazily, inside a function: still found
-            "parallel/plan.py": f"import os\n\n\ndef main():\n    {line}\n",
+            "parallel/mesh.py": f"import os\n\n\ndef main():\n    {line}\n",
         },
     )
     found = violations(root)
@@ -140,7 +140,7 @@ def test_the_check_finds_an_import_of_a_higher_layer(tmp_path, line, target):
         assert found == []
     else:
         assert found == [
-            f"tformer/parallel/plan.py:5: tformer.parallel.plan (parallel) imports {target} (train), a layer above it"
+            f"tformer/parallel/mesh.py:5: tformer.parallel.mesh (parallel) imports {target} (train), a layer above it"
         ]
 
 

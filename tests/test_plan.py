@@ -7,7 +7,8 @@ import torch
 
 from tformer import ConfigError, build_model
 from tformer.parallel.memory import SavedActivations, model_state_bytes
-from tformer.parallel.plan import activation_bytes, estimate, model_state_bytes as formula, parse_bytes
+from tformer.args import parse_bytes
+from tformer.plan.memory import activation_bytes, estimate, model_state_bytes as formula
 
 
 def _measure(model, batch, ac):
@@ -144,7 +145,7 @@ def test_zero_formulas_and_the_planner_choice():
     with torch.device("meta"):
         cfg = build_model("llama-1b").config
     # A 1.2B model does not fit plain DDP on 16 GiB with Adam; the planner must shard
-    from tformer.parallel.plan import recommend
+    from tformer.plan import recommend
 
     fits = recommend(cfg, 8, 16 * 2**30, 2048, None)
     assert fits and fits[0].strategy != "ddp"
@@ -311,7 +312,7 @@ MESH_MODELS = [
 
 @pytest.mark.parametrize("name,extra", MESH_MODELS)
 def test_model_states_per_rank_are_the_tp_and_fsdp_shards_of_each_parameter(name, extra):
-    from tformer.parallel.plan import rank_memory, tp_local_parameters
+    from tformer.plan.memory import rank_memory, tp_local_parameters
 
     with torch.device("meta"):
         model = build_model(name, **extra)
@@ -336,7 +337,7 @@ def test_tp_and_sp_activation_formulas():
     on every TP rank without SP, and are kept as sequence shards with it (gathered again in
     backward); q, k, v, attention and the FFN width split by tp; norm inputs and dropout masks split
     along the sequence only with SP. The logits split by tp with loss parallelism."""
-    from tformer.parallel.plan import rank_memory
+    from tformer.plan import rank_memory
 
     with torch.device("meta"):
         cfg = build_model("gpt2-small", pad_vocab_multiple=64).config
@@ -375,7 +376,8 @@ def test_tp_and_sp_activation_formulas():
 
 
 def test_only_tp_degrees_that_split_the_model_are_candidates():
-    from tformer.parallel.plan import layouts, rank_memory, recommend, tp_degrees
+    from tformer.plan import layouts, rank_memory, recommend
+    from tformer.plan.search import tp_degrees
 
     with torch.device("meta"):
         llama = build_model("llama-70b").config
@@ -397,7 +399,7 @@ def test_only_tp_degrees_that_split_the_model_are_candidates():
 
 
 def test_recommendation_is_tp_for_llama_70b_and_none_for_gpt2_small():
-    from tformer.parallel.plan import recommend
+    from tformer.plan import recommend
 
     trainer = dict(return_logits=False, chunk=128)
     with torch.device("meta"):
@@ -471,7 +473,7 @@ def test_stage_parameters_are_those_of_the_split_model(name, extra):
     the stage build_stage makes (a pruned copy: no process group), sharded by the TP rules above:
     uneven splits, a tied embedding/head on the first and last stage, BERT's head, T5's halves."""
     from tformer.parallel.pipeline import build_stage, stages_of_rank
-    from tformer.parallel.plan import rank_memory, stage_parameters
+    from tformer.plan.memory import rank_memory, stage_parameters
 
     with torch.device("meta"):
         model = build_model(name, **extra)
@@ -512,7 +514,7 @@ def _torch_interleaved_peak(pp, v, m, rank):
 
 
 def test_micro_batches_in_flight_per_schedule_and_the_bubble():
-    from tformer.parallel.plan import bubble, in_flight
+    from tformer.plan.memory import bubble, in_flight
 
     # GPipe: every forward first; 1F1B: pp - rank warm-up forwards, then backward before forward
     assert [in_flight("gpipe", 4, 16, r) for r in range(4)] == [16] * 4
@@ -530,7 +532,7 @@ def test_micro_batches_in_flight_per_schedule_and_the_bubble():
 def test_pipeline_activations_are_the_micro_batches_in_flight():
     """The first rank holds its blocks' activations of each micro-batch in flight; the last rank
     one micro-batch's, plus the head and loss."""
-    from tformer.parallel.plan import activation_bytes, rank_memory
+    from tformer.plan.memory import activation_bytes, rank_memory
 
     with torch.device("meta"):
         cfg = build_model("llama-1b").config  # 16 blocks
@@ -552,7 +554,7 @@ def test_pipeline_activations_are_the_micro_batches_in_flight():
 
 
 def test_invalid_pipeline_degrees_are_skipped_with_a_reason():
-    from tformer.parallel.plan import pp_layouts, rank_memory
+    from tformer.plan import pp_layouts, rank_memory
 
     with torch.device("meta"):
         gpt2 = build_model("gpt2-small").config  # 12 blocks
@@ -580,7 +582,8 @@ def test_invalid_pipeline_degrees_are_skipped_with_a_reason():
 
 
 def test_pipelines_come_after_tp_within_a_node_and_before_full_recomputation():
-    from tformer.parallel.plan import MAX_BUBBLE, recommend
+    from tformer.plan import recommend
+    from tformer.plan.search import MAX_BUBBLE
 
     trainer = dict(return_logits=False, chunk=None)
     with torch.device("meta"):
@@ -709,7 +712,8 @@ def test_pipeline_table_says_fits_and_the_cheapest_ac_in_two_columns(capsys):
 def test_op_ac_under_tp_holds_more_than_none_and_the_plan_says_why(capsys):
     """At tp=8 with SP, Llama 70B's op-level AC keeps the o_proj and FFN down outputs whole (partial
     sums before their reduce-scatter): more than AC none, whose saved tensors are all split by tp."""
-    from tformer.parallel.plan import op_ac_note, rank_memory
+    from tformer.plan import rank_memory
+    from tformer.plan.memory_report import op_ac_note
 
     with torch.device("meta"):
         cfg = build_model("llama-70b").config
@@ -781,7 +785,7 @@ def test_op_ac_under_tp_saves_what_the_planner_counts(tmp_path):
     import torch.multiprocessing as mp
 
     from train_helpers import free_port
-    from tformer.parallel.plan import _block_elements_op_ac
+    from tformer.plan.memory import _block_elements_op_ac
 
     out = tmp_path / "saved.json"
     ctx = mp.start_processes(_op_saved_worker, args=(free_port(), str(out)), nprocs=2, join=False, start_method="spawn")

@@ -3,12 +3,17 @@ price, bad hardware figures are one line, and its comparisons go the way the phy
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tformer.config import ConfigError
 from tformer.models.flops import forward_flops
+from tformer.models import spec_of
 from tformer.models.presets import preset
+from tformer.nn.ffn import FFN_KINDS
 from tformer.plan import Layout, NotPriced, profile, step_time
+from tformer.plan.moe import MoELayout, all_to_all_bytes_per_step
 from tformer.plan.time import AC_POLICIES, block_gemms, head_gemms, recomputed_gemms
 
 
@@ -34,8 +39,9 @@ def test_the_gemms_count_the_flops_of_models_flops(name, tp):
     "layout, gpu, why",
     [
         (Layout(float8=True, dp_shard=8), "h100-sxm", "float8"),
-        (Layout(async_tp=True, tp=8), "h100-sxm", "async TP"),
-        (Layout(cp=2, dp_shard=4), "h100-sxm", "context parallelism"),
+        (Layout(async_tp=True, tp=4), "h100-sxm", "async TP"),
+        (Layout(cp=2, pp=2, dp_shard=2), "h100-sxm", "context parallelism with pipelines"),
+        (Layout(cp=2, dp_shard=4), "b200", "fp32 scores on a GPU"),
         (Layout(precision="fp32", dp_shard=8), "b200", "no fp32 peak"),
         (Layout(strategy="ddp", dp_replicate=2, dp_shard=4), "h100-sxm", "HSDP"),
         (Layout(ac="selective", dp_shard=8), "h100-sxm", "activation checkpointing 'selective'"),
@@ -189,3 +195,301 @@ def test_unfused_attention_executes_every_score_and_moves_them_through_memory():
     assert moved == pytest.approx(scores * (2 * 9 + 11), rel=1e-9)
     with pytest.raises(NotPriced, match="attention kernel 'xformers'"):
         step_time(cfg, Layout(attention="xformers"), hw, 64)
+
+
+# --- context parallelism ----------------------------------------------------------------------------
+def _core(gemms):
+    return sum(g.executed for g in gemms if not g.linear)
+
+
+def _no_latency(gpu="h100-sxm", **figures):
+    """Links with (almost) no latency: a collective's seconds are its bytes over the bandwidth."""
+    return profile(gpu, gemm_half=1e-9, intra_latency=1e-30, inter_latency=1e-30, **figures)
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny", "t5-tiny", "llama-tiny", "mixtral-tiny", "switch-tiny"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_under_cp_a_rank_counts_one_cp_th_of_the_flops(name, cp):
+    """Each rank's GEMMs count 1/cp of the model's FLOPs: its seq/cp tokens through every linear
+    layer, its queries against every key (cross-attention: the encoder's)."""
+    cfg = preset(name)
+    batch, seq, target = 3, 32, 16
+    total = 0.0
+    for n, length, cross in spec_of(cfg).stack_shapes(cfg, seq, target):
+        for i in range(n):
+            moe = cfg.moe.is_moe_layer(i)
+            total += sum(g.counted for g in block_gemms(cfg, batch, length, 1, cross, cp=cp, moe=moe))
+    out = target if cfg.family == "encdec" else seq
+    total += sum(g.counted for g in head_gemms(cfg, batch * out // cp, 1))
+    assert total * cp == forward_flops(cfg, batch, seq, target if cfg.family == "encdec" else None)
+
+
+def test_cp_halves_a_non_causal_models_attention_core_and_splits_a_causal_one_evenly():
+    """bert-tiny (no mask): cp=2 gives each rank (S/2) x S scores, half the core, and half of every
+    linear layer. Causal (llama-tiny), the rank's 2 cp + 1 chunk pairs on the GPU (the two diagonal
+    pairs computed whole, masked after) and 2 cp pair-equivalents on the CPU (torch's kernel skips
+    their masked half): half of the whole core on the CPU, on every rank alike."""
+    bert, llama = preset("bert-tiny"), preset("llama-tiny")
+    one, two = block_gemms(bert, 2, 512), block_gemms(bert, 2, 512, cp=2)
+    assert _core(two) == _core(one) / 2
+    assert sum(g.executed for g in two if g.linear) == sum(g.executed for g in one if g.linear) / 2
+    whole = sum(g.counted for g in block_gemms(llama, 2, 512) if not g.linear)  # MFU's full S x S
+    for cp in (2, 4, 8):
+        assert _core(block_gemms(llama, 2, 512, cp=cp, device="cpu")) == whole / cp / 2
+        assert _core(block_gemms(llama, 2, 512, cp=cp)) == whole / cp / 2 * (2 * cp + 1) / (2 * cp)
+
+
+def test_the_gpu_chunk_pair_kernel_runs_fp32_scores_and_an_fp32_backward():
+    """context._pair_forward off the CPU: QK^T in fp32, P V in the run's precision; its backward
+    rebuilds QK^T and makes dP (2 x the scores' size) and dV, dQ, dK (3 x the values'), all in fp32.
+    On the CPU torch's flash kernel per pair: flash's 2.5x backward, the run's precision."""
+    cfg = preset("llama-tiny")
+    scores, values = [g for g in block_gemms(cfg, 1, 256, cp=2) if not g.linear]
+    assert (scores.kind, scores.fp32, scores.fp32_backward, scores.backward) == ("scores", True, True, 2.0)
+    assert (values.kind, values.fp32, values.fp32_backward, values.backward) == ("values", False, True, 3.0)
+    for g in (g for g in block_gemms(cfg, 1, 256, cp=2, device="cpu") if not g.linear):
+        assert (g.fp32, g.fp32_backward, g.backward) == (False, False, 2.5)
+    # per layer both run 7 GEMMs' worth (2 forward; flash's backward 2 x 2.5, the explicit one 2 + 3):
+    # at an fp32 rate equal to bf16's only the GPU kernel's whole diagonal pairs differ ...
+    hw = profile("h100-sxm", gemm_half=1e-9, peak_fp32=989.4e12)
+    on_cpu, on_gpu = (step_time(cfg, Layout(cp=2), dataclasses.replace(hw, device=d), 256) for d in ("cpu", "cuda"))
+    seconds = 1 / (hw.peak["bf16"] * hw.gemm_max)
+    gpu, cpu = (_core(block_gemms(cfg, 1, 256, cp=2, device=d)) / 2 * cfg.num_layers for d in ("cuda", "cpu"))
+    assert on_gpu.breakdown["compute"] - on_cpu.breakdown["compute"] == pytest.approx(7 * (gpu - cpu) * seconds, rel=1e-9)
+    # ... and at the H100's fp32 rate, 15x slower than its bf16 one, the core's 6 fp32 GEMMs dominate
+    real = step_time(cfg, Layout(cp=2), profile("h100-sxm", gemm_half=1e-9), 256)
+    assert real.breakdown["compute"] - on_gpu.breakdown["compute"] == pytest.approx(
+        6 * gpu * (1 / 66.9e12 - 1 / 989.4e12) / hw.gemm_max, rel=1e-9
+    )
+
+
+def test_cp_adds_exactly_the_gathered_kv_over_the_link():
+    """Per attention layer and micro-batch: K and V of the whole sequence all-gathered in forward
+    and again in backward (once more under AC), dK and dV reduce-scattered in fp32, each moving
+    (cp-1)/cp of its bytes over the cp group's link (inside the node here); nothing else but the
+    labelled-token count (8 bytes)."""
+    cfg, hw = preset("gpt2-tiny"), _no_latency()
+    mb, seq, cp = 2, 1024, 4
+    kv = 2 * mb * seq * cfg.kv_heads * cfg.head_dim  # K and V elements of every key
+    share = (cp - 1) / cp / hw.intra_bandwidth
+    for ac, gathers in (("none", 2), ("full", 3), ("op", 3)):
+        r = step_time(cfg, Layout(micro_batch=mb, cp=cp, ac=ac), hw, seq)
+        expected = cfg.num_layers * (gathers * kv * 2 + kv * 4) * share + 2 * 8 * share  # + the count's all-reduce
+        assert r.breakdown["cp"] == pytest.approx(expected, rel=1e-9), ac
+    assert "cp" not in step_time(cfg, Layout(micro_batch=mb, dp_shard=cp), hw, seq).breakdown
+    # across nodes the same bytes take the network
+    slow = step_time(cfg, Layout(micro_batch=mb, cp=cp), _no_latency(gpus_per_node=2), seq)
+    assert slow.breakdown["cp"] == pytest.approx(
+        (cfg.num_layers * (2 * kv * 2 + kv * 4) + 2 * 8) * (cp - 1) / cp / hw.inter_bandwidth, rel=1e-9
+    )
+
+
+def test_cp_shares_sequences_and_fsdp_shards_over_dp_shard_x_cp():
+    cfg = preset("llama-tiny")
+    r = step_time(cfg, Layout(micro_batch=2, dp_shard=2, cp=4), profile("h100-sxm"), 4096)
+    assert r.devices == 8 and r.tokens_per_step == 2 * 2 * 4096  # the cp ranks of a group see the same samples
+    same = step_time(cfg, Layout(micro_batch=2, dp_shard=8), profile("h100-sxm"), 4096)
+    assert r.breakdown["optimizer"] == same.breakdown["optimizer"]  # each rank updates 1/8 of the parameters
+    assert r.memory > 0
+
+
+# --- expert parallelism -----------------------------------------------------------------------------
+def test_moe_blocks_are_priced_by_their_active_gemms():
+    """Router + top-k experts (grouped GEMMs of tokens x top_k rows) + shared experts: what MFU
+    counts (models/flops.py); each expert's GEMM has tokens x top_k x ep / num_experts rows."""
+    for name in ("mixtral-tiny", "qwen2-moe-tiny"):
+        cfg = preset(name)
+        moe = block_gemms(cfg, 2, 64, moe=True)
+        dense = block_gemms(cfg, 2, 64)
+        attention = sum(g.counted for g in dense[:6])
+        assert (
+            attention + sum(g.counted for g in moe[6:])
+            == (forward_flops(cfg, 2, 64) - sum(g.counted for g in head_gemms(cfg, 128, 1))) / cfg.num_layers
+        )
+        matrices = 3 if FFN_KINDS[cfg.moe.activation or cfg.activation][1] else 2
+        for ep in (1, 2):
+            grouped = block_gemms(cfg, 2, 64, moe=True, ep=ep)[7 : 7 + matrices]  # after the router
+            assert {g.m for g in grouped} == {128 * cfg.moe.top_k * ep / cfg.moe.num_experts}
+
+
+def test_ep1_has_no_all_to_all_and_ep2_moves_what_moe_plan_counts():
+    """ep=2: per MoE layer and micro-batch, four exchanges of the rank's tokens x top_k rows, half
+    of them leaving the rank: the bytes plan/moe.py counts (bench_moe.py --part a2a measured them)."""
+    cfg, hw = preset("mixtral-tiny"), _no_latency()
+    mb, seq, accum = 4, 256, 3
+    assert "ep" not in step_time(cfg, Layout(micro_batch=mb, dp_shard=4, grad_accum=accum), hw, seq).breakdown
+    r = step_time(cfg, Layout(micro_batch=mb, dp_shard=4, ep=2, grad_accum=accum), hw, seq)
+    moved = all_to_all_bytes_per_step(cfg, MoELayout(ep=2, dp_shard=4, tokens=mb * seq, micro_batches=accum, elt=2))
+    assert moved > 0 and r.breakdown["ep"] * hw.intra_bandwidth == pytest.approx(moved, rel=1e-9)
+    # a recomputed forward dispatches and combines once more: 6 exchanges instead of 4
+    full = step_time(cfg, Layout(micro_batch=mb, dp_shard=4, ep=2, grad_accum=accum, ac="full"), hw, seq)
+    assert full.breakdown["ep"] == pytest.approx(r.breakdown["ep"] * 6 / 4, rel=1e-9)
+
+
+def test_ep_gathers_only_its_share_of_the_experts():
+    """FSDP2 gathers each rank's 1/ep of the experts over the dp_shard x cp / ep ranks EP leaves:
+    at ep=8 of 64 ranks the expert weights' traffic falls about 8x; the memory per rank stays."""
+    cfg, hw = preset("mixtral-8x7b"), profile("h100-sxm")
+    plain = step_time(cfg, Layout(dp_shard=64), hw, 4096)
+    ep = step_time(cfg, Layout(dp_shard=64, ep=8), hw, 4096)
+    assert ep.breakdown["fsdp"] < plain.breakdown["fsdp"] / 6
+    assert ep.step < plain.step and ep.breakdown["ep"] > 0
+    assert plain.memory < ep.memory < 1.1 * plain.memory  # the received rows, kept for backward
+
+
+@pytest.mark.parametrize(
+    "name, layout, message",
+    [
+        ("gpt2-tiny", Layout(ep=2, dp_shard=2), "parallel.ep=2 needs a mixture-of-experts model"),
+        ("mixtral-tiny", Layout(ep=3, dp_shard=3), "model.moe.num_experts=4 is not divisible by parallel.ep=3"),
+        ("mixtral-tiny", Layout(cp=4, ep=2, dp_shard=2), "parallel.ep=2 must be a multiple of parallel.cp=4"),
+        ("mixtral-tiny", Layout(cp=2, ep=4, dp_shard=1), "parallel.ep=4 must be a multiple of parallel.cp=2 that divides"),
+        ("gpt2-tiny", Layout(tp=3), "Layout.tp=3 does not divide num_heads=4"),
+        ("gpt2-tiny", Layout(cp=0), "Layout.cp=0 must be >= 1"),
+    ],
+)
+def test_a_layout_no_run_can_have_is_one_config_error_line(name, layout, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        step_time(preset(name), layout, profile("h100-sxm"), 64)
+    assert not isinstance(e.value, NotPriced) and len(str(e.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "name, layout, why",
+    [
+        ("mixtral-tiny", Layout(tp=2), "mixture-of-experts model with tensor parallelism"),
+        ("mixtral-tiny", Layout("zero3", dp_shard=2), "mixture-of-experts model with DeepSpeed"),
+        ("mixtral-tiny", Layout("ddp", dp_shard=2, ep=2), "expert parallelism with ddp"),
+        ("mixtral-tiny", Layout(pp=2, dp_shard=2, ep=2), "expert parallelism with pipelines"),
+        ("gpt2-tiny", Layout("zero2", dp_shard=2, cp=2), "context parallelism with DeepSpeed"),
+    ],
+)
+def test_what_tformer_does_not_run_is_not_priced(name, layout, why):
+    with pytest.raises(NotPriced, match=why):
+        step_time(preset(name), layout, profile("h100-sxm"), 64)
+    with pytest.raises(NotPriced, match="context parallelism with attention dropout"):
+        step_time(preset("gpt2-tiny", attn_dropout=0.1), Layout(cp=2), profile("h100-sxm"), 64)
+
+
+def test_the_search_offers_moe_models_what_the_trainer_runs():
+    from tformer.plan.search import ep_degrees, layouts, tp_degrees
+
+    cfg = preset("mixtral-8x7b")
+    usable, skipped = tp_degrees(cfg, 16)
+    assert usable == [1] and "model.moe" in skipped[2]
+    assert {s for s, _, _ in layouts(cfg, 16)} == {"ddp", "fsdp", "fsdp-no-reshard"}
+    assert ep_degrees(cfg, 16) == [2, 4, 8] and ep_degrees(cfg, 4, cp=2) == [2, 4, 8]
+    assert ep_degrees(cfg, 1, cp=2) == [2] and ep_degrees(preset("llama-tiny"), 16) == []
+
+
+def _speed_rows(out: str, marker: str) -> list[list[str]]:
+    speed = out[out.index("predicted speed on") :].splitlines()
+    return [line.split() for line in speed if line.startswith("  fsdp") and f" {marker}" in line[:42]]
+
+
+@pytest.mark.parametrize(
+    "argv, marker",
+    [
+        (["configs/llama-1b.yaml", "model.preset=llama-8b", "data.seq_len=65536", "--devices", "8"], "cp"),
+        (["configs/mixtral-tiny.yaml", "--devices", "8"], "ep"),
+    ],
+)
+def test_the_python_api_gives_the_cli_rows(capsys, argv, marker):
+    """Each context- or expert-parallel row of ``tformer plan``'s speed table is what
+    ``step_time`` returns for the layout the row names."""
+    import re
+
+    from tformer.cli import main
+    from tformer.plan import rank_memory
+    from tformer.plan.memory import training_memory
+    from tformer.train.config import load_config
+
+    assert main(["plan", *argv]) == 0
+    rows = _speed_rows(capsys.readouterr().out, marker)
+    assert rows, f"no {marker} rows"
+    cfg = load_config(argv[0], argv[1:-2])
+    for row in rows:
+        name = " ".join(row[: row.index(next(w for w in row if w in AC_POLICIES))])
+        ac, micro, gib, step, tokens, mfu = row[len(name.split()) :][:6]
+        replicate, shard = map(int, re.search(r"(\d+)x(\d+)", name).groups())
+        degrees = {k: int(v) for k, v in re.findall(r"\b(cp|tp|ep)(\d+)", name)}
+        tp = degrees.get("tp", 1)
+        layout = Layout(
+            name.split()[0],
+            int(micro),
+            replicate,
+            shard,
+            tp,
+            tp > 1,
+            ac=ac,
+            cp=degrees.get("cp", 1),
+            ep=degrees.get("ep", 1),
+        )
+        r = step_time(cfg.model, layout, profile("h100-sxm"), cfg.data.seq_len, memory=False)
+        assert (f"{r.step:.3f}", f"{r.tokens_per_s_per_device:,.0f}", f"{r.mfu:.0%}") == (step, tokens, mfu), name
+        # the memory column: rank_memory with the run's loss settings (its chunked head)
+        e = rank_memory(
+            cfg.model,
+            seq_len=cfg.data.seq_len,
+            micro_batch=layout.micro_batch,
+            dp_replicate=replicate,
+            dp_shard=shard,
+            tp=tp,
+            sp=tp > 1,
+            precision="bf16",
+            ac=ac,
+            strategy=layout.strategy,
+            cp=layout.cp,
+            ep=layout.ep,
+            **training_memory(cfg),
+            loss_parallel=cfg.parallel.loss_parallel,
+        )
+        assert f"{e.total / 2**30:.1f}" == gib, name
+
+
+def _speed_examples() -> list[tuple[list[str], list[str]]]:
+    """The `tformer plan` examples of docs/planning.md that state speed lines: (arguments, the
+    lines, whitespace collapsed)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "planning.md").read_text().replace("\\\n", " ")
+    found = re.findall(r"^tformer plan (.+)\n((?:# .+\n)+)", text, re.MULTILINE)
+    return [
+        (shlex.split(args), [" ".join(line[2:].split()) for line in lines.splitlines()])
+        for args, lines in found
+        if "fastest that fits" in lines
+    ]
+
+
+def test_the_documented_speed_examples_print_what_they_state(capsys):
+    from tformer.cli import main
+
+    examples = _speed_examples()
+    assert len(examples) == 2
+    for args, stated in examples:
+        assert main(["plan", *args]) == 0
+        printed = {" ".join(line.split()) for line in capsys.readouterr().out.splitlines()}
+        assert set(stated) <= printed, args
+
+
+def test_rank_memory_takes_cp_and_ep():
+    """The memory API lays out cp and ep as the speed table does: EP keeps the model states (FSDP2
+    shards the experts over dp_shard x cp either way) and adds the received rows; CP shrinks the
+    activations per rank; what the trainer refuses is one line."""
+    from tformer.plan import rank_memory
+
+    cfg = preset("mixtral-tiny")
+    base = rank_memory(cfg, seq_len=256, micro_batch=4, dp_shard=4)
+    ep = rank_memory(cfg, seq_len=256, micro_batch=4, dp_shard=4, ep=2)
+    assert ep.model_states == base.model_states and ep.activations > base.activations and ep.ep == 2
+    cp = rank_memory(cfg, seq_len=256, micro_batch=4, dp_shard=2, cp=2)
+    assert cp.cp == 2 and cp.activations < base.activations and cp.model_states == base.model_states
+    for kwargs, message in (
+        ({"ep": 2, "strategy": "ddp"}, "parallel.ep=2 needs parallel.strategy=fsdp"),
+        ({"cp": 2, "pp": 2}, "parallel.cp=2 does not run with parallel.pp=2"),
+        ({"ep": 3}, "not divisible by parallel.ep=3"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            rank_memory(cfg, seq_len=256, dp_shard=4, **kwargs)

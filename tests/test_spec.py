@@ -19,7 +19,8 @@ from tformer.export.hf import TARGETS, export_hf
 from tformer.models import DecoderModel, ModelSpec, build_model, register, spec_of
 from tformer.models.flops import training_flops
 from tformer.models.spec import SPECS, unregister
-from tformer.parallel import plan
+from tformer import plan
+from tformer.plan.memory_report import plan_main
 from tformer.train.config import load_config
 from tformer.train.trainer import Trainer
 
@@ -93,7 +94,7 @@ def test_a_flavour_registered_in_a_test_trains_plans_and_exports(toy_flavour, tm
     assert plan.num_parameters(cfg.model) == model.num_parameters()
     e = plan.estimate(cfg.model, "ddp", 1, 4, 32, mixed=False)
     assert e.model_states == 16 * model.num_parameters()
-    assert plan.plan_main(cfg, "toy_gpt", 2, "1GiB", max_pp=2) == 0
+    assert plan_main(cfg, "toy_gpt", 2, "1GiB", max_pp=2) == 0
 
     # exported through the spec's exporter, with logits equal to the trained model's
     assert TARGETS["toy_gpt"] is gpt2

@@ -442,6 +442,12 @@ def _plan(argv: list[str]) -> int:
         default=None,
         help="the largest pipeline degree tried (default: the device count; 1: no pipelines)",
     )
+    p.add_argument(
+        "--max-cp",
+        type=_number(int, "[1, inf)"),
+        default=None,
+        help="the largest context-parallel degree tried (default: the device count; 1: no context parallelism)",
+    )
     from .plan import report
 
     report.add_options(p, _number)
@@ -449,7 +455,7 @@ def _plan(argv: list[str]) -> int:
     if args.calibrate:
         return report.calibrate_main(args.calibrate)
     hw = report.hardware(args.gpu, args.set, args.gpus_per_node)  # bad figures fail here, before any work
-    from .parallel.plan import plan_main
+    from .plan.memory_report import plan_main
     from .train.config import load_config
 
     cfg = load_config(args.config, args.overrides)
@@ -461,9 +467,10 @@ def _plan(argv: list[str]) -> int:
         args.gpus_per_node,
         args.pp_microbatches,
         args.max_pp,
+        args.max_cp,
     )
     speed = (args.devices, args.device_memory, args.gpus_per_node, args.pp_microbatches, args.max_pp)
-    return rc or report.plan_speed(cfg, *speed, hw, args.tokens)
+    return rc or report.plan_speed(cfg, *speed, hw, args.tokens, args.max_cp)
 
 
 COMMANDS = {  # name: (function, its one line in `tformer --help`)

@@ -19,7 +19,7 @@ same on every TP rank.
 
 Per layer and micro-batch a rank exchanges its routed rows twice (forward: to the experts and
 back; backward: their gradients likewise), ``(ep - 1) / ep`` of them leaving the rank when the
-routing is balanced: ``tformer plan`` counts these bytes (``tformer/parallel/moe_plan.py``).
+routing is balanced: ``tformer plan`` counts these bytes (``tformer/plan/moe.py``).
 """
 
 from __future__ import annotations

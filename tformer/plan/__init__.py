@@ -1,11 +1,36 @@
-"""The planner: what each layout costs in memory (parallel/plan.py, to move here) and in time.
+"""The planner: what a training layout costs in memory and in time, before anything is launched.
 
-``step_time(cfg, Layout(...), profile("h100-sxm"), seq_len)`` predicts one step's seconds, tokens/s
-per device, MFU and the time to train N tokens, with a breakdown (time.py); hardware.py holds the
-device figures; report.py prints ``tformer plan``'s tables.
+- memory.py: the bytes one rank holds (``rank_memory``: model states and activations) on the mesh
+  pp x dp_replicate x dp_shard x cp x tp; moe.py: the mixture-of-experts terms (active parameters,
+  expert states under expert parallelism, all-to-all bytes);
+- search.py: the layouts ``tformer plan`` tries and the memory-first ranking of those that fit;
+- time.py: one step's seconds, tokens/s per device, MFU and its breakdown
+  (``step_time(cfg, Layout(...), profile("h100-sxm"), seq_len)``); hardware.py: the device figures
+  it divides by; calibrate.py: a profile measured on this machine;
+- memory_report.py and report.py: ``tformer plan``'s printed tables (memory, then speed).
 """
 
 from .hardware import PROFILES, Hardware, load_profile, override, profile
+from .memory import Estimate, estimate, num_parameters, rank_memory
+from .search import layouts, pp_layouts, recommend, recommend_cp
 from .time import Layout, NotPriced, StepTime, step_time
 
-__all__ = ["PROFILES", "Hardware", "Layout", "NotPriced", "StepTime", "load_profile", "override", "profile", "step_time"]
+__all__ = [
+    "PROFILES",
+    "Estimate",
+    "Hardware",
+    "Layout",
+    "NotPriced",
+    "StepTime",
+    "estimate",
+    "layouts",
+    "load_profile",
+    "num_parameters",
+    "override",
+    "pp_layouts",
+    "profile",
+    "rank_memory",
+    "recommend",
+    "recommend_cp",
+    "step_time",
+]

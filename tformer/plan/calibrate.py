@@ -156,6 +156,7 @@ def calibrate(path: str | Path, tmp: Path) -> Hardware:
         hbm_efficiency=1.0,
         op_overhead=op_overhead(),
         overlap=False,
+        device="cpu",
         source=f"tformer plan --calibrate, {threads} thread(s) per process, {time.strftime('%Y-%m-%d')}",
     ).check()
     save_profile(hw, path)

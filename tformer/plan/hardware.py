@@ -64,6 +64,7 @@ class Hardware:
     hbm_efficiency: float = HBM_EFFICIENCY
     op_overhead: float = 0.0  # seconds per kernel not hidden by launching ahead (GPU: hidden; CPU: measured)
     overlap: bool = True  # communication runs beside compute (GPU: its own engines; CPU gloo: the same cores)
+    device: str = "cuda"  # which kernels tformer runs there (cuda | cpu): context parallelism's differ (time.py)
     source: str = ""
 
     def check(self) -> "Hardware":

@@ -1,10 +1,12 @@
 """``tformer plan``'s speed report: every layout that fits, priced; the fastest recommended.
 
-The memory planner (parallel/plan.py: ``recommend``) gives each layout and activation-checkpointing
-mode that fits with its largest micro-batch, in its memory-first order; this prices each one
-(time.py) and prints step time, tokens/s per device, MFU and the time to train ``--tokens``. The
-recommendation is the fastest layout that fits; the memory-only choice is printed beside it, with
-its predicted speed, when it differs.
+The memory planner (search.py: ``recommend``, then the context-parallel layouts of
+``recommend_cp`` and, for an MoE model, the expert-parallel versions of the FSDP2 ones,
+``ep_variants``) gives each layout and activation-checkpointing mode that fits with its largest
+micro-batch, in its memory-first order; this prices each one (time.py) and prints step time,
+tokens/s per device, MFU and the time to train ``--tokens``. The recommendation is the fastest
+layout that fits; the memory-only choice is printed beside it, with its predicted speed, when it
+differs.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from pathlib import Path
 from ..args import parse_bytes
 from ..config import ConfigError
 from ..models import spec_of
-from ..parallel import plan as memory_plan
+from . import memory as memory_plan
+from . import memory_report, search
 from .hardware import Hardware, load_profile, profile
 from .time import Layout, NotPriced, StepTime, step_time
 
@@ -70,6 +73,8 @@ def layout_of(e: memory_plan.Estimate, precision: str) -> Layout:
         n_micro=e.n_micro if e.pp > 1 else None,
         ac=e.ac,
         precision=precision,
+        cp=e.cp,
+        ep=e.ep,
     )
 
 
@@ -82,7 +87,9 @@ def _duration(seconds: float) -> str:
 
 def _name(e: memory_plan.Estimate) -> str:
     pipe = f" pp{e.pp} {e.schedule}{'' if e.stages_per_rank == 1 else f'x{e.stages_per_rank}'}" if e.pp > 1 else ""
-    return f"{e.strategy} {e.dp_replicate}x{e.dp_shard} tp{e.tp}{pipe}"
+    cp = f" cp{e.cp}" if e.cp > 1 else ""
+    ep = f" ep{e.ep}" if e.ep > 1 else ""
+    return f"{e.strategy} {e.dp_replicate}x{e.dp_shard}{cp} tp{e.tp}{pipe}{ep}"
 
 
 def speed_report(
@@ -93,8 +100,8 @@ def speed_report(
     target: int | None,
     tokens: float | None,
 ) -> int:
-    """Print the priced table of ``fits`` (parallel.plan.recommend's, best for memory first), the
-    fastest layout's breakdown and, when it differs, the memory-only choice's speed."""
+    """Print the priced table of ``fits`` (``candidates``, best for memory first), the fastest
+    layout's breakdown and, when it differs, the memory-only choice's speed."""
     precision = "bf16" if cfg.precision in ("auto", "bf16") else cfg.precision
     model = cfg.model
     print(f"\npredicted speed on {hw.name} ({hw.gpus_per_node} per node; {precision}; time model: tformer/plan/time.py):")
@@ -133,23 +140,29 @@ def speed_report(
     return 0
 
 
-def plan_speed(cfg, devices: int, device_memory: str, gpus_per_node: int, n_micro, max_pp, hw: Hardware, tokens) -> int:
-    """``recommend``'s fits for the run config ``cfg`` (as parallel.plan.plan_main searches them), priced."""
+def candidates(
+    cfg,
+    devices: int,
+    device_memory: str,
+    gpus_per_node: int = 8,
+    n_micro: int | None = None,
+    max_pp: int | None = None,
+    max_cp: int | None = None,
+) -> list[memory_plan.Estimate]:
+    """Every layout and AC that fits for the run config ``cfg``, memory-first (as
+    memory_report.plan_main searches them): ``recommend``'s, then the context-parallel ones, then,
+    for an MoE model, the expert-parallel versions of the FSDP2 ones."""
     model = cfg.model
     memory = parse_bytes(device_memory)
     mixed = cfg.precision != "fp32"
-    target = None
-    if spec_of(model).seq2seq:
-        from ..data import t5_lengths
-
-        target = cfg.data.target_len or t5_lengths(cfg.data.seq_len)[1]
+    seq, target = cfg.data.seq_len, _target(cfg)
     settings = {**memory_plan.training_memory(cfg), "loss_parallel": cfg.parallel.loss_parallel}
-    refused = memory_plan._pp_refused(cfg)
-    fits = memory_plan.recommend(
+    refused = memory_report._pp_refused(cfg)
+    fits = search.recommend(
         model,
         devices,
         memory,
-        cfg.data.seq_len,
+        seq,
         target,
         mixed,
         settings=settings,
@@ -157,9 +170,37 @@ def plan_speed(cfg, devices: int, device_memory: str, gpus_per_node: int, n_micr
         max_pp=1 if refused else (max_pp or devices),
         n_micro=n_micro,
     )
+    if not memory_report.cp_searched(model, max_cp):
+        fits += search.recommend_cp(
+            model, devices, memory, seq, target, mixed, settings=settings, gpus_per_node=gpus_per_node, max_cp=max_cp
+        )
+    return fits + search.ep_variants(model, fits, devices, memory, seq, target, mixed, settings=settings)
+
+
+def _target(cfg) -> int | None:
+    if not spec_of(cfg.model).seq2seq:
+        return None
+    from ..data import t5_lengths
+
+    return cfg.data.target_len or t5_lengths(cfg.data.seq_len)[1]
+
+
+def plan_speed(
+    cfg,
+    devices: int,
+    device_memory: str,
+    gpus_per_node: int,
+    n_micro,
+    max_pp,
+    hw: Hardware,
+    tokens,
+    max_cp: int | None = None,
+) -> int:
+    """``candidates`` for the run config ``cfg``, priced."""
+    fits = candidates(cfg, devices, device_memory, gpus_per_node, n_micro, max_pp, max_cp)
     if not fits:
         return 1
-    return speed_report(cfg, fits, hw, cfg.data.seq_len, target, tokens)
+    return speed_report(cfg, fits, hw, cfg.data.seq_len, _target(cfg), tokens)
 
 
 def calibrate_main(path: str) -> int:

@@ -13,30 +13,65 @@ One step on one device is the sum of
   products (flash kernels skip the masked blocks), while MFU counts all of them (models/flops.py,
   the field's convention). ``Layout.attention="unfused"`` prices the explicit kernels other systems
   ran before flash attention (Megatron-LM 2021: two batched GEMMs around a fused
-  scale-mask-softmax): all S x S products executed, a backward of 2 x the forward;
+  scale-mask-softmax): all S x S products executed, a backward of 2 x the forward. A mixture-of-
+  experts block computes its active FLOPs (models/flops.py): the router, each token's top-k
+  experts as grouped GEMMs of the rows each expert receives, the shared experts;
 - **memory-bound work** at ``hbm_bandwidth x hbm_efficiency``: the elementwise ops (norms, residual
-  adds, rotary, activations, dropout; backward twice the forward's traffic, the recomputed ones again
-  under any checkpointing policy), the head's softmax and loss, and the optimizer step (AdamW, the gradient norm
-  and zeroing: 44 bytes per fp32 parameter the rank updates); with unfused attention, the softmax
-  and dropout kernels over the S x S scores (``_score_bytes``);
+  adds, rotary, activations, dropout, MoE dispatch and combine; backward twice the forward's
+  traffic, the recomputed ones again under any checkpointing policy), the head's softmax and loss,
+  and the optimizer step (AdamW, the gradient norm and zeroing: 44 bytes per fp32 parameter the
+  rank updates); with explicit score kernels (unfused attention, context parallelism on a GPU),
+  the elementwise kernels over the scores (``_score_bytes``);
 - **exposed communication** by kind, priced with ring formulas (all-gather or reduce-scatter of S
-  bytes over n ranks: (n-1)/n S / bandwidth + (n-1) latency; all-reduce twice that) over the link
-  the group lies on: inside a node when its ranks fit in one (``_link``), the network otherwise;
-- **the pipeline bubble**: the busy time x b / (1 - b), b from parallel.plan.bubble.
+  bytes over n ranks: (n-1)/n S / bandwidth + (n-1) latency; all-reduce twice that; an all-to-all
+  sends (n-1)/n of a rank's S bytes away, as many hops) over the link the group lies on: inside a
+  node when its ranks fit in one (``_link``), the network otherwise;
+- **the pipeline bubble**: the busy time x b / (1 - b), b from memory.bubble.
+
+**Context parallelism** (``Layout.cp``, parallel/context.py): a rank holds 2 of the 2 cp chunks of
+every sequence (padded to them), so every linear layer, norm and the head run over seq / cp tokens,
+and attention's core over (seq / cp queries) x (seq keys), chunk pair by chunk pair: causal, the
+pairs at or below the diagonal, 2 cp + 1 of them, half of the whole (load-balanced: the same on
+every rank). The kernel is the device's: on the CPU torch's flash kernel per pair (the two diagonal
+pairs half-computed, flash's 2.5x backward); on a GPU tformer writes each pair's scores out in fp32
+(``context._pair_forward``: QK^T in fp32, P V in the run's precision, a backward of five fp32
+products: QK^T again, dV, dP, dQ, dK), with the softmax's traffic over the scores. Per attention
+layer and micro-batch, forward all-gathers K and V over the cp group (the activations' dtype),
+backward gathers them again and reduce-scatters dK and dV (fp32, as ``_scatter_back`` sends them),
+and a recomputed forward gathers once more. FSDP2 (and DDP) run over dp_shard x cp.
+
+**Expert parallelism** (``Layout.ep``, MoE models, parallel/ep.py): the ep ranks are ep of the
+dp_shard x cp ranks, neighbours on the mesh. Per MoE layer and micro-batch, two all-to-alls in
+forward (dispatch to the experts' ranks, combine back) and two in backward, each of the rank's
+routed rows (tokens x top_k x d_model, the activations' dtype), (ep - 1) / ep of them leaving the
+rank under balanced routing (plan/moe.py counts the same bytes), two more in a recomputed forward,
+and before each forward dispatch an exchange of the row counts (latency only). Each of the rank's
+num_experts / ep experts receives tokens x top_k x ep / num_experts rows (larger GEMMs than without
+EP), and FSDP2 gathers the expert weights over what EP leaves of dp_shard x cp (1/ep of them each),
+the other weights over all of it.
 
 The overlap rules, all here and nowhere else (``_overlap``):
 1. FSDP2 / ZeRO-3 all-gathers (and backward reduce-scatters) are prefetched one block ahead: what
    exceeds the compute of the pass is exposed, plus the first block's gather, which nothing hides.
 2. DDP's bucketed all-reduce, ZeRO-1/2's gradient reduce-scatter and HSDP's replica all-reduce run
    during the last micro-batch's backward: what exceeds it is exposed, plus the last bucket (25 MB).
-3. Tensor-parallel collectives sit between dependent matmuls: always exposed (async TP would hide
-   them; it is not priced). ZeRO-1/2's parameter all-gather after the optimizer step: exposed.
+3. Collectives inside a block sit right before (or after) the computation that needs their result:
+   always exposed. Tensor parallelism's between dependent matmuls (async TP would hide them; it is
+   not priced); context parallelism's K/V all-gathers right before the attention that reads them
+   and the dK/dV reduce-scatters right after the backward that makes them; expert parallelism's
+   all-to-alls between the router and the experts and between the experts and the combine. Any
+   checkpointing policy runs the CP and EP collectives again in its recomputed forward (no policy
+   saves an all-gather or an all-to-all). ZeRO-1/2's parameter all-gather after the optimizer
+   step: exposed.
 4. Pipeline sends overlap other micro-batches, except along the fill and drain: 2 (pp v - 1) sends.
 5. On hardware without separate communication engines (``overlap=False``: the CPU, where gloo uses
    the cores that compute), nothing overlaps.
 
 Layouts the model has no terms for are refused with the reason (``NotPriced``): float8 matmuls, async
-TP, context and expert parallelism (not built in tformer yet), a precision without a peak figure.
+TP, layouts tformer does not run (context parallelism with pipelines or attention dropout, expert
+parallelism outside FSDP2 or with pipelines, MoE models under TP or DeepSpeed), a precision without
+a peak figure. A layout no run can have (ep without experts, an ep that does not divide them or
+dp_shard x cp, a tp that does not divide the heads) is a ``ConfigError`` (``check_layout``).
 """
 
 from __future__ import annotations
@@ -48,7 +83,8 @@ from ..config import ConfigError, ModelConfig
 from ..models import spec_of
 from ..models.flops import training_flops
 from ..nn.ffn import FFN_KINDS
-from ..parallel import plan as memory_plan
+from . import memory as memory_plan
+from . import moe as moe_plan
 from .hardware import Hardware
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: the last one is never hidden
@@ -60,6 +96,16 @@ OPTIMIZER_BYTES = (
 ATTENTION_BACKWARD = 2.5  # flash attention's backward: 5 matmuls of the forward's 2 (``_backward_time``)
 AC_POLICIES = ("none", "op", "op-alternate", "full")
 ATTENTION_KERNELS = ("flash", "unfused")
+# kernels between context parallelism's chunk pairs, counted from context.py for ``op_overhead``: a
+# pair's forward (the kernel and its log-sum-exp merge, 14) and backward (the kernel and three
+# gradient accumulations, 4), averaged over the 3 passes ``_micro_batch`` counts
+PAIR_KERNELS = 6
+# fp32 bytes the elementwise kernels around GPU context parallelism's explicit scores move per
+# score: forward, the log-sum-exp read, the subtraction and exp (read + write each), the cast to the
+# value's dtype (read, plus the cast's own bytes); backward, the probabilities rebuilt (subtraction
+# and exp), dP - delta and its product with P (read + write each, the product reads two)
+PAIR_SCORE_FORWARD = 4 + 8 + 8 + 4
+PAIR_SCORE_BACKWARD = 8 + 8 + 8 + 12
 
 
 class NotPriced(ConfigError):
@@ -68,10 +114,11 @@ class NotPriced(ConfigError):
 
 @dataclass(frozen=True)
 class Layout:
-    """One training layout on pp x dp_replicate x dp_shard x tp devices (tp innermost, as the
-    mesh builds it). For ddp and zero1/2/3, dp_shard is the data-parallel degree."""
+    """One training layout on pp x dp_replicate x dp_shard x cp x tp devices (tp innermost, as the
+    mesh builds it). For ddp and zero1/2/3, dp_shard is the data-parallel degree; expert
+    parallelism borrows its ep ranks from dp_shard x cp (no devices of its own)."""
 
-    strategy: str = "fsdp"  # parallel.plan.STRATEGY_NAMES
+    strategy: str = "fsdp"  # memory.STRATEGY_NAMES
     micro_batch: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -86,8 +133,8 @@ class Layout:
     precision: str = "bf16"  # bf16 | fp16 (mixed) | fp32
     loss_parallel: bool = True
     compile: bool = False  # torch.compile fuses each elementwise chain into one read and one write
-    cp: int = 1  # context parallelism: not built, not priced
-    ep: int = 1  # expert parallelism: not built, not priced
+    cp: int = 1  # context parallelism: each sequence cut over cp ranks (parallel/context.py)
+    ep: int = 1  # expert parallelism (MoE models): experts split over ep of the dp_shard x cp ranks
     float8: bool = False  # not priced
     async_tp: bool = False  # not priced
     attention: str = "flash"  # ATTENTION_KERNELS: flash (SDPA, tformer's) | unfused (explicit S x S scores)
@@ -112,7 +159,7 @@ class StepTime:
     devices: int
     mfu: float
     breakdown: dict[str, float] = field(default_factory=dict)  # seconds by part; they add up to ``step``
-    memory: float = 0.0  # predicted peak bytes per device (parallel.plan)
+    memory: float = 0.0  # predicted peak bytes per device (memory.py)
 
     @property
     def tokens_per_s_per_device(self) -> float:
@@ -123,17 +170,50 @@ class StepTime:
         return tokens / self.tokens_per_step * self.step
 
 
-def why_not_priced(layout: Layout, hw: Hardware) -> str | None:
-    """Every reason the model cannot price ``layout`` on ``hw``, joined; None when it can."""
+def check_layout(cfg: ModelConfig, layout: Layout) -> None:
+    """A layout no run of ``cfg`` can have, refused in one line naming the field: a degree below 1,
+    a tp that does not split the heads, ep without experts, or an ep that does not divide the
+    experts or is not a multiple of cp dividing dp_shard x cp (what parallel/ep.py and mesh.py
+    refuse)."""
+    for name in ("micro_batch", "dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"):
+        if getattr(layout, name) < 1:
+            raise ConfigError(f"Layout.{name}={getattr(layout, name)} must be >= 1")
+    blocker = memory_plan.tp_blocker(cfg, layout.tp)
+    if blocker:
+        raise ConfigError(f"Layout.tp={layout.tp} does not divide {blocker}; choose a tp that divides it")
+    memory_plan.check_expert_parallel(cfg, layout.ep, layout.dp_shard, layout.cp)
+
+
+def why_not_priced(cfg: ModelConfig, layout: Layout, hw: Hardware) -> str | None:
+    """Every reason the model cannot price ``layout`` of ``cfg`` on ``hw``, joined; None when it can."""
     reasons = []
+    deepspeed = layout.strategy.startswith("zero")
     if layout.float8:
         reasons.append("float8 matmuls (two peak rates in one step; no efficiency figure for them)")
     if layout.async_tp:
         reasons.append("async TP (TP collectives hidden behind matmuls; not modelled)")
     if layout.cp > 1:
-        reasons.append(f"context parallelism cp={layout.cp} (not built in tformer yet)")
-    if layout.ep > 1:
-        reasons.append(f"expert parallelism ep={layout.ep} (not built in tformer yet)")
+        for refused, what in (
+            (layout.pp > 1, f"with pipelines (pp={layout.pp})"),
+            (cfg.attn_dropout > 0, "with attention dropout"),
+            (deepspeed, f"with DeepSpeed ({layout.strategy})"),
+        ):
+            if refused:
+                reasons.append(f"context parallelism {what}: tformer does not run it")
+        if hw.device != "cpu" and "fp32" not in hw.peak:
+            reasons.append(
+                f"context parallelism on {hw.name}: its chunk-pair kernel computes fp32 scores on a GPU, "
+                f"and {hw.name} has no fp32 peak figure"
+            )
+    if cfg.moe.enabled:
+        for refused, what in (
+            (layout.tp > 1, f"tensor parallelism (tp={layout.tp})"),
+            (deepspeed, f"DeepSpeed ({layout.strategy})"),
+            (layout.ep > 1 and not layout.strategy.startswith("fsdp"), f"expert parallelism with {layout.strategy}"),
+            (layout.ep > 1 and layout.pp > 1, f"expert parallelism with pipelines (pp={layout.pp})"),
+        ):
+            if refused:
+                reasons.append(f"a mixture-of-experts model with {what}: tformer does not run it")
     if layout.attention not in ATTENTION_KERNELS:
         reasons.append(f"attention kernel {layout.attention!r} (priced: {', '.join(ATTENTION_KERNELS)})")
     if layout.ac not in AC_POLICIES:
@@ -159,37 +239,83 @@ def gemm_efficiency(m: float, n: float, k: float, hw: Hardware) -> float:
 
 class Gemm(NamedTuple):
     """One GEMM of a forward pass: the FLOPs it executes and the FLOPs MFU counts (they differ for
-    causal attention's scores), its shape (m x k) @ (k x n), and whether it is a linear layer's
-    ``mm`` (what an op-level AC policy counts) or attention's core (scores, weighted values)."""
+    causal attention's scores), its shape (m x k) @ (k x n), its ``kind`` (a linear layer's ``mm``,
+    what an op-level AC policy counts, or attention's core: ``scores`` QK^T, ``values`` P V), its
+    backward in multiples of its forward's FLOPs, and whether its forward or backward runs in fp32
+    whatever the run's precision (context parallelism's explicit chunk-pair kernel)."""
 
     executed: float
     counted: float
     m: float
     n: float
     k: float
-    linear: bool = True
+    kind: str = "linear"  # linear | scores | values
+    backward: float = 2.0  # a linear layer's: the input and the weight gradients
+    fp32: bool = False
+    fp32_backward: bool = False
+
+    @property
+    def linear(self) -> bool:
+        return self.kind == "linear"
 
 
 def _linear(tokens: float, n_out: float, k_in: float) -> Gemm:
     return Gemm(2 * tokens * n_out * k_in, 2 * tokens * n_out * k_in, tokens, n_out, k_in)
 
 
+def attention_kernel(flash: bool, cp: int, device: str) -> str:
+    """The kernel of attention's core: ``flash`` or ``unfused`` without context parallelism; under
+    it tformer's own, per chunk pair: ``pairs-cpu`` (torch's CPU flash kernel) or ``pairs`` (a
+    GPU: the scores written out in fp32, context._pair_forward)."""
+    if cp > 1:
+        return "pairs-cpu" if device == "cpu" else "pairs"
+    return "flash" if flash else "unfused"
+
+
 def _attention_gemms(
-    cfg: ModelConfig, batch: int, q_len: int, kv_len: int, tp: int, causal: bool, flash: bool
+    cfg: ModelConfig,
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    tp: int,
+    causal: bool,
+    kernel: str,
+    cp: int = 1,
+    bias: bool = False,
 ) -> list[Gemm]:
-    """One attention layer in execution order: the q, k, v projections over the tokens, scores and
-    weighted values per sample and head, the output projection. A flash kernel skips the masked
-    half of causal scores; explicit (unfused) score GEMMs compute all of them."""
+    """One attention layer on one rank in execution order: the q, k, v projections over its tokens,
+    scores and weighted values per sample and head, the output projection. ``q_len`` and ``kv_len``
+    are whole (padded) sequences; under context parallelism (``cp``) the rank's queries and own keys
+    are 1/cp of them and its core runs them against every key (module doc). A flash kernel skips the
+    masked half of causal scores; explicit (unfused) score GEMMs compute all of them. ``bias``: an
+    additive bias (T5's relative positions), which under context parallelism sends a chunk pair's
+    backward through the explicit fp32 path on the CPU too (the bias needs the scores' gradient) and
+    makes a diagonal pair whole."""
     d, h, kv, dk = cfg.d_model, cfg.num_heads // tp, cfg.kv_heads // tp, cfg.head_dim
-    tq, tk = batch * q_len, batch * kv_len
-    core = 2 * batch * h * q_len * kv_len * dk
-    executed = core / 2 if causal and flash else core
+    tq, tk = batch * q_len // cp, batch * kv_len // cp
+    core = 2 * batch * h * (q_len // cp) * kv_len * dk  # what MFU counts: each query against every key
+    if cp == 1:
+        flash = kernel == "flash"
+        executed = core / 2 if causal and flash else core
+        back = ATTENTION_BACKWARD if flash else 2.0
+        scores = Gemm(executed, core, q_len, kv_len, dk, "scores", back)
+        values = Gemm(executed, core, q_len, dk, kv_len, "values", back)
+    else:
+        qc, kc = q_len // (2 * cp), kv_len // (2 * cp)  # chunk lengths
+        pairs = 2 * cp + 1 if causal else 4 * cp  # causal: chunk i's i + 1 pairs, its mirror's 2 cp - i
+        if causal and kernel == "pairs-cpu" and not bias:
+            pairs -= 1  # the two diagonal pairs, half each
+        executed = 2 * batch * h * pairs * qc * kc * dk
+        explicit = kernel == "pairs" or bias
+        gpu = kernel == "pairs"
+        scores = Gemm(executed, core, qc, kc, dk, "scores", 2.0 if explicit else ATTENTION_BACKWARD, gpu, explicit)
+        values = Gemm(executed, core, qc, dk, kc, "values", 3.0 if explicit else ATTENTION_BACKWARD, False, explicit)
     return [
         _linear(tq, h * dk, d),  # q
         _linear(tk, kv * dk, d),  # k
         _linear(tk, kv * dk, d),  # v
-        Gemm(executed, core, q_len, kv_len, dk, linear=False),  # scores
-        Gemm(executed, core, q_len, dk, kv_len, linear=False),  # probabilities x values
+        scores,
+        values,
         _linear(tq, d, h * dk),  # output
     ]
 
@@ -201,16 +327,52 @@ def _ffn_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[Gemm]:
     return [_linear(tokens, ff, d)] * (2 if gated else 1) + [_linear(tokens, d, ff)]
 
 
+def _moe_gemms(cfg: ModelConfig, tokens: int, ep: int) -> list[Gemm]:
+    """One MoE FFN's active GEMMs over ``tokens`` tokens of a rank (models/flops.py counts the same):
+    the router; the experts' gate, up and down as grouped GEMMs over the tokens x top_k routed rows,
+    each of the rank's num_experts / ep experts taking tokens x top_k x ep / num_experts of them
+    (balanced routing); the shared experts and their gate."""
+    moe, d = cfg.moe, cfg.d_model
+    width, kind = moe.d_expert or cfg.d_ff, moe.activation or cfg.activation
+    gated = FFN_KINDS[kind][1]
+    rows = tokens * moe.top_k
+    per_expert = rows * ep / moe.num_experts
+
+    def grouped(n_out: int, k_in: int) -> Gemm:
+        return Gemm(2 * rows * n_out * k_in, 2 * rows * n_out * k_in, per_expert, n_out, k_in)
+
+    out = [_linear(tokens, moe.num_experts, d)] + [grouped(width, d)] * (2 if gated else 1) + [grouped(d, width)]
+    if moe.num_shared_experts:
+        shared = moe.num_shared_experts * (moe.d_shared or width)
+        out += [_linear(tokens, shared, d)] * (2 if gated else 1) + [_linear(tokens, d, shared)]
+        if moe.shared_gate:
+            out.append(_linear(tokens, 1, d))
+    return out
+
+
 def block_gemms(
-    cfg: ModelConfig, batch: int, seq: int, tp: int = 1, cross_len: int | None = None, flash: bool = True
+    cfg: ModelConfig,
+    batch: int,
+    seq: int,
+    tp: int = 1,
+    cross_len: int | None = None,
+    flash: bool = True,
+    cp: int = 1,
+    device: str = "cuda",
+    moe: bool = False,
+    ep: int = 1,
 ) -> list[Gemm]:
-    """The forward GEMMs of one block in execution order (``cross_len``: an encoder-decoder's
-    decoder block)."""
+    """The forward GEMMs of one block on one rank in execution order (``cross_len``: an
+    encoder-decoder's decoder block; ``cp``: context parallelism over whole (padded) lengths
+    ``seq`` and ``cross_len``, on ``device``'s kernel; ``moe``: a mixture-of-experts block, its
+    experts split over ``ep`` ranks)."""
     causal = not spec_of(cfg).masked_lm
-    out = _attention_gemms(cfg, batch, seq, seq, tp, causal, flash)
+    kernel = attention_kernel(flash, cp, device)
+    out = _attention_gemms(cfg, batch, seq, seq, tp, causal, kernel, cp, bias=cfg.position == "relative")
     if cross_len is not None:
-        out += _attention_gemms(cfg, batch, seq, cross_len, tp, False, flash)
-    return out + _ffn_gemms(cfg, batch * seq, tp)
+        out += _attention_gemms(cfg, batch, seq, cross_len, tp, False, kernel, cp)
+    tokens = batch * seq // cp
+    return out + (_moe_gemms(cfg, tokens, ep) if moe else _ffn_gemms(cfg, tokens, tp))
 
 
 def recomputed_gemms(gemms: list[Gemm], ac: str) -> list[Gemm]:
@@ -234,58 +396,97 @@ def head_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[Gemm]:
     return out
 
 
+def _seconds(g: Gemm, peak: float, hw: Hardware, fp32: bool) -> float:
+    return g.executed / ((hw.peak["fp32"] if fp32 else peak) * gemm_efficiency(g.m, g.n, g.k, hw))
+
+
 def _gemm_time(gemms: list[Gemm], peak: float, hw: Hardware) -> float:
-    return sum(g.executed / (peak * gemm_efficiency(g.m, g.n, g.k, hw)) for g in gemms)
+    return sum(_seconds(g, peak, hw, g.fp32) for g in gemms)
 
 
-def _backward_time(gemms: list[Gemm], peak: float, hw: Hardware, flash: bool = True) -> float:
-    """A linear layer's backward is two GEMMs of its forward's size (input and weight gradients);
-    attention's core under flash / memory-efficient kernels is 2.5 times its forward: the kernel
-    recomputes the scores (QK^T) and then makes dV, dP, dQ and dK, five products against two.
-    Unfused attention keeps its probabilities and makes only the last four: 2 times."""
-    core = ATTENTION_BACKWARD if flash else 2.0
-    return sum((2.0 if g.linear else core) * _gemm_time([g], peak, hw) for g in gemms)
+def _backward_time(gemms: list[Gemm], peak: float, hw: Hardware) -> float:
+    """Each GEMM's backward: a linear layer's is two GEMMs of its forward's size (input and weight
+    gradients); attention's core under flash / memory-efficient kernels is 2.5 times its forward:
+    the kernel recomputes the scores (QK^T) and then makes dV, dP, dQ and dK, five products against
+    two. Unfused attention keeps its probabilities and makes only the last four: 2 times. The
+    explicit chunk-pair kernel of context parallelism rebuilds QK^T and makes dP (2 x the scores'
+    size) and dV, dQ, dK (3 x the values'), all in fp32."""
+    return sum(g.backward * _seconds(g, peak, hw, g.fp32_backward or g.fp32) for g in gemms)
 
 
-def _score_bytes(cfg: ModelConfig, layout: Layout, batch: int, q_len: int, kv_len: int) -> float:
-    """Bytes the elementwise kernels of unfused attention move over the S x S scores of one
-    attention layer in one step (flash keeps them on chip: 0). Per score, forward: the fused
-    scale-mask-softmax reads and writes (2 elements), dropout on the probabilities reads, writes
-    and stores a 1-byte mask; backward: dropout's backward reads, writes and reads the mask, the
-    softmax's backward reads the probabilities and their gradient and writes the scores' (3); the
+def _score_bytes(cfg: ModelConfig, layout: Layout, gemms: list[Gemm], kernel: str) -> float:
+    """Bytes the elementwise kernels around explicit score GEMMs move over the scores of one
+    block in one micro-batch (flash keeps them on chip: 0; the scores are counted from the
+    ``scores`` GEMMs, executed FLOPs / 2 d_k).
+
+    Unfused attention, per score, forward: the fused scale-mask-softmax reads and writes (2
+    elements), dropout on the probabilities reads, writes and stores a 1-byte mask; backward:
+    dropout's backward reads, writes and reads the mask, the softmax's backward reads the
+    probabilities and their gradient and writes the scores' (3). Context parallelism's explicit
+    pairs: ``PAIR_SCORE_FORWARD`` and ``PAIR_SCORE_BACKWARD`` fp32 bytes (plus the cast's). The
     forward once more under full recomputation. The GEMMs' own reads and writes overlap their
     compute, as everywhere in this model."""
-    if layout.attention == "flash":
-        return 0.0
     elt = 2 if layout.mixed else 4
+    again = 2 if layout.ac == "full" else 1
     drop = cfg.attn_dropout > 0
-    forward = (2 + 2 * drop) * elt + drop
-    backward = (3 + 2 * drop) * elt + drop
-    scores = batch * cfg.num_heads / layout.tp * q_len * kv_len
-    return scores * (forward * (2 if layout.ac == "full" else 1) + backward)
+    total = 0.0
+    for g in (g for g in gemms if g.kind == "scores"):
+        scores = g.executed / (2 * g.k)
+        if kernel == "unfused":
+            total += scores * (((2 + 2 * drop) * elt + drop) * again + (3 + 2 * drop) * elt + drop)
+        elif g.fp32_backward:  # an explicit chunk pair: its forward too on a GPU (``fp32``)
+            total += scores * ((PAIR_SCORE_FORWARD + elt) * again * g.fp32 + PAIR_SCORE_BACKWARD)
+    return total
 
 
 # --- memory-bound work ------------------------------------------------------------------------------
-def _elementwise(cfg: ModelConfig, tp: int, sp: bool, compiled: bool, cross: bool) -> tuple[float, int]:
+def _elementwise(cfg: ModelConfig, tp: int, sp: bool, compiled: bool, cross: bool, moe: bool = False) -> tuple[float, int]:
     """(elements read + written per token, kernels) of one block's forward elementwise ops on one TP
     rank. Eager: a norm reads and writes its width, a residual add reads two and writes one, rotary
     (rotate-half: a cat, two products, a sum) moves q and k 11 times, a gated activation 5 times the
     FFN width (2 for the activation, 3 for the product), an ungated one 2 times, dropout 3 (input,
     output, mask). Compiled, each sub-layer's norm + residual + dropout is one kernel (4 d) and each
-    activation or rotary one read and one write."""
+    activation or rotary one read and one write. An MoE FFN (``moe``) applies its activation to
+    each of a token's top-k rows and its shared experts' width, and moves the rows around the
+    experts (``_moe_traffic``)."""
     d = cfg.d_model / (tp if sp else 1)
     sublayers = 3 if cross else 2
     qk = (cfg.num_heads + cfg.kv_heads) * cfg.head_dim / tp
-    ff = cfg.d_ff / tp
-    gated = FFN_KINDS[cfg.activation][1]
     rotary = cfg.position == "rotary"
     drop = cfg.dropout > 0
+    ffn_width, ffn_kernels = (_moe_widths(cfg), 1 + bool(cfg.moe.num_shared_experts)) if moe else (cfg.d_ff / tp, 1)
+    gated = FFN_KINDS[(cfg.moe.activation or cfg.activation) if moe else cfg.activation][1]
+    moved, moe_kernels = _moe_traffic(cfg) if moe else (0.0, 0)
     if compiled:
-        elements = sublayers * 4 * d + (2 * qk if rotary else 0) + (3 if gated else 2) * ff
-        return elements, sublayers + int(rotary) + 1
-    elements = sublayers * (2 * d + 3 * d + (3 * d if drop else 0)) + (11 * qk if rotary else 0) + (5 if gated else 2) * ff
-    kernels = sublayers * (2 + int(drop)) + (8 if rotary else 0) + (2 if gated else 1) + 6 * sublayers  # + views
-    return elements, kernels
+        elements = sublayers * 4 * d + (2 * qk if rotary else 0) + (3 if gated else 2) * ffn_width + moved
+        return elements, sublayers + int(rotary) + ffn_kernels + moe_kernels
+    elements = (
+        sublayers * (2 * d + 3 * d + (3 * d if drop else 0))
+        + (11 * qk if rotary else 0)
+        + (5 if gated else 2) * ffn_width
+        + moved
+    )
+    kernels = sublayers * (2 + int(drop)) + (8 if rotary else 0) + (2 if gated else 1) * ffn_kernels + 6 * sublayers
+    return elements, kernels + moe_kernels  # (+ views)
+
+
+def _moe_widths(cfg: ModelConfig) -> float:
+    """Hidden values per token an MoE FFN applies its activation to: top_k experts' and the shared
+    experts' widths."""
+    moe = cfg.moe
+    width = moe.d_expert or cfg.d_ff
+    return moe.top_k * width + moe.num_shared_experts * (moe.d_shared or width)
+
+
+def _moe_traffic(cfg: ModelConfig) -> tuple[float, int]:
+    """(elements per token, kernels) of an MoE FFN's routing, apart from its GEMMs (nn/moe.py): the
+    router's softmax and top-k over the expert logits (about 3 reads and writes of num_experts);
+    dispatch gathers each of the token's top_k rows into expert order (read + write); combine
+    scales each row by its weight (read + write) and adds it into a zeroed output (2 reads, 1
+    write of the rows; the zeros). Kernels: about a dozen (softmax, top-k, bincount, argsort,
+    gathers, the weighted index_add)."""
+    moe, d = cfg.moe, cfg.d_model
+    return 3 * moe.num_experts + moe.top_k * (2 + 2 + 3) * d + d, 12
 
 
 def _head_bytes(cfg: ModelConfig, tokens: int, tp: int, mixed: bool) -> float:
@@ -311,8 +512,10 @@ def _link(hw: Hardware, stride: int, size: int) -> _Link:
 
 
 def ring(kind: str, nbytes: float, n: int, link: _Link) -> float:
-    """Seconds of a ring collective over ``n`` ranks of a buffer of ``nbytes`` (the whole, unsharded
-    size): all_gather / reduce_scatter move (n-1)/n of it through each link, all_reduce twice that."""
+    """Seconds of a collective over ``n`` ranks of a buffer of ``nbytes`` (the whole, unsharded size;
+    an all-to-all's: what one rank holds before it): all_gather / reduce_scatter move (n-1)/n of it
+    through each link in n - 1 ring steps, all_reduce twice that; an all_to_all sends (n-1)/n of a
+    rank's buffer away, to the n - 1 others."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     hops = 2 * (n - 1) if kind == "all_reduce" else n - 1
@@ -325,7 +528,7 @@ def _overlap(rule: str, comm: float, window: float, first: float, hw: Hardware) 
         return comm
     if rule in ("prefetch", "during_backward"):  # 1: the first block's gather waits; 2: the last bucket
         return first + max(0.0, comm - first - window)
-    if rule in ("exposed", "tp"):  # 3
+    if rule in ("exposed", "tp", "cp", "ep"):  # 3
         return comm
     raise ValueError(rule)
 
@@ -333,31 +536,48 @@ def _overlap(rule: str, comm: float, window: float, first: float, hw: Hardware) 
 # --- one rank's step --------------------------------------------------------------------------------
 @dataclass
 class _Stage:
-    """What one pipeline rank runs: its blocks (first stack, second stack), embedding, head."""
+    """What one pipeline rank runs: its blocks (first stack, second stack), of them the MoE ones,
+    embedding, head, and its parameters (on this TP rank), of them the routed experts'."""
 
     blocks: tuple[int, int]
     embed: bool
     head: bool
-    params: int  # on this TP rank
+    params: int
+    moe: tuple[int, int] = (0, 0)
+    experts: int = 0
 
 
 def _stages(cfg: ModelConfig, layout: Layout) -> list[_Stage]:
     from ..parallel.pipeline import stage_layers, stages_of_rank
 
     pp, v = layout.pp, (layout.stages_per_rank if layout.schedule == "interleaved_1f1b" else 1)
-    stacks = [n for n, _, _ in spec_of(cfg).stack_shapes(cfg, 1, None)]
+    spec = spec_of(cfg)
+    stacks = [n for n, _, _ in spec.stack_shapes(cfg, 1, None)]
+    per_layer = moe_plan.expert_parameters(cfg) // max(1, spec.model.moe_layer_count(cfg))
+
+    def moe_in(blocks) -> int:  # MoE blocks among these block indices of a stack
+        return sum(cfg.moe.is_moe_layer(i) for i in blocks)
+
     if pp == 1:
         both = (stacks[0], stacks[1] if len(stacks) > 1 else 0)
-        return [_Stage(both, True, True, memory_plan.tp_local_parameters(cfg, layout.tp))]
+        moe = (moe_in(range(both[0])), moe_in(range(both[1])))
+        return [_Stage(both, True, True, memory_plan.tp_local_parameters(cfg, layout.tp), moe, per_layer * sum(moe))]
     params = memory_plan.stage_parameters(cfg, pp * v, layout.tp)
     if len(stacks) > 1:  # one stage per stack (the model's ``cut_stage``)
-        return [_Stage((stacks[0], 0), True, False, params[0]), _Stage((0, stacks[1]), True, True, params[1])]
+        m0, m1 = moe_in(range(stacks[0])), moe_in(range(stacks[1]))
+        return [
+            _Stage((stacks[0], 0), True, False, params[0], (m0, 0), per_layer * m0),
+            _Stage((0, stacks[1]), True, True, params[1], (0, m1), per_layer * m1),
+        ]
     layers = stage_layers(cfg.num_layers, pp * v)
     out = []
     for rank in range(pp):
         mine = stages_of_rank(rank, pp, pp * v)
         blocks = sum(len(layers[s]) for s in mine)
-        out.append(_Stage((blocks, 0), 0 in mine, pp * v - 1 in mine, sum(params[s] for s in mine)))
+        n_moe = sum(moe_in(layers[s]) for s in mine)
+        out.append(
+            _Stage((blocks, 0), 0 in mine, pp * v - 1 in mine, sum(params[s] for s in mine), (n_moe, 0), per_layer * n_moe)
+        )
     return out
 
 
@@ -367,46 +587,59 @@ def _lengths(cfg: ModelConfig, seq: int, target: int | None) -> tuple[int, int |
     return seq, target or seq
 
 
+def _padded(length: int, layout: Layout) -> int:
+    """A sequence's length as the rank's mesh holds it: padded to 2 cp chunks (and a multiple of tp
+    under sequence parallelism) under context parallelism, as is otherwise."""
+    if layout.cp == 1:
+        return length
+    from ..parallel.context import padded_length
+
+    return padded_length(length, layout.cp, layout.tp if layout.sp and layout.tp > 1 else 1)
+
+
 def _micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, seq: int, target: int | None) -> dict:
     """Seconds of one micro-batch's forward + backward on one rank of ``stage``, by part, before
     any data-parallel communication."""
-    mb, tp, sp, mixed = layout.micro_batch, layout.tp, layout.sp and layout.tp > 1, layout.mixed
+    mb, tp, sp, mixed, cp = layout.micro_batch, layout.tp, layout.sp and layout.tp > 1, layout.mixed, layout.cp
     peak = hw.peak[layout.precision]
     elt = 2 if mixed else 4
     bandwidth = hw.hbm_bandwidth * hw.hbm_efficiency
     first, second = stage.blocks
-    out_len = spec_of(cfg).output_len(seq, target)
-    stacks = [(first, seq, None), (second, out_len, seq)]
+    seq = _padded(seq, layout)
+    out_len = _padded(spec_of(cfg).output_len(seq, target), layout)
+    # (blocks, of them MoE, whole length, cross-attended length) per stack; a rank runs 1/cp of each
+    stacks = [(first, stage.moe[0], seq, None), (second, stage.moe[1], out_len, seq)]
     flash = layout.attention == "flash"
-    fwd = bwd = 0.0
-    for n, length, cross in stacks:
-        gemms = block_gemms(cfg, mb, length, tp, cross, flash)
-        fwd += n * _gemm_time(gemms, peak, hw)
-        bwd += n * (_backward_time(gemms, peak, hw, flash) + _gemm_time(recomputed_gemms(gemms, layout.ac), peak, hw))
-    head = _gemm_time(head_gemms(cfg, mb * out_len, tp), peak, hw) if stage.head else 0.0
+    kernel = attention_kernel(flash, cp, hw.device)
+    fwd = bwd = elements = scores = kernels = launches = 0.0
+    for n, n_moe, length, cross in stacks:
+        for count, moe in ((n - n_moe, False), (n_moe, True)):
+            if not count:
+                continue
+            gemms = block_gemms(cfg, mb, length, tp, cross, flash, cp, hw.device, moe, layout.ep)
+            fwd += count * _gemm_time(gemms, peak, hw)
+            bwd += count * (_backward_time(gemms, peak, hw) + _gemm_time(recomputed_gemms(gemms, layout.ac), peak, hw))
+            e, k = _elementwise(cfg, tp, sp, layout.compile, cross is not None, moe)
+            elements += count * mb * length // cp * e
+            scores += count * _score_bytes(cfg, layout, gemms, kernel)
+            pairs = sum(g.executed / (2 * g.m * g.n * g.k) for g in gemms if g.kind == "scores") / mb
+            kernels += count * (k + (PAIR_KERNELS * pairs / (cfg.num_heads // tp) if cp > 1 else 0))
+            launches += count * len(gemms)
+    head = _gemm_time(head_gemms(cfg, mb * out_len // cp, tp), peak, hw) if stage.head else 0.0
     compute = fwd + bwd + 3 * head
-    elements = kernels = 0.0
-    for n, length, cross in stacks:
-        e, k = _elementwise(cfg, tp, sp, layout.compile, cross is not None)
-        elements, kernels = elements + n * mb * length * e, kernels + n * k
     passes = 3 + (1 if layout.ac != "none" else 0)  # forward, backward (2x), recomputed forward
-    memory = passes * elements * elt / bandwidth
-    for n, length, cross in stacks:
-        scores = _score_bytes(cfg, layout, mb, length, length) + (
-            _score_bytes(cfg, layout, mb, length, cross) if cross else 0
-        )
-        memory += n * scores / bandwidth
+    memory = (passes * elements * elt + scores) / bandwidth
     if stage.head:
-        memory += _head_bytes(cfg, mb * out_len, tp if layout.loss_parallel else 1, mixed) / bandwidth
+        memory += _head_bytes(cfg, mb * out_len // cp, tp if layout.loss_parallel else 1, mixed) / bandwidth
     if stage.embed:
-        memory += 3 * mb * seq * cfg.d_model * elt / bandwidth  # the lookup and its scatter-add gradient
-    launches = sum(n * len(block_gemms(cfg, 1, 1, 1, cross)) for n, _, cross in stacks)
+        memory += 3 * mb * seq // cp * cfg.d_model * elt / bandwidth  # the lookup and its scatter-add gradient
     overhead = hw.op_overhead * passes * (kernels + launches)
-    tp_comm = _tp_comm(cfg, layout, hw, stage, seq, out_len)
     return {
         "compute": compute,
         "memory-bound": memory + overhead,
-        "tp": tp_comm,
+        "tp": _overlap("tp", _tp_comm(cfg, layout, hw, stage, seq, out_len), 0.0, 0.0, hw),
+        "cp": _overlap("cp", _cp_comm(cfg, layout, hw, stage, seq, out_len), 0.0, 0.0, hw),
+        "ep": _overlap("ep", _ep_comm(cfg, layout, hw, stage, seq, out_len), 0.0, 0.0, hw),
         "fwd": fwd + head,
         "bwd": bwd + 2 * head,
     }
@@ -416,7 +649,8 @@ def _tp_comm(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, seq:
     """One micro-batch's TP collectives (all exposed): per sub-layer, all-gather + reduce-scatter of
     the (tokens x d) activations with sequence parallelism, one all-reduce without, in forward, in
     backward and in the recomputed forward; the embedding's and the head's; with loss parallelism
-    the loss's two (tokens)-sized all-reduces, without it the gathered logits."""
+    the loss's two (tokens)-sized all-reduces, without it the gathered logits. Under context
+    parallelism the rank's tokens are 1/cp of the (padded) ``seq`` and ``out_len``."""
     tp = layout.tp
     if tp == 1:
         return 0.0
@@ -424,6 +658,7 @@ def _tp_comm(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, seq:
     elt = 2 if layout.mixed else 4
     mb = layout.micro_batch
     passes = 3 if layout.ac == "full" else 2
+    seq, out_len = seq // layout.cp, out_len // layout.cp
 
     def activation(tokens: int) -> float:
         nbytes = tokens * cfg.d_model * elt
@@ -444,21 +679,76 @@ def _tp_comm(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, seq:
     return total
 
 
+def _cp_comm(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, seq: int, out_len: int) -> float:
+    """One micro-batch's context-parallel collectives over the cp group (stride tp on the mesh),
+    all exposed (rule 3): per attention layer, K and V of every key (``seq`` or, for a decoder's
+    cross-attention, the encoder's) all-gathered in forward, again in backward and in a recomputed
+    forward, in the activations' dtype; dK and dV reduce-scattered once, in fp32; and the
+    micro-batch's labelled-token count all-reduced (context.loss_tokens)."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0
+    link = _link(hw, layout.tp, cp)
+    elt = 2 if layout.mixed else 4
+    gathers = 2 + (layout.ac != "none")
+    kv = cfg.kv_heads // layout.tp * cfg.head_dim
+
+    def layer(keys: int) -> float:
+        whole = 2 * layout.micro_batch * keys * kv  # K and V of every key, in elements
+        return gathers * ring("all_gather", whole * elt, cp, link) + ring("reduce_scatter", whole * 4, cp, link)
+
+    first, second = stage.blocks
+    return first * layer(seq) + second * (layer(out_len) + layer(seq)) + ring("all_reduce", 8, cp, link)
+
+
+def _ep_comm(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, seq: int, out_len: int) -> float:
+    """One micro-batch's expert-parallel all-to-alls over the ep group (ep neighbouring ranks of
+    dp_shard x cp, stride tp), all exposed (rule 3): per MoE layer, the rank's routed rows (its
+    tokens x top_k, d_model wide, the activations' dtype) dispatched and combined in forward, their
+    gradients likewise in backward, once more in a recomputed forward; and before each forward
+    dispatch the row counts (a few bytes: latency only)."""
+    ep = layout.ep
+    if ep == 1:
+        return 0.0
+    link = _link(hw, layout.tp, ep)
+    elt = 2 if layout.mixed else 4
+    forwards = 1 + (layout.ac != "none")
+
+    def layer(length: int) -> float:
+        rows = layout.micro_batch * length // layout.cp * cfg.moe.top_k
+        exchange = ring("all_to_all", rows * cfg.d_model * elt, ep, link)
+        return (2 * forwards + 2) * exchange + forwards * (ep - 1) * link.latency
+
+    return stage.moe[0] * layer(seq) + stage.moe[1] * layer(out_len)
+
+
 def _data_parallel(layout: Layout, hw: Hardware, stage: _Stage, fwd: float, bwd: float, blocks: int) -> dict:
     """Exposed seconds of the data-parallel collectives of a step (rules 1-2 of ``_overlap``), for
-    one micro-batch of forward ``fwd`` and backward ``bwd`` compute seconds, by kind."""
-    s, n, rep = layout.strategy, layout.dp_shard, layout.dp_replicate
-    tp = layout.tp
+    one micro-batch of forward ``fwd`` and backward ``bwd`` compute seconds, by kind. The group is
+    dp_shard x cp (the cp ranks hold the same parameters); under expert parallelism FSDP2 moves the
+    routed experts' 1/ep over what EP leaves of it (ranks tp x ep apart), the rest over all of it."""
+    s, n, rep = layout.strategy, layout.dp_shard * layout.cp, layout.dp_replicate
+    tp, ep = layout.tp, layout.ep
     pe = 2 if layout.mixed else 4
     params = stage.params
     shard_link, rep_link = _link(hw, tp, n), _link(hw, tp * n, rep)
     m = layout.micro_batches
     units = max(1, blocks)
+
+    def sharded(kind: str, per_param: float) -> float:
+        """One pass of ``kind`` over every parameter of the stage, ``per_param`` bytes each."""
+        if ep == 1:
+            return ring(kind, params * per_param, n, shard_link)
+        dense, experts = params - stage.experts, stage.experts / ep
+        return ring(kind, dense * per_param, n, shard_link) + ring(
+            kind, experts * per_param, n // ep, _link(hw, tp * ep, n // ep)
+        )
+
     out: dict[str, float] = {}
     if s in ("fsdp", "fsdp-no-reshard", "zero3"):
         grad = 4 if s.startswith("fsdp") else pe  # FSDP2 reduces in fp32; DeepSpeed in the model's dtype
-        gather = ring("all_gather", params * pe, n, shard_link)
-        scatter = ring("reduce_scatter", params * grad, n, shard_link)
+        gather = sharded("all_gather", pe)
+        scatter = sharded("reduce_scatter", grad)
         again = 0.0 if s == "fsdp-no-reshard" else gather
         per_micro = _overlap("prefetch", gather, fwd, gather / units, hw) + _overlap(
             "prefetch", again + scatter, bwd, (again + scatter) / units, hw
@@ -492,8 +782,10 @@ def step_time(
     memory: bool = True,
 ) -> StepTime:
     """Predicted seconds of one optimizer step of ``layout`` on ``hw`` and its breakdown (module
-    doc). Raises ``NotPriced`` for a layout the model has no terms for."""
-    why = why_not_priced(layout, hw)
+    doc). Raises ``ConfigError`` for a layout no run can have (``check_layout``) and ``NotPriced``
+    for one the model has no terms for."""
+    check_layout(cfg, layout)
+    why = why_not_priced(cfg, layout, hw)
     if why:
         raise NotPriced(f"not priced: {why}")
     seq, target = _lengths(cfg, seq_len, target_len)
@@ -502,10 +794,11 @@ def step_time(
         mb = _micro_batch(cfg, layout, hw, stage, seq, target)
         dp = _data_parallel(layout, hw, stage, mb["fwd"], mb["bwd"], sum(stage.blocks))
         ranks.append((mb, dp, stage))
-    mb, dp, stage = max(ranks, key=lambda r: r[0]["compute"] + r[0]["memory-bound"] + r[0]["tp"] + sum(r[1].values()))
+    busy = ("compute", "memory-bound", "tp", "cp", "ep")
+    mb, dp, stage = max(ranks, key=lambda r: sum(r[0][k] for k in busy) + sum(r[1].values()))
     m = layout.micro_batches
-    parts = {"compute": m * mb["compute"], "memory-bound": m * mb["memory-bound"], "tp": m * mb["tp"]}
-    shard = 1 if layout.strategy == "ddp" else layout.dp_shard
+    parts = {k: m * mb[k] for k in busy if k in ("compute", "memory-bound", "tp") or mb[k] > 0}
+    shard = 1 if layout.strategy == "ddp" else layout.dp_shard * layout.cp
     parts["optimizer"] = stage.params / shard * OPTIMIZER_BYTES / (hw.hbm_bandwidth * hw.hbm_efficiency)
     if layout.pp > 1:
         v = layout.stages_per_rank if layout.schedule == "interleaved_1f1b" else 1
@@ -528,24 +821,46 @@ def step_time(
 
 
 def predicted_memory(cfg: ModelConfig, layout: Layout, seq: int, target: int | None = None) -> memory_plan.Estimate:
-    """parallel.plan's per-rank bytes of the layout (the trainer's loss path: no returned logits;
-    tformer's flash attention: the S x S probabilities an unfused kernel keeps are not in it)."""
-    return memory_plan.estimate(
-        cfg,
-        layout.strategy,
-        layout.devices,
-        layout.micro_batch,
-        seq,
-        target,
-        "op" if layout.ac == "op-alternate" else layout.ac,  # an upper bound: it keeps fewer matmul outputs
-        layout.mixed,
-        dp_replicate=layout.dp_replicate,
-        tp=layout.tp,
-        sp=layout.sp and layout.tp > 1,
-        pp=layout.pp,
-        schedule=layout.schedule,
-        stages_per_rank=layout.stages_per_rank,
-        n_micro=layout.n_micro,
-        return_logits=False,
-        loss_parallel=layout.loss_parallel,
-    )
+    """memory.py's per-rank bytes of the layout (the trainer's loss path: no returned logits;
+    tformer's flash attention: the S x S probabilities an unfused kernel keeps are not in it).
+    Context parallelism: ``cp_estimate`` over the dp_shard x cp x tp ranks of one replica. Expert
+    parallelism shards the experts as FSDP2 over dp_shard x cp would (the same states per rank) and
+    adds the received rows each MoE layer keeps (``moe.ep_activation_bytes``)."""
+    ac = "op" if layout.ac == "op-alternate" else layout.ac  # an upper bound: it keeps fewer matmul outputs
+    sp = layout.sp and layout.tp > 1
+    head = {"return_logits": False, "loss_parallel": layout.loss_parallel}
+    if layout.cp > 1:
+        e = memory_plan.cp_estimate(
+            cfg,
+            layout.strategy,
+            layout.dp_shard * layout.cp * layout.tp,
+            layout.micro_batch,
+            seq,
+            target,
+            ac,
+            layout.mixed,
+            layout.cp,
+            tp=layout.tp,
+            sp=sp,
+            **head,
+        )
+    else:
+        e = memory_plan.estimate(
+            cfg,
+            layout.strategy,
+            layout.devices,
+            layout.micro_batch,
+            seq,
+            target,
+            ac,
+            layout.mixed,
+            dp_replicate=layout.dp_replicate,
+            tp=layout.tp,
+            sp=sp,
+            pp=layout.pp,
+            schedule=layout.schedule,
+            stages_per_rank=layout.stages_per_rank,
+            n_micro=layout.n_micro,
+            **head,
+        )
+    return memory_plan.with_expert_parallel(e, cfg, seq, layout.mixed, layout.ep)

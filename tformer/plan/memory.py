@@ -1,4 +1,4 @@
-"""``tformer plan``: per-device memory for each strategy, and the cheapest one that fits.
+"""Per-rank memory of a training layout: model states (parameters, gradients, optimizer) and activations.
 
 Model states follow the ZeRO paper (Rajbhandari et al., 2020) for Ψ parameters on N devices. With
 bf16 mixed precision and fp32 master weights (DeepSpeed):
@@ -39,11 +39,10 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from ..args import parse_bytes
 from ..config import ConfigError, ModelConfig, Precision
 from ..models import spec_of
 from ..nn.ffn import FFN_KINDS
-from .tp import pad_vocab_for_tp
+from ..parallel.tp import pad_vocab_for_tp
 
 STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-no-reshard")
 # bytes per parameter of DeepSpeed's fp32 ZeRO as built, by device count N (see the module doc)
@@ -322,6 +321,7 @@ class Estimate:
     in_flight: float = 1  # micro-batches (through all of the rank's blocks) held at the peak
     bubble: float = 0.0  # the step's idle share
     cp: int = 1  # context-parallel ranks sharing each sequence (cp_estimate)
+    ep: int = 1  # expert-parallel ranks (search.ep_variants: the states of FSDP2 over dp_shard x cp)
 
     @property
     def total(self) -> float:
@@ -387,19 +387,6 @@ def tp_blocker(cfg: ModelConfig, tp: int) -> str | None:
     return None
 
 
-def tp_degrees(cfg: ModelConfig, devices: int) -> tuple[list[int], dict[int, str]]:
-    """The tp values a layout of ``devices`` can use (divisors of the device count that split the
-    model), and the others with what they do not divide."""
-    usable, skipped = [], {}
-    for tp in (t for t in range(1, devices + 1) if devices % t == 0):
-        blocker = tp_blocker(cfg, tp)
-        if blocker:
-            skipped[tp] = blocker
-        else:
-            usable.append(tp)
-    return usable, skipped
-
-
 def _tp_sharded_parts(cfg: ModelConfig) -> dict[str, int]:
     """Of each part of ``_module_counts``, the elements tensor parallelism splits over the TP ranks
     (the rest is whole on every rank): q/k/v weights and biases, o_proj and FFN down weights, FFN
@@ -435,14 +422,6 @@ def tp_local_parameters(cfg: ModelConfig, tp: int) -> int:
 
 
 # --- pipeline parallelism: stages, micro-batches in flight, the bubble -------------------------
-# the schedules the search tries, with their stages per rank: GPipe is left out (1F1B's bubble, with
-# all m micro-batches in flight instead of at most pp), interleaving at 2 stages per rank
-PP_SEARCHED = (("1f1b", 1), ("interleaved_1f1b", 2))
-# a pipeline whose idle share exceeds what full recomputation costs (its second forward: ~1/4 of a
-# step that becomes 4/3 as long) ranks with full AC
-MAX_BUBBLE = 0.25
-
-
 def pipeline_blocker(
     cfg: ModelConfig, pp: int, schedule: str = "1f1b", stages_per_rank: int = 1, n_micro: int | None = None
 ) -> str | None:
@@ -451,7 +430,7 @@ def pipeline_blocker(
     or None."""
     from types import SimpleNamespace
 
-    from .pipeline import check_pipeline
+    from ..parallel.pipeline import check_pipeline
 
     pcfg = SimpleNamespace(pp=pp, pp_schedule=schedule, pp_stages_per_rank=stages_per_rank, pp_layers=None)
     try:
@@ -471,7 +450,7 @@ def stage_parameters(cfg: ModelConfig, stages: int, tp: int = 1) -> list[int]:
     the stack keeps (T5's relative-bias table); the embeddings on the first stage; the final norm
     and the head on the last, with the token embedding again when the head is tied to it; an
     encoder-decoder model's encoder (with the embedding) and decoder (with the embedding and head)."""
-    from .pipeline import stage_layers
+    from ..parallel.pipeline import stage_layers
 
     counts, sharded = _module_counts(_fields(cfg)), _tp_sharded_parts(cfg)
     local = {k: counts[k] - n + n // tp for k, n in sharded.items()}
@@ -541,7 +520,7 @@ def _pipeline_rank(
     memory: dict,
 ) -> tuple[float, float, float]:
     """(model states, activations, micro-batches in flight) of pipeline rank ``rank``."""
-    from .pipeline import stage_layers, stages_of_rank
+    from ..parallel.pipeline import stage_layers, stages_of_rank
 
     stages = pp * v
     mine = stages_of_rank(rank, pp, stages)
@@ -675,15 +654,19 @@ def rank_memory(
     pp_stages_per_rank: int = 1,
     n_micro: int | None = None,
     pp_rank: int = 0,
+    cp: int = 1,
+    ep: int = 1,
     **memory,
 ) -> Estimate:
-    """Predicted bytes one rank holds on the mesh pp x dp_replicate x dp_shard x tp: ``model_states``
-    (parameters, gradients, AdamW) and ``activations`` (kept for backward plus the backward peak),
-    for ``bench/bench_scale.py`` to hold against measured per-rank peaks. ``precision`` fp32 or
-    bf16 (mixed); ``ac`` none | op | full; ``memory``: ``activation_bytes``'s head settings
-    (``return_logits=False`` and ``chunk`` for the trainer's loss path, ``loss_parallel``).
-    ``pp`` > 1: pipeline rank ``pp_rank`` of ``pp_schedule`` over ``n_micro`` micro-batches
-    (``grad_accum``; default 4 x pp); ``in_flight`` and ``bubble`` come with it."""
+    """Predicted bytes one rank holds on the mesh pp x dp_replicate x dp_shard x cp x tp:
+    ``model_states`` (parameters, gradients, AdamW) and ``activations`` (kept for backward plus the
+    backward peak), for ``bench/bench_scale.py`` to hold against measured per-rank peaks.
+    ``precision`` fp32 or bf16 (mixed); ``ac`` none | op | full; ``memory``: ``activation_bytes``'s
+    head settings (``return_logits=False`` and ``chunk`` for the trainer's loss path,
+    ``loss_parallel``). ``pp`` > 1: pipeline rank ``pp_rank`` of ``pp_schedule`` over ``n_micro``
+    micro-batches (``grad_accum``; default 4 x pp); ``in_flight`` and ``bubble`` come with it.
+    ``cp`` > 1: context parallelism (``cp_estimate``); ``ep`` > 1: an MoE model's experts over ep of
+    the dp_shard x cp ranks (``with_expert_parallel``)."""
     blocker = tp_blocker(cfg, tp)
     if blocker:
         usable = ", ".join(str(t) for t in range(1, cfg.num_heads + 1) if tp_blocker(cfg, t) is None)
@@ -702,7 +685,18 @@ def rank_memory(
         why = pipeline_blocker(cfg, pp, pp_schedule, pp_stages_per_rank, n_micro or 4 * pp)
         if why:
             raise ConfigError(why)
-    return estimate(
+    if cp > 1 and pp > 1:
+        raise ConfigError(f"parallel.cp={cp} does not run with parallel.pp={pp} yet; set parallel.pp=1 or parallel.cp=1")
+    check_expert_parallel(cfg, ep, dp_shard, cp)
+    if ep > 1 and not strategy.startswith("fsdp"):
+        raise ConfigError(f"parallel.ep={ep} needs parallel.strategy=fsdp, not {strategy!r}")
+    mixed = precision != "fp32"
+    if cp > 1:
+        e = cp_estimate(
+            cfg, strategy, dp_shard * cp * tp, micro_batch, seq_len, target_len, ac, mixed, cp, tp=tp, sp=sp, **memory
+        )
+        return with_expert_parallel(e, cfg, seq_len, mixed, ep)
+    e = estimate(
         cfg,
         strategy,
         pp * dp_replicate * dp_shard * tp,
@@ -721,51 +715,40 @@ def rank_memory(
         pp_rank=pp_rank,
         **memory,
     )
+    return with_expert_parallel(e, cfg, seq_len, mixed, ep)
 
 
-def layouts(cfg: ModelConfig, devices: int, gpus_per_node: int = 8) -> list[tuple[str, int, int]]:
-    """(strategy, dp_replicate, tp) of every layout the planner tries, cheapest communication first
-    within one tp: without TP each strategy, HSDP (one replica per node, FSDP2 inside it) before
-    FSDP2 over every device; with TP (sequence parallel on) FSDP2 on the rest, HSDP first."""
-    nodes = devices // gpus_per_node if devices % gpus_per_node == 0 else 1
-    out = []
-    for tp in tp_degrees(cfg, devices)[0]:
-        hsdp = nodes > 1 and gpus_per_node % tp == 0 and gpus_per_node // tp > 1
-        strategies = STRATEGY_NAMES if tp == 1 else ("fsdp",)
-        for strategy in strategies:
-            if strategy == "fsdp" and hsdp:
-                out.append((strategy, nodes, tp))
-            out.append((strategy, 1, tp))
-    return out
+def check_expert_parallel(cfg: ModelConfig, ep: int, dp_shard: int, cp: int) -> None:
+    """What any ``parallel.ep`` needs (parallel/ep.py, mesh.check_ep), refused in one line: experts,
+    an ep that divides them, a multiple of cp that divides dp_shard x cp."""
+    from ..parallel.mesh import check_ep
+
+    if ep == 1:
+        return
+    if not cfg.moe.enabled:
+        raise ConfigError(
+            f"parallel.ep={ep} needs a mixture-of-experts model (model.moe.num_experts > 0); set parallel.ep=1"
+        )
+    if cfg.moe.num_experts % ep:
+        raise ConfigError(
+            f"model.moe.num_experts={cfg.moe.num_experts} is not divisible by parallel.ep={ep}; choose an ep that divides it"
+        )
+    check_ep(ep, dp_shard, cp)
 
 
-def pp_layouts(
-    cfg: ModelConfig, devices: int, gpus_per_node: int = 8, n_micro: int | None = None, max_pp: int | None = None
-) -> tuple[list[tuple[str, int, int, int, str, int, int]], dict[int, str]]:
-    """(strategy, dp_replicate, tp, pp, schedule, stages_per_rank, n_micro) of every pipeline layout
-    the planner tries, and the pp degrees it skips with why. pp divides the device count (at most
-    ``max_pp``); ``n_micro`` micro-batches per step (grad_accum; default 4 x pp, a bubble under 1/5);
-    each stage's ranks run FSDP2 (HSDP first when a stage spans nodes) with every tp of ``layouts``
-    that divides them; the schedules are ``PP_SEARCHED`` that split the model. A stage's ranks are
-    contiguous (pp is the outermost mesh dimension), so pipelines cross nodes before TP does."""
-    usable = tp_degrees(cfg, devices)[0]
-    out, skipped = [], {}
-    for pp in range(2, (max_pp or devices) + 1):
-        if devices % pp:
-            continue
-        m = n_micro or 4 * pp
-        why = pipeline_blocker(cfg, pp, "1f1b", 1, m)
-        if why:
-            skipped[pp] = why
-            continue
-        schedules = [(name, v) for name, v in PP_SEARCHED if pipeline_blocker(cfg, pp, name, v, m) is None]
-        per_stage = devices // pp
-        nodes = per_stage // gpus_per_node if per_stage % gpus_per_node == 0 else 1
-        for tp in (t for t in usable if per_stage % t == 0):
-            hsdp = nodes > 1 and gpus_per_node % tp == 0 and gpus_per_node // tp > 1
-            for replicate in (nodes, 1) if hsdp else (1,):
-                out += [("fsdp", replicate, tp, pp, name, v, m) for name, v in schedules]
-    return out, skipped
+def with_expert_parallel(e: Estimate, cfg: ModelConfig, seq: int, mixed: bool, ep: int) -> Estimate:
+    """``e`` with its MoE layers' experts over ``ep`` ranks: the same model states (FSDP2 shards the
+    experts over dp_shard x cp either way: moe.expert_states_per_rank) and the rows each MoE layer
+    receives, kept for backward besides those it sent (``moe.ep_activation_bytes``)."""
+    if ep == 1:
+        return e
+    from dataclasses import replace
+
+    from .moe import ep_activation_bytes
+
+    local = cp_local_length(seq, e.cp, e.tp, e.sp) if e.cp > 1 else seq
+    extra = e.micro_batch * ep_activation_bytes(cfg, local, ep, 2 if mixed else 4, e.ac)
+    return replace(e, activations=e.activations + extra, ep=ep)
 
 
 def training_memory(cfg) -> dict:
@@ -780,191 +763,10 @@ def training_memory(cfg) -> dict:
     }
 
 
-def print_savings(cfg: ModelConfig, micro_batch: int, seq: int, target: int | None, mixed: bool, settings: dict) -> None:
-    """Activation memory per device of each memory setting alone, against none of them (the
-    unchunked head, no checkpointing, no offload), and of this run's choice."""
-    gib = 2**30
-    plain = {**settings, "chunk": None, "offload": False}
-    chunk = settings["chunk"] or 1024
-
-    def act(ac="none", **change):
-        return activation_bytes(cfg, micro_batch, seq, target, ac, mixed, **{**plain, **change})
-
-    base = act()
-    rows = [
-        ("none of them (baseline)", base),
-        (f"loss.chunk_size={chunk}", act(chunk=chunk)),
-        ("activation_checkpointing=op", act("op")),
-        ("activation_checkpointing=full", act("full")),
-        ("activation_offload=true (on a GPU)", act(offload=True)),
-        (f"chunk {chunk} + op + offload", act("op", chunk=chunk, offload=True)),
-    ]
-    print(f"\nwhat each memory setting saves per device (activations, micro-batch {micro_batch}):")
-    print(f"{'setting':<38}{'activ. GiB':>11}{'saves GiB':>11}{'saves':>7}")
-    for name, value in rows:
-        print(f"{name:<38}{value / gib:>11.2f}{(base - value) / gib:>11.2f}{1 - value / base:>7.0%}")
-
-
-def layout_estimate(
-    cfg: ModelConfig,
-    layout: tuple[str, int, int, int, str, int, int],
-    devices: int,
-    micro_batch: int,
-    seq: int,
-    target: int | None,
-    ac: str,
-    mixed: bool,
-    settings: dict,
-) -> Estimate:
-    """``estimate`` of one searched layout, (strategy, dp_replicate, tp, pp, schedule, stages_per_rank,
-    n_micro) as ``layouts`` and ``pp_layouts`` give them: TP layouts run sequence parallel."""
-    strategy, replicate, tp, pp, schedule, v, m = layout
-    return estimate(
-        cfg,
-        strategy,
-        devices,
-        micro_batch,
-        seq,
-        target,
-        ac,
-        mixed,
-        dp_replicate=replicate,
-        tp=tp,
-        sp=tp > 1,
-        pp=pp,
-        schedule=schedule,
-        stages_per_rank=v,
-        n_micro=m,
-        **settings,
-    )
-
-
-def recommend(
-    cfg: ModelConfig,
-    devices: int,
-    memory: float,
-    seq: int,
-    target: int | None,
-    mixed: bool = True,
-    headroom: float = 0.9,
-    settings: dict | None = None,
-    gpus_per_node: int = 8,
-    max_pp: int = 1,
-    n_micro: int | None = None,
-) -> list[Estimate]:
-    """Every layout (``layouts``; with ``max_pp`` > 1 also ``pp_layouts``) and AC that fits, each
-    with its largest micro-batch, best first:
-    1. no full recomputation: AC full runs the forward twice (~1/3 more compute per step), more than
-       TP with sequence parallelism costs inside a node (Korthikanti et al., 2022); nor a pipeline
-       bubble above ``MAX_BUBBLE`` (as costly);
-    2. a tp within a node (``gpus_per_node``) before one across nodes;
-    3. no pipeline, then the fewest stages: TP within a node, then pipeline stages across nodes
-       (Narayanan et al., 2021), before TP across nodes;
-    4. no TP, then the smallest tp;
-    5. the cheapest communication (ddp, ZeRO-1/2/3, HSDP, FSDP2: the order of ``layouts``);
-    6. the cheapest recomputation (none, op, full);
-    7. the smallest bubble (interleaving, when it fits);
-    8. the largest micro-batch.
-    TP layouts run sequence parallel (it only removes memory) and the unchunked, vocabulary-
-    sharded head (the chunked loss does not take a TP head)."""
-    candidates = [
-        (strategy, replicate, tp, 1, "1f1b", 1, 1) for strategy, replicate, tp in layouts(cfg, devices, gpus_per_node)
-    ]
-    if max_pp > 1:
-        candidates += pp_layouts(cfg, devices, gpus_per_node, n_micro, max_pp)[0]
-    comm: dict[tuple, int] = {}  # communication order: the schedules of one layout share it
-    fits = []
-    for strategy, replicate, tp, pp, schedule, v, m in candidates:
-        index = comm.setdefault((strategy, replicate, tp, pp), len(comm))
-        for ac_rank, ac in enumerate(("none", "op", "full")):
-            for mb in (64, 32, 16, 8, 4, 2, 1):
-                layout = (strategy, replicate, tp, pp, schedule, v, m)
-                e = layout_estimate(cfg, layout, devices, mb, seq, target, ac, mixed, settings or {})
-                if e.total <= headroom * memory:
-                    fits.append(
-                        (
-                            (
-                                ac == "full" or e.bubble > MAX_BUBBLE,
-                                tp > gpus_per_node,
-                                pp,
-                                tp,
-                                index,
-                                ac_rank,
-                                e.bubble,
-                                -mb,
-                            ),
-                            e,
-                        )
-                    )
-                    break
-    return [e for _, e in sorted(fits, key=lambda pair: pair[0])]
-
-
-def _overrides(e: Estimate, chunked: bool) -> str:
-    if e.tp == 1 and e.dp_replicate == 1 and e.pp == 1:
-        flag = {
-            "ddp": "parallel.strategy=ddp",
-            "fsdp": "parallel.strategy=fsdp",
-            "fsdp-no-reshard": "parallel.strategy=fsdp parallel.reshard_after_forward=false",
-        }.get(e.strategy, f"parallel.strategy=deepspeed parallel.deepspeed_config=configs/deepspeed/{e.strategy}.json")
-    else:
-        pipe = (
-            ""
-            if e.pp == 1
-            else (
-                f" parallel.pp={e.pp} parallel.pp_schedule={e.schedule}"
-                + (f" parallel.pp_stages_per_rank={e.stages_per_rank}" if e.stages_per_rank > 1 else "")
-                + f" grad_accum={e.n_micro}"
-            )
-        )
-        flag = (
-            f"parallel.strategy=fsdp{pipe} parallel.dp_replicate={e.dp_replicate} parallel.dp_shard={e.dp_shard} "
-            f"parallel.tp={e.tp}"
-            + (" parallel.sp=true" if e.sp else "")
-            + (" loss.chunk_size=null" if chunked and e.tp > 1 else "")
-        )
-    ac = "" if e.ac == "none" else f" parallel.activation_checkpointing={e.ac}"
-    return f"{flag} micro_batch_size={e.micro_batch}{ac}"
-
-
-def op_ac_note(cfg: ModelConfig, seq: int, tp: int, none: float, op: float) -> str:
-    """Why op-level AC holds more than no AC at ``tp`` (with SP), in values per token and block on
-    one rank: op keeps the o_proj and FFN down matmul outputs, and under TP those are partial sums
-    over the whole sequence, whole on every rank until their reduce-scatter; AC none keeps nothing
-    whole under SP (every tensor it saves is split by tp along the heads or the sequence)."""
-    kept_none = _block_elements_per_token(cfg, seq, tp=tp, sp=True)
-    kept_op = _block_elements_op_ac(cfg, tp=tp, sp=True)
-    partial = _op_ac_parts(cfg)[0]
-    gib = 2**30
-    return (
-        f"note: at tp={tp} AC op holds more than AC none ({op / gib:.2f} vs {none / gib:.2f} GiB), and is never "
-        f"picked there: op keeps the o_proj and FFN down outputs, which under TP are partial sums over the whole "
-        f"sequence on every rank before their reduce-scatter ({partial:,.0f} of the {kept_op:,.0f} values it keeps "
-        f"per token and block), while AC none with SP keeps {kept_none:,.0f}, all split by tp"
-    )
-
-
-def _pp_refused(cfg) -> str | None:
-    """A run setting pipelines do not take (the trainer refuses it), or None."""
-    data = cfg.data
-    for refused, why in (
-        (cfg.precision == "fp16", "precision=fp16"),
-        (data.tokens_per_batch is not None, "data.tokens_per_batch"),
-        (bool(cfg.eval_bleu), "eval_bleu"),
-        (bool(data.document_mask), "data.document_mask"),
-    ):
-        if refused:
-            return why
-    return None
-
-
 # --- context parallelism (parallel/context.py): each sequence cut over cp ranks ---------------------
-CP_DEGREES = (2, 4, 8, 16, 32)
-
-
 def cp_local_length(seq: int, cp: int, tp: int = 1, sp: bool = False) -> int:
     """Tokens one rank holds of a ``seq``-token sequence (padded to 2 cp chunks, and to tp under SP)."""
-    from .context import padded_length
+    from ..parallel.context import padded_length
 
     return padded_length(seq, cp, tp if sp else 1) // cp
 
@@ -1041,254 +843,3 @@ def cp_estimate(
     states = model_state_bytes(strategy, tp_local_parameters(cfg, tp), dp_shard * cp, mixed, as_built=True)
     activations = cp_activation_bytes(cfg, micro_batch, seq, target, ac, mixed, cp, tp=tp, sp=sp, **memory)
     return Estimate(strategy, ac, micro_batch, states, activations, 1, dp_shard, tp, sp, cp=cp)
-
-
-def cp_layouts(cfg: ModelConfig, devices: int) -> list[tuple[str, int, int]]:
-    """(strategy, tp, cp) of every context-parallel layout tried: cp a power of two dividing the
-    devices (with tp), FSDP2 (and DDP without TP) over the rest; pipelines do not take cp yet."""
-    out = []
-    for cp in (c for c in CP_DEGREES if devices % c == 0):
-        for tp in (t for t in tp_degrees(cfg, devices)[0] if devices % (cp * t) == 0):
-            out += [(strategy, tp, cp) for strategy in (("ddp", "fsdp") if tp == 1 else ("fsdp",))]
-    return out
-
-
-def recommend_cp(
-    cfg: ModelConfig,
-    devices: int,
-    memory: float,
-    seq: int,
-    target: int | None,
-    mixed: bool = True,
-    headroom: float = 0.9,
-    settings: dict | None = None,
-    gpus_per_node: int = 8,
-) -> list[Estimate]:
-    """The context-parallel layouts that fit, best first, for a sequence no other layout fits
-    (``recommend`` is asked first): the smallest cp (its K/V all-gather per attention call is the
-    cost), no full recomputation, then ``recommend``'s order (tp within a node, no tp, the cheapest
-    communication and recomputation, the largest micro-batch)."""
-    fits = []
-    for index, (strategy, tp, cp) in enumerate(cp_layouts(cfg, devices)):
-        for ac_rank, ac in enumerate(("none", "op", "full")):
-            for mb in (64, 32, 16, 8, 4, 2, 1):
-                e = cp_estimate(cfg, strategy, devices, mb, seq, target, ac, mixed, cp, tp=tp, sp=tp > 1, **(settings or {}))
-                if e.total <= headroom * memory:
-                    fits.append(((ac == "full", cp, tp > gpus_per_node, tp, index, ac_rank, -mb), e))
-                    break
-    return [e for _, e in sorted(fits, key=lambda pair: pair[0])]
-
-
-def _cp_overrides(e: Estimate) -> str:
-    ac = "" if e.ac == "none" else f" parallel.activation_checkpointing={e.ac}"
-    return (
-        f"parallel.strategy={e.strategy} parallel.cp={e.cp} parallel.dp_shard={e.dp_shard} parallel.tp={e.tp}"
-        + (" parallel.sp=true loss.chunk_size=null" if e.sp else "")
-        + f" micro_batch_size={e.micro_batch}{ac}"
-    )
-
-
-def _print_cp_recommendation(cfg, model_cfg, devices: int, memory: float, target, mixed: bool, settings: dict) -> int:
-    """When no layout without CP fits: the context-parallel table and the best CP layout."""
-    gib = 2**30
-    seq = cfg.data.seq_len
-    print(f"\ncontext-parallel layouts (each sequence cut over cp ranks; per rank, micro-batch {cfg.micro_batch_size}):")
-    print(f"{'strategy':<16}{'dp_shard':>9}{'cp':>4}{'tp':>4}{'tokens/rank':>12}{'none':>8}{'op':>8}{'full':>8}")
-    for strategy, tp, cp in cp_layouts(model_cfg, devices):
-        mb = cfg.micro_batch_size
-        totals = [
-            cp_estimate(model_cfg, strategy, devices, mb, seq, target, ac, mixed, cp, tp=tp, sp=tp > 1, **settings)
-            for ac in ("none", "op", "full")
-        ]
-        print(
-            f"{strategy:<16}{totals[0].dp_shard:>9}{cp:>4}{tp:>4}{cp_local_length(seq, cp, tp, tp > 1):>12}"
-            + "".join(f"{t.total / gib:>8.1f}" for t in totals)
-        )
-    fits = recommend_cp(model_cfg, devices, memory, seq, target, mixed, settings=settings)
-    if not fits:
-        print("recommendation: nothing fits, with context parallelism either; use more devices or a shorter sequence")
-        return 1
-    best = fits[0]
-    gathered = cp_attention_bytes(model_cfg, best.micro_batch, seq, target, mixed, best.cp, best.tp)
-    print(
-        f"recommendation: context parallelism (no layout without it fits seq {seq}): {best.strategy}, mesh "
-        f"dp_shard={best.dp_shard} cp={best.cp} tp={best.tp}{' sp' if best.sp else ''}, micro_batch_size="
-        f"{best.micro_batch}, AC {best.ac} ({best.total / gib:.2f} GiB per device, of which "
-        f"{gathered / gib:.2f} the gathered K/V)\n"
-        f"  overrides: {_cp_overrides(best)}"
-    )
-    return 0
-
-
-def plan_main(
-    cfg,
-    config: str,
-    devices: int,
-    device_memory: str,
-    gpus_per_node: int = 8,
-    n_micro: int | None = None,
-    max_pp: int | None = None,
-) -> int:
-    """Print the table and the recommendation for ``cfg``, the run config (a ``TrainConfig``,
-    loaded by the CLI from the file ``config``: train/ is a layer above this one). ``n_micro``:
-    the pipeline layouts' micro-batches per step (default 4 x pp); ``max_pp``: the largest pp tried
-    (default: the device count; 1: no pipelines)."""
-    model_cfg = cfg.model
-    memory = parse_bytes(device_memory)
-    mixed = cfg.precision != "fp32"
-    target = None
-    if spec_of(model_cfg).seq2seq:
-        from ..data import t5_lengths
-
-        target = cfg.data.target_len or t5_lengths(cfg.data.seq_len)[1]
-    gib = 2**30
-    settings = {**training_memory(cfg), "loss_parallel": cfg.parallel.loss_parallel}
-    print(
-        f"model: {model_cfg.family}, {config}; {devices} devices x {memory / gib:.1f} GiB; seq "
-        f"{cfg.data.seq_len}; {'bf16 mixed' if mixed else 'fp32'}; loss.chunk_size={cfg.loss.chunk_size}; "
-        f"activation_offload={'on' if settings['offload'] else 'off'}"
-    )
-    usable, skipped = tp_degrees(model_cfg, devices)
-    print(
-        f"{num_parameters(model_cfg) / 1e9:.2f}B parameters; tp candidates {', '.join(map(str, usable))} "
-        f"({gpus_per_node} GPUs per node; tp > 1 with sequence parallel and an unchunked vocabulary-sharded head)"
-    )
-    from .moe_plan import moe_lines  # MoE terms: total vs active, expert states under ep, all-to-all
-
-    for line in moe_lines(model_cfg, num_parameters(model_cfg), devices, cfg.micro_batch_size * cfg.data.seq_len, mixed):
-        print(line)
-    if skipped:
-        print(
-            "tp skipped (it must divide num_heads, num_kv_heads and d_ff): "
-            + ", ".join(f"{tp} ({why})" for tp, why in skipped.items())
-        )
-    print(
-        f"{'strategy':<16}{'dp_rep':>7}{'dp_shard':>9}{'tp':>4}{'sp':>4}  {'AC':<6}{'micro':>6}{'states GiB':>12}"
-        f"{'activ. GiB':>12}{'total GiB':>11}  fits"
-    )
-    worse_op: dict[int, tuple[float, float]] = {}  # tp -> (AC none, AC op) totals where op holds more
-    for strategy, replicate, tp in layouts(model_cfg, devices, gpus_per_node):
-        totals = {}
-        for ac in ("none", "op", "full"):
-            layout = (strategy, replicate, tp, 1, "1f1b", 1, 1)
-            e = layout_estimate(
-                model_cfg, layout, devices, cfg.micro_batch_size, cfg.data.seq_len, target, ac, mixed, settings
-            )
-            print(
-                f"{strategy:<16}{replicate:>7}{e.dp_shard:>9}{tp:>4}{'on' if e.sp else '-':>4}  {ac:<6}"
-                f"{e.micro_batch:>6}{e.model_states / gib:>12.2f}{e.activations / gib:>12.2f}{e.total / gib:>11.2f}"
-                f"  {'yes' if e.total <= 0.9 * memory else 'no'}"
-            )
-            totals[ac] = e.total
-        if tp > 1 and totals["op"] > totals["none"]:
-            worse_op[tp] = (totals["none"], totals["op"])
-    if worse_op:
-        print(op_ac_note(model_cfg, cfg.data.seq_len, max(worse_op), *worse_op[max(worse_op)]))
-    refused = _pp_refused(cfg)
-    max_pp = 1 if refused else (max_pp or devices)
-    if refused:
-        print(f"\npipeline layouts not searched: parallel.pp does not take {refused}")
-    elif max_pp > 1:
-        _print_pipelines(
-            model_cfg,
-            devices,
-            memory,
-            cfg.micro_batch_size,
-            cfg.data.seq_len,
-            target,
-            mixed,
-            settings,
-            gpus_per_node,
-            n_micro,
-            max_pp,
-        )
-    print_savings(model_cfg, cfg.micro_batch_size, cfg.data.seq_len, target, mixed, settings)
-    fits = recommend(
-        model_cfg,
-        devices,
-        memory,
-        cfg.data.seq_len,
-        target,
-        mixed,
-        settings=settings,
-        gpus_per_node=gpus_per_node,
-        max_pp=max_pp,
-        n_micro=n_micro,
-    )
-    if not fits:
-        return _print_cp_recommendation(cfg, model_cfg, devices, memory, target, mixed, settings)
-    best = fits[0]
-    pipe = "" if best.pp == 1 else f"pp={best.pp} "
-    mesh = (
-        ""
-        if best.tp == 1 and best.dp_replicate == 1 and best.pp == 1
-        else (
-            f", mesh {pipe}dp_replicate={best.dp_replicate} dp_shard={best.dp_shard} tp={best.tp}"
-            + (" sp" if best.sp else "")
-            + (" (tp across nodes)" if best.tp > gpus_per_node else "")
-        )
-    )
-    where = "" if best.pp == 1 else f" on pipeline rank {best.pp_rank} of {best.pp}, the fullest"
-    print(
-        f"recommendation: {best.strategy}{mesh}, micro_batch_size={best.micro_batch}, AC {best.ac} "
-        f"({best.total / gib:.2f} GiB per device{where})\n"
-        f"  overrides: {_overrides(best, cfg.loss.chunk_size is not None)}"
-    )
-    if best.pp > 1:
-        interleaved = best.schedule == "interleaved_1f1b"
-        formula = f"(pp-1)/({'v*' if interleaved else ''}m+pp-1)"
-        print(
-            f"  pipeline: {best.schedule}{f' ({best.stages_per_rank} stages per rank)' if interleaved else ''}, "
-            f"m={best.n_micro} micro-batches per step (grad_accum; the global batch is micro_batch_size x m x "
-            f"dp_replicate x dp_shard), bubble {best.bubble:.1%} of the step idle {formula}, "
-            f"{best.in_flight:g} micro-batches in flight on rank {best.pp_rank}"
-        )
-    return 0
-
-
-def _print_pipelines(
-    cfg: ModelConfig,
-    devices: int,
-    memory: float,
-    micro_batch: int,
-    seq: int,
-    target: int | None,
-    mixed: bool,
-    settings: dict,
-    gpus_per_node: int,
-    n_micro: int | None,
-    max_pp: int,
-) -> None:
-    """The pipeline layouts' table: one row per layout and schedule, the worst rank's total per AC."""
-    gib = 2**30
-    pipes, skipped = pp_layouts(cfg, devices, gpus_per_node, n_micro, max_pp)
-    m = "4 x pp" if n_micro is None else str(n_micro)
-    print(
-        f"\npipeline layouts (fsdp per stage; m = grad_accum = {m} micro-batches of micro_batch_size per step; "
-        "in-flight: micro-batches rank 0 holds; none/op/full: total GiB of the fullest pipeline rank by AC; AC: the "
-        "cheapest that fits; gpipe not searched: 1f1b's bubble with all m micro-batches in flight):"
-    )
-    if skipped:
-        print("pp skipped: " + ", ".join(f"{pp} ({why})" for pp, why in skipped.items()))
-    if not pipes:
-        return
-    print(
-        f"{'strategy':<16}{'dp_rep':>7}{'dp_shard':>9}{'tp':>4}{'sp':>4}{'pp':>4}  {'schedule':<17}{'v':>2}{'m':>5}"
-        f"{'bubble':>8}{'in-flight':>10}{'micro':>6}{'none':>8}{'op':>8}{'full':>8}  fits  AC"
-    )
-    for strategy, replicate, tp, pp, schedule, v, n in pipes:
-        totals = {
-            ac: layout_estimate(
-                cfg, (strategy, replicate, tp, pp, schedule, v, n), devices, micro_batch, seq, target, ac, mixed, settings
-            )
-            for ac in ("none", "op", "full")
-        }
-        e = totals["none"]
-        fit = next((ac for ac, t in totals.items() if t.total <= 0.9 * memory), None)
-        held = in_flight(schedule, pp, n, 0, v) / v
-        print(
-            f"{strategy:<16}{replicate:>7}{e.dp_shard:>9}{tp:>4}{'on' if e.sp else '-':>4}{pp:>4}  {schedule:<17}"
-            f"{v:>2}{n:>5}{e.bubble:>8.1%}{held:>10g}{micro_batch:>6}"
-            + "".join(f"{t.total / gib:>8.1f}" for t in totals.values())
-            + f"  {'yes' if fit else 'no':<4}  {fit or '-'}"
-        )

@@ -1,5 +1,5 @@
 """The planner's mixture-of-experts terms (``tformer plan``), apart from the dense counts in
-``plan.py``: total against active parameters, the expert states a rank holds under expert
+``memory.py``: total against active parameters, the expert states a rank holds under expert
 parallelism x FSDP2, the dispatch buffers of one MoE layer, and the all-to-all bytes of a step.
 
 The exchange volume (``parallel/ep.py``): per MoE layer and micro-batch a rank sends its routed
@@ -61,6 +61,19 @@ def dispatch_buffer_bytes(cfg: ModelConfig, layout: MoELayout) -> float:
     return rows * (copies * cfg.d_model + hidden + cfg.d_model) * layout.elt
 
 
+def ep_activation_bytes(cfg: ModelConfig, tokens: int, ep: int, elt: int, ac: str) -> float:
+    """Bytes expert parallelism adds to a rank's activations for ``tokens`` tokens of one
+    micro-batch: each MoE layer keeps the rows it received for its experts' backward besides the
+    rows it sent (``dispatch_buffer_bytes``' second copy), in every MoE layer under AC none, in the
+    one block being recomputed otherwise (no checkpointing policy saves an all-to-all's output)."""
+    if not cfg.moe.enabled or ep == 1:
+        return 0.0
+    extra = dispatch_buffer_bytes(cfg, MoELayout(ep, ep, tokens, 1, elt)) - dispatch_buffer_bytes(
+        cfg, MoELayout(1, ep, tokens, 1, elt)
+    )
+    return extra * (spec_of(cfg).model.moe_layer_count(cfg) if ac == "none" else 1)
+
+
 def all_to_all_bytes_per_step(cfg: ModelConfig, layout: MoELayout) -> float:
     """Bytes leaving one rank in the expert all-to-alls of a training step, balanced routing."""
     if not cfg.moe.enabled or layout.ep == 1:
@@ -75,7 +88,7 @@ def moe_lines(cfg: ModelConfig, total: int, devices: int, tokens: int, mixed: bo
     devices allow (FSDP2 over all of them), the per-rank expert states and exchange volume."""
     if not cfg.moe.enabled:
         return []
-    from .plan import model_state_bytes
+    from .memory import model_state_bytes
 
     experts = expert_parameters(cfg)
     lines = [
