@@ -443,7 +443,8 @@ def test_plan_cli_prints_the_mesh_columns_and_a_tp_recommendation(capsys):
     header = next(line for line in out.splitlines() if line.startswith("strategy"))
     assert header.split()[:6] == ["strategy", "dp_rep", "dp_shard", "tp", "sp", "AC"]
     assert "tp skipped" in out and "16 (num_kv_heads=8)" in out
-    rows = [line.split() for line in out.splitlines() if line.startswith(("ddp", "zero", "fsdp"))]
+    meshes = out[: out.index("\ncontext-parallel layouts")]  # the memory and pipeline tables (CP's has other columns)
+    rows = [line.split() for line in meshes.splitlines() if line.startswith(("ddp", "zero", "fsdp"))]
     assert {row[3] for row in rows} == {"1", "2", "4", "8"}
     assert ["fsdp", "8", "8", "1", "-", "none"] == rows[12][:6]  # HSDP: one replica per node
     assert all(row[4] == ("on" if row[3] != "1" else "-") for row in rows)
