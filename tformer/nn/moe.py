@@ -125,6 +125,8 @@ def grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         return False
     if x.dtype == torch.float16 and x.device.type != "cuda":
         return False
+    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        return False  # torch 2.13's meta kernel (what compile traces with) takes bf16 operands only
     align = 16 // x.element_size()
     return all(w.dtype == x.dtype and w.device == x.device and w.shape[-1] % align == 0 for w in weights) and (
         x.shape[-1] % align == 0
