@@ -23,8 +23,8 @@ from .memory import (
     with_expert_parallel,
 )
 
-# what the trainer runs a mixture-of-experts model with (parallel/ep.py, check_moe_layout): no
-# DeepSpeed (its experts would be partitioned like dense weights), tp = 1
+# what the planner offers a mixture-of-experts model (parallel/ep.py, check_moe_layout): no DeepSpeed
+# (its experts would be partitioned like dense weights); tp = 1 (tp > 1 runs, but is not planned yet)
 MOE_STRATEGIES = ("ddp", "fsdp", "fsdp-no-reshard")
 
 
@@ -33,7 +33,11 @@ def tp_degrees(cfg: ModelConfig, devices: int) -> tuple[list[int], dict[int, str
     model), and the others with what they do not divide (or, for an MoE model, that it runs tp=1)."""
     usable, skipped = [], {}
     for tp in (t for t in range(1, devices + 1) if devices % t == 0):
-        blocker = tp_blocker(cfg, tp) or ("model.moe: its layers run at tp=1" if cfg.moe.enabled and tp > 1 else None)
+        blocker = tp_blocker(cfg, tp) or (
+            "model.moe: MoE models run at tp > 1 (MoE FFNs whole on every tp rank) but are not planned there yet"
+            if cfg.moe.enabled and tp > 1
+            else None
+        )
         if blocker:
             skipped[tp] = blocker
         else:

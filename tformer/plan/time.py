@@ -207,13 +207,17 @@ def why_not_priced(cfg: ModelConfig, layout: Layout, hw: Hardware) -> str | None
             )
     if cfg.moe.enabled:
         for refused, what in (
-            (layout.tp > 1, f"tensor parallelism (tp={layout.tp})"),
             (deepspeed, f"DeepSpeed ({layout.strategy})"),
             (layout.ep > 1 and not layout.strategy.startswith("fsdp"), f"expert parallelism with {layout.strategy}"),
-            (layout.ep > 1 and layout.pp > 1, f"expert parallelism with pipelines (pp={layout.pp})"),
         ):
             if refused:
                 reasons.append(f"a mixture-of-experts model with {what}: tformer does not run it")
+        for unpriced, what in (  # these run (parallel/tp.py, parallel/ep.py); the time model has no terms yet
+            (layout.tp > 1, f"tensor parallelism (tp={layout.tp}: MoE FFNs run whole on every tp rank)"),
+            (layout.ep > 1 and layout.pp > 1, f"expert parallelism with pipelines (pp={layout.pp})"),
+        ):
+            if unpriced:
+                reasons.append(f"a mixture-of-experts model with {what}: no time-model terms for it yet")
     if layout.attention not in ATTENTION_KERNELS:
         reasons.append(f"attention kernel {layout.attention!r} (priced: {', '.join(ATTENTION_KERNELS)})")
     if layout.ac not in AC_POLICIES:
