@@ -38,29 +38,37 @@ def problems(cfg: ModelConfig) -> list[str | None]:
     ]
 
 
-def hf_config(cfg: ModelConfig):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
+def decoder_config(cfg: ModelConfig) -> dict:
+    """The keyword arguments every Llama-shaped HF decoder config (Llama, Mixtral, Qwen2-MoE) takes
+    from ours alike; each exporter adds its own."""
+    return dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.d_model,
-        intermediate_size=cfg.d_ff,
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim,
         hidden_act=GATED_ACTS[cfg.activation],
         max_position_embeddings=cfg.max_seq_len,
         initializer_range=cfg.init_std,
         rms_norm_eps=cfg.norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        attention_bias=cfg.bias,
-        mlp_bias=cfg.bias,
         attention_dropout=cfg.attn_dropout,
         bos_token_id=cfg.bos_token_id,
         eos_token_id=cfg.eos_token_id,
         pad_token_id=cfg.pad_token_id,
         tie_word_embeddings=cfg.tie_embeddings,
+    )
+
+
+def hf_config(cfg: ModelConfig):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        **decoder_config(cfg),
+        intermediate_size=cfg.d_ff,
+        head_dim=cfg.head_dim,
+        attention_bias=cfg.bias,
+        mlp_bias=cfg.bias,
         architectures=[HF_CLASS],
     )
 

@@ -48,27 +48,13 @@ def hf_config(cfg: ModelConfig):
     from transformers import MixtralConfig
 
     return MixtralConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
+        **llama.decoder_config(cfg),
         intermediate_size=cfg.moe.d_expert or cfg.d_ff,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.kv_heads,
         head_dim=cfg.head_dim,
-        hidden_act=llama.GATED_ACTS[cfg.activation],
-        max_position_embeddings=cfg.max_seq_len,
-        initializer_range=cfg.init_std,
-        rms_norm_eps=cfg.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        attention_dropout=cfg.attn_dropout,
         num_local_experts=cfg.moe.num_experts,
         num_experts_per_tok=cfg.moe.top_k,
         router_aux_loss_coef=cfg.moe.aux_loss_coef,
         router_jitter_noise=cfg.moe.jitter,
-        bos_token_id=cfg.bos_token_id,
-        eos_token_id=cfg.eos_token_id,
-        pad_token_id=cfg.pad_token_id,
-        tie_word_embeddings=cfg.tie_embeddings,
         architectures=[HF_CLASS],
     )
 

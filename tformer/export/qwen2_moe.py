@@ -48,21 +48,11 @@ def hf_config(cfg: ModelConfig):
 
     moe = cfg.moe
     return Qwen2MoeConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
+        **llama.decoder_config(cfg),
         intermediate_size=cfg.d_ff,
         moe_intermediate_size=moe.d_expert or cfg.d_ff,
         shared_expert_intermediate_size=_shared_width(cfg),
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.kv_heads,
-        hidden_act=llama.GATED_ACTS[cfg.activation],
-        max_position_embeddings=cfg.max_seq_len,
-        initializer_range=cfg.init_std,
-        rms_norm_eps=cfg.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         use_sliding_window=False,
-        attention_dropout=cfg.attn_dropout,
         decoder_sparse_step=moe.moe_every,
         num_experts=moe.num_experts,
         num_experts_per_tok=moe.top_k,
@@ -70,10 +60,6 @@ def hf_config(cfg: ModelConfig):
         router_aux_loss_coef=moe.aux_loss_coef,
         mlp_only_layers=[],
         qkv_bias=cfg.attn_qkv_bias,
-        bos_token_id=cfg.bos_token_id,
-        eos_token_id=cfg.eos_token_id,
-        pad_token_id=cfg.pad_token_id,
-        tie_word_embeddings=cfg.tie_embeddings,
         architectures=[HF_CLASS],
     )
 
