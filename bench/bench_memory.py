@@ -51,10 +51,9 @@ def planner_verdict(predicted: float, measured: float) -> str:
 def _tracked(fn, *modules_or_tensors, outer=None):
     """Run ``fn`` under MemTracker (inside ``outer``, e.g. a FakeTensorMode, when given): (peak total
     bytes, bytes at the end, peak activations + temporaries)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from bench_scale import _activation_peak_tracker
+    from tformer.parallel.memory import activation_peak_tracker
 
-    tracker = _activation_peak_tracker()
+    tracker = activation_peak_tracker()
     tracker.track_external(*modules_or_tensors)
     with outer or contextlib.nullcontext(), tracker:
         fn()

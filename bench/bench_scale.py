@@ -166,6 +166,7 @@ def common(precision: str) -> list[str]:
 # DeepSpeed in pure fp32 still clones the parameter partition into a separate fp32 master copy
 # (4Ψ/N more than the paper's fp32 variant), and ZeRO-1 frees the full gradients once they are
 # reduced into the partition (measured after backward, as here). Bytes per Ψ for N ranks:
+from tformer.parallel.memory import activation_peak_tracker  # noqa: E402
 from tformer.plan.memory import DEEPSPEED_FP32_AS_BUILT as AS_BUILT_FP32  # noqa: E402
 
 
@@ -209,24 +210,6 @@ def memory_part(tmp: str, cache: str, precisions=("bf16", "fp32")) -> None:
                 )
 
 
-def _activation_peak_tracker():
-    """torch's MemTracker (tensor bytes by category, per op), extended to keep the running maximum
-    of activation + temporary bytes: the peak activation memory, wherever in forward or backward
-    it occurs (MemTracker itself only snapshots the moment of the peak *total*)."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-
-    class Tracker(MemTracker):
-        peak_activations = 0
-
-        def _update_peak_stats(self, peak_state):
-            super()._update_peak_stats(peak_state)
-            for snap in self._curr_mem_snap.values():
-                now = snap.get(_MemRefType.ACT, 0) + snap.get(_MemRefType.TEMP, 0)
-                self.peak_activations = max(self.peak_activations, now)
-
-    return Tracker()
-
-
 def ac_part(rounds: int = 3, d_model: int = 512, batch: int = 2) -> None:
     from tformer import build_model
     from tformer.parallel.ac import apply_activation_checkpointing
@@ -261,7 +244,7 @@ def ac_part(rounds: int = 3, d_model: int = 512, batch: int = 2) -> None:
     step("none")  # warm-up; AdamW's states exist from here on
     for mode in ("none", "full"):  # memory: one forward + backward per mode, tracked op by op
         apply_activation_checkpointing(model, mode)
-        tracker = _activation_peak_tracker()
+        tracker = activation_peak_tracker()
         tracker.track_external(model, opt)
         with tracker, SavedActivations() as saved:
             model(ids, labels=ids).loss.backward()
@@ -800,7 +783,7 @@ def _cp_step(model, seq, rank, world, track: bool):
     if world > 1:
         batch = shard_batch(batch, rank, world, model.config)
         batch["loss_tokens"] = loss_tokens(batch["labels"], dist.group.WORLD)
-    tracker = _activation_peak_tracker() if track else contextlib.nullcontext()
+    tracker = activation_peak_tracker() if track else contextlib.nullcontext()
     if track:
         tracker.track_external(model)
     t0 = time.perf_counter()

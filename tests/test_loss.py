@@ -61,6 +61,26 @@ def test_model_loss_gradients_match_torch_cross_entropy():
         torch.testing.assert_close(ours[n], p.grad, msg=n)
 
 
+@pytest.mark.parametrize("pad", [1, 64])
+def test_loss_only_path_equals_torch_cross_entropy(pad):
+    """The trainer's path (``return_logits=False``) writes the log-softmax over the head's output;
+    loss and gradients stay those of ``F.cross_entropy`` over the logits, sliced or not."""
+    torch.manual_seed(0)
+    model = build_model("gpt2-tiny", pad_vocab_multiple=pad, vocab_size=1000, dropout=0.0)
+    ids = torch.randint(0, 1000, (2, 9))
+    labels = ids.roll(-1, 1)
+    labels[:, -1] = -100
+    loss = model(ids, labels=labels, return_logits=False).loss
+    loss.backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    expected = torch.nn.functional.cross_entropy(model(ids).logits.reshape(-1, 1000), labels.reshape(-1))
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(ours[n], p.grad, msg=n)
+
+
 # -- label smoothing (the paper's epsilon_ls) ----------------------------------------------------
 
 

@@ -250,7 +250,7 @@ class TformerModel(nn.Module):
         if self.sharded_loss is not None:
             return None, self.sharded_loss(self.lm_head(x), labels, self.config.vocab_size, label_smoothing, loss_tokens)
         if self.loss_chunk_size is None:
-            return None, lm_loss(self._logits(x), labels, label_smoothing, loss_tokens)
+            return None, lm_loss(self._logits(x), labels, label_smoothing, loss_tokens, overwrite=True)
         head = self.lm_head
         return None, chunked_lm_loss(
             x, head.weight, head.bias, labels, self.loss_chunk_size, self.config.vocab_size, label_smoothing, loss_tokens
@@ -258,7 +258,11 @@ class TformerModel(nn.Module):
 
 
 def lm_loss(
-    logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0, loss_tokens: torch.Tensor | None = None
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    label_smoothing: float = 0.0,
+    loss_tokens: torch.Tensor | None = None,
+    overwrite: bool = False,
 ) -> torch.Tensor:
     """Mean cross-entropy over positions whose label is not -100. Labels are aligned with the
     logits (``labels[t]`` is the target of position ``t``); shifting is the data pipeline's job.
@@ -267,9 +271,14 @@ def lm_loss(
 
     ``loss_tokens`` divides the sum instead of the count of labelled positions here: a rank that holds
     part of a sequence (context parallelism) passes the whole sequence's count, so the ranks' losses
-    add up to the mean, and a part without labels gives 0, not 0 / 0."""
+    add up to the mean, and a part without labels gives 0, not 0 / 0.
+
+    ``overwrite``: ``logits`` is the head's fresh output, which nothing reads after the loss (the
+    trainer's loss-only path). The log-softmax is then written over it, and the loss never holds
+    two (tokens, vocab) fp32 tensors at once: at a 128k vocabulary and 8k tokens that is 4 GiB less
+    at the end of forward."""
     flat = logits.float().reshape(-1, logits.shape[-1])
-    return CrossEntropy.apply(flat, labels.reshape(-1), float(label_smoothing), loss_tokens)
+    return CrossEntropy.apply(flat, labels.reshape(-1), float(label_smoothing), loss_tokens, overwrite)
 
 
 class CrossEntropy(torch.autograd.Function):
@@ -283,10 +292,15 @@ class CrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, smoothing: float = 0.0, tokens=None) -> torch.Tensor:
+    def forward(
+        ctx, logits: torch.Tensor, labels: torch.Tensor, smoothing: float = 0.0, tokens=None, overwrite: bool = False
+    ) -> torch.Tensor:
         valid = labels != -100
         target = labels.masked_fill(~valid, 0)[:, None]
-        logp = torch.log_softmax(logits, dim=-1)
+        if overwrite:  # (lm_loss) no autograd node reads the logits: the head's matmul saves its inputs
+            logp = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
+        else:
+            logp = torch.log_softmax(logits, dim=-1)
         count = valid.sum() if tokens is None else tokens
         ctx.save_for_backward(logp, target, valid, count)
         ctx.smoothing = smoothing
@@ -304,7 +318,7 @@ class CrossEntropy(torch.autograd.Function):
         dlogits = logp.exp_().mul_(scale)
         if e:
             dlogits.sub_(scale * (e / logp.shape[-1]))
-        return dlogits.scatter_add_(-1, target, -(1.0 - e) * scale), None, None, None
+        return dlogits.scatter_add_(-1, target, -(1.0 - e) * scale), None, None, None, None
 
 
 def default_positions(input_ids: torch.Tensor, offset: int = 0) -> torch.Tensor:

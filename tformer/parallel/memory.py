@@ -106,3 +106,22 @@ class SavedActivations:
     @property
     def bytes(self) -> int:
         return sum(self.storages.values())
+
+
+def activation_peak_tracker():
+    """torch's MemTracker (tensor bytes by category, per op), extended to keep the running maximum
+    of activation + temporary bytes: the peak activation memory, wherever in forward or backward
+    it occurs (MemTracker itself only snapshots the moment of the peak *total*). Use as a context
+    manager after ``track_external(model)``; read ``peak_activations`` after it."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    class Tracker(MemTracker):
+        peak_activations = 0
+
+        def _update_peak_stats(self, peak_state):
+            super()._update_peak_stats(peak_state)
+            for snap in self._curr_mem_snap.values():
+                now = snap.get(_MemRefType.ACT, 0) + snap.get(_MemRefType.TEMP, 0)
+                self.peak_activations = max(self.peak_activations, now)
+
+    return Tracker()

@@ -195,13 +195,60 @@ def _block_elements_op_ac(
 
 def head_bytes(cfg: ModelConfig, tokens: int, mixed: bool, chunk: int | None = None) -> float:
     """Peak bytes the training loss's head adds on top of the model states, for ``tokens`` labelled
-    positions (all samples of a micro-batch). Its peak is in backward, next to the weight gradient
-    (a model state): the log-softmax, overwritten by the logits' gradient, plus its bf16 cast under
-    mixed precision. (Forward holds the logits and their log-softmax too, but before any gradient
-    exists.) Chunked, the same for ``chunk`` rows at a time (measured: bench/bench_memory.py)."""
+    positions (all samples of a micro-batch): the fp32 log-softmax, written over the logits in
+    forward (``models/base.lm_loss``: under mixed precision over their fp32 copy, beside the bf16
+    logits) and over their gradient in backward (beside its bf16 cast). Chunked, the same for
+    ``chunk`` rows at a time (measured: bench/bench_memory.py)."""
     per_logit = 6 if mixed else 4
     rows = tokens if chunk is None else min(chunk, tokens)
     return rows * cfg.padded_vocab_size * per_logit
+
+
+def _score_bytes(cfg: ModelConfig, micro_batch: int, stacks: list[tuple[int, int]], ac: str, elt: int, tp: int):
+    """(kept, backward peak) bytes of the score-sized (heads x queries x keys) tensors the per-token
+    counts miss, for ``stacks`` of (blocks, tokens) self-attending blocks, where attention builds its
+    scores (the math path, or an additive bias: T5's relative positions send SDPA on this CPU to the
+    math path). Kept under activation checkpointing: each stack's bias (1, heads, S, S), made once
+    (fp32) and an input of every checkpointed block (with AC none no saved tensor holds it: the
+    add of scores and bias saves nothing). Backward: a block's attention backward holds the probabilities' and the scores' gradients at
+    once (two per sample); under activation checkpointing the peak recurs at every block, so from
+    the second block on the bias's gradient, accumulating over the stack, is live too (with AC none
+    the peak is the first block's backward, before any has accumulated). Zero where the kernel
+    never builds scores (flash / memory-efficient SDPA, context parallelism's chunk pairs)."""
+    relative = cfg.position == "relative"
+    if cfg.attn_impl != "math" and not relative:
+        return 0.0, 0.0
+    kept = peak = 0.0
+    for blocks, tokens in stacks:
+        if not blocks:
+            continue
+        unit = cfg.num_heads / tp * tokens * tokens
+        kept += unit * 4 if relative and ac != "none" else 0
+        grads = 2 * micro_batch * unit * elt
+        if relative and ac != "none" and blocks > 1:
+            grads += unit * 4
+        peak = max(peak, grads)
+    return kept, peak
+
+
+def _ends_elements(cfg: ModelConfig, shapes, counts, whole: bool, head: bool, labelled: float, res: float, split: int):
+    """Elements per sample kept outside the blocks: the embedding norm's input (BERT), each
+    stack's final norm (``_block_parts``' norm inputs) and a masked LM's head transform (dense,
+    activation and norm inputs, at labelled positions). A pipeline stage (not ``whole``) counts
+    the last stage's share only (``head``: the last stack's final norm and the head). ``split``:
+    the sequence-parallel degree that shards the norms. Small beside the blocks of a real model,
+    not of a tiny one."""
+    d = cfg.d_model
+    norm_in = (2 if cfg.norm == "rmsnorm" else 1) * d * res / split
+    out = 0.0
+    if whole:
+        out += shapes[0][1] * d * res / split if cfg.embed_norm else 0
+        out += sum(tokens * norm_in for count, (_, tokens, _) in zip(counts, shapes) if count)
+    elif head:
+        out += shapes[-1][1] * norm_in
+    if head and spec_of(cfg).model.MASKED_LM:
+        out += round(shapes[-1][1] * labelled) * 3 * d
+    return out
 
 
 def activation_bytes(
@@ -288,8 +335,14 @@ def activation_bytes(
     if not head:
         head_kept = head_peak = 0
     total = kept * elt + head_kept
+    stacks = [(count, tokens) for count, (_, tokens, _) in zip(counts, shapes)]
+    scores_kept, scores_peak = _score_bytes(cfg, micro_batch, stacks, ac, elt, tp)
+    total += _ends_elements(cfg, shapes, counts, blocks is None, head, labelled, res, tp if sp else 1) * elt
     if transient:
-        total += recompute * elt + head_peak
+        # the head's peak (its log-softmax, written over the logits in forward, then over their
+        # gradient) and a block's backward (its recomputed tensors, its score gradients) come
+        # one after the other
+        total += max(head_peak, recompute * elt + scores_peak / micro_batch)
     weights = 0.0  # bf16 copies of the weights, each held from its matmul's forward to its backward
     if autocast:
         copies = [block_matmul_parameters(cfg, cross is not None, tp) for cross in crosses]
@@ -299,7 +352,7 @@ def activation_bytes(
             weights += 2 * max(copies)
         if head:
             weights += 2 * cfg.padded_vocab_size * cfg.d_model / vocab_split
-    return micro_batch * total + weights
+    return micro_batch * total + weights + scores_kept
 
 
 @dataclass
