@@ -210,11 +210,12 @@ def _score_bytes(cfg: ModelConfig, micro_batch: int, stacks: list[tuple[int, int
     scores (the math path, or an additive bias: T5's relative positions send SDPA on this CPU to the
     math path). Kept under activation checkpointing: each stack's bias (1, heads, S, S), made once
     (fp32) and an input of every checkpointed block (with AC none no saved tensor holds it: the
-    add of scores and bias saves nothing). Backward: a block's attention backward holds the probabilities' and the scores' gradients at
-    once (two per sample); under activation checkpointing the peak recurs at every block, so from
-    the second block on the bias's gradient, accumulating over the stack, is live too (with AC none
-    the peak is the first block's backward, before any has accumulated). Zero where the kernel
-    never builds scores (flash / memory-efficient SDPA, context parallelism's chunk pairs)."""
+    add of scores and bias saves nothing). Backward: a block's attention backward holds the
+    probabilities' and the scores' gradients at once (two per sample); under activation
+    checkpointing the peak recurs at every block, so from the second block on the bias's gradient,
+    accumulating over the stack, is live too (with AC none the peak is the first block's backward,
+    before any has accumulated). Zero where the kernel never builds scores (flash /
+    memory-efficient SDPA, context parallelism's chunk pairs)."""
     relative = cfg.position == "relative"
     if cfg.attn_impl != "math" and not relative:
         return 0.0, 0.0
