@@ -1,7 +1,7 @@
 """``tformer plan --calibrate``: measure this machine's figures and write a CPU profile.
 
 Measured, each the best of a few repeats (the machine may be shared: best, not mean):
-- fp32 GEMM FLOP/s at a large and a thin shape; the large one sets the peak, the thin one
+- fp32 GEMM FLOP/s at a large and a thin shape, operands out of the caches; the large one sets the peak, the thin one
   ``gemm_half`` of the time model's efficiency curve (solved from the ratio of the two), so the curve
   is measured once here and not fitted to any run;
 - memory bandwidth: a 64 MiB copy, bytes read + written;
@@ -43,11 +43,21 @@ def _best(fn, repeats: int = 5) -> float:
 
 
 def gemm_rate(m: int, n: int, k: int) -> float:
+    """FLOP/s of an (m x k) @ (k x n) fp32 GEMM whose operands come from memory, as in a training
+    step (the layer before wrote other data since, the weights were last read a pass ago): a 64
+    MiB buffer is written between repeats to push them out of the caches, outside the timing."""
     import torch
 
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
-    return 2 * m * n * k / _best(lambda: torch.mm(a, b))
+    flush = torch.empty(16 * 2**20)
+    best = float("inf")
+    for _ in range(7):
+        flush.add_(1.0)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * m * n * k / best
 
 
 def solve_gemm_half(large: tuple[int, int, int], small: tuple[int, int, int], ratio: float) -> float:

@@ -84,11 +84,7 @@ class Hardware:
 
     def check(self) -> "Hardware":
         figures = {f"peak.{k}": v for k, v in self.peak.items()}
-        figures.update(
-            (f.name, getattr(self, f.name))
-            for f in dataclasses.fields(self)
-            if f.type in ("float", "int")
-        )
+        figures.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.type in ("float", "int"))
         for name, value in figures.items():
             if not value > 0:
                 raise ConfigError(f"hardware figure {name}={value} of {self.name} must be positive; give a number > 0")

@@ -67,7 +67,9 @@ def _shrunk(cfg: ModelConfig, first: int, second: int) -> ModelConfig:
     heads, kv = cfg.num_heads, cfg.kv_heads
     moe = cfg.moe
     if moe.enabled:
-        moe = dataclasses.replace(moe, d_expert=8 if moe.d_expert else None, d_shared=8 if moe.d_shared else None, moe_every=1)
+        moe = dataclasses.replace(
+            moe, d_expert=8 if moe.d_expert else None, d_shared=8 if moe.d_shared else None, moe_every=1
+        )
     return cfg.replace(
         d_model=heads * SHRUNK_HEAD_DIM,
         d_head=SHRUNK_HEAD_DIM,

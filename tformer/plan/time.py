@@ -26,7 +26,14 @@ One step on one device is the sum of
   bytes over n ranks: (n-1)/n S / bandwidth + (n-1) latency; all-reduce twice that; an all-to-all
   sends (n-1)/n of a rank's S bytes away, as many hops) over the link the group lies on: inside a
   node when its ranks fit in one (``_link``), the network otherwise;
-- **the pipeline bubble**: the busy time x b / (1 - b), b from memory.bubble.
+- **the pipeline bubble**: the busy time x b / (1 - b), b from memory.bubble;
+- **the host's time** (``host/dispatch``, plan/host.py): every aten op of the step, counted on the
+  model itself, at the profile's ``op_overhead``; those on DTensors (TP's parallelized modules and
+  sharded loss, the optimizer over FSDP2 or TP parameters) at ``dtensor_op_overhead`` more; FSDP2's
+  hooks at ``fsdp_unit_overhead`` per sharded module and micro-batch. On the CPU the host runs the
+  kernels itself: it adds (and a pipeline stage's host time is part of what its bubble idles). A
+  GPU's host issues work ahead of the device: only what exceeds the device's whole step shows
+  (step = max(host, device)), which for any model of a useful size is nothing.
 
 **Context parallelism** (``Layout.cp``, parallel/context.py): a rank holds 2 of the 2 cp chunks of
 every sequence (padded to them), so every linear layer, norm and the head run over seq / cp tokens,
