@@ -82,8 +82,12 @@ def test_the_physics_goes_the_right_way():
     # full recomputation costs a forward: about 4/3 of the compute
     none, full = _step(Layout(dp_shard=8, **mb)), _step(Layout(dp_shard=8, ac="full", **mb))
     assert full.breakdown["compute"] == pytest.approx(none.breakdown["compute"] * 4 / 3, rel=0.05)
-    # a faster GPU is faster; MFU never exceeds the GEMM ceiling
-    assert _step(Layout(dp_shard=8, **mb), "a100-80gb").step > none.step > _step(Layout(dp_shard=8, **mb), "b200").step
+    # a faster GPU is faster where the device's work, not the host issuing it, sets the step (at 4k
+    # tokens per GPU, GPT-2 medium is host-bound on both: ``test_a_gpus_host_time_hides_behind...``);
+    # MFU never exceeds the GEMM ceiling
+    big = Layout(dp_shard=8, micro_batch=16)
+    assert _step(big, "a100-80gb").step > _step(big).step > _step(big, "b200").step
+    assert _step(big).breakdown["host/dispatch"] == 0.0
     assert 0 < none.mfu < profile("h100-sxm").gemm_max
 
 
@@ -564,8 +568,8 @@ def test_fsdp_and_tp_add_their_dtensor_and_hook_costs():
 
 
 def test_a_gpus_host_time_hides_behind_its_device_work():
-    # a large model: the host issues far less than the device computes, nothing is exposed
-    big = _step(Layout(dp_shard=8, micro_batch=4))
+    # a useful size: the host issues far less than the device computes, nothing is exposed
+    big = _step(Layout(dp_shard=8, micro_batch=2), cfg="llama-1b", seq=4096)
     assert big.breakdown["host/dispatch"] == 0.0
     # a tiny one: the host is the step (max(host, device)), on the CPU it adds to the device's work
     cfg = preset("gpt2-tiny")
@@ -575,7 +579,6 @@ def test_a_gpus_host_time_hides_behind_its_device_work():
     cpu_like = dataclasses.replace(profile("h100-sxm"), device="cpu")
     added = step_time(cfg, Layout(dp_shard=8), cpu_like, 16, memory=False)
     assert added.step == pytest.approx(device + added.breakdown["host/dispatch"])
-    assert added.breakdown["host/dispatch"] == pytest.approx(gpu.step)
 
 
 @pytest.mark.parametrize("figure", ["op_overhead", "dtensor_op_overhead", "fsdp_unit_overhead"])

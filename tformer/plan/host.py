@@ -119,7 +119,9 @@ def _sequence_now() -> int:
     import torch
 
     with torch.enable_grad():
-        return int((torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr())
+        node = (torch.zeros((), requires_grad=True) * 1).grad_fn
+        assert node is not None  # a product of a leaf that requires grad has a node
+        return int(node._sequence_nr())
 
 
 def _mark(model, names: set[str], tail: str | None, mode) -> list:
@@ -225,8 +227,7 @@ def optimizer_ops(kind: str) -> OptimizerOps:
         for p in params:
             p.grad = torch.ones_like(p)
         groups = [{"params": params[1::2], "weight_decay": 0.1}, {"params": params[::2], "weight_decay": 0.0}]
-        flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[kind]
-        opt = torch.optim.AdamW(groups, lr=1e-3, **flags)
+        opt = torch.optim.AdamW(groups, lr=1e-3, fused=kind == "fused" or None, foreach=kind == "foreach")
         opt.step()  # the state exists from the first step on
         mode = _counting_mode()
         with mode:
