@@ -7,6 +7,11 @@ few steps; its median step time after two warm-up steps is held against the pred
 Targets (issue 30): every layout within 25% of the measured median, and the predicted order of the
 layouts equal to the measured order, per model.
 
+Last results (AVX2 CPU, 2026-11-25, with the host/dispatch term: docs/planning.md "How close it is
+today"): gpt2-tiny 1 process -34%, DDP 2 -46%, FSDP 2 -33%, tp=2 +8%, pp=2 +12%; t5-tiny -40%,
+-36%, -30%, -8%, -5%; FAIL (1 process, DDP and FSDP too fast: GEMMs and GELU run slower in a step
+than calibrated; order 1 process < DDP < pp < tp < FSDP measured, FSDP before pp and tp predicted).
+
 Timings only mean something on a quiet machine: calibration and the runs share the cores with
 whatever else runs. Run it alone:
 

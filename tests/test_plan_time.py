@@ -82,8 +82,12 @@ def test_the_physics_goes_the_right_way():
     # full recomputation costs a forward: about 4/3 of the compute
     none, full = _step(Layout(dp_shard=8, **mb)), _step(Layout(dp_shard=8, ac="full", **mb))
     assert full.breakdown["compute"] == pytest.approx(none.breakdown["compute"] * 4 / 3, rel=0.05)
-    # a faster GPU is faster; MFU never exceeds the GEMM ceiling
-    assert _step(Layout(dp_shard=8, **mb), "a100-80gb").step > none.step > _step(Layout(dp_shard=8, **mb), "b200").step
+    # a faster GPU is faster where the device's work, not the host issuing it, sets the step (at 4k
+    # tokens per GPU, GPT-2 medium is host-bound on both: ``test_a_gpus_host_time_hides_behind...``);
+    # MFU never exceeds the GEMM ceiling
+    big = Layout(dp_shard=8, micro_batch=16)
+    assert _step(big, "a100-80gb").step > _step(big).step > _step(big, "b200").step
+    assert _step(big).breakdown["host/dispatch"] == 0.0
     assert 0 < none.mfu < profile("h100-sxm").gemm_max
 
 
@@ -493,3 +497,117 @@ def test_rank_memory_takes_cp_and_ep():
     ):
         with pytest.raises(ConfigError, match=message):
             rank_memory(cfg, seq_len=256, dp_shard=4, **kwargs)
+
+
+# --- the host's time per operation (plan/host.py) ---------------------------------------------------
+def _cpu(**figures):
+    """A CPU-like profile: the host's time adds to the step (no overlap), with round host figures."""
+    base = dict(op_overhead=1e-5, dtensor_op_overhead=1e-4, fsdp_unit_overhead=1e-3)
+    return dataclasses.replace(profile("a100-80gb", **{**base, **figures}), device="cpu", overlap=False)
+
+
+def _host(cfg, layout, hw, seq=64):
+    return step_time(cfg, layout, hw, seq, memory=False).breakdown["host/dispatch"]
+
+
+def test_the_counted_ops_are_the_real_models_whatever_its_widths():
+    """Blocks x ops per block + the rest (counted on the shrunk model) = the aten ops of a
+    forward + loss + backward of the model at its own widths and depth."""
+    import torch
+
+    from tformer.models import build_model
+    from tformer.plan.host import _counting_mode, op_counts
+
+    for name, layers in (("gpt2-tiny", 3), ("t5-tiny", 2)):
+        cfg = preset(name).replace(num_layers=layers)
+        model = build_model(cfg)
+        ids = torch.randint(1, cfg.vocab_size, (2, 16))
+        mode = _counting_mode()
+        with mode:
+            model(ids, labels=ids, return_logits=False).loss.backward()
+        c = op_counts(cfg)
+        second = cfg.decoder_layers if cfg.family == "encdec" else 0
+        assert mode.total == layers * c.blocks[0] + second * c.blocks[1] + c.rest, name
+        assert c.blocks[0] > c.forward[0] > 0 and c.tp_blocks[0] > 0 and c.block_params[0] > 0
+
+
+def test_host_time_is_a_line_of_the_breakdown_and_grows_with_the_blocks():
+    from tformer.plan.host import op_counts
+
+    hw = _cpu()
+    cfg4, cfg8 = preset("gpt2-tiny").replace(num_layers=4), preset("gpt2-tiny").replace(num_layers=8)
+    r4 = step_time(cfg4, Layout("ddp", precision="fp32"), hw, 64)
+    assert r4.step == pytest.approx(sum(r4.breakdown.values())) and r4.breakdown["host/dispatch"] > 0
+    added = _host(cfg8, Layout("ddp", precision="fp32"), hw) - r4.breakdown["host/dispatch"]
+    # four more blocks: their ops, and the fused optimizer's ops do not grow with the tensors
+    assert added == pytest.approx(4 * op_counts(cfg4).blocks[0] * hw.op_overhead)
+    # recomputing the forward issues its ops again
+    full = _host(cfg4, Layout("ddp", precision="fp32", ac="full"), hw) - r4.breakdown["host/dispatch"]
+    assert full == pytest.approx(4 * op_counts(cfg4).forward[0] * hw.op_overhead)
+
+
+def test_fsdp_and_tp_add_their_dtensor_and_hook_costs():
+    from tformer.plan.host import op_counts, optimizer_ops
+
+    cfg, hw = preset("gpt2-tiny"), _cpu()
+    c = op_counts(cfg)
+    ddp, fsdp = (_host(cfg, Layout(s, dp_shard=2, precision="fp32"), hw) for s in ("ddp", "fsdp"))
+    tensors = cfg.num_layers * c.block_params[0] + c.rest_params
+    # FSDP2: a hook cost per block and the root, and the optimizer's loop over DTensor parameters
+    loop = optimizer_ops("loop").ops(tensors) * (hw.op_overhead + hw.dtensor_op_overhead)
+    assert fsdp - ddp == pytest.approx(
+        (cfg.num_layers + 1) * hw.fsdp_unit_overhead + loop - optimizer_ops("fused").ops(tensors) * hw.op_overhead
+    )
+    # TP: the parallelized linears and the sharded loss run on DTensors
+    tp1, tp2 = (_host(cfg, Layout(tp=tp, sp=False, precision="fp32"), hw) for tp in (1, 2))
+    assert tp2 - tp1 == pytest.approx((cfg.num_layers * c.tp_blocks[0] + c.tp_rest) * hw.dtensor_op_overhead)
+    # dearer DTensor ops make TP dearer, and leave DDP alone
+    dear = _cpu(dtensor_op_overhead=1e-3)
+    assert _host(cfg, Layout(tp=2, sp=False, precision="fp32"), dear) > tp2
+    assert _host(cfg, Layout("ddp", dp_shard=2, precision="fp32"), dear) == pytest.approx(ddp)
+
+
+def test_a_gpus_host_time_hides_behind_its_device_work():
+    # a useful size: the host issues far less than the device computes, nothing is exposed
+    big = _step(Layout(dp_shard=8, micro_batch=2), cfg="llama-1b", seq=4096)
+    assert big.breakdown["host/dispatch"] == 0.0
+    # a tiny one: the host is the step (max(host, device)), on the CPU it adds to the device's work
+    cfg = preset("gpt2-tiny")
+    gpu = step_time(cfg, Layout(dp_shard=8), profile("h100-sxm"), 16, memory=False)
+    device = gpu.step - gpu.breakdown["host/dispatch"]
+    assert gpu.breakdown["host/dispatch"] > 0 and gpu.step > device
+    cpu_like = dataclasses.replace(profile("h100-sxm"), device="cpu")
+    added = step_time(cfg, Layout(dp_shard=8), cpu_like, 16, memory=False)
+    assert added.step == pytest.approx(device + added.breakdown["host/dispatch"])
+
+
+@pytest.mark.parametrize("figure", ["op_overhead", "dtensor_op_overhead", "fsdp_unit_overhead"])
+def test_a_non_positive_host_figure_is_refused_in_one_line(tmp_path, figure):
+    import json
+
+    from tformer.plan import load_profile
+    from tformer.plan.hardware import save_profile
+
+    with pytest.raises(ConfigError, match=f"^hardware figure {figure}=0.0 of h100-sxm must be positive"):
+        profile("h100-sxm", **{figure: 0})
+    path = tmp_path / "cpu.json"
+    save_profile(_cpu(), path)
+    data = json.loads(path.read_text())
+    data[figure] = -1e-6
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=f"{figure}=-1e-06 .* must be positive") as e:
+        load_profile(path)
+    assert len(str(e.value).splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_calibrate_measures_positive_host_figures(tmp_path):
+    """``tformer plan --calibrate`` (2 gloo processes, each with a deadline) writes a profile whose
+    host figures are measured and positive, a DTensor op dearer than a plain one."""
+    from tformer.plan import load_profile
+    from tformer.plan.calibrate import calibrate
+
+    hw = calibrate(tmp_path / "cpu.json", tmp_path)
+    again = load_profile(tmp_path / "cpu.json")
+    assert again == hw and hw.device == "cpu"
+    assert 0 < hw.op_overhead < hw.dtensor_op_overhead and hw.fsdp_unit_overhead > 0

@@ -1,18 +1,26 @@
 """``tformer plan --calibrate``: measure this machine's figures and write a CPU profile.
 
 Measured, each the best of a few repeats (the machine may be shared: best, not mean):
-- fp32 GEMM FLOP/s at a large and a thin shape; the large one sets the peak, the thin one
+- fp32 GEMM FLOP/s at a large and a thin shape, operands out of the caches; the large one sets the peak, the thin one
   ``gemm_half`` of the time model's efficiency curve (solved from the ratio of the two), so the curve
   is measured once here and not fitted to any run;
 - memory bandwidth: a 64 MiB copy, bytes read + written;
-- ``op_overhead``: the time of one tiny elementwise op (dispatch, autograd bookkeeping);
+- the host's cost per operation (plan/host.py): ``op_overhead``, one tiny elementwise op forward
+  and backward (dispatch, autograd bookkeeping, allocation), per aten op;
 - gloo all-reduce between 2 processes on loopback: a 4 KiB message gives the latency per hop, a
-  16 MiB one the bandwidth (ring formulas of time.py with n = 2).
+  16 MiB one the bandwidth (ring formulas of time.py with n = 2);
+- on the same 2-rank gloo mesh: ``dtensor_op_overhead``, what the same tiny op costs more on a
+  sharded DTensor (sharding propagation), and ``fsdp_unit_overhead``, what FSDP2 adds per
+  ``fully_shard``-ed module and micro-batch (its hooks, gathering and reduce-scatter launches,
+  the copies in and out) beyond the three collectives' latency the time model already prices.
+A host figure that comes out non-positive (a disturbed measurement) is refused when the profile
+is checked: calibrate again on a quiet machine.
 Every process this starts has a deadline, after which it is killed and calibration fails.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -35,11 +43,21 @@ def _best(fn, repeats: int = 5) -> float:
 
 
 def gemm_rate(m: int, n: int, k: int) -> float:
+    """FLOP/s of an (m x k) @ (k x n) fp32 GEMM whose operands come from memory, as in a training
+    step (the layer before wrote other data since, the weights were last read a pass ago): a 64
+    MiB buffer is written between repeats to push them out of the caches, outside the timing."""
     import torch
 
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
-    return 2 * m * n * k / _best(lambda: torch.mm(a, b))
+    flush = torch.empty(16 * 2**20)
+    best = float("inf")
+    for _ in range(7):
+        flush.add_(1.0)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * m * n * k / best
 
 
 def solve_gemm_half(large: tuple[int, int, int], small: tuple[int, int, int], ratio: float) -> float:
@@ -84,9 +102,55 @@ def op_overhead() -> float:
     return _best(run) / (2 * ops)  # each op once forward, once backward
 
 
+def _chain(x, ops: int) -> None:
+    """``ops`` tiny multiplications from ``x`` and their backward: 2 ``ops`` aten ops (the sum's
+    and the ones its backward makes are the same for both kinds of tensor)."""
+    y = x
+    for _ in range(ops):
+        y = y * 1.0
+    (y.to_local() if hasattr(y, "to_local") else y).sum().backward()
+
+
+def dtensor_op_overhead(mesh, ops: int = 100) -> float:
+    """Seconds a tiny op (forward and backward) costs on a sharded DTensor beyond a plain tensor's."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    plain = torch.ones(4, 4, requires_grad=True)
+    local = torch.ones(4, 4, requires_grad=True)
+    sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    extra = _best(lambda: _chain(sharded, ops)) - _best(lambda: _chain(plain, ops))
+    return extra / (2 * ops)
+
+
+def fsdp_unit_overhead(mesh, latency: float, units: int = 8) -> float:
+    """Host seconds FSDP2 adds per sharded module and micro-batch (forward and backward): ``units``
+    tiny linears, each ``fully_shard``-ed, against the same unsharded; less the three collectives
+    of a unit (all-gather in forward and backward, reduce-scatter), one hop of ``latency`` each over
+    2 ranks, which the time model prices as communication."""
+    import copy
+
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(units)))
+    sharded = copy.deepcopy(plain)
+    for layer in sharded:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    x = torch.ones(2, 4)
+
+    def run(model):
+        model(x).sum().backward()
+
+    return (_best(lambda: run(sharded), repeats=7) - _best(lambda: run(plain), repeats=7)) / units - 3 * latency
+
+
 def _gloo_worker(rank: int, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -95,8 +159,13 @@ def _gloo_worker(rank: int, port: int, out: str) -> None:
         t = torch.ones(numel)
         dist.barrier()
         times[name] = _best(lambda t=t: dist.all_reduce(t), repeats=7)
+    mesh = init_device_mesh("cpu", (2,))
+    dist.barrier()
+    times["dtensor"] = dtensor_op_overhead(mesh)
+    dist.barrier()
+    times["fsdp"] = fsdp_unit_overhead(mesh, times["small"] / 2)
     if rank == 0:
-        Path(out).write_text(f"{times['small']} {times['large']}\n")
+        Path(out).write_text(json.dumps(times))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -115,17 +184,22 @@ def spawn_with_deadline(fn, args: tuple, nprocs: int, deadline_s: float, what: s
             raise ConfigError(f"{what} did not finish in {deadline_s:.0f} s; run it again")
 
 
-def gloo_link(tmp: Path) -> tuple[float, float]:
-    """(latency per hop, bandwidth) of gloo between 2 local processes."""
+def gloo_link(tmp: Path) -> dict[str, float]:
+    """Between 2 local processes over gloo: ``latency`` per hop, ``bandwidth``, and the host costs
+    ``dtensor_op_overhead`` and ``fsdp_unit_overhead``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp / "gloo.txt"
     spawn_with_deadline(_gloo_worker, (port, str(out)), 2, DEADLINE_S, "calibration's gloo processes")
-    small, large = map(float, out.read_text().split())
-    latency = small / 2  # an all-reduce over 2 ranks is 2 ring hops
-    bandwidth = 4 * 4 * 2**20 / max(large - small, 1e-9)  # one hop moves half, twice: the whole buffer
-    return latency, bandwidth
+    times = json.loads(out.read_text())
+    small, large = times["small"], times["large"]
+    return {
+        "latency": small / 2,  # an all-reduce over 2 ranks is 2 ring hops
+        "bandwidth": 4 * 4 * 2**20 / max(large - small, 1e-9),  # one hop moves half, twice: the whole buffer
+        "dtensor_op_overhead": times["dtensor"],
+        "fsdp_unit_overhead": times["fsdp"],
+    }
 
 
 def calibrate(path: str | Path, tmp: Path) -> Hardware:
@@ -140,7 +214,8 @@ def calibrate(path: str | Path, tmp: Path) -> Hardware:
     peak = big
     for x in large:
         peak /= x / (x + half)
-    latency, bandwidth = gloo_link(tmp)
+    link = gloo_link(tmp)
+    latency, bandwidth = link["latency"], link["bandwidth"]
     hw = Hardware(
         name="cpu (calibrated)",
         peak={"fp32": peak},
@@ -155,6 +230,8 @@ def calibrate(path: str | Path, tmp: Path) -> Hardware:
         gemm_max=1.0,
         hbm_efficiency=1.0,
         op_overhead=op_overhead(),
+        dtensor_op_overhead=link["dtensor_op_overhead"],
+        fsdp_unit_overhead=link["fsdp_unit_overhead"],
         overlap=False,
         device="cpu",
         source=f"tformer plan --calibrate, {threads} thread(s) per process, {time.strftime('%Y-%m-%d')}",

@@ -26,6 +26,14 @@ on an H100 SXM, as measured once on the lent H100 of this workplace (/work/.libr
 2026-11-13): 798 / 989.4 / (8192 / 8320)^3 = 0.845. ``hbm_efficiency`` 0.9: the same machine copied at
 3.0 of its 3.35 TB/s. These two are used for every GPU profile.
 
+The host's costs (plan/host.py) have no datasheet: the GPU profiles state orders of magnitude, the
+same for every GPU, since the host CPU issues the work whichever GPU runs it: 5 us per aten op (a
+CUDA kernel launch is a few microseconds, eager dispatch and autograd about as much again), 50 us
+more per op on a DTensor (sharding propagation in Python: this workplace's CPU calibration measures
+that order) and 300 us per FSDP2 module and micro-batch (its four hooks, copies and collective
+launches). On a GPU the host runs ahead of the device, so these are exposed only where they exceed
+the device's work (time.py); for the published rows they never do.
+
 The CPU profile is not published anywhere: ``tformer plan --calibrate`` measures it (calibrate.py).
 """
 
@@ -43,6 +51,10 @@ TFLOPS, GBPS, GB = 1e12, 1e9, 1e9
 GEMM_HALF = 128.0  # cuBLAS tile edge on Ampere/Hopper
 GEMM_MAX = 0.845  # measured once: 8192^3 bf16 at 798 TFLOP/s on an H100 SXM (module doc)
 HBM_EFFICIENCY = 0.9  # measured once: 3.0 of 3.35 TB/s on the same machine
+# A GPU's host costs (plan/host.py), orders of magnitude, not measurements (module doc)
+HOST_OP = 5e-6
+HOST_DTENSOR_OP = 50e-6
+HOST_FSDP_UNIT = 300e-6
 
 
 @dataclass(frozen=True)
@@ -62,23 +74,20 @@ class Hardware:
     gemm_half: float = GEMM_HALF
     gemm_max: float = GEMM_MAX
     hbm_efficiency: float = HBM_EFFICIENCY
-    op_overhead: float = 0.0  # seconds per kernel not hidden by launching ahead (GPU: hidden; CPU: measured)
+    # host seconds (plan/host.py): per aten op, more per op on a DTensor, per FSDP2 module and micro-batch
+    op_overhead: float = HOST_OP
+    dtensor_op_overhead: float = HOST_DTENSOR_OP
+    fsdp_unit_overhead: float = HOST_FSDP_UNIT
     overlap: bool = True  # communication runs beside compute (GPU: its own engines; CPU gloo: the same cores)
     device: str = "cuda"  # which kernels tformer runs there (cuda | cpu): context parallelism's differ (time.py)
     source: str = ""
 
     def check(self) -> "Hardware":
         figures = {f"peak.{k}": v for k, v in self.peak.items()}
-        figures.update(
-            (f.name, getattr(self, f.name))
-            for f in dataclasses.fields(self)
-            if f.type in ("float", "int") and f.name not in ("op_overhead",)
-        )
+        figures.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.type in ("float", "int"))
         for name, value in figures.items():
             if not value > 0:
                 raise ConfigError(f"hardware figure {name}={value} of {self.name} must be positive; give a number > 0")
-        if self.op_overhead < 0:
-            raise ConfigError(f"hardware figure op_overhead={self.op_overhead} must be >= 0")
         return self
 
 
@@ -146,6 +155,8 @@ OVERRIDABLE = (
     "gemm_max",
     "hbm_efficiency",
     "op_overhead",
+    "dtensor_op_overhead",
+    "fsdp_unit_overhead",
 )
 
 

@@ -213,6 +213,8 @@ def calibrate_main(path: str) -> int:
     print(
         f"wrote {path}: fp32 peak {hw.peak['fp32'] / 1e9:.1f} GFLOP/s (gemm_half {hw.gemm_half:.0f}), memory "
         f"{hw.hbm_bandwidth / 1e9:.1f} GB/s, gloo {hw.intra_bandwidth / 1e9:.2f} GB/s + {hw.intra_latency * 1e6:.0f} us "
-        f"per hop, {hw.op_overhead * 1e6:.1f} us per op; use it with: tformer plan CONFIG --gpu {path}"
+        f"per hop; host {hw.op_overhead * 1e6:.1f} us per op, {hw.dtensor_op_overhead * 1e6:.0f} us more on a DTensor, "
+        f"{hw.fsdp_unit_overhead * 1e3:.2f} ms per FSDP2 module and micro-batch; "
+        f"use it with: tformer plan CONFIG --gpu {path}"
     )
     return 0

@@ -26,7 +26,14 @@ One step on one device is the sum of
   bytes over n ranks: (n-1)/n S / bandwidth + (n-1) latency; all-reduce twice that; an all-to-all
   sends (n-1)/n of a rank's S bytes away, as many hops) over the link the group lies on: inside a
   node when its ranks fit in one (``_link``), the network otherwise;
-- **the pipeline bubble**: the busy time x b / (1 - b), b from memory.bubble.
+- **the pipeline bubble**: the busy time x b / (1 - b), b from memory.bubble;
+- **the host's time** (``host/dispatch``, plan/host.py): every aten op of the step, counted on the
+  model itself, at the profile's ``op_overhead``; those on DTensors (TP's parallelized modules and
+  sharded loss, the optimizer over FSDP2 or TP parameters) at ``dtensor_op_overhead`` more; FSDP2's
+  hooks at ``fsdp_unit_overhead`` per sharded module and micro-batch. On the CPU the host runs the
+  kernels itself: it adds (and a pipeline stage's host time is part of what its bubble idles). A
+  GPU's host issues work ahead of the device: only what exceeds the device's whole step shows
+  (step = max(host, device)), which for any model of a useful size is nothing.
 
 **Context parallelism** (``Layout.cp``, parallel/context.py): a rank holds 2 of the 2 cp chunks of
 every sequence (padded to them), so every linear layer, norm and the head run over seq / cp tokens,
@@ -615,7 +622,7 @@ def _micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, 
     stacks = [(first, stage.moe[0], seq, None), (second, stage.moe[1], out_len, seq)]
     flash = layout.attention == "flash"
     kernel = attention_kernel(flash, cp, hw.device)
-    fwd = bwd = elements = scores = kernels = launches = 0.0
+    fwd = bwd = elements = scores = kernels = 0.0
     for n, n_moe, length, cross in stacks:
         for count, moe in ((n - n_moe, False), (n_moe, True)):
             if not count:
@@ -624,11 +631,13 @@ def _micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, 
             fwd += count * _gemm_time(gemms, peak, hw)
             bwd += count * (_backward_time(gemms, peak, hw) + _gemm_time(recomputed_gemms(gemms, layout.ac), peak, hw))
             e, k = _elementwise(cfg, tp, sp, layout.compile, cross is not None, moe)
+            if layout.compile:  # a compiled block issues its fused kernels and GEMMs, not its eager ops
+                kernels += count * (k + len(gemms))
             elements += count * mb * length // cp * e
             scores += count * _score_bytes(cfg, layout, gemms, kernel)
-            pairs = sum(g.executed / (2 * g.m * g.n * g.k) for g in gemms if g.kind == "scores") / mb
-            kernels += count * (k + (PAIR_KERNELS * pairs / (cfg.num_heads // tp) if cp > 1 else 0))
-            launches += count * len(gemms)
+            if cp > 1:  # the chunk pairs' kernels, beyond what the counted block runs
+                pairs = sum(g.executed / (2 * g.m * g.n * g.k) for g in gemms if g.kind == "scores") / mb
+                kernels += count * PAIR_KERNELS * pairs / (cfg.num_heads // tp)
     head = _gemm_time(head_gemms(cfg, mb * out_len // cp, tp), peak, hw) if stage.head else 0.0
     compute = fwd + bwd + 3 * head
     passes = 3 + (1 if layout.ac != "none" else 0)  # forward, backward (2x), recomputed forward
@@ -637,16 +646,53 @@ def _micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, 
         memory += _head_bytes(cfg, mb * out_len // cp, tp if layout.loss_parallel else 1, mixed) / bandwidth
     if stage.embed:
         memory += 3 * mb * seq // cp * cfg.d_model * elt / bandwidth  # the lookup and its scatter-add gradient
-    overhead = hw.op_overhead * passes * (kernels + launches)
     return {
         "compute": compute,
-        "memory-bound": memory + overhead,
+        "memory-bound": memory,
+        "host": _host_micro_batch(cfg, layout, hw, stage) + hw.op_overhead * passes * kernels,
         "tp": _overlap("tp", _tp_comm(cfg, layout, hw, stage, seq, out_len), 0.0, 0.0, hw),
         "cp": _overlap("cp", _cp_comm(cfg, layout, hw, stage, seq, out_len), 0.0, 0.0, hw),
         "ep": _overlap("ep", _ep_comm(cfg, layout, hw, stage, seq, out_len), 0.0, 0.0, hw),
         "fwd": fwd + head,
         "bwd": bwd + 2 * head,
     }
+
+
+def _fsdp2(layout: Layout) -> bool:
+    return layout.strategy in ("fsdp", "fsdp-no-reshard")
+
+
+def _host_micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage) -> float:
+    """Host seconds of one micro-batch on one rank of ``stage`` (plan/host.py): every aten op of
+    its blocks' forward and backward (and a recomputed forward), of the embedding, head and loss on
+    the stage holding the head, at ``op_overhead``; those TP runs on DTensors at
+    ``dtensor_op_overhead`` more; FSDP2's per-module hooks at ``fsdp_unit_overhead`` for each block
+    and the root. Under ``compile`` a block's ops are its fused kernels and GEMMs (``_micro_batch``)."""
+    from .host import op_counts
+
+    c = op_counts(cfg)
+    again = layout.ac != "none"
+    ops = 0.0 if layout.compile else sum(n * (c.blocks[i] + again * c.forward[i]) for i, n in enumerate(stage.blocks))
+    dtensor = sum(n * c.tp_blocks[i] for i, n in enumerate(stage.blocks)) if layout.tp > 1 else 0.0
+    if stage.head:
+        ops += c.rest
+        dtensor += c.tp_rest if layout.tp > 1 else 0
+    units = sum(stage.blocks) + 1 if _fsdp2(layout) else 0
+    return ops * hw.op_overhead + dtensor * hw.dtensor_op_overhead + units * hw.fsdp_unit_overhead
+
+
+def _host_optimizer(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage) -> float:
+    """Host seconds of the optimizer step on one rank (plan/host.py): AdamW as the trainer builds it,
+    fused over plain parameters (DDP on its own, DeepSpeed's client), else the per-parameter loop on
+    the CPU and foreach on a GPU, each op on DTensors when FSDP2 or TP made the parameters ones."""
+    from .host import op_counts, optimizer_ops
+
+    c = op_counts(cfg)
+    dtensors = _fsdp2(layout) or layout.tp > 1
+    fused = not dtensors and layout.pp == 1
+    kind = "fused" if fused else "loop" if hw.device == "cpu" else "foreach"
+    params = sum(n * c.block_params[i] for i, n in enumerate(stage.blocks)) + c.rest_params
+    return optimizer_ops(kind).ops(params) * (hw.op_overhead + dtensors * hw.dtensor_op_overhead)
 
 
 def _tp_comm(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, seq: int, out_len: int) -> float:
@@ -798,7 +844,7 @@ def step_time(
         mb = _micro_batch(cfg, layout, hw, stage, seq, target)
         dp = _data_parallel(layout, hw, stage, mb["fwd"], mb["bwd"], sum(stage.blocks))
         ranks.append((mb, dp, stage))
-    busy = ("compute", "memory-bound", "tp", "cp", "ep")
+    busy = ("compute", "memory-bound", "tp", "cp", "ep") + (("host",) if hw.device == "cpu" else ())
     mb, dp, stage = max(ranks, key=lambda r: sum(r[0][k] for k in busy) + sum(r[1].values()))
     m = layout.micro_batches
     parts = {k: m * mb[k] for k in busy if k in ("compute", "memory-bound", "tp") or mb[k] > 0}
@@ -807,13 +853,18 @@ def step_time(
     if layout.pp > 1:
         v = layout.stages_per_rank if layout.schedule == "interleaved_1f1b" else 1
         b = memory_plan.bubble(layout.schedule, layout.pp, m, v)
-        parts["bubble"] = (parts["compute"] + parts["memory-bound"] + parts["tp"]) * b / (1 - b)
+        parts["bubble"] = (parts["compute"] + parts["memory-bound"] + parts["tp"] + parts.get("host", 0.0)) * b / (1 - b)
         elt = 2 if layout.mixed else 4
         send = layout.micro_batch * (target or seq) * cfg.d_model * elt / (layout.tp if layout.sp else 1)
         stride = layout.tp * layout.dp_shard * layout.dp_replicate
         link = _link(hw, stride, 2)
         parts["pp"] = 2 * (layout.pp * v - 1) * (link.latency + send / link.bandwidth)
     parts.update(dp)
+    host = m * mb["host"] + _host_optimizer(cfg, layout, hw, stage)
+    # the host's time (plan/host.py): on the CPU it runs the kernels itself, so it adds; a GPU's
+    # host issues work ahead of the device and shows only where it outruns the device's work
+    device = sum(parts.values()) - parts.pop("host", 0.0)
+    parts["host/dispatch"] = host if hw.device == "cpu" else max(0.0, host - device)
     step = sum(parts.values())
     tokens = layout.micro_batch * m * layout.dp_replicate * layout.dp_shard * (seq + (target or 0))
     model_flops = training_flops(cfg, layout.micro_batch, seq, target) * m * layout.dp_replicate * layout.dp_shard
