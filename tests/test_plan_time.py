@@ -502,8 +502,12 @@ def test_rank_memory_takes_cp_and_ep():
 # --- the host's time per operation (plan/host.py) ---------------------------------------------------
 def _cpu(**figures):
     """A CPU-like profile: the host's time adds to the step (no overlap), with round host figures."""
-    base = dict(op_overhead=1e-5, dtensor_op_overhead=1e-4, fsdp_unit_overhead=1e-3)
-    return dataclasses.replace(profile("a100-80gb", **{**base, **figures}), device="cpu", overlap=False)
+    from tformer.plan.hardware import OVERRIDABLE
+
+    given = {**dict(op_overhead=1e-5, dtensor_op_overhead=1e-4, fsdp_unit_overhead=1e-3), **figures}
+    plain = {k: v for k, v in given.items() if k in OVERRIDABLE}  # the rest (activation_rate) is no --set figure
+    rest = {k: v for k, v in given.items() if k not in plain}
+    return dataclasses.replace(profile("a100-80gb", **plain), device="cpu", overlap=False, **rest).check()
 
 
 def _host(cfg, layout, hw, seq=64):
@@ -601,7 +605,7 @@ def test_a_non_positive_host_figure_is_refused_in_one_line(tmp_path, figure):
 
 
 @pytest.mark.slow
-def test_calibrate_measures_positive_host_figures(tmp_path):
+def test_calibrate_measures_positive_host_and_pricing_figures(tmp_path):
     """``tformer plan --calibrate`` (2 gloo processes, each with a deadline) writes a profile whose
     host figures are measured and positive, a DTensor op dearer than a plain one."""
     from tformer.plan import load_profile
@@ -611,3 +615,121 @@ def test_calibrate_measures_positive_host_figures(tmp_path):
     again = load_profile(tmp_path / "cpu.json")
     assert again == hw and hw.device == "cpu"
     assert 0 < hw.op_overhead < hw.dtensor_op_overhead and hw.fsdp_unit_overhead > 0
+    # the CPU's pricing figures: a whole grid of positive GEMM rates, exp and GELU rates
+    from tformer.plan.calibrate import GEMM_GRID
+
+    assert len(hw.gemm_table) == len(GEMM_GRID[0]) * len(GEMM_GRID[1]) * len(GEMM_GRID[2])
+    assert min(min(row[3:]) for row in hw.gemm_table) > 0 and hw.exp_rate > 0
+    assert set(hw.activation_rate) == {"gelu", "gelu_tanh", "silu"} and min(hw.activation_rate.values()) > 0
+    assert hw.gemm_rate(512, 512, 512) > hw.gemm_rate(32, 32, 32)  # small GEMMs reach less of the peak
+
+
+GRID = ((32, 512), (32, 4096), (32, 512))
+
+
+def _table(rate=lambda m, n, k: 1e9 * m**0.3 * n**0.2 * k**0.1, backward=(0.5, 0.25)):
+    """A gemm_table over GRID whose rates are a power law (log-linear: interpolation is exact),
+    its input- and weight-gradient products ``backward`` times the forward's."""
+    import itertools
+
+    rows = []
+    for m, n, k in itertools.product(*GRID):
+        r = rate(m, n, k)
+        rows.append((m, n, k, r, backward[0] * r, backward[1] * r))
+    return tuple(rows)
+
+
+def test_a_cpu_profile_prices_each_gemm_from_its_measured_table():
+    hw = dataclasses.replace(_cpu(), gemm_table=_table()).check()
+    # between the grid's shapes: log-space interpolation (exact for a power law), clamped outside it
+    assert hw.gemm_rate(128, 512, 128) == pytest.approx(1e9 * 128**0.3 * 512**0.2 * 128**0.1)
+    assert hw.gemm_rate(128, 512, 128, 2) == pytest.approx(0.25 * 1e9 * 128**0.3 * 512**0.2 * 128**0.1)
+    assert hw.gemm_rate(8, 10**5, 512) == pytest.approx(hw.gemm_rate(32, 4096, 512))
+    # the step's GEMMs are priced from the table, not the curve: twice the rates, half the compute
+    cfg, layout = preset("gpt2-tiny"), Layout("ddp", precision="fp32", micro_batch=8)
+    table = step_time(cfg, layout, hw, 64, memory=False)
+    fast = dataclasses.replace(hw, gemm_table=_table(lambda m, n, k: 2e9 * m**0.3 * n**0.2 * k**0.1))
+    assert step_time(cfg, layout, fast, 64, memory=False).breakdown["compute"] == pytest.approx(
+        table.breakdown["compute"] / 2
+    )
+    assert table.breakdown["compute"] != pytest.approx(step_time(cfg, layout, _cpu(), 64).breakdown["compute"])
+    # each backward product at its own rate: slower weight gradients, dearer backward, same forward
+    slow = dataclasses.replace(hw, gemm_table=_table(backward=(0.5, 0.05)))
+    assert step_time(cfg, layout, slow, 64, memory=False).breakdown["compute"] > table.breakdown["compute"]
+
+
+def test_the_chunked_head_is_priced_as_its_chunk_by_vocabulary_gemms():
+    from tformer.plan.time import head_time
+
+    cfg, hw = preset("gpt2-tiny").replace(vocab_size=4096), _cpu()
+    tokens, peak = 8 * 64, hw.peak["fp32"]
+    whole = head_time(cfg, Layout(precision="fp32"), tokens, peak, hw)
+    chunked = head_time(cfg, Layout(precision="fp32", loss_chunk=128), tokens, peak, hw)
+    # four 128-row GEMMs reach less of the peak than one of 512 rows (the curve's m = 128 < 512)
+    assert chunked[0] > whole[0] and chunked[1] > whole[1]
+    one = head_time(cfg, Layout(precision="fp32", loss_chunk=128), 128, peak, hw)
+    assert chunked[0] == pytest.approx(4 * one[0])
+    # a ragged last chunk is priced at its own rows; a chunk beyond the tokens is the whole head
+    ragged = head_time(cfg, Layout(precision="fp32", loss_chunk=128), 130, peak, hw)
+    two = head_time(cfg, Layout(precision="fp32", loss_chunk=2), 2, peak, hw)
+    assert ragged[0] == pytest.approx(one[0] + two[0])
+    assert head_time(cfg, Layout(precision="fp32", loss_chunk=4096), tokens, peak, hw) == whole
+    # TP drops the chunked loss (parallel/tp.py): the vocabulary-sharded head over every token
+    tp = Layout(precision="fp32", tp=2, sp=False)
+    assert head_time(cfg, dataclasses.replace(tp, loss_chunk=128), tokens, peak, hw) == head_time(cfg, tp, tokens, peak, hw)
+    # and the step says so
+    step = [step_time(cfg, Layout("ddp", precision="fp32", micro_batch=8, loss_chunk=c), hw, 64) for c in (None, 128)]
+    assert step[1].breakdown["compute"] - step[0].breakdown["compute"] == pytest.approx(sum(chunked) - sum(whole))
+
+
+def test_gelu_and_exp_are_priced_at_their_measured_rates_where_slower_than_their_bytes():
+    cfg, layout = preset("gpt2-tiny").replace(vocab_size=4096), Layout("ddp", precision="fp32", micro_batch=8)
+    base = step_time(cfg, layout, _cpu(), 64, memory=False).breakdown["memory-bound"]
+    # a rate far above what the bandwidth allows: the bytes still price GELU; attention's exps add
+    fast = step_time(cfg, layout, _cpu(activation_rate={"gelu_tanh": 1e15}), 64, memory=False).breakdown["memory-bound"]
+    assert fast == pytest.approx(base)
+    # a slow GELU (GPT-2's tanh form): every FFN element of every block at the rate (3 passes: the measured triple)
+    slow = step_time(cfg, layout, _cpu(activation_rate={"gelu_tanh": 1e8}), 64, memory=False).breakdown["memory-bound"]
+    elements = cfg.num_layers * 8 * 64 * cfg.d_ff
+    moved = 3 * 2 * elements * 4 / (_cpu().hbm_bandwidth * _cpu().hbm_efficiency)
+    assert slow - base == pytest.approx(elements / 1e8 - moved)
+    # exp: the flash kernel's scores (forward, and rebuilt in backward) and the head's log-softmax
+    exp = step_time(cfg, layout, _cpu(exp_rate=1e8), 64, memory=False).breakdown["memory-bound"]
+    scores = cfg.num_layers * 8 * cfg.num_heads * 64 * 64 / 2  # causal: half of them executed
+    logits = 8 * 64 * cfg.padded_vocab_size
+    assert exp - base == pytest.approx((2 * scores + 2 * logits) / 1e8, rel=0.02)
+    # the chunked loss turns its exps into the gradient in place: one per logit, not two
+    chunked = step_time(cfg, dataclasses.replace(layout, loss_chunk=128), _cpu(exp_rate=1e8), 64, memory=False)
+    assert exp - chunked.breakdown["memory-bound"] == pytest.approx(logits / 1e8, rel=0.02)
+    # a ReLU model has no activation rate to price
+    t5 = preset("t5-tiny")
+    assert step_time(t5, layout, _cpu(activation_rate={"gelu_tanh": 1e8}), 64, 16).step == pytest.approx(
+        step_time(t5, layout, _cpu(), 64, 16).step
+    )
+
+
+@pytest.mark.parametrize(
+    "figures, message",
+    [
+        (dict(exp_rate=0.0), r"^hardware figure exp_rate=0.0 of .* must be positive"),
+        (dict(activation_rate={"gelu": -1.0}), r"^hardware figure activation_rate.gelu=-1.0 of .* must be positive"),
+        (dict(gemm_table=_table()[:-1] + ((512, 4096, 512, 1e9, 0.0, 1e9),)), r"gemm_table\(512, 4096, 512\)=0.0"),
+        (dict(gemm_table=_table()[:-1]), r"^hardware gemm_table lacks the shape \(512, 4096, 512\) of its grid"),
+    ],
+)
+def test_a_bad_cpu_pricing_figure_is_refused_in_one_line(tmp_path, figures, message):
+    import json
+
+    from tformer.plan import load_profile
+    from tformer.plan.hardware import save_profile
+
+    with pytest.raises(ConfigError, match=message) as e:
+        dataclasses.replace(_cpu(), **figures).check()
+    assert len(str(e.value).splitlines()) == 1
+    path = tmp_path / "cpu.json"
+    save_profile(dataclasses.replace(_cpu(), gemm_table=_table()), path)
+    data = json.loads(path.read_text())
+    data.update(figures)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=message.lstrip("^").replace("hardware", "")):
+        load_profile(path)

@@ -13,6 +13,10 @@ Measured, each the best of a few repeats (the machine may be shared: best, not m
   sharded DTensor (sharding propagation), and ``fsdp_unit_overhead``, what FSDP2 adds per
   ``fully_shard``-ed module and micro-batch (its hooks, gathering and reduce-scatter launches,
   the copies in and out) beyond the three collectives' latency the time model already prices.
+- for the time model's CPU pricing (hardware.py): ``gemm_table``, fp32 FLOP/s over a grid of
+  small shapes (``GEMM_GRID``) in the three products of a linear layer, operands out of the caches;
+  ``exp_rate`` and ``activation_rate``, elements per second of exp and of each FFN activation's step
+  (compute-bound on a CPU, in cache).
 A host figure that comes out non-positive (a disturbed measurement) is refused when the profile
 is checked: calibrate again on a quiet machine.
 Every process this starts has a deadline, after which it is killed and calibration fails.
@@ -20,6 +24,7 @@ Every process this starts has a deadline, after which it is killed and calibrati
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -58,6 +63,79 @@ def gemm_rate(m: int, n: int, k: int) -> float:
         torch.mm(a, b)
         best = min(best, time.perf_counter() - t0)
     return 2 * m * n * k / best
+
+
+GEMM_GRID = ((32, 128, 512, 2048), (32, 128, 512, 4096), (32, 128, 512))  # m, n, k (hardware.gemm_table)
+
+
+def _linear_products(m: int, n: int, k: int):
+    """The three GEMMs of a linear layer ``y = x W^T`` (x: m x k, W: n x k) as autograd runs them:
+    the forward, the input gradient ``dy W`` and the weight gradient ``dy^T x`` (transposed views)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x, w, dy = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(m, n, generator=g)
+    return (lambda: torch.mm(x, w.t()), lambda: torch.mm(dy, w), lambda: torch.mm(dy.t(), x))
+
+
+def gemm_table(grid=GEMM_GRID, repeats: int = 3) -> tuple[tuple[float, ...], ...]:
+    """fp32 FLOP/s of every (m, n, k) of ``grid`` in its three linear-layer products, operands out of
+    the caches (a 64 MiB buffer written before each, outside the timing), best of ``repeats``."""
+    import torch
+
+    flush = torch.empty(16 * 2**20)
+    rows = []
+    for m, n, k in itertools.product(*grid):
+        rates = []
+        for product in _linear_products(m, n, k):
+            product()
+            best = float("inf")
+            for _ in range(repeats):
+                flush.add_(1.0)
+                t0 = time.perf_counter()
+                product()
+                best = min(best, time.perf_counter() - t0)
+            rates.append(2 * m * n * k / best)
+        rows.append((float(m), float(n), float(k), *rates))
+    return tuple(rows)
+
+
+def exp_rate(numel: int = 2**16, repeats: int = 20) -> float:
+    """Elements per second of fp32 ``exp`` with its data in cache: the compute rate, which the time
+    model sets against the bytes over the bandwidth."""
+    import torch
+
+    x, out = torch.randn(numel), torch.empty(numel)
+    return numel * repeats / _best(lambda: [torch.exp(x, out=out) for _ in range(repeats)])
+
+
+def activation_rates(numel: int = 2**16, repeats: int = 10) -> dict[str, float]:
+    """Elements per second of each ungated transcendental FFN activation as a feed-forward runs it in
+    a training step (nn/ffn.py with nn/rebuild.py): the forward, the forward rebuilt in backward, the
+    backward (its aten kernel, without autograd's bookkeeping, which host.py counts)."""
+    import torch
+
+    from ..nn.ffn import FFN_KINDS
+
+    aten = torch.ops.aten
+    backward = {
+        "gelu": lambda g, x: aten.gelu_backward(g, x),
+        "gelu_tanh": lambda g, x: aten.gelu_backward(g, x, approximate="tanh"),
+        "silu": lambda g, x: aten.silu_backward(g, x),
+    }
+    x, grad = torch.randn(numel), torch.randn(numel)
+    rates = {}
+    for name, back in backward.items():
+        act = FFN_KINDS[name][0]
+
+        def step(act=act, back=back):
+            for _ in range(repeats):
+                act(x)
+                act(x)
+                back(grad, x)
+
+        rates[name] = numel * repeats / _best(step)
+    return rates
 
 
 def solve_gemm_half(large: tuple[int, int, int], small: tuple[int, int, int], ratio: float) -> float:
@@ -123,28 +201,35 @@ def dtensor_op_overhead(mesh, ops: int = 100) -> float:
     return extra / (2 * ops)
 
 
-def fsdp_unit_overhead(mesh, latency: float, units: int = 8) -> float:
-    """Host seconds FSDP2 adds per sharded module and micro-batch (forward and backward): ``units``
-    tiny linears, each ``fully_shard``-ed, against the same unsharded; less the three collectives
-    of a unit (all-gather in forward and backward, reduce-scatter), one hop of ``latency`` each over
-    2 ranks, which the time model prices as communication."""
+FSDP_UNIT = (128, 512)  # one unit: Linear(128, 512) + Linear(512, 128), 131k parameters (a tiny model's FFN)
+
+
+def fsdp_unit_overhead(mesh, latency: float, bandwidth: float, units: int = 4, rows: int = 512) -> float:
+    """Host seconds FSDP2 adds per sharded module and micro-batch (forward and backward), on units of
+    a tiny model's size (``FSDP_UNIT``; its copies in and out and its hooks grow with the parameters
+    a unit holds, so a trivial module would understate them): ``units`` of them, each
+    ``fully_shard``-ed, against the same unsharded, over ``rows`` tokens; less the three collectives
+    of a unit (all-gather in forward and backward, reduce-scatter of fp32 gradients) over 2 ranks
+    at ``latency`` and ``bandwidth``, as the time model prices them (time.ring)."""
     import copy
 
     import torch
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    plain = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(units)))
+    d, ff = FSDP_UNIT
+    plain = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(d, ff), torch.nn.Linear(ff, d)) for _ in range(units)))
     sharded = copy.deepcopy(plain)
-    for layer in sharded:
-        fully_shard(layer, mesh=mesh)
+    for unit in sharded:
+        fully_shard(unit, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
-    x = torch.ones(2, 4)
+    x = torch.ones(rows, d)
 
     def run(model):
         model(x).sum().backward()
 
-    return (_best(lambda: run(sharded), repeats=7) - _best(lambda: run(plain), repeats=7)) / units - 3 * latency
+    collective = latency + sum(p.numel() for p in plain[0].parameters()) * 4 / 2 / bandwidth
+    return (_best(lambda: run(sharded), repeats=7) - _best(lambda: run(plain), repeats=7)) / units - 3 * collective
 
 
 def _gloo_worker(rank: int, port: int, out: str) -> None:
@@ -163,7 +248,8 @@ def _gloo_worker(rank: int, port: int, out: str) -> None:
     dist.barrier()
     times["dtensor"] = dtensor_op_overhead(mesh)
     dist.barrier()
-    times["fsdp"] = fsdp_unit_overhead(mesh, times["small"] / 2)
+    bandwidth = 4 * 4 * 2**20 / max(times["large"] - times["small"], 1e-9)  # as gloo_link reads it
+    times["fsdp"] = fsdp_unit_overhead(mesh, times["small"] / 2, bandwidth)
     if rank == 0:
         Path(out).write_text(json.dumps(times))
     dist.barrier()
@@ -232,6 +318,9 @@ def calibrate(path: str | Path, tmp: Path) -> Hardware:
         op_overhead=op_overhead(),
         dtensor_op_overhead=link["dtensor_op_overhead"],
         fsdp_unit_overhead=link["fsdp_unit_overhead"],
+        gemm_table=gemm_table(),
+        exp_rate=exp_rate(),
+        activation_rate=activation_rates(),
         overlap=False,
         device="cpu",
         source=f"tformer plan --calibrate, {threads} thread(s) per process, {time.strftime('%Y-%m-%d')}",

@@ -34,13 +34,28 @@ that order) and 300 us per FSDP2 module and micro-batch (its four hooks, copies 
 launches). On a GPU the host runs ahead of the device, so these are exposed only where they exceed
 the device's work (time.py); for the published rows they never do.
 
-The CPU profile is not published anywhere: ``tformer plan --calibrate`` measures it (calibrate.py).
+The CPU profile is not published anywhere: ``tformer plan --calibrate`` measures it (calibrate.py),
+with three figures no GPU profile has (None there: the curve and the bandwidth price everything):
+- ``gemm_table``: fp32 FLOP/s measured on a grid of (m, n, k) shapes around the small GEMMs of a
+  tiny model, each as a linear layer runs it forward and in its two backward products (input and
+  weight gradients, with their transposed operands). A CPU's small GEMMs fall off far more, and less
+  regularly, than one efficiency curve says (measured: 33-64 GFLOP/s for d=128 shapes against
+  80-90 for 512^3 on this workplace's AVX2 CPU); the time model interpolates the table
+  (``gemm_rate``) instead of the curve;
+- ``exp_rate``: elements per second of ``exp`` with its data in cache, and ``activation_rate``: of
+  each transcendental FFN activation (GELU exact and tanh, SiLU) as the feed-forward runs it in a
+  step (forward, the forward again that nn/rebuild.py runs in backward, and the backward). On a CPU
+  these are compute-bound, slower than their bytes over the bandwidth; the time model prices them
+  at whichever is slower.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,17 +93,65 @@ class Hardware:
     op_overhead: float = HOST_OP
     dtensor_op_overhead: float = HOST_DTENSOR_OP
     fsdp_unit_overhead: float = HOST_FSDP_UNIT
+    # measured on the CPU only (module doc): rows (m, n, k, forward, input-gradient, weight-gradient FLOP/s)
+    gemm_table: tuple[tuple[float, ...], ...] = ()
+    exp_rate: float | None = None  # elements/s of exp
+    # elements/s of an FFN activation (gelu, gelu_tanh, silu) as a step runs it: forward, rebuilt forward, backward
+    activation_rate: dict[str, float] = dataclasses.field(default_factory=dict)
     overlap: bool = True  # communication runs beside compute (GPU: its own engines; CPU gloo: the same cores)
     device: str = "cuda"  # which kernels tformer runs there (cuda | cpu): context parallelism's differ (time.py)
     source: str = ""
 
+    def __post_init__(self):  # a profile read from JSON gives lists; the table is kept hashable
+        object.__setattr__(self, "gemm_table", tuple(tuple(float(x) for x in row) for row in self.gemm_table))
+
     def check(self) -> "Hardware":
         figures = {f"peak.{k}": v for k, v in self.peak.items()}
         figures.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.type in ("float", "int"))
+        if self.exp_rate is not None:
+            figures["exp_rate"] = self.exp_rate
+        figures.update((f"activation_rate.{k}", v) for k, v in self.activation_rate.items())
+        for row in self.gemm_table:
+            figures[f"gemm_table{tuple(int(x) for x in row[:3])}"] = min(row) if len(row) == 6 else 0.0
         for name, value in figures.items():
             if not value > 0:
                 raise ConfigError(f"hardware figure {name}={value} of {self.name} must be positive; give a number > 0")
+        if self.gemm_table:
+            _grid(self.gemm_table)  # a whole grid, or one line saying which shape is missing
         return self
+
+    def gemm_rate(self, m: float, n: float, k: float, which: int = 0) -> float:
+        """FLOP/s of an (m x k) @ (k x n) GEMM from ``gemm_table`` (a CPU profile): ``which`` 0 the
+        forward, 1 the input gradient, 2 the weight gradient of a linear layer of that shape;
+        interpolated linearly in log(rate) over log(m), log(n), log(k), clamped to the grid's edges."""
+        axes, rates = _grid(self.gemm_table)
+        corners = []
+        for axis, x in zip(axes, (m, n, k)):
+            i = max(0, min(len(axis) - 2, sum(1 for a in axis if a <= x) - 1)) if len(axis) > 1 else 0
+            lo, hi = axis[i], axis[min(i + 1, len(axis) - 1)]
+            t = 0.0 if hi == lo else (math.log(max(lo, min(x, hi))) - math.log(lo)) / (math.log(hi) - math.log(lo))
+            corners.append(((lo, 1 - t), (hi, t)))
+        log_rate = 0.0
+        for a, wa in corners[0]:
+            for b, wb in corners[1]:
+                for c, wc in corners[2]:
+                    log_rate += wa * wb * wc * math.log(rates[(a, b, c)][which])
+        return math.exp(log_rate)
+
+
+@functools.lru_cache(maxsize=8)
+def _grid(table: tuple[tuple[float, ...], ...]) -> tuple[tuple[tuple[float, ...], ...], dict]:
+    """The sorted axes of ``table`` and its rates by shape; a shape of the grid that is missing is
+    one ``ConfigError`` line."""
+    rates = {row[:3]: row[3:] for row in table}
+    axes = tuple(tuple(sorted({row[i] for row in table})) for i in range(3))
+    for shape in itertools.product(*axes):
+        if shape not in rates:
+            raise ConfigError(
+                f"hardware gemm_table lacks the shape {tuple(int(x) for x in shape)} of its grid; "
+                "run `tformer plan --calibrate` again"
+            )
+    return axes, rates
 
 
 def _sxm_h100(name: str, memory: float, hbm: float, source: str) -> Hardware:
@@ -157,6 +220,7 @@ OVERRIDABLE = (
     "op_overhead",
     "dtensor_op_overhead",
     "fsdp_unit_overhead",
+    "exp_rate",
 )
 
 

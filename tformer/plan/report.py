@@ -59,7 +59,8 @@ def hardware(gpu: str, figures: list[str], gpus_per_node: int | None = None) -> 
     return profile(gpu, **overrides)
 
 
-def layout_of(e: memory_plan.Estimate, precision: str) -> Layout:
+def layout_of(e: memory_plan.Estimate, precision: str, loss_chunk: int | None = None) -> Layout:
+    """The time model's layout of a planned estimate, run with the trainer's ``loss.chunk_size``."""
     return Layout(
         strategy=e.strategy,
         micro_batch=e.micro_batch,
@@ -75,6 +76,7 @@ def layout_of(e: memory_plan.Estimate, precision: str) -> Layout:
         precision=precision,
         cp=e.cp,
         ep=e.ep,
+        loss_chunk=loss_chunk,
     )
 
 
@@ -110,7 +112,7 @@ def speed_report(
     priced: list[tuple[memory_plan.Estimate, StepTime]] = []
     for e in fits:
         try:
-            r = step_time(model, layout_of(e, precision), hw, seq, target, memory=False)
+            r = step_time(model, layout_of(e, precision, cfg.loss.chunk_size), hw, seq, target, memory=False)
         except NotPriced as why:
             print(f"  {_name(e):<40}{e.ac:<6}{e.micro_batch:>6}{e.total / 2**30:>7.1f}  {why}")
             continue

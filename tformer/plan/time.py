@@ -145,6 +145,7 @@ class Layout:
     float8: bool = False  # not priced
     async_tp: bool = False  # not priced
     attention: str = "flash"  # ATTENTION_KERNELS: flash (SDPA, tformer's) | unfused (explicit S x S scores)
+    loss_chunk: int | None = None  # loss.chunk_size: the head and loss over this many rows at a time (tp 1)
 
     @property
     def devices(self) -> int:
@@ -407,7 +408,12 @@ def head_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[Gemm]:
     return out
 
 
-def _seconds(g: Gemm, peak: float, hw: Hardware, fp32: bool) -> float:
+def _seconds(g: Gemm, peak: float, hw: Hardware, fp32: bool, which: int = 0) -> float:
+    """Seconds of ``g``'s forward (``which`` 0) or, for a linear layer, one of its backward products
+    (1: input gradient, 2: weight gradient): from the measured table where the profile has one (a
+    CPU's), else at the peak times the efficiency curve."""
+    if hw.gemm_table:
+        return g.executed / hw.gemm_rate(g.m, g.n, g.k, which if g.linear else 0)
     return g.executed / ((hw.peak["fp32"] if fp32 else peak) * gemm_efficiency(g.m, g.n, g.k, hw))
 
 
@@ -422,7 +428,30 @@ def _backward_time(gemms: list[Gemm], peak: float, hw: Hardware) -> float:
     two. Unfused attention keeps its probabilities and makes only the last four: 2 times. The
     explicit chunk-pair kernel of context parallelism rebuilds QK^T and makes dP (2 x the scores'
     size) and dV, dQ, dK (3 x the values'), all in fp32."""
-    return sum(g.backward * _seconds(g, peak, hw, g.fp32_backward or g.fp32) for g in gemms)
+    total = 0.0
+    for g in gemms:
+        fp32 = g.fp32_backward or g.fp32
+        if g.linear and hw.gemm_table:  # the table has each of the two products' own rate
+            total += g.backward / 2 * (_seconds(g, peak, hw, fp32, 1) + _seconds(g, peak, hw, fp32, 2))
+        else:
+            total += g.backward * _seconds(g, peak, hw, fp32)
+    return total
+
+
+def head_time(cfg: ModelConfig, layout: Layout, tokens: int, peak: float, hw: Hardware) -> tuple[float, float]:
+    """(forward, backward) GEMM seconds of the head over ``tokens`` rows of one rank: with the
+    chunked loss (``Layout.loss_chunk``; the trainer drops it under TP) as its real GEMMs, chunk
+    rows against the vocabulary, once per chunk (models/loss.py computes the input and weight
+    gradients in forward, the same two products a linear layer's backward makes)."""
+    rows = tokens if layout.loss_chunk is None or layout.tp > 1 else min(layout.loss_chunk, tokens)
+    chunks, last = divmod(tokens, rows)
+    total = [0.0, 0.0]
+    for n, size in ((chunks, rows), (1 if last else 0, last)):
+        if n:
+            gemms = head_gemms(cfg, size, layout.tp)
+            total[0] += n * _gemm_time(gemms, peak, hw)
+            total[1] += n * _backward_time(gemms, peak, hw)
+    return total[0], total[1]
 
 
 def _score_bytes(cfg: ModelConfig, layout: Layout, gemms: list[Gemm], kernel: str) -> float:
@@ -505,6 +534,38 @@ def _head_bytes(cfg: ModelConfig, tokens: int, tp: int, mixed: bool) -> float:
     cast back under mixed precision: per logit 2 x (elt) + 16."""
     elt = 2 if mixed else 4
     return tokens * cfg.padded_vocab_size / tp * (2 * elt + 16)
+
+
+def _transcendental(
+    cfg: ModelConfig, layout: Layout, hw: Hardware, gemms: list[Gemm], kernel: str, tokens: int, moe: bool, passes: int
+) -> float:
+    """Seconds one block's compute-bound elementwise work takes beyond the bytes ``_elementwise``
+    prices for it, on a profile that measured its rates (a CPU's; hardware.py): an ungated
+    activation (GELU, SiLU) over the FFN's width at its ``activation_rate`` (its forward, the forward
+    rebuilt in backward and the backward, each a third of it; a recomputed forward one third more)
+    against the 2 elements a pass it moves (gated kinds: their bytes only, no rate measured);
+    and the exp of every score a CPU flash kernel executes, in forward and again in backward (it
+    rebuilds the probabilities), at ``exp_rate``: those stay in cache, so nothing else prices them."""
+    extra = 0.0
+    rate = hw.activation_rate.get(cfg.activation)
+    if rate and not moe:
+        elements = tokens * cfg.d_ff / layout.tp
+        elt = 2 if layout.mixed else 4
+        moved = passes * 2 * elements * elt / (hw.hbm_bandwidth * hw.hbm_efficiency)
+        extra += max(0.0, elements * (passes / 3) / rate - moved)
+    if hw.exp_rate and kernel in ("flash", "pairs-cpu"):
+        extra += 2 * sum(g.executed / (2 * g.k) for g in gemms if g.kind == "scores") / hw.exp_rate
+    return extra
+
+
+def _head_exps(cfg: ModelConfig, layout: Layout, tokens: int, split: int, hw: Hardware) -> float:
+    """Seconds of the head's exps at ``exp_rate`` (0 where the profile has none): the log-softmax
+    takes one per logit in forward and one in backward; the chunked loss only one (models/loss.py
+    turns the exps into the gradient in place)."""
+    if not hw.exp_rate:
+        return 0.0
+    per_logit = 1 if layout.loss_chunk is not None and layout.tp == 1 else 2
+    return tokens * cfg.padded_vocab_size / split * per_logit / hw.exp_rate
 
 
 # --- communication ----------------------------------------------------------------------------------
@@ -622,7 +683,8 @@ def _micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, 
     stacks = [(first, stage.moe[0], seq, None), (second, stage.moe[1], out_len, seq)]
     flash = layout.attention == "flash"
     kernel = attention_kernel(flash, cp, hw.device)
-    fwd = bwd = elements = scores = kernels = 0.0
+    fwd = bwd = elements = scores = kernels = transcendental = 0.0
+    passes = 3 + (1 if layout.ac != "none" else 0)  # forward, backward (2x), recomputed forward
     for n, n_moe, length, cross in stacks:
         for count, moe in ((n - n_moe, False), (n_moe, True)):
             if not count:
@@ -635,15 +697,20 @@ def _micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, 
                 kernels += count * (k + len(gemms))
             elements += count * mb * length // cp * e
             scores += count * _score_bytes(cfg, layout, gemms, kernel)
+            tokens = mb * length // cp
+            transcendental += count * _transcendental(cfg, layout, hw, gemms, kernel, tokens, moe, passes)
             if cp > 1:  # the chunk pairs' kernels, beyond what the counted block runs
                 pairs = sum(g.executed / (2 * g.m * g.n * g.k) for g in gemms if g.kind == "scores") / mb
                 kernels += count * PAIR_KERNELS * pairs / (cfg.num_heads // tp)
-    head = _gemm_time(head_gemms(cfg, mb * out_len // cp, tp), peak, hw) if stage.head else 0.0
-    compute = fwd + bwd + 3 * head
-    passes = 3 + (1 if layout.ac != "none" else 0)  # forward, backward (2x), recomputed forward
-    memory = (passes * elements * elt + scores) / bandwidth
+    head_fwd, head_bwd = head_time(cfg, layout, mb * out_len // cp, peak, hw) if stage.head else (0.0, 0.0)
+    compute = fwd + bwd + head_fwd + head_bwd
+    memory = (passes * elements * elt + scores) / bandwidth + transcendental
     if stage.head:
-        memory += _head_bytes(cfg, mb * out_len // cp, tp if layout.loss_parallel else 1, mixed) / bandwidth
+        head_tokens = mb * out_len // cp
+        split = tp if layout.loss_parallel else 1
+        memory += max(
+            _head_bytes(cfg, head_tokens, split, mixed) / bandwidth, _head_exps(cfg, layout, head_tokens, split, hw)
+        )
     if stage.embed:
         memory += 3 * mb * seq // cp * cfg.d_model * elt / bandwidth  # the lookup and its scatter-add gradient
     return {
@@ -653,8 +720,8 @@ def _micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, 
         "tp": _overlap("tp", _tp_comm(cfg, layout, hw, stage, seq, out_len), 0.0, 0.0, hw),
         "cp": _overlap("cp", _cp_comm(cfg, layout, hw, stage, seq, out_len), 0.0, 0.0, hw),
         "ep": _overlap("ep", _ep_comm(cfg, layout, hw, stage, seq, out_len), 0.0, 0.0, hw),
-        "fwd": fwd + head,
-        "bwd": bwd + 2 * head,
+        "fwd": fwd + head_fwd,
+        "bwd": bwd + head_bwd,
     }
 
 
