@@ -620,6 +620,7 @@ def test_calibrate_measures_positive_host_and_pricing_figures(tmp_path):
 
     assert len(hw.gemm_table) == len(GEMM_GRID[0]) * len(GEMM_GRID[1]) * len(GEMM_GRID[2])
     assert min(min(row[3:]) for row in hw.gemm_table) > 0 and hw.exp_rate > 0
+    assert len(hw.attention_rate) == 12 and min(row[2] for row in hw.attention_rate) > 0
     assert set(hw.activation_rate) == {"gelu", "gelu_tanh", "silu"} and min(hw.activation_rate.values()) > 0
     assert hw.gemm_rate(512, 512, 512) > hw.gemm_rate(32, 32, 32)  # small GEMMs reach less of the peak
 
@@ -733,3 +734,19 @@ def test_a_bad_cpu_pricing_figure_is_refused_in_one_line(tmp_path, figures, mess
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=message.lstrip("^").replace("hardware", "")):
         load_profile(path)
+
+
+def test_a_cpu_profile_prices_attention_at_its_measured_kernel_rate():
+    rows = tuple((s, kind, 1e9 * s) for s in (32.0, 128.0) for kind in (0.0, 1.0, 2.0))
+    hw = dataclasses.replace(_cpu(), gemm_table=_table(), attention_rate=rows).check()
+    assert hw.attention_flops(64, "causal") == pytest.approx(64e9)  # log-space between 32 and 128
+    assert hw.attention_flops(1024, "bias") == pytest.approx(128e9)  # clamped
+    cfg, layout = preset("gpt2-tiny"), Layout("ddp", precision="fp32", micro_batch=8)
+    base = step_time(cfg, layout, hw, 64, memory=False).breakdown["compute"]
+    faster = dataclasses.replace(hw, attention_rate=tuple((s, k, 2 * r) for s, k, r in rows))
+    core = sum(g.executed for g in block_gemms(cfg, 8, 64) if g.kind != "linear") * cfg.num_layers
+    # the kernel's forward and its 2.5x backward at the rate: doubling it saves half of that
+    saved = base - step_time(cfg, layout, faster, 64, memory=False).breakdown["compute"]
+    assert saved == pytest.approx(3.5 * core / 64e9 / 2)
+    with pytest.raises(ConfigError, match=r"attention_rate\(64, 0\)=0.0"):
+        dataclasses.replace(hw, attention_rate=((64.0, 0.0, 0.0),)).check()

@@ -15,6 +15,7 @@ Measured, each the best of a few repeats (the machine may be shared: best, not m
   the copies in and out) beyond the three collectives' latency the time model already prices.
 - for the time model's CPU pricing (hardware.py): ``gemm_table``, fp32 FLOP/s over a grid of
   small shapes (``GEMM_GRID``) in the three products of a linear layer, operands out of the caches;
+  ``attention_rate``, SDPA forward + backward FLOP/s by sequence length and mask;
   ``exp_rate`` and ``activation_rate``, elements per second of exp and of each FFN activation's step
   (compute-bound on a CPU, in cache).
 A host figure that comes out non-positive (a disturbed measurement) is refused when the profile
@@ -97,6 +98,37 @@ def gemm_table(grid=GEMM_GRID, repeats: int = 3) -> tuple[tuple[float, ...], ...
                 best = min(best, time.perf_counter() - t0)
             rates.append(2 * m * n * k / best)
         rows.append((float(m), float(n), float(k), *rates))
+    return tuple(rows)
+
+
+ATTENTION_SEQ = (32, 64, 128, 256)
+
+
+def attention_rates(batch_heads: tuple[int, int] = (16, 4), head_dim: int = 32) -> tuple[tuple[float, ...], ...]:
+    """FLOP/s of SDPA forward + backward as nn/attention.py calls it, at each of ``ATTENTION_SEQ``:
+    causal (half the scores executed), with a learned additive bias (T5's relative positions:
+    the bias needs its gradient) and with a plain mask; FLOPs counted as time.py counts them."""
+    import torch
+    import torch.nn.functional as F
+
+    from .hardware import ATTENTION_MASKS
+
+    b, h = batch_heads
+    rows = []
+    for seq in ATTENTION_SEQ:
+        q, k, v = (torch.randn(b, h, seq, head_dim, requires_grad=True) for _ in range(3))
+        masks = {
+            "causal": dict(is_causal=True),
+            "bias": dict(attn_mask=torch.randn(1, h, seq, seq, requires_grad=True)),
+            "plain": dict(attn_mask=torch.zeros(b, 1, seq, seq)),
+        }
+        for mask, kwargs in masks.items():
+
+            def run(kwargs=kwargs, qkv=(q, k, v)):
+                F.scaled_dot_product_attention(*qkv, **kwargs).sum().backward()
+
+            executed = 2 * 2 * b * h * seq * seq * head_dim * (0.5 if mask == "causal" else 1.0)
+            rows.append((float(seq), float(ATTENTION_MASKS.index(mask)), 3.5 * executed / _best(run, repeats=3)))
     return tuple(rows)
 
 
@@ -320,6 +352,7 @@ def calibrate(path: str | Path, tmp: Path) -> Hardware:
         fsdp_unit_overhead=link["fsdp_unit_overhead"],
         gemm_table=gemm_table(),
         exp_rate=exp_rate(),
+        attention_rate=attention_rates(),
         activation_rate=activation_rates(),
         overlap=False,
         device="cpu",

@@ -42,6 +42,10 @@ with three figures no GPU profile has (None there: the curve and the bandwidth p
   regularly, than one efficiency curve says (measured: 33-64 GFLOP/s for d=128 shapes against
   80-90 for 512^3 on this workplace's AVX2 CPU); the time model interpolates the table
   (``gemm_rate``) instead of the curve;
+- ``attention_rate``: FLOP/s of torch's SDPA forward + backward as tformer calls it (causal; with
+  a learned additive bias, T5's, which takes another kernel; with a plain mask) at a few sequence
+  lengths, head dim 32: its blocks stay in cache and its exps are part of it, so neither the GEMM
+  table nor the exp rate prices it well;
 - ``exp_rate``: elements per second of ``exp`` with its data in cache, and ``activation_rate``: of
   each transcendental FFN activation (GELU exact and tanh, SiLU) as the feed-forward runs it in a
   step (forward, the forward again that nn/rebuild.py runs in backward, and the backward). On a CPU
@@ -96,6 +100,8 @@ class Hardware:
     # measured on the CPU only (module doc): rows (m, n, k, forward, input-gradient, weight-gradient FLOP/s)
     gemm_table: tuple[tuple[float, ...], ...] = ()
     exp_rate: float | None = None  # elements/s of exp
+    # rows (sequence, mask: 0 causal, 1 bias, 2 plain, FLOP/s of SDPA forward + backward) (module doc)
+    attention_rate: tuple[tuple[float, ...], ...] = ()
     # elements/s of an FFN activation (gelu, gelu_tanh, silu) as a step runs it: forward, rebuilt forward, backward
     activation_rate: dict[str, float] = dataclasses.field(default_factory=dict)
     overlap: bool = True  # communication runs beside compute (GPU: its own engines; CPU gloo: the same cores)
@@ -103,7 +109,8 @@ class Hardware:
     source: str = ""
 
     def __post_init__(self):  # a profile read from JSON gives lists; the table is kept hashable
-        object.__setattr__(self, "gemm_table", tuple(tuple(float(x) for x in row) for row in self.gemm_table))
+        for name in ("gemm_table", "attention_rate"):
+            object.__setattr__(self, name, tuple(tuple(float(x) for x in row) for row in getattr(self, name)))
 
     def check(self) -> "Hardware":
         figures = {f"peak.{k}": v for k, v in self.peak.items()}
@@ -116,6 +123,8 @@ class Hardware:
         for name, value in figures.items():
             if not value > 0:
                 raise ConfigError(f"hardware figure {name}={value} of {self.name} must be positive; give a number > 0")
+        for row in self.attention_rate:
+            figures[f"attention_rate{tuple(int(x) for x in row[:2])}"] = row[2] if len(row) == 3 else 0.0
         if self.gemm_table:
             _grid(self.gemm_table)  # a whole grid, or one line saying which shape is missing
         return self
@@ -137,6 +146,26 @@ class Hardware:
                 for c, wc in corners[2]:
                     log_rate += wa * wb * wc * math.log(rates[(a, b, c)][which])
         return math.exp(log_rate)
+
+    def attention_flops(self, seq: float, mask: str) -> float:
+        """FLOP/s of the CPU's SDPA forward + backward (``attention_rate``; FLOPs as the time model
+        counts them: the forward's two products and 2.5 times them backward) for ``seq`` queries
+        under ``mask``, interpolated in log(rate) over log(seq), clamped to the measured lengths."""
+        kind = ATTENTION_MASKS.index(mask)
+        points = sorted((row[0], row[2]) for row in self.attention_rate if row[1] == kind)
+        if not points:
+            raise ConfigError(
+                f"hardware attention_rate of {self.name} has no {mask} row; run `tformer plan --calibrate` again"
+            )
+        x = max(points[0][0], min(seq, points[-1][0]))
+        for (s0, r0), (s1, r1) in zip(points, points[1:]):
+            if s0 <= x <= s1:
+                t = math.log(x / s0) / math.log(s1 / s0)
+                return math.exp((1 - t) * math.log(r0) + t * math.log(r1))
+        return points[0][1]
+
+
+ATTENTION_MASKS = ("causal", "bias", "plain")
 
 
 @functools.lru_cache(maxsize=8)

@@ -9,7 +9,11 @@ One step on one device is the sum of
   block's forward; tformer's op policy keeps every matmul and attention output; op-alternate is
   torchtitan's "selective op" policy, which recomputes every second linear ``mm`` of a block: k, o
   and up of a Llama block, priced so that its published rows can be; tformer's trainer does not
-  offer it); the head (forward and a 2x backward). Causal attention executes half of its S x S
+  offer it); the head (forward and a 2x backward; with the chunked loss, ``Layout.loss_chunk``, as
+  its real GEMMs of chunk rows x vocabulary, once per chunk). On a profile with a measured
+  ``gemm_table`` (the CPU's, hardware.py) each GEMM is priced at the table's rate for its shape,
+  interpolated in log space, a linear layer's two backward products each at its own rate, instead
+  of the curve. Causal attention executes half of its S x S
   products (flash kernels skip the masked blocks), while MFU counts all of them (models/flops.py,
   the field's convention). ``Layout.attention="unfused"`` prices the explicit kernels other systems
   ran before flash attention (Megatron-LM 2021: two batched GEMMs around a fused
@@ -20,7 +24,11 @@ One step on one device is the sum of
   adds, rotary, activations, dropout, MoE dispatch and combine; backward twice the forward's
   traffic, the recomputed ones again under any checkpointing policy), the head's softmax and loss,
   and the optimizer step (AdamW, the gradient norm and zeroing: 44 bytes per fp32 parameter the
-  rank updates); with explicit score kernels (unfused attention, context parallelism on a GPU),
+  rank updates); on a profile that measured them (a CPU's), the compute-bound elementwise work at
+  its rate where that is slower than its bytes: an ungated FFN activation at ``activation_rate``,
+  the head's exps at ``exp_rate`` (``_transcendental``, ``_head_exps``), and the exps of a CPU
+  flash kernel's scores, which never reach memory (none where ``attention_rate`` measured the
+  kernel whole); with explicit score kernels (unfused attention, context parallelism on a GPU),
   the elementwise kernels over the scores (``_score_bytes``);
 - **exposed communication** by kind, priced with ring formulas (all-gather or reduce-scatter of S
   bytes over n ranks: (n-1)/n S / bandwidth + (n-1) latency; all-reduce twice that; an all-to-all
@@ -265,6 +273,7 @@ class Gemm(NamedTuple):
     backward: float = 2.0  # a linear layer's: the input and the weight gradients
     fp32: bool = False
     fp32_backward: bool = False
+    mask: str = ""  # attention's core without context parallelism: causal | bias | plain (hardware.attention_rate)
 
     @property
     def linear(self) -> bool:
@@ -310,8 +319,9 @@ def _attention_gemms(
         flash = kernel == "flash"
         executed = core / 2 if causal and flash else core
         back = ATTENTION_BACKWARD if flash else 2.0
-        scores = Gemm(executed, core, q_len, kv_len, dk, "scores", back)
-        values = Gemm(executed, core, q_len, dk, kv_len, "values", back)
+        mask = "bias" if bias else "causal" if causal else "plain"
+        scores = Gemm(executed, core, q_len, kv_len, dk, "scores", back, mask=mask)
+        values = Gemm(executed, core, q_len, dk, kv_len, "values", back, mask=mask)
     else:
         qc, kc = q_len // (2 * cp), kv_len // (2 * cp)  # chunk lengths
         pairs = 2 * cp + 1 if causal else 4 * cp  # causal: chunk i's i + 1 pairs, its mirror's 2 cp - i
@@ -412,6 +422,9 @@ def _seconds(g: Gemm, peak: float, hw: Hardware, fp32: bool, which: int = 0) -> 
     """Seconds of ``g``'s forward (``which`` 0) or, for a linear layer, one of its backward products
     (1: input gradient, 2: weight gradient): from the measured table where the profile has one (a
     CPU's), else at the peak times the efficiency curve."""
+    if hw.attention_rate and g.mask:  # the CPU's flash kernel as measured, its exps included
+        flops = g.executed if g.mask == "causal" else g.counted  # a masked kernel computes every score
+        return flops / hw.attention_flops(g.m, g.mask)
     if hw.gemm_table:
         return g.executed / hw.gemm_rate(g.m, g.n, g.k, which if g.linear else 0)
     return g.executed / ((hw.peak["fp32"] if fp32 else peak) * gemm_efficiency(g.m, g.n, g.k, hw))
@@ -553,7 +566,7 @@ def _transcendental(
         elt = 2 if layout.mixed else 4
         moved = passes * 2 * elements * elt / (hw.hbm_bandwidth * hw.hbm_efficiency)
         extra += max(0.0, elements * (passes / 3) / rate - moved)
-    if hw.exp_rate and kernel in ("flash", "pairs-cpu"):
+    if hw.exp_rate and kernel in ("flash", "pairs-cpu") and not hw.attention_rate:
         extra += 2 * sum(g.executed / (2 * g.k) for g in gemms if g.kind == "scores") / hw.exp_rate
     return extra
 
