@@ -120,11 +120,11 @@ class Hardware:
         figures.update((f"activation_rate.{k}", v) for k, v in self.activation_rate.items())
         for row in self.gemm_table:
             figures[f"gemm_table{tuple(int(x) for x in row[:3])}"] = min(row) if len(row) == 6 else 0.0
+        for row in self.attention_rate:
+            figures[f"attention_rate{tuple(int(x) for x in row[:2])}"] = row[2] if len(row) == 3 else 0.0
         for name, value in figures.items():
             if not value > 0:
                 raise ConfigError(f"hardware figure {name}={value} of {self.name} must be positive; give a number > 0")
-        for row in self.attention_rate:
-            figures[f"attention_rate{tuple(int(x) for x in row[:2])}"] = row[2] if len(row) == 3 else 0.0
         if self.gemm_table:
             _grid(self.gemm_table)  # a whole grid, or one line saying which shape is missing
         return self
