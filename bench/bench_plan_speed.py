@@ -7,10 +7,16 @@ few steps; its median step time after two warm-up steps is held against the pred
 Targets (issue 30): every layout within 25% of the measured median, and the predicted order of the
 layouts equal to the measured order, per model.
 
-Last results (AVX2 CPU, 2026-11-25, with the host/dispatch term: docs/planning.md "How close it is
-today"): gpt2-tiny 1 process -34%, DDP 2 -46%, FSDP 2 -33%, tp=2 +8%, pp=2 +12%; t5-tiny -40%,
--36%, -30%, -8%, -5%; FAIL (1 process, DDP and FSDP too fast: GEMMs and GELU run slower in a step
-than calibrated; order 1 process < DDP < pp < tp < FSDP measured, FSDP before pp and tp predicted).
+Each layout runs once per round (``--rounds``, default 2), the layouts interleaved, so that a slow
+period of the shared machine falls on all of them; the median over rounds is held against the
+prediction and the spread (max - min over the median) is printed beside it.
+
+Last results (AVX2 CPU, 2026-11-25, docs/planning.md "How close it is today"): with the GEMM table,
+the chunked head, exp/activation rates and FSDP2 units of realistic size (attention still priced
+as GEMMs): gpt2-tiny 1 process +22%, DDP 2 +2%, FSDP 2 -4%, tp=2 -20%, pp=2 +57%; t5-tiny +44%,
++29%, +4%, -22%, +58%; spread 0-12%; FAIL (pp=2 and T5's attention too slow, tp=2 too fast; order
+1 process < DDP < pp < FSDP < tp measured, pp last predicted). Before (round 1, host term only):
+-34%, -46%, -33%, +8%, +12%; -40%, -36%, -30%, -8%, -5%.
 
 Timings only mean something on a quiet machine: calibration and the runs share the cores with
 whatever else runs. Run it alone:
