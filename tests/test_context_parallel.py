@@ -408,6 +408,11 @@ def test_trainer_cp2_equals_the_single_process_run(tmp_path_factory):
             ["parallel.cp=2", "parallel.tp=2", "parallel.strategy=ddp"],
             "parallel.cp=2 with parallel.tp>1 needs parallel.strategy=fsdp",
         ),
+        (
+            4,
+            ["parallel.cp=2", "parallel.pp=2", "parallel.strategy=ddp"],
+            "parallel.cp=2 with parallel.pp>1 needs parallel.strategy=fsdp",
+        ),
         (2, ["parallel.cp=2", "model.attn_dropout=0.1"], "does not run with attention dropout yet"),
         (2, ["parallel.cp=2", "parallel.cp_kernel=torch", "device=cpu"], "parallel.cp_kernel=torch runs torch's CUDA"),
         (2, ["parallel.cp=0"], "parallel.cp"),
@@ -546,6 +551,39 @@ def test_cp2_x_tp2_equals_the_single_process_run(tmp_path_factory):
     run_ranks(4, jobs, os.environ["TFORMER_CACHE"])
     for i, (name, common, _) in enumerate(CP_TP_CASES):
         assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, 1, *common))
+
+
+CP_PP_CASES = [
+    # (family, flags of both runs, flags of the cp=2 x pp=2 run)
+    ("llama", ["data.seq_len=63"], ["parallel.pp_schedule=1f1b"]),  # GQA, rotary in both stages; 63 -> 64
+    ("gpt2", [], ["parallel.pp_schedule=gpipe"]),  # the token embedding tied to the head on the last stage
+    ("t5", [], []),  # encoder | decoder: the decoder's stage gets its input, positions, masks, divisor
+]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cache")
+def test_cp2_x_pp2_equals_the_single_process_run(tmp_path_factory):
+    """cp=2 x pp=2 on 4 ranks (each pipeline stage on a cp group of 2, FSDP2 over its cp ranks; 2
+    micro-batches through the schedule): the losses and updated parameters of the 1-process run
+    accumulating the same 2 micro-batches, to 1e-5."""
+    from test_mesh import REF_DIRS, _overrides, assert_same_run, reference
+    from train_helpers import metrics
+
+    tmp = tmp_path_factory.mktemp("cp2pp2")
+    flags = ["parallel.cp=2", "parallel.pp=2", "parallel.strategy=fsdp", "grad_accum=2"]
+    jobs = []
+    for i, (name, common, own) in enumerate(CP_PP_CASES):
+        recipe, overrides = _overrides(name, tmp / f"run{i}", *common, *flags, *own)
+        jobs.append((recipe, overrides, str(tmp / f"report{i}")))
+    run_ranks(4, jobs, os.environ["TFORMER_CACHE"])
+    for i, (name, common, _) in enumerate(CP_PP_CASES):
+        ref = reference(name, tmp_path_factory, 2, *common)
+        diffs = assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", ref)
+        print(f"cp2 x pp2 {name}: largest relative difference of a loss {diffs[0]:.1e}, of a parameter {diffs[1]:.1e}")
+        # the final evaluation: whole sequences through the stages (in eval mode each rank attends locally)
+        val, ref_val = (metrics(d)[-1]["val_loss"] for d in (tmp / f"run{i}", REF_DIRS[(name, 2, *common)]))
+        assert val == pytest.approx(ref_val, rel=TOL), (name, val, ref_val)
 
 
 # ---- the planner with cp
