@@ -339,7 +339,8 @@ def test_families_equal_one_process(world, seq, tmp_path):
 
 def test_loss_parts_add_up_to_the_mean():
     """Each part of a batch divided by the whole batch's labelled count sums to the mean loss, and
-    a part without labels contributes 0 (not 0 / 0), for the plain and the chunked loss alike."""
+    a part without labels contributes 0 (not 0 / 0), for the plain and the chunked loss alike; per-
+    sample counts give the same divisor as their sum."""
     from tformer.models.base import lm_loss
     from tformer.models.loss import chunked_lm_loss
 
@@ -355,6 +356,9 @@ def test_loss_parts_add_up_to_the_mean():
         parts = [loss(x[:, s], labels[:, s], total) for s in (slice(0, 5), slice(5, 10))]
         assert parts[1].item() == 0.0
         assert torch.allclose(sum(parts), loss(x, labels), atol=1e-6)
+        # per-sample counts (what a pipeline splits with its micro-batches) divide by their sum
+        per_sample = (labels != -100).sum(-1)
+        assert per_sample.shape == (2,) and loss(x, labels, per_sample).item() == loss(x, labels, total).item()
 
 
 # ---- the trainer with parallel.cp
