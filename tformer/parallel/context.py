@@ -456,7 +456,7 @@ def check_context_parallel(cfg, dims) -> None:
     if dims.cp == 1:
         return
     pcfg, cp = cfg.parallel, dims.cp
-    if cfg.model.attn_dropout > 0:
+    if cfg.model.attn_dropout:  # a rule between keys (cp and dropout), not a range
         raise ConfigError(
             f"parallel.cp={cp} does not run with attention dropout yet; set model.attn_dropout=0, or parallel.cp=1"
         )
