@@ -584,9 +584,11 @@ def test_cp2_x_pp2_equals_the_single_process_run(tmp_path_factory):
     for i, (name, common, _) in enumerate(CP_PP_CASES):
         ref = reference(name, tmp_path_factory, 2, *common)
         diffs = assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", ref)
-        print(f"cp2 x pp2 {name}: largest relative difference of a loss {diffs[0]:.1e}, of a parameter {diffs[1]:.1e}")
-        # the final evaluation: whole sequences through the stages (in eval mode each rank attends locally)
+        # the final evaluation: whole sequences through the stages (in eval mode each rank attends
+        # locally), scored without the training's label smoothing (T5's 0.1) as one process scores it
         val, ref_val = (metrics(d)[-1]["val_loss"] for d in (tmp / f"run{i}", REF_DIRS[(name, 2, *common)]))
+        print(f"cp2 x pp2 {name}: largest relative difference of a loss {diffs[0]:.1e}, of a parameter {diffs[1]:.1e}, "
+              f"of the val loss {abs(val - ref_val) / ref_val:.1e}")  # fmt: skip
         assert val == pytest.approx(ref_val, rel=TOL), (name, val, ref_val)
 
 

@@ -106,7 +106,7 @@ def build_stage(model, stage: int, stages: int, pp_layers: list | None, label_sm
     """Stage ``stage`` of ``stages``: a copy of ``model`` cut by its own ``cut_stage``; its one
     forward runs what is left. The last stage is called as the schedule needs it, through torch's
     module hooks (its parameter names must stay the model's, so it is not wrapped): the trainer's
-    loss-only path (``return_logits=False``, the run's label smoothing) in, the loss tensor out."""
+    loss-only path (``return_logits=False``, the run's label smoothing in training) in, the loss tensor out."""
     part = copy.deepcopy(model)
     part.cut_stage(stage, stages, pp_layers)
     part.pp_aux = []  # a stage before the last: its auxiliary losses of the step (_attach_aux)
@@ -119,8 +119,9 @@ def build_stage(model, stage: int, stages: int, pp_layers: list | None, label_sm
 
 
 def _loss_call(label_smoothing: float):
-    def hook(_module, args, kwargs):
-        return args, {**kwargs, "return_logits": False, "label_smoothing": label_smoothing}
+    # evaluation scores the plain cross-entropy, as the unsplit model's evaluation does
+    def hook(module, args, kwargs):
+        return args, {**kwargs, "return_logits": False, "label_smoothing": label_smoothing if module.training else 0.0}
 
     return hook
 
