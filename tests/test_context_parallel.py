@@ -571,16 +571,12 @@ def test_cp2_x_pp2_equals_the_single_process_run(tmp_path_factory):
     """cp=2 x pp=2 on 4 ranks (each pipeline stage on a cp group of 2, FSDP2 over its cp ranks; 2
     micro-batches through the schedule): the losses and updated parameters of the 1-process run
     accumulating the same 2 micro-batches, to 1e-5."""
-    from test_mesh import REF_DIRS, _overrides, assert_same_run, reference
+    from test_mesh import REF_DIRS, assert_same_run, reference, run_cases
     from train_helpers import metrics
 
     tmp = tmp_path_factory.mktemp("cp2pp2")
     flags = ["parallel.cp=2", "parallel.pp=2", "parallel.strategy=fsdp", "grad_accum=2"]
-    jobs = []
-    for i, (name, common, own) in enumerate(CP_PP_CASES):
-        recipe, overrides = _overrides(name, tmp / f"run{i}", *common, *flags, *own)
-        jobs.append((recipe, overrides, str(tmp / f"report{i}")))
-    run_ranks(4, jobs, os.environ["TFORMER_CACHE"])
+    run_cases(4, [(name, [*common, *own]) for name, common, own in CP_PP_CASES], tmp, os.environ["TFORMER_CACHE"], *flags)
     for i, (name, common, _) in enumerate(CP_PP_CASES):
         ref = reference(name, tmp_path_factory, 2, *common)
         diffs = assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", ref)
