@@ -279,6 +279,9 @@ def lm_loss(
     two (tokens, vocab) fp32 tensors at once: at a 128k vocabulary and 8k tokens that is 4 GiB less
     at the end of forward."""
     flat = logits.float().reshape(-1, logits.shape[-1])
+    # a copy (the fp32 cast, a sliced vocabulary reshaped) or the head's own output may be written
+    # over; a view autograd made elsewhere (a gathered tensor-parallel head's) may not
+    overwrite = overwrite and (not logits._is_view() or flat.data_ptr() != logits.data_ptr())
     return CrossEntropy.apply(flat, labels.reshape(-1), float(label_smoothing), loss_tokens, overwrite)
 
 
