@@ -105,6 +105,7 @@ FAMILIES = {
     "t5-v1.1": ("t5-tiny", ["model.preset=t5-v1.1-tiny", "model.num_decoder_layers=3", "model.d_ff=96"]),
 }
 REFS: dict = {}
+REF_DIRS: dict = {}  # the same key -> the reference's run directory (its metrics: val_loss...)
 
 
 def _overrides(name, out, *extra):
@@ -131,6 +132,7 @@ def reference(name, tmp_path_factory, grad_accum, *extra):
         trainer = Trainer(load_config(CONFIGS / f"{recipe}.yaml", overrides))
         trainer.fit()
         REFS[key] = (losses(out), {k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
+        REF_DIRS[key] = out
     return REFS[key]
 
 

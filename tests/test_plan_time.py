@@ -40,7 +40,7 @@ def test_the_gemms_count_the_flops_of_models_flops(name, tp):
     [
         (Layout(float8=True, dp_shard=8), "h100-sxm", "float8"),
         (Layout(async_tp=True, tp=4), "h100-sxm", "async TP"),
-        (Layout(cp=2, pp=2, dp_shard=2), "h100-sxm", "context parallelism with pipelines"),
+        (Layout("zero2", cp=2, dp_shard=4), "h100-sxm", "context parallelism with DeepSpeed"),
         (Layout(cp=2, dp_shard=4), "b200", "fp32 scores on a GPU"),
         (Layout(precision="fp32", dp_shard=8), "b200", "no fp32 peak"),
         (Layout(strategy="ddp", dp_replicate=2, dp_shard=4), "h100-sxm", "HSDP"),
@@ -271,20 +271,20 @@ def test_cp_adds_exactly_the_gathered_kv_over_the_link():
     """Per attention layer and micro-batch: K and V of the whole sequence all-gathered in forward
     and again in backward (once more under AC), dK and dV reduce-scattered in fp32, each moving
     (cp-1)/cp of its bytes over the cp group's link (inside the node here); nothing else but the
-    labelled-token count (8 bytes)."""
+    labelled-token counts (8 bytes per sample)."""
     cfg, hw = preset("gpt2-tiny"), _no_latency()
     mb, seq, cp = 2, 1024, 4
     kv = 2 * mb * seq * cfg.kv_heads * cfg.head_dim  # K and V elements of every key
     share = (cp - 1) / cp / hw.intra_bandwidth
     for ac, gathers in (("none", 2), ("full", 3), ("op", 3)):
         r = step_time(cfg, Layout(micro_batch=mb, cp=cp, ac=ac), hw, seq)
-        expected = cfg.num_layers * (gathers * kv * 2 + kv * 4) * share + 2 * 8 * share  # + the count's all-reduce
+        expected = cfg.num_layers * (gathers * kv * 2 + kv * 4) * share + 2 * 8 * mb * share  # + the counts' all-reduce
         assert r.breakdown["cp"] == pytest.approx(expected, rel=1e-9), ac
     assert "cp" not in step_time(cfg, Layout(micro_batch=mb, dp_shard=cp), hw, seq).breakdown
     # across nodes the same bytes take the network
     slow = step_time(cfg, Layout(micro_batch=mb, cp=cp), _no_latency(gpus_per_node=2), seq)
     assert slow.breakdown["cp"] == pytest.approx(
-        (cfg.num_layers * (2 * kv * 2 + kv * 4) + 2 * 8) * (cp - 1) / cp / hw.inter_bandwidth, rel=1e-9
+        (cfg.num_layers * (2 * kv * 2 + kv * 4) + 2 * 8 * mb) * (cp - 1) / cp / hw.inter_bandwidth, rel=1e-9
     )
 
 
@@ -295,6 +295,22 @@ def test_cp_shares_sequences_and_fsdp_shards_over_dp_shard_x_cp():
     same = step_time(cfg, Layout(micro_batch=2, dp_shard=8), profile("h100-sxm"), 4096)
     assert r.breakdown["optimizer"] == same.breakdown["optimizer"]  # each rank updates 1/8 of the parameters
     assert r.memory > 0
+
+
+def test_cp_with_a_pipeline_is_priced_stage_by_stage():
+    """cp x pp (which the trainer runs): a stage's ranks hold 1/cp of every sequence, so the stages
+    send each other half the bytes at cp=2, each stage gathers K/V for its own blocks only, and the
+    FSDP2 shards of a stage span dp_shard x cp."""
+    cfg, hw = preset("llama-tiny"), _no_latency()
+    mb, seq, m = 2, 1024, 4
+    pipe = step_time(cfg, Layout(micro_batch=mb, pp=2, dp_shard=2, n_micro=m), hw, seq)
+    both = step_time(cfg, Layout(micro_batch=mb, pp=2, cp=2, n_micro=m), hw, seq)
+    assert both.devices == 4 and both.breakdown["pp"] == pytest.approx(pipe.breakdown["pp"] / 2, rel=1e-9)
+    kv = 2 * mb * seq * cfg.kv_heads * cfg.head_dim
+    per_stage = (cfg.num_layers // 2) * (2 * kv * 2 + kv * 4) + 2 * 8 * mb  # one block per stage here
+    assert both.breakdown["cp"] == pytest.approx(m * per_stage / 2 / hw.intra_bandwidth, rel=1e-9)
+    assert both.breakdown["optimizer"] == pipe.breakdown["optimizer"]  # dp_shard x cp = 2 shards either way
+    assert 0 < both.memory < pipe.memory
 
 
 # --- expert parallelism -----------------------------------------------------------------------------
@@ -490,9 +506,14 @@ def test_rank_memory_takes_cp_and_ep():
     assert ep.model_states == base.model_states and ep.activations > base.activations and ep.ep == 2
     cp = rank_memory(cfg, seq_len=256, micro_batch=4, dp_shard=2, cp=2)
     assert cp.cp == 2 and cp.activations < base.activations and cp.model_states == base.model_states
+    # with a pipeline: the stage's states over dp_shard x cp, its activations at 1/cp of the tokens
+    dense = preset("llama-tiny")
+    pipe = rank_memory(dense, seq_len=256, micro_batch=4, dp_shard=2, pp=2)
+    both = rank_memory(dense, seq_len=256, micro_batch=4, cp=2, pp=2)
+    assert (both.cp, both.pp) == (2, 2) and both.model_states == pipe.model_states
+    assert both.activations < pipe.activations
     for kwargs, message in (
         ({"ep": 2, "strategy": "ddp"}, "parallel.ep=2 needs parallel.strategy=fsdp"),
-        ({"cp": 2, "pp": 2}, "parallel.cp=2 does not run with parallel.pp=2"),
         ({"ep": 3}, "not divisible by parallel.ep=3"),
     ):
         with pytest.raises(ConfigError, match=message):

@@ -220,21 +220,6 @@ def check_dcp_dir(dcp_dir: Path) -> None:
         _weights_only(io.BytesIO(data), f"{dcp_dir / info.relative_path} (entry {index.fqn})")
 
 
-def check_checkpoint(ckpt: Path, trust: bool = False) -> None:
-    """Every pickle of a tformer checkpoint through its allow-list, before any of them is loaded:
-    ``*.pt`` files, DCP metadata and entries, DeepSpeed states. A checkpoint carrying a payload
-    anywhere is refused whole, whichever part a command would read."""
-    if trust:
-        return
-    ckpt = Path(ckpt)
-    for path in sorted(ckpt.glob("*.pt")):
-        torch_load(path, mmap=True)
-    if (ckpt / "dcp" / ".metadata").is_file():
-        check_dcp_dir(ckpt / "dcp")
-    if (ckpt / "deepspeed").is_dir():
-        check_deepspeed_dir(ckpt / "deepspeed")
-
-
 def dcp_load(state: dict, dcp_dir: Path, trust: bool = False) -> None:
     """``torch.distributed.checkpoint.load`` into ``state`` through the allow-lists. An unsafe
     file is an :class:`UnsafeCheckpointError`; any other failure a one-line CheckpointError."""

@@ -12,7 +12,7 @@ import torch
 
 # the writers and the error live below parallel/, whose strategies use them; the old names stay here
 from ..files import PARTIAL, fsync_dir, publish, save_model_weights, torch_save_durable, write_bytes_durable  # noqa: F401
-from ..safeload import CheckpointError, torch_load_safe  # noqa: F401
+from ..safeload import CheckpointError, check_dcp_dir, check_deepspeed_dir, torch_load, torch_load_safe  # noqa: F401
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 # Every name inside a checkpoint directory, spelt once (the package docstring says what each holds).
@@ -25,6 +25,21 @@ SHARED_STATE = "scheduler.pt"  # rank 0's small states: LR schedule, loss scaler
 TRAINER_STATE = "trainer.json"
 RUN_CONFIG = "config.yaml"
 RNG_FILE = "rng_rank{rank}.pt"
+
+
+def check_checkpoint(ckpt: Path, trust: bool = False) -> None:
+    """Every pickle of a tformer checkpoint through its allow-list, before any of them is loaded:
+    ``*.pt`` files, DCP metadata and entries, DeepSpeed states. A checkpoint carrying a payload
+    anywhere is refused whole, whichever part a command would read."""
+    if trust:
+        return
+    ckpt = Path(ckpt)
+    for path in sorted(ckpt.glob("*.pt")):
+        torch_load(path, mmap=True)
+    if (ckpt / DCP_DIR / ".metadata").is_file():
+        check_dcp_dir(ckpt / DCP_DIR)
+    if (ckpt / DEEPSPEED_DIR).is_dir():
+        check_deepspeed_dir(ckpt / DEEPSPEED_DIR)
 
 
 def step_dir_name(step: int) -> str:
@@ -177,8 +192,6 @@ def resolve_checkpoint(path: str | Path, trust: bool = False) -> Path:
             raise CheckpointError(f"no complete checkpoint under {path}")
         path = latest
     verify(path, deep=True)
-    from ..safeload import check_checkpoint
-
     check_checkpoint(path, trust)
     return path
 

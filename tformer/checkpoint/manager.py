@@ -15,7 +15,7 @@ A save (``save(step)``, every rank takes part) is
    once; a background one in its own thread, when the write has ended -- never earlier.
 
 A load (``load("auto" | path)``) resolves the checkpoint, verifies it (sizes and CRC-32), reads
-every pickle through the allow-lists (``safeload.check_checkpoint``) and then hands it to each part
+every pickle through the allow-lists (``io.check_checkpoint``) and then hands it to each part
 in the same order; DCP reshards model and optimizer to this run's layout, DeepSpeed converts a
 checkpoint of another world size.
 
@@ -45,7 +45,7 @@ from ..data.errors import DataError
 from ..files import write_bytes_durable
 from ..parallel.async_save import BackgroundWrite
 from ..parallel.dist import barrier
-from ..safeload import check_checkpoint
+from .io import check_checkpoint
 from . import io
 from .io import TRAINER_STATE, CheckpointError
 from .parts import Part

@@ -1,11 +1,11 @@
 """Moved to :mod:`tformer.safeload` (below ``parallel/``, whose strategies load their own states
 through it); the names stay importable from here."""
 
+from .io import check_checkpoint
 from ..safeload import (
     TRUST_HINT,
     CheckpointError,
     UnsafeCheckpointError,
-    check_checkpoint,
     check_dcp_dir,
     check_deepspeed_dir,
     dcp_load,

@@ -269,15 +269,19 @@ def lm_loss(
     ``label_smoothing`` = epsilon mixes the target with the uniform distribution, as
     ``F.cross_entropy(..., label_smoothing=epsilon)`` does: ``(1 - e) * nll + e * mean_j(-log p_j)``.
 
-    ``loss_tokens`` divides the sum instead of the count of labelled positions here: a rank that holds
-    part of a sequence (context parallelism) passes the whole sequence's count, so the ranks' losses
-    add up to the mean, and a part without labels gives 0, not 0 / 0.
+    ``loss_tokens`` (a count, or per-sample counts: their sum) divides the sum instead of the count of
+    labelled positions here: a rank that holds part of a sequence (context parallelism) passes the
+    whole sequence's count, so the ranks' losses add up to the mean, and a part without labels gives
+    0, not 0 / 0. Per sample, the counts split with the batch (a pipeline's micro-batches).
 
     ``overwrite``: ``logits`` is the head's fresh output, which nothing reads after the loss (the
     trainer's loss-only path). The log-softmax is then written over it, and the loss never holds
     two (tokens, vocab) fp32 tensors at once: at a 128k vocabulary and 8k tokens that is 4 GiB less
     at the end of forward."""
     flat = logits.float().reshape(-1, logits.shape[-1])
+    # a copy (the fp32 cast, a sliced vocabulary reshaped) or the head's own output may be written
+    # over; a view autograd made elsewhere (a gathered tensor-parallel head's) may not
+    overwrite = overwrite and (not logits._is_view() or flat.data_ptr() != logits.data_ptr())
     return CrossEntropy.apply(flat, labels.reshape(-1), float(label_smoothing), loss_tokens, overwrite)
 
 
@@ -301,7 +305,7 @@ class CrossEntropy(torch.autograd.Function):
             logp = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
         else:
             logp = torch.log_softmax(logits, dim=-1)
-        count = valid.sum() if tokens is None else tokens
+        count = valid.sum() if tokens is None else tokens.sum()
         ctx.save_for_backward(logp, target, valid, count)
         ctx.smoothing = smoothing
         nll = -(logp.gather(-1, target).squeeze(-1) * valid).sum() / count

@@ -74,7 +74,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             xc, w = x.to(dtype), weight[:vocab].to(dtype)
             b = bias[:vocab].to(dtype) if bias is not None else None
             valid = labels != -100
-            count = valid.sum() if loss_tokens is None else loss_tokens
+            count = valid.sum() if loss_tokens is None else loss_tokens.sum()
             target = labels.masked_fill(~valid, 0)[:, None]
             need_x, need_w, need_b = ctx.needs_input_grad[:3]
             grad_x = torch.empty_like(x) if need_x else None

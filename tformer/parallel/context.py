@@ -442,9 +442,10 @@ def shard_batch(batch: dict[str, torch.Tensor], rank: int, cp: int, cfg, tp: int
 
 
 def loss_tokens(labels: torch.Tensor, group) -> torch.Tensor:
-    """Labelled positions of the whole sequence, from every rank's shard of ``labels``: the divisor
-    that makes the ranks' losses add up to the mean (``models/base.lm_loss``)."""
-    count = (labels != -100).sum()
+    """(B,) labelled positions of each whole sequence, from every rank's shard of ``labels``: their
+    sum is the divisor that makes the ranks' losses add up to the mean (``models/base.lm_loss``).
+    Per sample, not one count, so that a pipeline schedule splits it with the micro-batches."""
+    count = (labels != -100).sum(-1)
     dist.all_reduce(count, group=group)
     return count
 
@@ -455,13 +456,10 @@ def check_context_parallel(cfg, dims) -> None:
     if dims.cp == 1:
         return
     pcfg, cp = cfg.parallel, dims.cp
-    refusals = (
-        (dims.pp > 1, f"with parallel.pp={dims.pp} (pipelines)", "set parallel.pp=1"),
-        (cfg.model.attn_dropout > 0, "with attention dropout", "set model.attn_dropout=0"),
-    )
-    for bad, what, fix in refusals:
-        if bad:
-            raise ConfigError(f"parallel.cp={cp} does not run {what} yet; {fix}, or parallel.cp=1")
+    if cfg.model.attn_dropout:  # a rule between keys (cp and dropout), not a range
+        raise ConfigError(
+            f"parallel.cp={cp} does not run with attention dropout yet; set model.attn_dropout=0, or parallel.cp=1"
+        )
     if pcfg.strategy == "ddp" and (dims.tp > 1 or dims.pp > 1):
         raise ConfigError(
             f"parallel.cp={cp} with parallel.{'tp' if dims.tp > 1 else 'pp'}>1 needs parallel.strategy=fsdp (DDP does "
@@ -473,9 +471,11 @@ def check_context_parallel(cfg, dims) -> None:
 
 def context_shard(inputs: dict[str, torch.Tensor], mesh, model_cfg) -> dict[str, torch.Tensor]:
     """A training micro-batch for this rank of its context-parallel group: its part of every field
-    (``shard_batch``), and ``loss_tokens`` so that the group's losses add up to ``cp`` times the
-    micro-batch's mean: the data-parallel gradient average (FSDP2 over ``dp_shard x cp``, DDP over
-    all ranks) divides by the ``cp`` ranks too."""
+    (``shard_batch``), and ``loss_tokens`` (per sample) so that the group's losses add up to ``cp``
+    times the micro-batch's mean: the data-parallel gradient average (FSDP2 over ``dp_shard x cp``,
+    DDP over all ranks) divides by the ``cp`` ranks too. Under pipeline parallelism every field,
+    ``loss_tokens`` included, reaches every stage (``pipeline.stage_kwargs``), split along the batch
+    dimension with the micro-batches."""
     cp_mesh = mesh["cp"]
     # under tensor parallelism each shard is a multiple of tp too (sequence parallel splits it again)
     shard = shard_batch(inputs, cp_mesh.get_local_rank(), cp_mesh.size(), model_cfg, mesh["tp"].size())

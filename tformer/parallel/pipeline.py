@@ -21,7 +21,8 @@ gradient norm, and so stay equal.
 Schedules: ``gpipe``, ``1f1b`` (one stage per rank) and ``interleaved_1f1b`` (``pp_stages_per_rank``
 stages per rank, stage ``s`` on rank ``s % pp``). The pipeline's micro-batches are the step's
 ``grad_accum`` micro-batches of ``micro_batch_size`` samples (the same ones the unsplit run
-accumulates over), and every stage receives the batch's masks and labels as keyword arguments.
+accumulates over), and every stage receives the batch's masks and labels as keyword arguments (under
+context parallelism also the shard's positions, decoder input and loss divisor: ``MODEL_KWARGS``).
 The last stage computes the loss inside its forward (the head stays in the stage module, under its
 FSDP2/TP hooks); the schedule's loss function passes it through.
 """
@@ -105,7 +106,7 @@ def build_stage(model, stage: int, stages: int, pp_layers: list | None, label_sm
     """Stage ``stage`` of ``stages``: a copy of ``model`` cut by its own ``cut_stage``; its one
     forward runs what is left. The last stage is called as the schedule needs it, through torch's
     module hooks (its parameter names must stay the model's, so it is not wrapped): the trainer's
-    loss-only path (``return_logits=False``, the run's label smoothing) in, the loss tensor out."""
+    loss-only path (``return_logits=False``, the run's label smoothing in training) in, the loss tensor out."""
     part = copy.deepcopy(model)
     part.cut_stage(stage, stages, pp_layers)
     part.pp_aux = []  # a stage before the last: its auxiliary losses of the step (_attach_aux)
@@ -118,8 +119,9 @@ def build_stage(model, stage: int, stages: int, pp_layers: list | None, label_sm
 
 
 def _loss_call(label_smoothing: float):
-    def hook(_module, args, kwargs):
-        return args, {**kwargs, "return_logits": False, "label_smoothing": label_smoothing}
+    # evaluation scores the plain cross-entropy, as the unsplit model's evaluation does
+    def hook(module, args, kwargs):
+        return args, {**kwargs, "return_logits": False, "label_smoothing": label_smoothing if module.training else 0.0}
 
     return hook
 
@@ -187,11 +189,23 @@ def make_schedule(stage_modules: list[nn.Module], stage_ids: list[int], stages: 
     return cls(pipe_stages[0], n_micro, loss_fn=passthrough)
 
 
-MODEL_KWARGS = ("attention_mask", "token_type_ids", "labels")
+# A context-parallel shard (``context.context_shard``) adds its positions (rotary blocks need them
+# in every stage), an encoder-decoder's shifted decoder input and its positions (the decoder's
+# stage), and the loss divisor (the last stage): all (B, ...) per sample.
+MODEL_KWARGS = (
+    "attention_mask",
+    "token_type_ids",
+    "labels",
+    "position_ids",
+    "decoder_input_ids",
+    "decoder_position_ids",
+    "loss_tokens",
+)
 
 
 def stage_kwargs(inputs: dict) -> dict:
-    """What every stage receives besides the first stage's input ids (chunked like them)."""
+    """What every stage receives besides the first stage's input ids (chunked like them along the
+    batch dimension, one chunk per micro-batch)."""
     return {k: inputs[k] for k in MODEL_KWARGS if k in inputs}
 
 

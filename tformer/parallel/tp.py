@@ -371,7 +371,7 @@ def vocab_parallel_loss(
     if padded != vocab_size:  # padded columns never win probability mass
         masked = logits + DTensor.from_local((~real).float() * -1e30, mesh, [Shard(0)], run_check=False)
     valid = (labels != -100).float()
-    count = valid.sum() if loss_tokens is None else loss_tokens
+    count = valid.sum() if loss_tokens is None else loss_tokens.sum()
     loss = F.nll_loss(F.log_softmax(masked, dim=-1), labels, ignore_index=-100, reduction="sum")
     loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss) / count
     if not label_smoothing:

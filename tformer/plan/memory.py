@@ -572,15 +572,17 @@ def _pipeline_rank(
     n_micro: int,
     rank: int,
     memory: dict,
+    cp: int = 1,
 ) -> tuple[float, float, float]:
-    """(model states, activations, micro-batches in flight) of pipeline rank ``rank``."""
+    """(model states, activations, micro-batches in flight) of pipeline rank ``rank``; with ``cp``
+    its stages' parameters are sharded over dp_shard x cp and hold 1/cp of every sequence."""
     from ..parallel.pipeline import stage_layers, stages_of_rank
 
     stages = pp * v
     mine = stages_of_rank(rank, pp, stages)
     last = stages - 1 in mine
     params = stage_parameters(cfg, stages, tp)
-    states = model_state_bytes(strategy, sum(params[s] for s in mine), dp_shard, mixed, as_built=True)
+    states = model_state_bytes(strategy, sum(params[s] for s in mine), dp_shard * cp, mixed, as_built=True)
     shapes = spec_of(cfg).stack_shapes(cfg, seq, target)
     if len(shapes) > 1:  # rank i runs stack i
         blocks = tuple(n if i == rank else 0 for i, (n, _, _) in enumerate(shapes))
@@ -588,18 +590,10 @@ def _pipeline_rank(
         blocks = (max(len(stage_layers(cfg.num_layers, stages)[s]) for s in mine), 0)
 
     def act(transient=True, head=False):
-        return activation_bytes(
-            cfg,
-            micro_batch,
-            seq,
-            target,
-            ac,
-            mixed,
-            tp=tp,
-            sp=sp,
-            blocks=blocks,
-            **{**memory, "transient": transient, "head": head},
-        )
+        kw = {**memory, "tp": tp, "sp": sp, "blocks": blocks, "transient": transient, "head": head}
+        if cp > 1:
+            return cp_activation_bytes(cfg, micro_batch, seq, target, ac, mixed, cp, **kw)
+        return activation_bytes(cfg, micro_batch, seq, target, ac, mixed, **kw)
 
     kept = act(transient=False)
     units = in_flight(schedule, pp, n_micro, rank, v)
@@ -607,7 +601,8 @@ def _pipeline_rank(
     activations = units * kept + act(head=last) - kept
     if last and schedule == "gpipe":  # every micro-batch's forward ends in the loss before a backward
         if memory.get("chunk") and tp == 1 and not memory.get("return_logits", True):
-            rows = micro_batch * spec_of(cfg).output_len(seq, target) * memory.get("labelled", 1.0)
+            out_len = spec_of(cfg).output_len(seq, target)
+            rows = micro_batch * (cp_local_length(out_len, cp, tp, sp) if cp > 1 else out_len) * memory.get("labelled", 1.0)
             head = 4 * cfg.d_model * (cfg.padded_vocab_size + rows)  # its carried weight and input gradients
         else:  # the saved log-probabilities
             head = act(head=True) - act()
@@ -632,14 +627,19 @@ def estimate(
     stages_per_rank: int = 1,
     n_micro: int | None = None,
     pp_rank: int | None = None,
+    cp: int = 1,
     **memory,
 ) -> Estimate:
     """One rank of ``devices`` = pp x dp_replicate x dp_shard x tp. ``memory``: the head and offload
     settings of ``activation_bytes`` (chunk, offload, loss_parallel, ...). With ``pp`` > 1: ``n_micro``
     micro-batches per step (default 4 x pp) through ``schedule``, and the rank ``pp_rank``, or
     (None) the worst one: the first (most micro-batches in flight, the embeddings) or the last (the
-    head and loss); a middle rank holds no more than the first."""
-    dp_shard = devices // (pp * dp_replicate * tp)
+    head and loss); a middle rank holds no more than the first. A pipeline with ``cp`` > 1 (devices
+    pp x dp_replicate x dp_shard x cp x tp): each stage's activations are ``cp_activation_bytes``'
+    and FSDP2 shards its states over dp_shard x cp (without a pipeline, see ``cp_estimate``)."""
+    if cp > 1 and pp == 1:
+        raise ValueError("context parallelism without a pipeline is cp_estimate's")
+    dp_shard = devices // (pp * dp_replicate * tp * cp)
     cfg = pad_vocab_for_tp(cfg, tp)  # the rows the trainer will hold
     # bf16 autocast over fp32 weights: plain data parallelism; FSDP2 and DeepSpeed compute in bf16 weights
     memory = {"fp32_weights": strategy == "ddp", **memory}
@@ -661,7 +661,7 @@ def estimate(
     best = None
     for rank in [pp_rank] if pp_rank is not None else sorted({0, pp - 1}):
         states, activations, held = _pipeline_rank(
-            cfg, strategy, dp_shard, micro_batch, seq, target, ac, mixed, tp, sp, pp, schedule, v, m, rank, memory
+            cfg, strategy, dp_shard, micro_batch, seq, target, ac, mixed, tp, sp, pp, schedule, v, m, rank, memory, cp
         )
         e = Estimate(
             strategy,
@@ -680,6 +680,7 @@ def estimate(
             rank,
             held,
             bubble(schedule, pp, m, v),
+            cp,
         )
         if best is None or e.total > best.total:
             best = e
@@ -719,8 +720,8 @@ def rank_memory(
     head settings (``return_logits=False`` and ``chunk`` for the trainer's loss path,
     ``loss_parallel``). ``pp`` > 1: pipeline rank ``pp_rank`` of ``pp_schedule`` over ``n_micro``
     micro-batches (``grad_accum``; default 4 x pp); ``in_flight`` and ``bubble`` come with it.
-    ``cp`` > 1: context parallelism (``cp_estimate``); ``ep`` > 1: an MoE model's experts over ep of
-    the dp_shard x cp ranks (``with_expert_parallel``)."""
+    ``cp`` > 1: context parallelism (``cp_estimate``; with a pipeline, ``estimate``); ``ep`` > 1:
+    an MoE model's experts over ep of the dp_shard x cp ranks (``with_expert_parallel``)."""
     blocker = tp_blocker(cfg, tp)
     if blocker:
         usable = ", ".join(str(t) for t in range(1, cfg.num_heads + 1) if tp_blocker(cfg, t) is None)
@@ -739,13 +740,11 @@ def rank_memory(
         why = pipeline_blocker(cfg, pp, pp_schedule, pp_stages_per_rank, n_micro or 4 * pp)
         if why:
             raise ConfigError(why)
-    if cp > 1 and pp > 1:
-        raise ConfigError(f"parallel.cp={cp} does not run with parallel.pp={pp} yet; set parallel.pp=1 or parallel.cp=1")
     check_expert_parallel(cfg, ep, dp_shard, cp)
     if ep > 1 and not strategy.startswith("fsdp"):
         raise ConfigError(f"parallel.ep={ep} needs parallel.strategy=fsdp, not {strategy!r}")
     mixed = precision != "fp32"
-    if cp > 1:
+    if cp > 1 and pp == 1:
         e = cp_estimate(
             cfg, strategy, dp_shard * cp * tp, micro_batch, seq_len, target_len, ac, mixed, cp, tp=tp, sp=sp, **memory
         )
@@ -753,7 +752,7 @@ def rank_memory(
     e = estimate(
         cfg,
         strategy,
-        pp * dp_replicate * dp_shard * tp,
+        pp * dp_replicate * dp_shard * cp * tp,
         micro_batch,
         seq_len,
         target_len,
@@ -767,6 +766,7 @@ def rank_memory(
         stages_per_rank=pp_stages_per_rank,
         n_micro=n_micro,
         pp_rank=pp_rank,
+        cp=cp,
         **memory,
     )
     return with_expert_parallel(e, cfg, seq_len, mixed, ep)
@@ -854,24 +854,28 @@ def cp_activation_bytes(
     tp: int = 1,
     sp: bool = False,
     transient: bool = True,
+    blocks: tuple[int, int] | None = None,
     **memory,
 ) -> float:
     """``activation_bytes`` of one rank holding ``seq / cp`` tokens of every sequence (and of the
     target): its blocks keep per token what they keep on one device, except that the attention
     keeps q, k, v, its output and a log-sum-exp (fp32) per head whatever the kernel, never (queries
     x keys) probabilities or a bias; with ``transient`` the gathered K/V of one attention call
-    (``cp_attention_bytes``) are added to the backward peak."""
+    (``cp_attention_bytes``) are added to the backward peak. ``blocks`` (and ``head`` in
+    ``memory``): a pipeline stage's part of the model, as in ``activation_bytes``."""
     local = cp_local_length(seq, cp, tp, sp)
     local_target = cp_local_length(target, cp, tp, sp) if target else None
     kept_like_sdpa = cfg.replace(attn_impl="sdpa", position="none")
     total = activation_bytes(
-        kept_like_sdpa, micro_batch, local, local_target, ac, mixed, transient=transient, tp=tp, sp=sp, **memory
-    )
-    if ac == "none":
-        calls = cfg.num_layers + (2 * cfg.decoder_layers if spec_of(cfg).seq2seq else 0)
-        total += micro_batch * calls * max(local, local_target or 0) * cfg.num_heads / tp * 4  # log-sum-exp
-    if transient:
-        total += cp_attention_bytes(cfg, micro_batch, seq, target, mixed, cp, tp)
+        kept_like_sdpa, micro_batch, local, local_target, ac, mixed, transient=transient, tp=tp, sp=sp, blocks=blocks,
+        **memory,
+    )  # fmt: skip
+    shapes = spec_of(cfg).stack_shapes(cfg, seq, target)
+    first, second = blocks if blocks is not None else (shapes[0][0], shapes[1][0] if len(shapes) > 1 else 0)
+    if ac == "none":  # a decoder block of an encoder-decoder model attends twice
+        total += micro_batch * (first + 2 * second) * max(local, local_target or 0) * cfg.num_heads / tp * 4  # lse
+    if transient:  # an encoder-only stage attends to the source alone
+        total += cp_attention_bytes(cfg, micro_batch, seq, target if second else None, mixed, cp, tp)
     return total
 
 

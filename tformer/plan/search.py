@@ -208,8 +208,9 @@ def cp_blocker(cfg: ModelConfig) -> str | None:
 
 def cp_layouts(cfg: ModelConfig, devices: int, max_cp: int | None = None) -> list[tuple[str, int, int]]:
     """(strategy, tp, cp) of every context-parallel layout tried: cp a power of two dividing the
-    devices (with tp; at most ``max_cp``), FSDP2 (and DDP without TP) over the rest; pipelines do
-    not take cp yet; none where the model cannot run it (``cp_blocker``)."""
+    devices (with tp; at most ``max_cp``), FSDP2 (and DDP without TP) over the rest; none where the
+    model cannot run it (``cp_blocker``). Pipelines with cp run and are priced (``rank_memory``,
+    ``time.step_time``), but are not searched here."""
     if cp_blocker(cfg):
         return []
     out = []

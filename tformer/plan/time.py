@@ -53,7 +53,8 @@ pairs half-computed, flash's 2.5x backward); on a GPU tformer writes each pair's
 products: QK^T again, dV, dP, dQ, dK), with the softmax's traffic over the scores. Per attention
 layer and micro-batch, forward all-gathers K and V over the cp group (the activations' dtype),
 backward gathers them again and reduce-scatters dK and dV (fp32, as ``_scatter_back`` sends them),
-and a recomputed forward gathers once more. FSDP2 (and DDP) run over dp_shard x cp.
+and a recomputed forward gathers once more. FSDP2 (and DDP) run over dp_shard x cp. With pipelines
+each stage's ranks do this for the stage's blocks, and the stages send 1/cp of the hidden states.
 
 **Expert parallelism** (``Layout.ep``, MoE models, parallel/ep.py): the ep ranks are ep of the
 dp_shard x cp ranks, neighbours on the mesh. Per MoE layer and micro-batch, two all-to-alls in
@@ -83,7 +84,7 @@ The overlap rules, all here and nowhere else (``_overlap``):
    the cores that compute), nothing overlaps.
 
 Layouts the model has no terms for are refused with the reason (``NotPriced``): float8 matmuls, async
-TP, layouts tformer does not run (context parallelism with pipelines or attention dropout, expert
+TP, layouts tformer does not run (context parallelism with attention dropout or DeepSpeed, expert
 parallelism outside FSDP2 or with pipelines, MoE models under TP or DeepSpeed), a precision without
 a peak figure. A layout no run can have (ep without experts, an ep that does not divide them or
 dp_shard x cp, a tp that does not divide the heads) is a ``ConfigError`` (``check_layout``).
@@ -210,7 +211,6 @@ def why_not_priced(cfg: ModelConfig, layout: Layout, hw: Hardware) -> str | None
         reasons.append("async TP (TP collectives hidden behind matmuls; not modelled)")
     if layout.cp > 1:
         for refused, what in (
-            (layout.pp > 1, f"with pipelines (pp={layout.pp})"),
             (cfg.attn_dropout > 0, "with attention dropout"),
             (deepspeed, f"with DeepSpeed ({layout.strategy})"),
         ):
@@ -814,7 +814,7 @@ def _cp_comm(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, seq:
     all exposed (rule 3): per attention layer, K and V of every key (``seq`` or, for a decoder's
     cross-attention, the encoder's) all-gathered in forward, again in backward and in a recomputed
     forward, in the activations' dtype; dK and dV reduce-scattered once, in fp32; and the
-    micro-batch's labelled-token count all-reduced (context.loss_tokens)."""
+    micro-batch's labelled-token counts (one per sample) all-reduced (context.loss_tokens)."""
     cp = layout.cp
     if cp == 1:
         return 0.0
@@ -828,7 +828,8 @@ def _cp_comm(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, seq:
         return gathers * ring("all_gather", whole * elt, cp, link) + ring("reduce_scatter", whole * 4, cp, link)
 
     first, second = stage.blocks
-    return first * layer(seq) + second * (layer(out_len) + layer(seq)) + ring("all_reduce", 8, cp, link)
+    counts = ring("all_reduce", 8 * layout.micro_batch, cp, link)
+    return first * layer(seq) + second * (layer(out_len) + layer(seq)) + counts
 
 
 def _ep_comm(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, seq: int, out_len: int) -> float:
@@ -935,8 +936,10 @@ def step_time(
         b = memory_plan.bubble(layout.schedule, layout.pp, m, v)
         parts["bubble"] = (parts["compute"] + parts["memory-bound"] + parts["tp"] + parts.get("host", 0.0)) * b / (1 - b)
         elt = 2 if layout.mixed else 4
-        send = layout.micro_batch * (target or seq) * cfg.d_model * elt / (layout.tp if layout.sp else 1)
-        stride = layout.tp * layout.dp_shard * layout.dp_replicate
+        # a stage sends the hidden states of the rank's tokens: 1/cp of the (padded) sequence
+        tokens = _padded(seq, layout) // layout.cp  # (an encoder-decoder: the encoder output)
+        send = layout.micro_batch * tokens * cfg.d_model * elt / (layout.tp if layout.sp else 1)
+        stride = layout.tp * layout.cp * layout.dp_shard * layout.dp_replicate
         link = _link(hw, stride, 2)
         parts["pp"] = 2 * (layout.pp * v - 1) * (link.latency + send / link.bandwidth)
     parts.update(dp)
@@ -958,13 +961,14 @@ def step_time(
 def predicted_memory(cfg: ModelConfig, layout: Layout, seq: int, target: int | None = None) -> memory_plan.Estimate:
     """memory.py's per-rank bytes of the layout (the trainer's loss path: no returned logits;
     tformer's flash attention: the S x S probabilities an unfused kernel keeps are not in it).
-    Context parallelism: ``cp_estimate`` over the dp_shard x cp x tp ranks of one replica. Expert
+    Context parallelism: ``cp_estimate`` over the dp_shard x cp x tp ranks of one replica (with a
+    pipeline: ``estimate``'s stages, each over 1/cp of the sequence). Expert
     parallelism shards the experts as FSDP2 over dp_shard x cp would (the same states per rank) and
     adds the received rows each MoE layer keeps (``moe.ep_activation_bytes``)."""
     ac = "op" if layout.ac == "op-alternate" else layout.ac  # an upper bound: it keeps fewer matmul outputs
     sp = layout.sp and layout.tp > 1
     head = {"return_logits": False, "loss_parallel": layout.loss_parallel}
-    if layout.cp > 1:
+    if layout.cp > 1 and layout.pp == 1:
         e = memory_plan.cp_estimate(
             cfg,
             layout.strategy,
@@ -996,6 +1000,7 @@ def predicted_memory(cfg: ModelConfig, layout: Layout, seq: int, target: int | N
             schedule=layout.schedule,
             stages_per_rank=layout.stages_per_rank,
             n_micro=layout.n_micro,
+            cp=layout.cp,
             **head,
         )
     return memory_plan.with_expert_parallel(e, cfg, seq, layout.mixed, layout.ep)
