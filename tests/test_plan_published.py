@@ -26,7 +26,7 @@ def test_the_time_model_takes_no_per_row_input():
     assert knobs == {
         "strategy", "micro_batch", "dp_replicate", "dp_shard", "tp", "sp", "pp", "schedule", "stages_per_rank",
         "n_micro", "grad_accum", "ac", "precision", "loss_parallel", "compile", "cp", "ep", "float8", "async_tp",
-        "attention",
+        "attention", "loss_chunk",
     }  # fmt: skip
 
 

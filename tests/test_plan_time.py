@@ -444,6 +444,7 @@ def test_the_python_api_gives_the_cli_rows(capsys, argv, marker):
             ac=ac,
             cp=degrees.get("cp", 1),
             ep=degrees.get("ep", 1),
+            loss_chunk=cfg.loss.chunk_size,  # the run's chunked head, as the CLI reads it
         )
         r = step_time(cfg.model, layout, profile("h100-sxm"), cfg.data.seq_len, memory=False)
         assert (f"{r.step:.3f}", f"{r.tokens_per_s_per_device:,.0f}", f"{r.mfu:.0%}") == (step, tokens, mfu), name

@@ -31,6 +31,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 from ..config import ConfigError
 from .hardware import Hardware, save_profile
@@ -150,7 +151,7 @@ def activation_rates(numel: int = 2**16, repeats: int = 10) -> dict[str, float]:
     from ..nn.ffn import FFN_KINDS
 
     aten = torch.ops.aten
-    backward = {
+    backward: dict[Any, Callable] = {
         "gelu": lambda g, x: aten.gelu_backward(g, x),
         "gelu_tanh": lambda g, x: aten.gelu_backward(g, x, approximate="tanh"),
         "silu": lambda g, x: aten.silu_backward(g, x),
