@@ -12,11 +12,11 @@ period of the shared machine falls on all of them; the median over rounds is hel
 prediction and the spread (max - min over the median) is printed beside it.
 
 Last results (AVX2 CPU, 2026-11-25, docs/planning.md "How close it is today"): with the GEMM table,
-the chunked head, exp/activation rates and FSDP2 units of realistic size (attention still priced
-as GEMMs): gpt2-tiny 1 process +22%, DDP 2 +2%, FSDP 2 -4%, tp=2 -20%, pp=2 +57%; t5-tiny +44%,
-+29%, +4%, -22%, +58%; spread 0-12%; FAIL (pp=2 and T5's attention too slow, tp=2 too fast; order
-1 process < DDP < pp < FSDP < tp measured, pp last predicted). Before (round 1, host term only):
--34%, -46%, -33%, +8%, +12%; -40%, -36%, -30%, -8%, -5%.
+the chunked head, exp/activation rates, FSDP2 units of realistic size and the attention kernel's
+measured rate: gpt2-tiny 1 process -13%, DDP 2 -15%, FSDP 2 -23%, tp=2 -37%, pp=2 +6%; t5-tiny
+-10%, -18%, -28%, -41%, -2%; spread up to 35%; FAIL (7 of 10 within 25%; tp=2 predicted third,
+measured last or fourth). Before (round 1, host term only): -34%, -46%, -33%, +8%, +12%; -40%,
+-36%, -30%, -8%, -5%; before the host term every layout was 29-82% too fast.
 
 Timings only mean something on a quiet machine: calibration and the runs share the cores with
 whatever else runs. Run it alone:
