@@ -454,14 +454,17 @@ MESH4_CASES = [
     ("gpt2", ["data.document_mask=true"], ["parallel.strategy=fsdp", "parallel.cp=2", "parallel.dp_shard=2"], 2),
     ("llama", ["data.document_mask=true"], ["parallel.strategy=fsdp", "parallel.cp=4"], 1),
     ("t5-v1.1", [], ["parallel.strategy=fsdp", "parallel.cp=4"], 1),
+    # HSDP: two replicas, each a cp=2 group (FSDP2 shards over dp_shard x cp = 2 within a replica)
+    ("bert", [], ["parallel.strategy=fsdp", "parallel.cp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1"], 2),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("cache")
 def test_trainer_cp_on_four_ranks_equals_the_single_process_run(tmp_path_factory):
-    """cp=2 x dp_shard=2 (FSDP2 over the four ranks, two batches of two sequence halves) and cp=4,
-    with packed documents for the decoders, against 1 process accumulating the same global batch."""
+    """cp=2 x dp_shard=2 (FSDP2 over the four ranks, two batches of two sequence halves), cp=4,
+    with packed documents for the decoders, and cp=2 x dp_replicate=2 (HSDP), against 1 process
+    accumulating the same global batch."""
     from test_mesh import _overrides, assert_same_run, reference
 
     tmp = tmp_path_factory.mktemp("cp4")
