@@ -14,7 +14,7 @@ from ..config import ConfigError, Family, ModelConfig
 from ..nn import LearnedPositions, SinusoidalPositions, make_norm
 from ..nn.moe import Experts, moe_aux_loss, moe_layers
 from .flops import head_flops, stack_flops
-from .loss import chunked_lm_loss
+from .loss import chunked_lm_loss, loss_divisor
 
 
 @dataclass
@@ -305,7 +305,7 @@ class CrossEntropy(torch.autograd.Function):
             logp = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
         else:
             logp = torch.log_softmax(logits, dim=-1)
-        count = valid.sum() if tokens is None else tokens.sum()
+        count = loss_divisor(valid, tokens)
         ctx.save_for_backward(logp, target, valid, count)
         ctx.smoothing = smoothing
         nll = -(logp.gather(-1, target).squeeze(-1) * valid).sum() / count

@@ -21,6 +21,13 @@ import torch.nn.functional as F
 from ..config import ConfigError
 
 
+def loss_divisor(valid: torch.Tensor, loss_tokens: torch.Tensor | None) -> torch.Tensor:
+    """What a mean loss divides its sum by: the labelled positions ``valid`` marks, or the sum of
+    ``loss_tokens`` (a count, or per-sample counts that split with a pipeline's micro-batches;
+    see ``models/base.lm_loss``)."""
+    return valid.sum() if loss_tokens is None else loss_tokens.sum()
+
+
 def chunked_lm_loss(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -74,7 +81,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             xc, w = x.to(dtype), weight[:vocab].to(dtype)
             b = bias[:vocab].to(dtype) if bias is not None else None
             valid = labels != -100
-            count = valid.sum() if loss_tokens is None else loss_tokens.sum()
+            count = loss_divisor(valid, loss_tokens)
             target = labels.masked_fill(~valid, 0)[:, None]
             need_x, need_w, need_b = ctx.needs_input_grad[:3]
             grad_x = torch.empty_like(x) if need_x else None

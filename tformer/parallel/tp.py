@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from ..config import ConfigError, ModelConfig
 from ..models import spec_of
 from ..models.base import pad_sequences as pad_for_sequence_parallel  # noqa: F401 - its old home
+from ..models.loss import loss_divisor
 from ..nn import MultiHeadAttention, TransformerBlock, TransformerStack
 from ..nn.moe import MoEFeedForward
 from .memory import local_part
@@ -371,7 +372,7 @@ def vocab_parallel_loss(
     if padded != vocab_size:  # padded columns never win probability mass
         masked = logits + DTensor.from_local((~real).float() * -1e30, mesh, [Shard(0)], run_check=False)
     valid = (labels != -100).float()
-    count = valid.sum() if loss_tokens is None else loss_tokens.sum()
+    count = loss_divisor(valid, loss_tokens)
     loss = F.nll_loss(F.log_softmax(masked, dim=-1), labels, ignore_index=-100, reduction="sum")
     loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss) / count
     if not label_smoothing:
