@@ -57,14 +57,19 @@ def gemm_rate(m: int, n: int, k: int) -> float:
 
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
-    flush = torch.empty(16 * 2**20)
+    return 2 * m * n * k / _best_cold(lambda: torch.mm(a, b), torch.empty(16 * 2**20), repeats=7)
+
+
+def _best_cold(fn, flush, repeats: int) -> float:
+    """Best seconds of ``fn`` over ``repeats``, ``flush`` (a 64 MiB buffer) written before each run,
+    outside the timing, so that ``fn``'s operands come from memory."""
     best = float("inf")
-    for _ in range(7):
+    for _ in range(repeats):
         flush.add_(1.0)
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        fn()
         best = min(best, time.perf_counter() - t0)
-    return 2 * m * n * k / best
+    return best
 
 
 GEMM_GRID = ((32, 128, 512, 2048), (32, 128, 512, 4096), (32, 128, 512))  # m, n, k (hardware.gemm_table)
@@ -91,13 +96,7 @@ def gemm_table(grid=GEMM_GRID, repeats: int = 3) -> tuple[tuple[float, ...], ...
         rates = []
         for product in _linear_products(m, n, k):
             product()
-            best = float("inf")
-            for _ in range(repeats):
-                flush.add_(1.0)
-                t0 = time.perf_counter()
-                product()
-                best = min(best, time.perf_counter() - t0)
-            rates.append(2 * m * n * k / best)
+            rates.append(2 * m * n * k / _best_cold(product, flush, repeats))
         rows.append((float(m), float(n), float(k), *rates))
     return tuple(rows)
 
@@ -281,8 +280,8 @@ def _gloo_worker(rank: int, port: int, out: str) -> None:
     dist.barrier()
     times["dtensor"] = dtensor_op_overhead(mesh)
     dist.barrier()
-    bandwidth = 4 * 4 * 2**20 / max(times["large"] - times["small"], 1e-9)  # as gloo_link reads it
-    times["fsdp"] = fsdp_unit_overhead(mesh, times["small"] / 2, bandwidth)
+    latency, bandwidth = _ring_link(times["small"], times["large"])
+    times["fsdp"] = fsdp_unit_overhead(mesh, latency, bandwidth)
     if rank == 0:
         Path(out).write_text(json.dumps(times))
     dist.barrier()
@@ -303,6 +302,12 @@ def spawn_with_deadline(fn, args: tuple, nprocs: int, deadline_s: float, what: s
             raise ConfigError(f"{what} did not finish in {deadline_s:.0f} s; run it again")
 
 
+def _ring_link(small: float, large: float) -> tuple[float, float]:
+    """(latency per hop, bandwidth) from the seconds of a 2-rank all-reduce of 4 KiB and of 16 MiB:
+    an all-reduce over 2 ranks is 2 ring hops, and each moves half the buffer twice (the whole)."""
+    return small / 2, 4 * 4 * 2**20 / max(large - small, 1e-9)
+
+
 def gloo_link(tmp: Path) -> dict[str, float]:
     """Between 2 local processes over gloo: ``latency`` per hop, ``bandwidth``, and the host costs
     ``dtensor_op_overhead`` and ``fsdp_unit_overhead``."""
@@ -312,10 +317,10 @@ def gloo_link(tmp: Path) -> dict[str, float]:
     out = tmp / "gloo.txt"
     spawn_with_deadline(_gloo_worker, (port, str(out)), 2, DEADLINE_S, "calibration's gloo processes")
     times = json.loads(out.read_text())
-    small, large = times["small"], times["large"]
+    latency, bandwidth = _ring_link(times["small"], times["large"])
     return {
-        "latency": small / 2,  # an all-reduce over 2 ranks is 2 ring hops
-        "bandwidth": 4 * 4 * 2**20 / max(large - small, 1e-9),  # one hop moves half, twice: the whole buffer
+        "latency": latency,
+        "bandwidth": bandwidth,
         "dtensor_op_overhead": times["dtensor"],
         "fsdp_unit_overhead": times["fsdp"],
     }
