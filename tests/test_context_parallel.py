@@ -574,7 +574,7 @@ def test_cp2_x_pp2_equals_the_single_process_run(tmp_path_factory):
     """cp=2 x pp=2 on 4 ranks (each pipeline stage on a cp group of 2, FSDP2 over its cp ranks; 2
     micro-batches through the schedule): the losses and updated parameters of the 1-process run
     accumulating the same 2 micro-batches, to 1e-5."""
-    from test_mesh import REF_DIRS, assert_same_run, reference, run_cases
+    from test_mesh import assert_same_run, reference, reference_dir, run_cases
     from train_helpers import metrics
 
     tmp = tmp_path_factory.mktemp("cp2pp2")
@@ -585,7 +585,7 @@ def test_cp2_x_pp2_equals_the_single_process_run(tmp_path_factory):
         diffs = assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", ref)
         # the final evaluation: whole sequences through the stages (in eval mode each rank attends
         # locally), scored without the training's label smoothing (T5's 0.1) as one process scores it
-        val, ref_val = (metrics(d)[-1]["val_loss"] for d in (tmp / f"run{i}", REF_DIRS[(name, 2, *common)]))
+        val, ref_val = (metrics(d)[-1]["val_loss"] for d in (tmp / f"run{i}", reference_dir(name, 2, *common)))
         print(f"cp2 x pp2 {name}: largest relative difference of a loss {diffs[0]:.1e}, of a parameter {diffs[1]:.1e}, "
               f"of the val loss {abs(val - ref_val) / ref_val:.1e}")  # fmt: skip
         assert val == pytest.approx(ref_val, rel=TOL), (name, val, ref_val)

@@ -108,6 +108,11 @@ REFS: dict = {}
 REF_DIRS: dict = {}  # the same key -> the reference's run directory (its metrics: val_loss...)
 
 
+def reference_dir(name, grad_accum, *extra):
+    """The run directory of ``reference(name, ..., grad_accum, *extra)``, once it has run."""
+    return REF_DIRS[(name, grad_accum, *extra)]
+
+
 def _overrides(name, out, *extra):
     recipe, own = FAMILIES[name]
     return recipe, small_overrides(recipe, out, *COMMON, *own, *extra)
