@@ -526,7 +526,16 @@ def _cpu(**figures):
     """A CPU-like profile: the host's time adds to the step (no overlap), with round host figures."""
     from tformer.plan.hardware import OVERRIDABLE
 
-    given = {**dict(op_overhead=1e-5, dtensor_op_overhead=1e-4, fsdp_unit_overhead=1e-3), **figures}
+    given = {
+        **dict(
+            op_overhead=1e-5,
+            dtensor_op_overhead=1e-4,
+            dtensor_optimizer_overhead=4e-5,
+            fsdp_unit_overhead=1e-3,
+            fsdp_local_overhead=3e-4,
+        ),
+        **figures,
+    }
     plain = {k: v for k, v in given.items() if k in OVERRIDABLE}  # the rest (activation_rate) is no --set figure
     rest = {k: v for k, v in given.items() if k not in plain}
     return dataclasses.replace(profile("a100-80gb", **plain), device="cpu", overlap=False, **rest).check()
@@ -580,7 +589,7 @@ def test_fsdp_and_tp_add_their_dtensor_and_hook_costs():
     ddp, fsdp = (_host(cfg, Layout(s, dp_shard=2, precision="fp32"), hw) for s in ("ddp", "fsdp"))
     tensors = cfg.num_layers * c.block_params[0] + c.rest_params
     # FSDP2: a hook cost per block and the root, and the optimizer's loop over DTensor parameters
-    loop = optimizer_ops("loop").ops(tensors) * (hw.op_overhead + hw.dtensor_op_overhead)
+    loop = optimizer_ops("loop").ops(tensors) * (hw.op_overhead + hw.dtensor_optimizer_overhead)
     assert fsdp - ddp == pytest.approx(
         (cfg.num_layers + 1) * hw.fsdp_unit_overhead + loop - optimizer_ops("fused").ops(tensors) * hw.op_overhead
     )
@@ -591,6 +600,23 @@ def test_fsdp_and_tp_add_their_dtensor_and_hook_costs():
     dear = _cpu(dtensor_op_overhead=1e-3)
     assert _host(cfg, Layout(tp=2, sp=False, precision="fp32"), dear) > tp2
     assert _host(cfg, Layout("ddp", dp_shard=2, precision="fp32"), dear) == pytest.approx(ddp)
+
+
+def test_fsdp2_over_a_one_rank_group_costs_its_hooks_without_collectives():
+    """The trainer shards with FSDP2 beside tp or pp even at dp_shard 1 (a 1-rank group): each
+    module costs ``fsdp_local_overhead`` there, ``fsdp_unit_overhead`` where it has peers (dp_shard
+    or cp > 1)."""
+    cfg = preset("gpt2-tiny")
+    local, peers = 3e-4, 1e-3
+    units = cfg.num_layers + 1
+    for layout in (Layout(tp=2, sp=False, precision="fp32"), Layout(pp=2, n_micro=2, precision="fp32")):
+        cheap, dear = (_host(cfg, layout, _cpu(fsdp_local_overhead=x, fsdp_unit_overhead=peers)) for x in (local, 2 * local))
+        stage_units = units if layout.pp == 1 else cfg.num_layers // 2 + 1
+        assert dear - cheap == pytest.approx(stage_units * layout.micro_batches * local), layout
+    # with a peer the group's figure is the one with collectives: the local one changes nothing
+    shard = Layout(tp=2, dp_shard=2, sp=False, precision="fp32")
+    a, b = (_host(cfg, shard, _cpu(fsdp_local_overhead=x)) for x in (local, 2 * local))
+    assert a == pytest.approx(b)
 
 
 def test_a_gpus_host_time_hides_behind_its_device_work():
@@ -607,7 +633,10 @@ def test_a_gpus_host_time_hides_behind_its_device_work():
     assert added.step == pytest.approx(device + added.breakdown["host/dispatch"])
 
 
-@pytest.mark.parametrize("figure", ["op_overhead", "dtensor_op_overhead", "fsdp_unit_overhead"])
+@pytest.mark.parametrize(
+    "figure",
+    ["op_overhead", "dtensor_op_overhead", "dtensor_optimizer_overhead", "fsdp_unit_overhead", "fsdp_local_overhead"],
+)
 def test_a_non_positive_host_figure_is_refused_in_one_line(tmp_path, figure):
     import json
 
@@ -636,7 +665,9 @@ def test_calibrate_measures_positive_host_and_pricing_figures(tmp_path):
     hw = calibrate(tmp_path / "cpu.json", tmp_path)
     again = load_profile(tmp_path / "cpu.json")
     assert again == hw and hw.device == "cpu"
-    assert 0 < hw.op_overhead < hw.dtensor_op_overhead and hw.fsdp_unit_overhead > 0
+    assert 0 < hw.op_overhead < hw.dtensor_op_overhead and 0 < hw.dtensor_optimizer_overhead
+    # FSDP2's collectives are dearer than its hooks alone (measured 6-10 ms against 1.5-4 ms per unit)
+    assert 0 < hw.fsdp_local_overhead < hw.fsdp_unit_overhead
     # the CPU's pricing figures: a whole grid of positive GEMM rates, exp and GELU rates
     from tformer.plan.calibrate import GEMM_GRID
 
@@ -679,6 +710,29 @@ def test_a_cpu_profile_prices_each_gemm_from_its_measured_table():
     # each backward product at its own rate: slower weight gradients, dearer backward, same forward
     slow = dataclasses.replace(hw, gemm_table=_table(backward=(0.5, 0.05)))
     assert step_time(cfg, layout, slow, 64, memory=False).breakdown["compute"] > table.breakdown["compute"]
+
+
+def test_ranks_sharing_a_cpu_are_priced_at_the_rates_measured_with_the_machine_full():
+    """A CPU's processes share its caches and memory bus: a layout of 2 ranks on it is priced at the
+    GEMM rates and bandwidth measured with both calibration processes at work, 1 process at those
+    measured alone; a GPU profile has no shared figures and is unchanged."""
+    alone = dataclasses.replace(_cpu(), gemm_table=_table()).check()
+    full = dataclasses.replace(alone, shared_gemm=0.5, hbm_bandwidth_shared=alone.hbm_bandwidth / 4).check()
+    cfg = preset("gpt2-tiny")
+    one = Layout("ddp", precision="fp32", micro_batch=8)
+    two = dataclasses.replace(one, dp_shard=2)
+    for layout in (one, two):  # without shared figures the table measured alone prices every layout
+        assert step_time(cfg, layout, alone, 64).breakdown["compute"] == pytest.approx(
+            step_time(cfg, one, alone, 64).breakdown["compute"]
+        )
+    assert step_time(cfg, one, full, 64).breakdown == step_time(cfg, one, alone, 64).breakdown
+    shared, own = step_time(cfg, two, full, 64).breakdown, step_time(cfg, two, alone, 64).breakdown
+    # half the GEMM rates with the machine full: twice the GEMMs' seconds (attention's core is the
+    # profile's kernel figure here, as alone), a quarter of the bandwidth: dearer memory-bound work
+    linear = sum(g.executed for g in block_gemms(cfg, 8, 64) if g.kind == "linear")
+    assert shared["compute"] > own["compute"] + 0.9 * 3 * cfg.num_layers * linear / alone.gemm_rate(512, 512, 512)
+    assert shared["memory-bound"] > 3 * own["memory-bound"]
+    assert alone.shared(2) is alone and profile("h100-sxm").shared(8) == profile("h100-sxm")
 
 
 def test_the_chunked_head_is_priced_as_its_chunk_by_vocabulary_gemms():
@@ -738,6 +792,8 @@ def test_gelu_and_exp_are_priced_at_their_measured_rates_where_slower_than_their
         (dict(activation_rate={"gelu": -1.0}), r"^hardware figure activation_rate.gelu=-1.0 of .* must be positive"),
         (dict(gemm_table=_table()[:-1] + ((512, 4096, 512, 1e9, 0.0, 1e9),)), r"gemm_table\(512, 4096, 512\)=0.0"),
         (dict(gemm_table=_table()[:-1]), r"^hardware gemm_table lacks the shape \(512, 4096, 512\) of its grid"),
+        (dict(shared_gemm=0.0), r"^hardware figure shared_gemm=0.0 of .* must be positive"),
+        (dict(hbm_bandwidth_shared=0.0), r"^hardware figure hbm_bandwidth_shared=0.0 of .* must be positive"),
     ],
 )
 def test_a_bad_cpu_pricing_figure_is_refused_in_one_line(tmp_path, figures, message):

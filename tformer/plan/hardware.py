@@ -29,9 +29,9 @@ on an H100 SXM, as measured once on the lent H100 of this workplace (/work/.libr
 The host's costs (plan/host.py) have no datasheet: the GPU profiles state orders of magnitude, the
 same for every GPU, since the host CPU issues the work whichever GPU runs it: 5 us per aten op (a
 CUDA kernel launch is a few microseconds, eager dispatch and autograd about as much again), 50 us
-more per op on a DTensor (sharding propagation in Python: this workplace's CPU calibration measures
-that order) and 300 us per FSDP2 module and micro-batch (its four hooks, copies and collective
-launches). On a GPU the host runs ahead of the device, so these are exposed only where they exceed
+more per op on a DTensor, in the model and in the optimizer alike (sharding propagation in Python:
+this workplace's CPU calibration measures that order) and 300 us per FSDP2 module and micro-batch
+(its four hooks, copies and collective launches), with or without peers. On a GPU the host runs ahead of the device, so these are exposed only where they exceed
 the device's work (time.py); for the published rows they never do.
 
 The CPU profile is not published anywhere: ``tformer plan --calibrate`` measures it (calibrate.py),
@@ -46,6 +46,12 @@ with three figures no GPU profile has (None there: the curve and the bandwidth p
   a learned additive bias, T5's, which takes another kernel; with a plain mask) at a few sequence
   lengths, head dim 32: its blocks stay in cache and its exps are part of it, so neither the GEMM
   table nor the exp rate prices it well;
+- ``shared_gemm`` and ``hbm_bandwidth_shared``: the cores of a CPU share its last-level cache and
+  memory bus, so one rank of a 2-process layout gets less than a process alone. Calibration
+  measures the GEMM table again in both of its processes at once and keeps the median ratio of
+  the two tables (one figure: a single shape's ratio moved between 0.34 and 1.5 from run to run,
+  the median between 0.72 and 0.81), and the memory bandwidth with both copying. SDPA's in-cache
+  rate did not move (1.0). A layout of more than one rank is priced with them (``Hardware.shared``);
 - ``exp_rate``: elements per second of ``exp`` with its data in cache, and ``activation_rate``: of
   each transcendental FFN activation (GELU exact and tanh, SiLU) as the feed-forward runs it in a
   step (forward, the forward again that nn/rebuild.py runs in backward, and the backward). On a CPU
@@ -93,12 +99,20 @@ class Hardware:
     gemm_half: float = GEMM_HALF
     gemm_max: float = GEMM_MAX
     hbm_efficiency: float = HBM_EFFICIENCY
-    # host seconds (plan/host.py): per aten op, more per op on a DTensor, per FSDP2 module and micro-batch
+    # host seconds (plan/host.py): per aten op; more per op on a DTensor, in the model under TP and in
+    # the optimizer over DTensor parameters; per FSDP2 module and micro-batch, sharded over peers
+    # and over a 1-rank group (FSDP2 beside tp or pp with dp_shard 1: its hooks, no collectives)
     op_overhead: float = HOST_OP
     dtensor_op_overhead: float = HOST_DTENSOR_OP
+    dtensor_optimizer_overhead: float = HOST_DTENSOR_OP
     fsdp_unit_overhead: float = HOST_FSDP_UNIT
+    fsdp_local_overhead: float = HOST_FSDP_UNIT
     # measured on the CPU only (module doc): rows (m, n, k, forward, input-gradient, weight-gradient FLOP/s)
     gemm_table: tuple[tuple[float, ...], ...] = ()
+    # with every process of the machine at work (``gpus_per_node`` of them sharing its caches and
+    # memory): the fraction of ``gemm_table``'s rates one keeps, and the memory bandwidth it gets
+    shared_gemm: float = 1.0
+    hbm_bandwidth_shared: float | None = None
     exp_rate: float | None = None  # elements/s of exp
     # rows (sequence, mask: 0 causal, 1 bias, 2 plain, FLOP/s of SDPA forward + backward) (module doc)
     attention_rate: tuple[tuple[float, ...], ...] = ()
@@ -117,6 +131,8 @@ class Hardware:
         figures.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.type in ("float", "int"))
         if self.exp_rate is not None:
             figures["exp_rate"] = self.exp_rate
+        if self.hbm_bandwidth_shared is not None:
+            figures["hbm_bandwidth_shared"] = self.hbm_bandwidth_shared
         figures.update((f"activation_rate.{k}", v) for k, v in self.activation_rate.items())
         for row in self.gemm_table:
             figures[f"gemm_table{tuple(int(x) for x in row[:3])}"] = min(row) if len(row) == 6 else 0.0
@@ -128,6 +144,16 @@ class Hardware:
         if self.gemm_table:
             _grid(self.gemm_table)  # a whole grid, or one line saying which shape is missing
         return self
+
+    def shared(self, ranks: int) -> "Hardware":
+        """The figures one of ``ranks`` processes on this machine gets: a CPU profile's GEMM rates
+        times ``shared_gemm`` and its memory bandwidth measured with the machine full (module doc)
+        when more than one runs; unchanged otherwise, and for a GPU, whose ranks each have their
+        own device."""
+        if ranks <= 1 or self.hbm_bandwidth_shared is None:
+            return self
+        table = tuple((*row[:3], *(rate * self.shared_gemm for rate in row[3:])) for row in self.gemm_table)
+        return dataclasses.replace(self, gemm_table=table, hbm_bandwidth=self.hbm_bandwidth_shared)
 
     def gemm_rate(self, m: float, n: float, k: float, which: int = 0) -> float:
         """FLOP/s of an (m x k) @ (k x n) GEMM from ``gemm_table`` (a CPU profile): ``which`` 0 the
@@ -248,7 +274,11 @@ OVERRIDABLE = (
     "hbm_efficiency",
     "op_overhead",
     "dtensor_op_overhead",
+    "dtensor_optimizer_overhead",
     "fsdp_unit_overhead",
+    "fsdp_local_overhead",
+    "shared_gemm",
+    "hbm_bandwidth_shared",
     "exp_rate",
 )
 

@@ -215,8 +215,11 @@ def calibrate_main(path: str) -> int:
     print(
         f"wrote {path}: fp32 peak {hw.peak['fp32'] / 1e9:.1f} GFLOP/s (gemm_half {hw.gemm_half:.0f}), memory "
         f"{hw.hbm_bandwidth / 1e9:.1f} GB/s, gloo {hw.intra_bandwidth / 1e9:.2f} GB/s + {hw.intra_latency * 1e6:.0f} us "
-        f"per hop; host {hw.op_overhead * 1e6:.1f} us per op, {hw.dtensor_op_overhead * 1e6:.0f} us more on a DTensor, "
-        f"{hw.fsdp_unit_overhead * 1e3:.2f} ms per FSDP2 module and micro-batch; "
+        f"per hop; host {hw.op_overhead * 1e6:.1f} us per op, {hw.dtensor_op_overhead * 1e6:.0f} us more on a DTensor "
+        f"under TP ({hw.dtensor_optimizer_overhead * 1e6:.0f} in the optimizer), {hw.fsdp_unit_overhead * 1e3:.2f} ms "
+        f"per FSDP2 module and micro-batch ({hw.fsdp_local_overhead * 1e3:.2f} on a 1-rank group); with every "
+        f"core at work, GEMMs at {hw.shared_gemm:.2f} of their rate and "
+        f"{(hw.hbm_bandwidth_shared or hw.hbm_bandwidth) / 1e9:.1f} GB/s of memory each; "
         f"use it with: tformer plan CONFIG --gpu {path}"
     )
     return 0

@@ -36,12 +36,15 @@ One step on one device is the sum of
   node when its ranks fit in one (``_link``), the network otherwise;
 - **the pipeline bubble**: the busy time x b / (1 - b), b from memory.bubble;
 - **the host's time** (``host/dispatch``, plan/host.py): every aten op of the step, counted on the
-  model itself, at the profile's ``op_overhead``; those on DTensors (TP's parallelized modules and
-  sharded loss, the optimizer over FSDP2 or TP parameters) at ``dtensor_op_overhead`` more; FSDP2's
-  hooks at ``fsdp_unit_overhead`` per sharded module and micro-batch. On the CPU the host runs the
-  kernels itself: it adds (and a pipeline stage's host time is part of what its bubble idles). A
-  GPU's host issues work ahead of the device: only what exceeds the device's whole step shows
-  (step = max(host, device)), which for any model of a useful size is nothing.
+  model itself, at the profile's ``op_overhead``; those on DTensors at more: TP's parallelized
+  modules and sharded loss at ``dtensor_op_overhead``, the optimizer over FSDP2 or TP parameters at
+  ``dtensor_optimizer_overhead``; FSDP2's hooks at ``fsdp_unit_overhead`` per sharded module and
+  micro-batch, ``fsdp_local_overhead`` where its group is one rank (beside tp or pp at dp_shard 1).
+  On the CPU the host runs the kernels itself: it adds (and a pipeline stage's host time is part of
+  what its bubble idles), and the ranks of a layout share the machine's caches and memory
+  (``Hardware.shared``). A GPU's host issues work ahead of the device: only what exceeds the
+  device's whole step shows (step = max(host, device)), which for any model of a useful size is
+  nothing.
 
 **Context parallelism** (``Layout.cp``, parallel/context.py): a rank holds 2 of the 2 cp chunks of
 every sequence (padded to them), so every linear layer, norm and the head run over seq / cp tokens,
@@ -758,7 +761,9 @@ def _host_micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _St
         ops += c.rest
         dtensor += c.tp_rest if layout.tp > 1 else 0
     units = sum(stage.blocks) + 1 if _fsdp2(layout) else 0
-    return ops * hw.op_overhead + dtensor * hw.dtensor_op_overhead + units * hw.fsdp_unit_overhead
+    alone = layout.dp_replicate * layout.dp_shard * layout.cp == 1  # FSDP2 over a 1-rank group
+    unit = hw.fsdp_local_overhead if alone else hw.fsdp_unit_overhead
+    return ops * hw.op_overhead + dtensor * hw.dtensor_op_overhead + units * unit
 
 
 def _host_optimizer(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage) -> float:
@@ -772,7 +777,7 @@ def _host_optimizer(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stag
     fused = not dtensors and layout.pp == 1
     kind = "fused" if fused else "loop" if hw.device == "cpu" else "foreach"
     params = sum(n * c.block_params[i] for i, n in enumerate(stage.blocks)) + c.rest_params
-    return optimizer_ops(kind).ops(params) * (hw.op_overhead + dtensors * hw.dtensor_op_overhead)
+    return optimizer_ops(kind).ops(params) * (hw.op_overhead + dtensors * hw.dtensor_optimizer_overhead)
 
 
 def _tp_comm(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: _Stage, seq: int, out_len: int) -> float:
@@ -920,6 +925,7 @@ def step_time(
     if why:
         raise NotPriced(f"not priced: {why}")
     seq, target = _lengths(cfg, seq_len, target_len)
+    hw = hw.shared(min(layout.devices, hw.gpus_per_node))  # a CPU's ranks share its caches and memory
     ranks = []
     for stage in _stages(cfg, layout):
         mb = _micro_batch(cfg, layout, hw, stage, seq, target)
