@@ -80,3 +80,19 @@ def test_memory_bench_prints_a_planner_verdict():
     assert bench_memory.planner_verdict(120 * mb, 100 * mb).endswith("MISS")
     assert bench_memory.planner_verdict(50 * mb, 100 * mb).endswith("MISS")
     assert bench_memory.planner_verdict(50 * mb, 0).endswith("FAIL")
+
+
+def test_plan_speed_order_fails_a_pair_the_machine_told_apart_and_forgives_a_tie():
+    """bench_plan_speed's order check: a pair measured apart by more than its spread must be in the
+    predicted order; a pair within its spread is a tie either way."""
+    from bench_plan_speed import misordered, tied
+
+    measured = {"1 process": 0.10, "fsdp 2": 0.240, "pp=2": 0.245, "tp=2": 0.30}
+    spreads = {"1 process": 0.05, "fsdp 2": 0.05, "pp=2": 0.05, "tp=2": 0.05}
+    assert tied("fsdp 2", "pp=2", measured, spreads) and not tied("pp=2", "tp=2", measured, spreads)
+    right = {"1 process": 0.1, "fsdp 2": 0.26, "pp=2": 0.25, "tp=2": 0.31}  # fsdp/pp swapped: a tie
+    assert misordered(measured, right, spreads) == []
+    wrong = {"1 process": 0.1, "fsdp 2": 0.24, "pp=2": 0.25, "tp=2": 0.23}  # tp predicted fastest of three
+    assert misordered(measured, wrong, spreads) == [("fsdp 2", "tp=2"), ("pp=2", "tp=2")]
+    # with no spread (one round) every pair counts
+    assert misordered(measured, right, dict.fromkeys(measured, 0.0)) == [("fsdp 2", "pp=2")]
