@@ -735,6 +735,27 @@ def test_ranks_sharing_a_cpu_are_priced_at_the_rates_measured_with_the_machine_f
     assert alone.shared(2) is alone and profile("h100-sxm").shared(8) == profile("h100-sxm")
 
 
+def test_a_cpu_pipeline_stage_works_alone_while_its_peer_idles_in_the_bubble():
+    """pp=2, 1F1B over 2 micro-batches: a bubble of 1/3, so each stage idles half as long as it
+    works, its peer alone meanwhile; half a stage's work runs at the shared rates, half alone."""
+    alone = dataclasses.replace(_cpu(), gemm_table=_table()).check()
+    full = dataclasses.replace(alone, shared_gemm=0.5, hbm_bandwidth_shared=alone.hbm_bandwidth / 4).check()
+    cfg = preset("gpt2-tiny")
+    layout = Layout(pp=2, n_micro=2, precision="fp32", micro_batch=8)
+    both, own = step_time(cfg, layout, full, 64).breakdown, step_time(cfg, layout, alone, 64).breakdown
+    everywhere = dataclasses.replace(alone, gemm_table=full.shared(2).gemm_table, hbm_bandwidth=full.hbm_bandwidth_shared)
+    shared = step_time(cfg, layout, everywhere, 64).breakdown  # as if the peer never idled
+    for key in ("compute", "memory-bound"):
+        assert both[key] == pytest.approx((shared[key] + own[key]) / 2), key
+    # many micro-batches: a small bubble, nearly all the work beside the peer
+    many = dataclasses.replace(layout, n_micro=32)
+    b = 1 / 33
+    assert step_time(cfg, many, full, 64).breakdown["compute"] == pytest.approx(
+        (1 - b / (1 - b)) * step_time(cfg, many, everywhere, 64).breakdown["compute"]
+        + b / (1 - b) * step_time(cfg, many, alone, 64).breakdown["compute"]
+    )
+
+
 def test_the_chunked_head_is_priced_as_its_chunk_by_vocabulary_gemms():
     from tformer.plan.time import head_time
 

@@ -31,8 +31,9 @@ same for every GPU, since the host CPU issues the work whichever GPU runs it: 5 
 CUDA kernel launch is a few microseconds, eager dispatch and autograd about as much again), 50 us
 more per op on a DTensor, in the model and in the optimizer alike (sharding propagation in Python:
 this workplace's CPU calibration measures that order) and 300 us per FSDP2 module and micro-batch
-(its four hooks, copies and collective launches), with or without peers. On a GPU the host runs ahead of the device, so these are exposed only where they exceed
-the device's work (time.py); for the published rows they never do.
+(its four hooks, copies and collective launches), with or without peers. On a GPU the host runs
+ahead of the device, so these are exposed only where they exceed the device's work (time.py); for
+the published rows they never do.
 
 The CPU profile is not published anywhere: ``tformer plan --calibrate`` measures it (calibrate.py),
 with three figures no GPU profile has (None there: the curve and the bandwidth price everything):

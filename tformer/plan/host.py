@@ -6,8 +6,8 @@ operation on a DTensor costs more (sharding propagation in Python): ``dtensor_op
 in the model under TP, ``dtensor_optimizer_overhead`` in the optimizer. FSDP2 costs each sharded
 module per micro-batch its hooks (pre/post-forward, pre/post-backward: gathering, copy-in and
 copy-out, resharding, the reduce-scatter's launch and the gradient's DTensor):
-``fsdp_unit_overhead``, or ``fsdp_local_overhead`` over a 1-rank group. On the CPU these are measured by ``tformer plan --calibrate``;
-the GPU profiles state orders of magnitude (hardware.py).
+``fsdp_unit_overhead``, or ``fsdp_local_overhead`` over a 1-rank group. On the CPU these are
+measured by ``tformer plan --calibrate``; the GPU profiles state orders of magnitude (hardware.py).
 
 The operations are counted, not estimated: ``op_counts`` runs the model itself, shrunk to tiny
 widths (same families, blocks, norms, activation, positions, experts), once with one and once with

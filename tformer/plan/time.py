@@ -909,6 +909,20 @@ def _data_parallel(layout: Layout, hw: Hardware, stage: _Stage, fwd: float, bwd:
     return out
 
 
+def _pipeline_alone(shared: dict, alone: dict, layout: Layout, m: int) -> dict:
+    """A CPU pipeline stage's compute and memory-bound work: while its peer idles in the bubble it
+    has the machine's caches and memory to itself. With a bubble share b of the step, a stage is
+    idle b/(1 - b) of its busy time, during which its peer works alone (the idle periods of two
+    stages do not overlap), so 1 - b/(1 - b) of a stage's work runs beside its peer's (at the
+    shared rates) and the rest alone; with pp > 2 a stage's peers are counted as one."""
+    b = memory_plan.bubble(layout.schedule, layout.pp, m, layout.stages_per_rank)
+    beside = max(0.0, 1 - b / (1 - b))
+    out = dict(shared)
+    for key in ("compute", "memory-bound"):
+        out[key] = beside * shared[key] + (1 - beside) * alone[key]
+    return out
+
+
 def step_time(
     cfg: ModelConfig,
     layout: Layout,
@@ -925,15 +939,17 @@ def step_time(
     if why:
         raise NotPriced(f"not priced: {why}")
     seq, target = _lengths(cfg, seq_len, target_len)
-    hw = hw.shared(min(layout.devices, hw.gpus_per_node))  # a CPU's ranks share its caches and memory
+    alone, hw = hw, hw.shared(min(layout.devices, hw.gpus_per_node))  # a CPU's ranks share its caches and memory
+    m = layout.micro_batches
     ranks = []
     for stage in _stages(cfg, layout):
         mb = _micro_batch(cfg, layout, hw, stage, seq, target)
+        if layout.pp > 1 and hw is not alone:
+            mb = _pipeline_alone(mb, _micro_batch(cfg, layout, alone, stage, seq, target), layout, m)
         dp = _data_parallel(layout, hw, stage, mb["fwd"], mb["bwd"], sum(stage.blocks))
         ranks.append((mb, dp, stage))
     busy = ("compute", "memory-bound", "tp", "cp", "ep") + (("host",) if hw.device == "cpu" else ())
     mb, dp, stage = max(ranks, key=lambda r: sum(r[0][k] for k in busy) + sum(r[1].values()))
-    m = layout.micro_batches
     parts = {k: m * mb[k] for k in busy if k in ("compute", "memory-bound", "tp") or mb[k] > 0}
     shard = 1 if layout.strategy == "ddp" else layout.dp_shard * layout.cp
     parts["optimizer"] = stage.params / shard * OPTIMIZER_BYTES / (hw.hbm_bandwidth * hw.hbm_efficiency)
