@@ -19,11 +19,12 @@ rounds of its round's prediction over its round's measurement; the spreads (max 
 median) of both are printed beside it, and the order is that of the medians.
 
 Last results (AVX2 CPU, 2026-11-25, docs/planning.md "How close it is today"): PASS, gpt2-tiny 1
-process +8%, DDP 2 +0%, FSDP 2 -13%, tp=2 -4%, pp=2 +15%; t5-tiny -7%, -10%, -12%, -11%, +12%;
-order exact for gpt2, for t5 kept outside the ties (FSDP, tp and pp within their spreads). Before
-the CPU terms of 2026-11-25 (1-rank FSDP2 groups, DTensor costs measured on a TP-split model, shared
-cores, per-round calibration): 7 of 10 within 25%, tp=2 37-41% too fast and out of order; before
-the host term every layout was 29-82% too fast.
+process -4%, DDP 2 -9%, FSDP 2 -4%, tp=2 -14%, pp=2 -5%; t5-tiny -15%, -13%, -20%, -19%, -3%; order
+exact for gpt2, for t5 kept outside the ties (FSDP, tp and pp within their spreads). Two of three
+runs that day passed. Before the CPU terms of 2026-11-25 (1-rank FSDP2 groups, DTensor costs
+measured on a TP-split model, shared cores, pipeline stages alone in the bubble, per-round
+calibration): 7 of 10 within 25%, tp=2 37-41% too fast and out of order; before the host term
+every layout was 29-82% too fast.
 
 Timings only mean something on a quiet machine: calibration and the runs share the cores with
 whatever else runs. Run it alone:
