@@ -41,18 +41,20 @@ from typing import Any, Callable
 
 from ..config import ConfigError
 from .hardware import Hardware, save_profile
+from .time import _Link, ring
 
 DEADLINE_S = 300.0
 
 
-def _best(fn, repeats: int = 5) -> float:
+def _best(fn, repeats: int = 5, pick=min) -> float:
+    """Best (or ``pick`` of the) seconds of ``fn`` over ``repeats``, after one warm-up run."""
     fn()
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return pick(times)
 
 
 def _median(fn, repeats: int = 9) -> float:
@@ -60,13 +62,7 @@ def _median(fn, repeats: int = 9) -> float:
     collective waits for the later of the two, so on a shared machine the typical run pays the
     scheduling jitter a best-of would leave out, and the step times the model is held against are
     medians too."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return _best(fn, repeats, statistics.median)
 
 
 def gemm_rate(m: int, n: int, k: int) -> float:
@@ -279,7 +275,7 @@ def dtensor_op_overhead(mesh, latency: float, bandwidth: float, repeats: int = 9
     counter = Collectives()
     with counter:
         run(split, True)
-    all_reduce = 2 * latency + batch * seq * cfg.d_model * 4 / bandwidth  # time.ring over 2 ranks
+    all_reduce = ring("all_reduce", batch * seq * cfg.d_model * 4, mesh.size(), _Link(bandwidth, latency))
     extra = _median(lambda: run(split, True), repeats) - _median(lambda: run(plain, False), repeats) / 2
     ops = _run(_shrunk(cfg, cfg.num_layers, cfg.decoder_layers), True)[1]
     return (extra - counter.count * all_reduce) / ops
@@ -346,9 +342,8 @@ def fsdp_unit_overhead(mesh, latency: float, bandwidth: float, units: int = 4, r
     def run(model):
         model(x).sum().backward()
 
-    ranks = mesh.size()
     unit_bytes = sum(p.numel() for p in plain[0].parameters()) * 4
-    collective = (ranks - 1) * (latency + unit_bytes / ranks / bandwidth)
+    collective = ring("all_gather", unit_bytes, mesh.size(), _Link(bandwidth, latency))
     return (_median(lambda: run(sharded)) - _median(lambda: run(plain))) / units - 3 * collective
 
 
