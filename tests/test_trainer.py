@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tformer.checkpoint import find_latest, list_checkpoints, load_checkpoint, verify
+from tformer.checkpoint import find_latest, list_checkpoints, verify
 from tformer.train.config import load_config
 from tformer.train.trainer import NonFiniteLoss, Trainer
 
@@ -391,7 +391,7 @@ def test_missing_config_file(capsys, tmp_path):
     assert "nope.yaml does not exist" in _error_line(capsys)
 
 
-def test_bad_checkpoints_are_refused_and_good_ones_survive(cache, tmp_path, capsys):
+def test_bad_checkpoints_are_refused_and_good_ones_survive(cache, tmp_path, capsys, caplog):
     from tformer.cli import main
 
     trainer("gpt2-tiny", tmp_path, "max_steps=2", "save_every=1", "eval_every=0").fit()
@@ -400,30 +400,68 @@ def test_bad_checkpoints_are_refused_and_good_ones_survive(cache, tmp_path, caps
     # a different model config
     assert main(["train", recipe, *args, "model.d_model=96"]) == 2
     assert "would change what the run trains: model.d_model 64 -> 96" in _error_line(capsys)
-    # a truncated weights file in the newest checkpoint
     newest = tmp_path / "checkpoints" / "step_00000002"
     weights = newest / "model.safetensors"
     good = weights.read_bytes()
-    weights.write_bytes(good[: len(good) // 2])
-    assert main(["train", recipe, *args]) == 2
-    line = _error_line(capsys)
-    assert "truncated or corrupt" in line and "step_00000002" in line
-    # same size but garbage: the checksum no longer matches
+    # a checkpoint named explicitly must itself be intact: same size but garbage fails its checksum
     weights.write_bytes(b"\x00" * len(good))
     assert main(["train", recipe, *args, f"resume={newest}"]) == 2
-    assert "corrupt (CRC-32 mismatch)" in _error_line(capsys)
-    # a damaged optimizer shard in the DCP directory
+    line = _error_line(capsys)
+    assert "corrupt (CRC-32 mismatch)" in line and "step_00000002" in line
+    # every checkpoint damaged: refused in one line, nothing removed
+    older = tmp_path / "checkpoints" / "step_00000001" / "scheduler.pt"
+    older_bytes = older.read_bytes()
+    older.write_bytes(older_bytes[:-1] + bytes([older_bytes[-1] ^ 0xFF]))
+    assert main(["train", recipe, *args]) == 2
+    assert "every checkpoint under" in _error_line(capsys)
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000001", "step_00000002"]
+    older.write_bytes(older_bytes)
+    # a damaged optimizer shard in the DCP directory of the newest: resume=auto falls back to the one
+    # before, sets the damaged one aside (kept, never pruned) and trains on
     weights.write_bytes(good)
     shard = next((newest / "dcp").glob("*.distcp"))
     shard_bytes = shard.read_bytes()
     shard.write_bytes(shard_bytes[:-1] + bytes([shard_bytes[-1] ^ 0xFF]))
-    assert main(["train", recipe, *args]) == 2
-    line = _error_line(capsys)
-    assert "corrupt" in line and ".distcp" in line
-    shard.write_bytes(shard_bytes)
-    # the older, good checkpoint is untouched and loads
-    verify(tmp_path / "checkpoints" / "step_00000001")
-    assert load_checkpoint(tmp_path / "checkpoints" / "step_00000001") is not None
+    assert main(["train", recipe, *args, "keep_checkpoints=1"]) == 0
+    assert "step_00000002 is damaged" in caplog.text
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000004"]
+    aside = tmp_path / "checkpoints" / "damaged-step_00000002"
+    assert next((aside / "dcp").glob("*.distcp")).read_bytes()[-1] == shard_bytes[-1] ^ 0xFF
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "flipped scheduler byte", "garbage marker"])
+def test_a_finished_run_with_a_damaged_final_checkpoint_recovers_bitwise(cache, tmp_path, capsys, caplog, damage):
+    """A finished run whose final checkpoint was damaged is not complete: re-running its command
+    falls back to the newest intact checkpoint and trains the last steps again, bitwise as the
+    uninterrupted run; the damaged copy is kept aside."""
+    from tformer.cli import main
+
+    recipe = str(CONFIGS / "gpt2-tiny.yaml")
+    args = small_overrides("gpt2-tiny", tmp_path, "max_steps=3", "save_every=2", "eval_every=0")
+    assert main(["train", recipe, *args]) == 0
+    final = tmp_path / "checkpoints" / "step_00000003"
+    clean = {k: v.clone() for k, v in load_file(final / "model.safetensors").items()}  # not a map of a file cut below
+    if damage == "truncated weights":
+        (final / "model.safetensors").write_bytes((final / "model.safetensors").read_bytes()[:1000])
+    elif damage == "flipped scheduler byte":
+        data = bytearray((final / "scheduler.pt").read_bytes())
+        data[len(data) // 2] ^= 0x01
+        (final / "scheduler.pt").write_bytes(bytes(data))
+    else:
+        (final / "COMPLETE").write_text("garbage")
+    capsys.readouterr()
+    caplog.clear()
+    assert main(["train", recipe, *args]) == 0
+    said = capsys.readouterr()
+    err = said.out + said.err + caplog.text
+    assert "nothing to train" not in err and "step_00000003 is damaged" in err and "resuming from step_00000002" in err
+    verify(final, deep=True)
+    again = load_file(final / "model.safetensors")
+    assert clean.keys() == again.keys() and all(torch.equal(clean[k], again[k]) for k in clean)
+    assert (tmp_path / "checkpoints" / "damaged-step_00000003").is_dir()
+    # now complete for real
+    assert main(["train", recipe, *args]) == 0
+    assert "nothing to train" in capsys.readouterr().out
 
 
 def test_cli_exit_code_in_a_real_process(cache, tmp_path):

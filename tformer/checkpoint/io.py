@@ -97,6 +97,44 @@ def find_latest(root: str | Path) -> Path | None:
     return found[-1]
 
 
+def newest_intact(root: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint that verifies (sizes and CRC-32), and the newer ones that do
+    not, each with what is wrong: what a resume falls back to, and what it sets aside. Every
+    checkpoint damaged is an error (one line naming the newest's damage): starting afresh beside
+    them would mix two runs."""
+    found = list_checkpoints(root)
+    damaged: list[tuple[Path, str]] = []
+    for ckpt in reversed(found):
+        try:
+            verify(ckpt, deep=True)
+        except CheckpointError as e:
+            damaged.append((ckpt, str(e)))
+            continue
+        return ckpt, damaged
+    if damaged:
+        raise CheckpointError(
+            f"every checkpoint under {root} is damaged (the newest: {damaged[0][1].split('; use an')[0]}); "
+            "restore one from a copy, or start afresh in another output_dir"
+        )
+    return None, []
+
+
+DAMAGED = "damaged-"  # the prefix a damaged checkpoint is set aside under: never listed, never pruned
+
+
+def set_aside(ckpt: Path) -> Path:
+    """Rename a damaged checkpoint out of the list of complete ones (kept for inspection, never
+    deleted), so that pruning never counts it among the ``keep_checkpoints`` newest."""
+    target = ckpt.with_name(DAMAGED + ckpt.name)
+    n = 1
+    while target.exists():
+        n += 1
+        target = ckpt.with_name(f"{DAMAGED}{ckpt.name}.{n}")
+    ckpt.rename(target)
+    fsync_dir(ckpt.parent)
+    return target
+
+
 def verify(ckpt: str | Path, deep: bool = False) -> dict:
     """Check the marker and that every file it lists is present with its recorded size; ``deep``
     also compares CRC-32 checksums (done before a resume reads the files)."""

@@ -178,27 +178,42 @@ class CheckpointManager:
         io.verify(path, deep=True)
         return path
 
-    def locate(self, target: str) -> Path | None:
-        """The checkpoint ``resolve`` would pick, unverified: a cheap look (``trainer.json``,
-        ``config.yaml``) before any expensive work; ``resolve`` verifies it when it is loaded."""
+    def locate(self, target: str) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """The checkpoint a ``resume`` value names, verified (sizes and CRC-32) before any expensive
+        work, and the damaged checkpoints it falls back past. ``auto`` and a run directory fall back
+        from damaged newest checkpoints to the newest intact one (each with what is wrong); a
+        checkpoint named explicitly must itself be intact. A finished run's damaged final
+        checkpoint is thus never taken for its end."""
         if target == "none":
-            return None
+            return None, []
         path = Path(target)
         if target != "auto" and not (path / "checkpoints").is_dir():
-            return path
-        found = self.committed() if target == "auto" else io.list_checkpoints(path / "checkpoints")
-        return found[-1] if found else None
+            if path.is_dir():
+                io.verify(path, deep=True)
+            return path, []
+        found, damaged = io.newest_intact(self.root if target == "auto" else path / "checkpoints")
+        if found is None and target != "auto":
+            raise CheckpointError(f"no complete checkpoint under {target}")
+        return found, damaged
+
+    def set_aside(self, damaged: list[Path]) -> list[Path]:
+        """Rename damaged checkpoints of this run out of the complete ones (rank 0; every rank
+        then waits), so that pruning keeps ``keep_checkpoints`` intact ones. Returns the new names."""
+        moved = [io.set_aside(p) if self.is_main else p.with_name(io.DAMAGED + p.name) for p in damaged]
+        barrier()
+        return moved
 
     def read(self, ckpt: Path) -> TrainerState:
         return TrainerState.read(ckpt)
 
     # -- loading ---------------------------------------------------------------------------
-    def load(self, target: str | Path) -> tuple[Path, TrainerState] | None:
+    def load(self, target: str | Path, verified: bool = False) -> tuple[Path, TrainerState] | None:
         """Restore every part from the checkpoint ``target`` names (``auto``, ``none``, a run or a
-        checkpoint directory, as ``resolve``): verified, its pickles checked against the allow-lists
-        (unless ``trust``) before any is loaded. Returns (its path, its ``trainer.json``), or None
-        when there is nothing to resume."""
-        path = self.resolve(str(target))
+        checkpoint directory, as ``resolve``): verified (unless ``verified``: a checkpoint path
+        ``locate`` has just verified), its pickles checked against the allow-lists (unless
+        ``trust``) before any is loaded. Returns (its path, its ``trainer.json``), or None when
+        there is nothing to resume."""
+        path = Path(target) if verified else self.resolve(str(target))
         if path is None:
             return None
         check_checkpoint(path, self.trust)

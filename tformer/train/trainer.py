@@ -273,7 +273,7 @@ class Trainer:
         when loaded): a run already complete raises ``RunComplete``; the schedule's horizon."""
         cfg = self.cfg
         manager = CheckpointManager(Path(cfg.output_dir) / "checkpoints")
-        path = manager.locate(cfg.resume)
+        path, self._damaged = manager.locate(cfg.resume)
         self._resume_peek = None
         if path is not None and path.is_dir():
             state, saved = manager.read(path), resuming.saved_config(path)
@@ -350,15 +350,31 @@ class Trainer:
         return parts.DCPPart(parts.ModelOptimizer(self.model, self.optimizer), self.device, trust, weights, split)
 
     def _resume(self) -> None:
-        if self._load(self.cfg.resume):
+        """Load the checkpoint ``_peek_resume`` found and verified; the damaged newer ones it fell
+        back past are set aside first (this run's own), each named in one warning line."""
+        if self._damaged:
+            own = self.cfg.resume == "auto"
+            moved = self.ckpt.set_aside([p for p, _ in self._damaged]) if own else [p for p, _ in self._damaged]
+            if self.dist.is_main:
+                back = self._resume_peek[0].name if self._resume_peek else "none"
+                for (path, why), where in zip(self._damaged, moved):
+                    aside = f"; set aside as {where.name}" if own else ""
+                    log.warning(
+                        "%s is damaged (%s)%s; resuming from %s: the steps after it are trained again",
+                        path.name,
+                        why.split("; use an")[0],
+                        aside,
+                        back,
+                    )
+        if self._resume_peek is not None and self._load(self._resume_peek[0], verified=True):
             self._apply_pending_rollback()
             if self.dist.is_main:
                 log.info("resumed from %s at step %d", self.resumed_from, self.step)
 
-    def _load(self, target: str | Path) -> bool:
+    def _load(self, target: str | Path, verified: bool = False) -> bool:
         """Every part of the checkpoint ``target`` names (``resume``'s values or a path); False if
         there is none."""
-        found = self.ckpt.load(target)
+        found = self.ckpt.load(target, verified)
         if found is None:
             return False
         self.resumed_from, saved = found
