@@ -418,5 +418,9 @@ def test_loss_only_forward_gives_the_same_loss_and_gradients(preset):
     (full, full_grads), (only, only_grads) = results
     # the loss itself is computed in fp32 (lm_loss): equal up to fp32 summation order
     torch.testing.assert_close(only, full, rtol=1e-6, atol=0)
+    # the gradients carry the fp32 loss's round-off (~6e-8 of its scale; 2.2e-8 absolute measured on
+    # mixtral-tiny's embedding, AVX512 CPU): an absolute tolerance scaled to each tensor's largest,
+    # at least 1e-8 (a key bias's true gradient is zero: both paths hold round-off alone there)
     for name, g in full_grads.items():
-        torch.testing.assert_close(only_grads[name], g, rtol=1e-5, atol=1e-8, msg=name)
+        atol = max(1e-8, 1e-6 * float(g.abs().max()))
+        torch.testing.assert_close(only_grads[name], g, rtol=1e-5, atol=atol, msg=name)

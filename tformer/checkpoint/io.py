@@ -176,6 +176,29 @@ def read_trainer_state(ckpt: str | Path) -> dict:
         raise CheckpointError(f"checkpoint file {path} is corrupt (invalid JSON); use an earlier checkpoint") from None
 
 
+VOCAB_ROWS = ("embed.tok.weight", "lm_head.weight", "lm_head.bias")  # tensors with one row per (padded) token
+
+
+def is_vocab_rows(name: str) -> bool:
+    """A parameter (or its optimizer state, ``state.NAME.exp_avg``) with one row per vocabulary entry."""
+    return any(f".{v}." in f".{name}." for v in VOCAB_ROWS)
+
+
+def regrows(name: str, saved: tuple[int, ...], live: tuple[int, ...]) -> bool:
+    """True if a saved tensor differs from the live one only in its padding rows: a vocabulary
+    padded to another multiple (``pad_vocab_multiple``, or tp's). Rows past ``vocab_size`` are
+    never looked up nor predicted, so a checkpoint loads into any padding of the same vocabulary."""
+    saved, live = tuple(saved), tuple(live)
+    return saved != live and len(saved) == len(live) > 0 and saved[1:] == live[1:] and is_vocab_rows(name)
+
+
+def fit_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` cut or grown (zero rows) to ``rows`` rows: the padding of the live model."""
+    if tensor.shape[0] >= rows:
+        return tensor[:rows]
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+
+
 def load_model_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
     """Load the checkpoint's weights file (``WEIGHTS``) into ``model``; a shape or name mismatch is
     one clear error."""
@@ -191,6 +214,8 @@ def load_model_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
         raise CheckpointError(f"checkpoint file {path} is corrupt or truncated ({e}); use an earlier checkpoint") from None
     own = model.state_dict()
     for name, tensor in state.items():
+        if name in own and regrows(name, tensor.shape, own[name].shape):
+            state[name] = tensor = fit_rows(tensor, own[name].shape[0])
         if name in own and own[name].shape != tensor.shape:
             raise CheckpointError(
                 f"checkpoint {ckpt} does not fit this model: {name} has shape "

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ..files import save_model_weights, torch_save_durable, write_bytes_durable
 from ..parallel.async_save import AsyncSaver, BackgroundWrite
 from ..safeload import CheckpointError, dcp_load, torch_load_safe
-from .io import DCP_DIR, RNG_FILE, RUN_CONFIG, SHARED_STATE, WEIGHTS, load_model_weights
+from .io import DCP_DIR, RNG_FILE, RUN_CONFIG, SHARED_STATE, WEIGHTS, fit_rows, load_model_weights, regrows
 
 if TYPE_CHECKING:
     from .manager import TrainerState
@@ -64,6 +64,9 @@ def _strip_optimizer_key(key: str) -> str:
     if rest.startswith("parts."):
         rest = rest.split(".", 2)[2]
     return f"{head}.{rest}"
+
+
+_KERNEL_FLAGS = ("fused", "foreach", "capturable", "differentiable")  # how AdamW runs, not what it computes
 
 
 class ModelOptimizer(Stateful):
@@ -104,7 +107,12 @@ class ModelOptimizer(Stateful):
             own_m, own_o = self._local()
             msd = {k: msd[Parts.strip(k)] for k in own_m}
             osd = {k: osd[_strip_optimizer_key(k)] for k in own_o}
+        # how this run's optimizer executes (fused, foreach) is this layout's choice, not the saved
+        # run's: a 1-process checkpoint's fused AdamW would meet tp's mix of DTensor and plain tensors
+        kernels = [{k: g[k] for k in _KERNEL_FLAGS if k in g} for g in self.optimizer.param_groups]
         set_state_dict(self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd, options=_FLAT())
+        for group, flags in zip(self.optimizer.param_groups, kernels):
+            group.update(flags)
 
     def load_full_weights(self, path: Path) -> None:
         """A weights-only checkpoint (one full ``WEIGHTS`` file, ``tformer import``) into the live
@@ -119,6 +127,10 @@ class ModelOptimizer(Stateful):
         tied = getattr(getattr(self.model, "config", None), "tie_embeddings", False)
         if tied and "embed.tok.weight" in full:
             full.setdefault("lm_head.weight", full["embed.tok.weight"])  # the file stores it once
+        for k, tensor in own.items():  # a file padded to another row count (see io.regrows)
+            name = Parts.strip(k)
+            if name in full and regrows(name, tuple(full[name].shape), tuple(tensor.shape)):
+                full[name] = fit_rows(full[name], tensor.shape[0])
         missing = [k for k in own if Parts.strip(k) not in full]
         if missing:
             raise CheckpointError(
@@ -177,8 +189,46 @@ class DCPPart:
                 "deepspeed, or `tformer consolidate` first)"
             )
         state = self.state.state_dict()  # the live tensors, by the unsplit model's names: loaded in place
+        live = _read_other_padding(state, ckpt / DCP_DIR, self.trust)
         dcp_load(state, ckpt / DCP_DIR, self.trust)
+        for (section, key), tensor in live.items():
+            state[section][key] = _like(fit_rows(state[section][key], tensor.shape[0]), tensor)
         self.state.load_state_dict(state)
+
+
+def _read_other_padding(state: dict[str, dict[str, Any]], dcp_dir: Path, trust: bool) -> dict[tuple[str, str], Any]:
+    """Where the checkpoint pads the vocabulary to another row count than this run (tp=3 pads
+    2,048 tokens to 2,049 rows, one process does not): read those tensors (embedding, head, their
+    optimizer moments) whole at their saved shape instead. Returns the live tensors they replace."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ..safeload import read_dcp_metadata
+
+    saved = read_dcp_metadata(dcp_dir / ".metadata").state_dict_metadata if not trust else None
+    if saved is None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        saved = FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+    live = {}
+    for section, entries in state.items():
+        for key, tensor in entries.items():
+            md = saved.get(f"{section}.{key}")
+            if isinstance(tensor, torch.Tensor) and isinstance(md, TensorStorageMetadata):
+                if regrows(key, tuple(md.size), tuple(tensor.shape)):
+                    live[(section, key)] = tensor
+                    entries[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    return live
+
+
+def _like(full: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """``full`` (every rank holds all of it) laid out as ``live``: the same shards of the same mesh
+    (each rank keeps its own part, no communication), on its device."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    full = full.to(device=live.device, dtype=live.dtype)
+    if isinstance(live, DTensor):
+        return distribute_tensor(full, live.device_mesh, live.placements, src_data_rank=None)
+    return full
 
 
 # -- small states --------------------------------------------------------------------------------

@@ -25,12 +25,32 @@ class ModelOutput:
     encoder_hidden: torch.Tensor | None = None
 
 
+def vocab_rows(module: nn.Embedding | nn.Linear, cfg: ModelConfig) -> nn.Embedding | nn.Linear:
+    """``module``, built with one row per token of ``cfg.vocab_size``, grown by zero rows to the
+    padded vocabulary (``pad_vocab_multiple``, or tp's padding). Built this way the padding draws no
+    random numbers, in the constructor or in ``init_weights``: a padded model starts from exactly
+    the unpadded model's weights, and its padding rows (never looked up, never predicted) stay zero."""
+    pad = cfg.padded_vocab_size - cfg.vocab_size
+    if pad == 0:
+        return module
+    w = module.weight
+    module.weight = nn.Parameter(torch.cat([w.detach(), w.new_zeros(pad, w.shape[1])]))
+    bias = getattr(module, "bias", None)
+    if bias is not None:
+        module.bias = nn.Parameter(torch.cat([bias.detach(), bias.new_zeros(pad)]))
+    if isinstance(module, nn.Embedding):
+        module.num_embeddings += pad
+    else:
+        module.out_features += pad
+    return module
+
+
 class Embeddings(nn.Module):
     """Token (+ absolute position) (+ token type) embeddings, optional norm, dropout."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.tok = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+        self.tok = vocab_rows(nn.Embedding(cfg.vocab_size, cfg.d_model), cfg)
         self.pos = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}.get(cfg.position, lambda *_: None)(
             cfg.max_seq_len, cfg.d_model
         )
@@ -184,7 +204,7 @@ class TformerModel(nn.Module):
                     std /= math.sqrt(2 * depth)
                 if cfg.embed_scale and name == "embed.tok":
                     std = cfg.d_model**-0.5
-                nn.init.normal_(module.weight, 0.0, std)
+                nn.init.normal_(self._real_rows(name, module.weight), 0.0, std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, Experts):
@@ -193,6 +213,19 @@ class TformerModel(nn.Module):
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+
+    def _real_rows(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """The rows of ``weight`` that init draws: all of them, except for the token embedding and
+        the output head of a padded vocabulary, whose padding rows start (and, never looked up nor
+        predicted, stay) at zero. So padding draws no random numbers and changes nothing else a run
+        trains: a tp=3 run pads 2,048 rows to 2,049 and starts from the 1-process model's weights."""
+        cfg = self.config
+        vocab_rows = name == "embed.tok" or name.endswith("lm_head")
+        if not vocab_rows or weight.shape[0] != cfg.padded_vocab_size or cfg.padded_vocab_size == cfg.vocab_size:
+            return weight
+        with torch.no_grad():
+            weight[cfg.vocab_size :].zero_()
+        return weight[: cfg.vocab_size]
 
     def _check_length(self, seq_len: int, offset: int = 0) -> None:
         cfg = self.config

@@ -8,7 +8,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..nn import DocumentMask, StackCache, TransformerStack, positions_from_doc_ids
-from .base import Embeddings, ModelOutput, TformerModel, default_positions
+from .base import Embeddings, ModelOutput, TformerModel, default_positions, vocab_rows
 
 
 class DecoderModel(TformerModel):
@@ -21,7 +21,7 @@ class DecoderModel(TformerModel):
         self.config = cfg
         self.embed = Embeddings(cfg)
         self.decoder = TransformerStack(cfg, cfg.num_layers, causal=True)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+        self.lm_head = vocab_rows(nn.Linear(cfg.d_model, cfg.vocab_size, bias=False), cfg)
         self.init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.tok.weight

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..nn import DocumentMask, StackCache, TransformerStack, positions_from_doc_ids
-from .base import Embeddings, ModelOutput, TformerModel, default_positions
+from .base import Embeddings, ModelOutput, TformerModel, default_positions, vocab_rows
 from .flops import _attention_flops, _ffn_flops, head_flops, stack_flops
 
 
@@ -63,7 +63,7 @@ class EncoderDecoderModel(TformerModel):
         self.embed = Embeddings(cfg)
         self.encoder = TransformerStack(cfg, cfg.num_layers, causal=False)
         self.decoder = TransformerStack(cfg, cfg.decoder_layers, causal=True, cross=True)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+        self.lm_head = vocab_rows(nn.Linear(cfg.d_model, cfg.vocab_size, bias=False), cfg)
         self.init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.tok.weight

@@ -9,7 +9,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..nn import DocumentMask, TransformerStack, make_norm, positions_from_doc_ids
 from ..nn.ffn import FFN_KINDS
-from .base import Embeddings, ModelOutput, TformerModel, default_positions
+from .base import Embeddings, ModelOutput, TformerModel, default_positions, vocab_rows
 
 
 class EncoderModel(TformerModel):
@@ -35,7 +35,7 @@ class EncoderModel(TformerModel):
         act, gated = FFN_KINDS[cfg.activation]
         self.head_act = F.gelu if gated else act  # a gated kind is no one function: its head uses GELU
         self.head_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=self.LM_HEAD_BIAS)
+        self.lm_head = vocab_rows(nn.Linear(cfg.d_model, cfg.vocab_size, bias=self.LM_HEAD_BIAS), cfg)
         self.init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.tok.weight

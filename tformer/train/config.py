@@ -239,6 +239,7 @@ RESUME_FREE = (
     "precision",
     "compile",
     "model.attn_impl",
+    "model.pad_vocab_multiple",  # padding rows are never looked up nor predicted (checkpoint/io.py regrows)
     "loss",
     "output_dir",
     "resume",

@@ -59,6 +59,19 @@ def check_not_complete(cfg: TrainConfig, ckpt: Path, state: TrainerState) -> Non
     )
 
 
+def check_padding(saved: dict, current: dict, strategy: str) -> None:
+    """A padded vocabulary may change at resume (a checkpoint loads into any padding of the same
+    vocabulary: ``checkpoint/io.py`` ``regrows``), except under DeepSpeed, whose own files load only
+    at the shapes they were saved with."""
+    before = (saved.get("model") or {}).get("pad_vocab_multiple")
+    now = current["model"].get("pad_vocab_multiple")
+    if strategy == "deepspeed" and before is not None and before != now:
+        raise ConfigError(
+            f"resuming a DeepSpeed checkpoint padded with model.pad_vocab_multiple={before} as {now}: DeepSpeed "
+            f"loads its files only at their saved shapes; keep model.pad_vocab_multiple={before}"
+        )
+
+
 def schedule_steps(cfg: TrainConfig, state: TrainerState | None, saved: dict) -> int:
     """The horizon of the LR schedule: the run's first ``max_steps``, kept through every resume."""
     if state is None or state.weights_only:

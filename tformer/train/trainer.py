@@ -289,6 +289,7 @@ class Trainer:
         current = {**self.cfg.to_dict(), "model": self.model_cfg.to_dict()}
         if state.weights_only:  # an import starts a run: only the model its weights belong to counts
             saved, current = {"model": state.model_config or {}}, {"model": current["model"]}
+        resuming.check_padding(saved, current, self.cfg.parallel.strategy)
         changes = resuming.meaning_changes(saved, current, weights_only=state.weights_only)
         changes += resuming.batch_change(resuming.saved_global_batch(state, saved), self._global_batch_size())
         notes: list[str | None] = list(resuming.judge(changes, self.cfg, path, state.step))
