@@ -67,6 +67,15 @@ def test_two_ranks_read_the_one_rank_order_interleaved():
     assert sorted(c) == list(range(300_000, 300_007))
 
 
+def test_two_ranks_read_whole_micro_batches_of_the_one_rank_order():
+    """In blocks of the micro-batch size (3): rank r's micro-batch j is the one-rank order's j W + r."""
+    ds = MixtureDataset(_sources(50, 30, 7), MixtureSchedule(["a", "b", "c"], [(None, [5, 3, 2])]), seed=3)
+    one = _take(MixtureSampler(ds), 60)
+    for r in range(2):
+        keys = _take(MixtureSampler(ds, r, 2, consumed=0, block=3), 30)
+        assert keys == [g for j in range(r, 20, 2) for g in one[3 * j : 3 * j + 3]]
+
+
 def _take(sampler, n):
     it = iter(sampler)
     return [next(it) for _ in range(n)]

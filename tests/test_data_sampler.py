@@ -57,6 +57,43 @@ def test_resume_reproduces_the_rest_at_any_world_size(before, after, consumed):
     assert rest == full[consumed : consumed + len(rest)]
 
 
+@pytest.mark.parametrize("world_size,block", [(2, 3), (3, 2), (2, 4)])
+def test_ranks_take_whole_micro_batches_of_the_one_rank_order(world_size, block):
+    """With ``block`` = the micro-batch size, rank r's micro-batch j is micro-batch j W + r of one
+    process accumulating W times as many: what a loss that is not linear in its micro-batch (MoE
+    balancing) needs to be the same at every world size. Across epochs, and with a length."""
+    full = global_order(10, seed=0, n=12 * world_size * block)
+    micro = [full[i : i + block] for i in range(0, len(full), block)]
+    for r in range(world_size):
+        keys = take(ResumableSampler(10, seed=0, rank=r, world_size=world_size, block=block), 12 * block)
+        assert [keys[i : i + block] for i in range(0, len(keys), block)] == micro[r::world_size]
+        s = ResumableSampler(10, seed=0, rank=r, world_size=world_size, block=block, num_epochs=2, consumed=3)
+        length = len(s)
+        keys = list(s)
+        assert length == len(keys) and all(3 <= full.index(k) < 20 for k in keys)
+
+
+@pytest.mark.parametrize("before,after,block,steps", [(2, 1, 2, 3), (1, 2, 2, 2), (2, 4, 3, 1), (3, 2, 2, 5)])
+def test_resume_in_blocks_reproduces_the_rest_at_any_world_size(before, after, block, steps):
+    """``steps`` steps of one round of blocks on ``before`` ranks (across the epoch boundary at 10), then
+    the rest on ``after`` ranks from the checkpointed count: the same global order, micro-batch by
+    micro-batch."""
+    full = global_order(10, seed=4, n=80)
+    ranks = [ResumableSampler(10, seed=4, rank=r, world_size=before, block=block) for r in range(before)]
+    iters = [iter(s) for s in ranks]
+    for _ in range(steps * block):
+        for it in iters:
+            next(it)
+    consumed = steps * before * block
+    assert all(s.state_dict()["consumed"] == consumed for s in ranks)
+    resumed = [
+        take(ResumableSampler(10, seed=4, rank=r, world_size=after, block=block, consumed=consumed), 4 * block)
+        for r in range(after)
+    ]
+    rounds = [k for j in range(4) for keys in resumed for k in keys[j * block : (j + 1) * block]]
+    assert rounds == full[consumed : consumed + len(rounds)]
+
+
 def test_epoch_continues_from_consumed():
     s = ResumableSampler(10, seed=0, consumed=23)
     assert s.epoch == 2

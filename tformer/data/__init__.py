@@ -4,7 +4,7 @@
     check_vocab(tok, model_vocab_size)
     corpus = tokenize_corpus(default_corpus_path(), tok, "runs/cache", split="train")
     ds = PackedCausalLM(corpus, seq_len=1024, eos_id=special_tokens(tok).eos_id)
-    sampler = ResumableSampler(len(ds), seed=0, rank=rank, world_size=world_size)
+    sampler = ResumableSampler(len(ds), seed=0, rank=rank, world_size=world_size, block=8)
     loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=sampler,
                                          collate_fn=Collator(pad_id=special_tokens(tok).pad_id))
 

@@ -28,6 +28,7 @@ import numpy as np
 from ..config import ON_EXHAUSTED, OnExhausted
 from .errors import DataError
 from .samples import KeyedDataset
+from .sampler import dealt
 
 log = logging.getLogger("tformer.data")
 
@@ -177,20 +178,22 @@ class MixtureDataset(KeyedDataset):
 
 
 class MixtureSampler:
-    """Yields global mixture positions for this rank: ``start + rank, start + rank + W, ...``
-    (``start`` = ``consumed``), endless. Its state is the global count consumed by all ranks.
-    Logs when a source starts a new epoch (on the rank that iterates, i.e. the main process)."""
+    """Yields global mixture positions for this rank, endless, dealt from ``start`` (=
+    ``consumed``) in blocks of ``block`` (the micro-batch size) to the ranks in turn, as
+    ``ResumableSampler`` deals them (block 1: ``start + rank, start + rank + W, ...``). Its state
+    is the global count consumed by all ranks. Logs when a source starts a new epoch (on the rank
+    that iterates, i.e. the main process)."""
 
-    def __init__(self, dataset: MixtureDataset, rank: int = 0, world_size: int = 1, consumed: int = 0):
+    def __init__(self, dataset: MixtureDataset, rank: int = 0, world_size: int = 1, consumed: int = 0, block: int = 1):
         if not 0 <= rank < world_size:
             raise DataError(f"rank {rank} is outside world_size {world_size}")
         self.dataset, self.rank, self.world_size, self.consumed = dataset, rank, world_size, consumed
+        self.block = block
 
     def __iter__(self) -> Iterator[int]:
         sched, lengths = self.dataset.schedule, self.dataset.lengths
-        g = self.consumed + self.rank
-        while True:
-            self.consumed = g - self.rank + self.world_size
+        for g, consumed in dealt(self.consumed, self.rank, self.world_size, self.block):
+            self.consumed = consumed
             if self.rank == 0:
                 s, n = sched.locate(g)
                 if n > 0 and n % lengths[s] == 0:
@@ -201,7 +204,6 @@ class MixtureSampler:
                         f"{lengths[s]:,}",
                     )
             yield g
-            g += self.world_size
 
     def state_dict(self) -> dict:
         return {

@@ -2,9 +2,14 @@
 
 Global order: epoch ``e`` visits the samples in the permutation drawn from (seed, e). Global
 position ``g`` counts samples across epochs (``epoch = g // num_samples``). With ``world_size``
-ranks, position ``g`` goes to rank ``(g - start) % world_size``, where ``start`` is the
-``consumed`` count the iteration began at, so ranks read the global order interleaved: rank 0
-takes ``start, start + W, ...``, rank 1 ``start + 1, start + 1 + W, ...``. The state is the
+ranks, the global order is dealt out in blocks of ``block`` positions (the micro-batch size), to
+the ranks in turn, from ``start``, the ``consumed`` count the iteration began at: position ``g``
+goes to rank ``(g - start) // block % world_size``. Rank ``r``'s micro-batch ``j`` is then
+micro-batch ``j W + r`` of the global order: the very micro-batch that one process accumulating
+``W`` times as many micro-batches takes, which a loss that is not linear in its micro-batch (a
+mixture of experts' balancing loss; a mean over a micro-batch's labelled tokens, when their
+number varies) needs to be the same at every world size. With ``block`` 1 the ranks read the
+global order interleaved: rank 0 takes ``start, start + W, ...``, rank 1 ``start + 1, ...``. The state is the
 number of global samples consumed by all ranks together; resuming from it on any number of ranks
 continues the same global sequence, across epoch boundaries too.
 """
@@ -28,7 +33,7 @@ class ResumableSampler:
     advances it by ``world_size`` per key yielded here, which is exact for ranks stepping in
     lockstep. A trainer whose DataLoader prefetches (workers) should set ``sampler.consumed =
     step * global_batch_size`` before ``state_dict()``. Iteration is endless unless
-    ``num_epochs`` is given (then ranks may get one sample fewer than others at the end).
+    ``num_epochs`` is given (then ranks may get fewer samples than others at the end).
     """
 
     def __init__(
@@ -40,6 +45,7 @@ class ResumableSampler:
         shuffle: bool = True,
         consumed: int = 0,
         num_epochs: int | None = None,
+        block: int = 1,
     ):
         if num_samples < 1:
             raise DataError(
@@ -48,7 +54,9 @@ class ResumableSampler:
         if not 0 <= rank < world_size:
             raise DataError(f"rank {rank} is outside world_size {world_size}")
         self.num_samples, self.seed, self.shuffle = num_samples, seed, shuffle
-        self.rank, self.world_size = rank, world_size
+        if block < 1:
+            raise DataError(f"a sampler block of {block} samples: give 1 or more (the micro-batch size)")
+        self.rank, self.world_size, self.block = rank, world_size, block
         self.consumed = consumed
         self.num_epochs = num_epochs
         self._perms: dict[int, np.ndarray] = {}
@@ -73,19 +81,19 @@ class ResumableSampler:
         return self.consumed // self.num_samples
 
     def __iter__(self) -> Iterator[int]:
-        start = self.consumed
         end = None if self.num_epochs is None else self.num_epochs * self.num_samples
-        g = start + self.rank
-        while end is None or g < end:
-            self.consumed = g - self.rank + self.world_size
+        for g, consumed in dealt(self.consumed, self.rank, self.world_size, self.block):
+            if end is not None and g >= end:
+                return
+            self.consumed = consumed
             yield self.key(g)
-            g += self.world_size
 
     def __len__(self) -> int:
         if self.num_epochs is None:
             raise TypeError("an endless ResumableSampler has no length; give num_epochs")
-        left = self.num_epochs * self.num_samples - self.consumed - self.rank
-        return max(0, -(-left // self.world_size))
+        left = max(0, self.num_epochs * self.num_samples - self.consumed)
+        rounds, rest = divmod(left, self.world_size * self.block)
+        return rounds * self.block + min(self.block, max(0, rest - self.rank * self.block))
 
     def state_dict(self) -> dict:
         return {"consumed": self.consumed, "seed": self.seed, "num_samples": self.num_samples, "shuffle": self.shuffle}
@@ -100,6 +108,18 @@ class ResumableSampler:
                     "sequence length, or start a new run"
                 )
         self.consumed = int(state["consumed"])
+
+
+def dealt(start: int, rank: int, world_size: int, block: int = 1) -> Iterator[tuple[int, int]]:
+    """Rank ``rank``'s global positions from ``start`` on, dealt to the ranks in turn in blocks of
+    ``block``, each with the count that ranks stepping in lockstep have consumed once it is handed
+    out (with ``block`` 1 every position before the next round; at a block's end, likewise)."""
+    g = start + rank * block
+    while True:
+        for i in range(block):
+            yield g + i, start + world_size * (i + 1)
+        g += world_size * block
+        start += world_size * block
 
 
 class TokenBudgetSampler:

@@ -515,18 +515,13 @@ class Trainer:
                 consumed=self.consumed,
             )
             return iter(torch.utils.data.DataLoader(self.data.train, batch_sampler=sampler, **self._loader_options()))
+        # micro-batches dealt to the ranks whole: each is one that 1 process would accumulate
+        dp = self.dist
+        ranks = dict(rank=dp.dp_rank, world_size=dp.dp_size, consumed=self.consumed, block=cfg.micro_batch_size)
         if isinstance(self.data.train, MixtureDataset):
-            sampler = MixtureSampler(
-                self.data.train, rank=self.dist.dp_rank, world_size=self.dist.dp_size, consumed=self.consumed
-            )
+            sampler = MixtureSampler(self.data.train, **ranks)
         else:
-            sampler = ResumableSampler(
-                len(self.data.train),
-                seed=cfg.seed,
-                rank=self.dist.dp_rank,
-                world_size=self.dist.dp_size,
-                consumed=self.consumed,
-            )
+            sampler = ResumableSampler(len(self.data.train), seed=cfg.seed, **ranks)
         loader = torch.utils.data.DataLoader(
             self.data.train, batch_size=cfg.micro_batch_size, sampler=sampler, **self._loader_options()
         )
