@@ -30,9 +30,10 @@ MOE_FAMILIES = {
 }
 test_mesh.FAMILIES.update(MOE_FAMILIES)  # test_mesh's reference runs and overrides know them by name
 FSDP = ["parallel.strategy=fsdp"]
-# One sequence per micro-batch: the balancing loss is not linear in the tokens it averages over, so
-# the 1-process run must accumulate the very micro-batches the ranks see, and rank r takes samples
-# r, r + world, ... of the global batch (tformer/data/sampler.py). Global batch 8 on every layout.
+# One sequence per micro-batch, global batch 8 on every layout. The balancing loss is not linear in
+# the tokens it averages over, so the 1-process run must accumulate the very micro-batches the ranks
+# see: rank r's micro-batch j is the global batch's j x world + r at any micro-batch size
+# (tformer/data/sampler.py; tests/test_moe_layouts.py runs micro-batches of 2).
 ONE = "micro_batch_size=1"
 
 

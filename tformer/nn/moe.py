@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ __all__ = [
     "combine",
     "load_balancing_loss",
     "router_z_loss",
+    "routing_sums",
+    "routing_losses",
+    "RoutingPool",
     "grouped_mm_ok",
     "AttachAux",
 ]
@@ -217,13 +221,62 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1).square().mean()
 
 
+def routing_sums(
+    probs: torch.Tensor, logits: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What the balance and z-losses need of T tokens (``probs``, ``logits`` (T, E), ``experts``
+    (T, k)), as sums (2E + 2,): assignments per expert (no gradient), router probability per expert,
+    ``logsumexp(logits)**2``, tokens. ``weight`` (T,): 1 for a token that counts, 0 for one that
+    does not (a layout's padding; None: all count). Sums of parts of a group held by different ranks
+    add up to the group's (``routing_losses``)."""
+    num_experts = probs.shape[-1]
+    z = torch.logsumexp(logits, dim=-1).square()
+    if weight is None:
+        counts = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype)
+        tokens = torch.full((1,), probs.shape[0], dtype=probs.dtype, device=probs.device)
+        return torch.cat((counts, probs.sum(0), z.sum()[None], tokens))
+    weight = weight.to(probs.dtype)
+    per_choice = weight[:, None].expand(experts.shape).reshape(-1)
+    counts = torch.bincount(experts.reshape(-1), per_choice, minlength=num_experts).to(probs.dtype)
+    # weighted sums, not matmuls: autocast would run those in bf16
+    return torch.cat((counts, (probs * weight[:, None]).sum(0), (z * weight).sum()[None], weight.sum()[None]))
+
+
+def routing_losses(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(balance loss, z-loss, assignments per expert) of a group of T tokens from its
+    ``routing_sums``: ``E * sum_e (count_e / T) * (sum of p_e / T)`` (``load_balancing_loss``) and
+    the mean of ``logsumexp**2`` (``router_z_loss``)."""
+    e = (sums.shape[0] - 2) // 2
+    counts, prob_sums, z_sum, tokens = sums[:e].detach(), sums[e : 2 * e], sums[2 * e], sums[2 * e + 1].detach()
+    return e * (counts * prob_sums).sum() / tokens.square(), z_sum / tokens, counts
+
+
+class RoutingPool(Protocol):
+    """What a layout that splits or pads sequences sets as ``MoEFeedForward.pool_routing``
+    (``tformer/parallel/routing.py``), so that the routing losses are those of whole sequences."""
+
+    def real_tokens(self, length: int, device: torch.device) -> torch.Tensor | None:
+        """(length,) 1 at the positions of this rank's part of a sequence that hold real tokens, 0 at
+        the layout's padding; None where there is none."""
+        ...
+
+    def __call__(self, sums: torch.Tensor) -> torch.Tensor:
+        """``routing_sums`` of this rank's part, added over every rank that holds part of the same
+        sequences (with gradient: autograd adds their gradients back)."""
+        ...
+
+
 class MoEFeedForward(nn.Module):
     """Routed experts (+ shared experts, optionally sigmoid-gated) in place of the dense FFN.
 
     After each forward, ``aux_loss`` holds ``aux_loss_coef * balance + z_loss_coef * z`` (with
     gradient, for the family's training loss) and ``stats`` the detached figures to log:
     ``balance_loss``, ``z_loss``, ``tokens_max_over_mean`` (assignments per expert before capacity),
-    ``dropped_fraction`` (assignments over capacity)."""
+    ``dropped_fraction`` (assignments over capacity).
+
+    Both losses are computed over the tokens of the forward's micro-batch, its whole sequences:
+    where a layout splits those over ranks or pads them (context parallelism, sequence
+    parallelism), ``pool_routing`` makes them the same figures as on one process."""
 
     def __init__(self, cfg: MoEConfig, d_model: int, d_ff: int, activation, dropout: float = 0.0) -> None:
         super().__init__()
@@ -238,6 +291,9 @@ class MoEFeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.aux_loss: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
+        # Set from outside where a layout splits or pads the sequences (``RoutingPool``): while
+        # training, the routing losses are then those of the whole micro-batch's real tokens
+        self.pool_routing: RoutingPool | None = None
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits (T, E), outside autocast: routing decisions are precision-sensitive (Switch's
@@ -260,15 +316,20 @@ class MoEFeedForward(nn.Module):
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(flat)) * shared
             out = out + shared
-        self._record(routing, plan)
+        self._record(routing, plan, shape)
         return self.dropout(out.view(shape))
 
-    def _record(self, routing: Routing, plan: Dispatch) -> None:
+    def _record(self, routing: Routing, plan: Dispatch, shape: torch.Size) -> None:
         cfg = self.cfg
-        balance = load_balancing_loss(routing.probs, routing.experts, cfg.num_experts)
-        z = router_z_loss(routing.logits)
+        pool = self.pool_routing if self.training else None
+        if pool is None:
+            sums = routing_sums(routing.probs, routing.logits, routing.experts)
+        else:
+            real = pool.real_tokens(shape[-2] if len(shape) == 3 else shape[0], routing.probs.device)
+            weight = real.repeat(routing.probs.shape[0] // real.shape[0]) if real is not None else None
+            sums = pool(routing_sums(routing.probs, routing.logits, routing.experts, weight))
+        balance, z, chosen = routing_losses(sums)
         self.aux_loss = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z
-        chosen = torch.bincount(routing.experts.reshape(-1), minlength=cfg.num_experts).float()
         assignments = routing.experts.numel()
         self.stats = {
             "balance_loss": balance.detach(),

@@ -150,6 +150,16 @@ def apply_ep(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
     return model
 
 
+def apply_routing(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    """MoE routing losses of whole sequences where the layout splits them over ``mesh["cp"]`` or
+    pads them (context and sequence parallelism; ``routing.py``)."""
+    if layout.cp > 1 or (layout.tp > 1 and layout.cfg.parallel.sp):
+        from .routing import apply_routing_pools
+
+        apply_routing_pools(model, layout.mesh["cp"] if layout.cp > 1 else None)
+    return model
+
+
 def apply_ac(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
     pcfg = layout.cfg.parallel
     if pcfg.activation_checkpointing != "none":
@@ -219,7 +229,7 @@ Step = Callable[[torch.nn.Module, Layout], torch.nn.Module]
 # The order is fixed: TP shards the blocks' weights first; AC and compile wrap what TP made;
 # sharding comes last, over the finished blocks (torchtitan's parallelize_llama does the same).
 # MODEL_STEPS change the module in place; DeepSpeed's engine takes the place of the last step.
-MODEL_STEPS: tuple[Step, ...] = (apply_tp, apply_cp, apply_ep, apply_ac, apply_compile)
+MODEL_STEPS: tuple[Step, ...] = (apply_tp, apply_cp, apply_ep, apply_routing, apply_ac, apply_compile)
 STEPS: tuple[Step, ...] = (*MODEL_STEPS, apply_data_parallel)
 
 

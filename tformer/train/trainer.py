@@ -28,6 +28,7 @@ from ..parallel.offload import activation_offload
 from ..models.flops import training_flops
 from ..nn.moe import moe_stats
 from ..parallel.context import check_context_parallel, context_shard
+from ..parallel.routing import note_lengths
 from ..parallel.ep import check_moe_layout
 from ..parallel.mesh import ParallelDims, check_strategy
 from ..parallel.pipeline import check_pipeline
@@ -783,6 +784,7 @@ class Trainer:
             batch_size, seq_len = inputs["input_ids"].shape
             flops += training_flops(self.model_cfg, batch_size, seq_len, target)
             last = micro == cfg.grad_accum - 1
+            note_lengths(self.model, inputs)  # MoE routing losses leave out the pad the layout adds
             inputs = self._pad_for_sp(inputs)
             if self.dims.cp > 1:  # each rank of a context-parallel group: its part of every sequence
                 inputs = context_shard(inputs, self.dist.mesh, self.model_cfg)
