@@ -11,7 +11,7 @@ import os
 import pytest
 
 from tformer.checkpoint import list_checkpoints, verify
-from tformer.checkpoint.manager import TrainerState
+from tformer.checkpoint.state import TrainerState
 from tformer.train.config import load_config
 from tformer.train.optim import lr_factor
 from tformer.train.resume import saved_global_batch

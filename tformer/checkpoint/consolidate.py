@@ -1,6 +1,7 @@
 """One full-precision state dict from any checkpoint: safetensors (ddp), DCP shards (ddp/fsdp, any
 world size) or DeepSpeed ZeRO partitions. Everything happens on CPU in one process, so a sharded
-model is never gathered onto an accelerator."""
+model is never gathered onto an accelerator; :func:`load_checkpoint` builds the model from it for
+inference."""
 
 from __future__ import annotations
 
@@ -11,8 +12,20 @@ import torch
 
 from ..config import ModelConfig
 from ..files import atomic_write, save_safetensors, unique_tensors
-from .io import DCP_DIR, DEEPSPEED_DIR, DEEPSPEED_TAG, WEIGHTS, CheckpointError, load_model_from_dcp, resolve_checkpoint
-from .manager import TrainerState
+from ..models import build_model
+from .io import (
+    DCP_DIR,
+    DEEPSPEED_DIR,
+    DEEPSPEED_TAG,
+    WEIGHTS,
+    CheckpointError,
+    is_tied_alias,
+    load_model_from_dcp,
+    load_model_weights,
+    read_trainer_state,
+    resolve_checkpoint,
+)
+from .state import TrainerState
 
 
 def read_model_state(ckpt: str | Path, trust: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -24,8 +37,6 @@ def read_model_state(ckpt: str | Path, trust: bool = False) -> tuple[ModelConfig
 def read_resolved_model_state(ckpt: Path, trust: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """:func:`read_model_state` of a checkpoint already resolved by ``resolve_checkpoint`` (sizes,
     CRC-32 and every pickle checked once there, not again here)."""
-    from ..models import build_model
-
     saved = TrainerState.read(ckpt).model_config
     if saved is None:
         raise CheckpointError(f"checkpoint {ckpt} records no model_config; it is not a tformer checkpoint")
@@ -62,3 +73,26 @@ def consolidate(ckpt: str | Path, out: str | Path | None = None, trust: bool = F
             {k: v.contiguous() for k, v in state.items()}, tmp, {"tformer_model_config": json.dumps(cfg.to_dict())}
         )
     return out
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", trust: bool = False):
+    """The model of a checkpoint (or of a run directory's newest checkpoint), ready for inference.
+    Its pickles are read through an allow-list unless ``trust`` (see ``tformer/safeload.py``)."""
+    path = resolve_checkpoint(path, trust)
+    state = read_trainer_state(path)
+    model_cfg = state.get("model_config")
+    if model_cfg is None:
+        raise CheckpointError(f"checkpoint {path} records no model_config")
+    model = build_model(dict(model_cfg))
+    if (path / WEIGHTS).is_file():
+        load_model_weights(model, path)
+    else:  # DCP shards or DeepSpeed partitions, consolidated on CPU
+        _, state = read_resolved_model_state(path, trust)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [n for n in missing if not is_tied_alias(model, n, state)]
+        if missing or unexpected:
+            raise CheckpointError(
+                f"checkpoint {path} does not fit its recorded model config (missing: "
+                f"{', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'})"
+            )
+    return model.to(device).eval()

@@ -12,7 +12,7 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -20,9 +20,7 @@ from ..files import torch_save_durable
 from ..parallel.dist import barrier
 from ..safeload import CheckpointError, check_deepspeed_dir, torch_load_safe
 from .io import DEEPSPEED_DIR, DEEPSPEED_TAG, load_model_weights
-
-if TYPE_CHECKING:
-    from .manager import TrainerState
+from .state import TrainerState
 
 log = logging.getLogger("tformer.checkpoint")
 # each param group's hyperparameters at the save (lr, weight_decay, betas, ...), beside the engine's files

@@ -223,7 +223,7 @@ def load_model_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
                 "in the model; use the model config the checkpoint was trained with"
             )
     missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {n for n in missing if _is_tied_alias(model, n, state)}
+    tied = {n for n in missing if is_tied_alias(model, n, state)}
     missing = [n for n in missing if n not in tied]
     if missing or unexpected:
         raise CheckpointError(
@@ -233,7 +233,7 @@ def load_model_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
         )
 
 
-def _is_tied_alias(model: torch.nn.Module, name: str, state: dict) -> bool:
+def is_tied_alias(model: torch.nn.Module, name: str, state: dict) -> bool:
     """True if parameter ``name`` shares storage with a parameter that the file does hold."""
     params = dict(model.named_parameters(remove_duplicate=False))
     target = params.get(name)
@@ -257,33 +257,6 @@ def resolve_checkpoint(path: str | Path, trust: bool = False) -> Path:
     verify(path, deep=True)
     check_checkpoint(path, trust)
     return path
-
-
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", trust: bool = False):
-    """The model of a checkpoint (or of a run directory's newest checkpoint), ready for inference.
-    Its pickles are read through an allow-list unless ``trust`` (see ``tformer/safeload.py``)."""
-    from ..models import build_model
-
-    path = resolve_checkpoint(path, trust)
-    state = read_trainer_state(path)
-    model_cfg = state.get("model_config")
-    if model_cfg is None:
-        raise CheckpointError(f"checkpoint {path} records no model_config")
-    model = build_model(dict(model_cfg))
-    if (path / WEIGHTS).is_file():
-        load_model_weights(model, path)
-    else:  # DCP shards or DeepSpeed partitions, consolidated on CPU
-        from .consolidate import read_resolved_model_state
-
-        _, state = read_resolved_model_state(path, trust)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [n for n in missing if not _is_tied_alias(model, n, state)]
-        if missing or unexpected:
-            raise CheckpointError(
-                f"checkpoint {path} does not fit its recorded model config (missing: "
-                f"{', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'})"
-            )
-    return model.to(device).eval()
 
 
 def load_model_from_dcp(model: torch.nn.Module, ckpt: Path, trust: bool = False) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -35,9 +35,7 @@ from ..files import save_model_weights, torch_save_durable, write_bytes_durable
 from ..parallel.async_save import AsyncSaver, BackgroundWrite
 from ..safeload import CheckpointError, dcp_load, torch_load_safe
 from .io import DCP_DIR, RNG_FILE, RUN_CONFIG, SHARED_STATE, WEIGHTS, fit_rows, load_model_weights, regrows
-
-if TYPE_CHECKING:
-    from .manager import TrainerState
+from .state import TrainerState
 
 log = logging.getLogger("tformer.checkpoint")
 
@@ -336,8 +334,6 @@ class TrainerStatePart:
         self.states, self.is_main = states, is_main
 
     def record(self) -> TrainerState:
-        from .manager import TrainerState
-
         merged: dict[str, Any] = {}
         for state in self.states:
             merged.update(state.state_dict())

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from ..checkpoint.io import RUN_CONFIG
-from ..checkpoint.manager import TrainerState
+from ..checkpoint.state import TrainerState
 from ..config import ConfigError
 from .config import RESUME_EXTEND, RESUME_FREE, TrainConfig
 
