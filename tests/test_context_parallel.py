@@ -1,7 +1,8 @@
 """Context parallelism: attention across sequence shards equals the 1-process attention.
 
 Every spawned group runs all its cases in one go (gloo, fp32) and writes what it measured; the test
-process asserts. Each group has a deadline that fails the test and kills its workers (``run_ranks``).
+process asserts. Each group has a deadline that fails the test and kills its workers (``run_ranks``,
+``run_group``).
 """
 
 from __future__ import annotations
@@ -25,19 +26,33 @@ from tformer.parallel.context import (
     unshard_seq,
 )
 
-from test_mesh import cache, run_ranks  # noqa: F401 - cache: test_mesh's fixture (usefixtures)
+from test_mesh import GROUP_TIMEOUT, cache, run_ranks  # noqa: F401 - cache: test_mesh's fixture (usefixtures)
+from train_helpers import spawn_ranks
 
 TOL = 1e-5
 
 
-def init_group(rank: int, world: int, port: int) -> None:
+def run_group(world: int, seq: int, out_dir: str, worker) -> None:
+    """``worker(rank, world, seq, out_dir)`` on ``world`` spawned ranks, within test_mesh's deadline."""
+    spawn_ranks(worker, (world, seq, out_dir), world, GROUP_TIMEOUT)
+
+
+def init_group(rank: int, world: int, out_dir: str) -> None:
+    """The ranks meet through a file in the test's own directory, not a TCP port: a port found free
+    in the test process is bound by rank 0 only once it has started and imported torch (3 s here,
+    up to 20 s on a loaded machine), and any process's connection may take it meanwhile (then rank 0
+    fails with EADDRINUSE, or rank 1 reaches another test's store)."""
     import datetime
 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+        "gloo",
+        init_method=f"file://{Path(out_dir, 'rendezvous').resolve()}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
     )
 
 
@@ -66,10 +81,28 @@ def test_shard_unshard_round_trip_with_padding():
 
 
 def test_load_balance():
-    """Under a causal mask every rank computes the same number of chunk pairs."""
+    """tformer's split: rank i holds chunks i and 2cp-1-i, so under a causal mask every rank computes
+    the same number of (query chunk, key chunk) pairs (the pairs its attention runs) and of causal
+    (query, key) scores, and together the ranks run every causal pair once."""
+    from tformer.parallel import context
+
+    c = 3  # tokens per chunk
     for cp in (2, 4, 8):
-        work = [sum(i + 1 for i in (r, 2 * cp - 1 - r)) for r in range(cp)]
-        assert len(set(work)) == 1
+        seq = 2 * cp * c
+        pairs, scores = [], []
+        for r in range(cp):
+            assert context.held_chunks(r, cp) == (r, 2 * cp - 1 - r)
+            pos = context.held_positions(seq, r, cp)
+            want = torch.cat([torch.arange(i * c, (i + 1) * c) for i in (r, 2 * cp - 1 - r)])
+            assert torch.equal(pos, want) and torch.equal(context.shard_seq(torch.arange(seq)[None], r, cp)[0], want)
+            keys = context._Keys(
+                group=None, cp=cp, rank=r, causal=True, scale=1.0, q_pos=pos.chunk(2), k_chunk=c,
+                q_doc=None, k_doc=None, k_pad=None,
+            )  # fmt: skip
+            pairs.append({(i, j) for _, i, j in keys.pairs()})
+            scores.append(int((pos + 1).sum()))  # query at position p attends to p + 1 keys
+        assert len({len(p) for p in pairs}) == 1 and len(set(scores)) == 1, (cp, pairs, scores)
+        assert sorted(x for p in pairs for x in p) == [(i, j) for i in range(2 * cp) for j in range(i + 1)]
 
 
 def test_torch_context_parallel_switch_inputs():
@@ -169,8 +202,8 @@ def _shards(name, seq, seed, rank, cp):
     return q, k, v, pad, doc, rel, causal
 
 
-def _attention_worker(rank, world, port, seq, out_dir):
-    init_group(rank, world, port)
+def _attention_worker(rank, world, seq, out_dir):
+    init_group(rank, world, out_dir)
     import torch.distributed as dist
 
     from tformer.parallel.context import ContextParallelAttention
@@ -236,7 +269,7 @@ def _saved_bytes(core, rank, cp):
     "world,seq", [(2, 16), (2, 13), pytest.param(4, 16, marks=pytest.mark.slow), pytest.param(4, 13, marks=pytest.mark.slow)]
 )
 def test_sharded_attention_equals_one_process(world, seq, tmp_path):
-    run_ranks(world, seq, str(tmp_path), worker=_attention_worker)
+    run_group(world, seq, str(tmp_path), _attention_worker)
     for rank in range(world):
         report = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
         saved = report.pop("saved")
@@ -290,8 +323,8 @@ def _model(name):
     return build_model(preset, dropout=0.0, attn_dropout=0.0, **overrides).float(), kind
 
 
-def _family_worker(rank, world, port, seq, out_dir):
-    init_group(rank, world, port)
+def _family_worker(rank, world, seq, out_dir):
+    init_group(rank, world, out_dir)
     import copy
 
     import torch.distributed as dist
@@ -328,7 +361,7 @@ def test_families_equal_one_process(world, seq, tmp_path):
     """Loss and every parameter's gradient of cp ranks, each holding its shard of the same batch
     (its loss = its share of the sum over the whole batch's labelled tokens, gradients summed over
     the ranks), equal the 1-process run."""
-    run_ranks(world, seq, str(tmp_path), worker=_family_worker)
+    run_group(world, seq, str(tmp_path), _family_worker)
     report = json.loads(Path(tmp_path, "rank0.json").read_text())
     assert list(report) == list(FAMILIES)
     for name, errs in report.items():
@@ -512,23 +545,22 @@ def test_resume_across_cp(tmp_path):
 
 
 @pytest.mark.slow
-def test_cp2_evaluates_decodes_and_generates_like_one_process(tmp_path):
+def test_cp2_evaluates_decodes_and_generates_like_one_process(tmp_path, monkeypatch):
     """Evaluation runs whole sequences under cp (eval mode attends locally): at cp=2 the val_loss of
-    every evaluation, BLEU with beam search and generated tokens equal the 1-process run's (Llama GQA
-    at seq 63 under FSDP2 over the cp ranks; the translation Transformer's ragged token-budget batches)."""
+    every evaluation, BLEU with beam search, generated tokens and the logits of every decoding step
+    equal the 1-process run's (Llama GQA at seq 63 under FSDP2 over the cp ranks; the translation
+    Transformer's ragged token-budget batches)."""
     import test_sp_lengths as sp
 
     cache_dir = tmp_path / "cache"
-    os.environ["TFORMER_CACHE"] = str(cache_dir)
+    monkeypatch.setenv("TFORMER_CACHE", str(cache_dir))
     cp = ["parallel.cp=2", "parallel.strategy=fsdp"]
     llama = sp._overrides(sp.LLAMA_GQA, tmp_path / "llama", *sp.ODD, *cp)
     translate = sp._overrides(sp.TRANSLATE, tmp_path / "translate", *cp)
     run_ranks(2, [(*llama, str(tmp_path / "llama.pt")), (*translate, None)], str(cache_dir), worker=sp._worker)
     ref = sp._reference(sp.LLAMA_GQA, tmp_path / "llama-ref", *sp.ODD)
     sp.assert_same_run(tmp_path / "llama", tmp_path / "llama-ref")
-    got = torch.load(tmp_path / "llama.pt")
-    for beams, tokens in sp._generated(ref.model).items():
-        assert torch.equal(got[beams], tokens), beams
+    sp.assert_same_decoding(torch.load(tmp_path / "llama.pt"), ref.model)
     sp._reference(sp.TRANSLATE, tmp_path / "translate-ref")
     sp.assert_same_run(tmp_path / "translate", tmp_path / "translate-ref")
 

@@ -76,8 +76,9 @@ def run_ranks(world, jobs, cache, worker=_worker):
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     path = tmp_path_factory.mktemp("tformer-cache-mesh")
-    os.environ["TFORMER_CACHE"] = str(path)
-    return path
+    with pytest.MonkeyPatch.context() as mp:  # the next module finds TFORMER_CACHE as it was
+        mp.setenv("TFORMER_CACHE", str(path))
+        yield path
 
 
 # optim.eps=1e-4: Adam divides each gradient by its own running magnitude, so an element whose true

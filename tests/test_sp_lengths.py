@@ -1,7 +1,8 @@
 """Sequence parallel at sequence lengths that are not a multiple of tp (63 at tp=2): training, both
 evaluations (plain and pipelined), BLEU decoding and generation pad the same way
 (``models.base.pad_sequences``), and every number equals the 1-process run's (fp32): train and
-validation losses, BLEU, generated tokens; each run ends with its final checkpoint.
+validation losses, BLEU, generated tokens and the logits of every decoding step; each run ends with
+its final checkpoint.
 
 The spawned groups reuse test_mesh's launcher (a deadline that fails the test and kills the ranks)."""
 
@@ -28,11 +29,10 @@ PROMPT = torch.tensor([[5, 17, 42, 7, 99, 3, 250], [8, 8, 31, 64, 12, 77, 5]])  
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    import os
-
     path = tmp_path_factory.mktemp("tformer-cache-sp")
-    os.environ["TFORMER_CACHE"] = str(path)
-    return path
+    with pytest.MonkeyPatch.context() as mp:  # the next module finds TFORMER_CACHE as it was
+        mp.setenv("TFORMER_CACHE", str(path))
+        yield path
 
 
 def _overrides(case, out, *extra):
@@ -41,9 +41,47 @@ def _overrides(case, out, *extra):
 
 
 def _generated(model) -> dict:
-    from tformer.generate import generate
+    """Greedy and 2-beam decoding of PROMPT: {beams: (tokens, logits of every step)}. A 4-step model
+    repeats one token for every prompt and beam, so equal tokens would not show a decode that reads
+    the wrong position: the logits of each step (read where the decode loop reads them) do."""
+    from unittest import mock
 
-    return {beams: generate(model, PROMPT, 8, num_beams=beams, eos_token_id=None) for beams in (1, 2)}
+    import tformer.generate as gen
+
+    steps: list = []
+
+    def record(logits):
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits  # a TP rank's DTensor
+        steps.append(logits.detach().float().clone())
+
+    def next_token(logits, *args):
+        record(logits)
+        return greedy(logits, *args)
+
+    def beam_step(self, step_input):
+        logits = beam(self, step_input)
+        record(logits)
+        return logits
+
+    greedy, beam = gen.next_token, gen._Stepper.__call__
+    out = {}
+    with mock.patch.object(gen, "next_token", next_token), mock.patch.object(gen._Stepper, "__call__", beam_step):
+        for beams in (1, 2):
+            steps.clear()
+            tokens = gen.generate(model, PROMPT, 8, num_beams=beams, eos_token_id=None)
+            out[beams] = (tokens, torch.stack(steps))
+    return out
+
+
+def assert_same_decoding(got: dict, ref_model) -> None:
+    """``got`` (``_generated`` of a parallel run) equals the 1-process model's decoding: the same
+    tokens, and every step's logits to fp32 round-off. The reference's logits change from one step
+    to the next by far more than that, so a decode that read the previous (or next) position fails."""
+    for beams, (tokens, logits) in _generated(ref_model).items():
+        assert torch.equal(got[beams][0], tokens), beams
+        assert logits.shape == (8, PROMPT.shape[0] * beams, logits.shape[-1]), logits.shape
+        torch.testing.assert_close(got[beams][1], logits, rtol=1e-5, atol=1e-5, msg=lambda m, b=beams: f"{b} beam(s): {m}")
+        assert (logits[1:] - logits[:-1]).abs().amax() > 1e-2, "the reference's logits do not move between steps"
 
 
 def _worker(rank, world, port, jobs, cache):
@@ -100,9 +138,7 @@ def test_tp2_sp_at_an_odd_length_trains_evaluates_decodes_and_saves_like_one_pro
     run_ranks(2, [(*llama, str(tmp_path / "llama.pt")), (*translate, None)], cache, worker=_worker)
     ref = _reference(LLAMA_GQA, tmp_path / "llama-ref", *ODD)
     assert_same_run(tmp_path / "llama", tmp_path / "llama-ref")
-    got = torch.load(tmp_path / "llama.pt")
-    for beams, tokens in _generated(ref.model).items():
-        assert torch.equal(got[beams], tokens), beams
+    assert_same_decoding(torch.load(tmp_path / "llama.pt"), ref.model)
     _reference(TRANSLATE, tmp_path / "translate-ref")
     assert_same_run(tmp_path / "translate", tmp_path / "translate-ref")
     text = (tmp_path / "llama" / "config.yaml").read_text()
