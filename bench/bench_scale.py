@@ -353,6 +353,7 @@ def _mesh_worker(rank, world, port, jobs, out, cache):
     import torch.distributed as dist
 
     import tformer.parallel.tp as tp_module
+    from tformer.models.padding import pad_sequences
     from tformer.parallel.memory import SavedActivations, model_state_bytes
     from tformer.plan.memory import _block_parts, rank_memory, training_memory
     from tformer.parallel.strategy import param_counts
@@ -372,7 +373,7 @@ def _mesh_worker(rank, world, port, jobs, out, cache):
         batch = t.data.collator([t.data.train[i] for i in range(cfg.micro_batch_size)])
         inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
         if t.dims.tp > 1 and cfg.parallel.sp:
-            inputs = tp_module.pad_for_sequence_parallel(inputs, t.dims.tp, t.model_cfg.pad_token_id, "decoder")
+            inputs = pad_sequences(inputs, t.dims.tp, t.model_cfg.pad_token_id, "decoder")
         with t.strategy.loss_context():
             with SavedActivations() as saved:
                 loss = t.wrapped(**inputs, return_logits=False).loss

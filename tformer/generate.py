@@ -20,7 +20,7 @@ import torch
 
 from .config import LENGTH_NORMS, LengthNorm
 from .models import DecoderModel, EncoderDecoderModel
-from .models.base import pad_sequences
+from .models.padding import pad_sequences
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:

@@ -11,7 +11,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..nn import DocumentMask, StackCache, TransformerStack, positions_from_doc_ids
 from .base import Embeddings, ModelOutput, TformerModel, default_positions, vocab_rows
-from .flops import _attention_flops, _ffn_flops, head_flops, stack_flops
+from .block_flops import attention_flops, ffn_flops, head_flops, stack_flops
 
 
 def shift_right(labels: torch.Tensor, start_id: int, pad_id: int) -> torch.Tensor:
@@ -44,8 +44,8 @@ class EncoderDecoderModel(TformerModel):
         if target is None:
             raise ValueError("encoder-decoder FLOPs need target_len (the decoder sequence length)")
         tokens, t_tokens = batch * seq, batch * target
-        attention = _attention_flops(cfg, t_tokens, t_tokens, target) + _attention_flops(cfg, t_tokens, tokens, seq)
-        decoder = cfg.decoder_layers * attention + _ffn_flops(cfg, t_tokens, cfg.decoder_layers)
+        attention = attention_flops(cfg, t_tokens, t_tokens, target) + attention_flops(cfg, t_tokens, tokens, seq)
+        decoder = cfg.decoder_layers * attention + ffn_flops(cfg, t_tokens, cfg.decoder_layers)
         return stack_flops(cfg, tokens, seq, cfg.num_layers) + decoder + head_flops(cfg, t_tokens)
 
     def cut_stage(self, stage: int, stages: int, pp_layers: list | None = None) -> None:

@@ -24,7 +24,7 @@ With degree ``t`` on the mesh's ``tp`` dimension:
   Each stack's first block takes the full sequence and keeps its slice, its last block gathers
   the sequence again, so embeddings, final norms, heads and cross-attention memories see whole
   sequences. Sequence lengths must then be multiples of ``t``: the model's ``sequence_multiple``
-  says so, and training, evaluation and decoding pad with ``models.base.pad_sequences``.
+  says so, and training, evaluation and decoding pad with ``models.padding.pad_sequences``.
   Backward keeps each gathered input as this rank's sequence shard and all-gathers it again when
   the projections' weight gradients need it (``KeepSequenceShard``, Megatron-LM's way): torch's
   sequence parallel alone would keep the whole gathered input of every sub-layer on every rank.
@@ -56,7 +56,6 @@ import torch.nn.functional as F
 
 from ..config import ConfigError, ModelConfig
 from ..models import spec_of
-from ..models.base import pad_sequences as pad_for_sequence_parallel  # noqa: F401 - its old home
 from ..models.loss import loss_divisor
 from ..nn import MultiHeadAttention, TransformerBlock, TransformerStack
 from ..nn.moe import MoEFeedForward

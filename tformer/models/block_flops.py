@@ -1,0 +1,51 @@
+"""Forward FLOPs of the parts every family is built from: an attention layer, the FFNs of a stack
+(an MoE block's active FLOPs), a self-attention stack, the vocabulary projection. Each family's
+``forward_flops`` (``TformerModel`` and its subclasses) sums them; ``flops.py`` states the
+conventions and gives the training FLOPs of any model."""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+from ..nn.ffn import FFN_KINDS
+
+
+def attention_flops(cfg: ModelConfig, q_tokens: int, kv_tokens: int, keys_per_query: int) -> int:
+    """Forward FLOPs of one attention layer: projections of queries and keys/values, the two
+    score matmuls (QK^T and PV) and the output projection."""
+    d, h, hkv, dk = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_dim
+    q_and_out = 2 * q_tokens * d * h * dk * 2
+    kv = 2 * kv_tokens * d * hkv * dk * 2
+    scores = 2 * q_tokens * keys_per_query * h * dk * 2
+    return q_and_out + kv + scores
+
+
+def denseffn_flops(d_model: int, d_ff: int, activation, tokens: int) -> int:
+    mats = 3 if FFN_KINDS[activation][1] else 2
+    return 2 * tokens * d_model * d_ff * mats
+
+
+def ffn_flops(cfg: ModelConfig, tokens: int, layers: int) -> int:
+    """Forward FLOPs of the FFNs of a stack of ``layers`` blocks. An MoE block counts what a token
+    really computes (active FLOPs): the router, its top-k experts and the shared experts (under
+    capacity routing a dropped assignment computes nothing; counted as computed, an upper bound)."""
+    moe = cfg.moe
+    dense = denseffn_flops(cfg.d_model, cfg.d_ff, cfg.activation, tokens)
+    n_moe = sum(moe.is_moe_layer(i) for i in range(layers))
+    if not n_moe:
+        return layers * dense
+    kind, d_expert = moe.activation or cfg.activation, moe.d_expert or cfg.d_ff
+    sparse = 2 * tokens * cfg.d_model * moe.num_experts + moe.top_k * denseffn_flops(cfg.d_model, d_expert, kind, tokens)
+    if moe.num_shared_experts:
+        width = moe.num_shared_experts * (moe.d_shared or d_expert)
+        sparse += denseffn_flops(cfg.d_model, width, kind, tokens) + (2 * tokens * cfg.d_model if moe.shared_gate else 0)
+    return (layers - n_moe) * dense + n_moe * sparse
+
+
+def stack_flops(cfg: ModelConfig, tokens: int, seq_len: int, layers: int) -> int:
+    """Forward FLOPs of a self-attention stack of ``layers`` blocks over ``tokens`` (``seq_len`` keys each)."""
+    return layers * attention_flops(cfg, tokens, tokens, seq_len) + ffn_flops(cfg, tokens, layers)
+
+
+def head_flops(cfg: ModelConfig, tokens: int) -> int:
+    """Forward FLOPs of the vocabulary projection over ``tokens`` positions."""
+    return 2 * tokens * cfg.d_model * cfg.padded_vocab_size
