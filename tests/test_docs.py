@@ -118,3 +118,18 @@ def test_the_exporter_reads_and_writes_run_configs_through_the_checkpoint_packag
     used = {m for path in (root / "export").glob("*.py") for _, m in imports(path, root)}
     assert "tformer.checkpoint.runconfig" in used
     assert "tformer.train.config" not in used
+
+
+def test_readme_speed_table_is_generated_from_the_newest_gpu_measurement():
+    """README's "Speed on a GPU" table is what bench/speed_table.py renders from the newest
+    bench/results/*.json: regenerate it with `python bench/speed_table.py --write`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("speed_table", ROOT / "bench" / "speed_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    rendered = table.render()
+    assert "| llama-1b, seq 2048 | compiled |" in rendered and "tformer / HF" in rendered
+    assert table.readme_table((ROOT / "README.md").read_text()) == rendered, (
+        "stale: run `python bench/speed_table.py --write`"
+    )
