@@ -85,7 +85,7 @@ RECIPE_DEFAULT = "a translation run's"
 
 
 def _decoding_defaults(args, decode) -> None:
-    """Fill the decoding flags left unset from the run's ``decode`` recipe (``train/decoding.py``:
+    """Fill the decoding flags left unset from the run's ``decode`` recipe (``checkpoint/runconfig.py``:
     the settings ``tformer evaluate`` and the HF export use too), and say so on stderr. Sampling
     (``--temperature`` > 0) keeps the recipe's beams out."""
     taken = []
@@ -164,7 +164,7 @@ def _generate(argv: list[str]) -> int:
     from .generate import generate
     from .models import spec_of
 
-    from .train.decoding import saved_decode
+    from .checkpoint.runconfig import saved_decode
 
     if args.num_beams is not None and args.num_beams < 1:
         raise ConfigError(f"--num-beams={args.num_beams} must be >= 1 (1 = greedy)")

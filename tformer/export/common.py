@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import torch
 
 from ..checkpoint.io import TRAINER_STATE, WEIGHTS, CheckpointError, resolve_checkpoint
-from ..checkpoint.manager import TrainerState
+from ..checkpoint.state import TrainerState
 from ..config import ConfigError, ModelConfig
 from ..files import atomic_write, save_safetensors
 from ..models import spec_of
@@ -397,7 +397,7 @@ def save_hf_tokenizer(tok, cfg: ModelConfig, out: Path) -> None:
 
 def save_generation_config(cfg: ModelConfig, out: Path, decode=None) -> None:
     """``generation_config.json``: the special tokens, and with ``decode`` (a translation run's
-    ``DecodeConfig``, train/decoding.py) its beams, length penalty and length limit, so that HF's
+    ``DecodeConfig``, checkpoint/runconfig.py) its beams, length penalty and length limit, so that HF's
     ``generate`` decodes as ``tformer generate`` and ``tformer evaluate`` do by default. HF divides
     a beam's score by len ** alpha (tformer's ``length_norm=power``); a run's ``gnmt`` norm,
     ((5 + len) / 6) ** alpha, has no HF equivalent, and the export says so."""

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from ..checkpoint.io import RUN_CONFIG, WEIGHTS, commit, partial_dir, write_bytes_durable
-from ..checkpoint.manager import TrainerState
-from ..checkpoint.runconfig import run_config_yaml
+from ..checkpoint.state import TrainerState
+from ..checkpoint.runconfig import run_config_yaml, saved_decode
 from ..config import ModelConfig
 from ..files import save_safetensors
 from ..models import SPECS, spec_of
@@ -191,8 +191,6 @@ def export_hf(
         hf_config.save_pretrained(str(tmp))
         write_safetensors(hf_state, tmp, max_shard_size)
         if not spec_of(cfg).masked_lm:  # a model that generates
-            from ..train.decoding import saved_decode
-
             save_generation_config(cfg, tmp, saved_decode(ckpt))
         save_hf_tokenizer(tok, cfg, tmp)
     log.info("exported %s to %s (%s)", ckpt, out, target.HF_CLASS)
