@@ -1,20 +1,47 @@
 """The trainer's own parts of a checkpoint, as ``Stateful``s over its fields: where the data
 stands (with the mixture's fingerprint, which a resume must match) and where the run stands.
-Both are fields of ``trainer.json`` (``checkpoint.parts.TrainerStatePart`` merges them)."""
+Both are fields of ``trainer.json`` (``checkpoint.parts.TrainerStatePart`` merges them).
+
+They read and set the trainer's fields through :class:`RunState`, the part of the trainer they
+see: the trainer answers it without this module importing ``trainer.py`` (which imports this)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ..config import ModelConfig
 from ..data import DataError, MixtureDataset
+from ..parallel.dist import DistInfo
+from ..parallel.mesh import ParallelDims
+from .config import TrainConfig
+from .data import RunData
+from .spike import SpikeDetector
 
-if TYPE_CHECKING:
-    from .trainer import Trainer
+
+class RunState(Protocol):
+    """The fields of a run that its checkpoint records (``train.trainer.Trainer`` has them)."""
+
+    cfg: TrainConfig
+    dist: DistInfo
+    dims: ParallelDims
+    data: RunData
+    model_cfg: ModelConfig
+    step: int
+    consumed: int  # global samples consumed
+    tokens: int  # global tokens consumed
+    skipped: int  # consecutive non-finite steps
+    streak_start: int | None
+    rollbacks: int
+    spikes: SpikeDetector
+    wandb_id: str | None
+    schedule_steps: int
+
+    def _global_batch_size(self) -> tuple[int, int]: ...
 
 
-def mixture_fingerprint(trainer: Trainer) -> list | None:
+def mixture_fingerprint(trainer: RunState) -> list | None:
     train = trainer.data.train
     if not isinstance(train, MixtureDataset):
         return None
@@ -25,7 +52,7 @@ class DataPosition(Stateful):
     """The samples and tokens consumed (the sampler resumes from them at any world size), and the
     data mixture they were drawn from: a checkpoint of another mixture is refused."""
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: RunState):
         self.trainer = trainer
 
     def state_dict(self) -> dict[str, Any]:
@@ -47,7 +74,7 @@ class Progress(Stateful):
     """Where the run stands (step, the non-finite streak, rollbacks, the spike detector's window,
     the W&B run) and what it trains (model, strategy, layout, batch), for resume checks and tools."""
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: RunState):
         self.trainer = trainer
 
     def state_dict(self) -> dict[str, Any]:
