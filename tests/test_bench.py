@@ -96,3 +96,39 @@ def test_plan_speed_order_fails_a_pair_the_machine_told_apart_and_forgives_a_tie
     assert misordered(measured, wrong, spreads) == [("fsdp 2", "tp=2"), ("pp=2", "tp=2")]
     # with no spread (one round) every pair counts
     assert misordered(measured, right, dict.fromkeys(measured, 0.0)) == [("fsdp 2", "pp=2")]
+
+
+def test_plan_speed_order_fails_when_the_machine_settled_too_few_pairs():
+    """On a noisy machine every spread is wide and every pair a tie: the order check then checked
+    nothing, and a reversed prediction must not read PASS. The lines say how many pairs it checked."""
+    from bench_plan_speed import order_verdict
+
+    measured = {"1 process": 0.10, "fsdp 2": 0.240, "pp=2": 0.245, "tp=2": 0.30}
+    reversed_guess = {name: 1 / t for name, t in measured.items()}
+    ok, lines = order_verdict(measured, measured, dict.fromkeys(measured, 0.05))
+    assert ok and "order checked on 5 of 6 pairs" in lines, lines
+    ok, lines = order_verdict(measured, reversed_guess, dict.fromkeys(measured, 0.05))
+    assert not ok and "out of order: " in lines[-1] and "none" not in lines[-1], lines
+    # spreads of 200%: every pair a tie, so nothing is out of order, yet the reversed order fails
+    ok, lines = order_verdict(measured, reversed_guess, dict.fromkeys(measured, 2.0))
+    assert not ok and "out of order: none" in lines, lines
+    assert "order checked on 0 of 6 pairs: fewer than 50%, the machine was too noisy to check the order" in lines
+    # spreads of 150%: only 1 process against tp=2 told apart, fewer than half the pairs
+    ok, lines = order_verdict(measured, measured, dict.fromkeys(measured, 1.5))
+    assert not ok and any(line.startswith("order checked on 1 of 6 pairs: fewer") for line in lines), lines
+
+
+def test_moe_bench_fails_unless_the_balancing_loss_beats_no_loss_and_exits_non_zero_on_a_miss(monkeypatch):
+    import bench_moe
+
+    assert bench_moe.balance_lines(1.18, 3.30, 300)[1].startswith("PASS")  # the docstring's run
+    assert bench_moe.balance_lines(1.18, 1.10, 300)[1].startswith("MISS")  # better without the loss
+    assert bench_moe.balance_lines(1.18, 1.18, 300)[1].startswith("MISS")
+    assert bench_moe.balance_lines(1.60, 3.30, 300)[1].startswith("MISS")
+    assert not bench_moe.failed(["block: ...", "PASS a", "  (fastest ...)", "PASS b"])
+    assert bench_moe.failed(["PASS a", "MISS b"]) and bench_moe.failed(["FAIL all-to-all: did not finish"])
+    monkeypatch.setattr(bench_moe.torch, "set_num_threads", lambda n: None)  # main's: not this process's
+    monkeypatch.setattr(bench_moe, "bench_balance", lambda args: bench_moe.balance_lines(1.18, 1.10, args.steps))
+    assert bench_moe.main(["--part", "balance"]) == 1
+    monkeypatch.setattr(bench_moe, "bench_balance", lambda args: bench_moe.balance_lines(1.18, 3.30, args.steps))
+    assert bench_moe.main(["--part", "balance"]) == 0
