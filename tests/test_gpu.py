@@ -49,7 +49,8 @@ def test_gpu_benchmark_runs_every_family_on_tiny_presets(tmp_path, cache):
         assert [(r["family"], r["contender"]) for r in rows] == [(f, w) for f in families for w in ("tformer", "HF")]
         for r in rows:
             assert r["error"] is None and r["compiled"] == (extra[1] == "on"), r
-            assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 10 and r["micro_batch"] == 4, r
+            # MFU is a share of the peak: over 100% means the FLOPs or the peak are wrong
+            assert r["tokens_per_s"] > 0 and 0 < r["mfu"] <= 1 and r["micro_batch"] == 4, r
         for ours, theirs in zip(rows[::2], rows[1::2]):
             # bf16 autocast: the same weights and batch give the same loss to bf16 precision
             assert ours["first_loss"] == pytest.approx(theirs["first_loss"], abs=0.02), (ours, theirs)
