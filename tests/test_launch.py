@@ -452,17 +452,18 @@ def test_launchers_refuse_missing_arguments_with_one_line():
 
 @pytest.fixture(scope="module")
 def slurm():
-    """A running two-node SLURM cluster; returns the environment that reaches it."""
+    """A running two-node SLURM cluster; returns the environment that reaches it. Afterwards (or
+    after a failed start) its jobs are cancelled and slurmctld, both slurmd and the munged that
+    slurm_up.sh started are stopped: nothing of it outlives the tests."""
     need_root("the SLURM test cluster")
-    p = subprocess.run(
-        ["bash", str(ROOT / "tests" / "cluster" / "slurm_up.sh")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, TFORMER_SLURM_DIR=SLURM_DIR),
-    )
-    assert p.returncode == 0, f"slurm_up.sh failed:\n{p.stdout}\n{p.stderr}"
-    return {"SLURM_CONF": f"{SLURM_DIR}/slurm.conf"}
+    script, env = str(ROOT / "tests" / "cluster" / "slurm_up.sh"), dict(os.environ, TFORMER_SLURM_DIR=SLURM_DIR)
+    try:
+        p = subprocess.run(["bash", script], capture_output=True, text=True, timeout=600, env=env)
+        assert p.returncode == 0, f"slurm_up.sh failed:\n{p.stdout}\n{p.stderr}"
+        yield {"SLURM_CONF": f"{SLURM_DIR}/slurm.conf"}
+    finally:
+        down = subprocess.run(["bash", script, "--down"], capture_output=True, text=True, timeout=120, env=env)
+        assert down.returncode == 0, f"slurm_up.sh --down failed:\n{down.stdout}\n{down.stderr}"
 
 
 def sbatch(slurm, cache, tmp_path, script, *args, sbatch_args=(), **env) -> str:

@@ -7,7 +7,7 @@
 #
 #   bash tests/cluster/slurm_up.sh            # install if missing, write config, start daemons
 #   export SLURM_CONF=/tmp/tformer-slurm/slurm.conf   # then sbatch / squeue / scontrol work
-#   bash tests/cluster/slurm_up.sh --down     # stop the daemons
+#   bash tests/cluster/slurm_up.sh --down     # cancel its jobs, stop the daemons (munged too if this script started it)
 #
 # Settings (environment): TFORMER_SLURM_DIR (state, logs, spool; default /tmp/tformer-slurm),
 # TFORMER_SLURM_PORT (slurmctld port; slurmd ports follow it; default 16817).
@@ -19,17 +19,60 @@ CONF=$DIR/slurm.conf
 
 die() { echo "slurm_up: $*" >&2; exit 1; }
 
-stop_all() {
-    for f in "$DIR"/slurmd-*.pid "$DIR"/slurmctld.pid; do
-        [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true
+# Wait up to $1 tenths of a second for the processes $2... to exit; SIGKILL those still there.
+reap() {
+    local tenths=$1 pid alive
+    shift
+    for _ in $(seq "$tenths"); do
+        alive=0
+        for pid in "$@"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        [ "$alive" = 0 ] && return 0
+        sleep 0.1
     done
-    pkill -f "slurmd .*-f $CONF" 2>/dev/null || true
-    pkill -f "slurmctld .*-f $CONF" 2>/dev/null || true
-    sleep 1
+    for pid in "$@"; do kill -KILL "$pid" 2>/dev/null || true; done
+}
+
+stop_all() {
+    # Jobs first: a job's slurmstepd and tasks outlive slurmd (slurmctld signals them, KillWait=30).
+    if [ -f "$CONF" ] && SLURM_CONF=$CONF scontrol ping 2>/dev/null | grep -q UP; then
+        local jobs
+        jobs=$(SLURM_CONF=$CONF squeue -h -o %A 2>/dev/null || true)
+        if [ -n "$jobs" ]; then
+            # shellcheck disable=SC2086 # one job id per word
+            SLURM_CONF=$CONF scancel $jobs 2>/dev/null || true
+            for _ in $(seq 400); do
+                [ -z "$(SLURM_CONF=$CONF squeue -h -o %A 2>/dev/null)" ] && break
+                sleep 0.1
+            done
+        fi
+    fi
+    local pids=() f
+    for f in "$DIR"/slurmd-*.pid "$DIR"/slurmctld.pid; do
+        [ -f "$f" ] && pids+=("$(cat "$f")")
+    done
+    mapfile -t -O "${#pids[@]}" pids < <(pgrep -f "slurm(ctl)?d .*-f $CONF" || true)
+    if [ "${#pids[@]}" -gt 0 ]; then
+        kill "${pids[@]}" 2>/dev/null || true
+        reap 100 "${pids[@]}"
+    fi
+    rm -f "$DIR"/slurmd-*.pid "$DIR/slurmctld.pid"
+}
+
+# munged only if this script started it (its pid saved in $DIR): a machine's own munged stays.
+stop_munge() {
+    [ -f "$DIR/munged.pid" ] || return 0
+    local pid
+    pid=$(cat "$DIR/munged.pid")
+    if [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = munged ]; then
+        kill "$pid" 2>/dev/null || true
+        reap 100 "$pid"
+    fi
+    rm -f "$DIR/munged.pid"
 }
 
 if [ "${1:-}" = "--down" ]; then
     stop_all
+    stop_munge
     exit 0
 fi
 
@@ -49,12 +92,13 @@ if [ ! -s /etc/munge/munge.key ]; then
     mungekey --create --force >/dev/null 2>&1 || die "could not create /etc/munge/munge.key"
     chown munge:munge /etc/munge/munge.key && chmod 600 /etc/munge/munge.key
 fi
-mkdir -p /run/munge /var/log/munge /var/lib/munge
+mkdir -p /run/munge /var/log/munge /var/lib/munge "$DIR"
 chown munge:munge /run/munge /var/log/munge /var/lib/munge
 if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
     runuser -u munge -- /usr/sbin/munged --force || die "munged did not start (see /var/log/munge/munged.log)"
     for _ in $(seq 50); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
     munge -n | unmunge >/dev/null || die "munge does not answer after starting munged"
+    cp /run/munge/munged.pid "$DIR/munged.pid"  # ours: --down stops it
 fi
 
 mkdir -p "$DIR/ctld" "$DIR/node1" "$DIR/node2"
