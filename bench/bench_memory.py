@@ -83,7 +83,7 @@ def _head_loss(vocab, d, tokens, chunk, fake=False):
 
 def head_part(rounds: int, chunks=(128, 256, 1024), time_tokens: int = 512) -> None:
     from tformer.models import build_model
-    from tformer.plan.memory import head_bytes
+    from tformer.plan.activations import head_bytes
 
     vocab, d, tokens = 128256, 2048, 2048
     with torch.device("meta"):
@@ -183,7 +183,7 @@ def _fresh_step(which: str, batch: int, seq: int, chunk, threads: int, ac: str =
 
 def step_part(batch: int = 4, seq: int = 1024, threads: int = 2, chunk: int | None = None) -> None:
     from tformer.models import build_model
-    from tformer.plan.memory import activation_bytes
+    from tformer.plan.activations import activation_bytes
     from tformer.train.config import LossConfig
 
     chunk = chunk or LossConfig().chunk_size
@@ -221,7 +221,7 @@ def step_part(batch: int = 4, seq: int = 1024, threads: int = 2, chunk: int | No
 def ac_part(rounds: int = 3, d_model: int = 512, batch: int = 2, seq: int = 512) -> None:
     from tformer import build_model
     from tformer.parallel.ac import apply_activation_checkpointing
-    from tformer.plan.memory import activation_bytes
+    from tformer.plan.activations import activation_bytes
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

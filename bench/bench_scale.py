@@ -168,11 +168,11 @@ def common(precision: str) -> list[str]:
 # (4Ψ/N more than the paper's fp32 variant), and ZeRO-1 frees the full gradients once they are
 # reduced into the partition (measured after backward, as here). Bytes per Ψ for N ranks:
 from tformer.parallel.memory import activation_peak_tracker  # noqa: E402
-from tformer.plan.memory import DEEPSPEED_FP32_AS_BUILT as AS_BUILT_FP32  # noqa: E402
+from tformer.plan.states import DEEPSPEED_FP32_AS_BUILT as AS_BUILT_FP32  # noqa: E402
 
 
 def memory_part(tmp: str, cache: str, precisions=("bf16", "fp32")) -> None:
-    from tformer.plan.memory import model_state_bytes as formula
+    from tformer.plan.states import model_state_bytes as formula
 
     n = 2
     for precision in precisions:
@@ -355,7 +355,8 @@ def _mesh_worker(rank, world, port, jobs, out, cache):
     import tformer.parallel.tp as tp_module
     from tformer.models.padding import pad_sequences
     from tformer.parallel.memory import SavedActivations, model_state_bytes
-    from tformer.plan.memory import _block_parts, rank_memory, training_memory
+    from tformer.plan.activations import _block_parts
+    from tformer.plan.memory import rank_memory, training_memory
     from tformer.parallel.strategy import param_counts
     from tformer.train.config import load_config
     from tformer.train.trainer import Trainer
@@ -841,7 +842,8 @@ def _cp_length_worker(rank, world, port, out, cache):
 
 
 def _planned_activations(cp: int) -> float:
-    from tformer.plan.memory import activation_bytes, cp_activation_bytes
+    from tformer.plan.activations import activation_bytes
+    from tformer.plan.memory import cp_activation_bytes
 
     cfg = _cp_model().config
     memory = {"return_logits": False, "chunk": None}

@@ -8,7 +8,9 @@ import torch
 from tformer import ConfigError, build_model
 from tformer.parallel.memory import SavedActivations, model_state_bytes
 from tformer.args import parse_bytes
-from tformer.plan.memory import activation_bytes, estimate, model_state_bytes as formula
+from tformer.plan.activations import activation_bytes
+from tformer.plan.memory import estimate
+from tformer.plan.states import model_state_bytes as formula
 
 
 def _measure(model, batch, ac):
@@ -337,7 +339,8 @@ MESH_MODELS = [
 
 @pytest.mark.parametrize("name,extra", MESH_MODELS)
 def test_model_states_per_rank_are_the_tp_and_fsdp_shards_of_each_parameter(name, extra):
-    from tformer.plan.memory import rank_memory, tp_local_parameters
+    from tformer.plan.memory import rank_memory
+    from tformer.plan.states import tp_local_parameters
 
     with torch.device("meta"):
         model = build_model(name, **extra)
@@ -502,7 +505,8 @@ def test_stage_parameters_are_those_of_the_split_model(name, extra):
     the stage build_stage makes (a pruned copy: no process group), sharded by the TP rules above:
     uneven splits, a tied embedding/head on the first and last stage, BERT's head, T5's halves."""
     from tformer.parallel.pipeline import build_stage, stages_of_rank
-    from tformer.plan.memory import rank_memory, stage_parameters
+    from tformer.plan.memory import rank_memory
+    from tformer.plan.states import stage_parameters
 
     with torch.device("meta"):
         model = build_model(name, **extra)
@@ -561,7 +565,8 @@ def test_micro_batches_in_flight_per_schedule_and_the_bubble():
 def test_pipeline_activations_are_the_micro_batches_in_flight():
     """The first rank holds its blocks' activations of each micro-batch in flight; the last rank
     one micro-batch's, plus the head and loss."""
-    from tformer.plan.memory import activation_bytes, rank_memory
+    from tformer.plan.activations import activation_bytes
+    from tformer.plan.memory import rank_memory
 
     with torch.device("meta"):
         cfg = build_model("llama-1b").config  # 16 blocks
@@ -814,7 +819,7 @@ def test_op_ac_under_tp_saves_what_the_planner_counts(tmp_path):
     import torch.multiprocessing as mp
 
     from train_helpers import free_port
-    from tformer.plan.memory import _block_elements_op_ac
+    from tformer.plan.activations import _block_elements_op_ac
 
     out = tmp_path / "saved.json"
     ctx = mp.start_processes(_op_saved_worker, args=(free_port(), str(out)), nprocs=2, join=False, start_method="spawn")

@@ -13,7 +13,7 @@ import pytest
 
 from tformer.plan import Layout, profile, step_time
 from tformer.plan.published import HARDWARE_FIGURES, ROW_KEYS, load, megatron_flops, model_of, predict
-from tformer.plan.time import block_gemms, head_gemms
+from tformer.plan.compute import block_gemms, head_gemms
 
 DATA = load(Path(__file__).resolve().parents[1] / "bench" / "published_speed.json")
 

@@ -14,7 +14,8 @@ from tformer.models.presets import preset
 from tformer.nn.ffn import FFN_KINDS
 from tformer.plan import Layout, NotPriced, profile, step_time
 from tformer.plan.moe import MoELayout, all_to_all_bytes_per_step
-from tformer.plan.time import AC_POLICIES, block_gemms, head_gemms, recomputed_gemms
+from tformer.plan.compute import block_gemms, head_gemms, recomputed_gemms
+from tformer.plan.layout import AC_POLICIES
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny", "t5-tiny", "llama-tiny"])
@@ -757,7 +758,7 @@ def test_a_cpu_pipeline_stage_works_alone_while_its_peer_idles_in_the_bubble():
 
 
 def test_the_chunked_head_is_priced_as_its_chunk_by_vocabulary_gemms():
-    from tformer.plan.time import head_time
+    from tformer.plan.compute import head_time
 
     cfg, hw = preset("gpt2-tiny").replace(vocab_size=4096), _cpu()
     tokens, peak = 8 * 64, hw.peak["fp32"]

@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 from ..config import ConfigError
 from .hardware import Hardware, save_profile
-from .time import _Link, ring
+from .comm import Link, ring
 
 DEADLINE_S = 300.0
 
@@ -275,7 +275,7 @@ def dtensor_op_overhead(mesh, latency: float, bandwidth: float, repeats: int = 9
     counter = Collectives()
     with counter:
         run(split, True)
-    all_reduce = ring("all_reduce", batch * seq * cfg.d_model * 4, mesh.size(), _Link(bandwidth, latency))
+    all_reduce = ring("all_reduce", batch * seq * cfg.d_model * 4, mesh.size(), Link(bandwidth, latency))
     extra = _median(lambda: run(split, True), repeats) - _median(lambda: run(plain, False), repeats) / 2
     ops = _run(_shrunk(cfg, cfg.num_layers, cfg.decoder_layers), True)[1]
     return (extra - counter.count * all_reduce) / ops
@@ -343,7 +343,7 @@ def fsdp_unit_overhead(mesh, latency: float, bandwidth: float, units: int = 4, r
         model(x).sum().backward()
 
     unit_bytes = sum(p.numel() for p in plain[0].parameters()) * 4
-    collective = ring("all_gather", unit_bytes, mesh.size(), _Link(bandwidth, latency))
+    collective = ring("all_gather", unit_bytes, mesh.size(), Link(bandwidth, latency))
     return (_median(lambda: run(sharded)) - _median(lambda: run(plain))) / units - 3 * collective
 
 

@@ -8,19 +8,9 @@ from __future__ import annotations
 from ..args import parse_bytes
 from ..config import ModelConfig
 from ..models import spec_of
-from .memory import (
-    Estimate,
-    _block_elements_op_ac,
-    _block_elements_per_token,
-    _op_ac_parts,
-    activation_bytes,
-    cp_attention_bytes,
-    cp_estimate,
-    cp_local_length,
-    in_flight,
-    num_parameters,
-    training_memory,
-)
+from .activations import _block_elements_op_ac, _block_elements_per_token, _op_ac_parts, activation_bytes
+from .memory import Estimate, cp_attention_bytes, cp_estimate, cp_local_length, in_flight, training_memory
+from .states import num_parameters
 from .search import cp_blocker, cp_layouts, layout_estimate, layouts, pp_layouts, recommend, recommend_cp, tp_degrees
 
 

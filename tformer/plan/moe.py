@@ -1,6 +1,7 @@
 """The planner's mixture-of-experts terms (``tformer plan``), apart from the dense counts in
-``memory.py``: total against active parameters, the expert states a rank holds under expert
-parallelism x FSDP2, the dispatch buffers of one MoE layer, and the all-to-all bytes of a step.
+``states.py`` and ``activations.py``: total against active parameters, the expert states a rank
+holds under expert parallelism x FSDP2, the dispatch buffers of one MoE layer, and the all-to-all
+bytes of a step.
 
 The exchange volume (``parallel/ep.py``): per MoE layer and micro-batch a rank sends its routed
 rows (tokens x top_k, d_model wide) to the experts' ranks and gets the outputs back, and backward
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 from ..models import spec_of
 from ..nn.ffn import FFN_KINDS
+from .states import model_state_bytes
 
 
 def expert_parameters(cfg: ModelConfig) -> int:
@@ -88,8 +90,6 @@ def moe_lines(cfg: ModelConfig, total: int, devices: int, tokens: int, mixed: bo
     devices allow (FSDP2 over all of them), the per-rank expert states and exchange volume."""
     if not cfg.moe.enabled:
         return []
-    from .memory import model_state_bytes
-
     experts = expert_parameters(cfg)
     lines = [
         f"mixture of experts: {total / 1e9:.2f}B parameters, {active_parameters(cfg, total) / 1e9:.2f}B active "

@@ -18,7 +18,8 @@ from pathlib import Path
 from ..config import ModelConfig
 from ..models.presets import GPT2, LLAMA
 from .hardware import Hardware, profile
-from .time import Layout, NotPriced, step_time
+from .layout import Layout, NotPriced
+from .time import step_time
 
 # what a row may say: nothing the time model could read as a per-row constant
 ROW_KEYS = {"source", "table", "name", "model", "seq_len", "layout", "published"}

@@ -20,7 +20,8 @@ from ..models import spec_of
 from . import memory as memory_plan
 from . import memory_report, search
 from .hardware import Hardware, load_profile, profile
-from .time import Layout, NotPriced, StepTime, step_time
+from .layout import Layout, NotPriced, StepTime
+from .time import step_time
 
 
 def add_options(p: argparse.ArgumentParser, number) -> None:

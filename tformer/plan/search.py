@@ -13,15 +13,8 @@ The per-rank bytes come from memory.py; which of the fitting layouts is fastest,
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .memory import (
-    STRATEGY_NAMES,
-    Estimate,
-    cp_estimate,
-    estimate,
-    pipeline_blocker,
-    tp_blocker,
-    with_expert_parallel,
-)
+from .memory import Estimate, cp_estimate, estimate, pipeline_blocker, with_expert_parallel
+from .states import STRATEGY_NAMES, tp_blocker
 
 # what the planner offers a mixture-of-experts model (parallel/ep.py, check_moe_layout): no DeepSpeed
 # (its experts would be partitioned like dense weights); tp = 1 (tp > 1 runs, but is not planned yet)
