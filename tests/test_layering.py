@@ -1,8 +1,9 @@
-"""Layers only look down: no module imports a layer above its own (CONTRIBUTING.md, "Layering").
+"""Layers only look down and imports run one way (CONTRIBUTING.md, "Layering").
 
-Every import is read from the source with ``ast``, including those inside functions, so a lazy
-import is no way around the rule. The checker is also run on a small synthetic package holding a
-violation, to show the test can fail.
+No module imports a layer above its own, and no modules import each other in a circle, not even
+inside one folder. Every import is read from the source with ``ast``, including those inside
+functions and under ``if TYPE_CHECKING:``, so a lazy import is no way around either rule. Each
+checker is also run on a small synthetic package holding a violation, to show the test can fail.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ ROOT = Path(__file__).resolve().parents[1] / "tformer"
 # belongs to the longest entry that is its name or a package above it ("tformer", the package's
 # own __init__, holds only itself).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("tformer.config", "tformer.args", "tformer.logs", "tformer.files", "tformer.safeload")),
+    (
+        "base",
+        ("tformer.config", "tformer.decode_config", "tformer.args", "tformer.logs", "tformer.files", "tformer.safeload"),
+    ),
     ("nn", ("tformer.nn",)),
     ("models", ("tformer.models", "tformer.generate", "tformer.evaluate")),
     ("data", ("tformer.data",)),
@@ -87,8 +91,110 @@ def violations(root: Path, layers=LAYERS) -> list[str]:
     return problems
 
 
+def module_graph(root: Path) -> dict[str, dict[str, int]]:
+    """module -> {module of ours it imports: first line}, at any depth in the file.
+
+    ``from pkg import name`` points at the module ``pkg.name`` where there is one, else at ``pkg``
+    (its ``__init__``); any other target at the longest name of ours above it. Importing
+    ``pkg.mod`` also runs ``pkg/__init__``, but that edge is left out: a package's ``__init__``
+    re-exporting its own modules is the usual shape, not a circle.
+    """
+    paths = {module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+
+    def ours(target: str) -> str | None:
+        parts = target.split(".")
+        while parts and ".".join(parts) not in paths:
+            parts.pop()
+        return ".".join(parts) if parts else None
+
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in paths.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        edges: dict[str, int] = {}
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(
+                    [
+                        *(package[: len(package) - node.level + 1] if node.level else []),
+                        *([node.module] if node.module else []),
+                    ]
+                )
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else base for alias in node.names]
+            for target in targets:
+                found = ours(target)
+                if found is not None and found != name:
+                    edges[found] = min(edges.get(found, node.lineno), node.lineno)
+        graph[name] = edges
+    return graph
+
+
+def circles(root: Path) -> list[str]:
+    """One line per import circle under ``root`` (a strongly connected set of modules), naming one
+    closed path through it with the line of each import."""
+    graph = module_graph(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's strongly connected components
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for other in graph[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in on_stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+
+    lines = []
+    for component in sorted(found):
+        members, start = set(component), component[0]
+        # the shortest closed path from the first member back to itself, inside the component
+        paths = {start: [start]}
+        queue = [start]
+        cycle: list[str] = []
+        while queue and not cycle:
+            here = queue.pop(0)
+            for other in sorted(graph[here]):
+                if other == start:
+                    cycle = [*paths[here], start]
+                    break
+                if other in members and other not in paths:
+                    paths[other] = [*paths[here], other]
+                    queue.append(other)
+        hops = " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {start}"
+        lines.append(f"{len(component)} modules import each other in a circle: {', '.join(component)}; e.g. {hops}")
+    return lines
+
+
 def test_no_module_imports_a_layer_above_its_own():
     assert violations(ROOT) == []
+
+
+def test_no_import_circles():
+    """Not even inside one folder, and not through a function-level import: a shared name goes to a
+    module below both of its users."""
+    assert circles(ROOT) == []
 
 
 def test_model_code_never_imports_torch_distributed():
@@ -159,3 +265,55 @@ def test_the_real_tree_fails_once_a_lower_layer_imports_a_higher_one(tmp_path):
     norm.write_text(norm.read_text() + "\n\ndef _late():\n    from ..checkpoint import io  # a door in the wrong wall\n")
     found = violations(copy)
     assert len(found) == 1 and found[0].startswith("tformer/nn/norm.py:") and "(checkpoint)" in found[0]
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        "from .strategy import Layout\n",  # top-level
+        "import os\n\n\ndef main():\n    from .strategy import Layout\n",  # lazily, inside a function
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from . import strategy\n",  # types only
+        "from tformer.parallel import strategy\n",  # absolute, a module named as a package's attribute
+    ],
+)
+def test_the_check_finds_a_circle(tmp_path, mesh):
+    root = tmp_path / "tformer"
+    _write(
+        root,
+        {
+            "__init__.py": "",
+            "parallel/__init__.py": "from .strategy import Layout\n",  # a package re-exporting: no circle
+            "parallel/strategy.py": "from .deepspeed import X\nfrom .mesh import Y\n",
+            "parallel/deepspeed.py": "from ..parallel.config import Z\n",  # importing pkg.mod runs pkg/__init__: not counted
+            "parallel/config.py": "",
+            "parallel/mesh.py": mesh,
+        },
+    )
+    found = circles(root)
+    assert len(found) == 1, found
+    assert found[0].startswith("2 modules import each other in a circle: tformer.parallel.mesh, tformer.parallel.strategy;")
+    assert "tformer.parallel.mesh (line" in found[0] and "tformer.parallel.strategy (line 2)" in found[0]
+
+
+def test_a_tree_without_circles_passes(tmp_path):
+    _write(
+        tmp_path / "tformer",
+        {"__init__.py": "from . import a\n", "a.py": "from .b import X\n", "b.py": "import os\nimport tformer\n"},
+    )
+    # b imports the package, whose __init__ imports a, which imports b: a real circle
+    assert len(circles(tmp_path / "tformer")) == 1
+    _write(tmp_path / "tformer", {"b.py": "import os\n"})
+    assert circles(tmp_path / "tformer") == []
+
+
+def test_the_real_tree_fails_once_two_of_its_modules_import_each_other(tmp_path):
+    """A copy of tformer/ where checkpoint/state.py lazily imports the manager that imports it: the
+    check names that circle."""
+    import shutil
+
+    copy = tmp_path / "tformer"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__", "corpus"))
+    state = copy / "checkpoint" / "state.py"
+    state.write_text(state.read_text() + "\n\ndef _late():\n    from .manager import CheckpointManager  # back up\n")
+    found = [line for line in circles(copy) if "tformer.checkpoint.state" in line]
+    assert len(found) == 1 and "tformer.checkpoint.manager" in found[0], circles(copy)
