@@ -649,7 +649,8 @@ def test_plan_layouts_include_cp():
 def test_plan_cp_activations_per_rank_with_the_gathered_kv():
     """Per rank: the blocks' and the head's activations of seq / cp tokens, plus one attention call's
     whole-sequence K/V (gathered) and their fp32 gradients, which do not shrink with cp."""
-    from tformer.plan.memory import activation_bytes, cp_activation_bytes, cp_attention_bytes
+    from tformer.plan.activations import activation_bytes
+    from tformer.plan.memory import cp_activation_bytes, cp_attention_bytes
 
     cfg = _long_gpt2().model
     seq, kv = 8192, cfg.kv_heads * cfg.head_dim
