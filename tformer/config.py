@@ -33,7 +33,8 @@ RouterSoftmax = Literal["all", "topk"]
 # -- training choices the lower layers act on ------------------------------------------------------
 # They live here, not in tformer/train/config.py (which re-exports them), because nn, models, data
 # and parallel may import this module but not the train layer above them.
-Precision = Literal["auto", "bf16", "fp32", "fp16"]
+# fp8: the blocks' linear layers in float8 (torchao), bf16 autocast elsewhere (tformer/parallel/float8.py)
+Precision = Literal["auto", "bf16", "fp32", "fp16", "fp8"]
 StrategyName = Literal["ddp", "fsdp", "deepspeed"]
 ACMode = Literal["none", "full", "selective", "op"]
 PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]

@@ -1,6 +1,7 @@
-"""The run config's ``parallel`` section: the strategy, the device mesh and how the model is laid
-out on it. Its owner is this package; ``tformer/train/config.py`` composes it into the run config
-(and re-exports it). Ranges are declared on the fields (``ranged``) and checked by
+"""The run config's ``parallel`` section (the strategy, the device mesh and how the model is laid
+out on it) and its ``float8`` section (how ``precision: fp8`` converts the blocks' linear layers,
+``float8.py``). Their owner is this package; ``tformer/train/config.py`` composes them into the run config
+(and re-exports them). Ranges are declared on the fields (``ranged``) and checked by
 ``check_ranges``; the layout's cross-checks (``check_strategy``, ``check_tp``, ``check_pipeline``)
 need the world size and the model, so they run when the trainer builds the mesh.
 """
@@ -14,7 +15,10 @@ from ..config import ACMode, ConfigError, StrategyName, ranged
 
 Backend = Literal["gloo", "nccl", "mpi", "ucc"]
 CPKernel = Literal["tformer", "torch"]
+# torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``, torchao 0.12-0.18)
+Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
+FLOAT8_RECIPES: tuple[Float8Recipe, ...] = get_args(Float8Recipe)
 
 
 @dataclass
@@ -58,3 +62,17 @@ class ParallelConfig:
                 "parallel.dp_shard=0 is not allowed; use a positive shard-group size, or -1 for "
                 "whatever the world size leaves after dp_replicate x tp"
             )
+
+
+@dataclass
+class Float8Config:
+    """``precision: fp8`` (tformer/parallel/float8.py): the blocks' linear layers run their matrix
+    products in float8 (torchao), everything else in bf16 autocast. Read only when precision=fp8."""
+
+    # tensorwise: one scale per tensor (fastest; FSDP2 all-gathers its weights in float8) | rowwise:
+    # one scale per row, powers of two (more accurate, slower) | rowwise_with_gw_hp: rowwise with the
+    # weight gradient's product in bf16 (the most accurate)
+    recipe: Float8Recipe = "tensorwise"
+    # true: the float8 products computed in fp32 from the float8 values (the same casts and scales,
+    # no FP8 tensor cores: tests and CPUs); false needs a GPU of compute capability 8.9+
+    emulate: bool | None = field(default=None, metadata={"null": "true on a CPU, false on a GPU"})
