@@ -23,12 +23,14 @@ def peak_memory_mb(device: torch.device) -> float:
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor holding ``t``'s bytes on this rank: a DTensor's local shard (FSDP2, tensor
-    parallel), the result inside funcol's AsyncCollectiveTensor; read without an autograd op, so
-    that saved-tensor hooks can call it."""
+    parallel), the result inside funcol's AsyncCollectiveTensor, the weight inside torchao's float8
+    FSDP2 wrapper; read without an autograd op, so that saved-tensor hooks can call it."""
     while True:
         inner = getattr(t, "_local_tensor", None)  # DTensor
         if inner is None:
             inner = getattr(t, "elem", None)  # AsyncCollectiveTensor
+        if inner is None:
+            inner = getattr(t, "_tensor", None)  # torchao's float8-all-gathered FSDP2 weight (precision=fp8)
         if not isinstance(inner, torch.Tensor):
             return t
         t = inner
