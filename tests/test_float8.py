@@ -174,6 +174,7 @@ COMMON = ["eval_every=0", "save_every=2", "optim.warmup_steps=1", "model.dropout
 
 def test_an_fp8_run_resumes_exactly_and_its_checkpoints_are_a_bf16_runs(cache, tmp_path):
     from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
 
     from tformer.checkpoint import list_checkpoints
 
@@ -183,12 +184,14 @@ def test_an_fp8_run_resumes_exactly_and_its_checkpoints_are_a_bf16_runs(cache, t
     assert list_checkpoints(parts / "checkpoints")[-1].name == "step_00000002"
     _train("gpt2-tiny", parts, *COMMON, "precision=fp8", "max_steps=4")
     assert losses(parts) == losses(whole)  # bitwise
-    # the checkpoint holds the model's own names (no float8 state): what a bf16 run writes
-    ckpt = list_checkpoints(whole / "checkpoints")[-1]
-    files = sorted(ckpt.glob("*.safetensors"))
-    if files:
-        names = {k for f in files for k in load_file(f)}
-        assert names == set(build_model("gpt2-tiny", vocab_size=2048, d_ff=128).state_dict()) - {"lm_head.weight"}
+    # the checkpoint holds the model's own names and shapes (no float8 state): what a bf16 run writes
+    bf16 = tmp_path / "bf16"
+    _train("gpt2-tiny", bf16, *COMMON, "precision=bf16", "max_steps=2")
+    fp8_ckpt, bf16_ckpt = (list_checkpoints(run / "checkpoints")[0] for run in (whole, bf16))
+    weights = [{k: v.shape for k, v in load_file(c / "model.safetensors").items()} for c in (fp8_ckpt, bf16_ckpt)]
+    assert weights[0] == weights[1]
+    dcp = [FileSystemReader(c / "dcp").read_metadata().state_dict_metadata for c in (fp8_ckpt, bf16_ckpt)]
+    assert dcp[0].keys() == dcp[1].keys()
 
 
 def test_an_fp8_checkpoint_exports_to_transformers(cache, tmp_path):
