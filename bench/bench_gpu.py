@@ -57,10 +57,12 @@ from tformer.export import to_hf_model  # noqa: E402
 from tformer.generate import generate  # noqa: E402
 from tformer.models.flops import training_flops  # noqa: E402
 from tformer.models.presets import preset  # noqa: E402
-from tformer.parallel.compile import compile_blocks  # noqa: E402
+from tformer.models.loss import auto_chunk_size  # noqa: E402
+from tformer.parallel.compile import compile_blocks, compile_head  # noqa: E402
 from tformer.plan import rank_memory  # noqa: E402
 from tformer.plan.memory import training_memory  # noqa: E402
 from tformer.train.config import LossConfig, OptimConfig, TrainConfig  # noqa: E402
+from tformer.train.head import STATE_BYTES_PER_PARAMETER  # noqa: E402
 from tformer.train.metrics import peak_flops  # noqa: E402
 from tformer.train.optim import build_optimizer  # noqa: E402
 
@@ -99,6 +101,7 @@ class Row:
     compile_s: float = float("nan")
     first_loss: float = float("nan")
     oom_retries: int = 0
+    loss_chunk: int | None = None  # tformer's head: tokens per chunk (None: whole)
     error: str | None = None
 
 
@@ -130,11 +133,31 @@ def planned_bytes(cfg, device: torch.device, b: int, s: int, t: int | None, chun
     return rank_memory(cfg, seq_len=s, micro_batch=b, target_len=t, precision="bf16", strategy="ddp", **memory).total
 
 
-def auto_micro_batch(cfg, device: torch.device, s: int, t: int | None, chunk: int | None, fill: float) -> int:
-    """The largest power of two whose planned step fits in ``fill`` of the free device memory."""
+def head_chunk(cfg, b: int, s: int, t: int | None, device: torch.device, chunk, parameters: int) -> int | None:
+    """The trainer's ``loss.chunk_size`` for this row: a number or null as given, ``auto`` by the
+    trainer's rule (``models/loss.auto_chunk_size``; free memory: the device's less the states)."""
+    if chunk != "auto":
+        return chunk  # type: ignore[return-value]
+    free = None
+    if device.type == "cuda":
+        free = torch.cuda.get_device_properties(device).total_memory - STATE_BYTES_PER_PARAMETER * parameters
+    rows = b * (t or s)
+    if cfg.family == "encoder":
+        rows = int(rows * MLM_SHARE)
+    return auto_chunk_size(rows, cfg.padded_vocab_size, 6, free)
+
+
+def auto_micro_batch(cfg, device: torch.device, s: int, t: int | None, chunk, fill: float, parameters: int) -> int:
+    """The largest power of two whose planned step (its head chunked as the trainer would) fits in
+    ``fill`` of the free device memory."""
     free = torch.cuda.mem_get_info(device)[0]
+
+    def fits(b: int) -> bool:
+        at = head_chunk(cfg, b, s, t, device, chunk, parameters)
+        return planned_bytes(cfg, device, b, s, t, at) <= fill * free
+
     b = 1
-    while b < MAX_MICRO_BATCH and planned_bytes(cfg, device, 2 * b, s, t, chunk) <= fill * free:
+    while b < MAX_MICRO_BATCH and fits(2 * b):
         b *= 2
     return b
 
@@ -176,9 +199,12 @@ def measure(row: Row, base: torch.nn.Module, cfg, device, args, peak: float) -> 
     model = copy.deepcopy(base).to(device).train()
     ours = row.contender == "tformer"
     if ours:
-        model.loss_chunk_size = args.loss_chunk
-        if row.compiled:
+        n = sum(p.numel() for p in base.parameters())
+        chunk = head_chunk(cfg, row.micro_batch, row.seq, row.target, device, args.loss_chunk, n)
+        model.loss_chunk_size = row.loss_chunk = chunk
+        if row.compiled:  # as the trainer's compile=true: every block, and the head with its loss
             compile_blocks(model)
+            compile_head(model)
     elif row.compiled:
         model = torch.compile(model)
     opt = build_optimizer(model, OptimConfig(), device)
@@ -204,7 +230,7 @@ def measure(row: Row, base: torch.nn.Module, cfg, device, args, peak: float) -> 
     if device.type == "cuda":
         row.peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
     if ours:
-        row.plan_mb = planned_bytes(cfg, device, row.micro_batch, row.seq, row.target, args.loss_chunk) / 2**20
+        row.plan_mb = planned_bytes(cfg, device, row.micro_batch, row.seq, row.target, row.loss_chunk) / 2**20
 
 
 def run_contender(row: Row, base: torch.nn.Module, cfg, device, args, peak: float) -> Row:
@@ -231,11 +257,11 @@ def bench_training(family: str, args, device: torch.device, peak: float) -> list
     torch.manual_seed(0)
     ours = build_model(cfg)  # on the CPU: every contender copies these weights to the device
     theirs = to_hf_model(ours)
+    n = sum(p.numel() for p in ours.parameters())
     if args.micro_batch == "auto":
-        b = 4 if device.type == "cpu" else auto_micro_batch(cfg, device, s, t, args.loss_chunk, args.fill)
+        b = 4 if device.type == "cpu" else auto_micro_batch(cfg, device, s, t, args.loss_chunk, args.fill, n)
     else:
         b = int(args.micro_batch)
-    n = sum(p.numel() for p in ours.parameters())
     how = f" (planner, fill {args.fill:.0%})" if args.micro_batch == "auto" and device.type == "cuda" else ""
     target = f" -> {t}" if t else ""
     print(f"\n[{family}] {name}: {n / 1e6:.1f}M parameters, seq {s}{target}, micro-batch {b}{how}", flush=True)
@@ -358,6 +384,14 @@ def verdicts(rows: list[Row], gens: list[dict], device: torch.device) -> list[st
     return lines
 
 
+def _chunk(text: str) -> int | str | None:
+    if text in ("auto", "null"):
+        return None if text == "null" else text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: use auto, null or a positive number of tokens")
+    return int(text)
+
+
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny presets and sequences (runs on CPU; CI)")
@@ -367,7 +401,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps, compile included (default 3; --tiny 1)")
     p.add_argument("--micro-batch", default="auto", help="auto (the planner fills the GPU) or a number")
     p.add_argument("--fill", type=float, default=0.85, help="share of free device memory the planner may fill")
-    p.add_argument("--loss-chunk", type=int, default=LossConfig().chunk_size, help="tformer's loss.chunk_size")
+    p.add_argument(
+        "--loss-chunk", type=_chunk, default=LossConfig().chunk_size, help="tformer's loss.chunk_size: auto, null or N"
+    )
     p.add_argument("--peak", type=float, default=None, help="dense bf16 peak in TFLOP/s (default: the GPU table)")
     p.add_argument("--no-generate", action="store_true", help="skip the generation rows")
     p.add_argument("--gen-repeats", type=int, default=3)

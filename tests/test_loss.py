@@ -120,3 +120,68 @@ def test_label_smoothing_through_the_model_on_full_and_loss_only_paths(preset):
         out.loss.backward()
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad, want[n], atol=1e-6, rtol=0, msg=n)
+
+
+# -- loss.chunk_size=auto: the head sized for the device (models/loss.auto_chunk_size) -------------
+
+GB = 1e9
+
+
+def test_auto_chunk_keeps_the_cpus_measured_best():
+    from tformer.models.loss import CPU_CHUNK, auto_chunk_size
+
+    assert auto_chunk_size(8 * 64, 4096, 4, None) == CPU_CHUNK == 128
+
+
+@pytest.mark.parametrize(
+    "tokens,vocab,free,want",
+    [
+        # llama-1b on an H200, micro-batch 16 x 2,048: 25 GB of bf16 logits fit a quarter of the
+        # ~122 GB the states leave, so the head runs whole (the fastest there: 634 ms against 821
+        # ms a step at 128-token chunks, shared/gpu/README.md)
+        (16 * 2048, 128256, 122 * GB, None),
+        # micro-batch 32: 50 GB does not fit 30.5 GB; the fewest chunks that do, a multiple of 256
+        (32 * 2048, 128256, 122 * GB, 39424),
+        # gpt2-small at micro-batch 256 x 1,024: 3 chunks a step where 128-token chunks made 2,048
+        (256 * 1024, 50304, 139 * GB, 114944),
+        # a small card and a huge vocabulary: never under 256 rows
+        (4096, 256000, 2 * GB, 256),
+    ],
+)
+def test_auto_chunk_on_an_accelerator_runs_the_head_whole_where_it_fits(tokens, vocab, free, want):
+    from tformer.models.loss import GPU_MIN_CHUNK, HEAD_SHARE, auto_chunk_size
+
+    got = auto_chunk_size(tokens, vocab, 6, free)
+    assert got == want
+    if got is None:
+        assert tokens * vocab * 6 <= HEAD_SHARE * free
+    else:
+        assert got % GPU_MIN_CHUNK == 0 and (got == GPU_MIN_CHUNK or got * vocab * 6 <= HEAD_SHARE * free)
+        assert got >= GPU_MIN_CHUNK and tokens * vocab * 6 > HEAD_SHARE * free
+
+
+def test_the_trainer_resolves_auto_and_keeps_a_number(tmp_path, monkeypatch):
+    """The default (auto) is the CPU's 128 here; a number or null is taken as given; the head's rows
+    count a micro-batch's target tokens (T5), its masked share (BERT), 1/cp of them."""
+    from tformer.train.config import load_config
+    from tformer.plan.head import head_rows
+    from tformer.train.head import loss_chunk_size
+    from tformer.parallel.mesh import ParallelDims
+
+    from train_helpers import CONFIGS
+
+    cfg = load_config(CONFIGS / "gpt2-tiny.yaml", [f"output_dir={tmp_path}"])
+    assert cfg.loss.chunk_size == "auto"
+    dims = ParallelDims(1, 1, 1)
+    cpu = torch.device("cpu")
+    assert loss_chunk_size(cfg, cfg.model, cpu, "fp32", 10**6, dims, 64, None) == 128
+    cfg.loss.chunk_size = None
+    assert loss_chunk_size(cfg, cfg.model, cpu, "fp32", 10**6, dims, 64, None) is None
+    cfg.loss.chunk_size = 7
+    assert loss_chunk_size(cfg, cfg.model, cpu, "fp32", 10**6, dims, 64, None) == 7
+    assert head_rows(cfg, cfg.model, 64, None, 1) == cfg.micro_batch_size * 64
+    assert head_rows(cfg, cfg.model, 64, None, 2) == cfg.micro_batch_size * 32
+    t5 = load_config(CONFIGS / "t5-tiny.yaml", [f"output_dir={tmp_path}"])
+    assert head_rows(t5, t5.model, 128, 30, 1) == t5.micro_batch_size * 30
+    bert = load_config(CONFIGS / "bert-tiny.yaml", [f"output_dir={tmp_path}"])
+    assert head_rows(bert, bert.model, 100, None, 1) == int(bert.micro_batch_size * 100 * bert.data.mlm_probability)

@@ -66,7 +66,8 @@ def test_chunked_loss_equals_unchunked_loss_and_gradients(name, tied):
             for n in want:
                 # an MoE router's or shared-expert gate's few outputs sum over every token: their
                 # gradients carry the reduction order's rounding (~1e-6 relative)
-                rel = 1e-5 if "router" in n or "shared_gate" in n else 1e-6
+                # (norm-relative 1.05e-6 measured on gpt2-tiny's ffn_norm.bias, a sum over every token)
+                rel = 1e-5 if "router" in n or "shared_gate" in n else 2e-6
                 _assert_rel(grads[n], want[n], f"{n} sparse={sparse} chunk={chunk}", rel)
     padded = model.lm_head.weight.grad[1000:]
     assert padded.abs().max() == 0  # padded vocabulary rows get no gradient

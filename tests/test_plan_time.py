@@ -425,6 +425,9 @@ def test_the_python_api_gives_the_cli_rows(capsys, argv, marker):
     from tformer.plan.memory import training_memory
     from tformer.train.config import load_config
 
+    from tformer.args import parse_bytes
+
+    hw = profile("h100-sxm")
     assert main(["plan", *argv]) == 0
     rows = _speed_rows(capsys.readouterr().out, marker)
     assert rows, f"no {marker} rows"
@@ -445,9 +448,9 @@ def test_the_python_api_gives_the_cli_rows(capsys, argv, marker):
             ac=ac,
             cp=degrees.get("cp", 1),
             ep=degrees.get("ep", 1),
-            loss_chunk=cfg.loss.chunk_size,  # the run's chunked head, as the CLI reads it
+            loss_chunk=training_memory(cfg, hw.memory)["chunk"],  # the run's head (auto: on this GPU)
         )
-        r = step_time(cfg.model, layout, profile("h100-sxm"), cfg.data.seq_len, memory=False)
+        r = step_time(cfg.model, layout, hw, cfg.data.seq_len, memory=False)
         assert (f"{r.step:.3f}", f"{r.tokens_per_s_per_device:,.0f}", f"{r.mfu:.0%}") == (step, tokens, mfu), name
         # the memory column: rank_memory with the run's loss settings (its chunked head)
         e = rank_memory(
@@ -463,7 +466,7 @@ def test_the_python_api_gives_the_cli_rows(capsys, argv, marker):
             strategy=layout.strategy,
             cp=layout.cp,
             ep=layout.ep,
-            **training_memory(cfg),
+            **training_memory(cfg, parse_bytes("80")),  # the CLI's --device-memory (default 80 GiB)
             loss_parallel=cfg.parallel.loss_parallel,
         )
         assert f"{e.total / 2**30:.1f}" == gib, name

@@ -309,6 +309,7 @@ def _error_line(capsys):
         ("model: {preset: gpt2-tiny}\n", ["device=gpu"], "device='gpu' is not allowed; use one of: auto, cpu, cuda"),
         ("model: {preset: gpt2-tiny}\n", ["loss.chunk_size=0"], "loss.chunk_size=0 must be >= 1"),
         ("model: {preset: gpt2-tiny}\n", ["loss.chunk_size=-5"], "loss.chunk_size=-5 must be >= 1"),
+        ("model: {preset: gpt2-tiny}\n", ["loss.chunk_size=big"], "loss.chunk_size='big' is not allowed; use a positive"),
         (
             "model: {preset: gpt2-tiny}\n",
             [
@@ -535,3 +536,41 @@ def test_strategy_step_contract_applies_skips_and_clears():
     assert not result.applied and not changed and math.isnan(result.grad_norm)
     result, _, changed = run(1.0, loss_finite=False)
     assert not result.applied and not changed and math.isnan(result.grad_norm)
+
+
+def test_a_training_step_reads_the_device_at_most_twice(cache, tmp_path, monkeypatch):
+    """Every read of a device value on the host (``.item()``, ``float()``, ``bool()``, ``int()``,
+    ``.tolist()`` of a tensor) waits for the device to finish all it was given: on a GPU the host then
+    stops running ahead. A step (no logging, evaluation or save) reads twice: the all-reduced
+    loss / tokens / stop-signal / FLOPs together, and the gradient norm that decides a skipped step.
+    Counted here by wrapping those tensor methods (what ``torch.cuda.set_sync_debug_mode`` reports on
+    a GPU); the chunked loss's unit-gradient check reads only on a CPU and is left out."""
+    import traceback
+
+    t = trainer("gpt2-tiny", tmp_path, "max_steps=3", "eval_every=0", "save_every=0", "log_every=100")
+    reads: list[str] = []
+    inside = [False]
+    for name in ("item", "__float__", "__bool__", "__int__", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _original=original, _name=name, **kw):
+            if inside[0]:
+                caller = traceback.extract_stack(limit=3)[-2]
+                if caller.name != "_is_one":  # models/loss.py: a CPU-only shortcut
+                    reads.append(f"{_name} in {caller.name} ({os.path.basename(caller.filename)}:{caller.lineno})")
+            return _original(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    step = t._train_step
+
+    def one_step(*a, **kw):
+        inside[0] = True
+        try:
+            return step(*a, **kw)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(t, "_train_step", one_step)
+    t.fit()
+    assert t.step == 3
+    assert len(reads) <= 2 * 3, reads

@@ -336,6 +336,8 @@ def unwrap_optional(hint: Any) -> tuple[Any, bool]:
         rest = [a for a in args if a is not type(None)]
         if len(rest) == 1 and len(rest) < len(args):
             return rest[0], True
+        if len(rest) < len(args):  # e.g. int | str | None: optional, of several kinds
+            return Union[tuple(rest)], True
     return hint, False
 
 
@@ -411,3 +413,4 @@ def check_fields(obj: Any, prefix: str = "") -> None:
 # Tables derived from the declarations, for callers that want them whole (the tests, the reference)
 MODEL_RANGES = ranges(ModelConfig, nested=False)
 MOE_RANGES = ranges(MoEConfig)
+

@@ -7,13 +7,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError, Family, ModelConfig
 from ..nn import LearnedPositions, SinusoidalPositions, make_norm
 from ..nn.moe import Experts, moe_aux_loss, moe_layers
-from .flops import head_flops, stack_flops
+from .block_flops import head_flops, stack_flops
 from .loss import chunked_lm_loss, loss_divisor
 
 
@@ -124,7 +123,7 @@ class TformerModel(nn.Module):
     sharded_loss: Any = None
     gather_logits: Any = None
     # Set from outside by sequence parallelism (tformer/parallel/tp.py) to the tp degree: every
-    # forward's sequence length must then be a multiple of it (see ``pad_sequences``).
+    # forward's sequence length must then be a multiple of it (see ``padding.pad_sequences``).
     sequence_multiple: int = 1
 
     @classmethod
@@ -282,7 +281,9 @@ class TformerModel(nn.Module):
         x = self._head_input(hidden)
         if self.sharded_loss is not None:
             return None, self.sharded_loss(self.lm_head(x), labels, self.config.vocab_size, label_smoothing, loss_tokens)
-        if self.loss_chunk_size is None:
+        # compiled, a masked LM's labelled rows are a data-dependent count, which a graph cannot loop
+        # over in chunks: its head (15% of the positions) runs whole there
+        if self.loss_chunk_size is None or (labelled_only and torch.compiler.is_compiling()):
             return None, lm_loss(self._logits(x), labels, label_smoothing, loss_tokens, overwrite=True)
         head = self.lm_head
         return None, chunked_lm_loss(
@@ -313,8 +314,10 @@ def lm_loss(
     at the end of forward."""
     flat = logits.float().reshape(-1, logits.shape[-1])
     # a copy (the fp32 cast, a sliced vocabulary reshaped) or the head's own output may be written
-    # over; a view autograd made elsewhere (a gathered tensor-parallel head's) may not
-    overwrite = overwrite and (not logits._is_view() or flat.data_ptr() != logits.data_ptr())
+    # over; a view autograd made elsewhere (a gathered tensor-parallel head's) may not. Compiled,
+    # the graph plans its own buffers (and a data pointer is no traceable value)
+    compiling = torch.compiler.is_compiling()
+    overwrite = overwrite and not compiling and (not logits._is_view() or flat.data_ptr() != logits.data_ptr())
     return CrossEntropy.apply(flat, labels.reshape(-1), float(label_smoothing), loss_tokens, overwrite)
 
 
@@ -360,35 +363,3 @@ class CrossEntropy(torch.autograd.Function):
 
 def default_positions(input_ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
     return torch.arange(offset, offset + input_ids.shape[1], device=input_ids.device)
-
-
-def pad_sequences(inputs: dict, multiple: int, pad_id: int, family: str) -> dict:
-    """A batch's sequences padded at the end to a multiple of ``multiple`` (sequence parallelism
-    splits them evenly over the tp ranks): the one padding path of training, evaluation and decoding.
-
-    Added positions are padding: ids ``pad_id``, attention mask 0 (created for bidirectional
-    stacks if the batch had none), labels -100; they sit at the end, so causal positions never see
-    them, and no loss, gradient or logit of a real position changes."""
-    if multiple <= 1:
-        return inputs
-    from .spec import FAMILY_CLASSES
-
-    kind = FAMILY_CLASSES[family]  # type: ignore[index]
-    out = dict(inputs)
-
-    def grow(t, n, value):
-        return F.pad(t, (0, n), value=value) if n else t
-
-    n = -out["input_ids"].shape[1] % multiple
-    if n:
-        if "attention_mask" not in out and not kind.CAUSAL_LM:
-            out["attention_mask"] = torch.ones_like(out["input_ids"])
-        out["input_ids"] = grow(out["input_ids"], n, pad_id)
-        for key, value in (("attention_mask", 0), ("token_type_ids", 0)):
-            if key in out:
-                out[key] = grow(out[key], n, value)
-        if not kind.SEQ2SEQ and "labels" in out:
-            out["labels"] = grow(out["labels"], n, -100)
-    if kind.SEQ2SEQ and "labels" in out:
-        out["labels"] = grow(out["labels"], -out["labels"].shape[1] % multiple, -100)
-    return out

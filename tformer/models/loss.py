@@ -21,6 +21,31 @@ import torch.nn.functional as F
 from ..config import ConfigError
 
 
+CPU_CHUNK = 128  # tokens per chunk on a CPU: the measured best there (docs/memory.md)
+HEAD_SHARE = 0.25  # of the memory the model states leave free, the share the head's logits may take
+GPU_MIN_CHUNK = 256  # the smallest chunk on an accelerator, and the multiple chunks are rounded to
+
+
+def auto_chunk_size(tokens: int, vocab: int, per_logit: int, free_bytes: float | None) -> int | None:
+    """``loss.chunk_size=auto``: the chunk, in tokens, for a head of ``tokens`` rows (one micro-batch's
+    labelled positions) over ``vocab`` columns, where each logit costs ``per_logit`` bytes at the
+    head's peak (6 under mixed precision, 4 in fp32: ``plan/memory.head_bytes``), on a device with
+    ``free_bytes`` left by the model states (None: a CPU).
+
+    On a CPU the measured best, ``CPU_CHUNK``. On an accelerator chunks cost what no FLOP count
+    shows (each is a handful of kernels: on an H200, llama-1b ran 821 ms a step at 128-token chunks,
+    692 ms at 1,024, 634 ms unchunked), so the head runs whole (None) where its logits fit
+    ``HEAD_SHARE`` of the free memory, else in the fewest chunks that do (a multiple of
+    ``GPU_MIN_CHUNK``, at least that). The trainer and the planner both decide through here."""
+    if free_bytes is None:
+        return CPU_CHUNK
+    budget = HEAD_SHARE * max(free_bytes, 0.0)
+    if tokens * vocab * per_logit <= budget:
+        return None
+    rows = int(budget // (vocab * per_logit))
+    return max(GPU_MIN_CHUNK, rows // GPU_MIN_CHUNK * GPU_MIN_CHUNK)
+
+
 def loss_divisor(valid: torch.Tensor, loss_tokens: torch.Tensor | None) -> torch.Tensor:
     """What a mean loss divides its sum by: the labelled positions ``valid`` marks, or the sum of
     ``loss_tokens`` (a count, or per-sample counts that split with a pipeline's micro-batches;
@@ -151,7 +176,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 def _is_one(t: torch.Tensor) -> bool:
     """A unit incoming gradient (``loss.backward()``) needs no pass over the weight gradient; on an
-    accelerator (no host sync) and for fake tensors (memory estimates) the multiply just runs."""
+    accelerator (no host sync), for fake tensors (memory estimates) and under compile the multiply
+    just runs."""
     from torch._subclasses.fake_tensor import FakeTensor
 
+    if torch.compiler.is_compiling():  # a graph has no host reads: the multiply is traced into it
+        return False
     return t.device.type == "cpu" and not isinstance(t, FakeTensor) and t.numel() == 1 and t.item() == 1.0

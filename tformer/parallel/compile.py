@@ -1,17 +1,53 @@
-"""Per-block ``torch.compile``: each transformer block is compiled on its own, which keeps graphs
-small and (unlike whole-model compile) composes with per-block sharding wrappers."""
+"""``torch.compile`` from outside the model, in place (parameter names stay as they are).
+
+- ``compile=true``: every transformer block on its own (small graphs; composes with per-block
+  sharding wrappers: FSDP2, TP, activation checkpointing), and the output head with its loss
+  (``_head_and_lm_loss``) as one more graph where the head is whole (tp = 1, no pipeline): on a GPU
+  the chunked loss's loop would otherwise launch a handful of small kernels per chunk from Python.
+- ``compile=model``: the whole model as one graph (HF's way); one device or DDP only, since whole-
+  model compile graph-breaks in FSDP2's hooks (the trainer refuses the other layouts in one line).
+
+Either way the forward has no graph break under bf16 autocast for every family (tests/test_compile.py):
+the routing of mixture-of-experts layers (``bincount``) and BERT's labelled positions (boolean
+indexing) have data-dependent shapes, which dynamo traces once ``capture_dynamic_output_shape_ops``
+is on; the chunked loss skips its host-side shortcut while compiling (``models/loss.py``).
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from ..nn import TransformerBlock, TransformerStack
 
 
+def allow_dynamic_shapes() -> None:
+    """Let dynamo trace ops whose output shape depends on the data (MoE dispatch, masked-LM rows)."""
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    torch._dynamo.config.capture_scalar_outputs = True
+
+
 def compile_blocks(model: torch.nn.Module, **options) -> torch.nn.Module:
+    allow_dynamic_shapes()
     for module in model.modules():
         if isinstance(module, TransformerStack):
             for block in module.layers:
                 if isinstance(block, TransformerBlock):  # not another pipeline stage's placeholder
                     block.compile(**options)  # in place: parameter names stay as they are
+    return model
+
+
+def compile_head(model: torch.nn.Module, **options) -> torch.nn.Module:
+    """The head and loss of the training step (``_head_and_lm_loss``, a method of every family) as
+    a compiled function, set on this model only."""
+    allow_dynamic_shapes()
+    head: Any = model._head_and_lm_loss
+    model._head_and_lm_loss = torch.compile(head, **options)  # type: ignore[assignment]
+    return model
+
+
+def compile_model(model: torch.nn.Module, **options) -> torch.nn.Module:
+    allow_dynamic_shapes()
+    model.compile(**options)  # in place: nn.Module.compile keeps the parameter names
     return model

@@ -4,7 +4,7 @@ The run is built from the ``DeviceMesh`` (``mesh.py``, on ``dist_info``) by a fl
 ``apply_*`` steps, each a function of (module, :class:`Layout`) that does nothing when its
 dimension or option is off, in the order torchtitan's parallelize functions use:
 
-    apply_tp (+SP) -> apply_cp -> apply_ep -> apply_ac -> apply_compile
+    apply_float8 -> apply_tp (+SP) -> apply_cp -> apply_ep -> apply_ac -> apply_compile
         -> apply_data_parallel (FSDP2 / HSDP, experts first under EP; or DDP)
 
 and, when ``pp > 1``, ``apply_pipeline`` first cuts this rank's stages, each then taken through the
@@ -29,10 +29,11 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError, StrategyName
+from ..config import ConfigError
 from ..nn import TransformerBlock, TransformerStack
 from .ac import apply_activation_checkpointing
-from .compile import compile_blocks
+from .compile import compile_blocks, compile_head, compile_model
+from .float8 import apply_float8, precompute_scales_after_step
 
 
 @dataclass(frozen=True)
@@ -168,9 +169,14 @@ def apply_ac(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
 
 
 def apply_compile(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
-    """Per block, before sharding (whole-model compile graph-breaks in FSDP2's hooks)."""
-    if layout.cfg.compile:
+    """Per block (and the whole head with its loss), before sharding; ``compile=model``: the whole
+    model, on one device or under DDP (whole-model compile graph-breaks in FSDP2's hooks)."""
+    if layout.cfg.compile == "model":
+        compile_model(model)
+    elif layout.cfg.compile:
         compile_blocks(model)
+        if layout.tp == 1 and layout.pp == 1:
+            compile_head(model)
     return model
 
 
@@ -226,10 +232,11 @@ def apply_data_parallel(model: torch.nn.Module, layout: Layout) -> torch.nn.Modu
 
 
 Step = Callable[[torch.nn.Module, Layout], torch.nn.Module]
-# The order is fixed: TP shards the blocks' weights first; AC and compile wrap what TP made;
+# The order is fixed: float8 swaps the blocks' linear layers first (precision=fp8); TP shards their
+# weights next; AC and compile wrap what TP made;
 # sharding comes last, over the finished blocks (torchtitan's parallelize_llama does the same).
 # MODEL_STEPS change the module in place; DeepSpeed's engine takes the place of the last step.
-MODEL_STEPS: tuple[Step, ...] = (apply_tp, apply_cp, apply_ep, apply_routing, apply_ac, apply_compile)
+MODEL_STEPS: tuple[Step, ...] = (apply_float8, apply_tp, apply_cp, apply_ep, apply_routing, apply_ac, apply_compile)
 STEPS: tuple[Step, ...] = (*MODEL_STEPS, apply_data_parallel)
 
 
@@ -383,6 +390,7 @@ class MeshStrategy:
         """Refuse what the installed packages cannot run, before any distributed work."""
 
     def setup_optimizer(self, optimizer: Any) -> Any:
+        precompute_scales_after_step(optimizer, self.model)  # fsdp + fp8: one scale all-reduce per step
         return optimizer
 
     def fused_optimizer_ok(self) -> bool:
@@ -419,20 +427,6 @@ class MeshStrategy:
 
     def memory_report(self, optimizer: Any) -> dict[str, float]:
         return memory_report(self.model, optimizer, self.dist.device)
-
-
-def strategy_class(name: StrategyName) -> Any:
-    """The class that runs ``parallel.strategy``: its ``check`` refuses, before any process group,
-    what this install cannot run."""
-    if name == "deepspeed":
-        from .deepspeed import DeepSpeedStrategy
-
-        return DeepSpeedStrategy
-    return MeshStrategy
-
-
-def build_strategy(model: torch.nn.Module, cfg: Any, dist_info: Any, dtype: torch.dtype) -> Strategy:
-    return strategy_class(cfg.parallel.strategy)(model, cfg, dist_info, dtype)
 
 
 def param_counts(model: torch.nn.Module) -> tuple[int, int]:

@@ -23,8 +23,9 @@ from ..parallel.mesh import check_ep
 from ..parallel.pipeline import check_pipeline, stage_layers, stages_of_rank
 from ..parallel.tp import pad_vocab_for_tp
 from .activations import activation_bytes
+from .head import run_chunk
 from .moe import ep_activation_bytes
-from .states import model_state_bytes, stage_parameters, tp_blocker, tp_local_parameters
+from .states import model_state_bytes, num_parameters, stage_parameters, tp_blocker, tp_local_parameters
 
 
 @dataclass
@@ -338,13 +339,21 @@ def with_expert_parallel(e: Estimate, cfg: ModelConfig, seq: int, mixed: bool, e
     return replace(e, activations=e.activations + extra, ep=ep)
 
 
-def training_memory(cfg) -> dict:
+def training_memory(cfg, device_memory: float | None = None) -> dict:
     """``activation_bytes`` settings of a run config: the trainer's loss-only path, its chunked
-    head, offload (host memory only on an accelerator) and BERT's labelled share."""
+    head, offload (host memory only on an accelerator) and BERT's labelled share. ``loss.chunk_size:
+    auto`` is resolved as the trainer resolves it (``plan/head.py``) for the run's micro-batch on a
+    device of ``device_memory`` bytes (None: a CPU, whose measured best it keeps)."""
     model_cfg = cfg.model
+    p = cfg.parallel
+    dims = (p.tp, p.pp, p.dp_shard, p.cp)
+    precision = "fp32" if cfg.precision == "fp32" else "bf16"
+    chunk = run_chunk(
+        cfg, model_cfg, precision, num_parameters(model_cfg), device_memory, dims, cfg.data.seq_len, cfg.data.target_len
+    )
     return {
         "return_logits": False,
-        "chunk": cfg.loss.chunk_size,
+        "chunk": chunk,
         "offload": cfg.parallel.activation_offload and cfg.device != "cpu",
         "labelled": cfg.data.mlm_probability if spec_of(model_cfg).masked_lm else 1.0,
     }

@@ -186,7 +186,7 @@ def plan_main(
 
         target = cfg.data.target_len or t5_lengths(cfg.data.seq_len)[1]
     gib = 2**30
-    settings = {**training_memory(cfg), "loss_parallel": cfg.parallel.loss_parallel}
+    settings = {**training_memory(cfg, memory), "loss_parallel": cfg.parallel.loss_parallel}
     print(
         f"model: {model_cfg.family}, {config}; {devices} devices x {memory / gib:.1f} GiB; seq "
         f"{cfg.data.seq_len}; {'bf16 mixed' if mixed else 'fp32'}; loss.chunk_size={cfg.loss.chunk_size}; "

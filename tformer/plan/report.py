@@ -111,9 +111,11 @@ def speed_report(
     head = f"  {'layout':<40}{'AC':<6}{'micro':>6}{'GiB':>7}{'step s':>9}{'tok/s/dev':>11}{'MFU':>6}"
     print(head + (f"{'to train':>11}" if tokens else ""))
     priced: list[tuple[memory_plan.Estimate, StepTime]] = []
+    # loss.chunk_size=auto as the trainer would resolve it on this device (plan/head.py)
+    chunk = memory_plan.training_memory(cfg, hw.memory if hw.device == "cuda" else None)["chunk"]
     for e in fits:
         try:
-            r = step_time(model, layout_of(e, precision, cfg.loss.chunk_size), hw, seq, target, memory=False)
+            r = step_time(model, layout_of(e, precision, chunk), hw, seq, target, memory=False)
         except NotPriced as why:
             print(f"  {_name(e):<40}{e.ac:<6}{e.micro_batch:>6}{e.total / 2**30:>7.1f}  {why}")
             continue
@@ -159,7 +161,7 @@ def candidates(
     memory = parse_bytes(device_memory)
     mixed = cfg.precision != "fp32"
     seq, target = cfg.data.seq_len, _target(cfg)
-    settings = {**memory_plan.training_memory(cfg), "loss_parallel": cfg.parallel.loss_parallel}
+    settings = {**memory_plan.training_memory(cfg, memory), "loss_parallel": cfg.parallel.loss_parallel}
     refused = memory_report._pp_refused(cfg)
     fits = search.recommend(
         model,

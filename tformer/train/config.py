@@ -2,9 +2,10 @@
 
 Unknown keys are errors with a did-you-mean suggestion; every problem is one line naming the key.
 The sections live beside their owners (``data`` in tformer/data/config.py, ``parallel`` in
-tformer/parallel/config.py, ``checkpoint`` in tformer/checkpoint/config.py, ``model`` in
-tformer/config.py) and are composed here; their names stay importable from this module. Each
-numeric key's range is declared once, on its field (``ranged``), and checked by ``check_ranges``.
+tformer/parallel/config.py, ``checkpoint`` in tformer/checkpoint/config.py, ``decode`` in
+tformer/decode_config.py, ``model`` in tformer/config.py) and are composed here; their names stay
+importable from this module. Each numeric key's range is declared once, on its field (``ranged``),
+and checked by ``check_ranges``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import yaml
 from ..config import (
     AttnImpl,
     ConfigError,
-    LengthNorm,
     ModelConfig,
     Precision,
     _check_type,
@@ -39,6 +39,7 @@ from ..config import (
 # they may import); their tuples are re-exported here with the others.
 from ..config import AC_MODES as AC_MODES, LENGTH_NORMS as LENGTH_NORMS, ON_EXHAUSTED as ON_EXHAUSTED
 from ..config import PRECISIONS as PRECISIONS, STRATEGIES as STRATEGIES
+from ..decode_config import DecodeConfig as DecodeConfig
 from ..models import build_config
 
 # The sections owned by lower layers, composed here (and importable from here, as before)
@@ -47,6 +48,7 @@ from ..data.config import AUTO_OBJECTIVE as AUTO_OBJECTIVE, OBJECTIVES as OBJECT
 from ..data.config import Objective as Objective
 from ..parallel.config import BACKENDS as BACKENDS, Backend as Backend, CPKernel as CPKernel
 from ..parallel.config import ParallelConfig as ParallelConfig
+from ..parallel.config import FLOAT8_RECIPES as FLOAT8_RECIPES, Float8Config as Float8Config
 
 Schedule = Literal["cosine", "linear", "constant", "wsd", "inverse_sqrt"]
 NonFinite = Literal["skip", "stop"]
@@ -81,21 +83,18 @@ class OptimConfig:
 
 
 @dataclass
-class DecodeConfig:
-    """How the run translates when BLEU is measured (``eval_bleu``, ``tformer evaluate --bleu``)."""
-
-    num_beams: int = ranged(4, "[1, inf)", note="1 = greedy")  # the paper: 4
-    length_penalty: float = ranged(0.6, "[0, inf)")  # the paper: alpha 0.6
-    length_norm: LengthNorm = "gnmt"  # gnmt: ((5 + len) / 6) ** alpha; power: len ** alpha (HF's)
-    max_new_tokens: int | None = ranged(None, "[1, inf)")  # default: the run's target length
-    batch_size: int = ranged(32, "[1, inf)")  # pairs decoded at once
-
-
-@dataclass
 class LossConfig:
     # tokens per chunk of the output head + cross-entropy in training (null: the whole
-    # (tokens x vocabulary) logits at once); the loss and gradients are the same either way
-    chunk_size: int | None = ranged(128, "[1, inf)", note="or null for the unchunked loss")
+    # (tokens x vocabulary) logits at once; auto: sized for the device, models/loss.py
+    # auto_chunk_size); the loss and gradients are the same either way
+    chunk_size: int | str | None = ranged("auto", "[1, inf)", note="or auto, or null for the unchunked loss")
+
+    def check(self) -> None:
+        if isinstance(self.chunk_size, str) and self.chunk_size != "auto":
+            raise ConfigError(
+                f"loss.chunk_size={self.chunk_size!r} is not allowed; use a positive integer, auto (sized for "
+                "the device) or null (the unchunked loss)"
+            )
 
 
 @dataclass
@@ -117,6 +116,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    float8: Float8Config = field(default_factory=Float8Config)  # precision=fp8 only
     loss: LossConfig = field(default_factory=LossConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -128,7 +128,9 @@ class TrainConfig:
     max_steps: int = ranged(1000, "[1, inf)")  # optimizer steps to train
     max_tokens: int | None = ranged(None, "[1, inf)")  # stop after this many tokens (all ranks together)
     max_time: float | None = ranged(None, "(0, inf)")  # stop (and save) after this many seconds
-    precision: Precision = "auto"  # auto: bf16 where the device computes it natively, else fp32
+    # auto: bf16 where the device computes it natively, else fp32; fp8: the blocks' linear layers in
+    # float8 (torchao, see float8.*), bf16 autocast elsewhere
+    precision: Precision = "auto"
     log_every: int = ranged(10, "[1, inf)")  # steps between logged metrics
     eval_every: int = ranged(100, "[0, inf)", note="0 = only at the end")  # steps between evaluations; 0 = only at the end
     eval_batches: int = ranged(8, "[1, inf)")  # validation batches per evaluation
@@ -152,7 +154,9 @@ class TrainConfig:
     spike_warmup: int = ranged(100, "[0, inf)")  # no spike detection before this step
     spike_skip_batches: int = ranged(100, "[0, inf)")  # rollback: steps of data skipped after the checkpoint
     max_rollbacks: int = ranged(3, "[1, inf)")  # rollback: at most this many per run, then stop
-    compile: bool = False  # torch.compile every block
+    # torch.compile: true = every block, and the head with its loss; model = the whole model as one
+    # graph (one device or DDP); false = eager (parallel/compile.py)
+    compile: bool | str = False
     progress: bool = True  # a progress bar on the console
     device: Device = "auto"  # auto | cpu | cuda
 
@@ -167,9 +171,26 @@ class TrainConfig:
             if dataclasses.is_dataclass(section) and not isinstance(section, ModelConfig):
                 check_ranges(section, f"{config_key(f)}.")
         self.parallel.check()
+        self.loss.check()
+        self._check_compile()
         self._check_batching()
         check_mixture(self)
         check_document_mask(self, self.model)
+
+    def _check_compile(self) -> None:
+        if self.compile not in (True, False, "model"):
+            raise ConfigError(
+                f"compile={self.compile!r} is not allowed; use true (every block and the head), model (the "
+                "whole model as one graph) or false"
+            )
+        p = self.parallel
+        split = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "pp", "cp") if getattr(p, k) > 1]
+        if self.compile == "model" and (p.strategy != "ddp" or split):
+            layout = ", ".join([f"parallel.strategy={p.strategy}"] * (p.strategy != "ddp") + split)
+            raise ConfigError(
+                f"compile=model does not compose with {layout} (whole-model compile graph-breaks in the "
+                "sharding and splitting hooks); use compile=true (per block) there"
+            )
 
     def _check_batching(self) -> None:
         """Rules between keys of different sections (each key's own range is on its field)."""
@@ -237,6 +258,7 @@ RESUME_FREE = (
     "grad_accum",
     "device",
     "precision",
+    "float8",
     "compile",
     "model.attn_impl",
     "model.pad_vocab_multiple",  # padding rows are never looked up nor predicted (checkpoint/io.py regrows)

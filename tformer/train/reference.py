@@ -15,9 +15,10 @@ import io
 import re
 import sys
 import tokenize
+import types
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 from ..config import config_key, field_hints, unwrap_optional
 from .config import TrainConfig
@@ -65,7 +66,8 @@ def _type(hint: Any) -> str:
     if get_origin(base) is Literal:
         text = " \\| ".join(f"`{v}`" for v in get_args(base))
     else:
-        text = getattr(base, "__name__", str(base))
+        parts = get_args(base) if get_origin(base) in (Union, types.UnionType) else (base,)
+        text = " or ".join(getattr(p, "__name__", str(p)) for p in parts)
     return f"{text} or null" if optional else text
 
 

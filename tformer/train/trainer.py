@@ -18,13 +18,15 @@ import torch
 
 from ..checkpoint import parts
 from ..checkpoint.io import RUN_CONFIG
-from ..checkpoint.manager import CheckpointManager, TrainerState
+from ..checkpoint.manager import CheckpointManager
+from ..checkpoint.state import TrainerState
 from ..config import ConfigError
 from ..data import MixtureDataset, MixtureSampler, ResumableSampler
 from ..files import atomic_write
 from ..models import build_model, spec_of
-from ..models.base import pad_sequences
+from ..models.padding import pad_sequences
 from ..parallel.offload import activation_offload
+from .head import loss_chunk_size
 from ..models.flops import training_flops
 from ..nn.moe import moe_stats
 from ..parallel.context import check_context_parallel, context_shard
@@ -32,7 +34,9 @@ from ..parallel.routing import note_lengths
 from ..parallel.ep import check_moe_layout
 from ..parallel.mesh import ParallelDims, check_strategy
 from ..parallel.pipeline import check_pipeline
-from ..parallel.strategy import Pipeline, Strategy, build_strategy, strategy_class
+from ..parallel.build import build_strategy, strategy_class
+from ..parallel.float8 import check_float8, precision_change_note
+from ..parallel.strategy import Pipeline, Strategy
 from ..parallel.tp import check_tp, pad_vocab_for_tp
 from ..logs import interactive, quiet_repeats
 from .config import TrainConfig
@@ -50,7 +54,8 @@ from .watchdog import Watchdog
 
 log = logging.getLogger("tformer.train")
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# fp8: bf16 autocast, with the blocks' linear layers in float8 (parallel/float8.py)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
 
 
 def cpu_has_native_bf16() -> bool:
@@ -131,7 +136,16 @@ class Trainer:
         self._check_resume_changes()  # before the model is built
         self.model = build_model(self.model_cfg).to(self.device)
         self.num_parameters = self.model.num_parameters()  # the whole model's, before any split
-        self.model.loss_chunk_size = cfg.loss.chunk_size  # the training loss's head, in chunks
+        self.model.loss_chunk_size = loss_chunk_size(  # the training loss's head, in chunks (auto: by device)
+            cfg,
+            self.model_cfg,
+            self.device,
+            self.precision,
+            self.num_parameters,
+            self.dims,
+            self.data.seq_len,
+            self.data.target_len,
+        )
         # AC -> per-block compile -> DDP / FSDP2, then the optimizer over the (sharded) parameters
         self.strategy: Strategy = build_strategy(self.model, cfg, self.dist, DTYPES[self.precision])
         self.model = self.strategy.model  # under pipeline parallelism: this rank's stages
@@ -233,6 +247,7 @@ class Trainer:
                 "compiler fails on the tensor-parallel blocks); set compile=false or upgrade torch"
             )
         # after the config's own mistakes, so those are reported whether or not the package is here
+        check_float8(cfg, self.precision, self.device)  # fp8: torchao, FP8 tensor cores, no DeepSpeed
         strategy_class(cfg.parallel.strategy).check(cfg, self.precision)  # e.g. DeepSpeed missing
         self._check_paths()
 
@@ -254,9 +269,9 @@ class Trainer:
                 break
 
     def _warn_slow_precision(self) -> None:
-        if self.dist.is_main and self.precision == "bf16" and self.device.type == "cpu" and not cpu_has_native_bf16():
+        if self.dist.is_main and self.precision != "fp32" and self.device.type == "cpu" and not cpu_has_native_bf16():
             log.warning(
-                "precision=bf16 on a CPU without AVX512-BF16/AMX: torch emulates bf16 matmuls here, "
+                f"precision={self.precision} on a CPU without AVX512-BF16/AMX: torch emulates bf16 matmuls here, "
                 "30-100x slower than fp32; precision=auto picks fp32 on this CPU"
             )
 
@@ -295,6 +310,7 @@ class Trainer:
         changes += resuming.batch_change(resuming.saved_global_batch(state, saved), self._global_batch_size())
         notes: list[str | None] = list(resuming.judge(changes, self.cfg, path, state.step))
         notes.append(resuming.horizon_note(self.cfg, saved, self.schedule_steps, state.step))
+        notes.append(precision_change_note(saved, self.cfg.precision, state.step))
         if self.dist.is_main:
             for note in filter(None, notes):
                 log.warning("%s", note)
@@ -815,9 +831,11 @@ class Trainer:
             ]
         )
         all_reduce(stats)
+        # one read of the device a step for all four (each .item() would wait for the device again)
+        loss_sum_all, tokens_all, signals, flops_all = stats.tolist()
         # the tp ranks of a group agree; of a pipeline, only the last stage's ranks hold the loss
-        loss_avg = stats[0].item() / (self.dist.world_size // self.dims.pp)
-        if stats[2].item() > 0 and self._stop_reason is None:
+        loss_avg = loss_sum_all / (self.dist.world_size // self.dims.pp)
+        if signals > 0 and self._stop_reason is None:
             self._stop_reason = f"signal {self._signal or 'on another rank'}"
         self._beat("optimizer step")
         grad_norm = self._update(loss_avg)
@@ -826,7 +844,7 @@ class Trainer:
         per_batch = 1 if cfg.data.tokens_per_batch is not None else cfg.micro_batch_size
         self.consumed += per_batch * cfg.grad_accum * self.dist.dp_size
         group = self.dims.tp * self.dims.pp * self.dims.cp
-        global_tokens = int(stats[1].item()) // group  # each counted its group's batch
+        global_tokens = int(tokens_all) // group  # each counted its group's batch
         self.tokens += global_tokens
         dt = time.perf_counter() - t0
         self._check_watchdog_margin(dt)
@@ -838,7 +856,7 @@ class Trainer:
             "tokens_per_s": global_tokens / dt,
             # every rank of a tp / pp / cp group counted its group's batch: the model FLOPs of the step
             # are sum / (tp pp cp), shared by all world_size devices
-            "mfu": stats[3].item() / group / self.dist.world_size / dt / self.peak,
+            "mfu": flops_all / group / self.dist.world_size / dt / self.peak,
             "tokens": self.tokens,
             "step_time": dt,
             **self.strategy.memory_report(self.optimizer),

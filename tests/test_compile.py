@@ -1,0 +1,87 @@
+"""torch.compile as users expect it (parallel/compile.py): the whole model, and the head with its
+loss, trace into one graph under bf16 autocast for every family, and compute what eager does."""
+
+import pytest
+import torch
+
+from tformer.config import ConfigError
+from tformer.models import build_model
+from tformer.parallel.compile import allow_dynamic_shapes
+
+PRESETS = ["gpt2-tiny", "llama-tiny", "bert-tiny", "t5-tiny", "mixtral-tiny"]
+
+
+def _batch(model, b=2, s=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    ids = torch.randint(5, vocab, (b, s), generator=g)
+    if model.config.family == "encdec":
+        return {"input_ids": ids, "labels": torch.randint(5, vocab, (b, 8), generator=g)}
+    labels = ids.clone()
+    if model.config.family == "encoder":  # 15% labelled, as the MLM collator leaves them
+        labels = labels.masked_fill(torch.rand(b, s, generator=g) > 0.15, -100)
+    return {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_whole_training_forward_is_one_graph_under_bf16(preset):
+    """The trainer's forward (loss only, chunked head) of every family, MoE routing included: one
+    graph, no break (a break would cut it in two and return to Python between the parts)."""
+    allow_dynamic_shapes()
+    torch.manual_seed(0)
+    model = build_model(preset).train()
+    model.loss_chunk_size = 16
+    batch = _batch(model)
+
+    def step(**kw):
+        return model(**kw, return_logits=False).loss
+
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(step)(**batch)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, [
+        str(r.reason)[:200] for r in explained.break_reasons
+    ]
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "bert-tiny", "mixtral-tiny"])
+def test_a_compiled_model_computes_what_eager_does(preset):
+    """Loss and gradients of the compiled step (compile=model's graph, run by AOTAutograd without
+    code generation) equal eager's in fp32: the chunked loss's traced backward, BERT's whole head at
+    its labelled rows, the MoE dispatch."""
+    allow_dynamic_shapes()
+    torch.manual_seed(0)
+    model = build_model(preset).train()
+    model.config.dropout = 0.0
+    model.loss_chunk_size = 16
+    batch = _batch(model)
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model.zero_grad()
+        run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+        loss = run(**batch, return_logits=False).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (eager, eager_grads), (comp, comp_grads) = results
+    torch.testing.assert_close(comp, eager, rtol=1e-6, atol=0)
+    assert eager_grads.keys() == comp_grads.keys()
+    for name, g in eager_grads.items():
+        torch.testing.assert_close(comp_grads[name], g, rtol=1e-5, atol=max(1e-8, 1e-6 * float(g.abs().max())), msg=name)
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["compile=maybe"], "compile='maybe' is not allowed; use true (every block and the head), model"),
+        (["compile=model", "parallel.strategy=fsdp"], "compile=model does not compose with parallel.strategy=fsdp"),
+        (["compile=model", "parallel.tp=2"], "compile=model does not compose with parallel.tp=2"),
+    ],
+)
+def test_compile_settings_that_cannot_run_are_one_line(tmp_path, overrides, needle):
+    from tformer.train.config import load_config
+
+    from train_helpers import CONFIGS
+
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        load_config(CONFIGS / "gpt2-tiny.yaml", [f"output_dir={tmp_path}", *overrides])
