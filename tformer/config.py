@@ -413,4 +413,3 @@ def check_fields(obj: Any, prefix: str = "") -> None:
 # Tables derived from the declarations, for callers that want them whole (the tests, the reference)
 MODEL_RANGES = ranges(ModelConfig, nested=False)
 MOE_RANGES = ranges(MoEConfig)
-
