@@ -1,4 +1,5 @@
-"""What a training run prints when it starts: a short summary, not the resolved config.
+"""What a training run prints: a short summary when it starts (not the resolved config), and each
+logged step's line.
 
 The resolved config (every key, ~170 lines) is the run directory's ``config.yaml``, written before
 this is printed; the summary names it. The layout line says what the run really is: DDP replicates
@@ -6,6 +7,9 @@ the model (no ``dp_shard``), FSDP2 shards it, tensor and pipeline parallelism sp
 """
 
 from __future__ import annotations
+
+import json
+import sys
 
 
 def layout(strategy: str, dims, sp: bool, world: int) -> str:
@@ -59,3 +63,25 @@ def start_summary(trainer) -> str:
             f"output: {t.out} (resolved config: {t.out / 'config.yaml'})",
         ]
     )
+
+
+def log_step(record: dict, metrics_file, tracker, bar) -> None:
+    """A step's record (rank 0): a line of ``metrics.jsonl``, to W&B, and one line on the console
+    (through the progress bar when there is one, so the bar stays at the bottom)."""
+    metrics_file.write(json.dumps(record) + "\n")
+    metrics_file.flush()
+    if tracker is not None:
+        tracker.log(record)
+    text = (
+        f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+        f"grad {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
+        f"MFU {100 * record['mfu']:.1f}%"
+    )
+    if "val_loss" in record:
+        text += f" | val {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})"
+    if "val_bleu" in record:
+        text += f" | BLEU {record['val_bleu']:.2f} chrF {record['val_chrf']:.1f} ({record['bleu_signature']})"
+    if bar is not None:
+        bar.write(text, file=sys.stdout)
+    else:
+        print(text, flush=True)

@@ -1,4 +1,5 @@
-"""From the run config to tokenizer + train/validation datasets for the family's objective."""
+"""From the run config to tokenizer + train/validation datasets for the family's objective, and
+the training batches a rank draws from them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..config import Family, ModelConfig, check_table
 from ..files import atomic_write
 from ..data import (
@@ -17,9 +20,11 @@ from ..data import (
     DataError,
     MLMDataset,
     MixtureDataset,
+    MixtureSampler,
     MixtureSchedule,
     PackedCausalLM,
     PackedSeq2Seq,
+    ResumableSampler,
     Seq2SeqPairs,
     SpanCorruptionDataset,
     check_seq_len,
@@ -38,6 +43,7 @@ from ..data.mixture import ConcatKeyed
 from ..models import spec_of
 from ..parallel.dist import barrier, multi_process
 from .config import AUTO_OBJECTIVE, TrainConfig, source_name
+from .signals import ignore_interrupts
 
 log = logging.getLogger("tformer.train")
 
@@ -360,3 +366,47 @@ def copy_tokenizer(data: RunData, output_dir: Path) -> None:
     dest = output_dir / "tokenizer.json"
     if not dest.exists():
         shutil.copyfile(data.tokenizer_path, dest)
+
+
+def train_batches(cfg: TrainConfig, data: RunData, dp_rank: int, dp_size: int, consumed: int, device: torch.device):
+    """This data-parallel rank's training batches, from ``consumed`` on (global samples, or batches
+    with token-budget batches: the sampler's unit), at any number of ranks."""
+    if cfg.data.tokens_per_batch is not None:
+        from ..data import TokenBudgetSampler
+
+        src, tgt = data.train.lengths()
+        sampler = TokenBudgetSampler(
+            src,
+            tgt,
+            cfg.data.tokens_per_batch,
+            seed=cfg.seed,
+            rank=dp_rank,
+            world_size=dp_size,
+            consumed=consumed,
+        )
+        return iter(torch.utils.data.DataLoader(data.train, batch_sampler=sampler, **loader_options(cfg, data, device)))
+    # micro-batches dealt to the ranks whole: each is one that 1 process would accumulate
+    ranks = dict(rank=dp_rank, world_size=dp_size, consumed=consumed, block=cfg.micro_batch_size)
+    if isinstance(data.train, MixtureDataset):
+        sampler = MixtureSampler(data.train, **ranks)
+    else:
+        sampler = ResumableSampler(len(data.train), seed=cfg.seed, **ranks)
+    loader = torch.utils.data.DataLoader(
+        data.train, batch_size=cfg.micro_batch_size, sampler=sampler, **loader_options(cfg, data, device)
+    )
+    return iter(loader)
+
+
+def loader_options(cfg: TrainConfig, data: RunData, device: torch.device) -> dict:
+    """DataLoader settings of both samplers: collation, workers, pinned host memory on a GPU
+    (so the step's ``.to(device, non_blocking=True)`` copies overlap), and a generator of its
+    own: creating the iterator must not draw from the global RNG that dropout uses."""
+    workers = cfg.data.num_workers
+    return dict(
+        collate_fn=data.collator,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        pin_memory=device.type == "cuda",
+        generator=torch.Generator().manual_seed(cfg.seed),
+        worker_init_fn=ignore_interrupts if workers > 0 else None,
+    )

@@ -4,7 +4,6 @@ checkpoints with exact resume, signals, metrics (JSONL, W&B, progress bar)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -21,32 +20,31 @@ from ..checkpoint.io import RUN_CONFIG
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.state import TrainerState
 from ..config import ConfigError
-from ..data import MixtureDataset, MixtureSampler, ResumableSampler
-from ..files import atomic_write
-from ..models import build_model, spec_of
-from ..models.padding import pad_sequences
-from ..parallel.offload import activation_offload
-from .head import loss_chunk_size
-from ..models.flops import training_flops
-from ..nn.moe import moe_stats
-from ..parallel.context import check_context_parallel, context_shard
-from ..parallel.routing import note_lengths
-from ..parallel.ep import check_moe_layout
-from ..parallel.mesh import ParallelDims, check_strategy
-from ..parallel.pipeline import check_pipeline
-from ..parallel.build import build_strategy, strategy_class
-from ..parallel.float8 import check_float8, precision_change_note
-from ..parallel.strategy import Pipeline, Strategy
-from ..parallel.tp import check_tp, pad_vocab_for_tp
+from ..data import MixtureDataset
 from ..logs import interactive, quiet_repeats
+from ..models import build_model, spec_of
+from ..models.flops import training_flops
+from ..models.padding import pad_sequences
+from ..nn.moe import moe_stats
+from ..parallel.build import build_strategy
+from ..parallel.context import context_shard
+from ..parallel.float8 import precision_change_note
+from ..parallel.offload import activation_offload
+from ..parallel.routing import note_lengths
+from ..parallel.strategy import Pipeline, Strategy
+from ..parallel.tp import pad_vocab_for_tp
+from . import evaluation, rollback
+from . import resume as resuming
+from .checks import check_support
 from .config import TrainConfig
-from .console import start_summary
-from .data import build_data, check_sources, copy_tokenizer
+from .console import log_step, start_summary
+from .data import build_data, check_sources, copy_tokenizer, train_batches
 from .dist import all_reduce, barrier, device_type, init_distributed
+from .head import loss_chunk_size
 from .metrics import peak_flops
 from .optim import build_optimizer, build_scheduler
-from .signals import ignore_interrupts, install_stop_signals, restore_signals
-from . import resume as resuming
+from .rollback import LossSpikeError as LossSpikeError  # raised there; cli.py and tests import it here
+from .signals import install_stop_signals, restore_signals
 from .spike import SpikeDetector
 from .state import DataPosition, Progress
 from .tracking import WandbTracker
@@ -86,20 +84,36 @@ class NonFiniteLoss(RuntimeError):
     """The run stopped on a non-finite loss (``on_nonfinite: stop``)."""
 
 
-class LossSpikeError(RuntimeError):
-    """The run stopped on a loss spike it could not roll back (``on_spike: rollback``)."""
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig, callbacks=()):
+        """Set up a run from its config, in this order: refuse what cannot run before any work, find
+        the checkpoint to resume (a complete run ends there), start the process group and mesh, build
+        the data, then the model, its strategy and optimizer, and last load the checkpoint."""
         self.cfg = cfg
         self.callbacks = list(callbacks)
-        # Refuse what this device cannot run before any work (process group, data, model).
-        self.device = torch.device(device_type(cfg.device))
-        self.precision = resolve_precision(cfg.precision, self.device)
-        self._check_support()
-        check_sources(cfg)  # a missing or empty data source: refused before the run directory exists
+        self._check_inputs()
         self._peek_resume()  # a complete run ends here, before any work
+        self._start_processes()
+        self._build_data()
+        self._check_resume_changes()  # before the model is built
+        self._build_model_and_optimizer()
+        self._init_counters()
+        self.resolved = {**cfg.to_dict(), "model": self.model_cfg.to_dict()}
+        self.peak, self.peak_source = peak_flops(self.device, DTYPES[self.precision])
+        self.ckpt = self._checkpointer()
+        self._resume()  # last: it restores the RNG streams, which nothing may draw from afterwards
+
+    # -- setup -----------------------------------------------------------------------------
+    def _check_inputs(self) -> None:
+        """Refuse what this device cannot run before any work (process group, data, model)."""
+        self.device = torch.device(device_type(self.cfg.device))
+        self.precision = resolve_precision(self.cfg.precision, self.device)
+        self.dims = check_support(self.cfg, self.precision, self.device)  # the mesh's sizes, checked
+        check_sources(self.cfg)  # a missing or empty data source: refused before the run directory exists
+
+    def _start_processes(self) -> None:
+        """The process group and the run's one mesh (tformer/parallel/mesh.py); the run directory."""
+        cfg = self.cfg
         # collectives outlive the watchdog by a minute, so a hang is reported before gloo/NCCL fail
         timeout = 600 if cfg.watchdog_timeout is None else cfg.watchdog_timeout + 60
         self.dist = init_distributed(
@@ -110,7 +124,7 @@ class Trainer:
         )
         self.device = self.dist.device
         self.dist.dims = self.dims
-        if torch.distributed.is_initialized():  # one mesh for the whole run (tformer/parallel/mesh.py)
+        if torch.distributed.is_initialized():
             self.dist.mesh = self.dims.build_mesh(self.device.type)
         self._warn_slow_precision()
         self.out = Path(cfg.output_dir)
@@ -119,6 +133,9 @@ class Trainer:
             self.ckpt_root.mkdir(parents=True, exist_ok=True)
         barrier()
 
+    def _build_data(self) -> None:
+        """This rank's data, and the model config it implies (vocabulary padded for tp)."""
+        cfg = self.cfg
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank, before any sharding
         self.data = build_data(cfg, self.dist.rank, self.dist.dp_size)
         if isinstance(self.data.train, MixtureDataset):  # refuse (on_exhausted=stop) or log re-epochs now
@@ -133,7 +150,10 @@ class Trainer:
             )
         self.model_cfg = self.data.model_config
         self.model_cfg = pad_vocab_for_tp(self.model_cfg, self.dims.tp)  # recorded in config.yaml and checkpoints
-        self._check_resume_changes()  # before the model is built
+
+    def _build_model_and_optimizer(self) -> None:
+        """AC -> per-block compile -> DDP / FSDP2, then the optimizer over the (sharded) parameters."""
+        cfg = self.cfg
         self.model = build_model(self.model_cfg).to(self.device)
         self.num_parameters = self.model.num_parameters()  # the whole model's, before any split
         self.model.loss_chunk_size = loss_chunk_size(  # the training loss's head, in chunks (auto: by device)
@@ -146,7 +166,6 @@ class Trainer:
             self.data.seq_len,
             self.data.target_len,
         )
-        # AC -> per-block compile -> DDP / FSDP2, then the optimizer over the (sharded) parameters
         self.strategy: Strategy = build_strategy(self.model, cfg, self.dist, DTYPES[self.precision])
         self.model = self.strategy.model  # under pipeline parallelism: this rank's stages
         base = build_optimizer(self.model, cfg.optim, self.device, allow_fused=self.strategy.fused_optimizer_ok())
@@ -156,12 +175,14 @@ class Trainer:
         self.wrapped = self.strategy.wrapped
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
 
+    def _init_counters(self) -> None:
+        """Where the run stands before any step (a resume then sets them from its checkpoint)."""
         self.step = 0
         self.consumed = 0  # global samples consumed by all ranks
         self.tokens = 0  # global tokens consumed
         self.skipped = 0  # consecutive non-finite steps
         self.streak_start: int | None = None  # first step of the current non-finite streak
-        self.spikes = SpikeDetector(cfg.spike_factor, cfg.spike_window, cfg.spike_warmup)
+        self.spikes = SpikeDetector(self.cfg.spike_factor, self.cfg.spike_window, self.cfg.spike_warmup)
         self.rollbacks = 0  # loss-spike rollbacks done (on_spike=rollback)
         self.watchdog: Watchdog | None = None
         self._watchdog_warned = False
@@ -169,104 +190,6 @@ class Trainer:
         self.resumed_from: Path | None = None
         self._stop_reason: str | None = None
         self._signal: str | None = None
-        self.resolved = {**cfg.to_dict(), "model": self.model_cfg.to_dict()}
-        self.peak, self.peak_source = peak_flops(self.device, DTYPES[self.precision])
-        self.ckpt = self._checkpointer()
-        self._resume()  # last: it restores the RNG streams, which nothing may draw from afterwards
-
-    # -- setup -----------------------------------------------------------------------------
-    def _check_support(self) -> None:
-        cfg = self.cfg
-        if self.precision == "fp16" and self.device.type != "cuda":
-            raise ConfigError(
-                "precision=fp16 needs a CUDA GPU (loss-scaled fp16 is not supported on "
-                f"{self.device.type}); use precision=bf16 or precision=fp32"
-            )
-        if self.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ConfigError("precision=bf16 is not supported by this GPU; use precision=fp16")
-        if cfg.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(
-                "device=cuda but no CUDA GPU is visible (or this torch is a CPU build); use device=cpu or device=auto"
-            )
-        backend = cfg.parallel.backend
-        if backend is not None:
-            import torch.distributed as dist
-
-            available = {
-                "gloo": dist.is_gloo_available,
-                "nccl": dist.is_nccl_available,
-                "mpi": dist.is_mpi_available,
-                "ucc": dist.is_ucc_available,
-            }[backend]()
-            if not available or (backend == "nccl" and self.device.type != "cuda"):
-                why = "needs a CUDA GPU" if backend == "nccl" else "not built into this torch"
-                raise ConfigError(
-                    f"parallel.backend={backend} is not available here ({why}); leave "
-                    "parallel.backend unset (nccl on CUDA, gloo on CPU)"
-                )
-        check_pipeline(cfg.model, cfg.parallel, cfg.parallel.strategy)
-        if (cfg.parallel.pp > 1 or cfg.parallel.sp) and cfg.data.document_mask:
-            raise ConfigError(
-                "data.document_mask=true does not compose with parallel."
-                f"{'pp' if cfg.parallel.pp > 1 else 'sp'} yet (the document ids are not split "
-                "with the sequence / sent between stages); turn one of them off"
-            )
-        if cfg.parallel.pp > 1 and cfg.data.tokens_per_batch is not None:
-            raise ConfigError(
-                "parallel.pp needs micro-batches of micro_batch_size samples (the schedule splits "
-                "the step's batch evenly); set data.tokens_per_batch=null"
-            )
-        if cfg.parallel.pp > 1 and (self.precision == "fp16" or cfg.eval_bleu):
-            raise ConfigError(
-                "parallel.pp does not compose with "
-                + (
-                    "precision=fp16 (its loss scaler); use bf16"
-                    if self.precision == "fp16"
-                    else "eval_bleu=true (decoding needs the whole model); "
-                    "set eval_bleu=false and decode a consolidated checkpoint with tformer evaluate"
-                )
-            )
-        # the mesh's arithmetic and what the strategy and model shapes allow, before any process group
-        self.dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
-        check_strategy(self.dims, cfg.parallel.strategy)
-        check_context_parallel(cfg, self.dims)
-        check_moe_layout(cfg, self.dims)
-        check_tp(cfg.model, self.dims.tp)
-        if cfg.compile and self.dims.tp > 1 and cfg.model.position == "rotary":
-            # measured on torch 2.13: the compiled block's backward hands DTensor's redistribute a plain
-            # tensor ("'Tensor' object has no attribute '_local_tensor'") for rotary models only
-            raise ConfigError(
-                "compile=true with parallel.tp > 1 fails in torch's DTensor backward for rotary-position "
-                "models (Llama flavour); set compile=false (or parallel.tp=1) for this model"
-            )
-        if cfg.compile and self.dims.tp > 1 and torch.torch_version.TorchVersion(torch.__version__) < "2.13":
-            # measured on torch 2.11: dynamo fails building the compiled block's guards over the TP
-            # hooks ("'function' object has no attribute '__func__'"); 2.13 compiles them
-            raise ConfigError(
-                f"compile=true with parallel.tp > 1 needs torch >= 2.13 (this is {torch.__version__}, whose "
-                "compiler fails on the tensor-parallel blocks); set compile=false or upgrade torch"
-            )
-        # after the config's own mistakes, so those are reported whether or not the package is here
-        check_float8(cfg, self.precision, self.device)  # fp8: torchao, FP8 tensor cores, no DeepSpeed
-        strategy_class(cfg.parallel.strategy).check(cfg, self.precision)  # e.g. DeepSpeed missing
-        self._check_paths()
-
-    def _check_paths(self) -> None:
-        """The run directory can be made and written; an explicit resume path exists."""
-        cfg = self.cfg
-        if cfg.resume not in ("auto", "none") and not Path(cfg.resume).exists():
-            raise ConfigError(
-                f"resume={cfg.resume} does not exist; pass a run directory, one of its "
-                "checkpoints (RUN/checkpoints/step_XXXXXXXX), auto or none"
-            )
-        out = Path(cfg.output_dir)
-        for p in (out, *out.parents):
-            if p.exists():
-                if not p.is_dir():
-                    raise ConfigError(f"output_dir={cfg.output_dir} cannot be created: {p} is a file; pass a directory path")
-                if not os.access(p, os.W_OK | os.X_OK) and p == out:
-                    raise ConfigError(f"output_dir={cfg.output_dir} is not writable; pass a directory you can write to")
-                break
 
     def _warn_slow_precision(self) -> None:
         if self.dist.is_main and self.precision != "fp32" and self.device.type == "cpu" and not cpu_has_native_bf16():
@@ -385,7 +308,7 @@ class Trainer:
                         back,
                     )
         if self._resume_peek is not None and self._load(self._resume_peek[0], verified=True):
-            self._apply_pending_rollback()
+            rollback.apply_pending_rollback(self)
             if self.dist.is_main:
                 log.info("resumed from %s at step %d", self.resumed_from, self.step)
 
@@ -422,75 +345,14 @@ class Trainer:
 
         return yaml.safe_dump(self.resolved, sort_keys=False)
 
-    # -- evaluation ------------------------------------------------------------------------
-    @torch.no_grad()
+    # -- evaluation (evaluation.py) ---------------------------------------------------------
     def evaluate(self) -> dict:
-        """Validation loss (and perplexity, MLM accuracy); with a mixture also ``val_loss/NAME`` per
-        source, the overall loss then being over the tokens of every source's evaluated samples."""
-        sources = self.data.validation_sources or {None: self.data.validation}
-        was_training = self.model.training
-        self.model.eval()
-        totals = {name: self._eval_sums(ds) for name, ds in sources.items()}
-        self.model.train(was_training)
-        total = sum(totals.values(), torch.zeros(3, dtype=torch.float64, device=self.device))
-        loss = (total[0] / total[1].clamp(min=1)).item()
-        result = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
-        if self.data.validation_sources:
-            for name, t in totals.items():
-                result[f"val_loss/{name}"] = (t[0] / t[1].clamp(min=1)).item()
-        if self.data.objective == "mlm" and self.dims.pp == 1:
-            result["val_mlm_acc"] = (total[2] / total[1].clamp(min=1)).item()
-        if self.cfg.eval_bleu:
-            result.update(self.evaluate_bleu(self.cfg.bleu_samples).record())
-        self.strategy.release_gathered()
-        return result
+        """Validation loss (and perplexity, MLM accuracy, BLEU with ``eval_bleu``), all ranks."""
+        return evaluation.evaluate(self)
 
-    def _eval_sums(self, ds) -> torch.Tensor:
-        """(loss sum, label count, correct) over the first validation samples of ``ds``, all ranks."""
-        cfg = self.cfg
-        # Every rank evaluates the same number of samples: sharded forwards (FSDP2, ZeRO-3) are
-        # collective, so a rank with one batch fewer would leave the others waiting.
-        world = self.dist.dp_size  # the tp ranks of a group evaluate the same samples
-        if self.dims.pp > 1:
-            return self._eval_sums_pipelined(ds)
-        n = min(len(ds), max(cfg.eval_batches * cfg.micro_batch_size, world))
-        n -= n % world
-        keys = list(range(self.dist.dp_rank, n, world))
-        total = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, tokens, correct
-        for i in range(0, len(keys), cfg.micro_batch_size):
-            batch = self.data.collator([ds[k] for k in keys[i : i + cfg.micro_batch_size]])
-            inputs = self._pad_for_sp({k: batch[k].to(self.device) for k in self.data.model_inputs if k in batch})
-            with self._autocast():
-                out = self.model(**inputs)
-            mask = inputs["labels"] != -100
-            count = mask.sum()
-            total[0] += out.loss.double() * count
-            total[1] += count
-            total[2] += ((out.logits.argmax(-1) == inputs["labels"]) & mask).sum()
-        all_reduce(total)
-        return total
-
-    def _eval_sums_pipelined(self, ds) -> torch.Tensor:
-        """(loss sum, label count, 0) through the pipeline schedule (forward only), in whole steps of
-        ``grad_accum`` micro-batches per data-parallel rank; each micro-batch's loss is weighted by
-        its labelled tokens, as the unsplit evaluation weights its batches (no logits: no accuracy)."""
-        cfg = self.cfg
-        world, chunk = self.dist.dp_size, cfg.micro_batch_size * cfg.grad_accum
-        n = min(len(ds), max(cfg.eval_batches * cfg.micro_batch_size, world * chunk))
-        n -= n % (world * chunk)
-        keys = list(range(self.dist.dp_rank, n, world))
-        total = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for i in range(0, len(keys), chunk):
-            batch = self.data.collator([ds[k] for k in keys[i : i + chunk]])
-            inputs = self._pad_for_sp({k: batch[k].to(self.device) for k in self.data.model_inputs if k in batch})
-            with self._autocast(), self.strategy.loss_context():
-                losses = self._pipeline().run(inputs, train=False)
-            if self._pipeline().is_last_stage:
-                counts = (inputs["labels"] != -100).reshape(cfg.grad_accum, -1).sum(-1)
-                total[0] += (torch.stack([x.double() for x in losses]) * counts).sum()
-                total[1] += counts.sum()
-        all_reduce(total)
-        return total
+    def evaluate_bleu(self, samples: int | None = None):
+        """BLEU / chrF of the first ``samples`` validation pairs, decoded with ``cfg.decode``."""
+        return evaluation.evaluate_bleu(self, samples)
 
     def _pipeline(self) -> Pipeline:
         assert self.strategy.pipeline is not None, "parallel.pp > 1 builds a pipeline"
@@ -502,61 +364,10 @@ class Trainer:
         multiple = self.dims.tp if self.cfg.parallel.sp else 1
         return pad_sequences(inputs, multiple, self.model_cfg.pad_token_id, self.model_cfg.family)
 
-    def evaluate_bleu(self, samples: int | None = None):
-        """BLEU / chrF of the first ``samples`` validation pairs, decoded with ``cfg.decode``. Every
-        rank decodes the same pairs (sharded forwards are collective); the scores are identical."""
-        from .decoding import decoded_bleu
-
-        ds = cast(Sized, self.data.validation)
-        n = len(ds) if samples is None else min(samples, len(ds))
-        was_training = self.model.training
-        with self._autocast():
-            result = decoded_bleu(self.cfg.decode, self.model, ds, self.data.tokenizer, n, device=self.device)
-        self.model.train(was_training)
-        return result
-
     # -- the loop --------------------------------------------------------------------------
     def _batches(self):
-        cfg = self.cfg
-        if cfg.data.tokens_per_batch is not None:
-            from ..data import TokenBudgetSampler
-
-            src, tgt = self.data.train.lengths()
-            sampler = TokenBudgetSampler(
-                src,
-                tgt,
-                cfg.data.tokens_per_batch,
-                seed=cfg.seed,
-                rank=self.dist.dp_rank,
-                world_size=self.dist.dp_size,
-                consumed=self.consumed,
-            )
-            return iter(torch.utils.data.DataLoader(self.data.train, batch_sampler=sampler, **self._loader_options()))
-        # micro-batches dealt to the ranks whole: each is one that 1 process would accumulate
-        dp = self.dist
-        ranks = dict(rank=dp.dp_rank, world_size=dp.dp_size, consumed=self.consumed, block=cfg.micro_batch_size)
-        if isinstance(self.data.train, MixtureDataset):
-            sampler = MixtureSampler(self.data.train, **ranks)
-        else:
-            sampler = ResumableSampler(len(self.data.train), seed=cfg.seed, **ranks)
-        loader = torch.utils.data.DataLoader(
-            self.data.train, batch_size=cfg.micro_batch_size, sampler=sampler, **self._loader_options()
-        )
-        return iter(loader)
-
-    def _loader_options(self) -> dict:
-        """DataLoader settings of both samplers: collation, workers, pinned host memory on a GPU
-        (so the step's ``.to(device, non_blocking=True)`` copies overlap), and a generator of its
-        own: creating the iterator must not draw from the global RNG that dropout uses."""
-        workers = self.cfg.data.num_workers
-        return dict(
-            collate_fn=self.data.collator,
-            num_workers=workers,
-            persistent_workers=workers > 0,
-            pin_memory=self.device.type == "cuda",
-            generator=torch.Generator().manual_seed(self.cfg.seed),
-            worker_init_fn=ignore_interrupts if workers > 0 else None,
-        )
+        """This rank's training batches from the current data position (a resume's, a rollback's)."""
+        return train_batches(self.cfg, self.data, self.dist.dp_rank, self.dist.dp_size, self.consumed, self.device)
 
     def _install_signals(self):
         return install_stop_signals(lambda name: setattr(self, "_signal", name), self.dist.is_main)
@@ -592,9 +403,9 @@ class Trainer:
         try:
             while self.step < cfg.max_steps and self._stop_reason is None:
                 record = self._train_step(batches)
-                if self._spike(record):  # rolled back to an earlier checkpoint: new data position
+                if rollback.handle_spike(self, record):  # rolled back to an earlier checkpoint: new data position
                     if main:
-                        self._log(record, metrics_file, tracker, bar)
+                        log_step(record, metrics_file, tracker, bar)
                     if bar is not None:
                         bar.n = self.step
                     batches = self._batches()
@@ -612,7 +423,7 @@ class Trainer:
                     self._beat("eval")
                     record.update(self.evaluate())
                 if main and (self.step % cfg.log_every == 0 or final or "val_loss" in record):
-                    self._log(record, metrics_file, tracker, bar)
+                    log_step(record, metrics_file, tracker, bar)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
@@ -670,114 +481,12 @@ class Trainer:
                 "step %d: checkpoint not written: the loss is non-finite since step %d; the newest good checkpoint is %s",
                 self.step,
                 self.streak_start,
-                self._last_good() or "none",
+                rollback.last_good(self) or "none",
             )
         return False
 
-    def _last_good(self) -> Path | None:
-        """The newest checkpoint saved before the non-finite streak. When the streak is longer than
-        one step, the checkpoint just before it is excluded too: its weights gave a non-finite loss
-        on several different batches (and skipped steps leave them unchanged), so resuming it would
-        fail again at once."""
-        found = self.ckpt.committed()
-        if self.ckpt.in_flight is not None:  # a good state, being written: committed before the run ends
-            found.append(self.ckpt.path(self.ckpt.in_flight))
-        if self.streak_start is not None:
-            limit = self.streak_start - (2 if self.skipped > 1 else 1)
-            found = [p for p in found if int(p.name.split("_")[1]) <= limit]
-        return found[-1] if found else None
-
-    def _spike(self, record: dict) -> bool:
-        """Judge the step's loss; on a spike with ``on_spike: rollback`` reload the newest checkpoint
-        before it and skip ``spike_skip_batches`` steps' worth of data. True if it rolled back."""
-        cfg = self.cfg
-        if cfg.on_spike == "none":
-            return False
-        median = self.spikes.check(self.step, record["loss"])
-        if median is None:
-            return False
-        spike = f"loss spike at step {self.step}: {record['loss']:.4f} > {cfg.spike_factor:g} x running median {median:.4f}"
-        record["spike"] = True
-        if cfg.on_spike == "warn":
-            if self.dist.is_main:
-                log.warning("%s (on_spike=warn)", spike)
-            return False
-        self.wait_for_checkpoint()  # every rank then lists the same checkpoints
-        target = [p for p in self.ckpt.committed() if int(p.name.split("_")[1]) < self.step]
-        if self.rollbacks >= cfg.max_rollbacks:
-            raise LossSpikeError(
-                f"{spike}; max_rollbacks={cfg.max_rollbacks} reached; the last good checkpoint is "
-                f"{target[-1] if target else 'none'}; lower optim.lr or check the data"
-            )
-        if not target:
-            if self.dist.is_main:
-                log.warning(
-                    "%s; no checkpoint before it to roll back to: continuing (save more often with save_every)", spike
-                )
-            return False
-        spike_step, wandb_id = self.step, self.wandb_id
-        self._load(target[-1])  # verified and checked like any resume
-        self.wandb_id = wandb_id
-        self.rollbacks += 1
-        event = {
-            "spike_step": spike_step,
-            "loss": record["loss"],
-            "median": median,
-            "to_step": self.step,
-            "rollback": self.rollbacks,
-            "skip_from_sample": self.consumed,
-            "skip_samples": cfg.spike_skip_batches * self._global_batch(),
-        }
-        self._record_rollback(event)
-        self.consumed += event["skip_samples"]
-        record["rollback_to"] = self.step
-        if self.dist.is_main:
-            log.warning(
-                "%s; rolled back to %s and skipping %d batches (samples %d-%d), rollback %d of %d",
-                spike,
-                target[-1],
-                cfg.spike_skip_batches,
-                event["skip_from_sample"],
-                self.consumed - 1,
-                self.rollbacks,
-                cfg.max_rollbacks,
-            )
-        return True
-
     def _global_batch(self) -> int:
         return self.cfg.micro_batch_size * self.cfg.grad_accum * self.dist.dp_size
-
-    def _record_rollback(self, event: dict) -> None:
-        """Append to ``OUTPUT/rollbacks.json``: a run killed before its next checkpoint resumes the
-        skip from there (the checkpoint it rolled back to does not know about it)."""
-        if self.dist.is_main:
-            path = self.out / "rollbacks.json"
-            events = json.loads(path.read_text()) if path.is_file() else []
-            events.append(event)
-            with atomic_write(path, durable=True) as tmp:
-                tmp.write_bytes(json.dumps(events, indent=1).encode())
-        barrier()
-
-    def _apply_pending_rollback(self) -> None:
-        """After a resume: a rollback to exactly this checkpoint that the checkpoint predates."""
-        path = self.out / "rollbacks.json"
-        if self.cfg.on_spike != "rollback" or not path.is_file():
-            return
-        for event in json.loads(path.read_text()):
-            if (
-                event["to_step"] == self.step
-                and event["rollback"] == self.rollbacks + 1
-                and event["skip_from_sample"] == self.consumed
-            ):
-                self.rollbacks += 1
-                self.consumed += event["skip_samples"]
-                if self.dist.is_main:
-                    log.info(
-                        "resuming rollback %d: skipping samples %d-%d",
-                        self.rollbacks,
-                        event["skip_from_sample"],
-                        self.consumed - 1,
-                    )
 
     def _train_step(self, batches) -> dict:
         cfg = self.cfg
@@ -901,7 +610,7 @@ class Trainer:
         if self.streak_start is None:
             self.streak_start = self.step + 1
         if must_stop or self.cfg.on_nonfinite == "stop" or self.skipped > self.cfg.max_skipped_steps:
-            last = self._last_good()
+            last = rollback.last_good(self)
             why = (
                 "the engine could not skip it"
                 if must_stop
@@ -923,25 +632,6 @@ class Trainer:
             if all_reduce(flag).item() > 0:
                 self._stop_reason = "max_time"
         return self._stop_reason is not None
-
-    def _log(self, record: dict, metrics_file, tracker, bar) -> None:
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
-        if tracker is not None:
-            tracker.log(record)
-        text = (
-            f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"grad {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
-            f"MFU {100 * record['mfu']:.1f}%"
-        )
-        if "val_loss" in record:
-            text += f" | val {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})"
-        if "val_bleu" in record:
-            text += f" | BLEU {record['val_bleu']:.2f} chrF {record['val_chrf']:.1f} ({record['bleu_signature']})"
-        if bar is not None:
-            bar.write(text, file=sys.stdout)
-        else:
-            print(text, flush=True)
 
 
 def _concat(batches: list[dict]) -> dict:
