@@ -208,12 +208,16 @@ def test_an_fp8_checkpoint_exports_to_transformers(cache, tmp_path):
         assert (ours(input_ids=ids).logits - hf(input_ids=ids).logits).abs().max().item() <= 1e-4
 
 
-def test_switching_to_fp8_at_resume_loads_the_run_and_says_so_once(cache, tmp_path, caplog):
+def test_switching_to_fp8_at_resume_needs_resume_changes_and_says_so_once(cache, tmp_path, caplog):
+    """fp8 rounds every block's products differently: a change of what the run trains, refused in
+    one line, or (resume_changes=allow) one warning line; the weights and moments load unchanged."""
     run = tmp_path / "run"
     _train("gpt2-tiny", run, *COMMON, "precision=bf16", "max_steps=4", "max_tokens=1024")
-    with caplog.at_level(logging.WARNING, logger="tformer"):
+    with pytest.raises(ConfigError, match=r"would change what the run trains: precision 'bf16' -> 'fp8'"):
         _train("gpt2-tiny", run, *COMMON, "precision=fp8", "max_steps=4")
-    said = [r.getMessage() for r in caplog.records if "precision bf16 -> fp8" in r.getMessage()]
+    with caplog.at_level(logging.WARNING, logger="tformer"):
+        _train("gpt2-tiny", run, *COMMON, "precision=fp8", "max_steps=4", "resume_changes=allow")
+    said = [r.getMessage() for r in caplog.records if "precision 'bf16' -> 'fp8'" in r.getMessage()]
     assert len(said) == 1 and "from step 2" in said[0]
     bf16 = tmp_path / "bf16"
     _train("gpt2-tiny", bf16, *COMMON, "precision=bf16", "max_steps=4")

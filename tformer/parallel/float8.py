@@ -223,16 +223,3 @@ def _drop_precomputed_scale(module: torch.nn.Module, _incompatible: Any) -> None
     local = getattr(module.weight, "_local_tensor", None)
     if local is not None and hasattr(local, "_precomputed_scale"):
         local._precomputed_scale = None
-
-
-def precision_change_note(saved: dict, precision: str, step: int) -> str | None:
-    """One line when a resumed run switches to or from precision=fp8 (a free change: the weights
-    and optimizer state are the same tensors under either precision), else None."""
-    before = saved.get("precision")
-    if before is None or before == precision or "fp8" not in (before, precision):
-        return None
-    now = "compute in float8" if precision == "fp8" else f"leave float8 for {precision}"
-    return (
-        f"precision {before} -> {precision} from step {step}: the blocks' linear layers now {now}; the weights "
-        "and optimizer state load unchanged, the loss moves by the change in rounding"
-    )

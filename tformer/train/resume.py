@@ -72,6 +72,17 @@ def check_padding(saved: dict, current: dict, strategy: str) -> None:
         )
 
 
+def float8_change(saved: dict, precision: str) -> list[tuple[str, Any, Any]]:
+    """Switching to or from ``precision: fp8`` changes the rounding of every block's matrix products:
+    a change of what the run trains (``judge`` refuses it, or warns once under
+    ``resume_changes=allow``), though the weights and optimizer state load unchanged. Other
+    precision changes (bf16 <-> fp32) are free (``RESUME_FREE``)."""
+    before = saved.get("precision")
+    if before is None or before == precision or "fp8" not in (before, precision):
+        return []
+    return [("precision", before, precision)]
+
+
 def schedule_steps(cfg: TrainConfig, state: TrainerState | None, saved: dict) -> int:
     """The horizon of the LR schedule: the run's first ``max_steps``, kept through every resume."""
     if state is None or state.weights_only:

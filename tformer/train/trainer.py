@@ -28,7 +28,6 @@ from ..models.padding import pad_sequences
 from ..nn.moe import moe_stats
 from ..parallel.build import build_strategy
 from ..parallel.context import context_shard
-from ..parallel.float8 import precision_change_note
 from ..parallel.offload import activation_offload
 from ..parallel.routing import note_lengths
 from ..parallel.strategy import Pipeline, Strategy
@@ -231,9 +230,9 @@ class Trainer:
         resuming.check_padding(saved, current, self.cfg.parallel.strategy)
         changes = resuming.meaning_changes(saved, current, weights_only=state.weights_only)
         changes += resuming.batch_change(resuming.saved_global_batch(state, saved), self._global_batch_size())
+        changes += resuming.float8_change(saved, self.cfg.precision)
         notes: list[str | None] = list(resuming.judge(changes, self.cfg, path, state.step))
         notes.append(resuming.horizon_note(self.cfg, saved, self.schedule_steps, state.step))
-        notes.append(precision_change_note(saved, self.cfg.precision, state.step))
         if self.dist.is_main:
             for note in filter(None, notes):
                 log.warning("%s", note)
