@@ -48,7 +48,7 @@ def decode_config(data: Any) -> DecodeConfig:
         if key in data:
             value = data[key]
             if unwrap_optional(hints[f.name])[0] is float and not isinstance(value, bool):
-                value = _as_number(value)
+                value = as_number(value)
             _check_type(f"decode.{key}", value, hints[f.name])
             kwargs[f.name] = value
     decode = DecodeConfig(**kwargs)
@@ -57,7 +57,7 @@ def decode_config(data: Any) -> DecodeConfig:
     return decode
 
 
-def _as_number(value: Any) -> Any:
+def as_number(value: Any) -> Any:
     """YAML 1.1 reads ``1e-3`` as a string; accept it (and ints) where a number is expected."""
     if isinstance(value, (int, str)):
         try:

@@ -39,7 +39,7 @@ from ..config import (
 # they may import); their tuples are re-exported here with the others.
 from ..config import AC_MODES as AC_MODES, LENGTH_NORMS as LENGTH_NORMS, ON_EXHAUSTED as ON_EXHAUSTED
 from ..config import PRECISIONS as PRECISIONS, STRATEGIES as STRATEGIES
-from ..decode_config import DecodeConfig as DecodeConfig
+from ..decode_config import DecodeConfig as DecodeConfig, as_number
 from ..models import build_config
 
 # The sections owned by lower layers, composed here (and importable from here, as before)
@@ -428,20 +428,10 @@ def _build(cls, data: Any, section: str):
             kwargs[f.name] = value
         else:
             if unwrap_optional(hint)[0] is float and not isinstance(value, bool):
-                value = _as_float(value)
+                value = as_number(value)
             _check_type(name, value, hint)  # a choice's value is checked with the others, in validate
             kwargs[f.name] = value
     return cls(**kwargs)
-
-
-def _as_float(value: Any) -> Any:
-    """YAML 1.1 reads ``1e-3`` as a string; accept it (and ints) where a number is expected."""
-    if isinstance(value, (int, str)):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
