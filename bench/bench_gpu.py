@@ -62,7 +62,7 @@ from tformer.parallel.compile import compile_blocks, compile_head  # noqa: E402
 from tformer.plan import rank_memory  # noqa: E402
 from tformer.plan.memory import training_memory  # noqa: E402
 from tformer.train.config import LossConfig, OptimConfig, TrainConfig  # noqa: E402
-from tformer.train.head import STATE_BYTES_PER_PARAMETER  # noqa: E402
+from tformer.plan.head import STATE_BYTES_PER_PARAMETER  # noqa: E402
 from tformer.train.metrics import peak_flops  # noqa: E402
 from tformer.train.optim import build_optimizer  # noqa: E402
 

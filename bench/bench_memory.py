@@ -184,9 +184,9 @@ def _fresh_step(which: str, batch: int, seq: int, chunk, threads: int, ac: str =
 def step_part(batch: int = 4, seq: int = 1024, threads: int = 2, chunk: int | None = None) -> None:
     from tformer.models import build_model
     from tformer.plan.activations import activation_bytes
-    from tformer.train.config import LossConfig
+    from tformer.models.loss import CPU_CHUNK
 
-    chunk = chunk or LossConfig().chunk_size
+    chunk = chunk or CPU_CHUNK  # loss.chunk_size=auto on a CPU
     print(
         f"\n=== whole training step, gpt2-small, seq {seq}, micro-batch {batch}, fp32, AdamW, no AC: peak RSS "
         f"of a fresh process over two steps ==="

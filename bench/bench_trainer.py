@@ -79,7 +79,7 @@ def bare_rate(cfg_args: list[str], steps: int, out: Path) -> Rate:
     t = Trainer(cfg)  # for its data, initial weights and batches only
     model = build_model(t.model_cfg)
     model.load_state_dict(t.model.state_dict())
-    model.loss_chunk_size = cfg.loss.chunk_size
+    model.loss_chunk_size = t.model.loss_chunk_size  # the trainer's, loss.chunk_size=auto resolved
     opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
     it = t._batches()
     keys = t.data.model_inputs

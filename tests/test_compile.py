@@ -8,7 +8,9 @@ from tformer.config import ConfigError
 from tformer.models import build_model
 from tformer.parallel.compile import allow_dynamic_shapes
 
-PRESETS = ["gpt2-tiny", "llama-tiny", "bert-tiny", "t5-tiny", "mixtral-tiny"]
+# dense families: an MoE layer's routing is traced by dynamo but left eager by tformer (inductor
+# cannot lower its data-dependent grouped matmuls on torch 2.13; parallel/compile.py)
+PRESETS = ["gpt2-tiny", "llama-tiny", "bert-tiny", "t5-tiny"]
 
 
 def _batch(model, b=2, s=32, seed=0):
@@ -25,11 +27,11 @@ def _batch(model, b=2, s=32, seed=0):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_the_whole_training_forward_is_one_graph_under_bf16(preset):
-    """The trainer's forward (loss only, chunked head) of every family, MoE routing included: one
-    graph, no break (a break would cut it in two and return to Python between the parts)."""
-    allow_dynamic_shapes()
+    """The trainer's forward (loss only, chunked head) of every dense family: one graph, no break (a
+    break would cut it in two and return to Python between the parts)."""
     torch.manual_seed(0)
     model = build_model(preset).train()
+    allow_dynamic_shapes(model)
     model.loss_chunk_size = 16
     batch = _batch(model)
 
@@ -48,10 +50,10 @@ def test_the_whole_training_forward_is_one_graph_under_bf16(preset):
 def test_a_compiled_model_computes_what_eager_does(preset):
     """Loss and gradients of the compiled step (compile=model's graph, run by AOTAutograd without
     code generation) equal eager's in fp32: the chunked loss's traced backward, BERT's whole head at
-    its labelled rows, the MoE dispatch."""
-    allow_dynamic_shapes()
+    its labelled rows, the MoE model with its routing between graphs."""
     torch.manual_seed(0)
     model = build_model(preset).train()
+    allow_dynamic_shapes(model)
     model.config.dropout = 0.0
     model.loss_chunk_size = 16
     batch = _batch(model)
@@ -59,7 +61,8 @@ def test_a_compiled_model_computes_what_eager_does(preset):
     for compiled in (False, True):
         torch._dynamo.reset()
         model.zero_grad()
-        run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+        whole = not model.config.moe.enabled  # MoE: its routing is a graph break (parallel/compile.py)
+        run = torch.compile(model, fullgraph=whole, backend="aot_eager") if compiled else model
         loss = run(**batch, return_logits=False).loss
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))

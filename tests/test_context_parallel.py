@@ -680,8 +680,8 @@ def test_plan_recommends_cp_when_a_sequence_fits_no_other_layout(capsys):
     from tformer.plan.memory_report import plan_main
 
     cfg = _long_gpt2()
-    settings = {**training_memory(cfg), "loss_parallel": True}
     memory = 400 * 2**20
+    settings = {**training_memory(cfg, memory), "loss_parallel": True}  # auto: the head sized as plan_main does
     assert recommend(cfg.model, 8, memory, 65536, None, False, settings=settings, max_pp=8) == []
     best = recommend_cp(cfg.model, 8, memory, 65536, None, False, settings=settings)[0]
     assert best.cp > 1 and best.total <= 0.9 * memory

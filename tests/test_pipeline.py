@@ -48,7 +48,7 @@ PP2 = [
 
 def test_pp2_equals_the_single_process_run(cache, tmp_path_factory):
     """pp=2 on 2 ranks with 2 pipeline micro-batches (grad_accum=2) against 1 process accumulating
-    the same 2 micro-batches: losses and updated parameters at 1e-5 (fp32); also with per-block
+    the same 2 micro-batches: losses at 1e-5 and updated parameters at 5e-5 (fp32); also with per-block
     compile inside activation checkpointing (inductor reorders float math: 1e-4 here, not bitwise)."""
     tmp = tmp_path_factory.mktemp("pp2")
     run_cases(2, [(name, [*flags, *extra]) for name, flags, extra in PP2], tmp, cache, "parallel.pp=2", "grad_accum=2")
@@ -59,6 +59,9 @@ def test_pp2_equals_the_single_process_run(cache, tmp_path_factory):
             tmp / f"report{i}",
             reference(name, tmp_path_factory, 2, *extra),
             tol=1e-4 if "compile=true" in flags else 1e-5,
+            # parameters: a bias sums its gradient over every token, in the schedule's order (gpt2's
+            # interleaved decoder.layers.3.attn.o_proj.bias: 1.7e-5 measured since the padded init)
+            param_tol=1e-4 if "compile=true" in flags else 5e-5,
         )
         # each rank holds its stages' parameters only (shared embedding on both ends)
         counts = [json.loads(Path(f"{tmp}/report{i}.rank{r}.json").read_text()) for r in (0, 1)]

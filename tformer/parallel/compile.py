@@ -7,10 +7,12 @@
 - ``compile=model``: the whole model as one graph (HF's way); one device or DDP only, since whole-
   model compile graph-breaks in FSDP2's hooks (the trainer refuses the other layouts in one line).
 
-Either way the forward has no graph break under bf16 autocast for every family (tests/test_compile.py):
-the routing of mixture-of-experts layers (``bincount``) and BERT's labelled positions (boolean
-indexing) have data-dependent shapes, which dynamo traces once ``capture_dynamic_output_shape_ops``
-is on; the chunked loss skips its host-side shortcut while compiling (``models/loss.py``).
+Either way the forward of every dense family has no graph break under bf16 autocast
+(tests/test_compile.py): BERT's labelled positions (boolean indexing) have a data-dependent count,
+which dynamo traces once ``capture_dynamic_output_shape_ops`` is on; the chunked loss skips its
+host-side shortcut while compiling (``models/loss.py``). A mixture-of-experts layer's routing
+(``bincount``, grouped matmuls over data-dependent slices) traces too, but inductor cannot lower it
+on torch 2.13, so there it stays a graph break between compiled parts.
 """
 
 from __future__ import annotations
@@ -20,16 +22,21 @@ from typing import Any
 import torch
 
 from ..nn import TransformerBlock, TransformerStack
+from ..nn.moe import moe_layers
 
 
-def allow_dynamic_shapes() -> None:
-    """Let dynamo trace ops whose output shape depends on the data (MoE dispatch, masked-LM rows)."""
-    torch._dynamo.config.capture_dynamic_output_shape_ops = True
-    torch._dynamo.config.capture_scalar_outputs = True
+def allow_dynamic_shapes(model: torch.nn.Module | None = None) -> None:
+    """Let dynamo trace ops whose output shape depends on the data (BERT's labelled rows), except in
+    a mixture-of-experts model: dynamo traces its dispatch, but inductor (torch 2.13) cannot lower the
+    data-dependent slices of its grouped matmuls, so its routing stays a graph break. A process-wide
+    setting, set for the model being compiled."""
+    dense = model is None or not moe_layers(model)
+    torch._dynamo.config.capture_dynamic_output_shape_ops = dense
+    torch._dynamo.config.capture_scalar_outputs = dense
 
 
 def compile_blocks(model: torch.nn.Module, **options) -> torch.nn.Module:
-    allow_dynamic_shapes()
+    allow_dynamic_shapes(model)
     for module in model.modules():
         if isinstance(module, TransformerStack):
             for block in module.layers:
@@ -41,13 +48,13 @@ def compile_blocks(model: torch.nn.Module, **options) -> torch.nn.Module:
 def compile_head(model: torch.nn.Module, **options) -> torch.nn.Module:
     """The head and loss of the training step (``_head_and_lm_loss``, a method of every family) as
     a compiled function, set on this model only."""
-    allow_dynamic_shapes()
+    allow_dynamic_shapes(model)
     head: Any = model._head_and_lm_loss
     model._head_and_lm_loss = torch.compile(head, **options)  # type: ignore[assignment]
     return model
 
 
 def compile_model(model: torch.nn.Module, **options) -> torch.nn.Module:
-    allow_dynamic_shapes()
+    allow_dynamic_shapes(model)
     model.compile(**options)  # in place: nn.Module.compile keeps the parameter names
     return model
