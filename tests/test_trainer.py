@@ -480,8 +480,13 @@ def test_bf16_on_a_cpu_without_bf16_matmuls_warns(monkeypatch, caplog, native):
     monkeypatch.setattr(tr, "cpu_has_native_bf16", lambda: native)
     from tformer.train.dist import DistInfo
 
+    from tformer.logs import Quiet
+
     trainer = tr.Trainer.__new__(tr.Trainer)  # only the start-up warning, no run
     trainer.dist, trainer.device, trainer.precision = DistInfo(), torch.device("cpu"), "bf16"
+    # a trainer started earlier in this process put its show-a-warning-once filter on pytest's capture
+    # handler (logs.quiet_repeats), which would hide this line if another test had logged it first
+    monkeypatch.setattr(caplog.handler, "filters", [f for f in caplog.handler.filters if not isinstance(f, Quiet)])
     with caplog.at_level("WARNING", logger="tformer.train"):
         trainer._warn_slow_precision()
     assert ("emulates bf16 matmuls" in caplog.text) is not native
