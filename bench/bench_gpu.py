@@ -62,7 +62,7 @@ from tformer.parallel.compile import compile_blocks, compile_head  # noqa: E402
 from tformer.plan import rank_memory  # noqa: E402
 from tformer.plan.memory import training_memory  # noqa: E402
 from tformer.train.config import LossConfig, OptimConfig, TrainConfig  # noqa: E402
-from tformer.plan.head import STATE_BYTES_PER_PARAMETER  # noqa: E402
+from tformer.plan.head import free_after_states  # noqa: E402
 from tformer.train.metrics import peak_flops  # noqa: E402
 from tformer.train.optim import build_optimizer  # noqa: E402
 
@@ -140,7 +140,7 @@ def head_chunk(cfg, b: int, s: int, t: int | None, device: torch.device, chunk, 
         return chunk  # type: ignore[return-value]
     free = None
     if device.type == "cuda":
-        free = torch.cuda.get_device_properties(device).total_memory - STATE_BYTES_PER_PARAMETER * parameters
+        free = free_after_states(torch.cuda.get_device_properties(device).total_memory, parameters, "ddp", 1, 1, 1)
     rows = b * (t or s)
     if cfg.family == "encoder":
         rows = int(rows * MLM_SHARE)
