@@ -1,7 +1,8 @@
 """Run the trainer and SIGKILL this process at a chosen point: after step N (``--kill-after N``),
 in the middle of writing the checkpoint of step N, before it is sealed (``--kill-in-save N``), or
 while the background write of step N's checkpoint (``checkpoint.async=true``) is held up, from
-the training loop one step later (``--kill-in-async-write N``)."""
+the training loop one step later (``--kill-in-async-write N``); or after step N's checkpoint is
+saved, before its evaluation (``--kill-before-eval N``) or before its log line (``--kill-before-log N``)."""
 
 import argparse
 import logging
@@ -18,6 +19,8 @@ p.add_argument("overrides", nargs="*")
 p.add_argument("--kill-after", type=int)
 p.add_argument("--kill-in-save", type=int)
 p.add_argument("--kill-in-async-write", type=int)
+p.add_argument("--kill-before-eval", type=int)
+p.add_argument("--kill-before-log", type=int)
 p.add_argument(
     "--spike-at-sample", type=int, help="blow the loss up (x100) on the batch that starts at this global sample index"
 )
@@ -71,6 +74,27 @@ def plant_spike(trainer, sample):
 
     trainer.model.forward = patched
 
+
+if args.kill_before_eval is not None:
+    real_evaluate = trainer_mod.Trainer.evaluate
+
+    def evaluate(self):
+        if self.step == args.kill_before_eval:
+            assert (self.ckpt_root / f"step_{self.step:08d}").is_dir()  # saved, not yet evaluated
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_evaluate(self)
+
+    trainer_mod.Trainer.evaluate = evaluate
+
+if args.kill_before_log is not None:
+    real_log = trainer_mod.log_step
+
+    def log_step(record, *rest):
+        if record["step"] == args.kill_before_log:
+            os.kill(os.getpid(), signal.SIGKILL)  # saved and evaluated, the line not yet written
+        return real_log(record, *rest)
+
+    trainer_mod.log_step = log_step
 
 t = trainer_mod.Trainer(load_config(args.config, args.overrides), callbacks=[kill_after])
 if args.spike_at_sample is not None:

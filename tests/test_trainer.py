@@ -58,7 +58,7 @@ def test_tiny_recipe_lowers_validation_loss_and_writes_the_run_contract(recipe, 
     assert resolved.max_steps == 40 and resolved.model_config() == t.model_cfg
 
 
-def _run(cache, out, *extra, kill_after=None, kill_in_save=None, recipe="gpt2-tiny"):
+def _run(cache, out, *extra, kill_after=None, kill_in_save=None, recipe="gpt2-tiny", kill=()):
     args = [
         sys.executable,
         str(ROOT / "tests" / "kill_during_training.py"),
@@ -69,7 +69,7 @@ def _run(cache, out, *extra, kill_after=None, kill_in_save=None, recipe="gpt2-ti
         args += ["--kill-after", str(kill_after)]
     if kill_in_save is not None:
         args += ["--kill-in-save", str(kill_in_save)]
-    return run_cmd(args, 600, env=env(cache))
+    return run_cmd(args + list(kill), 600, env=env(cache))
 
 
 @pytest.mark.parametrize("accum", [1, 2])
@@ -100,6 +100,33 @@ def test_resume_after_kill_is_bitwise_identical(cache, tmp_path, accum):
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
+
+
+def test_a_kill_between_the_save_and_the_log_line_loses_no_record(cache, tmp_path):
+    """A step's checkpoint is saved before the step is evaluated and logged. Killed in between,
+    mid-run (before step 4's evaluation) and at the final step (after its evaluation, before its
+    line), the run's records end equal to an uninterrupted run's: every logged step once, every
+    due evaluation done, and the run is complete only then."""
+    common = ["max_steps=8", "save_every=4", "eval_every=4", "log_every=2", "micro_batch_size=4"]
+    straight = _run(cache, tmp_path / "straight", *common)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    run = tmp_path / "killed"
+    for kill in (["--kill-before-eval", "4"], ["--kill-before-log", "8"]):
+        killed = _run(cache, run, *common, kill=kill)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert [r["step"] for r in metrics(run)] == [2, 4, 6]  # step 8 was saved and evaluated, never logged
+    resumed = _run(cache, run, *common)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "logged its record after the resume" in resumed.stderr
+    again = run_cli(["train", str(CONFIGS / "gpt2-tiny.yaml"), *small_overrides("gpt2-tiny", run, *common)], cache)
+    assert again.returncode == 0 and "is complete" in again.stdout + again.stderr, again.stderr[-2000:]
+
+    def kept(rows):  # what the run computed (timings differ between runs)
+        return [{k: r.get(k) for k in ("step", "loss", "lr", "grad_norm", "val_loss")} for r in rows]
+
+    a, b = kept(metrics(tmp_path / "straight")), kept(metrics(run))
+    assert [r["step"] for r in b] == [2, 4, 6, 8] and a == b, (a, b)  # fp32: a resume is bitwise exact
+    assert b[1]["val_loss"] is not None and b[3]["val_loss"] is not None
 
 
 def test_ddp_two_processes_match_one_process_with_the_same_global_batch(cache, tmp_path):

@@ -43,6 +43,10 @@ class TrainerState:
     global_batch: int | None = None
     global_batch_tokens: int | None = None
     schedule_steps: int | None = None  # the horizon the LR schedule was planned with (max_steps at the start)
+    # the record of this step when it is due to be logged ({"record": ..., "evaluate": bool}): the
+    # checkpoint is saved before the step is evaluated and logged, so a kill in between is made
+    # good at resume from here (train/trainer.py, ``_finish_pending``)
+    pending: dict | None = None
     weights_only: bool = False  # an import: weights, no optimizer state
     imported_from: str | None = None
     time: float = field(default_factory=time.time)

@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
+
+from ..files import atomic_write
+
+METRICS = "metrics.jsonl"
 
 
 def layout(strategy: str, dims, sp: bool, world: int) -> str:
@@ -63,6 +68,35 @@ def start_summary(trainer) -> str:
             f"output: {t.out} (resolved config: {t.out / 'config.yaml'})",
         ]
     )
+
+
+def _records(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl``; a torn last line (a kill mid-write) is left out."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def logged_steps(run_dir: Path) -> set[int]:
+    """The steps that have a record in the run's ``metrics.jsonl``."""
+    return {r["step"] for r in _records(Path(run_dir) / METRICS) if isinstance(r.get("step"), int)}
+
+
+def trim_metrics(run_dir: Path, step: int) -> int:
+    """At a resume from the checkpoint of ``step``: drop the records of the steps after it, which
+    the run trains (and logs) again, so every step has one record. A loss spike's own record is
+    kept (it is the event, not the step's training). Returns how many records were dropped."""
+    path = Path(run_dir) / METRICS
+    rows = _records(path)
+    keep = [r for r in rows if not isinstance(r.get("step"), int) or r["step"] <= step or r.get("spike")]
+    if path.is_file() and len(keep) != len(path.read_text().splitlines()):
+        with atomic_write(path, durable=True) as tmp:  # a kill now leaves the old file whole
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    return len(rows) - len(keep)
 
 
 def log_step(record: dict, metrics_file, tracker, bar) -> None:

@@ -11,7 +11,9 @@ the horizon of its LR schedule. At resume (docs/reliability.md, "Resuming"):
 - any other key, and the global batch, changes what the run trains: refused in one line naming
   each change, unless ``resume_changes=allow`` (then one warning line per change);
 - a run that has already reached ``max_steps`` (or ``max_tokens``) has nothing to train:
-  :class:`RunComplete`, before any work, with its ``config.yaml`` left as it is.
+  :class:`RunComplete`, before any work, with its ``config.yaml`` left as it is; unless it was
+  killed between its last save and that step's log line (``unlogged_record``): then it evaluates
+  and logs that step first.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..checkpoint.io import RUN_CONFIG
 from ..checkpoint.state import TrainerState
 from ..config import ConfigError
 from .config import RESUME_EXTEND, RESUME_FREE, TrainConfig
+from .console import logged_steps
 
 GLOBAL_BATCH = "global batch"  # the name a change of the global batch is reported under
 
@@ -57,6 +60,19 @@ def check_not_complete(cfg: TrainConfig, ckpt: Path, state: TrainerState) -> Non
         f"nothing changed. To extend it {extend}; to start afresh pass another output_dir (resume=none "
         "in this directory would mix a new run's checkpoints with these)"
     )
+
+
+def unlogged_record(state: TrainerState, ckpt: Path, run_dir: Path) -> dict | None:
+    """The record a checkpoint of this run was saved with (its step due to be logged, and perhaps
+    evaluated) when ``metrics.jsonl`` has no line for that step: the run was killed between the
+    save and the log line. None when there is nothing to make good (or the checkpoint is another
+    run's)."""
+    pending = state.pending
+    if not pending or Path(ckpt).resolve().parent != (Path(run_dir) / "checkpoints").resolve():
+        return None
+    if state.step in logged_steps(run_dir):
+        return None
+    return pending
 
 
 def check_padding(saved: dict, current: dict, strategy: str) -> None:

@@ -37,6 +37,7 @@ class RunState(Protocol):
     spikes: SpikeDetector
     wandb_id: str | None
     schedule_steps: int
+    pending: dict | None  # this step's record while it waits to be evaluated and logged
 
     def _global_batch_size(self) -> tuple[int, int]: ...
 
@@ -97,6 +98,7 @@ class Progress(Stateful):
             "global_batch": sequences,
             "global_batch_tokens": tokens,
             "schedule_steps": t.schedule_steps,
+            "pending": t.pending,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

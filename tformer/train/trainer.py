@@ -36,7 +36,7 @@ from . import evaluation, rollback
 from . import resume as resuming
 from .checks import check_support
 from .config import TrainConfig
-from .console import log_step, start_summary
+from .console import METRICS, log_step, start_summary, trim_metrics
 from .data import build_data, check_sources, copy_tokenizer, train_batches
 from .dist import all_reduce, barrier, device_type, init_distributed
 from .head import loss_chunk_size
@@ -187,6 +187,7 @@ class Trainer:
         self._watchdog_warned = False
         self.wandb_id: str | None = None
         self.resumed_from: Path | None = None
+        self.pending: dict | None = None  # this step's record until it is logged (saved with a checkpoint)
         self._stop_reason: str | None = None
         self._signal: str | None = None
 
@@ -213,9 +214,12 @@ class Trainer:
         manager = CheckpointManager(Path(cfg.output_dir) / "checkpoints")
         path, self._damaged = manager.locate(cfg.resume)
         self._resume_peek = None
+        self._unlogged: dict | None = None
         if path is not None and path.is_dir():
             state, saved = manager.read(path), resuming.saved_config(path)
-            resuming.check_not_complete(cfg, path, state)
+            self._unlogged = resuming.unlogged_record(state, path, Path(cfg.output_dir))
+            if self._unlogged is None:  # a record still to log (and evaluate) is work left
+                resuming.check_not_complete(cfg, path, state)
             self._resume_peek = (path, state, saved)
         self.schedule_steps = resuming.schedule_steps(cfg, *(self._resume_peek or (None, None, {}))[1:])
 
@@ -383,7 +387,9 @@ class Trainer:
         tracker = WandbTracker(cfg.wandb, self.out, self.resolved, self.wandb_id) if main else None
         if tracker is not None:
             self.wandb_id = tracker.run_id
-        metrics_file = open(self.out / "metrics.jsonl", "a") if main else None
+        if main and self.resumed_from is not None:
+            trim_metrics(self.out, self.step)  # the steps after the checkpoint are logged again, once
+        metrics_file = open(self.out / METRICS, "a") if main else None
         bar = None
         if main and cfg.progress and interactive():
             from tqdm import tqdm
@@ -400,6 +406,7 @@ class Trainer:
                 self.out / "watchdog", self.dist.rank, self.dist.world_size, cfg.watchdog_timeout
             ).start()
         try:
+            last = self._finish_pending(metrics_file, tracker, bar) or last
             while self.step < cfg.max_steps and self._stop_reason is None:
                 record = self._train_step(batches)
                 if rollback.handle_spike(self, record):  # rolled back to an earlier checkpoint: new data position
@@ -413,6 +420,10 @@ class Trainer:
                 stopping = self._stop_check(start)
                 due_eval = cfg.eval_every and self.step % cfg.eval_every == 0
                 final = self.step >= cfg.max_steps or stopping
+                due_log = self.step % cfg.log_every == 0 or final or bool(due_eval)
+                # the checkpoint carries the record it is saved before: a kill before the log line
+                # is made good at resume (_finish_pending)
+                self.pending = {"record": record, "evaluate": bool(due_eval or final)} if due_log else None
                 # save before evaluating: an evaluation that fails must not cost the step's checkpoint
                 if (cfg.save_every and self.step % cfg.save_every == 0) or final:
                     if self._may_save():
@@ -421,8 +432,9 @@ class Trainer:
                 if due_eval or final:
                     self._beat("eval")
                     record.update(self.evaluate())
-                if main and (self.step % cfg.log_every == 0 or final or "val_loss" in record):
+                if main and (due_log or "val_loss" in record):
                     log_step(record, metrics_file, tracker, bar)
+                self.pending = None
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
@@ -455,6 +467,24 @@ class Trainer:
                 flush=True,
             )
         return last
+
+    def _finish_pending(self, metrics_file, tracker, bar) -> dict | None:
+        """A resumed checkpoint whose step was due to be logged (and evaluated) but was killed
+        before its line reached ``metrics.jsonl``: evaluate it now (the model is that step's, as it
+        was then) and log it, once. All ranks decide alike: they read the same checkpoint and run
+        directory."""
+        pending, self._unlogged = self._unlogged, None
+        if pending is None or self.resumed_from is None:
+            return None
+        record = dict(pending["record"])
+        if pending["evaluate"]:
+            self._beat("eval")
+            record.update(self.evaluate())
+        if metrics_file is not None:
+            log_step(record, metrics_file, tracker, bar)
+        if self.dist.is_main:
+            log.info("step %d: logged its record after the resume (the run was stopped before it)", self.step)
+        return record
 
     def _close_checkpoints(self) -> None:
         """On the way out of ``fit`` after an error: still commit a save in flight (its state was
