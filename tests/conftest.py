@@ -35,6 +35,17 @@ def cpu_bf16(request, monkeypatch):
     return request.param == "1"
 
 
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    """The data cache (trained tokenizers, tokenized corpora) of every test that trains: entries are
+    keyed by their content (source, tokenizer, settings), so tests share them and each is built once
+    per session. TFORMER_CACHE points at it until the session ends, then is restored."""
+    path = tmp_path_factory.mktemp("tformer-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TFORMER_CACHE", str(path))
+        yield path
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models gain nothing from a second thread, and lose a lot when the cores are shared."""

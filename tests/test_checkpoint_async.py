@@ -21,15 +21,6 @@ from train_helpers import CONFIGS, ROOT, env, losses, small_overrides
 ASYNC = "checkpoint.async=true"
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    import os
-
-    path = tmp_path_factory.mktemp("tformer-cache-async")
-    os.environ["TFORMER_CACHE"] = str(path)
-    return path
-
-
 def trainer(out, *extra, callbacks=()):
     cfg = load_config(CONFIGS / "gpt2-tiny.yaml", small_overrides("gpt2-tiny", out, "eval_every=0", *extra))
     return Trainer(cfg, callbacks)

@@ -26,7 +26,7 @@ from tformer.parallel.context import (
     unshard_seq,
 )
 
-from test_mesh import GROUP_TIMEOUT, cache, run_ranks  # noqa: F401 - cache: test_mesh's fixture (usefixtures)
+from test_mesh import GROUP_TIMEOUT, run_ranks
 from train_helpers import spawn_ranks
 
 TOL = 1e-5

@@ -17,7 +17,7 @@ import torch
 from tformer.config import ConfigError
 
 import test_mesh
-from test_mesh import _overrides, _resume, assert_same_run, cache, reference, run_ranks  # noqa: F401 - cache fixture
+from test_mesh import _overrides, _resume, assert_same_run, reference, run_ranks
 from train_helpers import CONFIGS, losses, small_overrides
 
 # MoE flavours for test_mesh's runner, by name: (recipe, overrides). Eight experts, so ep=2 gives

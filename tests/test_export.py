@@ -41,13 +41,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def cache(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tformer-cache")
-    os.environ["TFORMER_CACHE"] = str(path)
-    return path
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

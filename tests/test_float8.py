@@ -6,7 +6,6 @@ process; what cannot run is refused in one line before any work."""
 
 import copy
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -32,13 +31,6 @@ CPU = torch.device("cpu")
 # 1: small gradients flush to zero, large values saturate) the worst layer is 0.52-1.3.
 GRAD_TOL = 0.3
 LOSS_TOL = 1e-3  # relative; measured at most 2e-4 (the head, the last matmul, stays in bf16)
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tformer-cache-float8")
-    os.environ["TFORMER_CACHE"] = str(path)
-    return path
 
 
 def _batch(model, b=4, s=64, seed=0):

@@ -73,14 +73,6 @@ def run_ranks(world, jobs, cache, worker=_worker):
     spawn_ranks(worker, (world, free_port(), jobs, cache), world, GROUP_TIMEOUT)
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tformer-cache-mesh")
-    with pytest.MonkeyPatch.context() as mp:  # the next module finds TFORMER_CACHE as it was
-        mp.setenv("TFORMER_CACHE", str(path))
-        yield path
-
-
 # optim.eps=1e-4: Adam divides each gradient by its own running magnitude, so an element whose true
 # gradient is zero (attention's key bias: softmax ignores a per-query constant) moves by +-lr on
 # round-off alone, in whichever direction the summation order gives; a larger eps keeps such noise

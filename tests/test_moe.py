@@ -261,15 +261,6 @@ def test_bad_moe_config_is_one_line(moe, message):
 # -- every family trains with MoE FFNs -------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    import os
-
-    path = tmp_path_factory.mktemp("tformer-cache")
-    os.environ["TFORMER_CACHE"] = str(path)
-    return path
-
-
 @pytest.mark.parametrize(
     "recipe,extra",
     [

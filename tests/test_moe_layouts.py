@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import test_mesh
-from test_mesh import _overrides, assert_same_run, cache, reference, run_ranks  # noqa: F401 - cache fixture
+from test_mesh import _overrides, assert_same_run, reference, run_ranks
 from tformer.config import MoEConfig
 from tformer.nn.moe import (
     MoEFeedForward,
@@ -100,13 +100,20 @@ def test_a_layer_leaves_the_layout_pad_out_of_its_losses():
 # Issue 38 measured (aux_loss_coef 0.05, 4 steps): Qwen2-MoE-tiny at seq 61 with cp=2 x ep=2 drifted
 # 1.0e-4 from one process and Mixtral (6 experts) with ep=2 x dp_shard=2 7e-5 from one process
 # accumulating 2 micro-batches; with these fixes both agree to ~1e-7.
-test_mesh.FAMILIES.update(
-    {
-        # without its q/k/v biases: the key bias has no true gradient (see test_expert_parallel)
-        "qwen2_moe_tiny": ("mixtral-tiny", ["model.preset=qwen2-moe-tiny", "model.qkv_bias=false"]),
-        "mixtral6": ("mixtral-tiny", ["model.moe.num_experts=6"]),
-    }
-)
+MOE_FAMILIES = {
+    # without its q/k/v biases: the key bias has no true gradient (see test_expert_parallel)
+    "qwen2_moe_tiny": ("mixtral-tiny", ["model.preset=qwen2-moe-tiny", "model.qkv_bias=false"]),
+    "mixtral6": ("mixtral-tiny", ["model.moe.num_experts=6"]),
+}
+
+
+@pytest.fixture
+def moe_families(monkeypatch):
+    """test_mesh's families with these two, for this test only (test_mesh's own list stays as it is)."""
+    for name, entry in MOE_FAMILIES.items():
+        monkeypatch.setitem(test_mesh.FAMILIES, name, entry)
+
+
 AUX = ["model.moe.aux_loss_coef=0.1", "model.moe.z_loss_coef=0.01", "micro_batch_size=2"]
 FSDP = "parallel.strategy=fsdp"
 # (name, family, flags of both runs, the layout's flags, the 1-process run's grad_accum)
@@ -120,7 +127,7 @@ CASES = [
 ]
 
 
-@pytest.mark.usefixtures("cache")
+@pytest.mark.usefixtures("cache", "moe_families")
 def test_moe_layouts_equal_one_process_with_the_balancing_loss_on(tmp_path_factory):
     """cp=2 x ep=2 at an odd length, ep=2 x dp_shard=2 and tp=2 with sequence parallelism at an odd
     length, 4 AdamW steps with the balancing and z-losses on: losses and updated parameters of

@@ -2,7 +2,6 @@
 (same and different world size)."""
 
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -152,13 +151,6 @@ def reference(recipe, out, *extra):
     cfg = load_config(CONFIGS / f"{recipe}.yaml", small_overrides(recipe, out, *extra, "grad_accum=2"))
     Trainer(cfg).fit()
     return losses(out)
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tformer-cache-parallel")
-    os.environ["TFORMER_CACHE"] = str(path)
-    return path
 
 
 COMMON = ["max_steps=5", "eval_every=0", "save_every=0", "micro_batch_size=4"]  # first: max_steps

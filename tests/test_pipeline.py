@@ -18,15 +18,6 @@ from test_mesh import CONFIGS, GROUP_TIMEOUT, _overrides, assert_same_run, losse
 from test_mesh import small_overrides
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    import os
-
-    path = tmp_path_factory.mktemp("tformer-cache-pipeline")
-    os.environ["TFORMER_CACHE"] = str(path)
-    return path
-
-
 pytestmark = pytest.mark.timeout(2 * GROUP_TIMEOUT)  # as in test_mesh: its group deadline fires first
 DEEP = ["model.num_layers=4"]  # interleaved: 2 ranks x 2 stages, one block each
 # (family, flags, extra model flags shared with the reference, data-parallel ranks x accumulation)

@@ -3,7 +3,6 @@ and skip data exactly, and every bad key value or CLI flag is one error line."""
 
 import json
 import math
-import os
 import re
 import signal
 import subprocess
@@ -20,13 +19,6 @@ from tformer.train.config import load_config
 from tformer.train.trainer import NonFiniteLoss, Trainer
 
 from train_helpers import CONFIGS, ROOT, env, losses, metrics, run_cli, small_overrides
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tformer-cache-resilience")
-    os.environ["TFORMER_CACHE"] = str(path)
-    return path
 
 
 def trainer(out, *extra, recipe="gpt2-tiny"):

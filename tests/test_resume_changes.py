@@ -6,7 +6,6 @@ not cost its final checkpoint."""
 
 import json
 import logging
-import os
 
 import pytest
 
@@ -22,13 +21,6 @@ from train_helpers import CONFIGS, metrics, small_overrides
 RECIPE = "gpt2-tiny"
 # 512 tokens per step (8 x 64): max_tokens=1024 stops a 4-step run after step 2, as a preemption would
 COMMON = ["eval_every=0", "save_every=2", "precision=fp32", "optim.warmup_steps=1", "model.dropout=0.0"]
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tformer-cache-resume")
-    os.environ["TFORMER_CACHE"] = str(path)
-    return path
 
 
 def args(out, *extra):

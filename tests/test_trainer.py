@@ -21,13 +21,6 @@ from tformer.train.trainer import NonFiniteLoss, Trainer
 from train_helpers import CONFIGS, ROOT, env, losses, metrics, owned, reap, run_cli, run_cmd, small_overrides, start
 
 
-@pytest.fixture(scope="session")
-def cache(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tformer-cache")
-    os.environ["TFORMER_CACHE"] = str(path)
-    return path
-
-
 def trainer(recipe, out, *extra, callbacks=()):
     cfg = load_config(CONFIGS / f"{recipe}.yaml", small_overrides(recipe, out, *extra))
     return Trainer(cfg, callbacks)

@@ -43,13 +43,6 @@ class Payload:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tformer-cache-trust")
-    os.environ["TFORMER_CACHE"] = str(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def runs(cache, tmp_path_factory):
     """A trained 2-step run per layout (one process), plus DeepSpeed universal files for zero3."""
     pytest.importorskip("deepspeed")
