@@ -185,3 +185,42 @@ def test_the_trainer_resolves_auto_and_keeps_a_number(tmp_path, monkeypatch):
     assert head_rows(t5, t5.model, 128, 30, 1) == t5.micro_batch_size * 30
     bert = load_config(CONFIGS / "bert-tiny.yaml", [f"output_dir={tmp_path}"])
     assert head_rows(bert, bert.model, 100, None, 1) == int(bert.micro_batch_size * 100 * bert.data.mlm_probability)
+
+
+def test_auto_on_a_gpu_sizes_the_head_from_the_devices_capacity(tmp_path, monkeypatch):
+    """The trainer's GPU branch (train/head.py): the capacity it reads from the device, less 16 bytes
+    per parameter the rank holds, decides between the whole head and the fewest chunks that fit."""
+    from types import SimpleNamespace
+
+    from tformer.models.loss import GPU_MIN_CHUNK, HEAD_SHARE
+    from tformer.parallel.mesh import ParallelDims
+    from tformer.train.config import load_config
+    from tformer.train.head import loss_chunk_size
+
+    from train_helpers import CONFIGS
+
+    seen = []
+
+    def properties(device):
+        seen.append(device)
+        return SimpleNamespace(total_memory=capacity)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    cfg = load_config(CONFIGS / "gpt2-tiny.yaml", [f"output_dir={tmp_path}", "micro_batch_size=16"])
+    cuda, params, rows, vocab = torch.device("cuda", 0), 10**9, 16 * 1024, cfg.model.padded_vocab_size
+    logits = rows * vocab * 6  # bf16: 6 bytes a logit at the head's peak
+    states = 16 * params  # fp32 weights, gradients and AdamW's two moments
+
+    capacity = states + 5 * logits  # the whole head fits HEAD_SHARE of what the states leave
+    assert HEAD_SHARE * (capacity - states) >= logits
+    assert loss_chunk_size(cfg, cfg.model, cuda, "bf16", params, ParallelDims(1, 1, 1), 1024, None) is None
+    assert seen == [cuda]
+
+    capacity = states + 2 * logits  # half the head's rows fit: chunks of them, in GPU_MIN_CHUNK steps
+    want = int(HEAD_SHARE * (capacity - states) // (vocab * 6)) // GPU_MIN_CHUNK * GPU_MIN_CHUNK
+    assert GPU_MIN_CHUNK <= want < rows
+    got = loss_chunk_size(cfg, cfg.model, cuda, "bf16", params, ParallelDims(1, 1, 1), 1024, None)
+    assert got == want
+    # FSDP over 8 ranks holds an eighth of the states: room for the whole head
+    cfg.parallel.strategy = "fsdp"
+    assert loss_chunk_size(cfg, cfg.model, cuda, "bf16", params, ParallelDims(1, 8, 1), 1024, None) is None
