@@ -124,7 +124,6 @@ class ProfileConfig:
         if bad:
             raise ConfigError(f"profile.ranks={self.ranks!r}: ranks are integers >= 0, e.g. profile.ranks=[0,1]")
 
-
     def traced(self, max_steps: int) -> list[int]:
         """The steps to trace (1 = the first optimizer step), sorted; [] when off."""
         if self.steps is None:

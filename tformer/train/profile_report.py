@@ -31,7 +31,9 @@ COLLECTIVE = re.compile(
     r"nccl|gloo|c10d|all_?reduce|all_?gather|reduce_?scatter|broadcast|all_?to_?all|send|recv|wait_tensor|record_param_comms",
     re.I,
 )
-GEMM = re.compile(r"^aten::(mm|addmm|addmm_|bmm|baddbmm|addmv|mv|dot|_grouped_mm|_scaled_mm)$|gemm|cutlass|xmma|cublas", re.I)
+GEMM = re.compile(
+    r"^aten::(mm|addmm|addmm_|bmm|baddbmm|addmv|mv|dot|_grouped_mm|_scaled_mm)$|gemm|cutlass|xmma|cublas", re.I
+)
 ATTENTION = re.compile(r"attention|flash|fmha|sdpa", re.I)
 
 

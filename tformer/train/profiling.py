@@ -77,9 +77,7 @@ def build_profiler(cfg: ProfileConfig, max_steps: int, dist, out: Path, precisio
 
 
 class StepProfiler:
-    def __init__(
-        self, cfg: ProfileConfig, steps: list[int], rank: int, directory: Path, device: torch.device, about: dict
-    ):
+    def __init__(self, cfg: ProfileConfig, steps: list[int], rank: int, directory: Path, device: torch.device, about: dict):
         self.cfg, self.steps, self.rank, self.dir, self.device = cfg, set(steps), rank, directory, device
         self.about = {**about, "step_time": {}}  # steps.json: what profile-report needs beside the traces
         self.cuda = device.type == "cuda"
@@ -177,7 +175,9 @@ class StepProfiler:
         path = self.dir / f"memory_step{step}_oom.pickle"
         try:
             self._dump_memory(path)
-            log.error("rank %d: out of memory at step %d; allocator snapshot %s (pytorch.org/memory_viz)", self.rank, step, path)
+            log.error(
+                "rank %d: out of memory at step %d; allocator snapshot %s (pytorch.org/memory_viz)", self.rank, step, path
+            )
         except Exception as e:  # noqa: BLE001 - the OOM that ends the run matters more
             log.error("rank %d: out of memory; the snapshot failed: %s", self.rank, e)
 

@@ -1,0 +1,202 @@
+"""Seeing inside a run: profiler traces of chosen steps, profile-report's time split, the slow rank
+named, the stuck collective named, TensorBoard beside W&B, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tformer.train.config import load_config
+from tformer.train.trainer import Trainer
+
+from train_helpers import CONFIGS, become_rank, free_port, metrics, small_overrides, spawn_ranks
+
+RANGES = {"tformer/step", "tformer/data", "tformer/forward", "tformer/backward", "tformer/optimizer"}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tformer-cache-observe")
+    os.environ["TFORMER_CACHE"] = str(path)
+    return path
+
+
+def _overrides(out, *extra):
+    return small_overrides("gpt2-tiny", out, "max_steps=6", "eval_every=0", "save_every=0", "micro_batch_size=4", *extra)
+
+
+def _trace_names(path: Path) -> set[str]:
+    with gzip.open(path, "rt") as f:  # a gzip'd Chrome trace
+        trace = json.load(f)
+    return {e.get("name", "") for e in trace["traceEvents"]}
+
+
+def _check_run(out: Path, ranks: list[int], collectives: bool) -> None:
+    """Traces of steps 3 and 4 only, with tformer's ranges; profile-report's split of each adds up
+    to the step time the trainer measured for it (metrics.jsonl: rank 0's) within 10%."""
+    from tformer.train.profile_report import analyse
+
+    step_time = {r["step"]: r["step_time"] for r in metrics(out)}
+    for rank in ranks:
+        d = out / "profile" / f"rank{rank}"
+        assert sorted(p.name for p in d.glob("*.trace.json*")) == ["step3.trace.json.gz", "step4.trace.json.gz"]
+        names = _trace_names(d / "step3.trace.json.gz")
+        assert RANGES <= names, RANGES - names
+        assert any(n.startswith("aten::") for n in names)
+        if collectives:
+            assert any("c10d" in n or "all_gather" in n for n in names)
+    splits = analyse(out)
+    assert sorted((s.rank, s.step) for s in splits) == [(r, s) for r in ranks for s in (3, 4)]
+    for s in splits:
+        total = sum(s.parts.values())
+        assert s.parts["GEMMs"] > 0 and s.parts["optimizer"] > 0, s.parts
+        assert s.measured is not None and abs(total - s.measured) <= 0.1 * s.measured, (total, s.measured)
+        if s.rank == 0:
+            assert abs(total - step_time[s.step]) <= 0.1 * step_time[s.step], (total, step_time[s.step])
+        assert len(s.top) == 10
+        if collectives:
+            assert s.parts["collectives exposed"] > 0
+
+
+def test_traces_of_chosen_steps_one_process_report_and_tensorboard(cache, tmp_path, capsys, caplog):
+    """One 6-step run: traces of steps 3-4 only, the CPU memory line, profile-report's split and
+    PNG, and TensorBoard's own reader finds the scalars of metrics.jsonl."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tformer.cli import main
+
+    out = tmp_path / "run"
+    cfg = load_config(
+        CONFIGS / "gpt2-tiny.yaml",
+        _overrides(out, "profile.steps=3-4", "profile.memory=true", "tensorboard.enabled=true"),
+    )
+    with caplog.at_level("WARNING", logger="tformer.train"):
+        Trainer(cfg).fit()
+    assert "profile.memory: allocator snapshots need CUDA" in caplog.text
+    _check_run(out, [0], collectives=False)
+    assert "[memory]" in _trace_names(out / "profile" / "rank0" / "step3.trace.json.gz")  # the CPU's memory events
+    capsys.readouterr()
+    assert main(["profile-report", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "rank 0, step 3" in text and "top 10 ops by self time" in text and "collectives exposed" in text
+    assert "tformer plan --calibrate" in text  # a CPU run: how to get the prediction
+    assert (out / "profile" / "split.png").stat().st_size > 1000
+    # TensorBoard: the same scalars as metrics.jsonl, and the config as text
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    rows = metrics(out)
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
+        events = acc.Scalars(key)
+        assert [e.step for e in events] == [r["step"] for r in rows]
+        assert [e.value for e in events] == pytest.approx([r[key] for r in rows], rel=1e-6)
+    assert "config" in acc.Tags()["tensors"] or "config/text_summary" in acc.Tags()["tensors"]
+
+
+def test_profiling_off_creates_no_profiler_and_records_no_range(cache, tmp_path, monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("profiler code ran with profiling off")
+
+    # tformer's ranges are torch.profiler.record_function; torch's DataLoader keeps its own (the
+    # same class under torch.autograd.profiler), which is torch's cost, not ours
+    monkeypatch.setattr(torch.profiler, "record_function", refuse)
+    monkeypatch.setattr(torch.profiler, "profile", refuse)
+    monkeypatch.setattr(torch.autograd.profiler, "profile", refuse)
+    cfg = load_config(CONFIGS / "gpt2-tiny.yaml", _overrides(tmp_path, "max_steps=2"))
+    Trainer(cfg).fit()
+    assert not (tmp_path / "profile").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["profile.steps=5-9"], "profile.steps='5-9' lies outside the run (steps 1 to max_steps=6)"),
+        (["profile.steps=0"], "profile.steps=0 lies outside the run"),
+        (["profile.steps=4-3"], "profile.steps='4-3' is malformed; use a range such as profile.steps=3-4"),
+        (["profile.steps=three"], "profile.steps='three' is malformed"),
+        (["profile.steps=3", "profile.ranks=[0,2]"], "profile.ranks=[0, 2] names rank(s) [2] but the run has 1 rank(s)"),
+    ],
+)
+def test_bad_profile_input_is_one_line_before_any_work(cache, tmp_path, capsys, overrides, match):
+    from tformer.cli import main
+
+    out = tmp_path / "run"
+    rc = main(["train", str(CONFIGS / "gpt2-tiny.yaml"), *_overrides(out, *overrides)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0 and match in err, err
+    assert not out.exists()
+
+
+def test_profile_report_without_traces_and_tensorboard_missing_are_one_line(cache, tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    from tformer.cli import main
+
+    assert main(["profile-report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "holds no profiler traces" in err and "profile.steps=3-4" in err
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    out = tmp_path / "run"
+    assert main(["train", str(CONFIGS / "gpt2-tiny.yaml"), *_overrides(out, "tensorboard.enabled=true")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "pip install 'tformer[tensorboard]'" in err, err
+    assert not out.exists()
+
+
+# -- 2 ranks: traces under FSDP2 and TP, the slow rank --------------------------------------------
+
+
+def _worker(rank, world, port, jobs, cache):
+    become_rank(rank, world, port, cache, 120)
+    import time
+
+    import torch.distributed as dist
+
+    try:
+        for overrides, slow, console in jobs:
+            trainer = Trainer(load_config(CONFIGS / "gpt2-tiny.yaml", overrides))
+            if slow is not None and rank == slow:  # this rank's own work takes 0.3 s longer a step
+                backward = trainer.strategy.backward
+
+                def late(*a, backward=backward, **k):
+                    backward(*a, **k)
+                    time.sleep(0.3)
+
+                trainer.strategy.backward = late
+            if console and rank == 0:
+                sys.stdout = open(console, "w")
+            trainer.fit()
+            sys.stdout.flush()
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def test_two_ranks_fsdp_and_tp_traces_and_the_slow_rank_named(cache, tmp_path):
+    fsdp, tp, slow = tmp_path / "fsdp", tmp_path / "tp", tmp_path / "slow"
+    every = ["profile.steps=3-4", "profile.ranks=[0,1]"]
+    jobs = [
+        (_overrides(fsdp, "parallel.strategy=fsdp", *every), None, None),
+        (_overrides(tp, "parallel.strategy=fsdp", "parallel.tp=2", *every), None, None),
+        (_overrides(slow, "max_steps=4", "log_every=2"), 1, str(tmp_path / "console.txt")),
+    ]
+    spawn_ranks(_worker, (2, free_port(), jobs, cache), 2, 300)
+    _check_run(fsdp, [0, 1], collectives=True)
+    _check_run(tp, [0, 1], collectives=True)
+    rows = metrics(slow)
+    assert [r["step"] for r in rows] == [2, 4]
+    for r in rows:
+        assert r["slow_rank"] == 1 and r["slowest_rank_ratio"] > 1.2
+        assert r["rank_step_time_min"] <= r["rank_step_time_median"] <= r["rank_step_time_max"]
+        assert r["rank_step_time_max"] - r["rank_step_time_min"] > 0.25
+        assert {"data_wait", "data_wait_min", "data_wait_median", "data_wait_max"} <= set(r)
+    console = (tmp_path / "console.txt").read_text()
+    assert "slowest rank 1:" in console and "x the median step" in console
