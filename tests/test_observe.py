@@ -200,3 +200,59 @@ def test_two_ranks_fsdp_and_tp_traces_and_the_slow_rank_named(cache, tmp_path):
         assert {"data_wait", "data_wait_min", "data_wait_median", "data_wait_max"} <= set(r)
     console = (tmp_path / "console.txt").read_text()
     assert "slowest rank 1:" in console and "x the median step" in console
+
+
+# -- the stuck collective named ---------------------------------------------------------------
+
+
+def _skipping_worker(rank, world, port, out, cache):
+    """Rank 1 skips the loss all-reduce of step 3 and stays in that step (its watchdog fires too)."""
+    become_rank(rank, world, port, cache, 120)
+    import time
+
+    import tformer.train.trainer as trainer_module
+
+    calls = []
+    real = trainer_module.all_reduce
+
+    def skip_third(t, *a, **k):
+        calls.append(1)
+        if rank == 1 and len(calls) == 3:
+            time.sleep(120)  # never joins: the watchdog ends this process first
+        return real(t, *a, **k)
+
+    trainer_module.all_reduce = skip_third
+    cfg = load_config(CONFIGS / "gpt2-tiny.yaml", _overrides(out, "watchdog_timeout=3"))
+    Trainer(cfg).fit()
+
+
+def test_watchdog_names_the_collective_a_rank_never_joined(cache, tmp_path):
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(
+        _skipping_worker, args=(2, free_port(), tmp_path, cache), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 120
+    try:
+        while not all(p.exitcode is not None for p in ctx.processes):
+            assert time.monotonic() < deadline, "the watchdog did not end the hung ranks in 120 s"
+            time.sleep(0.5)
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    from tformer.train.watchdog import EXIT_CODE
+
+    assert [p.exitcode for p in ctx.processes] == [EXIT_CODE, EXIT_CODE]
+    d = tmp_path / "watchdog"
+    assert (d / "flight_rank0.json").exists() and (d / "flight_rank0.pkl").exists()
+    report = (d / "report_rank0.txt").read_text()
+    # the loss all-reduce of step 3: the 3rd collective of the default group this run made on rank 0
+    # after start-up; rank 1's last is the one before it
+    entered = json.loads((d / "flight_rank0.json").read_text())["entries"][-1]
+    assert entered["profiling_name"] == "gloo:all_reduce" and entered["input_sizes"] == [[4]]
+    seq = entered["collective_seq_id"]
+    assert f"rank(s) [0] entered gloo:all_reduce #{seq} (sizes [[4]])" in report, report
+    assert f"rank 1 never joined it (its last: gloo:all_reduce #{seq - 1})" in report, report

@@ -49,7 +49,7 @@ from .spike import SpikeDetector
 from .state import DataPosition, Progress
 from .stragglers import StepTimes
 from .tracking import Trackers
-from .watchdog import Watchdog
+from .watchdog import Watchdog, enable_flight_recorder
 
 log = logging.getLogger("tformer.train")
 
@@ -118,6 +118,8 @@ class Trainer:
         cfg = self.cfg
         # collectives outlive the watchdog by a minute, so a hang is reported before gloo/NCCL fail
         timeout = 600 if cfg.watchdog_timeout is None else cfg.watchdog_timeout + 60
+        if cfg.watchdog_timeout is not None:
+            enable_flight_recorder()  # before the process group: its collectives are recorded
         self.dist = init_distributed(
             cfg.device,
             cfg.parallel.backend,
