@@ -96,7 +96,13 @@ def test_traces_of_chosen_steps_one_process_report_and_tensorboard(cache, tmp_pa
         events = acc.Scalars(key)
         assert [e.step for e in events] == [r["step"] for r in rows]
         assert [e.value for e in events] == pytest.approx([r[key] for r in rows], rel=1e-6)
-    assert "config" in acc.Tags()["tensors"] or "config/text_summary" in acc.Tags()["tensors"]
+    assert "config/text_summary" in acc.Tags()["tensors"]
+    # the traces where TensorBoard's profile plugin looks for them
+    plugin = out / "tensorboard" / "plugins" / "profile"
+    assert sorted(p.relative_to(plugin).as_posix() for p in plugin.rglob("*.pt.trace.json.gz")) == [
+        "step3/rank0.pt.trace.json.gz",
+        "step4/rank0.pt.trace.json.gz",
+    ]
 
 
 def test_profiling_off_creates_no_profiler_and_records_no_range(cache, tmp_path, monkeypatch):

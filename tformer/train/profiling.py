@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -67,13 +69,17 @@ class _Off:
 OFF = _Off()
 
 
-def build_profiler(cfg: ProfileConfig, max_steps: int, dist, out: Path, precision: str):
-    """``OFF`` unless this rank traces some step of this run."""
+def build_profiler(cfg: ProfileConfig, max_steps: int, dist, out: Path, precision: str, tensorboard: bool = False):
+    """``OFF`` unless this rank traces some step of this run. With ``tensorboard``, each trace is
+    also linked where TensorBoard's profile plugin looks: ``OUTPUT/tensorboard/plugins/profile/step{N}/``."""
     steps = cfg.traced(max_steps)
     if not steps or dist.rank not in cfg.ranks:
         return OFF
     about = {"rank": dist.rank, "world_size": dist.world_size, "device": dist.device.type, "precision": precision}
-    return StepProfiler(cfg, steps, dist.rank, Path(out) / "profile" / f"rank{dist.rank}", dist.device, about)
+    prof = StepProfiler(cfg, steps, dist.rank, Path(out) / "profile" / f"rank{dist.rank}", dist.device, about)
+    if tensorboard:
+        prof.plugin_dir = Path(out) / "tensorboard" / "plugins" / "profile"
+    return prof
 
 
 class StepProfiler:
@@ -85,6 +91,7 @@ class StepProfiler:
         self.active = False  # the current step is traced: the ranges record
         self._step_range: torch.profiler.record_function | None = None
         self._recording_memory = False
+        self.plugin_dir: Path | None = None
         self.dir.mkdir(parents=True, exist_ok=True)
         if cfg.memory and not self.cuda and rank == min(cfg.ranks):
             log.warning(
@@ -155,6 +162,14 @@ class StepProfiler:
     def _save(self, prof) -> None:
         path = self.dir / f"step{self._current}.trace.json.gz"
         prof.export_chrome_trace(str(path))
+        if self.plugin_dir is not None:  # one run per step, one host per rank (its *.pt.trace.json.gz)
+            link = self.plugin_dir / f"step{self._current}" / f"rank{self.rank}.pt.trace.json.gz"
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.unlink(missing_ok=True)
+            try:
+                os.link(path, link)
+            except OSError:  # another file system, or no hard links: a copy
+                shutil.copyfile(path, link)
 
     def _stop(self) -> None:
         prof, self.prof = self.prof, None

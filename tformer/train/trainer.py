@@ -406,7 +406,7 @@ class Trainer:
             self.watchdog = Watchdog(
                 self.out / "watchdog", self.dist.rank, self.dist.world_size, cfg.watchdog_timeout
             ).start()
-        self.prof = build_profiler(cfg.profile, cfg.max_steps, self.dist, self.out, self.precision)
+        self.prof = build_profiler(cfg.profile, cfg.max_steps, self.dist, self.out, self.precision, cfg.tensorboard.enabled)
         try:
             while self.step < cfg.max_steps and self._stop_reason is None:
                 self.prof.before_step(self.step + 1)
