@@ -262,3 +262,36 @@ def test_watchdog_names_the_collective_a_rank_never_joined(cache, tmp_path):
     seq = entered["collective_seq_id"]
     assert f"rank(s) [0] entered gloo:all_reduce #{seq} (sizes [[4]])" in report, report
     assert f"rank 1 never joined it (its last: gloo:all_reduce #{seq - 1})" in report, report
+
+
+def test_device_split_of_a_gpu_trace():
+    """A GPU trace is split on the device's timeline: compute before communication (a collective
+    kernel beside a GEMM is overlapped, alone exposed), kernels launched in the optimizer range are
+    the optimizer's, an idle device inside tformer/data is data loading, the rest idle."""
+    from tformer.train.profile_report import split_step
+
+    def span(name, ts, dur, cat="cpu_op", **args):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "tid": 1, "args": args}
+
+    events = [
+        span("tformer/step", 0, 100, "user_annotation"),
+        span("tformer/data", 0, 10, "user_annotation"),
+        span("tformer/optimizer", 60, 30, "user_annotation"),
+        span("cudaLaunchKernel", 62, 1, "cuda_runtime", correlation=7),
+        span("sm90_xmma_gemm_bf16", 10, 30, "kernel", correlation=1),
+        span("ncclDevKernel_AllReduce_Sum_f32", 30, 30, "kernel", correlation=2),
+        span("multi_tensor_apply_kernel", 70, 10, "kernel", correlation=7),
+        span("pytorch_flash::flash_fwd_kernel", 85, 5, "kernel", correlation=3),
+    ]
+    s = split_step(events, 0, 3)
+    ms = {k: round(v * 1e6, 6) for k, v in s.parts.items()}
+    assert ms == {
+        "GEMMs": 30,
+        "attention": 5,
+        "other compute": 0,
+        "collectives exposed": 20,
+        "optimizer": 10,
+        "data loading": 10,
+        "idle": 25,
+    }
+    assert round(s.overlapped * 1e6, 6) == 10 and sum(s.parts.values()) == pytest.approx(100e-6)

@@ -164,7 +164,7 @@ def _device_split(out: StepSplit, spans: list[dict], kernels: list[dict], t0: fl
     }
     rank = {"GEMMs": 0, "attention": 1, "optimizer": 2, "other compute": 3, "collectives exposed": 4, "data loading": 5}
     marks: list[tuple[float, int, str]] = []
-    ops: Counter = Counter()
+    ops: dict[str, float] = {}
     comm = []
     for k in kernels:
         a, b = max(t0, float(k["ts"])), min(t1, float(k["ts"]) + float(k["dur"]))
@@ -178,7 +178,7 @@ def _device_split(out: StepSplit, spans: list[dict], kernels: list[dict], t0: fl
             label = "optimizer"
         else:
             label = "GEMMs" if GEMM.search(name) else "attention" if ATTENTION.search(name) else "other compute"
-        ops[name] += b - a
+        ops[name] = ops.get(name, 0.0) + b - a
         marks += [(a, 1, label), (b, -1, label)]
     for e in spans:
         if e.get("name") == PREFIX + "data":
@@ -187,7 +187,7 @@ def _device_split(out: StepSplit, spans: list[dict], kernels: list[dict], t0: fl
                 marks += [(a, 1, "data loading"), (b, -1, "data loading")]
     marks.sort()
     parts = dict.fromkeys(PARTS, 0.0)
-    active = Counter()
+    active: Counter[str] = Counter()
     last = t0
     for at, delta, label in marks:
         live = [lab for lab, n in active.items() if n > 0]
@@ -197,7 +197,7 @@ def _device_split(out: StepSplit, spans: list[dict], kernels: list[dict], t0: fl
     parts["idle"] += t1 - last
     out.parts = {k: v / 1e6 for k, v in parts.items()}
     out.overlapped = max(0.0, _union(comm) / 1e6 - out.parts["collectives exposed"])
-    out.top = [(k, v / 1e6) for k, v in ops.most_common(10)]
+    out.top = [(k, v / 1e6) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:10]]
 
 
 def analyse(run: Path) -> list[StepSplit]:

@@ -47,7 +47,7 @@ def enable_flight_recorder() -> None:
 def dump_flight_recorder(directory: Path, rank: int) -> dict | None:
     """This rank's flight recorder, written beside its stacks; None where this torch has none."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
+        from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json  # type: ignore[attr-defined]
     except ImportError:
         return None
     try:
