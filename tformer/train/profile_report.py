@@ -308,7 +308,7 @@ def plot_split(splits: list[StepSplit], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.45 * len(splits)))
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.45 * len(splits)))
     labels = [f"rank {s.rank} step {s.step}" for s in splits]
     left = [0.0] * len(splits)
     colours = plt.get_cmap("tab10")
@@ -319,7 +319,7 @@ def plot_split(splits: list[StepSplit], out: Path) -> Path:
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds")
     ax.set_title("where each traced step's time went (tformer profile-report)")
-    ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.1 / max(1, len(splits))))
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
