@@ -28,7 +28,9 @@ def cache(tmp_path_factory):
 
 
 def _overrides(out, *extra):
-    return small_overrides("gpt2-tiny", out, "max_steps=6", "eval_every=0", "save_every=0", "micro_batch_size=4", *extra)
+    # a tokenizer trained on fewer rows: this module trains its own (its cache), in seconds
+    base = ["max_steps=6", "eval_every=0", "save_every=0", "micro_batch_size=4", "data.tokenizer_max_rows=4000"]
+    return small_overrides("gpt2-tiny", out, *base, *extra)
 
 
 def _trace_names(path: Path) -> set[str]:
@@ -187,23 +189,25 @@ def _worker(rank, world, port, jobs, cache):
 
 
 def test_two_ranks_fsdp_and_tp_traces_and_the_slow_rank_named(cache, tmp_path):
-    fsdp, tp, slow = tmp_path / "fsdp", tmp_path / "tp", tmp_path / "slow"
+    """FSDP2 and TP runs traced on both ranks; in the FSDP2 one rank 1 takes 0.3 s longer a step
+    (after its backward), and every logged step from the second on names it."""
+    fsdp, tp = tmp_path / "fsdp", tmp_path / "tp"
     every = ["profile.steps=3-4", "profile.ranks=[0,1]"]
     jobs = [
-        (_overrides(fsdp, "parallel.strategy=fsdp", *every), None, None),
+        (_overrides(fsdp, "parallel.strategy=fsdp", *every), 1, str(tmp_path / "console.txt")),
         (_overrides(tp, "parallel.strategy=fsdp", "parallel.tp=2", *every), None, None),
-        (_overrides(slow, "max_steps=4", "log_every=2"), 1, str(tmp_path / "console.txt")),
     ]
     spawn_ranks(_worker, (2, free_port(), jobs, cache), 2, 300)
     _check_run(fsdp, [0, 1], collectives=True)
     _check_run(tp, [0, 1], collectives=True)
-    rows = metrics(slow)
-    assert [r["step"] for r in rows] == [2, 4]
+    rows = metrics(fsdp)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     for r in rows:
-        assert r["slow_rank"] == 1 and r["slowest_rank_ratio"] > 1.2
-        assert r["rank_step_time_min"] <= r["rank_step_time_median"] <= r["rank_step_time_max"]
-        assert r["rank_step_time_max"] - r["rank_step_time_min"] > 0.25
         assert {"data_wait", "data_wait_min", "data_wait_median", "data_wait_max"} <= set(r)
+        assert r["rank_step_time_min"] <= r["rank_step_time_median"] <= r["rank_step_time_max"]
+    for r in rows[1:]:  # the first step's own start-up can hide 0.3 s
+        assert r["slow_rank"] == 1 and r["slowest_rank_ratio"] > 1.2, r
+        assert r["rank_step_time_max"] - r["rank_step_time_min"] > 0.25
     console = (tmp_path / "console.txt").read_text()
     assert "slowest rank 1:" in console and "x the median step" in console
 
