@@ -299,3 +299,44 @@ def test_device_split_of_a_gpu_trace():
         "idle": 25,
     }
     assert round(s.overlapped * 1e6, 6) == 10 and sum(s.parts.values()) == pytest.approx(100e-6)
+
+
+@pytest.mark.parametrize("steps, every, traced", [("3-4", None, [3, 4]), ([2, 5], 4, [2, 5, 6, 9, 10]), (7, 3, [7, 10])])
+def test_traced_steps_from_a_range_a_list_and_every(steps, every, traced):
+    from tformer.train.config import ProfileConfig
+
+    assert ProfileConfig(steps=steps, every=every).traced(10) == traced
+
+
+def test_each_run_of_traced_steps_gets_a_profiler_started_one_step_early(tmp_path, monkeypatch):
+    """Steps 1, 3-4 of 5: two profilers (step 1 has no step before it; 3-4 warm up in step 2),
+    one trace per traced step, none of the others, each with its step range."""
+    from tformer.parallel.dist import DistInfo
+    from tformer.train.config import ProfileConfig
+    from tformer.train.profiling import build_profiler
+
+    started = []
+    real = torch.profiler.profile
+
+    def counting(*a, **k):
+        started.append(k["schedule"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch.profiler, "profile", counting)
+    prof = build_profiler(ProfileConfig(steps=[1, 3, 4]), 5, DistInfo(), tmp_path, "fp32")
+    x = torch.randn(64, 64)
+    begun = []
+    for step in range(1, 6):
+        prof.before_step(step)
+        begun.append(len(started))
+        with prof.range("forward"):
+            (x @ x).sum()
+        prof.after_step(step, 0.01)
+    prof.close()
+    assert begun == [1, 2, 2, 2, 2]  # the second profiler starts before step 2, the warm-up of step 3
+    assert [started[1](k).name for k in range(4)] == ["WARMUP", "RECORD_AND_SAVE", "RECORD_AND_SAVE", "NONE"]
+    d = tmp_path / "profile" / "rank0"
+    assert sorted(p.name for p in d.glob("*.trace.json.gz")) == [f"step{n}.trace.json.gz" for n in (1, 3, 4)]
+    for n in (1, 3, 4):
+        assert {"tformer/step", "tformer/forward", "aten::mm"} <= _trace_names(d / f"step{n}.trace.json.gz")
+    assert set(json.loads((d / "steps.json").read_text())["step_time"]) == {"1", "3", "4"}
