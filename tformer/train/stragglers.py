@@ -72,6 +72,7 @@ class StepTimes:
             "data_wait_min": min(wait),
             "data_wait_median": statistics.median(wait),
             "data_wait_max": max(wait),
+            "data_wait_max_rank": max(range(len(wait)), key=wait.__getitem__),
         }
         if world > 1 and ratio > factor:
             record["slow_rank"] = slowest  # the console line names it
