@@ -98,6 +98,7 @@ def test_traces_of_chosen_steps_one_process_report_and_tensorboard(cache, tmp_pa
         events = acc.Scalars(key)
         assert [e.step for e in events] == [r["step"] for r in rows]
         assert [e.value for e in events] == pytest.approx([r[key] for r in rows], rel=1e-6)
+    assert [(e.step, e.value) for e in acc.Scalars("val_loss")] == [(6, pytest.approx(rows[-1]["val_loss"]))]
     assert "config/text_summary" in acc.Tags()["tensors"]
     # the traces where TensorBoard's profile plugin looks for them
     plugin = out / "tensorboard" / "plugins" / "profile"

@@ -66,7 +66,7 @@ class TensorboardTracker:
     """Scalars under W&B's names, the run config as text; ``OUTPUT/tensorboard`` holds the event
     files, and ``plugins/profile/`` beneath it the profiler's traces (where the profile plugin looks)."""
 
-    def __init__(self, cfg: TensorboardConfig, run_dir: Path, config: dict):
+    def __init__(self, cfg: TensorboardConfig, run_dir: Path, config: dict, start_step: int = 0):
         self.writer = None
         if not cfg.enabled:
             return
@@ -81,7 +81,9 @@ class TensorboardTracker:
             ) from None
         import yaml
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR))
+        # a resumed run drops what an earlier attempt logged after its checkpoint (it logs those steps again)
+        purge = start_step + 1 if start_step else None
+        self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=purge)
         # markdown: indented by four spaces, the YAML shows as a code block
         text = "\n".join("    " + line for line in yaml.safe_dump(config, sort_keys=False).splitlines())
         self.writer.add_text("config", text, 0)
@@ -107,8 +109,8 @@ class TensorboardTracker:
 class Trackers:
     """W&B and TensorBoard together: either, both or neither."""
 
-    def __init__(self, cfg: TrainConfig, run_dir: Path, config: dict, run_id: str | None):
-        self.tensorboard = TensorboardTracker(cfg.tensorboard, run_dir, config)  # refuses first: no W&B run to end
+    def __init__(self, cfg: TrainConfig, run_dir: Path, config: dict, run_id: str | None, start_step: int = 0):
+        self.tensorboard = TensorboardTracker(cfg.tensorboard, run_dir, config, start_step)  # before W&B: none to end
         self.wandb = WandbTracker(cfg.wandb, run_dir, config, run_id)
         self.run_id = self.wandb.run_id
 

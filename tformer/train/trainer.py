@@ -387,7 +387,7 @@ class Trainer:
             print(start_summary(self), flush=True)  # the whole resolved config is config.yaml
         quiet_repeats()  # torch and DeepSpeed have set up their loggers by now
         previous = self._install_signals()
-        tracker = Trackers(cfg, self.out, self.resolved, self.wandb_id) if main else None
+        tracker = Trackers(cfg, self.out, self.resolved, self.wandb_id, self.step) if main else None
         if tracker is not None:
             self.wandb_id = tracker.run_id
         metrics_file = open(self.out / "metrics.jsonl", "a") if main else None
