@@ -20,7 +20,7 @@ from train_helpers import ROOT
 def test_help_lists_every_command_with_one_line(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    listed = dict(re.findall(r"^  ([a-z]+) +(\S.*)$", out, re.MULTILINE))
+    listed = dict(re.findall(r"^  ([a-z-]+) +(\S.*)$", out, re.MULTILINE))
     assert set(COMMANDS) <= set(listed), out
     assert all(len(listed[name]) > 10 for name in COMMANDS)
     assert "--version" in out

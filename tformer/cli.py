@@ -346,6 +346,27 @@ def _plot(argv: list[str]) -> int:
     return 0
 
 
+def _profile_report(argv: list[str]) -> int:
+    p = _Parser(
+        prog="tformer profile-report",
+        description="Where each traced step's time went, per rank (traces of a run with profile.steps), "
+        "beside the planner's prediction; writes OUTPUT/profile/split.png.",
+    )
+    p.add_argument("run_dir", help="a run directory trained with profile.steps (e.g. profile.steps=3-4)")
+    p.add_argument(
+        "--gpu",
+        default=None,
+        help="hardware the prediction prices (a profile such as h100-sxm, or a file from tformer plan "
+        "--calibrate); default h100-sxm for a CUDA run, none for a CPU run",
+    )
+    p.add_argument("--no-png", action="store_true", help="print only")
+    args = p.parse_args(argv)
+    from .train.profile_report import report
+
+    print(report(args.run_dir, args.gpu, png=not args.no_png))
+    return 0
+
+
 def _export(argv: list[str]) -> int:
     p = _Parser(
         prog="tformer export", description="Export a checkpoint to HF transformers (BERT, GPT-2, Llama, T5, Marian)."
@@ -479,6 +500,7 @@ COMMANDS = {  # name: (function, its one line in `tformer --help`)
     "generate": (_generate, "continue a prompt or translate a sentence with a checkpoint"),
     "evaluate": (_evaluate, "validation loss and perplexity of a run, BLEU/chrF with --bleu"),
     "plot": (_plot, "plot a run's loss curves to PNG"),
+    "profile-report": (_profile_report, "where the traced steps' time went, per rank (profile.steps), beside the plan"),
     "tokenizer": (_tokenizer, "train a tokenizer (tokenizer.json) for one of the model families"),
     "consolidate": (_consolidate, "turn any checkpoint into one fp32 safetensors file"),
     "plan": (_plan, "predict per-device memory per parallel layout and recommend one"),

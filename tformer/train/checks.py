@@ -75,6 +75,8 @@ def check_support(cfg: TrainConfig, precision: str, device: torch.device) -> Par
                 "set eval_bleu=false and decode a consolidated checkpoint with tformer evaluate"
             )
         )
+    if cfg.tensorboard.enabled:
+        check_tensorboard()
     # the mesh's arithmetic and what the strategy and model shapes allow, before any process group
     dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
     check_strategy(dims, cfg.parallel.strategy)
@@ -117,3 +119,13 @@ def check_paths(cfg: TrainConfig) -> None:
             if not os.access(p, os.W_OK | os.X_OK) and p == out:
                 raise ConfigError(f"output_dir={cfg.output_dir} is not writable; pass a directory you can write to")
             break
+
+
+def check_tensorboard() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(
+            "tensorboard.enabled=true but the tensorboard package is not installed; "
+            "pip install 'tformer[tensorboard]' (or pip install tensorboard), or set tensorboard.enabled=false"
+        )

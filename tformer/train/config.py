@@ -108,6 +108,55 @@ class WandbConfig:
 
 
 @dataclass
+class ProfileConfig:
+    # steps traced by torch.profiler (tformer/train/profiling.py): "20-22", 7, or a list [3, 9];
+    # null = off (no profiler is created). Each step's trace: OUTPUT/profile/rank{R}/step{N}.trace.json.gz
+    steps: str | int | list | None = None
+    every: int | None = ranged(None, "[1, inf)", note="null = once")  # repeat the steps every this many steps
+    ranks: list = field(default_factory=lambda: [0])  # the ranks that trace
+    memory: bool = False  # CUDA: allocator snapshots per traced step (and at an OOM); CPU: the profiler's memory events
+    with_stack: bool = False  # Python stacks in the traces (larger files, slower steps)
+
+    def check(self, max_steps: int) -> None:
+        """Malformed steps, or steps outside the run: one line naming the key and the fix."""
+        self.traced(max_steps)
+        bad = [r for r in self.ranks if isinstance(r, bool) or not isinstance(r, int) or r < 0]
+        if bad:
+            raise ConfigError(f"profile.ranks={self.ranks!r}: ranks are integers >= 0, e.g. profile.ranks=[0,1]")
+
+    def traced(self, max_steps: int) -> list[int]:
+        """The steps to trace (1 = the first optimizer step), sorted; [] when off."""
+        if self.steps is None:
+            return []
+        first = self._window()
+        every = self.every or max_steps + 1
+        out = sorted({s + k * every for s in first for k in range(max_steps // every + 1) if s + k * every <= max_steps})
+        if first[0] < 1 or first[-1] > max_steps:
+            raise ConfigError(
+                f"profile.steps={self.steps!r} lies outside the run (steps 1 to max_steps={max_steps}); "
+                f"pick steps in that range, e.g. profile.steps={min(3, max_steps)}-{min(4, max_steps)}"
+            )
+        return out
+
+    def _window(self) -> list[int]:
+        s, hint = self.steps, "use a range such as profile.steps=3-4, one step (5) or a list ([3, 9])"
+        if isinstance(s, list) and s and all(isinstance(v, int) and not isinstance(v, bool) for v in s):
+            return sorted(set(s))
+        if isinstance(s, int) and not isinstance(s, bool):
+            return [s]
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", s) if isinstance(s, str) else None
+        if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise ConfigError(f"profile.steps={s!r} is malformed; {hint}")
+        first = int(m.group(1))
+        return list(range(first, int(m.group(2) or first) + 1))
+
+
+@dataclass
+class TensorboardConfig:
+    enabled: bool = False  # TensorBoard event files under OUTPUT/tensorboard (rank 0), beside or instead of W&B
+
+
+@dataclass
 class TrainConfig:
     # Written as a preset plus field overrides (``model: {preset: gpt2-tiny, d_model: 64}``,
     # ``model.d_model=64``), resolved into the ModelConfig when the config is read. ``to_dict``
@@ -120,6 +169,8 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: TensorboardConfig = field(default_factory=TensorboardConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output_dir: str = "runs/default"  # the run directory: config.yaml, metrics.jsonl, tokenizer, checkpoints/
     seed: int = ranged(0, "[0, inf)")  # seeds initialisation, data order, dropout
@@ -132,6 +183,8 @@ class TrainConfig:
     # float8 (torchao, see float8.*), bf16 autocast elsewhere
     precision: Precision = "auto"
     log_every: int = ranged(10, "[1, inf)")  # steps between logged metrics
+    # at each logged step the slowest rank is named when its step time is above this x the median
+    slow_rank_factor: float = ranged(1.2, "(1, inf)")
     eval_every: int = ranged(100, "[0, inf)", note="0 = only at the end")  # steps between evaluations; 0 = only at the end
     eval_batches: int = ranged(8, "[1, inf)")  # validation batches per evaluation
     eval_bleu: bool = False  # seq2seq: also decode validation pairs and log BLEU / chrF
@@ -172,6 +225,7 @@ class TrainConfig:
                 check_ranges(section, f"{config_key(f)}.")
         self.parallel.check()
         self.loss.check()
+        self.profile.check(self.max_steps)
         self._check_compile()
         self._check_batching()
         check_mixture(self)
@@ -277,6 +331,9 @@ RESUME_FREE = (
     "keep_checkpoints",
     "checkpoint",
     "wandb",
+    "tensorboard",
+    "profile",
+    "slow_rank_factor",
     "max_time",
     "watchdog_timeout",
     "on_nonfinite",

@@ -113,6 +113,11 @@ def log_step(record: dict, metrics_file, tracker, bar) -> None:
     )
     if "val_loss" in record:
         text += f" | val {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})"
+    if "slow_rank" in record:
+        text += (
+            f" | slowest rank {record['slow_rank']}: {record['slowest_rank_ratio']:.2f}x the median step "
+            f"({record['rank_step_time_max']:.3f} s vs {record['rank_step_time_median']:.3f} s)"
+        )
     if "val_bleu" in record:
         text += f" | BLEU {record['val_bleu']:.2f} chrF {record['val_chrf']:.1f} ({record['bleu_signature']})"
     if bar is not None:

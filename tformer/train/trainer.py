@@ -42,12 +42,14 @@ from .dist import all_reduce, barrier, device_type, init_distributed
 from .head import loss_chunk_size
 from .metrics import peak_flops
 from .optim import build_optimizer, build_scheduler
+from .profiling import OFF, build_profiler, check_ranks
 from .rollback import LossSpikeError as LossSpikeError  # raised there; cli.py and tests import it here
 from .signals import install_stop_signals, restore_signals
 from .spike import SpikeDetector
 from .state import DataPosition, Progress
-from .tracking import WandbTracker
-from .watchdog import Watchdog
+from .stragglers import StepTimes
+from .tracking import Trackers
+from .watchdog import Watchdog, enable_flight_recorder
 
 log = logging.getLogger("tformer.train")
 
@@ -108,6 +110,7 @@ class Trainer:
         self.device = torch.device(device_type(self.cfg.device))
         self.precision = resolve_precision(self.cfg.precision, self.device)
         self.dims = check_support(self.cfg, self.precision, self.device)  # the mesh's sizes, checked
+        check_ranks(self.cfg.profile, self.dims.world_size)
         check_sources(self.cfg)  # a missing or empty data source: refused before the run directory exists
 
     def _start_processes(self) -> None:
@@ -115,6 +118,8 @@ class Trainer:
         cfg = self.cfg
         # collectives outlive the watchdog by a minute, so a hang is reported before gloo/NCCL fail
         timeout = 600 if cfg.watchdog_timeout is None else cfg.watchdog_timeout + 60
+        if cfg.watchdog_timeout is not None:
+            enable_flight_recorder()  # before the process group: its collectives are recorded
         self.dist = init_distributed(
             cfg.device,
             cfg.parallel.backend,
@@ -184,6 +189,8 @@ class Trainer:
         self.spikes = SpikeDetector(self.cfg.spike_factor, self.cfg.spike_window, self.cfg.spike_warmup)
         self.rollbacks = 0  # loss-spike rollbacks done (on_spike=rollback)
         self.watchdog: Watchdog | None = None
+        self.prof = OFF  # fit() sets the run's profiler (tformer/train/profiling.py)
+        self.times = StepTimes()  # this rank's data wait and step time, gathered at logging steps
         self._watchdog_warned = False
         self.wandb_id: str | None = None
         self.resumed_from: Path | None = None
@@ -384,7 +391,7 @@ class Trainer:
             print(start_summary(self), flush=True)  # the whole resolved config is config.yaml
         quiet_repeats()  # torch and DeepSpeed have set up their loggers by now
         previous = self._install_signals()
-        tracker = WandbTracker(cfg.wandb, self.out, self.resolved, self.wandb_id) if main else None
+        tracker = Trackers(cfg, self.out, self.resolved, self.wandb_id, self.step) if main else None
         if tracker is not None:
             self.wandb_id = tracker.run_id
         if main and self.resumed_from is not None:
@@ -405,10 +412,13 @@ class Trainer:
             self.watchdog = Watchdog(
                 self.out / "watchdog", self.dist.rank, self.dist.world_size, cfg.watchdog_timeout
             ).start()
+        self.prof = build_profiler(cfg.profile, cfg.max_steps, self.dist, self.out, self.precision, cfg.tensorboard.enabled)
         try:
             last = self._finish_pending(metrics_file, tracker, bar) or last
             while self.step < cfg.max_steps and self._stop_reason is None:
+                self.prof.before_step(self.step + 1)
                 record = self._train_step(batches)
+                self.prof.after_step(self.step, record["step_time"])
                 if rollback.handle_spike(self, record):  # rolled back to an earlier checkpoint: new data position
                     if main:
                         log_step(record, metrics_file, tracker, bar)
@@ -432,8 +442,10 @@ class Trainer:
                 if due_eval or final:
                     self._beat("eval")
                     record.update(self.evaluate())
-                if main and (due_log or "val_loss" in record):
-                    log_step(record, metrics_file, tracker, bar)
+                if due_log or "val_loss" in record:
+                    record.update(self.times.gather(self.dist, cfg.slow_rank_factor))  # every rank takes part
+                    if main:
+                        log_step(record, metrics_file, tracker, bar)
                 self.pending = None
                 if bar is not None:
                     bar.update(1)
@@ -446,10 +458,14 @@ class Trainer:
             if self.step != saved_step and self.step > 0 and self._may_save():
                 self.save()
             self.wait_for_checkpoint()  # never leave with a save in flight
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, torch.OutOfMemoryError):
+                self.prof.on_oom(self.step + 1)
             self._close_checkpoints()
             raise
         finally:
+            self.prof.close()
+            self.prof = OFF
             if self.watchdog is not None:
                 self.watchdog.close()
                 self.watchdog = None
@@ -528,7 +544,8 @@ class Trainer:
         pipelined = []  # pipeline parallel: the step's micro-batches go through the schedule together
         for micro in range(cfg.grad_accum):
             self._beat("data")
-            batch = next(batches)
+            with self.prof.range("data"), self.times.data_wait():
+                batch = next(batches)
             self._beat("forward-backward")
             inputs = {k: batch[k].to(self.device, non_blocking=True) for k in keys if k in batch}
             seq2seq = spec_of(self.model_cfg).seq2seq  # the labels are a second (target) sequence
@@ -545,19 +562,20 @@ class Trainer:
             if self.dims.pp > 1:
                 pipelined.append(inputs)
                 if last:
-                    with self.strategy.loss_context(), self._autocast():
+                    with self.strategy.loss_context(), self._autocast(), self.prof.range("forward_backward"):
                         loss = self._pipeline().step(_concat(pipelined))
                     if loss is not None:  # the last stage's ranks hold the loss
                         loss_sum += loss
                 continue
             with self.strategy.no_sync(last), self.strategy.loss_context():
-                with self._autocast(), self._offload():
+                with self._autocast(), self._offload(), self.prof.range("forward"):
                     # loss only: no vocabulary-wide logits kept; the MLM head runs at masked positions
                     loss = (
                         self.wrapped(**inputs, return_logits=False, label_smoothing=cfg.optim.label_smoothing).loss
                         / cfg.grad_accum
                     )
-                self.strategy.backward(loss, last, self.scaler)
+                with self.prof.range("backward"):
+                    self.strategy.backward(loss, last, self.scaler)
             loss_sum += loss.detach().float()
         self._beat("loss all-reduce")
         stats = torch.stack(
@@ -568,7 +586,8 @@ class Trainer:
                 torch.tensor(float(flops), device=self.device),
             ]
         )
-        all_reduce(stats)
+        with self.times.closing_sync():  # what this rank waits here is the others' time, not its own
+            all_reduce(stats)
         # one read of the device a step for all four (each .item() would wait for the device again)
         loss_sum_all, tokens_all, signals, flops_all = stats.tolist()
         # the tp ranks of a group agree; of a pipeline, only the last stage's ranks hold the loss
@@ -576,7 +595,8 @@ class Trainer:
         if signals > 0 and self._stop_reason is None:
             self._stop_reason = f"signal {self._signal or 'on another rank'}"
         self._beat("optimizer step")
-        grad_norm = self._update(loss_avg)
+        with self.prof.range("optimizer"):
+            grad_norm = self._update(loss_avg)
         self.step += 1
         # samples consumed, or with token-budget batches, batches consumed (the sampler's unit)
         per_batch = 1 if cfg.data.tokens_per_batch is not None else cfg.micro_batch_size
@@ -585,6 +605,7 @@ class Trainer:
         global_tokens = int(tokens_all) // group  # each counted its group's batch
         self.tokens += global_tokens
         dt = time.perf_counter() - t0
+        self.times.step_done(dt)
         self._check_watchdog_margin(dt)
         return {
             "step": self.step,

@@ -12,6 +12,12 @@ rank whose file is no longer written is *not responding* (stopped, killed, or fr
 interpreter lock held); a rank whose file is fresh but whose progress is old is *waiting* (for
 example in a collective for the rank that is not responding). The report names both, and each
 rank's stacks land in ``OUTPUT/watchdog/stacks_rank{R}.txt``.
+
+With the watchdog on, torch's flight recorder is turned on too (``TORCH_FR_BUFFER_SIZE``, before
+the process group starts): a ring buffer of the collectives each rank entered, NCCL's and, in
+torch 2.13, gloo's. On a hang each rank dumps it (``flight_rank{R}.json``, and the pickle that
+``torchfrtrace`` reads, ``flight_rank{R}.pkl``); the report names, per process group, the collective
+(name, sizes, sequence number) the furthest rank entered and the ranks that never joined it.
 """
 
 from __future__ import annotations
@@ -30,6 +36,62 @@ from ..files import atomic_write
 log = logging.getLogger("tformer.train")
 
 EXIT_CODE = 75  # a job that hung: torchrun restarts it, SLURM scripts requeue on non-zero
+FLIGHT_ENTRIES = "2000"  # collectives kept per rank (torch's ring buffer; the last ones are what a hang needs)
+
+
+def enable_flight_recorder() -> None:
+    """Before the process group starts: record its collectives (a user's own size wins)."""
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_ENTRIES)
+
+
+def dump_flight_recorder(directory: Path, rank: int) -> dict | None:
+    """This rank's flight recorder, written beside its stacks; None where this torch has none."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    try:
+        raw = _dump_fr_trace_json(True, True)
+        (directory / f"flight_rank{rank}.pkl").write_bytes(_dump_fr_trace(True, True, False))
+    except Exception:  # noqa: BLE001 - no recorder (torch built without it, no process group)
+        return None
+    (directory / f"flight_rank{rank}.json").write_bytes(raw)
+    return json.loads(raw)
+
+
+def stuck_collectives(dumps: dict[int, dict | None], world_size: int) -> str:
+    """Per process group: the collective the furthest rank last entered and the ranks that never
+    joined it (their own last one named), from the ranks' flight-recorder dumps."""
+    if not any(d and d.get("entries") for d in dumps.values()):
+        return "the flight recorder holds no collectives (this torch does not record this backend): no collective named"
+    last: dict[str, dict[int, dict]] = {}  # process group -> rank -> its last entry
+    for r, d in dumps.items():
+        for e in (d or {}).get("entries", []):
+            if e.get("is_p2p"):
+                continue
+            pg = "/".join(map(str, e.get("process_group", ["?"])))
+            seen = last.setdefault(pg, {}).get(r)
+            if seen is None or e["collective_seq_id"] > seen["collective_seq_id"]:
+                last[pg][r] = e
+    missing = sorted(set(range(world_size)) - {r for r, d in dumps.items() if d is not None})
+    parts = []
+    for pg, ranks in sorted(last.items()):
+        top = max(ranks.values(), key=lambda e: e["collective_seq_id"])
+        behind = {r: e for r, e in ranks.items() if e["collective_seq_id"] < top["collective_seq_id"]}
+        if not behind:
+            continue
+        joined = sorted(r for r in ranks if r not in behind)
+        never = "; ".join(
+            f"rank {r} never joined it (its last: {e['profiling_name']} #{e['collective_seq_id']})"
+            for r, e in sorted(behind.items())
+        )
+        parts.append(
+            f"process group {pg}: rank(s) {joined} entered {top['profiling_name']} #{top['collective_seq_id']} "
+            f"(sizes {top.get('input_sizes')}), {never}"
+        )
+    if missing:
+        parts.append(f"no flight-recorder dump from rank(s) {missing} (not responding)")
+    return "; ".join(parts) or "every rank entered the same collectives (the hang is outside them)"
 
 
 class Watchdog:
@@ -96,7 +158,10 @@ class Watchdog:
             )
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+        mine = dump_flight_recorder(self.dir, self.rank)
         report = self.report()
+        if mine is not None:
+            report += "; collectives: " + stuck_collectives(self._peer_dumps(mine), self.world_size)
         try:
             (self.dir / f"report_rank{self.rank}.txt").write_text(report + "\n")
         except OSError:
@@ -105,6 +170,22 @@ class Watchdog:
         for handler in logging.getLogger().handlers + log.handlers:
             handler.flush()
         os._exit(EXIT_CODE)
+
+    def _peer_dumps(self, mine: dict) -> dict[int, dict | None]:
+        """The other ranks' dumps (their watchdogs fire within about an interval of this one's;
+        one that is not responding writes none): waited for a few intervals, then read."""
+        dumps: dict[int, dict | None] = {self.rank: mine}
+        deadline = time.time() + max(3 * self.interval, 3.0)
+        while True:
+            for r in range(self.world_size):
+                if dumps.get(r) is None:
+                    try:
+                        dumps[r] = json.loads((self.dir / f"flight_rank{r}.json").read_text())
+                    except (OSError, ValueError):
+                        dumps[r] = None
+            if all(d is not None for d in dumps.values()) or time.time() > deadline:
+                return dumps
+            time.sleep(0.2)
 
     def report(self) -> str:
         """One line: this rank's view of which ranks stopped where."""
