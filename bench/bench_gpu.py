@@ -42,6 +42,7 @@ import copy
 import gc
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -213,11 +214,12 @@ def measure(row: Row, base: torch.nn.Module, cfg, device, args, peak: float) -> 
     t0 = time.perf_counter()
     row.first_loss = step().float().item()
     row.compile_s = time.perf_counter() - t0
-    for _ in range(args.warmup - 1):
+    warmup, steps = (args.compiled_warmup, args.compiled_steps) if row.compiled else (args.warmup, args.steps)
+    for _ in range(warmup - 1):
         step()
     free_memory(device)  # the peak of the timed steps: parameters and AdamW states are held by now
     times = []
-    for _ in range(args.steps):
+    for _ in range(steps):
         t0 = time.perf_counter()
         loss = step()
         sync(device)
@@ -251,7 +253,20 @@ def run_contender(row: Row, base: torch.nn.Module, cfg, device, args, peak: floa
         row.oom_retries += 1
 
 
-def bench_training(family: str, args, device: torch.device, peak: float) -> list[Row]:
+def start_micro_batch(args, family: str, contender: str, compiled: bool, device_name: str) -> int | None:
+    """The micro-batch this contender settled on in ``--start-from`` (an earlier results file of the
+    same device): a row that starts there skips the out-of-memory tries a compiled contender pays a
+    whole compile for. None where the file has no such row or another device."""
+    prior = getattr(args, "prior", None)
+    if not prior or prior.get("device") != device_name:
+        return None
+    for r in prior.get("training", []):
+        if (r["family"], r["contender"], r["compiled"]) == (family, contender, compiled) and not r.get("error"):
+            return int(r["micro_batch"])
+    return None
+
+
+def bench_training(family: str, args, device: torch.device, peak: float, done=lambda row: None) -> list[Row]:
     name, s, t = (TINY_ROWS if args.tiny else ROWS)[family]
     cfg = preset(name)
     torch.manual_seed(0)
@@ -265,12 +280,15 @@ def bench_training(family: str, args, device: torch.device, peak: float) -> list
     how = f" (planner, fill {args.fill:.0%})" if args.micro_batch == "auto" and device.type == "cuda" else ""
     target = f" -> {t}" if t else ""
     print(f"\n[{family}] {name}: {n / 1e6:.1f}M parameters, seq {s}{target}, micro-batch {b}{how}", flush=True)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     rows = []
     for compiled in args.compile:
         for who, base in (("tformer", ours), ("HF", theirs)):
-            row = Row(family, name, who, compiled, b, s, t)
+            start = start_micro_batch(args, family, who, compiled, device_name) if args.micro_batch == "auto" else None
+            row = Row(family, name, who, compiled, min(b, start) if start else b, s, t)
             rows.append(run_contender(row, base, cfg, device, args, peak))
             r = rows[-1]
+            done(r)
             print(
                 f"  {who:7} {'compiled' if compiled else 'eager':8} micro-batch {r.micro_batch:3}: "
                 f"{r.tokens_per_s:10,.0f} tok/s, MFU {r.mfu:6.1%}, step {r.step_s * 1e3:8.1f} ms, "
@@ -399,6 +417,15 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", default="off,on", help="comma list of off, on")
     p.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 10; --tiny 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps, compile included (default 3; --tiny 1)")
+    p.add_argument("--compiled-steps", type=int, default=None, help="timed steps of a compiled contender (default --steps)")
+    p.add_argument(
+        "--compiled-warmup", type=int, default=None, help="untimed compiled steps, compile included (default --warmup)"
+    )
+    p.add_argument(
+        "--start-from",
+        default=None,
+        help="an earlier results JSON of the same device: each contender starts at the micro-batch it settled on there",
+    )
     p.add_argument("--micro-batch", default="auto", help="auto (the planner fills the GPU) or a number")
     p.add_argument("--fill", type=float, default=0.85, help="share of free device memory the planner may fill")
     p.add_argument(
@@ -423,6 +450,16 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--fill must be in (0, 1], not {args.fill}")
     args.steps = args.steps or (2 if args.tiny else 10)
     args.warmup = args.warmup or (1 if args.tiny else 3)
+    args.compiled_steps = args.compiled_steps or args.steps
+    args.compiled_warmup = args.compiled_warmup or args.warmup
+    if min(args.steps, args.warmup, args.compiled_steps, args.compiled_warmup) < 1:
+        p.error("--steps, --warmup, --compiled-steps and --compiled-warmup must be positive")
+    args.prior = None
+    if args.start_from:
+        try:
+            args.prior = json.loads(Path(args.start_from).read_text())
+        except (OSError, ValueError) as e:
+            p.error(f"--start-from {args.start_from}: not a results JSON ({e}); name a bench/results file or drop it")
     if args.tiny:
         args.gen_repeats = 1
     return args
@@ -455,26 +492,45 @@ def main(argv=None) -> dict:
     )
     rows: list[Row] = []
     gens: list[dict] = []
+
+    def result(lines: list[str]) -> dict:
+        return dict(
+            device=name,
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            date=time.strftime("%Y-%m-%d"),
+            peak_tflops=peak / 1e12,
+            peak_source=source,
+            training=[asdict(r) for r in rows],
+            generation=gens,
+            verdicts=lines,
+        )
+
+    def save(lines: list[str]) -> None:
+        """The file holds every finished row at any moment: a deadline that kills the run loses
+        only the row in flight (written whole and renamed, so a kill mid-write leaves the last one)."""
+        if args.json:
+            write_atomically(Path(args.json), json.dumps(result(lines), indent=1) + "\n")
+
+    def done(row: Row) -> None:
+        rows.append(row)
+        save([])
+
     for family in args.families:
-        rows += bench_training(family, args, device, peak)
+        bench_training(family, args, device, peak, done)
         if not args.no_generate and family != "bert":
             gens += bench_generate(family, args, device)
+            save([])
     lines = verdicts(rows, gens, device)
     print("\n" + "\n".join(lines))
-    result = dict(
-        device=name,
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        date=time.strftime("%Y-%m-%d"),
-        peak_tflops=peak / 1e12,
-        peak_source=source,
-        training=[asdict(r) for r in rows],
-        generation=gens,
-        verdicts=lines,
-    )
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    save(lines)
+    return result(lines)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

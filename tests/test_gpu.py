@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -21,7 +24,7 @@ from tformer.train.config import load_config
 from tformer.train.metrics import gpu_peak
 from tformer.train.trainer import Trainer
 
-from train_helpers import CONFIGS, ROOT, env, losses, metrics, run_cli, small_overrides
+from train_helpers import CONFIGS, ROOT, env, kill_group, losses, metrics, run_cli, small_overrides, start
 
 gpu = pytest.mark.gpu
 DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
@@ -282,3 +285,58 @@ def test_gpu_benchmark_halves_the_micro_batch_when_a_contender_runs_out_of_memor
         bench.Row("gpt2", "gpt2-tiny", "HF", False, 2, 64, None), None, None, torch.device("cpu"), None, 1.0
     )
     assert row.micro_batch == 1 and row.error == "out of memory at micro-batch 1"
+
+
+def test_a_killed_gpu_benchmark_keeps_the_rows_it_finished(tmp_path, cache):
+    """``scripts/gpu_session.sh all`` runs each family under a deadline (``timeout``): the bench
+    writes its JSON after every row, so a kill loses only the row in flight, and the session's
+    merge takes the partial file beside a part that wrote nothing and one cut mid-write."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, ROOT / "bench" / "bench_gpu.py", "--tiny", "--device", "cpu", "--compile", "off"]
+    proc = start([*cmd, "--no-generate", "--json", out], env=env(cache), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        seen: list = []
+        while not seen and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+            if out.is_file():
+                seen = json.loads(out.read_text())["training"]
+        assert seen, f"no row written before the deadline or the end: {proc.poll()}"
+        os.killpg(proc.pid, signal.SIGKILL)  # what `timeout -s KILL` does; SIGTERM ends it the same way
+        assert proc.wait(timeout=60) == -signal.SIGKILL, "the bench finished before the kill: nothing was cut"
+    finally:
+        kill_group(proc)
+    kept = json.loads(out.read_text())
+    rows = kept["training"]
+    # every family's two eager rows were due: the kill cut the run, and what it finished survived whole
+    assert 1 <= len(seen) <= len(rows) < 8, (len(seen), len(rows))
+    assert rows[: len(seen)] == seen and rows[0]["family"] == "gpt2" and rows[0]["tokens_per_s"] > 0
+    cut = tmp_path / "cut.json"
+    cut.write_text(out.read_text()[:100])  # a writer that is not atomic, killed mid-write
+    merged, log = tmp_path / "session.json", tmp_path / "session.log"
+    log.write_text("19 passed, 21 deselected in 131.62s\n")
+    done = subprocess.run(
+        [sys.executable, ROOT / "scripts" / "gpu_merge.py", merged, out, tmp_path / "never.json", cut, log],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(merged.read_text())
+    assert result["training"] == rows and result["device"] == "CPU" and result["gpu_tests"].startswith("19 passed")
+    assert result["missing"] == [str(tmp_path / "never.json")] and result["unreadable"] == [str(cut)]
+
+
+def test_gpu_benchmark_starts_each_contender_where_it_settled_on_the_same_device(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "bench_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_gpu", bench)
+    spec.loader.exec_module(bench)
+    args = bench.parse(["--start-from", str(ROOT / "bench" / "results" / "2026-11-27-h100.json")])
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert bench.start_micro_batch(args, "gpt2", "HF", True, h100) == 64  # eager HF settled on 32
+    assert bench.start_micro_batch(args, "gpt2", "HF", False, h100) == 32
+    assert bench.start_micro_batch(args, "bert", "HF", True, h100) is None  # never measured: the planner's
+    assert bench.start_micro_batch(args, "gpt2", "HF", True, "NVIDIA H200") is None  # another device
