@@ -49,12 +49,14 @@ def test_gpu_benchmark_runs_every_family_on_tiny_presets(tmp_path, cache):
         result = json.loads(out.read_text())
         rows = result["training"]
         families = ["gpt2", "llama", "bert", "t5"] if extra[1] == "off" else ["gpt2"]
-        assert [(r["family"], r["contender"]) for r in rows] == [(f, w) for f in families for w in ("tformer", "HF")]
+        contenders = ("tformer", "trainer", "HF")
+        assert [(r["family"], r["contender"]) for r in rows] == [(f, w) for f in families for w in contenders]
         for r in rows:
             assert r["error"] is None and r["compiled"] == (extra[1] == "on"), r
             # MFU is a share of the peak: over 100% means the FLOPs or the peak are wrong
             assert r["tokens_per_s"] > 0 and 0 < r["mfu"] <= 1 and r["micro_batch"] == 4, r
-        for ours, theirs in zip(rows[::2], rows[1::2]):
+        raw = [r for r in rows if r["contender"] != "trainer"]
+        for ours, theirs in zip(raw[::2], raw[1::2]):
             # bf16 autocast: the same weights and batch give the same loss to bf16 precision
             assert ours["first_loss"] == pytest.approx(theirs["first_loss"], abs=0.02), (ours, theirs)
             assert ours["plan_mb"] > 0 and math.isnan(theirs["plan_mb"])
@@ -338,5 +340,39 @@ def test_gpu_benchmark_starts_each_contender_where_it_settled_on_the_same_device
     h100 = "NVIDIA H100 80GB HBM3"
     assert bench.start_micro_batch(args, "gpt2", "HF", True, h100) == 64  # eager HF settled on 32
     assert bench.start_micro_batch(args, "gpt2", "HF", False, h100) == 32
-    assert bench.start_micro_batch(args, "bert", "HF", True, h100) is None  # never measured: the planner's
+    assert bench.start_micro_batch(args, "bert", "HF", True, h100) == 256  # never compiled: twice its eager 128
+    assert bench.start_micro_batch(args, "bert", "trainer", False, h100) is None  # never measured: the planner's
     assert bench.start_micro_batch(args, "gpt2", "HF", True, "NVIDIA H200") is None  # another device
+
+
+def load_bench(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "bench_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_gpu", bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_trainers_logged_tokens_per_s_is_the_benchmarks_row(monkeypatch, tmp_path):
+    """The trainer's ``tokens_per_s`` (over its logging interval) against the benchmark's clock on
+    the same steps (each timed to its end on the device, ``trainer_steps``), in rounds of one
+    logging interval: they agree within 5% (the middle of three rounds: this CPU is shared), on T5,
+    whose target tokens count too (a trainer that counted only the source would read 0.82)."""
+    bench = load_bench(monkeypatch)
+    name, seq, target = bench.TINY_ROWS["t5"]
+    row = bench.Row("t5", name, "trainer", False, 2, seq, target)
+    args = bench.parse(["--tiny", "--device", "cpu"])
+    every = 2
+    # fp32: the ratio is about clocks and token counts; emulated bf16 on this CPU is only slower
+    trainer = bench.build_trainer(row, torch.device("cpu"), args, tmp_path, log_every=every, precision="fp32")
+    batches = trainer._batches()
+    bench.trainer_steps(trainer, batches, every, torch.device("cpu"))  # warm-up: one whole interval
+    ratios = []
+    for _ in range(3):
+        times, record = bench.trainer_steps(trainer, batches, every, torch.device("cpu"))
+        assert trainer.logs_at(trainer.step)
+        measured = every * row.micro_batch * (seq + target) / sum(times)
+        ratios.append(record["tokens_per_s"] / measured)
+    assert 0.95 <= sorted(ratios)[1] <= 1.05, ratios

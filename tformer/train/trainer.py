@@ -180,6 +180,10 @@ class Trainer:
         self.consumed = 0  # global samples consumed by all ranks
         self.tokens = 0  # global tokens consumed
         self.skipped = 0  # consecutive non-finite steps
+        # since the last logged step: seconds inside steps, global tokens, model FLOPs (the rates a
+        # logged step reports are over its logging interval: a step that does not log need not wait
+        # for the device, so only the interval, which ends in a read, has a true wall time)
+        self._window = [0.0, 0, 0.0, 0]  # seconds, tokens, FLOPs, steps
         self.streak_start: int | None = None  # first step of the current non-finite streak
         self.spikes = SpikeDetector(self.cfg.spike_factor, self.cfg.spike_window, self.cfg.spike_warmup)
         self.rollbacks = 0  # loss-spike rollbacks done (on_spike=rollback)
@@ -556,21 +560,33 @@ class Trainer:
         self.tokens += global_tokens
         dt = time.perf_counter() - t0
         self._check_watchdog_margin(dt)
+        window = self._window
+        # every rank of a tp / pp / cp group counted its group's batch: the model FLOPs of the step
+        # are sum / (tp pp cp), shared by all world_size devices
+        window[0] += dt
+        window[1] += global_tokens
+        window[2] += flops_all / group
+        window[3] += 1
+        seconds, window_tokens, window_flops, steps_in_window = window
+        if self.logs_at(self.step):
+            self._window = [0.0, 0, 0.0, 0]
         return {
             "step": self.step,
             "loss": loss_avg,
             "lr": lr,
             "grad_norm": grad_norm,
-            "tokens_per_s": global_tokens / dt,
-            # every rank of a tp / pp / cp group counted its group's batch: the model FLOPs of the step
-            # are sum / (tp pp cp), shared by all world_size devices
-            "mfu": flops_all / group / self.dist.world_size / dt / self.peak,
+            "tokens_per_s": window_tokens / seconds,
+            "mfu": window_flops / self.dist.world_size / seconds / self.peak,
             "tokens": self.tokens,
-            "step_time": dt,
+            "step_time": seconds / steps_in_window,
             **self.strategy.memory_report(self.optimizer),
             # routing of this rank's last micro-batch: balance / z-loss, max/mean tokens per expert, dropped share
             **(moe_stats(self.model) if self.model_cfg.moe.enabled else {}),
         }
+
+    def logs_at(self, step: int) -> bool:
+        """Whether ``step`` is a logging step: every ``log_every``-th and the last."""
+        return step % self.cfg.log_every == 0 or step >= self.cfg.max_steps
 
     def _check_watchdog_margin(self, step_time: float) -> None:
         timeout = self.cfg.watchdog_timeout
