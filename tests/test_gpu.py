@@ -376,3 +376,50 @@ def test_the_trainers_logged_tokens_per_s_is_the_benchmarks_row(monkeypatch, tmp
         measured = every * row.micro_batch * (seq + target) / sum(times)
         ratios.append(record["tokens_per_s"] / measured)
     assert 0.95 <= sorted(ratios)[1] <= 1.05, ratios
+
+
+@gpu
+@pytest.mark.parametrize(
+    "name,padded,allowed",
+    [
+        ("gpt2-tiny", False, ("FLASH_ATTENTION", "CUDNN_ATTENTION")),
+        ("llama-tiny", False, ("FLASH_ATTENTION", "CUDNN_ATTENTION")),  # GQA: enable_gqa, no expanded K/V
+        ("bert-tiny", True, ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")),  # a padding mask: a fused kernel with a mask
+        ("t5-tiny", False, ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")),  # the relative bias: an additive mask
+    ],
+)
+def test_each_familys_training_batch_takes_a_fused_sdpa_kernel(name, padded, allowed, monkeypatch):
+    """The kernel SDPA's dispatcher picks for each call of a bf16 training batch on this GPU
+    (``torch._fused_sdp_choice``: the rule ``F.scaled_dot_product_attention`` itself applies, over
+    the enabled backends): never the math path; printed per family so the session log names it."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    chosen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        index = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        chosen.append(SDPBackend(index).name)
+        return real(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model = build_model(name).cuda()
+    cfg = model.config
+    ids = torch.randint(3, cfg.vocab_size, (4, 128), device="cuda")
+    inputs = dict(input_ids=ids, labels=ids)
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[1, 100:] = 0
+        inputs["attention_mask"] = mask
+    if cfg.family == "encdec":
+        inputs["labels"] = ids[:, :32]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(**inputs, return_logits=False).loss
+    loss.backward()
+    print(f"{name}: SDPA backends {sorted(set(chosen))}")
+    assert chosen and all(c in allowed for c in chosen), (name, chosen)

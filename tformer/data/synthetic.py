@@ -86,4 +86,5 @@ class SyntheticDataset(KeyedDataset):
                 "labels": labels,
             }
         source = self.ids(rng, s)
-        return {"input_ids": source, "attention_mask": np.ones(s, np.int64), "labels": self.ids(rng, self.target_len)}
+        target = self.ids(rng, int(self.target_len or 0))  # checked at construction: span and seq2seq have one
+        return {"input_ids": source, "attention_mask": np.ones(s, np.int64), "labels": target}
