@@ -64,6 +64,7 @@ all)
         family=${planned%%:*}
         deadline=$((${planned##*:} + spare))
         began=$SECONDS
+        rm -f "/tmp/gpu-$family.json"  # an earlier session's file must not pass for this one's
         { timeout "$deadline" python3 bench/bench_gpu.py --family "$family" --compile off,on --no-generate \
             --warmup 2 --steps 6 --compiled-warmup 1 --compiled-steps 4 ${prior:+--start-from "$prior"} \
             --json "/tmp/gpu-$family.json" || echo "$family rc=$? (deadline ${deadline} s)"; } 2>&1 | tee -a "$log"
