@@ -13,6 +13,9 @@ weights (HF's through ``tformer.export.to_hf_model``, so their first losses agre
 - tformer as its trainer runs it: the loss-only head in chunks of ``loss.chunk_size`` tokens (BERT's
   MLM head at the labelled positions), ``build_optimizer`` (fused AdamW), gradients clipped to 1.0,
   and with ``--compile on`` every block compiled on its own (``parallel.compile.compile_blocks``);
+- the trainer's own step (``Trainer._train_step`` of a run config of the row: ``data.source:
+  synthetic``, ``compile: true`` when compiled), built and timed as a run trains, so that what
+  the raw loop shows is what a run gets (the trainer / raw loop ratio is checked, >= 0.95);
 - the HF model of identical configuration (``attn_implementation="sdpa"``, its own loss from
   ``labels``), the same optimizer and clipping, and compiled whole (``torch.compile``) with
   ``--compile on``.
@@ -28,7 +31,12 @@ batch 1 and 8) against HF ``generate`` on the same weights, with the share of id
 
 Micro-batch (``--micro-batch auto``): the largest power of two whose tformer step the planner puts
 under ``--fill`` of the device's free memory; a contender that runs out of memory halves it and
-tries again (each row says the micro-batch it ran). Targets (issue #18) are checked at the end.
+tries again (each row says the micro-batch it ran). ``--start-from RESULTS.json`` starts each
+contender where it settled in an earlier run on the same device (the trainer, failing that, where
+the raw loop settled), sparing the compiles an out-of-memory try costs.
+
+``--json`` is rewritten (whole, then renamed) after every row: a run killed by a deadline keeps
+every row it finished. Targets (issue #18) are checked at the end.
 
 On CPU (``--tiny``): tiny presets, short sequences, a few steps, MFU against a measured bf16
 ``torch.mm`` and no memory comparison (the CPU allocator has no peak counter): it proves the script,
@@ -42,6 +50,7 @@ import copy
 import gc
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -77,18 +86,18 @@ TINY_ROWS = {
     "gpt2": ("gpt2-tiny", 64, None),
     "llama": ("llama-tiny", 64, None),
     "bert": ("bert-tiny", 64, None),
-    "t5": ("t5-tiny", 64, 16),
+    "t5": ("t5-tiny", 64, 14),  # span corruption's target for 64 (data.t5_lengths), as 114 is for 512
 }
 MLM_SHARE = 0.15
 MAX_MICRO_BATCH = 256
-TARGETS = dict(llama_mfu=0.40, llama_vs_hf=1.1, vs_hf=1.0, plan=0.10, generate=1.0)
+TARGETS = dict(llama_mfu=0.40, llama_vs_hf=1.1, vs_hf=1.0, plan=0.10, generate=1.0, trainer=0.95)
 
 
 @dataclass
 class Row:
     family: str
     preset: str
-    contender: str  # tformer | HF
+    contender: str  # tformer (its raw loop) | trainer (Trainer's own step) | HF
     compiled: bool
     micro_batch: int
     seq: int
@@ -213,24 +222,93 @@ def measure(row: Row, base: torch.nn.Module, cfg, device, args, peak: float) -> 
     t0 = time.perf_counter()
     row.first_loss = step().float().item()
     row.compile_s = time.perf_counter() - t0
-    for _ in range(args.warmup - 1):
+    warmup, steps = (args.compiled_warmup, args.compiled_steps) if row.compiled else (args.warmup, args.steps)
+    for _ in range(warmup - 1):
         step()
     free_memory(device)  # the peak of the timed steps: parameters and AdamW states are held by now
     times = []
-    for _ in range(args.steps):
+    for _ in range(steps):
         t0 = time.perf_counter()
         loss = step()
         sync(device)
         times.append(time.perf_counter() - t0)
     if not math.isfinite(loss.float().item()):
         row.error = "non-finite loss"
+    finish(row, times, cfg, device, peak)
+    if ours:
+        row.plan_mb = planned_bytes(cfg, device, row.micro_batch, row.seq, row.target, row.loss_chunk) / 2**20
+
+
+def build_trainer(row: Row, device: torch.device, args, out: Path, log_every: int = 1_000_000, precision: str = "bf16"):
+    """The trainer as a run config makes it for this row: the preset, ``data.source: synthetic``
+    at the row's lengths, the row's micro-batch, bf16, the head's ``loss.chunk_size``, and
+    ``compile: true`` for a compiled row; no evaluation or checkpoint inside the timed steps."""
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+
+    base = dict(
+        model=dict(preset=row.preset),
+        data=dict(source="synthetic", seq_len=row.seq),
+        output_dir=str(out),
+        micro_batch_size=row.micro_batch,
+        max_steps=10**9,
+        precision=precision,
+        log_every=log_every,
+        eval_every=0,
+        save_every=0,
+        progress=False,
+        compile=row.compiled,
+        device=device.type,
+        loss=dict(chunk_size=args.loss_chunk),
+    )
+    trainer = Trainer(load_config(base=base))
+    if row.target is not None and trainer.data.target_len != row.target:
+        raise ValueError(f"the trainer's target length {trainer.data.target_len} is not the row's {row.target}")
+    return trainer
+
+
+def measure_trainer(row: Row, base, cfg, device, args, peak: float) -> None:
+    """Warm-up and timed steps of the trainer's own step (``Trainer._train_step``: the batch from
+    its loader, forward and backward, the statistics' all-reduce, clip, update, schedule), timed
+    from outside with the device synchronised: what a run of this config trains at."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = build_trainer(row, device, args, Path(out))
+        row.loss_chunk = trainer.model.loss_chunk_size
+        batches = trainer._batches()
+        t0 = time.perf_counter()
+        row.first_loss = float(trainer._train_step(batches)["loss"])
+        row.compile_s = time.perf_counter() - t0
+        warmup, steps = (args.compiled_warmup, args.compiled_steps) if row.compiled else (args.warmup, args.steps)
+        for _ in range(warmup - 1):
+            trainer._train_step(batches)
+        free_memory(device)
+        times, record = trainer_steps(trainer, batches, steps, device)
+        if not math.isfinite(float(record["loss"])):
+            row.error = "non-finite loss"
+        finish(row, times, cfg, device, peak)
+        if device.type == "cuda":
+            row.plan_mb = planned_bytes(cfg, device, row.micro_batch, row.seq, row.target, row.loss_chunk) / 2**20
+
+
+def trainer_steps(trainer, batches, steps: int, device: torch.device) -> tuple[list[float], dict]:
+    """``steps`` of the trainer, each timed to its end on the device; the last step's record."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        record = trainer._train_step(batches)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times, record
+
+
+def finish(row: Row, times: list[float], cfg, device, peak: float) -> None:
     row.step_s = statistics.median(times)
     row.tokens_per_s = row.micro_batch * (row.seq + (row.target or 0)) / row.step_s
     row.mfu = training_flops(cfg, row.micro_batch, row.seq, row.target) / row.step_s / peak
     if device.type == "cuda":
         row.peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
-    if ours:
-        row.plan_mb = planned_bytes(cfg, device, row.micro_batch, row.seq, row.target, row.loss_chunk) / 2**20
 
 
 def run_contender(row: Row, base: torch.nn.Module, cfg, device, args, peak: float) -> Row:
@@ -239,7 +317,7 @@ def run_contender(row: Row, base: torch.nn.Module, cfg, device, args, peak: floa
         free_memory(device)
         torch._dynamo.reset()
         try:
-            measure(row, base, cfg, device, args, peak)
+            (measure_trainer if row.contender == "trainer" else measure)(row, base, cfg, device, args, peak)
             return row
         except torch.OutOfMemoryError:
             if row.micro_batch == 1:
@@ -251,7 +329,27 @@ def run_contender(row: Row, base: torch.nn.Module, cfg, device, args, peak: floa
         row.oom_retries += 1
 
 
-def bench_training(family: str, args, device: torch.device, peak: float) -> list[Row]:
+def start_micro_batch(args, family: str, contender: str, compiled: bool, device_name: str) -> int | None:
+    """The micro-batch this contender settled on in ``--start-from`` (an earlier results file of the
+    same device): a row that starts there skips the out-of-memory tries a compiled contender pays a
+    whole compile for. A compiled row the file lacks starts at twice its eager row's (HF gpt2 on an
+    H100: eager 32, compiled 64). None where the file has neither, or is of another device."""
+    prior = getattr(args, "prior", None)
+    if not prior or prior.get("device") != device_name:
+        return None
+    settled = {
+        (r["family"], r["contender"], r["compiled"]): int(r["micro_batch"])
+        for r in prior.get("training", [])
+        if not r.get("error")
+    }
+    if (family, contender, compiled) in settled:
+        return settled[(family, contender, compiled)]
+    if compiled and (family, contender, False) in settled:
+        return 2 * settled[(family, contender, False)]
+    return None
+
+
+def bench_training(family: str, args, device: torch.device, peak: float, done=lambda row: None) -> list[Row]:
     name, s, t = (TINY_ROWS if args.tiny else ROWS)[family]
     cfg = preset(name)
     torch.manual_seed(0)
@@ -265,12 +363,18 @@ def bench_training(family: str, args, device: torch.device, peak: float) -> list
     how = f" (planner, fill {args.fill:.0%})" if args.micro_batch == "auto" and device.type == "cuda" else ""
     target = f" -> {t}" if t else ""
     print(f"\n[{family}] {name}: {n / 1e6:.1f}M parameters, seq {s}{target}, micro-batch {b}{how}", flush=True)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     rows = []
     for compiled in args.compile:
-        for who, base in (("tformer", ours), ("HF", theirs)):
-            row = Row(family, name, who, compiled, b, s, t)
+        for who, base in [(w, m) for w, m in (("tformer", ours), ("trainer", None), ("HF", theirs)) if w in args.contenders]:
+            start = start_micro_batch(args, family, who, compiled, device_name) if args.micro_batch == "auto" else None
+            raw = [r for r in rows if (r.contender, r.compiled) == ("tformer", compiled) and not r.error]
+            if who == "trainer" and start is None and raw:
+                start = raw[0].micro_batch  # the same model and head as the raw loop: where it settled
+            row = Row(family, name, who, compiled, min(b, start) if start else b, s, t)
             rows.append(run_contender(row, base, cfg, device, args, peak))
             r = rows[-1]
+            done(r)
             print(
                 f"  {who:7} {'compiled' if compiled else 'eager':8} micro-batch {r.micro_batch:3}: "
                 f"{r.tokens_per_s:10,.0f} tok/s, MFU {r.mfu:6.1%}, step {r.step_s * 1e3:8.1f} ms, "
@@ -368,12 +472,21 @@ def verdicts(rows: list[Row], gens: list[dict], device: torch.device) -> list[st
                     f"{mark(compiled.mfu >= TARGETS['llama_mfu'])}; vs best HF {ratio:.2f}x "
                     f"(>= {TARGETS['llama_vs_hf']}): {mark(ratio >= TARGETS['llama_vs_hf'])}"
                 )
+        for compiled in (False, True):
+            raw, trainer = best(family, "tformer", compiled), best(family, "trainer", compiled)
+            if raw and trainer:
+                ratio = trainer.tokens_per_s / raw.tokens_per_s
+                lines.append(
+                    f"{family} {'compiled' if compiled else 'eager'}: trainer / raw loop tokens/s = {ratio:.2f} "
+                    f"(>= {TARGETS['trainer']}): {mark(ratio >= TARGETS['trainer'])}"
+                )
         if device.type == "cuda":
             for r in rows:
-                if r.family == family and r.contender == "tformer" and not r.error:
+                if r.family == family and r.contender in ("tformer", "trainer") and not r.error:
                     off = r.plan_mb / r.peak_mb - 1
+                    mode = "compiled" if r.compiled else "eager"
                     lines.append(
-                        f"{family} {'compiled' if r.compiled else 'eager'}: plan/measured peak {r.plan_mb / r.peak_mb:.3f} "
+                        f"{family} {r.contender} {mode}: plan/measured peak {r.plan_mb / r.peak_mb:.3f} "
                         f"(within {TARGETS['plan']:.0%}): {mark(abs(off) <= TARGETS['plan'])}"
                     )
     for g in gens:
@@ -399,6 +512,20 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", default="off,on", help="comma list of off, on")
     p.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 10; --tiny 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps, compile included (default 3; --tiny 1)")
+    p.add_argument("--compiled-steps", type=int, default=None, help="timed steps of a compiled contender (default --steps)")
+    p.add_argument(
+        "--compiled-warmup", type=int, default=None, help="untimed compiled steps, compile included (default --warmup)"
+    )
+    p.add_argument(
+        "--start-from",
+        default=None,
+        help="an earlier results JSON of the same device: each contender starts at the micro-batch it settled on there",
+    )
+    p.add_argument(
+        "--contenders",
+        default="tformer,trainer,HF",
+        help="comma list of tformer (its raw loop), trainer (Trainer's step), HF",
+    )
     p.add_argument("--micro-batch", default="auto", help="auto (the planner fills the GPU) or a number")
     p.add_argument("--fill", type=float, default=0.85, help="share of free device memory the planner may fill")
     p.add_argument(
@@ -413,6 +540,9 @@ def parse(argv=None) -> argparse.Namespace:
     args.families = [f for f in args.family.split(",") if f]
     if bad := [f for f in args.families if f not in ROWS]:
         p.error(f"unknown family {bad[0]!r}; use gpt2, llama, bert or t5")
+    args.contenders = [c for c in args.contenders.split(",") if c]
+    if bad := [c for c in args.contenders if c not in ("tformer", "trainer", "HF")]:
+        p.error(f"unknown contender {bad[0]!r}; use tformer, trainer or HF")
     modes = [m for m in args.compile.split(",") if m]
     if bad := [m for m in modes if m not in ("off", "on")]:
         p.error(f"--compile takes off and/or on, not {bad[0]!r}")
@@ -423,6 +553,16 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--fill must be in (0, 1], not {args.fill}")
     args.steps = args.steps or (2 if args.tiny else 10)
     args.warmup = args.warmup or (1 if args.tiny else 3)
+    args.compiled_steps = args.compiled_steps or args.steps
+    args.compiled_warmup = args.compiled_warmup or args.warmup
+    if min(args.steps, args.warmup, args.compiled_steps, args.compiled_warmup) < 1:
+        p.error("--steps, --warmup, --compiled-steps and --compiled-warmup must be positive")
+    args.prior = None
+    if args.start_from:
+        try:
+            args.prior = json.loads(Path(args.start_from).read_text())
+        except (OSError, ValueError) as e:
+            p.error(f"--start-from {args.start_from}: not a results JSON ({e}); name a bench/results file or drop it")
     if args.tiny:
         args.gen_repeats = 1
     return args
@@ -455,26 +595,45 @@ def main(argv=None) -> dict:
     )
     rows: list[Row] = []
     gens: list[dict] = []
+
+    def result(lines: list[str]) -> dict:
+        return dict(
+            device=name,
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            date=time.strftime("%Y-%m-%d"),
+            peak_tflops=peak / 1e12,
+            peak_source=source,
+            training=[asdict(r) for r in rows],
+            generation=gens,
+            verdicts=lines,
+        )
+
+    def save(lines: list[str]) -> None:
+        """The file holds every finished row at any moment: a deadline that kills the run loses
+        only the row in flight (written whole and renamed, so a kill mid-write leaves the last one)."""
+        if args.json:
+            write_atomically(Path(args.json), json.dumps(result(lines), indent=1) + "\n")
+
+    def done(row: Row) -> None:
+        rows.append(row)
+        save([])
+
     for family in args.families:
-        rows += bench_training(family, args, device, peak)
+        bench_training(family, args, device, peak, done)
         if not args.no_generate and family != "bert":
             gens += bench_generate(family, args, device)
+            save([])
     lines = verdicts(rows, gens, device)
     print("\n" + "\n".join(lines))
-    result = dict(
-        device=name,
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        date=time.strftime("%Y-%m-%d"),
-        peak_tflops=peak / 1e12,
-        peak_source=source,
-        training=[asdict(r) for r in rows],
-        generation=gens,
-        verdicts=lines,
-    )
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    save(lines)
+    return result(lines)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """Merge a GPU session's bench JSON files into one (``scripts/gpu_session.sh all``): the device's
 facts once, every training row, the code's commit, and the gpu tests' closing line from the log.
+A part that ran past its deadline gave what it finished (bench_gpu.py writes its file after every
+row); a part that wrote nothing is listed under ``missing``, one that cannot be read under
+``unreadable``, and the merge goes on.
 
     python3 scripts/gpu_merge.py OUT.json BENCH.json [BENCH.json ...] SESSION.log
 """
@@ -22,7 +25,11 @@ def main(argv: list[str]) -> int:
         if not path.is_file():
             merged.setdefault("missing", []).append(part)  # that part ran past its deadline
             continue
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            merged.setdefault("unreadable", []).append(part)
+            continue
         for key, value in data.items():
             if key in ("training", "generation"):
                 merged[key] += value
@@ -38,7 +45,10 @@ def main(argv: list[str]) -> int:
         closing = [line for line in log.read_text().splitlines() if re.search(r"\d+ (passed|failed)", line)]
         merged["gpu_tests"] = closing[0] if closing else "no closing line"
     Path(out).write_text(json.dumps(merged, indent=1))
-    print(f"wrote {out}: {len(merged['training'])} training rows, missing parts: {merged.get('missing', [])}")
+    print(
+        f"wrote {out}: {len(merged['training'])} training rows, missing parts: {merged.get('missing', [])}"
+        + (f", unreadable: {merged['unreadable']}" if "unreadable" in merged else "")
+    )
     return 0
 
 

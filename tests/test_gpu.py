@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -21,7 +24,7 @@ from tformer.train.config import load_config
 from tformer.train.metrics import gpu_peak
 from tformer.train.trainer import Trainer
 
-from train_helpers import CONFIGS, ROOT, env, losses, metrics, run_cli, small_overrides
+from train_helpers import CONFIGS, ROOT, env, kill_group, losses, metrics, run_cli, small_overrides, start
 
 gpu = pytest.mark.gpu
 DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
@@ -46,12 +49,14 @@ def test_gpu_benchmark_runs_every_family_on_tiny_presets(tmp_path, cache):
         result = json.loads(out.read_text())
         rows = result["training"]
         families = ["gpt2", "llama", "bert", "t5"] if extra[1] == "off" else ["gpt2"]
-        assert [(r["family"], r["contender"]) for r in rows] == [(f, w) for f in families for w in ("tformer", "HF")]
+        contenders = ("tformer", "trainer", "HF")
+        assert [(r["family"], r["contender"]) for r in rows] == [(f, w) for f in families for w in contenders]
         for r in rows:
             assert r["error"] is None and r["compiled"] == (extra[1] == "on"), r
             # MFU is a share of the peak: over 100% means the FLOPs or the peak are wrong
             assert r["tokens_per_s"] > 0 and 0 < r["mfu"] <= 1 and r["micro_batch"] == 4, r
-        for ours, theirs in zip(rows[::2], rows[1::2]):
+        raw = [r for r in rows if r["contender"] != "trainer"]
+        for ours, theirs in zip(raw[::2], raw[1::2]):
             # bf16 autocast: the same weights and batch give the same loss to bf16 precision
             assert ours["first_loss"] == pytest.approx(theirs["first_loss"], abs=0.02), (ours, theirs)
             assert ours["plan_mb"] > 0 and math.isnan(theirs["plan_mb"])
@@ -289,3 +294,139 @@ def test_gpu_benchmark_halves_the_micro_batch_when_a_contender_runs_out_of_memor
         bench.Row("gpt2", "gpt2-tiny", "HF", False, 2, 64, None), None, None, torch.device("cpu"), None, 1.0
     )
     assert row.micro_batch == 1 and row.error == "out of memory at micro-batch 1"
+
+
+def test_a_killed_gpu_benchmark_keeps_the_rows_it_finished(tmp_path, cache):
+    """``scripts/gpu_session.sh all`` runs each family under a deadline (``timeout``): the bench
+    writes its JSON after every row, so a kill loses only the row in flight, and the session's
+    merge takes the partial file beside a part that wrote nothing and one cut mid-write."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, ROOT / "bench" / "bench_gpu.py", "--tiny", "--device", "cpu", "--compile", "off"]
+    proc = start([*cmd, "--no-generate", "--json", out], env=env(cache), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        seen: list = []
+        while not seen and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+            if out.is_file():
+                seen = json.loads(out.read_text())["training"]
+        assert seen, f"no row written before the deadline or the end: {proc.poll()}"
+        os.killpg(proc.pid, signal.SIGKILL)  # what `timeout -s KILL` does; SIGTERM ends it the same way
+        assert proc.wait(timeout=60) == -signal.SIGKILL, "the bench finished before the kill: nothing was cut"
+    finally:
+        kill_group(proc)
+    kept = json.loads(out.read_text())
+    rows = kept["training"]
+    # every family's two eager rows were due: the kill cut the run, and what it finished survived whole
+    assert 1 <= len(seen) <= len(rows) < 8, (len(seen), len(rows))
+    assert rows[: len(seen)] == seen and rows[0]["family"] == "gpt2" and rows[0]["tokens_per_s"] > 0
+    cut = tmp_path / "cut.json"
+    cut.write_text(out.read_text()[:100])  # a writer that is not atomic, killed mid-write
+    merged, log = tmp_path / "session.json", tmp_path / "session.log"
+    log.write_text("19 passed, 21 deselected in 131.62s\n")
+    done = subprocess.run(
+        [sys.executable, ROOT / "scripts" / "gpu_merge.py", merged, out, tmp_path / "never.json", cut, log],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(merged.read_text())
+    assert result["training"] == rows and result["device"] == "CPU" and result["gpu_tests"].startswith("19 passed")
+    assert result["missing"] == [str(tmp_path / "never.json")] and result["unreadable"] == [str(cut)]
+
+
+def test_gpu_benchmark_starts_each_contender_where_it_settled_on_the_same_device(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "bench_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_gpu", bench)
+    spec.loader.exec_module(bench)
+    args = bench.parse(["--start-from", str(ROOT / "bench" / "results" / "2026-11-27-h100.json")])
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert bench.start_micro_batch(args, "gpt2", "HF", True, h100) == 64  # eager HF settled on 32
+    assert bench.start_micro_batch(args, "gpt2", "HF", False, h100) == 32
+    assert bench.start_micro_batch(args, "bert", "HF", True, h100) == 256  # never compiled: twice its eager 128
+    assert bench.start_micro_batch(args, "bert", "trainer", False, h100) is None  # never measured: the planner's
+    assert bench.start_micro_batch(args, "gpt2", "HF", True, "NVIDIA H200") is None  # another device
+
+
+def load_bench(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "bench_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_gpu", bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_trainers_logged_tokens_per_s_is_the_benchmarks_row(monkeypatch, tmp_path):
+    """The trainer's ``tokens_per_s`` (over its logging interval) against the benchmark's clock on
+    the same steps (each timed to its end on the device, ``trainer_steps``), in rounds of one
+    logging interval: they agree within 5% (the middle of three rounds: this CPU is shared), on T5,
+    whose target tokens count too (a trainer that counted only the source would read 0.82)."""
+    bench = load_bench(monkeypatch)
+    name, seq, target = bench.TINY_ROWS["t5"]
+    row = bench.Row("t5", name, "trainer", False, 2, seq, target)
+    args = bench.parse(["--tiny", "--device", "cpu"])
+    every = 2
+    # fp32: the ratio is about clocks and token counts; emulated bf16 on this CPU is only slower
+    trainer = bench.build_trainer(row, torch.device("cpu"), args, tmp_path, log_every=every, precision="fp32")
+    batches = trainer._batches()
+    bench.trainer_steps(trainer, batches, every, torch.device("cpu"))  # warm-up: one whole interval
+    ratios = []
+    for _ in range(3):
+        times, record = bench.trainer_steps(trainer, batches, every, torch.device("cpu"))
+        assert trainer.logs_at(trainer.step)
+        measured = every * row.micro_batch * (seq + target) / sum(times)
+        ratios.append(record["tokens_per_s"] / measured)
+    assert 0.95 <= sorted(ratios)[1] <= 1.05, ratios
+
+
+@gpu
+@pytest.mark.parametrize(
+    "name,padded,allowed",
+    [
+        ("gpt2-tiny", False, ("FLASH_ATTENTION", "CUDNN_ATTENTION")),
+        ("llama-tiny", False, ("FLASH_ATTENTION", "CUDNN_ATTENTION")),  # GQA: enable_gqa, no expanded K/V
+        ("bert-tiny", True, ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")),  # a padding mask: a fused kernel with a mask
+        ("t5-tiny", False, ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")),  # the relative bias: an additive mask
+    ],
+)
+def test_each_familys_training_batch_takes_a_fused_sdpa_kernel(name, padded, allowed, monkeypatch):
+    """The kernel SDPA's dispatcher picks for each call of a bf16 training batch on this GPU
+    (``torch._fused_sdp_choice``: the rule ``F.scaled_dot_product_attention`` itself applies, over
+    the enabled backends): never the math path; printed per family so the session log names it."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    chosen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        index = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        chosen.append(SDPBackend(index).name)
+        return real(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model = build_model(name).cuda()
+    cfg = model.config
+    ids = torch.randint(3, cfg.vocab_size, (4, 128), device="cuda")
+    inputs = dict(input_ids=ids, labels=ids)
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[1, 100:] = 0
+        inputs["attention_mask"] = mask
+    if cfg.family == "encdec":
+        inputs["labels"] = ids[:, :32]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(**inputs, return_logits=False).loss
+    loss.backward()
+    print(f"{name}: SDPA backends {sorted(set(chosen))}")
+    assert chosen and all(c in allowed for c in chosen), (name, chosen)

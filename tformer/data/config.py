@@ -20,7 +20,7 @@ check_table(AUTO_OBJECTIVE, Family, "AUTO_OBJECTIVE")
 
 @dataclass
 class DataConfig:
-    source: str = "default"  # "default" (bundled corpus), a file/dir/glob, or a dataset name
+    source: str = "default"  # "default" (bundled corpus), a file/dir/glob, a dataset name, or "synthetic" (random ids)
     text_column: str = "text"  # the column of a table source that holds the text
     source_column: str = "src"  # seq2seq pairs: the column of the source side
     target_column: str = "tgt"  # seq2seq pairs: the column of the target side

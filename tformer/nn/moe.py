@@ -370,12 +370,29 @@ class AttachAux(torch.autograd.Function):
         return grad, torch.ones((), dtype=ctx.aux_dtype, device=grad.device)
 
 
-def moe_stats(model: nn.Module) -> dict[str, float]:
-    """Routing figures of the last forward, averaged over the MoE layers (``tokens_max_over_mean``
-    also as its worst layer), for the trainer's metrics."""
+def moe_table(model: nn.Module) -> tuple[list[str], torch.Tensor] | None:
+    """The routing figures of the last forward, every MoE layer's, as one device tensor (layers x
+    figures) and the figures' names: read with the step's other figures in one read of the device."""
     layers = [m.stats for m in moe_layers(model) if m.stats]
     if not layers:
-        return {}
-    out = {f"moe/{k}": float(torch.stack([s[k] for s in layers]).mean()) for k in layers[0]}
-    out["moe/tokens_max_over_mean_worst"] = max(float(s["tokens_max_over_mean"]) for s in layers)
+        return None
+    keys = list(layers[0])
+    rows = [torch.stack([torch.as_tensor(s[k], dtype=torch.float32).reshape(()) for k in keys]) for s in layers]
+    return keys, torch.stack(rows)
+
+
+def moe_figures(keys: list[str], rows: list[list[float]]) -> dict[str, float]:
+    """The table's figures averaged over the layers (``tokens_max_over_mean`` also as its worst
+    layer), for the trainer's metrics."""
+    out = {f"moe/{k}": sum(r[i] for r in rows) / len(rows) for i, k in enumerate(keys)}
+    out["moe/tokens_max_over_mean_worst"] = max(r[keys.index("tokens_max_over_mean")] for r in rows)
     return out
+
+
+def moe_stats(model: nn.Module) -> dict[str, float]:
+    """``moe_figures`` of the last forward, read here (one read)."""
+    table = moe_table(model)
+    if table is None:
+        return {}
+    keys, values = table
+    return moe_figures(keys, values.tolist())

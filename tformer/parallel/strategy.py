@@ -306,7 +306,9 @@ def apply_pipeline(model: torch.nn.Module, layout: Layout) -> Pipeline | None:
 # -- clip and step ---------------------------------------------------------------------------------
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float, layout: Layout, pipeline: Pipeline | None = None) -> float:
+def clip_grad_norm(
+    model: torch.nn.Module, max_norm: float, layout: Layout, pipeline: Pipeline | None = None
+) -> torch.Tensor:
     """The global gradient norm (before clipping), clipped to ``max_norm`` (inf: measure only), over
     whatever the mesh made of the parameters: pipeline stages (shared weights' gradients summed
     first, counted once), DTensors on several meshes (TP, TP x FSDP, EP experts beside FSDP), or
@@ -323,27 +325,42 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, layout: Layout, pipe
     if layout.tp > 1 or layout.ep > 1:
         return grad_norm_and_clip(model.named_parameters(), max_norm)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def optimizer_step(optimizer: Any, scaler: Any, loss_finite: bool, clip: Callable[[], float]) -> StepResult:
-    """Clip, update and clear the gradients. A non-finite loss or gradient norm skips the update;
-    under fp16 the scaler skips overflowing steps itself (counted as applied: it lowers its scale
-    and the run goes on)."""
-    grad_norm, applied = float("nan"), False
-    if loss_finite:
+def clip_for_step(optimizer: Any, scaler: Any, clip: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The first half of a step: unscale (fp16), clip; the global gradient norm stays on the device,
+    for the trainer to read once with the step's other figures (``finish_step`` then decides)."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    return clip()
+
+
+def finish_step(optimizer: Any, scaler: Any, ok: bool) -> StepResult:
+    """The second half: update (unless the loss or the norm was non-finite: ``ok`` false) and clear
+    the gradients. Under fp16 the scaler skips overflowing steps itself (counted as applied: it
+    lowers its scale and the run goes on; it reads its own found-inf flag)."""
+    applied = False
+    if ok or scaler is not None:
         if scaler is not None:
-            scaler.unscale_(optimizer)
-        grad_norm = clip()
-        if math.isfinite(grad_norm) or scaler is not None:
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            applied = True
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        applied = True
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(grad_norm, applied)
+    return StepResult(float("nan"), applied)
+
+
+def optimizer_step(optimizer: Any, scaler: Any, loss_finite: bool, clip: Callable[[], torch.Tensor]) -> StepResult:
+    """Clip, update and clear the gradients in one call (the two halves above, reading the norm
+    here). A non-finite loss or gradient norm skips the update."""
+    if not loss_finite:
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(float("nan"), False)
+    grad_norm = float(clip_for_step(optimizer, scaler, clip))
+    result = finish_step(optimizer, scaler, math.isfinite(grad_norm))
+    return StepResult(grad_norm, result.applied)
 
 
 def release_gathered(model: torch.nn.Module) -> None:
@@ -416,11 +433,17 @@ class MeshStrategy:
     def backward(self, loss: torch.Tensor, last_micro: bool, scaler: Any = None) -> None:
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.model, max_norm, self.layout, self.pipeline)
 
     def step(self, optimizer: Any, scaler: Any, max_norm: float, loss_finite: bool) -> StepResult:
         return optimizer_step(optimizer, scaler, loss_finite, lambda: self.clip_grad_norm(max_norm))
+
+    def clip_for_step(self, optimizer: Any, scaler: Any, max_norm: float) -> torch.Tensor:
+        return clip_for_step(optimizer, scaler, lambda: self.clip_grad_norm(max_norm))
+
+    def finish_step(self, optimizer: Any, scaler: Any, ok: bool) -> StepResult:
+        return finish_step(optimizer, scaler, ok)
 
     def release_gathered(self) -> None:
         release_gathered(self.model)

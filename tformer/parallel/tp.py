@@ -388,7 +388,7 @@ def vocab_parallel_loss(
     return loss + label_smoothing * extra
 
 
-def grad_norm_and_clip(named_params, max_norm: float, group=None, skip=frozenset()) -> float:
+def grad_norm_and_clip(named_params, max_norm: float, group=None, skip=frozenset()) -> torch.Tensor:
     """The global L2 norm of the gradients of ``named_params`` (plain tensors, TP DTensors, FSDP2
     DTensors, mixed: grouped by mesh and placements, each group reduced over its own shards), clipped
     to ``max_norm`` when it is > 0, as ``torch.nn.utils.clip_grad_norm_`` does. ``group``: the
@@ -413,18 +413,21 @@ def grad_norm_and_clip(named_params, max_norm: float, group=None, skip=frozenset
         groups.setdefault(key, []).append(g)
         if name not in skip:
             counted.setdefault(key, []).append(g)
-    total_sq = torch.zeros((), dtype=torch.float64)
+    device = next((g.device for grads in groups.values() for g in grads), torch.device("cpu"))
+    # summed on the device: the norm is read once, by the trainer, with the step's other figures
+    total_sq = torch.zeros((), dtype=torch.float64, device=device)
     for grads in counted.values():
         norm = torch.nn.utils.get_total_norm(grads, 2.0)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        total_sq += norm.double().cpu() ** 2
+        total_sq += norm.double().to(device) ** 2
     if group is not None:
-        device = next((g.device for grads in groups.values() for g in grads), torch.device("cpu"))
-        total_sq = total_sq.to(device)
         all_reduce(total_sq, group=group)
-    total = float(total_sq) ** 0.5
-    coef = max_norm / (total + 1e-6)  # as torch.nn.utils.clip_grad_norm_
-    if max_norm > 0 and coef < 1.0:
+    total = total_sq.sqrt()
+    if max_norm > 0 and max_norm != float("inf"):
+        # as torch.nn.utils.clip_grad_norm_: the coefficient clamped to 1 on the device, no read
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for grads in groups.values():
-            torch._foreach_mul_(grads, coef)
+            # DTensors: their local shards scaled in place (the placements are Shard / Replicate here)
+            local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+            torch._foreach_mul_(local, coef.to(local[0].dtype))
     return total

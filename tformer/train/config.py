@@ -229,6 +229,7 @@ class TrainConfig:
         self._check_compile()
         self._check_batching()
         check_mixture(self)
+        check_synthetic(self)
         check_document_mask(self, self.model)
 
     def _check_compile(self) -> None:
@@ -424,6 +425,23 @@ def check_mixture(cfg: "TrainConfig") -> None:
             f"data.stages end at until_step={last} but max_steps={cfg.max_steps}; raise the last "
             f"stage's until_step to >= {cfg.max_steps}"
         )
+
+
+def check_synthetic(cfg: "TrainConfig") -> None:
+    """``data.source: synthetic`` draws random ids with no tokenizer and no documents: what needs
+    either is refused here rather than silently ignored."""
+    d = cfg.data
+    if d.source != "synthetic":
+        return
+    for name, value, why in (
+        ("data.tokenizer", d.tokenizer != "auto", "it makes ids without a tokenizer; drop data.tokenizer"),
+        ("data.document_mask", d.document_mask, "its samples hold no documents; set data.document_mask=false"),
+        ("data.tokens_per_batch", d.tokens_per_batch is not None, "its pairs all have one length; use micro_batch_size"),
+        ("data.whole_word_mask", d.whole_word_mask, "its ids form no words; set data.whole_word_mask=false"),
+        ("data.prepared", d.prepared, "it has no token cache to prepare; set data.prepared=false"),
+    ):
+        if value:
+            raise ConfigError(f"{name} is set but data.source=synthetic takes none: {why}")
 
 
 def check_document_mask(cfg: "TrainConfig", model: ModelConfig) -> None:

@@ -39,6 +39,7 @@ from ..data import (
     train_tokenizer,
 )
 from ..data.loading import check_source
+from ..data.synthetic import SYNTHETIC, SyntheticDataset
 from ..data.mixture import ConcatKeyed
 from ..models import spec_of
 from ..parallel.dist import barrier, multi_process
@@ -67,8 +68,8 @@ check_table(DOC_INPUTS, Family, "DOC_INPUTS")
 
 @dataclass
 class RunData:
-    tokenizer: object
-    tokenizer_path: Path
+    tokenizer: object  # None with data.source=synthetic
+    tokenizer_path: Path | None
     model_config: ModelConfig
     train: object
     validation: object
@@ -157,6 +158,8 @@ def _file_identity(source) -> list:
 def check_sources(cfg: TrainConfig) -> None:
     """Every data source of the run exists and holds data (``check_source``): cheap, so the
     trainer calls it before it makes the run directory."""
+    if cfg.data.source == SYNTHETIC:
+        return
     entries = mixture_sources(cfg) if (cfg.data.sources or cfg.data.stages) else [{"source": cfg.data.source}]
     for e in entries:
         if e["source"] != "default":
@@ -171,6 +174,8 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
     if objective not in allowed:
         raise DataError(f"data.objective={objective!r} does not fit a {family} model; use {' or '.join(allowed)}")
     check_sources(cfg)  # a missing or empty source fails here, before any tokenizer or token work
+    if cfg.data.source == SYNTHETIC:
+        return synthetic_data(cfg, objective)
     entries = mixture_sources(cfg) if (cfg.data.sources or cfg.data.stages) else []
     if entries:  # the tokenizer ("auto") is trained on the first source
         source = default_corpus_path() if entries[0]["source"] == "default" else entries[0]["source"]
@@ -297,6 +302,34 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
     )
 
 
+def synthetic_data(cfg: TrainConfig, objective: str) -> RunData:
+    """``data.source: synthetic`` (``data/synthetic.py``): random ids over the model's vocabulary,
+    no tokenizer; the model keeps its configured special ids. Validation draws from another seed."""
+    model_cfg = cfg.model
+    max_len = model_cfg.max_seq_len if model_cfg.position in ("learned", "sinusoidal") else None
+    seq_len = cfg.data.seq_len
+    check_seq_len(seq_len, max_len, "data.seq_len")
+    target_len = None
+    if objective == "span":
+        target_len = t5_lengths(seq_len, cfg.data.noise_density, cfg.data.mean_span_length)[1]
+    elif objective == "seq2seq":
+        target_len = cfg.data.target_len or seq_len
+    if target_len is not None:
+        check_seq_len(target_len, max_len, "decoder target length")
+
+    def split(seed: int) -> SyntheticDataset:
+        return SyntheticDataset(
+            objective, model_cfg.vocab_size, seq_len, target_len, seed=seed, mask_probability=cfg.data.mlm_probability
+        )
+
+    train, validation = split(cfg.seed), split(cfg.seed + 1)
+    collator = Collator(pad_id=model_cfg.pad_token_id)
+    family = model_cfg.family
+    return RunData(
+        None, None, model_cfg, train, validation, collator, objective, seq_len, target_len, model_inputs(family, False)
+    )
+
+
 def prepare_data(cfg: TrainConfig, workers: int = 1, progress: bool = True, shard_rows: int = 20_000) -> list[dict]:
     """Tokenize every source of a recipe (train and validation splits) into the token cache, as a
     training run with the same config and ``TFORMER_CACHE`` will look for it. Returns one record per
@@ -363,6 +396,8 @@ def prepare_data(cfg: TrainConfig, workers: int = 1, progress: bool = True, shar
 
 
 def copy_tokenizer(data: RunData, output_dir: Path) -> None:
+    if data.tokenizer_path is None:
+        return  # synthetic data: a run without a tokenizer
     dest = output_dir / "tokenizer.json"
     if not dest.exists():
         shutil.copyfile(data.tokenizer_path, dest)

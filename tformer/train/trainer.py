@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Sized
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -25,12 +25,12 @@ from ..logs import interactive, quiet_repeats
 from ..models import build_model, spec_of
 from ..models.flops import training_flops
 from ..models.padding import pad_sequences
-from ..nn.moe import moe_stats
+from ..nn.moe import moe_figures, moe_table
 from ..parallel.build import build_strategy
 from ..parallel.context import context_shard
 from ..parallel.offload import activation_offload
 from ..parallel.routing import note_lengths
-from ..parallel.strategy import Pipeline, Strategy
+from ..parallel.strategy import Pipeline, StepResult, Strategy
 from ..parallel.tp import pad_vocab_for_tp
 from . import evaluation, rollback
 from . import resume as resuming
@@ -185,6 +185,10 @@ class Trainer:
         self.consumed = 0  # global samples consumed by all ranks
         self.tokens = 0  # global tokens consumed
         self.skipped = 0  # consecutive non-finite steps
+        # since the last logged step: seconds inside steps, global tokens, model FLOPs (the rates a
+        # logged step reports are over its logging interval: a step that does not log need not wait
+        # for the device, so only the interval, which ends in a read, has a true wall time)
+        self._window = [0.0, 0, 0.0, 0]  # seconds, tokens, FLOPs, steps
         self.streak_start: int | None = None  # first step of the current non-finite streak
         self.spikes = SpikeDetector(self.cfg.spike_factor, self.cfg.spike_window, self.cfg.spike_warmup)
         self.rollbacks = 0  # loss-spike rollbacks done (on_spike=rollback)
@@ -588,15 +592,34 @@ class Trainer:
         )
         with self.times.closing_sync():  # what this rank waits here is the others' time, not its own
             all_reduce(stats)
-        # one read of the device a step for all four (each .item() would wait for the device again)
-        loss_sum_all, tokens_all, signals, flops_all = stats.tolist()
+        self._beat("optimizer step")
+        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+        clip_first = getattr(self.strategy, "clip_for_step", None)  # DeepSpeed's engine steps in one call
+        two_halves = clip_first is not None
+        if clip_first is not None:
+            # clipped on the device first, so that the norm joins the one read below
+            with self.prof.range("optimizer"):
+                norm = clip_first(self.optimizer, self.scaler, clip)
+            stats = torch.cat([stats, norm.detach().reshape(1).to(stats.dtype)])
+        # a logging step's MoE routing figures (this rank's last micro-batch) join the same read
+        table = moe_table(self.model) if self.model_cfg.moe.enabled and self.logs_at(self.step + 1) else None
+        fixed = len(stats)
+        if table is not None:
+            stats = torch.cat([stats, table[1].flatten().to(stats)])
+        # one read of the device a step for all of them (each .item() would wait for the device again)
+        read = stats.tolist()
+        loss_sum_all, tokens_all, signals, flops_all, *norm_read = read[:fixed]
+        moe = {}
+        if table is not None:
+            width = len(table[0])
+            rest = read[fixed:]
+            moe = moe_figures(table[0], [rest[i : i + width] for i in range(0, len(rest), width)])
         # the tp ranks of a group agree; of a pipeline, only the last stage's ranks hold the loss
         loss_avg = loss_sum_all / (self.dist.world_size // self.dims.pp)
         if signals > 0 and self._stop_reason is None:
             self._stop_reason = f"signal {self._signal or 'on another rank'}"
-        self._beat("optimizer step")
         with self.prof.range("optimizer"):
-            grad_norm = self._update(loss_avg)
+            grad_norm = self._update(loss_avg, norm_read[0] if two_halves else None)
         self.step += 1
         # samples consumed, or with token-budget batches, batches consumed (the sampler's unit)
         per_batch = 1 if cfg.data.tokens_per_batch is not None else cfg.micro_batch_size
@@ -607,21 +630,34 @@ class Trainer:
         dt = time.perf_counter() - t0
         self.times.step_done(dt)
         self._check_watchdog_margin(dt)
+        window = self._window
+        # every rank of a tp / pp / cp group counted its group's batch: the model FLOPs of the step
+        # are sum / (tp pp cp), shared by all world_size devices
+        window[0] += dt
+        window[1] += global_tokens
+        window[2] += flops_all / group
+        window[3] += 1
+        seconds, window_tokens, window_flops, steps_in_window = window
+        if self.logs_at(self.step):
+            self._window = [0.0, 0, 0.0, 0]
         return {
             "step": self.step,
             "loss": loss_avg,
             "lr": lr,
             "grad_norm": grad_norm,
-            "tokens_per_s": global_tokens / dt,
-            # every rank of a tp / pp / cp group counted its group's batch: the model FLOPs of the step
-            # are sum / (tp pp cp), shared by all world_size devices
-            "mfu": flops_all / group / self.dist.world_size / dt / self.peak,
+            "tokens_per_s": window_tokens / seconds,
+            "mfu": window_flops / self.dist.world_size / seconds / self.peak,
             "tokens": self.tokens,
-            "step_time": dt,
+            "step_time": seconds / steps_in_window,
             **self.strategy.memory_report(self.optimizer),
             # routing of this rank's last micro-batch: balance / z-loss, max/mean tokens per expert, dropped share
-            **(moe_stats(self.model) if self.model_cfg.moe.enabled else {}),
+            # (read at a logging step only: each figure is a read of the device)
+            **moe,
         }
+
+    def logs_at(self, step: int) -> bool:
+        """Whether ``step`` is a logging step: every ``log_every``-th and the last."""
+        return step % self.cfg.log_every == 0 or step >= self.cfg.max_steps
 
     def _check_watchdog_margin(self, step_time: float) -> None:
         timeout = self.cfg.watchdog_timeout
@@ -641,12 +677,18 @@ class Trainer:
                 math.ceil(4 * step_time),
             )
 
-    def _update(self, loss: float) -> float:
+    def _update(self, loss: float, grad_norm: float | None = None) -> float:
         """One optimizer step through the strategy (clip, update, clear the gradients), then the LR
         schedule; returns the gradient norm. A non-finite loss or gradient norm skips the update, or
-        stops the run (see ``_nonfinite``)."""
+        stops the run (see ``_nonfinite``). ``grad_norm``: the strategy clipped already (its
+        ``clip_for_step``), and this is the norm, read with the step's other figures."""
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        result = self.strategy.step(self.optimizer, self.scaler, clip, math.isfinite(loss))
+        if grad_norm is not None:
+            ok = math.isfinite(loss) and math.isfinite(grad_norm)
+            applied = cast(Any, self.strategy).finish_step(self.optimizer, self.scaler, ok).applied
+            result = StepResult(grad_norm if math.isfinite(loss) else float("nan"), applied)
+        else:
+            result = self.strategy.step(self.optimizer, self.scaler, clip, math.isfinite(loss))
         if result.applied and math.isfinite(loss) and not result.must_stop:
             self.scheduler.step()
             self.skipped, self.streak_start = 0, None
