@@ -39,6 +39,7 @@ from .config import TrainConfig
 from .console import log_step, start_summary
 from .data import build_data, check_sources, copy_tokenizer, train_batches
 from .dist import all_reduce, barrier, device_type, init_distributed
+from .ft import FaultTolerance, check_fault_tolerance, lighthouse_address, wait_for_lighthouse
 from .head import loss_chunk_size
 from .metrics import peak_flops
 from .optim import build_optimizer, build_scheduler
@@ -100,7 +101,10 @@ class Trainer:
         self.resolved = {**cfg.to_dict(), "model": self.model_cfg.to_dict()}
         self.peak, self.peak_source = peak_flops(self.device, DTYPES[self.precision])
         self.ckpt = self._checkpointer()
-        self._resume()  # last: it restores the RNG streams, which nothing may draw from afterwards
+        self._resume()  # it restores the RNG streams, which nothing may draw from afterwards
+        # after the resume: the Manager starts at the step this group stands at
+        if cfg.fault_tolerance.enabled:
+            self.ft = FaultTolerance(self)
 
     # -- setup -----------------------------------------------------------------------------
     def _check_inputs(self) -> None:
@@ -108,6 +112,7 @@ class Trainer:
         self.device = torch.device(device_type(self.cfg.device))
         self.precision = resolve_precision(self.cfg.precision, self.device)
         self.dims = check_support(self.cfg, self.precision, self.device)  # the mesh's sizes, checked
+        check_fault_tolerance(self.cfg, self.dims, self.device)  # torchft missing, layouts it cannot run
         check_sources(self.cfg)  # a missing or empty data source: refused before the run directory exists
 
     def _start_processes(self) -> None:
@@ -123,11 +128,17 @@ class Trainer:
         )
         self.device = self.dist.device
         self.dist.dims = self.dims
+        ft = cfg.fault_tolerance
+        if ft.enabled:  # the data is split over every replica group; the lighthouse must answer
+            self.dist.replica, self.dist.replicas = ft.replica_id, ft.replicas
+            wait_for_lighthouse(lighthouse_address(ft), ft.timeout_s)
         if torch.distributed.is_initialized():
             self.dist.mesh = self.dims.build_mesh(self.device.type)
         self._warn_slow_precision()
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
+        # each replica group logs on its own (metrics.jsonl, W&B); the checkpoints are the run's
+        self.log_dir = self.out / "replicas" / str(ft.replica_id) if ft.enabled else self.out
         if self.dist.is_main:
             self.ckpt_root.mkdir(parents=True, exist_ok=True)
         barrier()
@@ -184,6 +195,7 @@ class Trainer:
         self.spikes = SpikeDetector(self.cfg.spike_factor, self.cfg.spike_window, self.cfg.spike_warmup)
         self.rollbacks = 0  # loss-spike rollbacks done (on_spike=rollback)
         self.watchdog: Watchdog | None = None
+        self.ft: FaultTolerance | None = None  # torchft's Manager, set up last (fault_tolerance.enabled)
         self._watchdog_warned = False
         self.wandb_id: str | None = None
         self.resumed_from: Path | None = None
@@ -380,10 +392,12 @@ class Trainer:
             print(start_summary(self), flush=True)  # the whole resolved config is config.yaml
         quiet_repeats()  # torch and DeepSpeed have set up their loggers by now
         previous = self._install_signals()
-        tracker = WandbTracker(cfg.wandb, self.out, self.resolved, self.wandb_id) if main else None
+        tracker = WandbTracker(cfg.wandb, self.log_dir, self.resolved, self.wandb_id) if main else None
         if tracker is not None:
             self.wandb_id = tracker.run_id
-        metrics_file = open(self.out / "metrics.jsonl", "a") if main else None
+        if main:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        metrics_file = open(self.log_dir / "metrics.jsonl", "a") if main else None
         bar = None
         if main and cfg.progress and interactive():
             from tqdm import tqdm
@@ -401,7 +415,14 @@ class Trainer:
             ).start()
         try:
             while self.step < cfg.max_steps and self._stop_reason is None:
+                if self.ft is not None and self.ft.start_step():  # healed from a peer: its data position
+                    batches = self._batches()
+                    if bar is not None:
+                        bar.n = self.step
                 record = self._train_step(batches)
+                if not record.get("committed", True):  # nothing changed: the same samples again, next try
+                    batches = self._batches()
+                    continue
                 if rollback.handle_spike(self, record):  # rolled back to an earlier checkpoint: new data position
                     if main:
                         log_step(record, metrics_file, tracker, bar)
@@ -438,6 +459,8 @@ class Trainer:
             self._close_checkpoints()
             raise
         finally:
+            if self.ft is not None:
+                self.ft.shutdown()
             if self.watchdog is not None:
                 self.watchdog.close()
                 self.watchdog = None
@@ -472,7 +495,10 @@ class Trainer:
 
     def _may_save(self) -> bool:
         """No checkpoint while the run is in a non-finite streak: it would be offered to resume
-        from although its weights may be what makes the loss non-finite."""
+        from although its weights may be what makes the loss non-finite. Under fault tolerance one
+        participating group writes the run's checkpoints."""
+        if self.ft is not None and not self.ft.writes_checkpoints():
+            return False
         if self.skipped == 0:
             return True
         if self.dist.is_main:
@@ -539,12 +565,18 @@ class Trainer:
             ]
         )
         all_reduce(stats)
+        committed = True
+        if self.ft is not None:  # averaged over the replica groups of the quorum; the commit vote
+            stats, committed = self.ft.sync(self.model, stats)
         # one read of the device a step for all four (each .item() would wait for the device again)
         loss_sum_all, tokens_all, signals, flops_all = stats.tolist()
         # the tp ranks of a group agree; of a pipeline, only the last stage's ranks hold the loss
         loss_avg = loss_sum_all / (self.dist.world_size // self.dims.pp)
         if signals > 0 and self._stop_reason is None:
             self._stop_reason = f"signal {self._signal or 'on another rank'}"
+        if not committed:  # a step torchft did not commit changes nothing (it was counted)
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"step": self.step, "committed": False}
         self._beat("optimizer step")
         grad_norm = self._update(loss_avg)
         self.step += 1
@@ -556,6 +588,8 @@ class Trainer:
         self.tokens += global_tokens
         dt = time.perf_counter() - t0
         self._check_watchdog_margin(dt)
+        if self.ft is not None:
+            self.ft.note_committed_time(dt)
         return {
             "step": self.step,
             "loss": loss_avg,
@@ -570,6 +604,7 @@ class Trainer:
             **self.strategy.memory_report(self.optimizer),
             # routing of this rank's last micro-batch: balance / z-loss, max/mean tokens per expert, dropped share
             **(moe_stats(self.model) if self.model_cfg.moe.enabled else {}),
+            **(self.ft.record() if self.ft is not None else {}),
         }
 
     def _check_watchdog_margin(self, step_time: float) -> None:
