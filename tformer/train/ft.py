@@ -81,6 +81,7 @@ def check_fault_tolerance(cfg: Any, dims: Any, device: torch.device) -> None:
         )
     if ft.backend == "nccl" and device.type != "cuda":
         raise ConfigError("fault_tolerance.backend=nccl needs CUDA GPUs; use fault_tolerance.backend=gloo on CPU")
+    os.environ.setdefault("RUST_LOG", "warn")  # before torchft's Rust core starts its logger
     try:
         import torchft  # noqa: F401
     except ImportError:
