@@ -243,3 +243,35 @@ def test_unreachable_lighthouse_is_one_line_after_the_timeout(tmp_path, capsys):
     waited = time.monotonic() - t0
     assert f"http://127.0.0.1:{port} is unreachable after fault_tolerance.timeout_s=1.5 s" in line
     assert 1.5 <= waited < 30, waited
+
+
+# -- the launcher -----------------------------------------------------------------------------------
+
+
+def test_ft_launcher_refuses_missing_arguments_with_one_line():
+    p = subprocess.run([str(ROOT / "launch" / "ft.sh")], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip() == "usage: launch/ft.sh CONFIG.yaml [key=value ...]"
+    e = {**os.environ, "TORCHFT_LIGHTHOUSE_BIN": "/no/such/lighthouse"}
+    p = subprocess.run([str(ROOT / "launch" / "ft.sh"), "x.yaml"], capture_output=True, text=True, timeout=60, env=e)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "pip install 'tformer[ft]'" in p.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_ft_launcher_runs_the_lighthouse_and_two_groups(cache, ddp_run, tmp_path):
+    """launch/ft.sh end to end (about 60 s on the 2-core CPU: two torchrun jobs): the lighthouse it
+    starts, two groups that train together, and nothing left running afterwards."""
+    out, port = tmp_path / "run", free_port()
+    e = {**env(cache), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    e.update(REPLICAS="2", LIGHTHOUSE_PORT=str(port), JOIN_TIMEOUT_MS="1000", HEARTBEAT_TIMEOUT_MS="1000")
+    args = overrides(out, "max_steps=4", "log_every=1")
+    proc = start([ROOT / "launch" / "ft.sh", CONFIGS / "gpt2-tiny.yaml", *args], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = reap([proc], 240)[0][0]
+    assert proc.returncode == 0, log[-3000:]
+    for group in (0, 1):
+        got = rows(out / "replicas" / str(group) / "metrics.jsonl")
+        assert [r["step"] for r in got] == [1, 2, 3, 4] and got[-1]["quorum"] == "2/2", log[-3000:]
+    with pytest.raises(OSError):  # the lighthouse was stopped with the groups
+        import socket
+
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()

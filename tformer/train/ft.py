@@ -171,13 +171,14 @@ class FaultTolerance:
         self._healed = False
 
     def _store(self) -> tuple[str, int]:
-        """The group's TCPStore, where the Manager's ranks find each other: torchrun's (MASTER_ADDR /
-        MASTER_PORT), or for a one-rank group started without torchrun, one of our own."""
-        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        from torch.distributed import TCPStore
+        """The group's TCPStore, where the Manager's ranks find each other: the process group's
+        (torchrun's MASTER_ADDR / MASTER_PORT), or for a one-rank group, which starts no process
+        group (torchrun's own store may not be shared with the workers), one of our own."""
+        import torch.distributed as dist
 
-        self._own_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        if dist.is_initialized():
+            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self._own_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         return "127.0.0.1", self._own_store.port
 
     # -- the state a restarted group heals from ----------------------------------------------
