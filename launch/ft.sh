@@ -38,7 +38,8 @@ lighthouse_pid=
 if [ -z "${LIGHTHOUSE:-}" ]; then
     command -v "$BIN" >/dev/null 2>&1 \
         || { echo "launch/ft.sh: '$BIN' not found: pip install 'tformer[ft]' (torchft==0.2.0), or set LIGHTHOUSE to a running one" >&2; exit 2; }
-    "$BIN" --min_replicas "$MIN_REPLICAS" --bind "[::]:$LIGHTHOUSE_PORT" \
+    # its per-quorum INFO lines would drown the trainers' (RUST_LOG=info brings them back)
+    RUST_LOG=${RUST_LOG:-warn} "$BIN" --min_replicas "$MIN_REPLICAS" --bind "[::]:$LIGHTHOUSE_PORT" \
         --join_timeout_ms "${JOIN_TIMEOUT_MS:-10000}" --heartbeat_timeout_ms "${HEARTBEAT_TIMEOUT_MS:-5000}" &
     lighthouse_pid=$!
     LIGHTHOUSE="http://$(hostname):$LIGHTHOUSE_PORT"

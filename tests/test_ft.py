@@ -263,7 +263,7 @@ def test_ft_launcher_runs_the_lighthouse_and_two_groups(cache, ddp_run, tmp_path
     starts, two groups that train together, and nothing left running afterwards."""
     out, port = tmp_path / "run", free_port()
     e = {**env(cache), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    e.update(REPLICAS="2", LIGHTHOUSE_PORT=str(port), JOIN_TIMEOUT_MS="1000", HEARTBEAT_TIMEOUT_MS="1000")
+    e.update(REPLICAS="2", MIN_REPLICAS="2", LIGHTHOUSE_PORT=str(port), JOIN_TIMEOUT_MS="1000", HEARTBEAT_TIMEOUT_MS="1000")
     args = overrides(out, "max_steps=4", "log_every=1")
     proc = start([ROOT / "launch" / "ft.sh", CONFIGS / "gpt2-tiny.yaml", *args], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     log = reap([proc], 240)[0][0]
