@@ -60,7 +60,10 @@ def ft_overrides(out: Path, port: int, replica: int, *extra: str) -> list[str]:
 def worker(tag: str, args: list[str], cache: Path, log: Path, **environ: str) -> subprocess.Popen:
     e = {**env(cache), **environ}
     return start(
-        [sys.executable, WORKER, tag, CONFIGS / "gpt2-tiny.yaml", *args], env=e, stdout=open(log, "w"), stderr=subprocess.STDOUT
+        [sys.executable, WORKER, tag, CONFIGS / "gpt2-tiny.yaml", *args],
+        env=e,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
     )
 
 
@@ -95,9 +98,7 @@ def ddp_run(cache, tmp_path_factory):
     port = free_port()
     logs = [out / f"rank{r}.log" for r in range(2)]
     ranks = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TFORMER_DIST_TIMEOUT": "120"}
-    procs = [
-        worker("ddp", overrides(out), cache, logs[r], RANK=str(r), LOCAL_RANK=str(r), **ranks) for r in range(2)
-    ]
+    procs = [worker("ddp", overrides(out), cache, logs[r], RANK=str(r), LOCAL_RANK=str(r), **ranks) for r in range(2)]
     wait_all(procs, 300, logs)
     return out
 
@@ -211,7 +212,10 @@ def _refused(tmp_path, capsys, *extra: str) -> str:
 @pytest.mark.parametrize(
     "extra,match",
     [
-        (["fault_tolerance.replica_id=2", "fault_tolerance.replicas=2"], "replica_id=2 is outside fault_tolerance.replicas=2"),
+        (
+            ["fault_tolerance.replica_id=2", "fault_tolerance.replicas=2"],
+            "replica_id=2 is outside fault_tolerance.replicas=2",
+        ),
         (["fault_tolerance.min_replicas=3", "fault_tolerance.replicas=2"], "min_replicas=3 exceeds"),
         (["fault_tolerance.sync_every=10", "fault_tolerance.fragments=3"], "sync_every=10 is not a multiple of"),
         (["parallel.strategy=deepspeed", "fault_tolerance.lighthouse=http://x:1"], "parallel.strategy=deepspeed"),
@@ -265,7 +269,12 @@ def test_ft_launcher_runs_the_lighthouse_and_two_groups(cache, ddp_run, tmp_path
     e = {**env(cache), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     e.update(REPLICAS="2", MIN_REPLICAS="2", LIGHTHOUSE_PORT=str(port), JOIN_TIMEOUT_MS="1000", HEARTBEAT_TIMEOUT_MS="1000")
     args = overrides(out, "max_steps=4", "log_every=1")
-    proc = start([ROOT / "launch" / "ft.sh", CONFIGS / "gpt2-tiny.yaml", *args], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = start(
+        [ROOT / "launch" / "ft.sh", CONFIGS / "gpt2-tiny.yaml", *args],
+        env=e,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     log = reap([proc], 240)[0][0]
     assert proc.returncode == 0, log[-3000:]
     for group in (0, 1):

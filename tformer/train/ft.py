@@ -50,7 +50,7 @@ def lighthouse_address(ft_cfg: Any) -> str:
     return addr if "://" in addr else f"http://{addr}"
 
 
-def check_fault_tolerance(cfg: Any, dims: Any, device: torch.device) -> None:
+def check_fault_tolerance(cfg: Any, device: torch.device) -> None:
     """Refuse, before any work, what fault tolerance cannot run with (one line each)."""
     ft = cfg.fault_tolerance
     if not ft.enabled:
@@ -60,15 +60,16 @@ def check_fault_tolerance(cfg: Any, dims: Any, device: torch.device) -> None:
             "fault_tolerance.enabled=true does not compose with parallel.strategy=deepspeed (its engine owns the "
             "gradient reduction and the optimizer step); use parallel.strategy=ddp or fsdp"
         )
-    if dims.pp > 1:
+    p = cfg.parallel
+    if p.pp != 1:  # (pp >= 1)
         raise ConfigError(
-            f"fault_tolerance.enabled=true does not compose with parallel.pp={dims.pp} (torchft heals whole "
+            f"fault_tolerance.enabled=true does not compose with parallel.pp={p.pp} (torchft heals whole "
             "replicas, the pipeline's schedule steps the stages itself); use parallel.pp=1"
         )
-    if dims.dp_replicate > 1:
+    if p.dp_replicate != 1:  # (dp_replicate >= 1)
         raise ConfigError(
             f"fault_tolerance.enabled=true makes the replica dimension torchft's; set parallel.dp_replicate=1 "
-            f"(not {dims.dp_replicate}) and run fault_tolerance.replicas groups instead"
+            f"(not {p.dp_replicate}) and run fault_tolerance.replicas groups instead"
         )
     if cfg.on_spike == "rollback":
         raise ConfigError(
@@ -210,8 +211,9 @@ class FaultTolerance:
         try:
             self.manager.start_quorum()
         except Exception as e:  # noqa: BLE001 - torchft raises plain RuntimeErrors (timeouts, lost lighthouse)
+            where = lighthouse_address(self.trainer.cfg.fault_tolerance)
             raise RuntimeError(
-                f"replica group {self.replica_id}: no torchft quorum at {lighthouse_address(self.trainer.cfg.fault_tolerance)} "
+                f"replica group {self.replica_id}: no torchft quorum at {where} "
                 f"within fault_tolerance.quorum_timeout_s ({e.__class__.__name__}: {str(e).splitlines()[0][:200]})"
             ) from None
         self.participants = self.manager.num_participants()

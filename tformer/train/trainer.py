@@ -103,8 +103,7 @@ class Trainer:
         self.ckpt = self._checkpointer()
         self._resume()  # it restores the RNG streams, which nothing may draw from afterwards
         # after the resume: the Manager starts at the step this group stands at
-        if cfg.fault_tolerance.enabled:
-            self.ft = FaultTolerance(self)
+        self.ft: FaultTolerance | None = FaultTolerance(self) if cfg.fault_tolerance.enabled else None
 
     # -- setup -----------------------------------------------------------------------------
     def _check_inputs(self) -> None:
@@ -112,7 +111,7 @@ class Trainer:
         self.device = torch.device(device_type(self.cfg.device))
         self.precision = resolve_precision(self.cfg.precision, self.device)
         self.dims = check_support(self.cfg, self.precision, self.device)  # the mesh's sizes, checked
-        check_fault_tolerance(self.cfg, self.dims, self.device)  # torchft missing, layouts it cannot run
+        check_fault_tolerance(self.cfg, self.device)  # torchft missing, layouts it cannot run
         check_sources(self.cfg)  # a missing or empty data source: refused before the run directory exists
 
     def _start_processes(self) -> None:
@@ -195,7 +194,7 @@ class Trainer:
         self.spikes = SpikeDetector(self.cfg.spike_factor, self.cfg.spike_window, self.cfg.spike_warmup)
         self.rollbacks = 0  # loss-spike rollbacks done (on_spike=rollback)
         self.watchdog: Watchdog | None = None
-        self.ft: FaultTolerance | None = None  # torchft's Manager, set up last (fault_tolerance.enabled)
+        self.ft = None  # torchft's Manager (fault_tolerance.enabled), set up last
         self._watchdog_warned = False
         self.wandb_id: str | None = None
         self.resumed_from: Path | None = None
