@@ -195,6 +195,34 @@ def test_a_killed_group_rejoins_bitwise_equal_and_the_other_never_stops(cache, f
     assert abs(tail - free_tail) <= 0.05 * free_tail, (tail, free_tail)
 
 
+def test_diloco_every_20_steps_sends_a_twentieth_of_ddp_bytes(cache, ft_run, tmp_path):
+    """semi_sync=diloco, sync_every=20 on two groups: the bytes that cross between the groups (counted
+    at Manager.allreduce) are at most 1/20 of the per-step gradient average's, and the loss stays
+    near it at the same tokens."""
+    out, port = tmp_path / "run", free_port()
+    lh = lighthouse(port, 2)
+    try:
+        logs = [tmp_path / f"group{r}.log" for r in range(2)]
+        extra = ("fault_tolerance.semi_sync=diloco", "fault_tolerance.sync_every=20")
+        procs = [worker(f"g{r}", ft_overrides(out, port, r, *extra), cache, logs[r]) for r in range(2)]
+        wait_all(procs, 300, logs)
+    finally:
+        kill_group(lh)
+    ddp = rows(ft_run / "replicas" / "0" / "metrics.jsonl")
+    for group in (0, 1):
+        got = rows(out / "replicas" / str(group) / "metrics.jsonl")
+        assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+        assert got[-1]["ft_bytes"] > 0, "no synchronisation happened"
+        print(f"bytes across groups: diloco {got[-1]['ft_bytes']:,}, every-step average {ddp[-1]['ft_bytes']:,}")
+        assert got[-1]["ft_bytes"] <= ddp[-1]["ft_bytes"] / 20
+        tail, ddp_tail = (sum(r["loss"] for r in x[-10:]) / 10 for x in (got, ddp))
+        print(f"loss, mean of the last 10 steps: diloco {tail:.4f}, every-step average {ddp_tail:.4f}")
+        assert abs(tail - ddp_tail) <= 0.03 * ddp_tail
+    # both groups hold the same weights after the last synchronisation (step 40 = 2 x 20)
+    a, b = (torch.load(out / f"final_g{r}.pt", weights_only=True) for r in (0, 1))
+    assert all(torch.equal(w, b["model"][k]) for k, w in a["model"].items())
+
+
 # -- bad input: one line each, before any work ------------------------------------------------------
 
 

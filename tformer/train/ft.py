@@ -28,6 +28,7 @@ import os
 import socket
 import time
 from datetime import timedelta
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlparse
 
@@ -76,9 +77,10 @@ def check_fault_tolerance(cfg: Any, device: torch.device) -> None:
             "on_spike=rollback reloads a checkpoint from disk in one group only, which would leave the groups "
             "apart; use on_spike=warn or none with fault_tolerance.enabled=true"
         )
-    if ft.semi_sync != "none":
+    if ft.fragments != 1 and ft.semi_sync != "diloco":
         raise ConfigError(
-            f"fault_tolerance.semi_sync={ft.semi_sync} is not built yet in tformer; use fault_tolerance.semi_sync=none"
+            f"fault_tolerance.fragments={ft.fragments} streams DiLoCo's synchronisation; it needs "
+            f"fault_tolerance.semi_sync=diloco (not {ft.semi_sync}), or set fragments=1"
         )
     if ft.backend == "nccl" and device.type != "cuda":
         raise ConfigError("fault_tolerance.backend=nccl needs CUDA GPUs; use fault_tolerance.backend=gloo on CPU")
@@ -118,6 +120,33 @@ def grads_of(model: torch.nn.Module) -> list[torch.Tensor]:
         g = p.grad
         out.append(g.to_local() if hasattr(g, "to_local") else g)
     return out
+
+
+class _Fragment(torch.nn.Module):
+    """A slice of the model for streaming DiLoCo: some blocks, and (the first) the parameters
+    outside every block. It holds the model's own modules and parameters, not copies."""
+
+    def __init__(self, blocks: Sequence[torch.nn.Module], rest: Sequence[torch.nn.Parameter]):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.rest = torch.nn.ParameterList(rest)
+
+
+def model_fragments(model: torch.nn.Module, n: int) -> list[torch.nn.Module]:
+    """``n`` fragments of contiguous transformer blocks (the whole model when ``n`` is 1)."""
+    if n == 1:
+        return [model]
+    from ..nn import TransformerBlock
+
+    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    if len(blocks) < n:
+        raise ConfigError(
+            f"fault_tolerance.fragments={n} exceeds the model's {len(blocks)} blocks; use at most {len(blocks)}"
+        )
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    rest = [p for p in model.parameters() if id(p) not in inside]
+    cuts = [round(i * len(blocks) / n) for i in range(n + 1)]
+    return [_Fragment(blocks[cuts[i] : cuts[i + 1]], rest if i == 0 else []) for i in range(n)]
 
 
 class FaultTolerance:
@@ -161,8 +190,16 @@ class FaultTolerance:
             replica_id=f"tformer_replica_{cfg.replica_id}",  # torchft reads the trailing digits
             init_sync=False,  # every group starts from the same seed: the same weights
         )
-        # a group resumed from disk stands at the checkpoint's step
-        self.manager.load_state_dict({"step": trainer.step, "batches_committed": 0})
+        self.semi_sync = cfg.semi_sync
+        # a group resumed from disk stands at the checkpoint's step (the Manager counts commits:
+        # every step, or every synchronisation under local_sgd / diloco)
+        commits = trainer.step if cfg.semi_sync == "none" else trainer.step // cfg.sync_every
+        self.manager.load_state_dict({"step": commits, "batches_committed": 0})
+        self.bytes = 0  # bytes this rank put into cross-group all-reduces
+        self._count_bytes()
+        self.semi: Any = None
+        if cfg.semi_sync != "none":
+            self.semi = self._semi_sync(cfg, trainer).__enter__()  # hooks on the optimizer's step
         self.commits = self.uncommitted = self.failures = self.recoveries = 0
         self.recovery_s = 0.0
         self.samples_skipped = 0
@@ -170,6 +207,38 @@ class FaultTolerance:
         self.committed_s = 0.0
         self.start = time.perf_counter()
         self._healed = False
+
+    def _count_bytes(self) -> None:
+        """Every cross-group all-reduce (tformer's, LocalSGD's, DiLoCo's) goes through
+        ``Manager.allreduce``: count what it is given."""
+        allreduce = self.manager.allreduce
+
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.bytes += tensor.numel() * tensor.element_size()
+            return allreduce(tensor, *args, **kwargs)
+
+        self.manager.allreduce = counted  # type: ignore[method-assign]
+
+    def _semi_sync(self, cfg: Any, trainer: Any) -> Any:
+        """torchft's LocalSGD (parameters averaged every ``sync_every`` steps) or DiLoCo (an outer
+        Nesterov SGD on the averaged pseudo-gradient; with ``fragments`` > 1, streaming DiLoCo)."""
+        from torchft.local_sgd import DiLoCo, LocalSGD
+
+        if cfg.semi_sync == "local_sgd":
+            return LocalSGD(self.manager, trainer.model, trainer.optimizer, cfg.sync_every)
+        fragments = model_fragments(trainer.model, cfg.fragments)
+        outer = [
+            torch.optim.SGD(f.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True) for f in fragments
+        ]
+        return DiLoCo(
+            self.manager,
+            fragments,
+            trainer.optimizer,
+            outer,
+            cfg.sync_every,
+            backup_device=torch.device("cpu"),
+            pin_memory=False,
+        )
 
     def _store(self) -> tuple[str, int]:
         """The group's TCPStore, where the Manager's ranks find each other: the process group's
@@ -202,9 +271,19 @@ class FaultTolerance:
         self._healed = True
 
     # -- one step -----------------------------------------------------------------------------
+    def take_healed(self) -> bool:
+        """Under local_sgd / diloco the quorum (and a heal) comes inside the optimizer step of a
+        synchronisation: True once after a heal, so the caller redraws its batches."""
+        healed, self._healed = self._healed, False
+        if healed:
+            self.recoveries += 1
+        return healed
+
     def start_step(self) -> bool:
         """The step's quorum (healing this group first when it is behind). True when a heal replaced
         the trainer's state: the caller redraws its batches from the new data position."""
+        if self.semi is not None:  # their quorum comes at a synchronisation
+            return False
         t0 = time.perf_counter()
         self._healed = False
         before = self.participants
@@ -229,7 +308,8 @@ class FaultTolerance:
                     self.trainer.step,
                     time.perf_counter() - t0,
                 )
-        return self._healed
+        healed, self._healed = self._healed, False
+        return healed
 
     def sync(self, model: torch.nn.Module, stats: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The gradients and the step's statistics averaged over the participating groups (one
@@ -237,6 +317,10 @@ class FaultTolerance:
         groups (the loss, averaged: the caller divides by the ranks of one group) and the verdict."""
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+        if self.semi is not None:  # each group steps on its own; LocalSGD / DiLoCo synchronise
+            self.participants = self.manager.num_participants()
+            self.commits += 1
+            return stats, True
         grads = grads_of(model)
         flat = _flatten_dense_tensors([*grads, stats.to(grads[0].dtype if grads else stats.dtype)])
         self.manager.allreduce(flat).wait()
@@ -275,7 +359,10 @@ class FaultTolerance:
             "ft_recovery_s": self.recovery_s,
             "ft_samples_skipped": self.samples_skipped,
             "goodput": self.committed_s / wall if wall > 0 else 0.0,
+            "ft_bytes": self.bytes,
         }
 
     def shutdown(self) -> None:
+        if self.semi is not None:
+            self.semi.__exit__(None, None, None)
         self.manager.shutdown(wait=False)

@@ -422,6 +422,8 @@ class Trainer:
                 if not record.get("committed", True):  # nothing changed: the same samples again, next try
                     batches = self._batches()
                     continue
+                if self.ft is not None and self.ft.take_healed():  # local_sgd / diloco: healed at a sync
+                    batches = self._batches()
                 if rollback.handle_spike(self, record):  # rolled back to an earlier checkpoint: new data position
                     if main:
                         log_step(record, metrics_file, tracker, bar)
