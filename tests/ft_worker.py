@@ -1,7 +1,9 @@
 """One replica group (or one rank of a plain DDP run) for tests/test_ft.py: trains through the
 Trainer with the overrides given, then saves this rank's final model and optimizer state
 (``OUT/final_<tag>.pt``) so the test can compare groups bitwise. ``FT_TEST_PACE`` (seconds)
-paces every step, leaving a test time to kill and restart a group mid-run."""
+paces every step, leaving a test time to kill a group mid-run; while the file ``FT_TEST_SLOW``
+names exists, each step takes a second more: a restarted group has time to start (a loaded CPU
+takes 10-30 s) while the live group goes on committing alone."""
 
 from __future__ import annotations
 
@@ -20,8 +22,12 @@ def main() -> int:
     tag, config, *overrides = sys.argv[1:]
     torch.set_num_threads(1)
     cfg = load_config(config, overrides)
-    pace = float(os.environ.get("FT_TEST_PACE", "0"))
-    trainer = Trainer(cfg, callbacks=[lambda t, r: time.sleep(pace)] if pace else [])
+    pace, slow = float(os.environ.get("FT_TEST_PACE", "0")), os.environ.get("FT_TEST_SLOW")
+
+    def paced(trainer, record):
+        time.sleep(pace + (1.0 if slow and os.path.exists(slow) else 0.0))
+
+    trainer = Trainer(cfg, callbacks=[paced])
     trainer.fit()
     state = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(), "step": trainer.step}
     if trainer.dist.is_main:
