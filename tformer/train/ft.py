@@ -207,6 +207,7 @@ class FaultTolerance:
         self.committed_s = 0.0
         self.start = time.perf_counter()
         self._healed = False
+        self.quorum_s = 0.0  # the last step's quorum (and heal): part of its step time
 
     def _count_bytes(self) -> None:
         """Every cross-group all-reduce (tformer's, LocalSGD's, DiLoCo's) goes through
@@ -285,6 +286,7 @@ class FaultTolerance:
         if self.semi is not None:  # their quorum comes at a synchronisation
             return False
         t0 = time.perf_counter()
+        self.quorum_s = 0.0
         self._healed = False
         before = self.participants
         try:
@@ -308,6 +310,7 @@ class FaultTolerance:
                     self.trainer.step,
                     time.perf_counter() - t0,
                 )
+        self.quorum_s = time.perf_counter() - t0
         healed, self._healed = self._healed, False
         return healed
 

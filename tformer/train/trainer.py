@@ -588,9 +588,10 @@ class Trainer:
         global_tokens = int(tokens_all) // group  # each counted its group's batch
         self.tokens += global_tokens
         dt = time.perf_counter() - t0
-        self._check_watchdog_margin(dt)
-        if self.ft is not None:
+        if self.ft is not None:  # the step began with its quorum, before the first batch
+            dt += self.ft.quorum_s
             self.ft.note_committed_time(dt)
+        self._check_watchdog_margin(dt)
         return {
             "step": self.step,
             "loss": loss_avg,
