@@ -73,12 +73,13 @@ def run(procs: list[subprocess.Popen], timeout: float) -> None:
                 p.wait()
 
 
-def step_time(metrics: Path, warmup: int) -> float:
+def step_time(metrics: Path, warmup: int) -> tuple[float, list[float]]:
+    """The median step time after ``warmup``, and every step's loss (to check like with like)."""
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return statistics.median(r["step_time"] for r in rows if r["step"] > warmup)
+    return statistics.median(r["step_time"] for r in rows if r["step"] > warmup), [r["loss"] for r in rows]
 
 
-def ddp(cache: Path, out: Path, steps: int, warmup: int) -> float:
+def ddp(cache: Path, out: Path, steps: int, warmup: int) -> tuple[float, list[float]]:
     port = free_port()
     procs = []
     for rank in range(2):
@@ -90,7 +91,7 @@ def ddp(cache: Path, out: Path, steps: int, warmup: int) -> float:
     return step_time(out / "metrics.jsonl", warmup)
 
 
-def ft(cache: Path, out: Path, steps: int, warmup: int) -> float:
+def ft(cache: Path, out: Path, steps: int, warmup: int) -> tuple[float, list[float]]:
     port = free_port()
     lh = subprocess.Popen(
         [LIGHTHOUSE, "--min_replicas", "2", "--bind", f"[::]:{port}", "--join_timeout_ms", "5000"],
@@ -120,16 +121,22 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"
         ddp(cache, Path(tmp) / "warm", 2, 0)  # tokenizer and token caches, not timed
-        plain, tolerant = [], []
+        plain, tolerant, same = [], [], True
         for r in range(args.rounds):
-            plain.append(ddp(cache, Path(tmp) / f"ddp{r}", args.steps, args.warmup))
-            tolerant.append(ft(cache, Path(tmp) / f"ft{r}", args.steps, args.warmup))
-            print(f"round {r + 1}: DDP {1000 * plain[-1]:.1f} ms/step, FT {1000 * tolerant[-1]:.1f} ms/step", flush=True)
+            (t_ddp, l_ddp), (t_ft, l_ft) = (
+                ddp(cache, Path(tmp) / f"ddp{r}", args.steps, args.warmup),
+                ft(cache, Path(tmp) / f"ft{r}", args.steps, args.warmup),
+            )
+            plain.append(t_ddp)
+            tolerant.append(t_ft)
+            # like with like: the two train the same steps to the same losses (tests/test_ft.py: 1e-6)
+            same = same and len(l_ddp) == len(l_ft) == args.steps and max(abs(a - b) for a, b in zip(l_ddp, l_ft)) < 1e-5
+            print(f"round {r + 1}: DDP {1000 * t_ddp:.1f} ms/step, FT {1000 * t_ft:.1f} ms/step", flush=True)
     ratio = statistics.median(tolerant) / statistics.median(plain)
-    verdict = "PASS" if ratio <= TARGET else "MISS"
+    verdict = ("PASS" if ratio <= TARGET else "MISS") if same else "FAIL"
     print(
         f"{verdict} fault tolerance, failure-free, gpt2-tiny, 2 groups x 1 rank: step time {ratio:.3f}x plain DDP "
-        f"over 2 ranks (target <= {TARGET:.2f}x)"
+        f"over 2 ranks (target <= {TARGET:.2f}x)" + ("" if same else "; the two runs' losses differ: not like with like")
     )
     return 0 if verdict == "PASS" else 1
 
