@@ -217,19 +217,20 @@ def test_diloco_every_20_steps_sends_a_twentieth_of_ddp_bytes(cache, ft_run, tmp
     finally:
         kill_group(lh)
     ddp = rows(ft_run / "replicas" / "0" / "metrics.jsonl")
+    tails = []
     for group in (0, 1):
         got = rows(out / "replicas" / str(group) / "metrics.jsonl")
         assert [r["step"] for r in got] == list(range(1, STEPS + 1))
         assert got[-1]["ft_bytes"] > 0, "no synchronisation happened"
         print(f"bytes across groups: diloco {got[-1]['ft_bytes']:,}, every-step average {ddp[-1]['ft_bytes']:,}")
         assert got[-1]["ft_bytes"] <= ddp[-1]["ft_bytes"] / 20
-        tail, ddp_tail = (sum(r["loss"] for r in x[-10:]) / 10 for x in (got, ddp))
-        print(f"loss, mean of the last 10 steps: diloco {tail:.4f}, every-step average {ddp_tail:.4f}")
-        # Two outer steps in 40 (the paper's outer lr 0.7, Nesterov momentum 0.9) leave DiLoCo behind
-        # the every-step average at this length: measured 5.3% above it. The 3% at equal
-        # tokens is for runs of many synchronisations; this bound catches a DiLoCo that does not
-        # learn or whose outer step diverges.
-        assert ddp_tail <= tail <= 1.08 * ddp_tail
+        tails.append(sum(r["loss"] for r in got[-10:]) / 10)
+    # Between synchronisations each group logs the loss of its own half of the global batch; their
+    # mean is the loss of the same tokens the every-step average trained on. Mean of the last 10
+    # steps (one batch's loss swings by 4% here): measured 6.316 against 6.155 (+2.6%), deterministic.
+    tail, ddp_tail = sum(tails) / 2, sum(r["loss"] for r in ddp[-10:]) / 10
+    print(f"loss, mean of the last 10 steps: diloco {tail:.4f}, every-step average {ddp_tail:.4f}")
+    assert abs(tail - ddp_tail) <= 0.03 * ddp_tail
     # both groups hold the same weights after the last synchronisation (step 40 = 2 x 20)
     a, b = (torch.load(out / f"final_g{r}.pt", weights_only=True) for r in (0, 1))
     assert all(torch.equal(w, b["model"][k]) for k, w in a["model"].items())
