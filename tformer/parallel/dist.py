@@ -21,15 +21,29 @@ class DistInfo:
     device: torch.device = torch.device("cpu")
     dims: Any = None  # tformer.parallel.mesh.ParallelDims (None: one process, no mesh)
     mesh: Any = None  # its DeviceMesh, once a process group exists
+    # fault tolerance (tformer/train/ft.py): this process group is replica group ``replica`` of
+    # ``replicas``, each a job of its own; the training data is split over all of them
+    replica: int = 0
+    replicas: int = 1
 
     @property
-    def dp_rank(self) -> int:
-        """Which data this rank sees: the ``tp`` ranks of one group see the same batches."""
+    def group_dp_rank(self) -> int:
+        """This rank's data-parallel index inside its process group: the ``tp`` ranks of one
+        group see the same batches."""
         return self.rank if self.dims is None else self.dims.dp_rank(self.rank)
 
     @property
-    def dp_size(self) -> int:
+    def group_dp_size(self) -> int:
         return self.world_size if self.dims is None else self.dims.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """Which training data this rank sees, counted over every replica group."""
+        return self.replica * self.group_dp_size + self.group_dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.replicas * self.group_dp_size
 
     @property
     def tp_size(self) -> int:

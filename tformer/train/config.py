@@ -55,12 +55,15 @@ NonFinite = Literal["skip", "stop"]
 Device = Literal["auto", "cpu", "cuda"]
 SpikeAction = Literal["none", "warn", "rollback"]
 ResumeChanges = Literal["refuse", "allow"]
+SemiSync = Literal["none", "local_sgd", "diloco"]
+FTBackend = Literal["gloo", "nccl"]
 
 SCHEDULES: tuple[Schedule, ...] = get_args(Schedule)
 NONFINITE: tuple[NonFinite, ...] = get_args(NonFinite)
 DEVICES: tuple[Device, ...] = get_args(Device)
 SPIKE_ACTIONS: tuple[SpikeAction, ...] = get_args(SpikeAction)
 RESUME_CHANGES: tuple[ResumeChanges, ...] = get_args(ResumeChanges)
+SEMI_SYNC: tuple[SemiSync, ...] = get_args(SemiSync)
 DOC_MASK_IMPLS: tuple[AttnImpl, ...] = ("sdpa", "math")  # attention implementations that take a document mask
 
 
@@ -157,6 +160,55 @@ class TensorboardConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """torchft replica groups (tformer/train/ft.py, docs/fault-tolerance.md): each group is one
+    torchrun job; the groups meet in a quorum every step at the lighthouse, and a step is committed
+    only when the quorum says so. Read only when enabled."""
+
+    enabled: bool = False  # the data-parallel replica dimension across torchft replica groups
+    replica_id: int = ranged(0, "[0, inf)")  # this group's index, 0 .. replicas-1 (the launcher sets it)
+    replicas: int = ranged(2, "[1, inf)")  # replica groups configured (the data is split over all of them)
+    min_replicas: int = ranged(1, "[1, inf)")  # groups a step needs to commit (the lighthouse's --min_replicas)
+    # the lighthouse's address (http://HOST:PORT); null: the TORCHFT_LIGHTHOUSE environment variable
+    lighthouse: str | None = None
+    # seconds for a cross-group collective, a commit vote, a recovery transfer, and to reach the
+    # lighthouse at start
+    timeout_s: float = ranged(60.0, "(0, inf)")
+    # seconds a group waits at the lighthouse for a quorum (a restarted peer joining, min_replicas)
+    quorum_timeout_s: float = ranged(120.0, "(0, inf)")
+    # none: gradients averaged every step | local_sgd | diloco (synchronise every sync_every steps)
+    semi_sync: SemiSync = "none"
+    sync_every: int = ranged(20, "[1, inf)")  # local_sgd / diloco: inner steps between synchronisations
+    fragments: int = ranged(1, "[1, inf)")  # diloco: model fragments synchronised in turn (streaming DiLoCo)
+    outer_lr: float = ranged(0.7, "(0, inf)")  # diloco: the outer Nesterov SGD's learning rate
+    outer_momentum: float = ranged(0.9, "[0, 1)")  # diloco: the outer SGD's momentum
+    # the process group between the groups: gloo (CPU, or GPUs whose NCCL cannot be re-initialised
+    # cheaply after a failure) or nccl
+    backend: FTBackend = "gloo"
+
+    def check(self) -> None:
+        """The section's rules between its own keys (the rest need the device and layout: checks.py)."""
+        if not self.enabled:
+            return
+        if self.replica_id >= self.replicas:
+            raise ConfigError(
+                f"fault_tolerance.replica_id={self.replica_id} is outside fault_tolerance.replicas={self.replicas}; "
+                f"use a replica id in 0..{self.replicas - 1}"
+            )
+        if self.min_replicas > self.replicas:
+            raise ConfigError(
+                f"fault_tolerance.min_replicas={self.min_replicas} exceeds fault_tolerance.replicas={self.replicas}; "
+                "no step could ever commit: lower min_replicas"
+            )
+        if self.sync_every % self.fragments:
+            raise ConfigError(
+                f"fault_tolerance.sync_every={self.sync_every} is not a multiple of fault_tolerance.fragments="
+                f"{self.fragments} (each fragment is synchronised every sync_every / fragments steps); "
+                "make sync_every a multiple of fragments"
+            )
+
+
+@dataclass
 class TrainConfig:
     # Written as a preset plus field overrides (``model: {preset: gpt2-tiny, d_model: 64}``,
     # ``model.d_model=64``), resolved into the ModelConfig when the config is read. ``to_dict``
@@ -172,6 +224,7 @@ class TrainConfig:
     tensorboard: TensorboardConfig = field(default_factory=TensorboardConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     output_dir: str = "runs/default"  # the run directory: config.yaml, metrics.jsonl, tokenizer, checkpoints/
     seed: int = ranged(0, "[0, inf)")  # seeds initialisation, data order, dropout
     micro_batch_size: int = ranged(8, "[1, inf)")  # samples per rank and forward pass
@@ -226,6 +279,7 @@ class TrainConfig:
         self.parallel.check()
         self.loss.check()
         self.profile.check(self.max_steps)
+        self.fault_tolerance.check()
         self._check_compile()
         self._check_batching()
         check_mixture(self)
@@ -331,6 +385,7 @@ RESUME_FREE = (
     "save_every",
     "keep_checkpoints",
     "checkpoint",
+    "fault_tolerance",  # on or off at resume: a run may switch it (the trainer says so in one line)
     "wandb",
     "tensorboard",
     "profile",

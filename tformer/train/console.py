@@ -111,6 +111,8 @@ def log_step(record: dict, metrics_file, tracker, bar) -> None:
         f"grad {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
         f"MFU {100 * record['mfu']:.1f}%"
     )
+    if "quorum" in record:  # fault tolerance: the replica groups in this step's quorum / configured
+        text += f" | quorum {record['quorum']}"
     if "val_loss" in record:
         text += f" | val {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})"
     if "slow_rank" in record:

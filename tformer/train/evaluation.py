@@ -76,12 +76,12 @@ def eval_sums(trainer: Evaluated, ds) -> torch.Tensor:
     t, cfg = trainer, trainer.cfg
     # Every rank evaluates the same number of samples: sharded forwards (FSDP2, ZeRO-3) are
     # collective, so a rank with one batch fewer would leave the others waiting.
-    world = t.dist.dp_size  # the tp ranks of a group evaluate the same samples
+    world = t.dist.group_dp_size  # the tp ranks of a group evaluate the same samples
     if t.dims.pp > 1:
         return eval_sums_pipelined(t, ds)
     n = min(len(ds), max(cfg.eval_batches * cfg.micro_batch_size, world))
     n -= n % world
-    keys = list(range(t.dist.dp_rank, n, world))
+    keys = list(range(t.dist.group_dp_rank, n, world))
     total = torch.zeros(3, dtype=torch.float64, device=t.device)  # loss sum, tokens, correct
     for i in range(0, len(keys), cfg.micro_batch_size):
         batch = t.data.collator([ds[k] for k in keys[i : i + cfg.micro_batch_size]])
@@ -102,10 +102,10 @@ def eval_sums_pipelined(trainer: Evaluated, ds) -> torch.Tensor:
     ``grad_accum`` micro-batches per data-parallel rank; each micro-batch's loss is weighted by
     its labelled tokens, as the unsplit evaluation weights its batches (no logits: no accuracy)."""
     t, cfg = trainer, trainer.cfg
-    world, chunk = t.dist.dp_size, cfg.micro_batch_size * cfg.grad_accum
+    world, chunk = t.dist.group_dp_size, cfg.micro_batch_size * cfg.grad_accum
     n = min(len(ds), max(cfg.eval_batches * cfg.micro_batch_size, world * chunk))
     n -= n % (world * chunk)
-    keys = list(range(t.dist.dp_rank, n, world))
+    keys = list(range(t.dist.group_dp_rank, n, world))
     total = torch.zeros(3, dtype=torch.float64, device=t.device)
     for i in range(0, len(keys), chunk):
         batch = t.data.collator([ds[k] for k in keys[i : i + chunk]])

@@ -39,6 +39,7 @@ from .config import TrainConfig
 from .console import METRICS, log_step, start_summary, trim_metrics
 from .data import build_data, check_sources, copy_tokenizer, train_batches
 from .dist import all_reduce, barrier, device_type, init_distributed
+from .ft import FaultTolerance, check_fault_tolerance, lighthouse_address, wait_for_lighthouse
 from .head import loss_chunk_size
 from .metrics import peak_flops
 from .optim import build_optimizer, build_scheduler
@@ -102,7 +103,9 @@ class Trainer:
         self.resolved = {**cfg.to_dict(), "model": self.model_cfg.to_dict()}
         self.peak, self.peak_source = peak_flops(self.device, DTYPES[self.precision])
         self.ckpt = self._checkpointer()
-        self._resume()  # last: it restores the RNG streams, which nothing may draw from afterwards
+        self._resume()  # it restores the RNG streams, which nothing may draw from afterwards
+        # after the resume: the Manager starts at the step this group stands at
+        self.ft: FaultTolerance | None = FaultTolerance(self) if cfg.fault_tolerance.enabled else None
 
     # -- setup -----------------------------------------------------------------------------
     def _check_inputs(self) -> None:
@@ -111,6 +114,7 @@ class Trainer:
         self.precision = resolve_precision(self.cfg.precision, self.device)
         self.dims = check_support(self.cfg, self.precision, self.device)  # the mesh's sizes, checked
         check_ranks(self.cfg.profile, self.dims.world_size)
+        check_fault_tolerance(self.cfg, self.device)  # torchft missing, layouts it cannot run
         check_sources(self.cfg)  # a missing or empty data source: refused before the run directory exists
 
     def _start_processes(self) -> None:
@@ -128,11 +132,17 @@ class Trainer:
         )
         self.device = self.dist.device
         self.dist.dims = self.dims
+        ft = cfg.fault_tolerance
+        if ft.enabled:  # the data is split over every replica group; the lighthouse must answer
+            self.dist.replica, self.dist.replicas = ft.replica_id, ft.replicas
+            wait_for_lighthouse(lighthouse_address(ft), ft.timeout_s)
         if torch.distributed.is_initialized():
             self.dist.mesh = self.dims.build_mesh(self.device.type)
         self._warn_slow_precision()
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
+        # each replica group logs on its own (metrics.jsonl, W&B); the checkpoints are the run's
+        self.log_dir = self.out / "replicas" / str(ft.replica_id) if ft.enabled else self.out
         if self.dist.is_main:
             self.ckpt_root.mkdir(parents=True, exist_ok=True)
         barrier()
@@ -195,6 +205,7 @@ class Trainer:
         self.watchdog: Watchdog | None = None
         self.prof = OFF  # fit() sets the run's profiler (tformer/train/profiling.py)
         self.times = StepTimes()  # this rank's data wait and step time, gathered at logging steps
+        self.ft = None  # torchft's Manager (fault_tolerance.enabled), set up last
         self._watchdog_warned = False
         self.wandb_id: str | None = None
         self.resumed_from: Path | None = None
@@ -228,7 +239,8 @@ class Trainer:
         self._unlogged: dict | None = None
         if path is not None and path.is_dir():
             state, saved = manager.read(path), resuming.saved_config(path)
-            self._unlogged = resuming.unlogged_record(state, path, Path(cfg.output_dir))
+            if not cfg.fault_tolerance.enabled:  # under torchft each group logs apart (replicas/<id>/)
+                self._unlogged = resuming.unlogged_record(state, path, Path(cfg.output_dir))
             if self._unlogged is None:  # a record still to log (and evaluate) is work left
                 resuming.check_not_complete(cfg, path, state)
             self._resume_peek = (path, state, saved)
@@ -395,12 +407,14 @@ class Trainer:
             print(start_summary(self), flush=True)  # the whole resolved config is config.yaml
         quiet_repeats()  # torch and DeepSpeed have set up their loggers by now
         previous = self._install_signals()
-        tracker = Trackers(cfg, self.out, self.resolved, self.wandb_id, self.step) if main else None
+        if main:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            if self.resumed_from is not None:  # the steps after the checkpoint are logged again, once
+                trim_metrics(self.log_dir, self.step)
+        tracker = Trackers(cfg, self.log_dir, self.resolved, self.wandb_id, self.step) if main else None
         if tracker is not None:
             self.wandb_id = tracker.run_id
-        if main and self.resumed_from is not None:
-            trim_metrics(self.out, self.step)  # the steps after the checkpoint are logged again, once
-        metrics_file = open(self.out / METRICS, "a") if main else None
+        metrics_file = open(self.log_dir / METRICS, "a") if main else None
         bar = None
         if main and cfg.progress and interactive():
             from tqdm import tqdm
@@ -409,7 +423,7 @@ class Trainer:
                 total=cfg.max_steps, initial=self.step, unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=1.0
             )
         start = time.perf_counter()
-        last = {}
+        last: dict = {}
         saved_step = self.step if self.resumed_from is not None else -1
         batches = self._batches()
         if cfg.watchdog_timeout is not None:
@@ -420,9 +434,18 @@ class Trainer:
         try:
             last = self._finish_pending(metrics_file, tracker, bar) or last
             while self.step < cfg.max_steps and self._stop_reason is None:
+                if self.ft is not None and self.ft.start_step():  # healed from a peer: its data position
+                    batches = self._batches()
+                    if bar is not None:
+                        bar.n = self.step
                 self.prof.before_step(self.step + 1)
                 record = self._train_step(batches)
+                if not record.get("committed", True):  # nothing changed: the same samples again, next try
+                    batches = self._batches()
+                    continue
                 self.prof.after_step(self.step, record["step_time"])
+                if self.ft is not None and self.ft.take_healed():  # local_sgd / diloco: healed at a sync
+                    batches = self._batches()
                 if rollback.handle_spike(self, record):  # rolled back to an earlier checkpoint: new data position
                     if main:
                         log_step(record, metrics_file, tracker, bar)
@@ -470,6 +493,8 @@ class Trainer:
         finally:
             self.prof.close()
             self.prof = OFF
+            if self.ft is not None:
+                self.ft.shutdown()
             if self.watchdog is not None:
                 self.watchdog.close()
                 self.watchdog = None
@@ -522,7 +547,10 @@ class Trainer:
 
     def _may_save(self) -> bool:
         """No checkpoint while the run is in a non-finite streak: it would be offered to resume
-        from although its weights may be what makes the loss non-finite."""
+        from although its weights may be what makes the loss non-finite. Under fault tolerance one
+        participating group writes the run's checkpoints."""
+        if self.ft is not None and not self.ft.writes_checkpoints():
+            return False
         if self.skipped == 0:
             return True
         if self.dist.is_main:
@@ -592,6 +620,9 @@ class Trainer:
         )
         with self.times.closing_sync():  # what this rank waits here is the others' time, not its own
             all_reduce(stats)
+        committed = True
+        if self.ft is not None:  # gradients and statistics averaged over the quorum's groups; the commit vote
+            stats, committed = self.ft.sync(self.model, stats)
         self._beat("optimizer step")
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         clip_first = getattr(self.strategy, "clip_for_step", None)  # DeepSpeed's engine steps in one call
@@ -618,6 +649,9 @@ class Trainer:
         loss_avg = loss_sum_all / (self.dist.world_size // self.dims.pp)
         if signals > 0 and self._stop_reason is None:
             self._stop_reason = f"signal {self._signal or 'on another rank'}"
+        if not committed:  # a step torchft did not commit changes nothing (it was counted)
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"step": self.step, "committed": False}
         with self.prof.range("optimizer"):
             grad_norm = self._update(loss_avg, norm_read[0] if two_halves else None)
         self.step += 1
@@ -628,6 +662,9 @@ class Trainer:
         global_tokens = int(tokens_all) // group  # each counted its group's batch
         self.tokens += global_tokens
         dt = time.perf_counter() - t0
+        if self.ft is not None:  # the step began with its quorum, before the first batch
+            dt += self.ft.quorum_s
+            self.ft.note_committed_time(dt)
         self.times.step_done(dt)
         self._check_watchdog_margin(dt)
         window = self._window
@@ -653,6 +690,7 @@ class Trainer:
             # routing of this rank's last micro-batch: balance / z-loss, max/mean tokens per expert, dropped share
             # (read at a logging step only: each figure is a read of the device)
             **moe,
+            **(self.ft.record() if self.ft is not None else {}),
         }
 
     def logs_at(self, step: int) -> bool:

@@ -1,0 +1,40 @@
+"""One replica group (or one rank of a plain DDP run) for tests/test_ft.py: trains through the
+Trainer with the overrides given, then saves this rank's final model and optimizer state
+(``OUT/final_<tag>.pt``) so the test can compare groups bitwise. ``FT_TEST_PACE`` (seconds)
+paces every step, leaving a test time to kill a group mid-run; while the file ``FT_TEST_SLOW``
+names exists, each step takes a second more: a restarted group has time to start (a loaded CPU
+takes 10-30 s) while the live group goes on committing alone."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+
+def main() -> int:
+    from tformer.parallel.dist import shutdown
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+
+    tag, config, *overrides = sys.argv[1:]
+    torch.set_num_threads(1)
+    cfg = load_config(config, overrides)
+    pace, slow = float(os.environ.get("FT_TEST_PACE", "0")), os.environ.get("FT_TEST_SLOW")
+
+    def paced(trainer, record):
+        time.sleep(pace + (1.0 if slow and os.path.exists(slow) else 0.0))
+
+    trainer = Trainer(cfg, callbacks=[paced])
+    trainer.fit()
+    state = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(), "step": trainer.step}
+    if trainer.dist.is_main:
+        torch.save(state, os.path.join(cfg.output_dir, f"final_{tag}.pt"))
+    shutdown(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

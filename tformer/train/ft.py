@@ -1,0 +1,371 @@
+"""Fault tolerance across replica groups with torchft (``fault_tolerance`` in the run config;
+docs/fault-tolerance.md).
+
+Each replica group is one torchrun job with its own process group (DDP, or FSDP2 / TP / CP inside
+it, as ``parallel.*`` says). Between the groups the gradients go through torchft's ``Manager``: every
+step starts with a quorum at the lighthouse (which groups are alive), the gradients of the group are
+averaged over the participating groups with ``Manager.allreduce`` (on the local shards: every group
+has the same layout, so shard i of one group meets shard i of the others, which is what FSDP2's
+all-reduce hook does in torchtitan), and the optimizer steps only when ``Manager.should_commit``
+says every participant got there without an error. A step that is not committed changes nothing:
+the gradients are dropped and the trainer redraws the same samples for the next try.
+
+A group that (re)starts behind the others is healed from a live peer by torchft's checkpoint
+transport (HTTP): weights, optimizer moments, LR schedule, step, data position. The quorum is
+taken synchronously (``use_async_quorum=False``), so the heal lands before the step's forward and
+the healed group trains on the step's own samples.
+
+The data-parallel rank and size span every group (``DistInfo.replica``): the sampler hands sample
+``g`` of a step to global data-parallel rank ``g mod (replicas x group ranks)``. When a group is
+missing from a quorum its share of that step is skipped (not redistributed, never repeated) and
+counted in ``ft_samples_skipped``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+from ..config import ConfigError
+
+log = logging.getLogger("tformer.train")
+
+INSTALL = "pip install 'tformer[ft]' (torchft==0.2.0)"
+
+
+def lighthouse_address(ft_cfg: Any) -> str:
+    addr = ft_cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+    if not addr:
+        raise ConfigError(
+            "fault_tolerance.enabled=true needs the lighthouse's address: set fault_tolerance.lighthouse="
+            "http://HOST:PORT or TORCHFT_LIGHTHOUSE (start it with torchft_lighthouse --min_replicas N)"
+        )
+    return addr if "://" in addr else f"http://{addr}"
+
+
+def check_fault_tolerance(cfg: Any, device: torch.device) -> None:
+    """Refuse, before any work, what fault tolerance cannot run with (one line each)."""
+    ft = cfg.fault_tolerance
+    if not ft.enabled:
+        return
+    if cfg.parallel.strategy == "deepspeed":
+        raise ConfigError(
+            "fault_tolerance.enabled=true does not compose with parallel.strategy=deepspeed (its engine owns the "
+            "gradient reduction and the optimizer step); use parallel.strategy=ddp or fsdp"
+        )
+    p = cfg.parallel
+    if p.pp != 1:  # (pp >= 1)
+        raise ConfigError(
+            f"fault_tolerance.enabled=true does not compose with parallel.pp={p.pp} (torchft heals whole "
+            "replicas, the pipeline's schedule steps the stages itself); use parallel.pp=1"
+        )
+    if p.dp_replicate != 1:  # (dp_replicate >= 1)
+        raise ConfigError(
+            f"fault_tolerance.enabled=true makes the replica dimension torchft's; set parallel.dp_replicate=1 "
+            f"(not {p.dp_replicate}) and run fault_tolerance.replicas groups instead"
+        )
+    if cfg.on_spike == "rollback":
+        raise ConfigError(
+            "on_spike=rollback reloads a checkpoint from disk in one group only, which would leave the groups "
+            "apart; use on_spike=warn or none with fault_tolerance.enabled=true"
+        )
+    if ft.fragments != 1 and ft.semi_sync != "diloco":
+        raise ConfigError(
+            f"fault_tolerance.fragments={ft.fragments} streams DiLoCo's synchronisation; it needs "
+            f"fault_tolerance.semi_sync=diloco (not {ft.semi_sync}), or set fragments=1"
+        )
+    if ft.backend == "nccl" and device.type != "cuda":
+        raise ConfigError("fault_tolerance.backend=nccl needs CUDA GPUs; use fault_tolerance.backend=gloo on CPU")
+    os.environ.setdefault("RUST_LOG", "warn")  # before torchft's Rust core starts its logger
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"fault_tolerance.enabled=true needs torchft, which is not installed: {INSTALL}") from None
+    lighthouse_address(ft)
+
+
+def wait_for_lighthouse(addr: str, timeout_s: float) -> None:
+    """Connect to the lighthouse within ``timeout_s`` (it may still be starting), else one line."""
+    url = urlparse(addr)
+    host, port = url.hostname or "localhost", url.port or 29510
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(2.0, timeout_s)):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"the torchft lighthouse at {addr} is unreachable after fault_tolerance.timeout_s={timeout_s:g} s "
+                    f"({e.strerror or e}); start it (torchft_lighthouse --min_replicas N --bind [::]:{port}) or fix "
+                    "fault_tolerance.lighthouse / TORCHFT_LIGHTHOUSE"
+                ) from None
+            time.sleep(0.2)
+
+
+def grads_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The gradients this rank holds, as plain tensors: an FSDP2 / TP parameter's local shard."""
+    out = []
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        g = p.grad
+        out.append(g.to_local() if hasattr(g, "to_local") else g)
+    return out
+
+
+class _Fragment(torch.nn.Module):
+    """A slice of the model for streaming DiLoCo: some blocks, and (the first) the parameters
+    outside every block. It holds the model's own modules and parameters, not copies."""
+
+    def __init__(self, blocks: Sequence[torch.nn.Module], rest: Sequence[torch.nn.Parameter]):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.rest = torch.nn.ParameterList(rest)
+
+
+def model_fragments(model: torch.nn.Module, n: int) -> list[torch.nn.Module]:
+    """``n`` fragments of contiguous transformer blocks (the whole model when ``n`` is 1)."""
+    if n == 1:
+        return [model]
+    from ..nn import TransformerBlock
+
+    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    if len(blocks) < n:
+        raise ConfigError(
+            f"fault_tolerance.fragments={n} exceeds the model's {len(blocks)} blocks; use at most {len(blocks)}"
+        )
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    rest = [p for p in model.parameters() if id(p) not in inside]
+    cuts = [round(i * len(blocks) / n) for i in range(n + 1)]
+    return [_Fragment(blocks[cuts[i] : cuts[i + 1]], rest if i == 0 else []) for i in range(n)]
+
+
+class FaultTolerance:
+    """The trainer's side of torchft: one ``Manager`` per rank, the step's quorum, the cross-group
+    average of the gradients (and of the step's statistics), the commit vote, and the state a
+    restarted group heals from. Counts what happened for ``metrics.jsonl``."""
+
+    def __init__(self, trainer: Any):
+        # torchft logs every quorum and commit at INFO (Python and its Rust core): tformer's line per
+        # step says the quorum; keep theirs for warnings unless asked otherwise
+        os.environ.setdefault("RUST_LOG", "warn")
+        for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        from torchft import Manager, ProcessGroupGloo
+
+        cfg, d = trainer.cfg.fault_tolerance, trainer.dist
+        self.trainer = trainer
+        self.replicas, self.replica_id = cfg.replicas, cfg.replica_id
+        timeout = timedelta(seconds=cfg.timeout_s)
+        if cfg.backend == "nccl":
+            from torchft import ProcessGroupNCCL
+
+            pg: Any = ProcessGroupNCCL(timeout=timeout)
+        else:
+            pg = ProcessGroupGloo(timeout=timeout)
+        store_addr, store_port = self._store()
+        self.manager = Manager(
+            pg=pg,
+            load_state_dict=self._load,
+            state_dict=self._state,
+            min_replica_size=cfg.min_replicas,
+            use_async_quorum=False,  # heal before the forward, so the healed group trains this step's samples
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            connect_timeout=timeout,
+            rank=d.rank,
+            world_size=d.world_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=lighthouse_address(cfg),
+            replica_id=f"tformer_replica_{cfg.replica_id}",  # torchft reads the trailing digits
+            init_sync=False,  # every group starts from the same seed: the same weights
+        )
+        self.semi_sync = cfg.semi_sync
+        # a group resumed from disk stands at the checkpoint's step (the Manager counts commits:
+        # every step, or every synchronisation under local_sgd / diloco)
+        commits = trainer.step if cfg.semi_sync == "none" else trainer.step // cfg.sync_every
+        self.manager.load_state_dict({"step": commits, "batches_committed": 0})
+        self.bytes = 0  # bytes this rank put into cross-group all-reduces
+        self._count_bytes()
+        self.semi: Any = None
+        if cfg.semi_sync != "none":
+            self.semi = self._semi_sync(cfg, trainer).__enter__()  # hooks on the optimizer's step
+        self.commits = self.uncommitted = self.failures = self.recoveries = 0
+        self.recovery_s = 0.0
+        self.samples_skipped = 0
+        self.participants = 0
+        self.committed_s = 0.0
+        self.start = time.perf_counter()
+        self._healed = False
+        self.quorum_s = 0.0  # the last step's quorum (and heal): part of its step time
+
+    def _count_bytes(self) -> None:
+        """Every cross-group all-reduce (tformer's, LocalSGD's, DiLoCo's) goes through
+        ``Manager.allreduce``: count what it is given."""
+        allreduce = self.manager.allreduce
+
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.bytes += tensor.numel() * tensor.element_size()
+            return allreduce(tensor, *args, **kwargs)
+
+        self.manager.allreduce = counted  # type: ignore[method-assign]
+
+    def _semi_sync(self, cfg: Any, trainer: Any) -> Any:
+        """torchft's LocalSGD (parameters averaged every ``sync_every`` steps) or DiLoCo (an outer
+        Nesterov SGD on the averaged pseudo-gradient; with ``fragments`` > 1, streaming DiLoCo)."""
+        from torchft.local_sgd import DiLoCo, LocalSGD
+
+        if cfg.semi_sync == "local_sgd":
+            return LocalSGD(self.manager, trainer.model, trainer.optimizer, cfg.sync_every)
+        fragments = model_fragments(trainer.model, cfg.fragments)
+        outer = [
+            torch.optim.SGD(f.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True) for f in fragments
+        ]
+        return DiLoCo(
+            self.manager,
+            fragments,
+            trainer.optimizer,
+            outer,
+            cfg.sync_every,
+            backup_device=torch.device("cpu"),
+            pin_memory=False,
+        )
+
+    def _store(self) -> tuple[str, int]:
+        """The group's TCPStore, where the Manager's ranks find each other: the process group's
+        (torchrun's MASTER_ADDR / MASTER_PORT), or for a one-rank group, which starts no process
+        group (torchrun's own store may not be shared with the workers), one of our own."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self._own_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        return "127.0.0.1", self._own_store.port
+
+    # -- the state a restarted group heals from ----------------------------------------------
+    def _state(self) -> dict:
+        t = self.trainer
+        return {
+            "model": t.model.state_dict(),
+            "optimizer": t.optimizer.state_dict(),
+            "scheduler": t.scheduler.state_dict(),
+            "position": {"step": t.step, "consumed": t.consumed, "tokens": t.tokens},
+        }
+
+    def _load(self, state: dict) -> None:
+        t = self.trainer
+        t.model.load_state_dict(state["model"])
+        t.optimizer.load_state_dict(state["optimizer"])
+        t.scheduler.load_state_dict(state["scheduler"])
+        p = state["position"]
+        t.step, t.consumed, t.tokens = p["step"], p["consumed"], p["tokens"]
+        self._healed = True
+
+    # -- one step -----------------------------------------------------------------------------
+    def take_healed(self) -> bool:
+        """Under local_sgd / diloco the quorum (and a heal) comes inside the optimizer step of a
+        synchronisation: True once after a heal, so the caller redraws its batches."""
+        healed, self._healed = self._healed, False
+        if healed:
+            self.recoveries += 1
+        return healed
+
+    def start_step(self) -> bool:
+        """The step's quorum (healing this group first when it is behind). True when a heal replaced
+        the trainer's state: the caller redraws its batches from the new data position."""
+        if self.semi is not None:  # their quorum comes at a synchronisation
+            return False
+        t0 = time.perf_counter()
+        self.quorum_s = 0.0
+        self._healed = False
+        before = self.participants
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # noqa: BLE001 - torchft raises plain RuntimeErrors (timeouts, lost lighthouse)
+            where = lighthouse_address(self.trainer.cfg.fault_tolerance)
+            raise RuntimeError(
+                f"replica group {self.replica_id}: no torchft quorum at {where} "
+                f"within fault_tolerance.quorum_timeout_s ({e.__class__.__name__}: {str(e).splitlines()[0][:200]})"
+            ) from None
+        self.participants = self.manager.num_participants()
+        if before and self.participants < before:
+            self.failures += before - self.participants
+        if self._healed:
+            self.recoveries += 1
+            self.recovery_s += time.perf_counter() - t0
+            if self.trainer.dist.is_main:
+                log.warning(
+                    "replica group %d healed from a live peer at step %d (%.1f s)",
+                    self.replica_id,
+                    self.trainer.step,
+                    time.perf_counter() - t0,
+                )
+        self.quorum_s = time.perf_counter() - t0
+        healed, self._healed = self._healed, False
+        return healed
+
+    def sync(self, model: torch.nn.Module, stats: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The gradients and the step's statistics averaged over the participating groups (one
+        all-reduce of one flat buffer), then the commit vote. Returns the statistics summed over the
+        groups (the loss, averaged: the caller divides by the ranks of one group) and the verdict."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        if self.semi is not None:  # each group steps on its own; LocalSGD / DiLoCo synchronise
+            self.participants = self.manager.num_participants()
+            self.commits += 1
+            return stats, True
+        grads = grads_of(model)
+        flat = _flatten_dense_tensors([*grads, stats.to(grads[0].dtype if grads else stats.dtype)])
+        self.manager.allreduce(flat).wait()
+        pieces = _unflatten_dense_tensors(flat, [*grads, stats])
+        for g, new in zip(grads, pieces[:-1]):
+            g.copy_(new)
+        n = max(self.participants, 1)
+        stats = pieces[-1].to(stats.dtype)
+        # the loss stays the mean over the groups; counts (tokens, signals, FLOPs) are sums
+        summed = torch.cat([stats[:1], stats[1:] * n])
+        committed = self.manager.should_commit()
+        if committed:
+            self.commits += 1
+            missing = self.replicas - n
+            t = self.trainer
+            self.samples_skipped += missing * t.cfg.micro_batch_size * t.cfg.grad_accum * t.dist.group_dp_size
+        else:
+            self.uncommitted += 1
+        return summed, committed
+
+    def note_committed_time(self, seconds: float) -> None:
+        self.committed_s += seconds
+
+    def writes_checkpoints(self) -> bool:
+        """One participating group writes the run's checkpoints: the quorum's first."""
+        return self.manager.participating_rank() == 0
+
+    def record(self) -> dict:
+        wall = time.perf_counter() - self.start
+        return {
+            "quorum": f"{self.participants}/{self.replicas}",
+            "ft_commits": self.commits,
+            "ft_skipped_steps": self.uncommitted,
+            "ft_failures": self.failures,
+            "ft_recoveries": self.recoveries,
+            "ft_recovery_s": self.recovery_s,
+            "ft_samples_skipped": self.samples_skipped,
+            "goodput": self.committed_s / wall if wall > 0 else 0.0,
+            "ft_bytes": self.bytes,
+        }
+
+    def shutdown(self) -> None:
+        if self.semi is not None:
+            self.semi.__exit__(None, None, None)
+        self.manager.shutdown(wait=False)
