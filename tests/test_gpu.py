@@ -430,3 +430,23 @@ def test_each_familys_training_batch_takes_a_fused_sdpa_kernel(name, padded, all
     loss.backward()
     print(f"{name}: SDPA backends {sorted(set(chosen))}")
     assert chosen and all(c in allowed for c in chosen), (name, chosen)
+
+
+@gpu
+def test_memory_snapshots_of_the_traced_steps_on_cuda(cache, tmp_path, monkeypatch):
+    """profile.memory=true on CUDA: the allocator's history over the traced steps, one snapshot per
+    step (memory_step{N}.pickle, pytorch.org/memory_viz's format) beside the traces."""
+    import pickle
+
+    monkeypatch.setenv("TFORMER_CACHE", str(cache))
+    overrides = small_overrides(
+        "gpt2-tiny", tmp_path, "device=cuda", "precision=bf16", "max_steps=4", "eval_every=0", "save_every=0",
+        "profile.steps=2-3", "profile.memory=true",
+    )  # fmt: skip
+    Trainer(load_config(CONFIGS / "gpt2-tiny.yaml", overrides)).fit()
+    rank0 = tmp_path / "profile" / "rank0"
+    assert sorted(p.name for p in rank0.glob("memory_step*.pickle")) == ["memory_step2.pickle", "memory_step3.pickle"]
+    assert sorted(p.name for p in rank0.glob("step*.trace.json.gz")) == ["step2.trace.json.gz", "step3.trace.json.gz"]
+    for path in rank0.glob("memory_step*.pickle"):
+        snapshot = pickle.loads(path.read_bytes())  # our own file, written just now
+        assert snapshot["segments"] and snapshot["device_traces"][0], path.name  # allocations were recorded
