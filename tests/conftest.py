@@ -21,6 +21,18 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
+def _no_process_group_outlives_its_test():
+    """A test that runs a trainer in this process (a world of one under FSDP2, say) may leave the
+    default process group up; the next test (e.g. 'refused before any process group') must not
+    find it."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
 def _cpu_bf16_lane(request, monkeypatch):
     """The bf16 lane: in a test marked ``bf16`` this CPU counts as bf16-capable, so precision=auto
     resolves to bf16 here and in every process the test starts (they inherit the environment)."""

@@ -221,7 +221,8 @@ def _numeric_fields(cls, prefix=""):
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
             yield from _numeric_fields(hint, f"{prefix}{f.name}.")
-        elif any(t in str(hint) for t in ("int", "float")) and "bool" not in str(hint):
+        # a step spec that may be a number or a list (profile.steps: "3-4", 5, [3, 9]) has no range
+        elif any(t in str(hint) for t in ("int", "float")) and not any(t in str(hint) for t in ("bool", "list")):
             yield f"{prefix}{f.name}"
 
 
