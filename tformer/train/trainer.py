@@ -661,6 +661,7 @@ class Trainer:
         group = self.dims.tp * self.dims.pp * self.dims.cp
         global_tokens = int(tokens_all) // group  # each counted its group's batch
         self.tokens += global_tokens
+        memory = self.strategy.memory_report(self.optimizer)  # inside the step's time: it is part of the step
         dt = time.perf_counter() - t0
         if self.ft is not None:  # the step began with its quorum, before the first batch
             dt += self.ft.quorum_s
@@ -686,7 +687,7 @@ class Trainer:
             "mfu": window_flops / self.dist.world_size / seconds / self.peak,
             "tokens": self.tokens,
             "step_time": seconds / steps_in_window,
-            **self.strategy.memory_report(self.optimizer),
+            **memory,
             # routing of this rank's last micro-batch: balance / z-loss, max/mean tokens per expert, dropped share
             # (read at a logging step only: each figure is a read of the device)
             **moe,
