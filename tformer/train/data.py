@@ -278,13 +278,7 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
         train, validation = split("train"), split("validation")
     if multi and rank == 0:
         barrier()
-    target_len = None
-    if objective == "span":
-        target_len = t5_lengths(seq_len, cfg.data.noise_density, cfg.data.mean_span_length)[1]
-    elif objective == "seq2seq":
-        target_len = cfg.data.target_len or seq_len
-    if target_len is not None:
-        check_seq_len(target_len, max_len, "decoder target length")
+    target_len = decoder_target_len(cfg, objective, seq_len, max_len)
     if objective == "seq2seq" and masked:  # packed rows: the lengths the model sees (FLOPs, MFU)
         seq_len, target_len = max(seq_len, cfg.data.pack_len or 0), max(target_len, cfg.data.pack_len or 0)
     return RunData(
@@ -302,13 +296,9 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
     )
 
 
-def synthetic_data(cfg: TrainConfig, objective: str) -> RunData:
-    """``data.source: synthetic`` (``data/synthetic.py``): random ids over the model's vocabulary,
-    no tokenizer; the model keeps its configured special ids. Validation draws from another seed."""
-    model_cfg = cfg.model
-    max_len = model_cfg.max_seq_len if model_cfg.position in ("learned", "sinusoidal") else None
-    seq_len = cfg.data.seq_len
-    check_seq_len(seq_len, max_len, "data.seq_len")
+def decoder_target_len(cfg: TrainConfig, objective: str, seq_len: int, max_len: int | None) -> int | None:
+    """The decoder's target length of an encoder-decoder objective (span corruption's from the noise
+    settings, seq2seq's configured one), checked against the model's positions; None otherwise."""
     target_len = None
     if objective == "span":
         target_len = t5_lengths(seq_len, cfg.data.noise_density, cfg.data.mean_span_length)[1]
@@ -316,6 +306,17 @@ def synthetic_data(cfg: TrainConfig, objective: str) -> RunData:
         target_len = cfg.data.target_len or seq_len
     if target_len is not None:
         check_seq_len(target_len, max_len, "decoder target length")
+    return target_len
+
+
+def synthetic_data(cfg: TrainConfig, objective: str) -> RunData:
+    """``data.source: synthetic`` (``data/synthetic.py``): random ids over the model's vocabulary,
+    no tokenizer; the model keeps its configured special ids. Validation draws from another seed."""
+    model_cfg = cfg.model
+    max_len = model_cfg.max_seq_len if model_cfg.position in ("learned", "sinusoidal") else None
+    seq_len = cfg.data.seq_len
+    check_seq_len(seq_len, max_len, "data.seq_len")
+    target_len = decoder_target_len(cfg, objective, seq_len, max_len)
 
     def split(seed: int) -> SyntheticDataset:
         return SyntheticDataset(
