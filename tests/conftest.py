@@ -24,12 +24,23 @@ def _seed():
 def _no_process_group_outlives_its_test():
     """A test that runs a trainer in this process (a world of one under FSDP2, say) may leave the
     default process group up; the next test (e.g. 'refused before any process group') must not
-    find it."""
+    find it. Nor its rendezvous variables: ``init_distributed`` sets MASTER_PORT in this process's
+    environment, and every process a later test starts would inherit it and race for that one port
+    (CI failed with EADDRINUSE on it)."""
+    saved = {k: os.environ.get(k) for k in _RENDEZVOUS}
     yield
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 @pytest.fixture(autouse=True)
@@ -75,3 +86,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server_ends_with_the_session():
+    """Multi-rank tests start their ranks from one fork server (train_helpers.start_ranks); it ends
+    with the session."""
+    yield
+    from train_helpers import stop_fork_server
+
+    stop_fork_server()

@@ -15,7 +15,7 @@ import torch
 from tformer.train.config import load_config
 from tformer.train.trainer import Trainer
 
-from train_helpers import CONFIGS, become_rank, free_port, metrics, small_overrides, spawn_ranks
+from train_helpers import CONFIGS, become_rank, free_port, metrics, small_overrides, spawn_ranks, start_ranks
 
 RANGES = {"tformer/step", "tformer/data", "tformer/forward", "tformer/backward", "tformer/optimizer"}
 
@@ -243,11 +243,7 @@ def _skipping_worker(rank, world, port, out, cache):
 def test_watchdog_names_the_collective_a_rank_never_joined(cache, tmp_path):
     import time
 
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(
-        _skipping_worker, args=(2, free_port(), tmp_path, cache), nprocs=2, join=False, start_method="spawn"
-    )
+    ctx = start_ranks(_skipping_worker, (2, free_port(), tmp_path, cache), 2)
     deadline = time.monotonic() + 120
     try:
         while not all(p.exitcode is not None for p in ctx.processes):

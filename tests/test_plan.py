@@ -816,13 +816,11 @@ def test_op_ac_under_tp_saves_what_the_planner_counts(tmp_path):
     import json
     import time
 
-    import torch.multiprocessing as mp
-
-    from train_helpers import free_port
+    from train_helpers import free_port, start_ranks
     from tformer.plan.activations import _block_elements_op_ac
 
     out = tmp_path / "saved.json"
-    ctx = mp.start_processes(_op_saved_worker, args=(free_port(), str(out)), nprocs=2, join=False, start_method="spawn")
+    ctx = start_ranks(_op_saved_worker, (free_port(), str(out)), 2)
     deadline = time.monotonic() + 240
     while not ctx.join(timeout=2):
         if time.monotonic() > deadline:
