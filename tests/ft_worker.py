@@ -1,9 +1,10 @@
-"""One replica group (or one rank of a plain DDP run) for tests/test_ft.py: trains through the
-Trainer with the overrides given, then saves this rank's final model and optimizer state
-(``OUT/final_<tag>.pt``) so the test can compare groups bitwise. ``FT_TEST_PACE`` (seconds)
-paces every step, leaving a test time to kill a group mid-run; while the file ``FT_TEST_SLOW``
-names exists, each step takes a second more: a restarted group has time to start (a loaded CPU
-takes 10-30 s) while the live group goes on committing alone."""
+"""One rank of a replica group (or of a plain DDP run) for tests/test_ft.py: trains through the
+Trainer with the overrides given, then saves the final model and optimizer state
+(``OUT/final_<tag>.pt``; under FSDP2 each rank its shards, ``OUT/final_<tag>_rank<r>.pt``) so the
+test can compare groups bitwise. ``FT_TEST_PACE`` (seconds) paces every step, leaving a test time
+to kill a group mid-run; while the file ``FT_TEST_SLOW`` names exists, each step takes a second
+more: a restarted group has time to start (a loaded CPU takes 10-30 s) while the live group goes on
+committing alone."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 def main() -> int:
     from tformer.parallel.dist import shutdown
+    from tformer.train.ft import _local_tensors
     from tformer.train.config import load_config
     from tformer.train.trainer import Trainer
 
@@ -30,7 +32,9 @@ def main() -> int:
     trainer = Trainer(cfg, callbacks=[paced])
     trainer.fit()
     state = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(), "step": trainer.step}
-    if trainer.dist.is_main:
+    if cfg.parallel.strategy == "fsdp" and trainer.dist.world_size > 1:  # each rank its shards
+        torch.save(_local_tensors(state), os.path.join(cfg.output_dir, f"final_{tag}_rank{trainer.dist.rank}.pt"))
+    elif trainer.dist.is_main:
         torch.save(state, os.path.join(cfg.output_dir, f"final_{tag}.pt"))
     shutdown(0)
     return 0

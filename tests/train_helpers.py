@@ -51,8 +51,7 @@ def small_overrides(recipe: str, out: Path, *extra: str) -> list[str]:
 
 
 def env(cache: Path) -> dict:
-    # a started process picks its own rendezvous unless the test names one
-    e = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    e = dict(os.environ)
     e["TFORMER_CACHE"] = str(cache)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e.setdefault("OMP_NUM_THREADS", "1")
@@ -106,17 +105,111 @@ def reap(procs, timeout: float) -> list:
 
 
 def run_cmd(cmd: list, timeout: float, **kw) -> subprocess.CompletedProcess:
-    """subprocess.run(capture_output=True, text=True) whose deadline also kills what the command started."""
+    """subprocess.run(capture_output=True, text=True) whose deadline also kills what the command started.
+    ``python -m MODULE ...`` and ``python SCRIPT.py ...`` run in a child of the fork server (see
+    ``run_python``), the rest in a new process."""
+    cmd = [str(c) for c in cmd]
+    python = cmd[0] == sys.executable and len(cmd) > 1 and (cmd[1] == "-m" or cmd[1].endswith(".py"))
+    if python and set(kw) <= {"env", "cwd"}:
+        return run_python(cmd[1:], timeout, **kw)
     proc = start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
     out, err = reap([proc], timeout)[0]
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _python_main(argv: list[str], environ: dict, cwd: str | None, out: str, err: str) -> None:
+    """What ``python *argv`` does in a fresh interpreter, in a child of the fork server: its own
+    session (a deadline kills all it started), the given environment and directory, its output in
+    files, the module or script run as ``__main__``, the exit functions run, the exit code kept."""
+    import atexit
+    import runpy
+    import threading
+    import traceback
+
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(environ)
+    if cwd:
+        os.chdir(cwd)
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY), (2, err, os.O_WRONLY)):
+        f = os.open(path, flags)
+        os.dup2(f, fd)
+        os.close(f)
+    if "OMP_NUM_THREADS" in environ:  # a fresh interpreter's torch reads it at start
+        import torch
+
+        torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
+    code: int = 0
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        if isinstance(e.code, int) or e.code is None:
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, exit code 1
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]  # non-daemon threads, as at interpreter exit
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_python(argv: list[str], timeout: float, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """``python *argv`` forked from the fork server, which has imported torch and the trainer (a new
+    interpreter spends ~5 s of CPU importing them; the suite starts dozens)."""
+    import multiprocessing
+    import tempfile
+
+    import pytest
+
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    ctx = multiprocessing.get_context("forkserver")
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        out.touch()
+        err.touch()
+        environ = dict(os.environ if env is None else env)
+        proc = ctx.Process(target=_python_main, args=(argv, environ, None if cwd is None else str(cwd), str(out), str(err)))
+        proc.start()
+        try:
+            proc.join(timeout)
+            if proc.exitcode is None:
+                pytest.fail(f"still running after {timeout:.0f} s, killed: python {' '.join(argv)[:300]}")
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
+            proc.join()
+            raise
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # what it started and left behind, as a new session's end would
+        text = [p.read_text(errors="replace") for p in (out, err)]
+    return subprocess.CompletedProcess([sys.executable, *argv], proc.exitcode, *text)
 
 
 # Ranks start from a fork server that imported torch and the trainer once per test session: a spawned
 # rank imports them itself (~5 s of CPU each; a 2-rank group on 2 cores ~8-16 s before its first
 # step, measured on a 2-core EPYC), a forked one starts in ~0.05 s. A forked rank would see the fork
 # server's environment, not this process's: the environment of the moment travels with each start.
-PRELOAD = ["torch", "torch.distributed", "tformer.train.trainer"]
+PRELOAD = [
+    "torch",
+    "torch._dynamo",  # torch.optim imports it on the first optimizer (1.3 s)
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor.parallel",
+    "torch.profiler",
+    "tformer.train.trainer",
+]
 
 
 def _rank_main(rank: int, environ: dict, worker, args: tuple) -> None:

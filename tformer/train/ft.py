@@ -122,6 +122,30 @@ def grads_of(model: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def _local_tensors(tree: Any) -> Any:
+    """``tree`` with every DTensor replaced by its local shard."""
+    if isinstance(tree, dict):
+        return {k: _local_tensors(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_local_tensors(v) for v in tree)
+    return tree.to_local() if hasattr(tree, "to_local") else tree
+
+
+def _like(tree: Any, template: Any) -> Any:
+    """``tree`` (local shards) with each tensor that is a DTensor in ``template`` (this rank's own
+    state, of the same structure) made one again on the template's mesh and placements."""
+    if isinstance(tree, dict) and isinstance(template, dict):
+        return {k: _like(v, template.get(k)) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)) and isinstance(template, (list, tuple)) and len(tree) == len(template):
+        return type(tree)(_like(v, w) for v, w in zip(tree, template))
+    if isinstance(tree, torch.Tensor) and hasattr(template, "device_mesh"):
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements = template.device_mesh, template.placements
+        return DTensor.from_local(tree.to(template.device), mesh, placements, shape=template.shape, stride=template.stride())
+    return tree
+
+
 class _Fragment(torch.nn.Module):
     """A slice of the model for streaming DiLoCo: some blocks, and (the first) the parameters
     outside every block. It holds the model's own modules and parameters, not copies."""
@@ -253,19 +277,25 @@ class FaultTolerance:
         return "127.0.0.1", self._own_store.port
 
     # -- the state a restarted group heals from ----------------------------------------------
+    # Rank r of the restarted group heals from rank r of a live one: both hold the same shards of
+    # every FSDP2 / TP parameter, so only the local shards travel (a DTensor's mesh is a process
+    # group of the sending job and means nothing to the receiver); they are put back into this
+    # rank's own DTensors.
     def _state(self) -> dict:
         t = self.trainer
-        return {
-            "model": t.model.state_dict(),
-            "optimizer": t.optimizer.state_dict(),
-            "scheduler": t.scheduler.state_dict(),
-            "position": {"step": t.step, "consumed": t.consumed, "tokens": t.tokens},
-        }
+        return _local_tensors(
+            {
+                "model": t.model.state_dict(),
+                "optimizer": t.optimizer.state_dict(),
+                "scheduler": t.scheduler.state_dict(),
+                "position": {"step": t.step, "consumed": t.consumed, "tokens": t.tokens},
+            }
+        )
 
     def _load(self, state: dict) -> None:
         t = self.trainer
-        t.model.load_state_dict(state["model"])
-        t.optimizer.load_state_dict(state["optimizer"])
+        t.model.load_state_dict(_like(state["model"], t.model.state_dict()))
+        t.optimizer.load_state_dict(_like(state["optimizer"], t.optimizer.state_dict()))
         t.scheduler.load_state_dict(state["scheduler"])
         p = state["position"]
         t.step, t.consumed, t.tokens = p["step"], p["consumed"], p["tokens"]
