@@ -146,6 +146,18 @@ def _like(tree: Any, template: Any) -> Any:
     return tree
 
 
+def _optimizer_like(state: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """An optimizer state dict of local shards with each per-element state (Adam's moments) made a
+    DTensor like its parameter: this rank's own optimizer may hold no state yet to copy from."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    out = dict(state)
+    out["state"] = {
+        i: {k: _like(v, params[i]) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in st.items()}
+        for i, st in state["state"].items()
+    }
+    return out
+
+
 class _Fragment(torch.nn.Module):
     """A slice of the model for streaming DiLoCo: some blocks, and (the first) the parameters
     outside every block. It holds the model's own modules and parameters, not copies."""
@@ -295,7 +307,7 @@ class FaultTolerance:
     def _load(self, state: dict) -> None:
         t = self.trainer
         t.model.load_state_dict(_like(state["model"], t.model.state_dict()))
-        t.optimizer.load_state_dict(_like(state["optimizer"], t.optimizer.state_dict()))
+        t.optimizer.load_state_dict(_optimizer_like(state["optimizer"], t.optimizer))
         t.scheduler.load_state_dict(state["scheduler"])
         p = state["position"]
         t.step, t.consumed, t.tokens = p["step"], p["consumed"], p["tokens"]
