@@ -4,7 +4,6 @@ is bitwise -- in one process and on 2 gloo ranks (ddp, fsdp)."""
 
 import json
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -16,7 +15,7 @@ from tformer.checkpoint import CheckpointManager, TrainerState, list_checkpoints
 from tformer.train.config import load_config
 from tformer.train.trainer import Trainer
 
-from train_helpers import CONFIGS, ROOT, env, losses, small_overrides
+from train_helpers import CONFIGS, ROOT, env, losses, run_cmd, small_overrides
 
 ASYNC = "checkpoint.async=true"
 
@@ -124,7 +123,7 @@ def test_sigkill_during_an_async_write_leaves_the_previous_checkpoint(cache, tmp
             *small_overrides("gpt2-tiny", out, "eval_every=0", *common),
             *extra,
         ]
-        return subprocess.run(args, env=env(cache), capture_output=True, text=True, timeout=300)
+        return run_cmd(args, 300, env=env(cache))
 
     straight = run(tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr[-2000:]

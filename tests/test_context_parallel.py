@@ -497,7 +497,7 @@ MESH4_CASES = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.long  # cp=4 (CI: cp=2 trainer runs, cp=4 attention and families)
 @pytest.mark.usefixtures("cache")
 def test_trainer_cp_on_four_ranks_equals_the_single_process_run(tmp_path_factory):
     """cp=2 x dp_shard=2 (FSDP2 over the four ranks, two batches of two sequence halves), cp=4,
@@ -579,7 +579,7 @@ CP_TP_CASES = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.long  # CI: cp2 x pp2, and TP x SP and TP x pipeline elsewhere
 @pytest.mark.usefixtures("cache")
 def test_cp2_x_tp2_equals_the_single_process_run(tmp_path_factory):
     """cp=2 x tp=2 on 4 ranks (FSDP2 over the cp ranks, TP with sequence and loss parallel inside

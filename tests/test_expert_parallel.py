@@ -65,7 +65,7 @@ def _expert_counts(report, world, ep, dp_mod_ep):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("cache")
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long)])  # ep2 x dp2: long lane
 def test_ep2_equals_the_single_process_run(world, tmp_path_factory):
     """parallel.ep=2 on 2 ranks (each routes its own micro-batches, holds four of eight experts) and
     on 4 (ep borrowed from dp_shard=4: experts split over 2 and FSDP2-sharded over the other 2,

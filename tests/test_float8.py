@@ -158,7 +158,7 @@ def _train(recipe: str, out: Path, *extra: str, callbacks=()) -> Trainer:
     return trainer
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("recipe", ["gpt2-tiny", "llama-tiny"])
 def test_200_fp8_steps_end_within_2_percent_of_bf16(cache, tmp_path, recipe):
     """Measured on an AVX512-BF16 CPU: gpt2-tiny 5.6806 (fp8) vs 5.6827 (bf16), llama-tiny 5.2411 vs

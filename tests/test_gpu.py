@@ -24,7 +24,7 @@ from tformer.train.config import load_config
 from tformer.train.metrics import gpu_peak
 from tformer.train.trainer import Trainer
 
-from train_helpers import CONFIGS, ROOT, env, kill_group, losses, metrics, run_cli, small_overrides, start
+from train_helpers import CONFIGS, ROOT, env, kill_group, losses, metrics, run_cli, run_cmd, small_overrides, start
 
 gpu = pytest.mark.gpu
 DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
@@ -37,34 +37,41 @@ def cache(tmp_path_factory):
 
 # -- on any machine ----------------------------------------------------------------------------
 @pytest.mark.slow
-def test_gpu_benchmark_runs_every_family_on_tiny_presets(tmp_path, cache):
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param(["--compile", "off"], id="eager"),
+        # inductor's CPU compile of three contenders: ~25 s, in the long lane
+        pytest.param(["--compile", "on", "--family", "gpt2", "--no-generate"], id="compiled", marks=pytest.mark.long),
+    ],
+)
+def test_gpu_benchmark_runs_every_family_on_tiny_presets(tmp_path, cache, extra):
     """``bench/bench_gpu.py --tiny`` end to end on this CPU: every family's tformer and HF rows,
     eager, and GPT-2 compiled; the HF twin starts from tformer's weights, so both see the same
     first loss; the planner's figure is there for tformer; generation rows for the decoders and T5."""
     out = tmp_path / "bench.json"
-    for extra in (["--compile", "off"], ["--compile", "on", "--family", "gpt2", "--no-generate"]):
-        cmd = [sys.executable, str(ROOT / "bench" / "bench_gpu.py"), "--tiny", "--device", "cpu", "--json", str(out)]
-        done = subprocess.run(cmd + extra, env=env(cache), capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        result = json.loads(out.read_text())
-        rows = result["training"]
-        families = ["gpt2", "llama", "bert", "t5"] if extra[1] == "off" else ["gpt2"]
-        contenders = ("tformer", "trainer", "HF")
-        assert [(r["family"], r["contender"]) for r in rows] == [(f, w) for f in families for w in contenders]
-        for r in rows:
-            assert r["error"] is None and r["compiled"] == (extra[1] == "on"), r
-            # MFU is a share of the peak: over 100% means the FLOPs or the peak are wrong
-            assert r["tokens_per_s"] > 0 and 0 < r["mfu"] <= 1 and r["micro_batch"] == 4, r
-        raw = [r for r in rows if r["contender"] != "trainer"]
-        for ours, theirs in zip(raw[::2], raw[1::2]):
-            # bf16 autocast: the same weights and batch give the same loss to bf16 precision
-            assert ours["first_loss"] == pytest.approx(theirs["first_loss"], abs=0.02), (ours, theirs)
-            assert ours["plan_mb"] > 0 and math.isnan(theirs["plan_mb"])
-        if extra[1] == "off":
-            gens = result["generation"]
-            assert [(g["family"], g["batch"]) for g in gens] == [(f, b) for f in ("gpt2", "llama", "t5") for b in (1, 8)]
-            assert all(g["tformer_tok_s"] > 0 and g["hf_tok_s"] > 0 for g in gens)
-            assert any(line.startswith("gpt2: best tformer / best HF") for line in result["verdicts"])
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_gpu.py"), "--tiny", "--device", "cpu", "--json", str(out)]
+    done = run_cmd(cmd + extra, 600, env=env(cache))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["training"]
+    families = ["gpt2", "llama", "bert", "t5"] if extra[1] == "off" else ["gpt2"]
+    contenders = ("tformer", "trainer", "HF")
+    assert [(r["family"], r["contender"]) for r in rows] == [(f, w) for f in families for w in contenders]
+    for r in rows:
+        assert r["error"] is None and r["compiled"] == (extra[1] == "on"), r
+        # MFU is a share of the peak: over 100% means the FLOPs or the peak are wrong
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] <= 1 and r["micro_batch"] == 4, r
+    raw = [r for r in rows if r["contender"] != "trainer"]
+    for ours, theirs in zip(raw[::2], raw[1::2]):
+        # bf16 autocast: the same weights and batch give the same loss to bf16 precision
+        assert ours["first_loss"] == pytest.approx(theirs["first_loss"], abs=0.02), (ours, theirs)
+        assert ours["plan_mb"] > 0 and math.isnan(theirs["plan_mb"])
+    if extra[1] == "off":
+        gens = result["generation"]
+        assert [(g["family"], g["batch"]) for g in gens] == [(f, b) for f in ("gpt2", "llama", "t5") for b in (1, 8)]
+        assert all(g["tformer_tok_s"] > 0 and g["hf_tok_s"] > 0 for g in gens)
+        assert any(line.startswith("gpt2: best tformer / best HF") for line in result["verdicts"])
 
 
 def test_gpu_benchmark_refuses_bad_arguments_in_one_line(monkeypatch, capsys):

@@ -308,7 +308,7 @@ MEMORY_SETTINGS = {
 }  # offload: a no-op on CPU, checked to run
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", pytest.param("zero3", marks=pytest.mark.long)])
 def test_memory_settings_resume_bitwise_on_two_ranks(cache, tmp_path, strategy):
     """Chunked loss (chunks that do not divide the tokens), op-level checkpointing and activation
     offload, each on 2 ranks with gradient accumulation: stop at step 2, resume, and every step's

@@ -659,7 +659,7 @@ def test_a_non_positive_host_figure_is_refused_in_one_line(tmp_path, figure):
     assert len(str(e.value).splitlines()) == 1
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a 2-process calibration (~50 s), its figures timed: out of CI, run with -m long
 def test_calibrate_measures_positive_host_and_pricing_figures(tmp_path):
     """``tformer plan --calibrate`` (2 gloo processes, each with a deadline) writes a profile whose
     host figures are measured and positive, a DTensor op dearer than a plain one."""

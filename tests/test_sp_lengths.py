@@ -145,7 +145,7 @@ def test_tp2_sp_at_an_odd_length_trains_evaluates_decodes_and_saves_like_one_pro
     assert "seq_len: 63" in text and "sp: true" in text
 
 
-@pytest.mark.slow
+@pytest.mark.long  # CI: tp2 + SP at the odd length
 def test_pp2_x_tp2_sp_at_an_odd_length_evaluates_like_one_process(tmp_path, cache):
     """T5 v1.1 at pp=2 x tp=2 + SP, seq 63, on 4 ranks: the pipelined evaluation pads too."""
     flags = ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "grad_accum=2"]
