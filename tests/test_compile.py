@@ -46,7 +46,7 @@ def test_the_whole_training_forward_is_one_graph_under_bf16(preset):
     ]
 
 
-@pytest.mark.parametrize("preset", ["gpt2-tiny", "bert-tiny", "mixtral-tiny"])
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "bert-tiny", pytest.param("mixtral-tiny", marks=pytest.mark.long)])
 def test_a_compiled_model_computes_what_eager_does(preset):
     """Loss and gradients of the compiled step (compile=model's graph, run by AOTAutograd without
     code generation) equal eager's in fp32: the chunked loss's traced backward, BERT's whole head at

@@ -415,18 +415,27 @@ TRAINER_CASES = [
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("cache")
-def test_trainer_cp2_equals_the_single_process_run(tmp_path_factory):
+@pytest.mark.parametrize(
+    "lane",
+    [
+        pytest.param(slice(0, 4), id="families"),
+        # op-level checkpointing and per-block compile under cp (the compile ~15 s): the long lane
+        pytest.param(slice(4, None), id="op-ac-compile", marks=pytest.mark.long),
+    ],
+)
+def test_trainer_cp2_equals_the_single_process_run(tmp_path_factory, lane):
     """4 AdamW steps at parallel.cp=2 (2 ranks, each holding half of every sequence): the losses and
     the updated parameters of the 1-process run on the same global batch, to 1e-5."""
     from test_mesh import _overrides, assert_same_run, reference
 
     tmp = tmp_path_factory.mktemp("cp2")
     jobs = []
-    for i, (name, common, own) in enumerate(TRAINER_CASES):
+    cases = TRAINER_CASES[lane]
+    for i, (name, common, own) in enumerate(cases):
         recipe, overrides = _overrides(name, tmp / f"run{i}", "parallel.cp=2", *common, *own)
         jobs.append((recipe, overrides, str(tmp / f"report{i}")))
     run_ranks(2, jobs, os.environ["TFORMER_CACHE"])  # the cache fixture's
-    for i, (name, common, _) in enumerate(TRAINER_CASES):
+    for i, (name, common, _) in enumerate(cases):
         assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, 1, *common))
     assert "cp: 2" in (tmp / "run0" / "config.yaml").read_text()
 
@@ -549,7 +558,7 @@ def test_resume_across_cp(tmp_path):
             assert got[step] == pytest.approx(base[step], rel=1e-5), (run, step, got, base)
 
 
-@pytest.mark.slow
+@pytest.mark.long  # CI: cp2 training and resume, sharded attention and every family's forward at cp 2 and 4
 def test_cp2_evaluates_decodes_and_generates_like_one_process(tmp_path, monkeypatch):
     """Evaluation runs whole sequences under cp (eval mode attends locally): at cp=2 the val_loss of
     every evaluation, BLEU with beam search, generated tokens and the logits of every decoding step

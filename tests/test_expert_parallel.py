@@ -138,7 +138,7 @@ def _counts(report, rank):
     return json.loads(Path(f"{report}.rank{rank}.json").read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.long  # CI: ep2 x tp2 (MESH4), whose tp ranks hold the experts the same way
 @pytest.mark.usefixtures("cache")
 def test_tp2_runs_moe_ffns_whole_on_every_tp_rank(tmp_path_factory):
     """parallel.tp=2 on a MoE model, with and without sequence parallelism: routing, capacity groups

@@ -5,7 +5,6 @@ import json
 import math
 import re
 import signal
-import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -18,7 +17,7 @@ from tformer.checkpoint import list_checkpoints
 from tformer.train.config import load_config
 from tformer.train.trainer import NonFiniteLoss, Trainer
 
-from train_helpers import CONFIGS, ROOT, env, losses, metrics, run_cli, small_overrides
+from train_helpers import CONFIGS, ROOT, env, losses, metrics, run_cli, run_cmd, small_overrides
 
 
 def trainer(out, *extra, recipe="gpt2-tiny"):
@@ -89,7 +88,7 @@ def _run(cache, out, *extra, kill_after=None, spike_at=None):
         args += ["--kill-after", str(kill_after)]
     if spike_at is not None:
         args += ["--spike-at-sample", str(spike_at)]
-    return subprocess.run(args, env=env(cache), capture_output=True, text=True, timeout=600)
+    return run_cmd(args, 600, env=env(cache))
 
 
 def test_spike_rolls_back_skips_data_and_resumes_exactly_after_a_kill_in_the_skip_window(cache, tmp_path):
