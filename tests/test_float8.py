@@ -235,7 +235,7 @@ def test_activation_checkpointing_leaves_fp8_losses_unchanged(cache, tmp_path):
     assert losses(tmp_path / "ac") == losses(tmp_path / "plain")
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a cold inductor compile of float8 blocks: 52 s in a fresh CI checkout
 def test_per_block_compile_runs_fp8_close_to_eager(cache, tmp_path):
     """Compiled blocks keep some intermediates in fp32 where eager rounds them to bf16, so a few
     values fall on the other side of a float8 rounding step. Measured over 3 llama-tiny steps:

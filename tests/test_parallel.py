@@ -348,6 +348,9 @@ def test_memory_settings_resume_bitwise_on_two_ranks(cache, tmp_path, strategy):
         assert list(a) == [1, 2, 3, 4, 5] and a == b, name
 
 
+# a cold inductor compile under FSDP2 (46 s in a fresh CI checkout): the long lane; CI compiles
+# in one process (compile=model, per-block)
+@pytest.mark.long
 def test_compile_with_activation_checkpointing_and_fsdp2(cache, tmp_path):
     """Per-block torch.compile (inductor) inside activation checkpointing, under FSDP2 with both
     reshard modes, on 2 ranks: the losses are those of the same run in eager mode."""
