@@ -167,13 +167,11 @@ def _python_main(argv: list[str], environ: dict, cwd: str | None, out: str, err:
 def run_python(argv: list[str], timeout: float, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
     """``python *argv`` forked from the fork server, which has imported torch and the trainer (a new
     interpreter spends ~5 s of CPU importing them; the suite starts dozens)."""
-    import multiprocessing
     import tempfile
 
     import pytest
 
-    multiprocessing.set_forkserver_preload(PRELOAD)
-    ctx = multiprocessing.get_context("forkserver")
+    ctx = _fork_server()
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         out.touch()
@@ -214,6 +212,15 @@ PRELOAD = [
 ]
 
 
+def _fork_server():
+    """The multiprocessing context whose processes fork from the session's server (started on first
+    use with PRELOAD imported)."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    return multiprocessing.get_context("forkserver")
+
+
 def _rank_main(rank: int, environ: dict, worker, args: tuple) -> None:
     os.environ.clear()
     os.environ.update(environ)
@@ -222,11 +229,9 @@ def _rank_main(rank: int, environ: dict, worker, args: tuple) -> None:
 
 def start_ranks(worker, args: tuple, nprocs: int):
     """torch.multiprocessing's context of ``nprocs`` ranks running worker(rank, *args), not joined."""
-    import multiprocessing
-
     import torch.multiprocessing as mp
 
-    multiprocessing.set_forkserver_preload(PRELOAD)
+    _fork_server()  # the preloads, before the server starts
     return mp.start_processes(
         _rank_main, args=(dict(os.environ), worker, args), nprocs=nprocs, join=False, start_method="forkserver"
     )

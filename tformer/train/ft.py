@@ -131,19 +131,14 @@ def _local_tensors(tree: Any) -> Any:
     return tree.to_local() if hasattr(tree, "to_local") else tree
 
 
-def _like(tree: Any, template: Any) -> Any:
-    """``tree`` (local shards) with each tensor that is a DTensor in ``template`` (this rank's own
-    state, of the same structure) made one again on the template's mesh and placements."""
-    if isinstance(tree, dict) and isinstance(template, dict):
-        return {k: _like(v, template.get(k)) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)) and isinstance(template, (list, tuple)) and len(tree) == len(template):
-        return type(tree)(_like(v, w) for v, w in zip(tree, template))
-    if isinstance(tree, torch.Tensor) and hasattr(template, "device_mesh"):
-        from torch.distributed.tensor import DTensor
+def _shard_like(local: torch.Tensor, own: Any) -> Any:
+    """``local`` (a shard sent by the peer) made a DTensor on the mesh and placements of ``own``,
+    this rank's tensor in that place, when ``own`` is one; else ``local`` itself."""
+    if not hasattr(own, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
 
-        mesh, placements = template.device_mesh, template.placements
-        return DTensor.from_local(tree.to(template.device), mesh, placements, shape=template.shape, stride=template.stride())
-    return tree
+    return DTensor.from_local(local.to(own.device), own.device_mesh, own.placements, shape=own.shape, stride=own.stride())
 
 
 def _optimizer_like(state: dict, optimizer: torch.optim.Optimizer) -> dict:
@@ -152,7 +147,7 @@ def _optimizer_like(state: dict, optimizer: torch.optim.Optimizer) -> dict:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     out = dict(state)
     out["state"] = {
-        i: {k: _like(v, params[i]) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in st.items()}
+        i: {k: _shard_like(v, params[i]) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in st.items()}
         for i, st in state["state"].items()
     }
     return out
@@ -306,7 +301,8 @@ class FaultTolerance:
 
     def _load(self, state: dict) -> None:
         t = self.trainer
-        t.model.load_state_dict(_like(state["model"], t.model.state_dict()))
+        own = t.model.state_dict()
+        t.model.load_state_dict({k: _shard_like(v, own[k]) for k, v in state["model"].items()})
         t.optimizer.load_state_dict(_optimizer_like(state["optimizer"], t.optimizer))
         t.scheduler.load_state_dict(state["scheduler"])
         p = state["position"]
