@@ -468,3 +468,33 @@ def test_memory_snapshots_of_the_traced_steps_on_cuda(cache, tmp_path, monkeypat
     for path in rank0.glob("memory_step*.pickle"):
         snapshot = pickle.loads(path.read_bytes())  # our own file, written just now
         assert snapshot["segments"] and snapshot["device_traces"][0], path.name  # allocations were recorded
+
+
+@gpu
+def test_an_out_of_memory_step_writes_the_allocator_history_that_led_to_it(cache, tmp_path, monkeypatch):
+    """profile.memory=true with no traced step: a real OOM in step 3 (the allocator asked for 1 PiB)
+    writes memory_step3_oom.pickle before the run stops, with the history of steps 1-3 in it."""
+    import pickle
+
+    monkeypatch.setenv("TFORMER_CACHE", str(cache))
+    overrides = small_overrides(
+        "gpt2-tiny", tmp_path, "device=cuda", "precision=bf16", "max_steps=6", "eval_every=0", "save_every=0",
+        "profile.memory=true",
+    )  # fmt: skip
+    trainer = Trainer(load_config(CONFIGS / "gpt2-tiny.yaml", overrides))
+    forward, calls = trainer.model.forward, []
+
+    def hog(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+        return forward(*a, **k)
+
+    monkeypatch.setattr(trainer.model, "forward", hog)
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.fit()
+    rank0 = tmp_path / "profile" / "rank0"
+    assert [p.name for p in rank0.glob("memory_*.pickle")] == ["memory_step3_oom.pickle"]
+    snapshot = pickle.loads((rank0 / "memory_step3_oom.pickle").read_bytes())  # our own file
+    events = snapshot["device_traces"][0]
+    assert sum(e["action"] == "alloc" for e in events) > 100, len(events)  # steps 1-2's activations among them

@@ -3,6 +3,7 @@ named, the stuck collective named, TensorBoard beside W&B, and one-line errors f
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -340,3 +341,94 @@ def test_each_run_of_traced_steps_gets_a_profiler_started_one_step_early(tmp_pat
     for n in (1, 3, 4):
         assert {"tformer/step", "tformer/forward", "aten::mm"} <= _trace_names(d / f"step{n}.trace.json.gz")
     assert set(json.loads((d / "steps.json").read_text())["step_time"]) == {"1", "3", "4"}
+
+
+def _fake_allocator(monkeypatch) -> list:
+    """CUDA's allocator-history calls, recorded on a machine without CUDA: a dump writes a file."""
+    calls: list = []
+
+    def record(enabled="all", **kw):
+        calls.append(("record", enabled, kw))
+
+    def dump(path):
+        calls.append(("dump", Path(path).name))
+        Path(path).write_bytes(b"snapshot")
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dump)
+    return calls
+
+
+def test_memory_history_runs_from_the_first_step_and_an_oom_writes_its_snapshot(tmp_path, monkeypatch, caplog):
+    """profile.memory=true on CUDA, no traced steps (the allocator calls faked): the history is
+    recorded from step 1 to the end, so the snapshot an OOM writes at step 3 holds what led to it;
+    nothing is dumped at the steps before it; the history stops when the run ends. On a CPU the
+    same section makes no profiler and says so in one line."""
+    from tformer.parallel.dist import DistInfo
+    from tformer.train.config import ProfileConfig
+    from tformer.train.profiling import MEMORY_EVENTS, OFF, build_profiler
+
+    calls = _fake_allocator(monkeypatch)
+    cuda = DistInfo(device=torch.device("cuda"))
+    prof = build_profiler(ProfileConfig(memory=True), 10, cuda, tmp_path, "bf16")
+    assert prof is not OFF and prof.prof is None  # no torch.profiler: no step is traced
+    for step in (1, 2):
+        prof.before_step(step)
+        prof.after_step(step, 0.1)
+    prof.before_step(3)
+    prof.on_oom(3)
+    prof.close()
+    assert calls == [
+        ("record", "all", {"max_entries": MEMORY_EVENTS, "stacks": "python"}),
+        ("dump", "memory_step3_oom.pickle"),
+        ("record", None, {}),
+    ]
+    assert (tmp_path / "profile" / "rank0" / "memory_step3_oom.pickle").read_bytes() == b"snapshot"
+    # a rank that does not profile records nothing
+    other = DistInfo(rank=1, world_size=2, device=cuda.device)
+    assert build_profiler(ProfileConfig(memory=True), 10, other, tmp_path, "bf16") is OFF
+    with caplog.at_level("WARNING", logger="tformer.train"):
+        assert build_profiler(ProfileConfig(memory=True), 10, DistInfo(), tmp_path, "fp32") is OFF
+    assert [r.message for r in caplog.records if "profile.memory" in r.message][0].count("\n") == 0
+
+
+def test_an_oom_in_a_step_reaches_the_profiler_with_the_step_in_flight(cache, tmp_path, monkeypatch):
+    """The trainer hands an out-of-memory error to the profiler (the snapshot) before it stops, with
+    the number of the step that ran out, and the error still ends the run."""
+    import tformer.train.trainer as trainer_module
+
+    seen: list = []
+
+    class Recorder:
+        active = False
+
+        def range(self, name):
+            return contextlib.nullcontext()
+
+        def before_step(self, step):
+            pass
+
+        def after_step(self, step, step_time):
+            pass
+
+        def on_oom(self, step):
+            seen.append(step)
+
+        def close(self):
+            seen.append("closed")
+
+    monkeypatch.setattr(trainer_module, "build_profiler", lambda *a, **k: Recorder())
+
+    trainer = Trainer(load_config(CONFIGS / "gpt2-tiny.yaml", _overrides(tmp_path)))
+    forward, calls = trainer.model.forward, []
+
+    def runs_out_in_step_3(*a, **k):  # one forward a step (one micro-batch, no evaluation)
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+        return forward(*a, **k)
+
+    monkeypatch.setattr(trainer.model, "forward", runs_out_in_step_3)
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.fit()
+    assert seen == [3, "closed"]

@@ -117,7 +117,9 @@ class ProfileConfig:
     steps: str | int | list | None = None
     every: int | None = ranged(None, "[1, inf)", note="null = once")  # repeat the steps every this many steps
     ranks: list = field(default_factory=lambda: [0])  # the ranks that trace
-    memory: bool = False  # CUDA: allocator snapshots per traced step (and at an OOM); CPU: the profiler's memory events
+    # CUDA: the allocator history from step 1, a snapshot per traced step and at an OOM (alone: only
+    # at an OOM); CPU: the profiler's memory events of the traced steps
+    memory: bool = False
     with_stack: bool = False  # Python stacks in the traces (larger files, slower steps)
 
     def check(self, max_steps: int) -> None:

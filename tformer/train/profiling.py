@@ -31,6 +31,7 @@ log = logging.getLogger("tformer.train")
 STEPS_FILE = "steps.json"  # beside the traces: the rank, world size, device, and each traced step's time
 PREFIX = "tformer/"  # the trainer's record_function ranges: tformer/step, tformer/data, ...
 _NULL = contextlib.nullcontext()
+MEMORY_EVENTS = 200_000  # the allocator history's ring: the newest events a snapshot holds
 
 
 def check_ranks(cfg: ProfileConfig, world_size: int) -> None:
@@ -73,7 +74,14 @@ def build_profiler(cfg: ProfileConfig, max_steps: int, dist, out: Path, precisio
     """``OFF`` unless this rank traces some step of this run. With ``tensorboard``, each trace is
     also linked where TensorBoard's profile plugin looks: ``OUTPUT/tensorboard/plugins/profile/step{N}/``."""
     steps = cfg.traced(max_steps)
-    if not steps or dist.rank not in cfg.ranks:
+    snapshots = cfg.memory and dist.device.type == "cuda"  # the allocator's history, for an OOM at any step
+    if dist.rank not in cfg.ranks or not (steps or snapshots):
+        if cfg.memory and not steps and dist.rank == min(cfg.ranks):
+            log.warning(
+                "profile.memory=true without profile.steps records nothing on %s: allocator snapshots need "
+                "CUDA; set profile.steps (e.g. profile.steps=3-4) for the profiler's memory events",
+                dist.device.type,
+            )
         return OFF
     about = {"rank": dist.rank, "world_size": dist.world_size, "device": dist.device.type, "precision": precision}
     prof = StepProfiler(cfg, steps, dist.rank, Path(out) / "profile" / f"rank{dist.rank}", dist.device, about)
@@ -112,11 +120,14 @@ class StepProfiler:
             first = step + warmup
             traced = next(n for n in range(first, first + len(self.steps) + 1) if n not in self.steps) - first
             self._start(warmup, traced)
+        if self.cuda and self.cfg.memory and not self._recording_memory:
+            # from the run's first step to its end (a ring of the newest events), so that the
+            # snapshot an OOM writes at any step holds the allocations that led to it; Python stacks
+            # only: C++ ones cost far more per allocation
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_EVENTS, stacks="python")
+            self._recording_memory = True
         self.active = step in self.steps
         if self.active:
-            if self.cuda and self.cfg.memory and not self._recording_memory:
-                torch.cuda.memory._record_memory_history(max_entries=200_000)
-                self._recording_memory = True
             self._current = step
             self._step_range = torch.profiler.record_function(PREFIX + "step")
             self._step_range.__enter__()
@@ -175,9 +186,6 @@ class StepProfiler:
         prof, self.prof = self.prof, None
         if prof is not None:
             prof.stop()
-        if self._recording_memory:
-            torch.cuda.memory._record_memory_history(enabled=None)
-            self._recording_memory = False
 
     # -- memory ---------------------------------------------------------------------------------
     def _dump_memory(self, path: Path) -> None:
@@ -202,3 +210,6 @@ class StepProfiler:
             self._step_range = None
         self.active = False
         self._stop()
+        if self._recording_memory:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._recording_memory = False
