@@ -498,3 +498,30 @@ def test_an_out_of_memory_step_writes_the_allocator_history_that_led_to_it(cache
     snapshot = pickle.loads((rank0 / "memory_step3_oom.pickle").read_bytes())  # our own file
     events = snapshot["device_traces"][0]
     assert sum(e["action"] == "alloc" for e in events) > 100, len(events)  # steps 1-2's activations among them
+
+
+@gpu
+def test_the_watchdogs_dump_holds_nccl_collectives(tmp_path):
+    """NCCL's collectives land in ProcessGroupNCCL's own flight recorder: the watchdog's dump
+    (a world of one on this GPU) holds the all-reduces it made, by name and size."""
+    import subprocess
+    import sys
+
+    code = f"""
+import json, pathlib, torch, torch.distributed as dist
+from tformer.train.watchdog import dump_flight_recorder, enable_flight_recorder
+enable_flight_recorder()
+dist.init_process_group("nccl", init_method="file://{tmp_path}/rendezvous", rank=0, world_size=1)
+x = torch.ones(6, device="cuda")
+for _ in range(3):
+    dist.all_reduce(x)
+torch.cuda.synchronize()
+dump = dump_flight_recorder(pathlib.Path("{tmp_path}"), 0)
+print(json.dumps([[e["profiling_name"], e["input_sizes"]] for e in dump["entries"]]))
+dist.destroy_process_group()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    entries = json.loads(out.stdout.strip().splitlines()[-1])
+    assert entries.count(["nccl:all_reduce", [[6]]]) == 3, entries
+    assert (tmp_path / "flight_rank0.pkl").stat().st_size > 0  # torchfrtrace's input

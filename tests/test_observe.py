@@ -258,7 +258,7 @@ def test_watchdog_names_the_collective_a_rank_never_joined(cache, tmp_path):
 
     assert [p.exitcode for p in ctx.processes] == [EXIT_CODE, EXIT_CODE]
     d = tmp_path / "watchdog"
-    assert (d / "flight_rank0.json").exists() and (d / "flight_rank0.pkl").exists()
+    assert (d / "flight_rank0.json").exists() and (d / "flight_rank0_cpu.pkl").exists()  # gloo: the generic recorder
     report = (d / "report_rank0.txt").read_text()
     # the loss all-reduce of step 3: the 3rd collective of the default group this run made on rank 0
     # after start-up; rank 1's last is the one before it
@@ -432,3 +432,45 @@ def test_an_oom_in_a_step_reaches_the_profiler_with_the_step_in_flight(cache, tm
     with pytest.raises(torch.OutOfMemoryError):
         trainer.fit()
     assert seen == [3, "closed"]
+
+
+def test_the_watchdog_dumps_nccls_own_flight_recorder_beside_the_generic_one(tmp_path, monkeypatch):
+    """NCCL's collectives go to ProcessGroupNCCL's own recorder (a CUDA build's
+    ``_dump_nccl_trace*``), not to the generic one gloo's land in: the dump reads both (faked here,
+    a CPU build has no NCCL), keeps finished entries (``onlyActive`` false), writes each one's
+    pickle and one JSON of all entries, which names the stuck NCCL collective."""
+    from torch._C import _distributed_c10d as c10d
+
+    from tformer.train.watchdog import dump_flight_recorder, stuck_collectives
+
+    def entry(name, seq):
+        return {"profiling_name": name, "collective_seq_id": seq, "process_group": ["0", "default"], "input_sizes": [[8]]}
+
+    asked = []
+
+    def recorder(entries, tag):
+        def as_json(collectives, only_active):
+            asked.append((tag, collectives, only_active))
+            return json.dumps({"version": "2.10", "entries": entries})
+
+        return as_json, lambda collectives, stacks, only_active: tag.encode()
+
+    nccl_json, nccl_pickle = recorder([entry("nccl:all_reduce", 1), entry("nccl:all_reduce", 2)], "nccl")
+    cpu_json, cpu_pickle = recorder([entry("gloo:broadcast", 1)], "cpu")
+    monkeypatch.setattr(c10d, "_dump_nccl_trace_json", nccl_json, raising=False)
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", nccl_pickle, raising=False)
+    monkeypatch.setattr(c10d, "_dump_fr_trace_json", cpu_json)
+    monkeypatch.setattr(c10d, "_dump_fr_trace", cpu_pickle)
+    mine = dump_flight_recorder(tmp_path, 0)
+    assert asked == [("nccl", True, False), ("cpu", True, False)]
+    assert (tmp_path / "flight_rank0.pkl").read_bytes() == b"nccl" and (
+        tmp_path / "flight_rank0_cpu.pkl"
+    ).read_bytes() == b"cpu"
+    assert json.loads((tmp_path / "flight_rank0.json").read_text()) == mine
+    assert [e["profiling_name"] for e in mine["entries"]] == ["nccl:all_reduce", "nccl:all_reduce", "gloo:broadcast"]
+    peer = {"entries": [entry("nccl:all_reduce", 1), entry("gloo:broadcast", 1)]}
+    report = stuck_collectives({0: mine, 1: peer}, 2)
+    assert (
+        "rank(s) [0] entered nccl:all_reduce #2 (sizes [[8]]), rank 1 never joined it (its last: nccl:all_reduce #1)"
+        in report
+    )

@@ -13,15 +13,17 @@ interpreter lock held); a rank whose file is fresh but whose progress is old is 
 example in a collective for the rank that is not responding). The report names both, and each
 rank's stacks land in ``OUTPUT/watchdog/stacks_rank{R}.txt``.
 
-With the watchdog on, torch's flight recorder is turned on too (``TORCH_FR_BUFFER_SIZE``, before
-the process group starts): a ring buffer of the collectives each rank entered, NCCL's and, in
-torch 2.13, gloo's. On a hang each rank dumps it (``flight_rank{R}.json``, and the pickle that
-``torchfrtrace`` reads, ``flight_rank{R}.pkl``); the report names, per process group, the collective
+With the watchdog on, torch's flight recorders are turned on too (``TORCH_FR_BUFFER_SIZE``, before
+the process group starts): ring buffers of the collectives each rank entered, NCCL's (its own
+recorder) and, in torch 2.13, gloo's (the generic one). On a hang each rank dumps both
+(``flight_rank{R}.json`` with their entries, and the pickles that ``torchfrtrace`` reads:
+``flight_rank{R}.pkl`` for NCCL, ``flight_rank{R}_cpu.pkl`` for gloo); the report names, per process group, the collective
 (name, sizes, sequence number) the furthest rank entered and the ranks that never joined it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import logging
@@ -40,23 +42,45 @@ FLIGHT_ENTRIES = "2000"  # collectives kept per rank (torch's ring buffer; the l
 
 
 def enable_flight_recorder() -> None:
-    """Before the process group starts: record its collectives (a user's own size wins)."""
+    """Before the process group starts: record its collectives (a user's own size wins). NCCL's
+    recorder read ``TORCH_NCCL_TRACE_BUFFER_SIZE`` before torch named both ``TORCH_FR_BUFFER_SIZE``."""
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_ENTRIES)
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", FLIGHT_ENTRIES)
+
+
+# torch keeps two flight recorders: ProcessGroupNCCL's own (only in CUDA builds; NCCL's collectives
+# go there and nowhere else) and the generic one (gloo's). (JSON dump, pickle dump, pickle file.)
+RECORDERS = (
+    ("_dump_nccl_trace_json", "_dump_nccl_trace", "flight_rank{rank}.pkl"),
+    ("_dump_fr_trace_json", "_dump_fr_trace", "flight_rank{rank}_cpu.pkl"),
+)
 
 
 def dump_flight_recorder(directory: Path, rank: int) -> dict | None:
-    """This rank's flight recorder, written beside its stacks; None where this torch has none."""
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    try:
-        raw = _dump_fr_trace_json(True, True)
-        (directory / f"flight_rank{rank}.pkl").write_bytes(_dump_fr_trace(True, True, False))
-    except Exception:  # noqa: BLE001 - no recorder (torch built without it, no process group)
-        return None
-    (directory / f"flight_rank{rank}.json").write_bytes(raw)
-    return json.loads(raw)
+    """This rank's flight recorders, written beside its stacks: each one's pickle (what
+    ``torchfrtrace`` reads) and one JSON of their entries together, finished ones included (a rank
+    that never joined a collective is told apart by the ones it finished). None where this torch
+    records nothing."""
+    from torch._C import _distributed_c10d as c10d
+
+    merged: dict | None = None
+    for json_dump, pickle_dump, pickle_file in RECORDERS:
+        if not hasattr(c10d, json_dump):
+            continue
+        try:
+            data = json.loads(getattr(c10d, json_dump)(True, False))  # (collectives, only the active ones)
+        except Exception:  # noqa: BLE001 - a recorder that is off or has no process group
+            continue
+        if data.get("entries"):
+            with contextlib.suppress(Exception):  # (collectives, stack traces, only active)
+                (directory / pickle_file.format(rank=rank)).write_bytes(getattr(c10d, pickle_dump)(True, True, False))
+        if merged is None:
+            merged = data
+        else:
+            merged["entries"] = list(merged.get("entries") or []) + list(data.get("entries") or [])
+    if merged is not None:
+        (directory / f"flight_rank{rank}.json").write_text(json.dumps(merged))
+    return merged
 
 
 def stuck_collectives(dumps: dict[int, dict | None], world_size: int) -> str:
