@@ -39,7 +39,9 @@ def test_the_gemms_count_the_flops_of_models_flops(name, tp):
 @pytest.mark.parametrize(
     "layout, gpu, why",
     [
-        (Layout(float8=True, dp_shard=8), "h100-sxm", "float8"),
+        (Layout(float8=True, dp_shard=8), "a100-80gb", "float8 on a100-80gb: no fp8 peak figure"),
+        (Layout(float8="blockwise", dp_shard=8), "h100-sxm", "float8 recipe 'blockwise'"),
+        (Layout(float8="rowwise", precision="fp32", dp_shard=8), "h100-sxm", "float8 under precision fp32"),
         (Layout(async_tp=True, tp=4), "h100-sxm", "async TP"),
         (Layout("zero2", cp=2, dp_shard=4), "h100-sxm", "context parallelism with DeepSpeed"),
         (Layout(cp=2, dp_shard=4), "b200", "fp32 scores on a GPU"),
@@ -853,3 +855,62 @@ def test_a_cpu_profile_prices_attention_at_its_measured_kernel_rate():
     assert saved == pytest.approx(3.5 * core / 64e9 / 2)
     with pytest.raises(ConfigError, match=r"attention_rate\(64, 0\)=0.0"):
         dataclasses.replace(hw, attention_rate=((64.0, 0.0, 0.0),)).check()
+
+
+def _float8_pair(cfg, layout, hw, seq):
+    bf16 = step_time(cfg, layout, hw, seq, memory=False)
+    return bf16, step_time(cfg, dataclasses.replace(layout, float8="tensorwise"), hw, seq, memory=False)
+
+
+@pytest.mark.parametrize("d_ff", [8192, 8200])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_float8_runs_the_blocks_linear_layers_at_the_fp8_peak_and_pays_for_their_casts(d_ff, compiled):
+    """precision=fp8 as tformer runs it, from llama-1b's shapes by hand: each block's q, k, v, o,
+    gate, up and down (both sizes multiples of 16; an FFN of 8,200 is not, and stays bf16) run
+    forward and both backward products at the fp8 peak, attention's core and the head at bf16's;
+    each converted layer casts its input and weight in forward, and its output gradient twice and
+    input and weight again in backward, 5 bytes an element compiled, 25 eager."""
+    cfg, hw, mb, seq = preset("llama-1b", d_ff=d_ff), _ideal(), 2, 2048
+    d, kvd, layers, T = cfg.d_model, cfg.kv_heads * cfg.head_dim, cfg.num_layers, mb * seq
+    shapes = [(d, d), (kvd, d), (kvd, d), (d, d)]  # (n, k): q, k, v, o
+    if d_ff % 16 == 0:
+        shapes += [(d_ff, d), (d_ff, d), (d, d_ff)]  # gate, up, down
+    flops = sum(3 * 2 * T * n * k for n, k in shapes) * layers  # forward and two backward products
+    saved = flops / hw.gemm_max * (1 / hw.peak["bf16"] - 1 / hw.peak["fp8"])
+    casts = sum(2 * (T * k + n * k + T * n) for n, k in shapes) * layers
+    cast_seconds = casts * (5 if compiled else 25) / (hw.hbm_bandwidth * hw.hbm_efficiency)
+    bf16, fp8 = _float8_pair(cfg, Layout(dp_shard=1, micro_batch=mb, compile=compiled), hw, seq)
+    assert bf16.breakdown["compute"] - fp8.breakdown["compute"] == pytest.approx(saved, rel=1e-9)
+    assert fp8.breakdown["memory-bound"] - bf16.breakdown["memory-bound"] == pytest.approx(cast_seconds, rel=1e-9)
+    assert fp8.mfu / bf16.mfu == pytest.approx(bf16.step / fp8.step)  # MFU against the bf16 peak, as torchtitan's
+
+
+def test_fsdp2_all_gathers_tensorwise_float8_weights_in_one_byte():
+    """With the tensorwise recipe FSDP2 gathers the converted block weights in float8 (1 byte, not
+    bf16's 2), twice a micro-batch (forward and the backward's re-gather); rowwise gathers bf16."""
+    from tformer.plan.comm import data_parallel
+    from tformer.plan.layout import rank_stages
+
+    cfg, hw, n = preset("llama-1b"), _no_latency(), 8
+    converted = cfg.num_layers * sum(g.n * g.k for g in block_gemms(cfg, 1, 64) if g.float8)
+    d, kvd = cfg.d_model, cfg.kv_heads * cfg.head_dim
+    assert converted == cfg.num_layers * (2 * d * d + 2 * d * kvd + 3 * d * cfg.d_ff)  # q, o; k, v; gate, up, down
+
+    def fsdp(recipe):
+        layout = Layout(dp_shard=n, float8=recipe, grad_accum=3)
+        stage = rank_stages(cfg, layout)[0]
+        return data_parallel(layout, hw, stage, 0.0, 0.0, cfg.num_layers, converted)["fsdp"]  # nothing hides it
+
+    link = hw.intra_bandwidth
+    assert fsdp(None) - fsdp("tensorwise") == pytest.approx(3 * 2 * (n - 1) / n * converted / link, rel=1e-9)
+    assert fsdp("rowwise") == fsdp(None)
+
+
+def test_plan_prices_a_float8_run_beside_bf16_and_refuses_a_card_without_fp8(capsys):
+    from tformer.cli import main
+
+    assert main(["plan", "configs/llama-1b.yaml", "precision=fp8", "compile=true", "--gpu", "h100-sxm"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16, the blocks' linear layers in float8 (tensorwise)" in out and "fastest that fits" in out
+    assert main(["plan", "configs/llama-1b.yaml", "precision=fp8", "--gpu", "a100-80gb"]) == 1
+    assert "not priced: float8 on a100-80gb: no fp8 peak figure" in capsys.readouterr().out

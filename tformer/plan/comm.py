@@ -150,11 +150,15 @@ def ep_comm(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: Stage, seq: i
     return stage.moe[0] * layer(seq) + stage.moe[1] * layer(out_len)
 
 
-def data_parallel(layout: Layout, hw: Hardware, stage: Stage, fwd: float, bwd: float, blocks: int) -> dict:
+def data_parallel(
+    layout: Layout, hw: Hardware, stage: Stage, fwd: float, bwd: float, blocks: int, float8_weights: float = 0.0
+) -> dict:
     """Exposed seconds of the data-parallel collectives of a step (rules 1-2 of ``overlap``), for
     one micro-batch of forward ``fwd`` and backward ``bwd`` compute seconds, by kind. The group is
     dp_shard x cp (the cp ranks hold the same parameters); under expert parallelism FSDP2 moves the
-    routed experts' 1/ep over what EP leaves of it (ranks tp x ep apart), the rest over all of it."""
+    routed experts' 1/ep over what EP leaves of it (ranks tp x ep apart), the rest over all of it.
+    With float8's tensorwise recipe FSDP2 all-gathers the ``float8_weights`` converted block
+    weights in float8 (1 byte each, parallel/float8.py)."""
     s, n, rep = layout.strategy, layout.dp_shard * layout.cp, layout.dp_replicate
     tp, ep = layout.tp, layout.ep
     pe = 2 if layout.mixed else 4
@@ -163,19 +167,21 @@ def data_parallel(layout: Layout, hw: Hardware, stage: Stage, fwd: float, bwd: f
     m = layout.micro_batches
     units = max(1, blocks)
 
-    def sharded(kind: str, per_param: float) -> float:
-        """One pass of ``kind`` over every parameter of the stage, ``per_param`` bytes each."""
+    def sharded(kind: str, per_param: float, less: float = 0.0) -> float:
+        """One pass of ``kind`` over every parameter of the stage, ``per_param`` bytes each, ``less``
+        bytes fewer among the dense (not routed-expert) ones."""
         if ep == 1:
-            return ring(kind, params * per_param, n, shard_link)
+            return ring(kind, params * per_param - less, n, shard_link)
         dense, experts = params - stage.experts, stage.experts / ep
-        return ring(kind, dense * per_param, n, shard_link) + ring(
+        return ring(kind, dense * per_param - less, n, shard_link) + ring(
             kind, experts * per_param, n // ep, link_of(hw, tp * ep, n // ep)
         )
 
     out: dict[str, float] = {}
     if s in ("fsdp", "fsdp-no-reshard", "zero3"):
         grad = 4 if s.startswith("fsdp") else pe  # FSDP2 reduces in fp32; DeepSpeed in the model's dtype
-        gather = sharded("all_gather", pe)
+        float8 = float8_weights * (pe - 1) if layout.float8 == "tensorwise" and s.startswith("fsdp") else 0.0
+        gather = sharded("all_gather", pe, float8)
         scatter = sharded("reduce_scatter", grad)
         again = 0.0 if s == "fsdp-no-reshard" else gather
         per_micro = overlap("prefetch", gather, fwd, gather / units, hw) + overlap(

@@ -64,14 +64,19 @@ class Gemm(NamedTuple):
     fp32: bool = False
     fp32_backward: bool = False
     mask: str = ""  # attention's core without context parallelism: causal | bias | plain (hardware.attention_rate)
+    float8: bool = False  # a linear layer precision=fp8 converts (parallel/float8.float8_filter)
 
     @property
     def linear(self) -> bool:
         return self.kind == "linear"
 
 
-def _linear(tokens: float, n_out: float, k_in: float) -> Gemm:
-    return Gemm(2 * tokens * n_out * k_in, 2 * tokens * n_out * k_in, tokens, n_out, k_in)
+def _linear(tokens: float, n_out: float, k_in: float, block: bool = False) -> Gemm:
+    """A linear layer's forward GEMM; ``block``: one of a transformer block's projections, FFN or
+    shared experts, which precision=fp8 converts when both of its sizes are multiples of 16 (what
+    the FP8 tensor cores' GEMM needs; the router, the shared-expert gate, the head stay bf16)."""
+    f8 = block and n_out % 16 == 0 and k_in % 16 == 0
+    return Gemm(2 * tokens * n_out * k_in, 2 * tokens * n_out * k_in, tokens, n_out, k_in, float8=f8)
 
 
 def attention_kernel(flash: bool, cp: int, device: str) -> str:
@@ -123,12 +128,12 @@ def _attention_gemms(
         scores = Gemm(executed, core, qc, kc, dk, "scores", 2.0 if explicit else ATTENTION_BACKWARD, gpu, explicit)
         values = Gemm(executed, core, qc, dk, kc, "values", 3.0 if explicit else ATTENTION_BACKWARD, False, explicit)
     return [
-        _linear(tq, h * dk, d),  # q
-        _linear(tk, kv * dk, d),  # k
-        _linear(tk, kv * dk, d),  # v
+        _linear(tq, h * dk, d, True),  # q
+        _linear(tk, kv * dk, d, True),  # k
+        _linear(tk, kv * dk, d, True),  # v
         scores,
         values,
-        _linear(tq, d, h * dk),  # output
+        _linear(tq, d, h * dk, True),  # output
     ]
 
 
@@ -136,7 +141,7 @@ def _ffn_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[Gemm]:
     """In execution order: gate (gated kinds only), up, down."""
     d, ff = cfg.d_model, cfg.d_ff // tp
     gated = FFN_KINDS[cfg.activation][1]
-    return [_linear(tokens, ff, d)] * (2 if gated else 1) + [_linear(tokens, d, ff)]
+    return [_linear(tokens, ff, d, True)] * (2 if gated else 1) + [_linear(tokens, d, ff, True)]
 
 
 def _moe_gemms(cfg: ModelConfig, tokens: int, ep: int) -> list[Gemm]:
@@ -156,7 +161,7 @@ def _moe_gemms(cfg: ModelConfig, tokens: int, ep: int) -> list[Gemm]:
     out = [_linear(tokens, moe.num_experts, d)] + [grouped(width, d)] * (2 if gated else 1) + [grouped(d, width)]
     if moe.num_shared_experts:
         shared = moe.num_shared_experts * (moe.d_shared or width)
-        out += [_linear(tokens, shared, d)] * (2 if gated else 1) + [_linear(tokens, d, shared)]
+        out += [_linear(tokens, shared, d, True)] * (2 if gated else 1) + [_linear(tokens, d, shared, True)]
         if moe.shared_gate:
             out.append(_linear(tokens, 1, d))
     return out
@@ -208,23 +213,26 @@ def head_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[Gemm]:
     return out
 
 
-def _seconds(g: Gemm, peak: float, hw: Hardware, fp32: bool, which: int = 0) -> float:
+def _seconds(g: Gemm, peak: float, hw: Hardware, fp32: bool, which: int = 0, fp8: float | None = None) -> float:
     """Seconds of ``g``'s forward (``which`` 0) or, for a linear layer, one of its backward products
     (1: input gradient, 2: weight gradient): from the measured table where the profile has one (a
-    CPU's), else at the peak times the efficiency curve."""
+    CPU's), else at the peak times the efficiency curve; a float8 layer's at the fp8 peak ``fp8``
+    when the run converts it (the same share of that peak as a bf16 GEMM of its shape reaches of
+    bf16's: no float8 GEMM has been measured for the curve yet)."""
     if hw.attention_rate and g.mask:  # the CPU's flash kernel as measured, its exps included
         flops = g.executed if g.mask == "causal" else g.counted  # a masked kernel computes every score
         return flops / hw.attention_flops(g.m, g.mask)
     if hw.gemm_table:
         return g.executed / hw.gemm_rate(g.m, g.n, g.k, which if g.linear else 0)
-    return g.executed / ((hw.peak["fp32"] if fp32 else peak) * gemm_efficiency(g.m, g.n, g.k, hw))
+    rate = hw.peak["fp32"] if fp32 else fp8 if fp8 and g.float8 else peak
+    return g.executed / (rate * gemm_efficiency(g.m, g.n, g.k, hw))
 
 
-def gemm_time(gemms: list[Gemm], peak: float, hw: Hardware) -> float:
-    return sum(_seconds(g, peak, hw, g.fp32) for g in gemms)
+def gemm_time(gemms: list[Gemm], peak: float, hw: Hardware, fp8: float | None = None) -> float:
+    return sum(_seconds(g, peak, hw, g.fp32, fp8=fp8) for g in gemms)
 
 
-def backward_time(gemms: list[Gemm], peak: float, hw: Hardware) -> float:
+def backward_time(gemms: list[Gemm], peak: float, hw: Hardware, fp8: float | None = None) -> float:
     """Each GEMM's backward: a linear layer's is two GEMMs of its forward's size (input and weight
     gradients); attention's core under flash / memory-efficient kernels is 2.5 times its forward:
     the kernel recomputes the scores (QK^T) and then makes dV, dP, dQ and dK, five products against
@@ -235,9 +243,31 @@ def backward_time(gemms: list[Gemm], peak: float, hw: Hardware) -> float:
     for g in gemms:
         fp32 = g.fp32_backward or g.fp32
         if g.linear and hw.gemm_table:  # the table has each of the two products' own rate
-            total += g.backward / 2 * (_seconds(g, peak, hw, fp32, 1) + _seconds(g, peak, hw, fp32, 2))
+            total += g.backward / 2 * (_seconds(g, peak, hw, fp32, 1, fp8) + _seconds(g, peak, hw, fp32, 2, fp8))
         else:
-            total += g.backward * _seconds(g, peak, hw, fp32)
+            total += g.backward * _seconds(g, peak, hw, fp32, fp8=fp8)
+    return total
+
+
+# Bytes moved per element of one dynamic float8 cast (torchao's ``hp_tensor_to_float8_dynamic``
+# on a bf16 tensor). Eager, op by op: abs (read 2, write 2), max (read 2), the scale multiply in
+# fp32 (read 2, write 4), clamp (read 4, write 4), the cast (read 4, write 1): 25. Compiled: the
+# amax a reduction over the tensor (read 2), then one kernel reads it again and writes float8 (2 + 1): 5.
+FLOAT8_CAST_BYTES = {False: 25.0, True: 5.0}
+
+
+def float8_casts(gemms: list[Gemm], recomputed: list[Gemm]) -> float:
+    """Elements cast to float8 for one micro-batch of these GEMMs' converted layers: forward casts
+    the input (m x k) and the weight (n x k); backward casts the output gradient twice (one layout
+    for the input gradient, one for the weight gradient) and the input and weight again (torchao
+    keeps them in high precision for the backward); a recomputed forward casts its two again."""
+    total = 0.0
+    for g in gemms:
+        if g.float8:
+            total += 2 * (g.m * g.k + g.n * g.k + g.m * g.n)
+    for g in recomputed:
+        if g.float8:
+            total += g.m * g.k + g.n * g.k
     return total
 
 

@@ -1,11 +1,12 @@
 """A training layout the time model prices (:class:`Layout`), its result (:class:`StepTime`), what
 each of its pipeline ranks runs (:class:`Stage`), and the layouts it refuses.
 
-Layouts the model has no terms for are refused with the reason (``NotPriced``): float8 matmuls, async
-TP, layouts tformer does not run (context parallelism with attention dropout or DeepSpeed, expert
-parallelism outside FSDP2 or with pipelines, MoE models under TP or DeepSpeed), a precision without
-a peak figure. A layout no run can have (ep without experts, an ep that does not divide them or
-dp_shard x cp, a tp that does not divide the heads) is a ``ConfigError`` (``check_layout``).
+Layouts the model has no terms for are refused with the reason (``NotPriced``): async TP, float8 on
+a device without an fp8 peak (or emulated on a CPU), layouts tformer does not run (context
+parallelism with attention dropout or DeepSpeed, expert parallelism outside FSDP2 or with pipelines,
+MoE models under TP or DeepSpeed), a precision without a peak figure. A layout no run can have (ep
+without experts, an ep that does not divide them or dp_shard x cp, a tp that does not divide the
+heads) is a ``ConfigError`` (``check_layout``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .states import STRATEGY_NAMES, stage_parameters, tp_blocker, tp_local_param
 
 
 AC_POLICIES = ("none", "op", "op-alternate", "full")
+FLOAT8_RECIPES = ("tensorwise", "rowwise")  # torchao's, as precision=fp8 runs them (float8.recipe)
 ATTENTION_KERNELS = ("flash", "unfused")
 
 
@@ -52,10 +54,16 @@ class Layout:
     compile: bool = False  # torch.compile fuses each elementwise chain into one read and one write
     cp: int = 1  # context parallelism: each sequence cut over cp ranks (parallel/context.py)
     ep: int = 1  # expert parallelism (MoE models): experts split over ep of the dp_shard x cp ranks
-    float8: bool = False  # not priced
+    # precision=fp8: the blocks' linear layers in float8 with this torchao recipe, the rest in
+    # ``precision`` (bf16); None: off (True reads as tensorwise, the published rows' flag)
+    float8: str | bool | None = None
     async_tp: bool = False  # not priced
     attention: str = "flash"  # ATTENTION_KERNELS: flash (SDPA, tformer's) | unfused (explicit S x S scores)
     loss_chunk: int | None = None  # loss.chunk_size: the head and loss over this many rows at a time (tp 1)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.float8, bool):
+            object.__setattr__(self, "float8", "tensorwise" if self.float8 else None)
 
     @property
     def devices(self) -> int:
@@ -107,7 +115,14 @@ def why_not_priced(cfg: ModelConfig, layout: Layout, hw: Hardware) -> str | None
     reasons = []
     deepspeed = layout.strategy.startswith("zero")
     if layout.float8:
-        reasons.append("float8 matmuls (two peak rates in one step; no efficiency figure for them)")
+        if layout.float8 not in FLOAT8_RECIPES:
+            reasons.append(f"float8 recipe {layout.float8!r} (priced: {', '.join(FLOAT8_RECIPES)})")
+        if hw.device == "cpu":
+            reasons.append("float8 on a CPU: emulated (fp32 products of float8 values), not a speed to plan with")
+        elif "fp8" not in hw.peak:
+            reasons.append(f"float8 on {hw.name}: no fp8 peak figure (FP8 tensor cores: Ada, Hopper, Blackwell)")
+        if layout.precision != "bf16":
+            reasons.append(f"float8 under precision {layout.precision} (tformer runs float8 beside bf16)")
     if layout.async_tp:
         reasons.append("async TP (TP collectives hidden behind matmuls; not modelled)")
     if layout.cp > 1:

@@ -60,9 +60,18 @@ def hardware(gpu: str, figures: list[str], gpus_per_node: int | None = None) -> 
     return profile(gpu, **overrides)
 
 
-def layout_of(e: memory_plan.Estimate, precision: str, loss_chunk: int | None = None) -> Layout:
-    """The time model's layout of a planned estimate, run with the trainer's ``loss.chunk_size``."""
+def layout_of(
+    e: memory_plan.Estimate,
+    precision: str,
+    loss_chunk: int | None = None,
+    float8: str | None = None,
+    compile: bool = False,
+) -> Layout:
+    """The time model's layout of a planned estimate, run with the trainer's ``loss.chunk_size``,
+    ``compile`` (true or model) and, for precision=fp8, its float8 recipe beside bf16."""
     return Layout(
+        float8=float8,
+        compile=compile,
         strategy=e.strategy,
         micro_batch=e.micro_batch,
         dp_replicate=e.dp_replicate,
@@ -105,9 +114,13 @@ def speed_report(
 ) -> int:
     """Print the priced table of ``fits`` (``candidates``, best for memory first), the fastest
     layout's breakdown and, when it differs, the memory-only choice's speed."""
-    precision = "bf16" if cfg.precision in ("auto", "bf16") else cfg.precision
+    precision = "bf16" if cfg.precision in ("auto", "bf16", "fp8") else cfg.precision
+    # precision=fp8: the blocks' linear layers in float8 (the recipe's), the rest in bf16
+    float8 = cfg.float8.recipe if cfg.precision == "fp8" else None
+    compiled = cfg.compile not in (False, "false")  # true (the blocks) or model: fused elementwise chains
     model = cfg.model
-    print(f"\npredicted speed on {hw.name} ({hw.gpus_per_node} per node; {precision}; time model: tformer/plan/time.py):")
+    what = f"bf16, the blocks' linear layers in float8 ({float8})" if float8 else precision
+    print(f"\npredicted speed on {hw.name} ({hw.gpus_per_node} per node; {what}; time model: tformer/plan/time.py):")
     head = f"  {'layout':<40}{'AC':<6}{'micro':>6}{'GiB':>7}{'step s':>9}{'tok/s/dev':>11}{'MFU':>6}"
     print(head + (f"{'to train':>11}" if tokens else ""))
     priced: list[tuple[memory_plan.Estimate, StepTime]] = []
@@ -115,7 +128,7 @@ def speed_report(
     chunk = memory_plan.training_memory(cfg, hw.memory if hw.device == "cuda" else None)["chunk"]
     for e in fits:
         try:
-            r = step_time(model, layout_of(e, precision, chunk), hw, seq, target, memory=False)
+            r = step_time(model, layout_of(e, precision, chunk, float8, compiled), hw, seq, target, memory=False)
         except NotPriced as why:
             print(f"  {_name(e):<40}{e.ac:<6}{e.micro_batch:>6}{e.total / 2**30:>7.1f}  {why}")
             continue

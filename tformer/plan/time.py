@@ -53,7 +53,16 @@ from ..models import spec_of
 from ..models.flops import training_flops
 from ..parallel.context import padded_length
 from .comm import cp_comm, data_parallel, ep_comm, link_of, overlap, tp_comm
-from .compute import attention_kernel, backward_time, block_gemms, gemm_time, head_time, recomputed_gemms
+from .compute import (
+    FLOAT8_CAST_BYTES,
+    attention_kernel,
+    backward_time,
+    block_gemms,
+    float8_casts,
+    gemm_time,
+    head_time,
+    recomputed_gemms,
+)
 from .hardware import Hardware
 from .host import op_counts, optimizer_ops
 from .layout import Layout, NotPriced, Stage, StepTime, check_layout, rank_stages, why_not_priced
@@ -100,15 +109,20 @@ def _micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: Stage, s
     stacks = [(first, stage.moe[0], seq, None), (second, stage.moe[1], out_len, seq)]
     flash = layout.attention == "flash"
     kernel = attention_kernel(flash, cp, hw.device)
-    fwd = bwd = elements = scores = kernels = transcendental = 0.0
+    fp8 = hw.peak["fp8"] if layout.float8 else None  # the blocks' converted linear layers' rate
+    fwd = bwd = elements = scores = kernels = transcendental = casts = float8_weights = 0.0
     passes = 3 + (1 if layout.ac != "none" else 0)  # forward, backward (2x), recomputed forward
     for n, n_moe, length, cross in stacks:
         for count, moe in ((n - n_moe, False), (n_moe, True)):
             if not count:
                 continue
             gemms = block_gemms(cfg, mb, length, tp, cross, flash, cp, hw.device, moe, layout.ep)
-            fwd += count * gemm_time(gemms, peak, hw)
-            bwd += count * (backward_time(gemms, peak, hw) + gemm_time(recomputed_gemms(gemms, layout.ac), peak, hw))
+            again = recomputed_gemms(gemms, layout.ac)
+            fwd += count * gemm_time(gemms, peak, hw, fp8)
+            bwd += count * (backward_time(gemms, peak, hw, fp8) + gemm_time(again, peak, hw, fp8))
+            if fp8:
+                casts += count * float8_casts(gemms, again)
+                float8_weights += count * sum(g.n * g.k for g in gemms if g.float8)
             e, k = elementwise(cfg, tp, sp, layout.compile, cross is not None, moe)
             if layout.compile:  # a compiled block issues its fused kernels and GEMMs, not its eager ops
                 kernels += count * (k + len(gemms))
@@ -121,7 +135,7 @@ def _micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: Stage, s
                 kernels += count * PAIR_KERNELS * pairs / (cfg.num_heads // tp)
     head_fwd, head_bwd = head_time(cfg, layout, mb * out_len // cp, peak, hw) if stage.head else (0.0, 0.0)
     compute = fwd + bwd + head_fwd + head_bwd
-    memory = (passes * elements * elt + scores) / bandwidth + transcendental
+    memory = (passes * elements * elt + scores + casts * FLOAT8_CAST_BYTES[layout.compile]) / bandwidth + transcendental
     if stage.head:
         head_tokens = mb * out_len // cp
         split = tp if layout.loss_parallel else 1
@@ -139,6 +153,7 @@ def _micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: Stage, s
         "ep": overlap("ep", ep_comm(cfg, layout, hw, stage, seq, out_len), 0.0, 0.0, hw),
         "fwd": fwd + head_fwd,
         "bwd": bwd + head_bwd,
+        "float8_weights": float8_weights,  # elements (not seconds): FSDP2's float8 all-gather
     }
 
 
@@ -214,7 +229,7 @@ def step_time(
         mb = _micro_batch(cfg, layout, hw, stage, seq, target)
         if layout.pp > 1 and hw is not alone:
             mb = _pipeline_alone(mb, _micro_batch(cfg, layout, alone, stage, seq, target), layout, m)
-        dp = data_parallel(layout, hw, stage, mb["fwd"], mb["bwd"], sum(stage.blocks))
+        dp = data_parallel(layout, hw, stage, mb["fwd"], mb["bwd"], sum(stage.blocks), mb["float8_weights"])
         ranks.append((mb, dp, stage))
     busy = ("compute", "memory-bound", "tp", "cp", "ep") + (("host",) if hw.device == "cpu" else ())
     mb, dp, stage = max(ranks, key=lambda r: sum(r[0][k] for k in busy) + sum(r[1].values()))
