@@ -85,6 +85,33 @@ def elementwise(cfg: ModelConfig, tp: int, sp: bool, compiled: bool, cross: bool
     return elements, kernels + moe_kernels  # (+ views)
 
 
+def fp32_stream_bytes(cfg: ModelConfig, tp: int, sp: bool, compiled: bool, cross: bool, recomputed: bool) -> float:
+    """Bytes per token one block's norms and residual adds move beyond ``elementwise``'s elements at
+    the activations' 2 bytes, when bf16 autocast runs over fp32 weights (one device, DDP: the
+    residual stream stays fp32, memory.py's ``fp32_weights``), all passes of one micro-batch.
+
+    Counted per element of the stream for each sub-layer, eager (nn/norm.py, nn/cast.py):
+    forward, the norm (read 4, write 4; RMSNorm's gain another read 4, write 4), the cast of its
+    output to bf16 (read 4, write 2), the residual add of the bf16 sub-layer output (read 4 + 2,
+    write 4): 24 (RMSNorm 32); backward, the cast's gradient back to fp32 (read 2, write 4), the
+    norm's backward (reads the input and the gradient, writes the input's gradient, and reads both
+    again for the gain's: 20; RMSNorm's gain multiply as much again), the sum with the residual's
+    gradient (read 8, write 4), the sub-layer output's gradient cast to bf16 (read 4, write 2): 44
+    (RMSNorm 64). ``elementwise`` prices the sub-layer's norm and add as 5 elements x 2 bytes,
+    twice that in backward: 30. Compiled, one kernel per chain reads and writes the stream in
+    fp32: 2 bytes more on each of its four stream accesses, forward and backward: 8. A recomputed
+    forward (any checkpointing) moves the forward's share again."""
+    d = cfg.d_model / (tp if sp else 1)
+    sublayers = 3 if cross else 2
+    rms = cfg.norm == "rmsnorm"
+    if compiled:
+        extra, again = 8.0, 4.0
+    else:
+        forward, backward = (32, 64) if rms else (24, 44)
+        extra, again = forward + backward - 30.0, forward - 10.0
+    return sublayers * d * (extra + (again if recomputed else 0.0))
+
+
 def _moe_widths(cfg: ModelConfig) -> float:
     """Hidden values per token an MoE FFN applies its activation to: top_k experts' and the shared
     experts' widths."""
@@ -109,6 +136,44 @@ def head_traffic(cfg: ModelConfig, tokens: int, tp: int, mixed: bool) -> float:
     cast back under mixed precision: per logit 2 x (elt) + 16."""
     elt = 2 if mixed else 4
     return tokens * cfg.padded_vocab_size / tp * (2 * elt + 16)
+
+
+def gpu_head_bytes(cfg: ModelConfig, layout: Layout, tokens: int) -> float:
+    """Bytes the head's elementwise passes and the chunked loss's weight-gradient accumulator move on
+    a GPU for ``tokens`` rows of one rank, counted op by op from the loss the trainer runs
+    (models/base.py ``lm_loss``, models/loss.py ``chunked_lm_loss``); the GEMMs' own operands overlap
+    their compute as everywhere in this model. Per logit, under mixed precision (fp32: the logits
+    are fp32, so no copy and no cast back):
+
+    - whole, eager (``CrossEntropy`` over its own fp32 copy): the GEMM writes bf16 logits (2),
+      ``.float()`` (read 2, write 4), ``logsumexp`` (amax: read 4; x - max: read 4, write 4; exp:
+      read 4, write 4; sum: read 4), the subtraction in place (read 4, write 4), backward's exp and
+      scale in place (read 4, write 4 each), the cast back to bf16 for the head's GEMMs (read 4,
+      write 2): 62 bytes;
+    - whole, compiled (``compile_head``): the logits written (2), read by the fused log-sum-exp and
+      again to write the saved fp32 log-probabilities (2 + 2 + 4), read in backward, which writes
+      the bf16 gradient (4 + 2): 16;
+    - chunked (``loss.chunk_size``; a Python loop over chunks whatever ``compile`` says): the logits
+      (2), ``.float()`` (2 + 4), amax (4), the shift, exp, softmax and label-mask passes in place
+      (4 + 4 each, four of them), the sum of exps (4), the bf16 copy for the input gradient (4 +
+      2): 54 bytes. Each chunk's weight gradient is added in place (``addmm_``, beta 1) to the fp32
+      (vocabulary x d) gradient, which the GEMM reads and writes whole: 8 bytes per weight per
+      chunk, and 12 more once (zeroed, scaled by 1 / count).
+
+    The head's GEMMs and loss run whole under TP (loss parallelism), as ``head_time`` says."""
+    mixed = layout.mixed
+    elt = 2 if mixed else 4
+    vocab = cfg.padded_vocab_size // layout.tp
+    copies = (elt + 4) + (4 + elt) if mixed else 0  # the fp32 copy of the logits and the bf16 gradient
+    chunk = layout.loss_chunk if layout.tp == 1 else None
+    if chunk is not None:
+        per_logit = elt + copies + 4 + 4 * 8 + 4
+        chunks = -(-tokens // min(chunk, tokens)) if tokens else 0
+        accumulator = (8 * chunks + 12) * vocab * cfg.d_model
+        return tokens * vocab * per_logit + accumulator
+    if layout.compile:
+        return tokens * vocab * (4 * elt + 8)
+    return tokens * vocab * (elt + copies + 24 + 8 + 16)
 
 
 def transcendental_seconds(

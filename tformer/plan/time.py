@@ -49,6 +49,7 @@ The overlap rules are comm.py's; the layouts the model refuses, layout.py's (``N
 from __future__ import annotations
 
 from ..config import ModelConfig
+from ..data.config import DataConfig
 from ..models import spec_of
 from ..models.flops import training_flops
 from ..parallel.context import padded_length
@@ -67,18 +68,39 @@ from .hardware import Hardware
 from .host import op_counts, optimizer_ops
 from .layout import Layout, NotPriced, Stage, StepTime, check_layout, rank_stages, why_not_priced
 from .memory import Estimate, bubble, cp_estimate, estimate, with_expert_parallel
-from .memory_bound import elementwise, head_exps, head_traffic, score_bytes, transcendental_seconds
+from .memory_bound import (
+    elementwise,
+    fp32_stream_bytes,
+    gpu_head_bytes,
+    head_exps,
+    head_traffic,
+    score_bytes,
+    transcendental_seconds,
+)
 
 
 OPTIMIZER_BYTES = (
     44  # per fp32 parameter: AdamW reads p, g, m, v and writes p, m, v (28); grad norm + clip (12); zeroing (4)
 )
 
+# per fp32 weight under bf16 autocast where the weights stay fp32 (DDP, one device; FSDP2 and
+# DeepSpeed gather bf16 copies instead): the step's first use casts it to bf16 (read 4, write 2;
+# autocast caches the copy for the step) and its bf16 gradient is cast back to fp32 (read 2, write 4)
+AUTOCAST_WEIGHT_BYTES = 12
+
 
 # kernels between context parallelism's chunk pairs, counted from context.py for ``op_overhead``: a
 # pair's forward (the kernel and its log-sum-exp merge, 14) and backward (the kernel and three
 # gradient accumulations, 4), averaged over the 3 passes ``_micro_batch`` counts
 PAIR_KERNELS = 6
+
+
+def head_rows(cfg: ModelConfig, tokens: int) -> int:
+    """Rows of ``tokens`` the head runs over: a masked LM's labelled share only (models/base.py
+    gathers the labelled positions first), at the data's default ``mlm_probability``."""
+    if not spec_of(cfg).masked_lm:
+        return tokens
+    return round(tokens * DataConfig().mlm_probability)
 
 
 def _lengths(cfg: ModelConfig, seq: int, target: int | None) -> tuple[int, int | None]:
@@ -110,7 +132,7 @@ def _micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: Stage, s
     flash = layout.attention == "flash"
     kernel = attention_kernel(flash, cp, hw.device)
     fp8 = hw.peak["fp8"] if layout.float8 else None  # the blocks' converted linear layers' rate
-    fwd = bwd = elements = scores = kernels = transcendental = casts = float8_weights = 0.0
+    fwd = bwd = elements = scores = kernels = transcendental = casts = float8_weights = stream = 0.0
     passes = 3 + (1 if layout.ac != "none" else 0)  # forward, backward (2x), recomputed forward
     for n, n_moe, length, cross in stacks:
         for count, moe in ((n - n_moe, False), (n_moe, True)):
@@ -127,17 +149,28 @@ def _micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: Stage, s
             if layout.compile:  # a compiled block issues its fused kernels and GEMMs, not its eager ops
                 kernels += count * (k + len(gemms))
             elements += count * mb * length // cp * e
+            if mixed and layout.strategy == "ddp":  # autocast over fp32 weights: an fp32 residual stream
+                stream += (
+                    count
+                    * mb
+                    * length
+                    // cp
+                    * fp32_stream_bytes(cfg, tp, sp, layout.compile, cross is not None, layout.ac != "none")
+                )
             scores += count * score_bytes(cfg, layout, gemms, kernel)
             tokens = mb * length // cp
             transcendental += count * transcendental_seconds(cfg, layout, hw, gemms, kernel, tokens, moe, passes)
             if cp > 1:  # the chunk pairs' kernels, beyond what the counted block runs
                 pairs = sum(g.executed / (2 * g.m * g.n * g.k) for g in gemms if g.kind == "scores") / mb
                 kernels += count * PAIR_KERNELS * pairs / (cfg.num_heads // tp)
-    head_fwd, head_bwd = head_time(cfg, layout, mb * out_len // cp, peak, hw) if stage.head else (0.0, 0.0)
+    head_tokens = head_rows(cfg, mb * out_len // cp)
+    head_fwd, head_bwd = head_time(cfg, layout, head_tokens, peak, hw) if stage.head else (0.0, 0.0)
     compute = fwd + bwd + head_fwd + head_bwd
-    memory = (passes * elements * elt + scores + casts * FLOAT8_CAST_BYTES[layout.compile]) / bandwidth + transcendental
-    if stage.head:
-        head_tokens = mb * out_len // cp
+    memory = (passes * elements * elt + scores + stream + casts * FLOAT8_CAST_BYTES[layout.compile]) / bandwidth
+    memory += transcendental
+    if stage.head and not hw.exp_rate:  # a datasheet profile: the passes as the loss runs them on a GPU
+        memory += gpu_head_bytes(cfg, layout, head_tokens) / bandwidth
+    elif stage.head:  # a calibrated CPU's: its measured exp rate where slower than the bytes
         split = tp if layout.loss_parallel else 1
         memory += max(
             head_traffic(cfg, head_tokens, split, mixed) / bandwidth, head_exps(cfg, layout, head_tokens, split, hw)
@@ -236,6 +269,8 @@ def step_time(
     parts = {k: m * mb[k] for k in busy if k in ("compute", "memory-bound", "tp") or mb[k] > 0}
     shard = 1 if layout.strategy == "ddp" else layout.dp_shard * layout.cp
     parts["optimizer"] = stage.params / shard * OPTIMIZER_BYTES / (hw.hbm_bandwidth * hw.hbm_efficiency)
+    if layout.mixed and layout.strategy == "ddp":  # autocast over fp32 weights: AUTOCAST_WEIGHT_BYTES
+        parts["optimizer"] += stage.params * AUTOCAST_WEIGHT_BYTES / (hw.hbm_bandwidth * hw.hbm_efficiency)
     if layout.pp > 1:
         v = layout.stages_per_rank if layout.schedule == "interleaved_1f1b" else 1
         b = bubble(layout.schedule, layout.pp, m, v)
