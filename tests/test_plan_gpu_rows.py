@@ -186,3 +186,70 @@ def test_the_fp32_residual_stream_is_priced_under_ddp_autocast_only():
     assert ddp.breakdown["memory-bound"] - fsdp.breakdown["memory-bound"] == pytest.approx(stream)
     # fp32 runs keep every tensor fp32: elementwise already prices them at 4 bytes
     assert fp32.breakdown["memory-bound"] > ddp.breakdown["memory-bound"]
+
+
+# --- tformer plan --calibrate on a CUDA device, its logic with the measurements faked ----------------
+class FakeGpu:
+    """Rates a GPU might give: the thin GEMM at half the large one's rate, T5's bias kernel at a
+    third of flash's, a 3 TB/s copy, 4 us per op."""
+
+    def __init__(self, name="NVIDIA H200"):
+        self.card, self.calls = name, []
+
+    def name(self):
+        return self.card
+
+    def gemm(self, m, n, k, dtype):
+        self.calls.append((m, n, k, dtype))
+        rate = {"bf16": 800e12, "tf32": 400e12, "fp32": 50e12}[dtype]
+        return rate / 2 if m < 1024 else rate
+
+    def attention(self, seq, mask):
+        return {"causal": 300e12, "bias": 100e12, "plain": 250e12}[mask] * seq / 4096
+
+    def bandwidth(self, nbytes):
+        return 3e12
+
+    def op_overhead(self):
+        return 4e-6
+
+
+def test_gpu_calibration_derives_the_profile_from_its_measurements(tmp_path, capsys):
+    from tformer.plan import load_profile
+    from tformer.plan.calibrate_gpu import LARGE, THIN, calibrate_gpu
+    from tformer.plan.compute import gemm_efficiency
+    from tformer.plan.report import calibrate_gpu_main, hardware
+
+    path = tmp_path / "gpu.json"
+    fake = FakeGpu()
+    assert calibrate_gpu_main(str(path), fake) == 0
+    assert "use it with: tformer plan CONFIG --gpu" in capsys.readouterr().out
+    hw = hardware(str(path), [])
+    assert hw == load_profile(path) and hw.device == "cuda"
+    # the curve through the two measured shapes: each shape priced at the rate it was measured at
+    for shape, rate in ((LARGE, 800e12), (THIN, 400e12)):
+        assert hw.peak["bf16"] * gemm_efficiency(*shape, hw) == pytest.approx(rate, rel=1e-6)
+    assert hw.peak["tf32"] * gemm_efficiency(*LARGE, hw) == pytest.approx(400e12, rel=1e-6)
+    assert hw.hbm_bandwidth == 3e12 and hw.hbm_efficiency == 1.0 and hw.op_overhead == 4e-6
+    assert hw.attention_flops(2048, "bias") == pytest.approx(50e12) and hw.attention_flops(1024, "causal") == pytest.approx(
+        75e12
+    )
+    # what one GPU cannot measure is the card's datasheet's: links, memory, fp8
+    assert (hw.memory, hw.intra_bandwidth, hw.peak["fp8"]) == (141e9, 450e9, profile("h200").peak["fp8"])
+    # priced with it, T5's bias attention costs what its kernel was measured at
+    cfg, layout = preset("t5-base"), Layout(strategy="ddp", micro_batch=64, loss_parallel=False)
+    slow = step_time(cfg, layout, hw, 512, 114, memory=False).breakdown["compute"]
+    fake.attention = lambda seq, mask: 300e12 * seq / 4096  # the bias kernel as fast as flash
+    fast = step_time(cfg, layout, calibrate_gpu(tmp_path / "other.json", fake), 512, 114, memory=False).breakdown["compute"]
+    assert slow > fast
+
+
+def test_gpu_calibration_stops_at_its_budget_in_one_line(tmp_path, monkeypatch):
+    from tformer.config import ConfigError
+    from tformer.plan import calibrate_gpu
+
+    monkeypatch.setattr(calibrate_gpu, "BUDGET_S", -1.0)
+    with pytest.raises(ConfigError, match="^GPU calibration ran past its -1 s budget before the fp32 GEMMs") as e:
+        calibrate_gpu.calibrate_gpu(tmp_path / "gpu.json", FakeGpu())
+    assert len(str(e.value).splitlines()) == 1 and not (tmp_path / "gpu.json").exists()
+    assert calibrate_gpu.datasheet_of("NVIDIA H100 80GB HBM3").name == "h100-sxm"

@@ -224,7 +224,12 @@ def plan_speed(
 def calibrate_main(path: str) -> int:
     import tempfile
 
+    import torch
+
     from .calibrate import calibrate
+
+    if torch.cuda.is_available():  # this machine's GPU (calibrate_gpu.py); a CPU-only one measures the CPU
+        return calibrate_gpu_main(path)
 
     with tempfile.TemporaryDirectory() as tmp:
         hw = calibrate(path, Path(tmp))
@@ -237,5 +242,21 @@ def calibrate_main(path: str) -> int:
         f"core at work, GEMMs at {hw.shared_gemm:.2f} of their rate and "
         f"{(hw.hbm_bandwidth_shared or hw.hbm_bandwidth) / 1e9:.1f} GB/s of memory each; "
         f"use it with: tformer plan CONFIG --gpu {path}"
+    )
+    return 0
+
+
+def calibrate_gpu_main(path: str, measure=None) -> int:
+    """``--calibrate`` on a CUDA device (calibrate_gpu.py; ``measure``: the measuring object)."""
+    from .calibrate_gpu import calibrate_gpu
+
+    hw = calibrate_gpu(path, measure)
+    bias = [row for row in hw.attention_rate if row[1] == 1]
+    print(
+        f"wrote {path}: bf16 peak {hw.peak['bf16'] / 1e12:.0f} TFLOP/s (gemm_half {hw.gemm_half:.0f}), tf32 "
+        f"{hw.peak['tf32'] / 1e12:.0f}, fp32 {hw.peak['fp32'] / 1e12:.1f}; HBM {hw.hbm_bandwidth / 1e12:.2f} TB/s; "
+        f"SDPA causal/bias/plain at {int(bias[0][0])} tokens "
+        + "/".join(f"{row[2] / 1e12:.0f}" for row in hw.attention_rate[:3])
+        + f" TFLOP/s; host {hw.op_overhead * 1e6:.1f} us per op; use it with: tformer plan CONFIG --gpu {path}"
     )
     return 0
