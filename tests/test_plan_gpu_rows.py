@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tformer.config import ConfigError
 from tformer.models.presets import preset
 from tformer.plan import Layout, profile, rank_memory, step_time
 from tformer.plan.memory import training_memory
@@ -191,7 +192,7 @@ def test_the_fp32_residual_stream_is_priced_under_ddp_autocast_only():
 # --- tformer plan --calibrate on a CUDA device, its logic with the measurements faked ----------------
 class FakeGpu:
     """Rates a GPU might give: the thin GEMM at half the large one's rate, T5's bias kernel at a
-    third of flash's, a 3 TB/s copy, 4 us per op."""
+    third of flash's, a 3 TB/s copy, 4 us per op, a misaligned GEMM at a quarter of the rate."""
 
     def __init__(self, name="NVIDIA H200"):
         self.card, self.calls = name, []
@@ -213,6 +214,9 @@ class FakeGpu:
     def op_overhead(self):
         return 4e-6
 
+    def misaligned(self):
+        return 0.25
+
 
 def test_gpu_calibration_derives_the_profile_from_its_measurements(tmp_path, capsys):
     from tformer.plan import load_profile
@@ -231,6 +235,7 @@ def test_gpu_calibration_derives_the_profile_from_its_measurements(tmp_path, cap
         assert hw.peak["bf16"] * gemm_efficiency(*shape, hw) == pytest.approx(rate, rel=1e-6)
     assert hw.peak["tf32"] * gemm_efficiency(*LARGE, hw) == pytest.approx(400e12, rel=1e-6)
     assert hw.hbm_bandwidth == 3e12 and hw.hbm_efficiency == 1.0 and hw.op_overhead == 4e-6
+    assert hw.misaligned_gemm == 0.25
     assert hw.attention_flops(2048, "bias") == pytest.approx(50e12) and hw.attention_flops(1024, "causal") == pytest.approx(
         75e12
     )
@@ -245,7 +250,6 @@ def test_gpu_calibration_derives_the_profile_from_its_measurements(tmp_path, cap
 
 
 def test_gpu_calibration_stops_at_its_budget_in_one_line(tmp_path, monkeypatch):
-    from tformer.config import ConfigError
     from tformer.plan import calibrate_gpu
 
     monkeypatch.setattr(calibrate_gpu, "BUDGET_S", -1.0)
@@ -253,3 +257,25 @@ def test_gpu_calibration_stops_at_its_budget_in_one_line(tmp_path, monkeypatch):
         calibrate_gpu.calibrate_gpu(tmp_path / "gpu.json", FakeGpu())
     assert len(str(e.value).splitlines()) == 1 and not (tmp_path / "gpu.json").exists()
     assert calibrate_gpu.datasheet_of("NVIDIA H100 80GB HBM3").name == "h100-sxm"
+
+
+def test_a_measured_misaligned_gemm_rate_prices_an_odd_vocabularys_eager_head(tmp_path):
+    """GPT-2's 50,257-word head, eager (whole or chunked), at the share of the aligned rate the
+    profile measured; compiled whole (inductor pads it) and Llama's aligned vocabulary as before;
+    the datasheet profiles have no such figure and price it aligned."""
+    import dataclasses
+
+    from tformer.plan.calibrate_gpu import calibrate_gpu
+    from tformer.plan.compute import head_time
+
+    hw = calibrate_gpu(tmp_path / "gpu.json", FakeGpu())
+    aligned = dataclasses.replace(hw, misaligned_gemm=None)
+    gpt2, llama, peak = preset("gpt2-small"), preset("llama-1b"), hw.peak["bf16"]
+    for layout in (Layout(), Layout(loss_chunk=1024), Layout(loss_chunk=1024, compile=True)):
+        slow, fast = head_time(gpt2, layout, 8192, peak, hw), head_time(gpt2, layout, 8192, peak, aligned)
+        assert slow == pytest.approx((fast[0] * 4, fast[1] * 4))
+    for cfg, layout in ((gpt2, Layout(compile=True)), (llama, Layout())):
+        assert head_time(cfg, layout, 8192, peak, hw) == head_time(cfg, layout, 8192, peak, aligned)
+    assert profile("h100-sxm").misaligned_gemm is None
+    with pytest.raises(ConfigError, match="misaligned_gemm=0.0 of h200 must be positive"):
+        profile("h200", misaligned_gemm=0)

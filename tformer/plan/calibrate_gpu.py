@@ -11,6 +11,8 @@ process's, so best-of, not median):
 - SDPA forward + backward in bf16 (``attention_rate``) at each of ``ATTENTION_SEQ`` lengths, head
   dim ``HEAD_DIM``: causal, with a learned additive bias that needs its gradient (T5's relative
   positions: the memory-efficient kernel) and with a plain mask; FLOPs as time.py counts them;
+- a misaligned GEMM (``misaligned_gemm``): a linear layer of ``MISALIGNED``'s odd width, its
+  three products against the next multiple of 8 (what GPT-2's eager head runs);
 - HBM bandwidth: a ``COPY_BYTES`` device-to-device copy, bytes read + written (``hbm_efficiency``
   1: the measured copy is what a pass gets);
 - the host's cost per op (``op_overhead``, plan/host.py): a chain of tiny elementwise ops forward
@@ -42,6 +44,7 @@ ATTENTION_SEQ = (512, 1024, 2048, 4096)
 HEAD_DIM = 64  # the presets' head width (GPT-2, BERT, T5, Llama-3.2-1B)
 ATTENTION_TOKENS = 16384  # batch x sequence of each SDPA run: enough blocks to fill the GPU
 COPY_BYTES = 2**30
+MISALIGNED = (16384, 50257, 768)  # a GPT-2 head's micro-batch rows, vocabulary and width
 HOST_OPS = 400
 
 
@@ -51,6 +54,8 @@ class Measure(Protocol):
     def attention(self, seq: int, mask: str) -> float: ...  # FLOP/s of forward + backward, time.py's count
 
     def bandwidth(self, nbytes: int) -> float: ...  # bytes/s read + written by a copy
+
+    def misaligned(self) -> float: ...  # a misaligned bf16 GEMM's rate over the aligned one's
 
     def op_overhead(self) -> float: ...  # host seconds per aten op
 
@@ -103,6 +108,8 @@ def calibrate_gpu(path: str | Path, measure: Measure | None = None) -> Hardware:
         _timed(measure, started, f"SDPA at {seq} tokens")
         for mask in ATTENTION_MASKS:
             rows.append((float(seq), float(ATTENTION_MASKS.index(mask)), measure.attention(seq, mask)))
+    _timed(measure, started, "the misaligned GEMM")
+    misaligned = measure.misaligned()
     _timed(measure, started, "the copy")
     bandwidth = measure.bandwidth(COPY_BYTES)
     hw = dataclasses.replace(
@@ -115,6 +122,7 @@ def calibrate_gpu(path: str | Path, measure: Measure | None = None) -> Hardware:
         hbm_efficiency=1.0,
         op_overhead=measure.op_overhead(),
         attention_rate=tuple(rows),
+        misaligned_gemm=misaligned,
         source=f"tformer plan --calibrate on {measure.name()}, {time.strftime('%Y-%m-%d')}; links, memory, "
         f"fp8 and the FSDP2/DTensor host costs from the {base.name} datasheet profile",
     ).check()
@@ -182,6 +190,22 @@ class CudaMeasure:
 
         executed = 2 * 2 * batch * heads * seq * seq * HEAD_DIM * (0.5 if mask == "causal" else 1.0)
         return 3.5 * executed / self._seconds(run)
+
+    def misaligned(self) -> float:
+        """The three products of a linear layer of ``MISALIGNED`` (an odd output width, as GPT-2's
+        head has) over the same of the aligned width beside it, in bf16."""
+        torch = self.torch
+        m, n, k = MISALIGNED
+
+        def seconds(width: int) -> float:
+            x = torch.randn(m, k, device=self.device, dtype=torch.bfloat16)
+            w = torch.randn(width, k, device=self.device, dtype=torch.bfloat16)
+            dy = torch.randn(m, width, device=self.device, dtype=torch.bfloat16)
+            products = (lambda: x @ w.t(), lambda: dy @ w, lambda: dy.t() @ x)
+            return sum(self._seconds(p) for p in products)
+
+        aligned = -(-n // 8) * 8
+        return seconds(aligned) / seconds(n) * n / aligned
 
     def bandwidth(self, nbytes: int) -> float:
         src = self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)

@@ -119,6 +119,10 @@ class Hardware:
     attention_rate: tuple[tuple[float, ...], ...] = ()
     # elements/s of an FFN activation (gelu, gelu_tanh, silu) as a step runs it: forward, rebuilt forward, backward
     activation_rate: dict[str, float] = dataclasses.field(default_factory=dict)
+    # measured on a GPU only (calibrate_gpu.py): the share of an aligned bf16 GEMM's rate one reaches
+    # when a dimension is not a multiple of 8 (its rows miss the 16-byte alignment Hopper's TMA
+    # loads need; GPT-2's 50,257-word head); None: no datasheet gives it, such GEMMs priced as aligned
+    misaligned_gemm: float | None = None
     overlap: bool = True  # communication runs beside compute (GPU: its own engines; CPU gloo: the same cores)
     device: str = "cuda"  # which kernels tformer runs there (cuda | cpu): context parallelism's differ (time.py)
     source: str = ""
@@ -134,6 +138,8 @@ class Hardware:
             figures["exp_rate"] = self.exp_rate
         if self.hbm_bandwidth_shared is not None:
             figures["hbm_bandwidth_shared"] = self.hbm_bandwidth_shared
+        if self.misaligned_gemm is not None:
+            figures["misaligned_gemm"] = self.misaligned_gemm
         figures.update((f"activation_rate.{k}", v) for k, v in self.activation_rate.items())
         for row in self.gemm_table:
             figures[f"gemm_table{tuple(int(x) for x in row[:3])}"] = min(row) if len(row) == 6 else 0.0
@@ -281,6 +287,7 @@ OVERRIDABLE = (
     "shared_gemm",
     "hbm_bandwidth_shared",
     "exp_rate",
+    "misaligned_gemm",
 )
 
 
