@@ -6,6 +6,9 @@
 #   bash scripts/gpu_session.sh bench gpt2,bert      # bench/bench_gpu.py rows, JSON under $OUT
 #   bash scripts/gpu_session.sh bench llama
 #   bash scripts/gpu_session.sh bench t5
+#   bash scripts/gpu_session.sh calibrate            # tformer plan --calibrate on this GPU (<= 2 min), then
+#                                                    # bench/bench_plan_gpu.py with that profile against the
+#                                                    # newest bench/results file (run it on that file's card)
 #   bash scripts/gpu_session.sh all                  # everything below in one call, under 9 minutes:
 #                                                    # the gpu tests (llama's compiled recipe only),
 #                                                    # every family eager and compiled
@@ -19,7 +22,7 @@
 # on the CPU machine) and name .whl in the call's `carry`. Logs and JSON go to $OUT (or /tmp/gpu-out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: gpu_session.sh tests | bench FAMILIES [extra bench_gpu.py flags] | all}
+part=${1:?usage: gpu_session.sh tests | bench FAMILIES [extra bench_gpu.py flags] | calibrate | all}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -40,6 +43,12 @@ bench)
     shift 2
     python3 bench/bench_gpu.py --family "$families" --json "$out/bench-${families//,/-}.json" "$@" 2>&1 \
         | tee "$out/bench-${families//,/-}.log"
+    ;;
+calibrate)
+    timeout 150 python3 -m tformer plan --calibrate "$out/gpu-profile.json" 2>&1 | tee "$out/calibrate.log"
+    newest=$(find bench/results -maxdepth 1 -name '*.json' | sort | tail -n 1)
+    { python3 bench/bench_plan_gpu.py --gpu "$out/gpu-profile.json" "$newest" || echo "bench_plan_gpu rc=$?"; } 2>&1 \
+        | tee -a "$out/calibrate.log"
     ;;
 all)
     # Budget from the H100 run of 2026-11-27 (torch 2.11): the gpu tests took 131 s, 78 s of it in
@@ -75,7 +84,7 @@ all)
     python3 scripts/gpu_merge.py "$out/session.json" "${parts[@]}" "$log" | tee -a "$log"
     ;;
 *)
-    echo "unknown part '$part': use tests, bench or all" >&2
+    echo "unknown part '$part': use tests, bench, calibrate or all" >&2
     exit 2
     ;;
 esac

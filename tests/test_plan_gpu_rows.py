@@ -7,10 +7,8 @@ time within +-35% of measured, predicted peak memory within 10%. Rows the model 
 are strict xfails whose reason gives today's ratio (planned / measured) and what is missing, so
 that the fix that reaches one flips it.
 
-The 2026-11-26 H200 rows ran main at bed9876, whose ``loss.chunk_size`` default was 128 tokens
-(shared/gpu/README.md; the JSON predates the ``loss_chunk`` field); the 2026-11-27 H100 rows record
-theirs (None: the whole head). bench_gpu's T5 row is 512 -> 114 (``ROWS``); a row read back from a
-log lost its target.
+The rows are priced by ``tformer.plan.gpu_rows`` (the 2026-11-26 H200 file predates the
+``loss_chunk`` field: that code's default, 128 tokens, ran it).
 """
 
 from __future__ import annotations
@@ -23,16 +21,13 @@ import pytest
 
 from tformer.config import ConfigError
 from tformer.models.presets import preset
-from tformer.plan import Layout, profile, rank_memory, step_time
-from tformer.plan.memory import training_memory
-from tformer.train.config import TrainConfig
+from tformer.plan import Layout, gpu_rows, profile, step_time
+from tformer.plan.gpu_rows import card_of, tformer_rows
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
-CARDS = {"2026-11-26-h200.json": ("h200", 128), "2026-11-27-h100.json": ("h100-sxm", None)}
-TARGET = {"t5-base": 114}  # bench/bench_gpu.py ROWS
+FILES = ("2026-11-26-h200.json", "2026-11-27-h100.json")
 TIME_TOLERANCE, MEMORY_TOLERANCE = 0.35, 0.10
 
-# (card, preset, compiled) -> why the row misses today, with its planned / measured ratio
 TIME_MISSES: dict[tuple[str, str, bool], str] = {
     ("h200", "gpt2-small", False): "0.60 (0.37 before the head's and the fp32 stream's passes): GPT-2's "
     "50,257-word vocabulary makes the eager head's GEMMs misaligned (not a multiple of 8), off cuBLAS's "
@@ -51,17 +46,11 @@ MEMORY_MISSES: dict[tuple[str, str, bool], str] = {
 }
 
 
-def _rows() -> list[tuple[str, dict, int | None]]:
-    out = []
-    for name, (card, old_chunk) in CARDS.items():
-        for row in json.loads((RESULTS / name).read_text())["training"]:
-            if row["contender"] == "tformer":
-                chunk = row["loss_chunk"] if "loss_chunk" in row else old_chunk
-                out.append((card, row, chunk))
-    return out
-
-
-ROWS = _rows()
+ROWS = [
+    (card_of(json.loads((RESULTS / name).read_text())["device"]), row, chunk)
+    for name in FILES
+    for row, chunk in tformer_rows(RESULTS / name)
+]
 
 
 def _id(card: str, row: dict) -> str:
@@ -78,26 +67,7 @@ def _marked(misses: dict) -> list:
 
 
 def planned(card: str, row: dict, chunk: int | None) -> tuple[float, float]:
-    """(step seconds, peak bytes) the planner gives the row's run: the time model (time.py) and the
-    memory ``tformer plan`` prints (bench_gpu.planned_bytes: the trainer's head settings)."""
-    cfg = preset(row["preset"])
-    target = row["target"] or TARGET.get(row["preset"])
-    layout = Layout(
-        strategy="ddp", micro_batch=row["micro_batch"], compile=row["compiled"], loss_chunk=chunk, loss_parallel=False
-    )
-    step = step_time(cfg, layout, profile(card), row["seq"], target, memory=False).step
-    run = TrainConfig(model=cfg, device="cuda")
-    run.loss.chunk_size = chunk
-    memory = rank_memory(
-        cfg,
-        seq_len=row["seq"],
-        micro_batch=row["micro_batch"],
-        target_len=target,
-        precision="bf16",
-        strategy="ddp",
-        **training_memory(run),
-    )
-    return step, memory.total
+    return gpu_rows.planned(row, chunk, profile(card))
 
 
 def test_every_family_eager_and_compiled_is_measured():
@@ -279,3 +249,33 @@ def test_a_measured_misaligned_gemm_rate_prices_an_odd_vocabularys_eager_head(tm
     assert profile("h100-sxm").misaligned_gemm is None
     with pytest.raises(ConfigError, match="misaligned_gemm=0.0 of h200 must be positive"):
         profile("h200", misaligned_gemm=0)
+
+
+def test_the_bench_prints_every_row_and_misses_outside_the_calibrated_bound(tmp_path, capsys):
+    """bench/bench_plan_gpu.py: one line per row, PASS within +-35% on the datasheet profile, and a
+    calibrated profile (a file) held to +-20%: the same row on a card measured twice as fast misses."""
+    import dataclasses
+    import importlib.util
+
+    from tformer.plan.hardware import save_profile
+
+    spec = importlib.util.spec_from_file_location("bench_plan_gpu", RESULTS.parent / "bench_plan_gpu.py")
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    data = json.loads((RESULTS / FILES[1]).read_text())
+    rows = {("llama-1b", False), ("gpt2-small", True)}  # two rows the datasheet predicts (time and memory)
+    data["training"] = [r for r in data["training"] if (r["preset"], r["compiled"]) in rows and r["contender"] == "tformer"]
+    results = tmp_path / "h100.json"
+    results.write_text(json.dumps(data))
+    assert bench.main([str(results)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        out.count("llama-1b") == out.count("gpt2-small") == 1
+        and "step time within +-35%: 2 of 2 rows" in out
+        and out.endswith("PASS\n")
+    )
+    fast = dataclasses.replace(profile("h100-sxm"), peak={k: 2 * v for k, v in profile("h100-sxm").peak.items()})
+    save_profile(fast, tmp_path / "fast.json")
+    assert bench.main([str(results), "--gpu", str(tmp_path / "fast.json")]) == 1
+    assert "step time within +-20%: 0 of 2 rows" in capsys.readouterr().out
