@@ -35,6 +35,13 @@ this workplace's CPU calibration measures that order) and 300 us per FSDP2 modul
 ahead of the device, so these are exposed only where they exceed the device's work (time.py); for
 the published rows they never do.
 
+On a machine with a CUDA GPU, ``tformer plan --calibrate`` measures that GPU instead
+(calibrate_gpu.py): the bf16 peak and ``gemm_half`` from two GEMM shapes, the tf32 and fp32 peaks,
+``attention_rate`` by length and mask in bf16 (T5's bias kernel included), ``misaligned_gemm`` (the
+share of the aligned rate a GEMM with a dimension off a multiple of 8 keeps; no datasheet gives it,
+so the datasheet profiles have None and price such GEMMs aligned), the HBM copy bandwidth and the
+host's cost per op; the links, memory and fp8 rate stay the card's datasheet figures.
+
 The CPU profile is not published anywhere: ``tformer plan --calibrate`` measures it (calibrate.py),
 with three figures no GPU profile has (None there: the curve and the bandwidth price everything):
 - ``gemm_table``: fp32 FLOP/s measured on a grid of (m, n, k) shapes around the small GEMMs of a
