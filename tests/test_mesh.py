@@ -129,14 +129,17 @@ def run_cases(world, cases, tmp, cache, *common):
 # reference, not taken from one machine: the yardstick is the distance from the reference to the
 # same run with model.attn_impl=math (the same attention, written out: another valid summation
 # order, the same mathematics, every family and loss). A layout may be LAYOUT_FACTOR times it.
-# Measured on a 2-core AVX2 EPYC (default lane of test_mesh, test_pipeline, test_moe_layouts,
-# test_expert_parallel, test_context_parallel): the layouts' worst at 0.9 of the yardstick on the
-# losses and 2.2 on the parameters (tp=3's o_proj.bias); a left-out reduction, a shard counted twice
-# or a wrong scale is 10^2 to 10^5 times the yardstick (see assert_same_run's callers).
-LAYOUT_FACTOR = 8.0
-# per-block compile besides a layout: inductor fuses and reorders more than a layout does (the old
-# fixed bounds were 10x the layouts' for these long-lane cases; not re-measured in this round)
-COMPILE_FACTOR = 4 * LAYOUT_FACTOR
+# Measured on a 2-core AVX2 EPYC over the default lane's layouts (test_mesh, test_pipeline,
+# test_moe_layouts, test_expert_parallel, test_context_parallel), at AVX2 and with
+# ATEN_CPU_CAPABILITY=default (scalar kernels): the losses at most 2.1 yardsticks (1 or 2 fp32
+# roundings), the parameters at most 4.9 (t5-v1.1 at tp=2, scalar; 3.9 at AVX2). A layout's own
+# defects are 10^3 yardsticks and more: the pipeline stages' gradient norms not summed 3.5e3 (losses)
+# and 6e4 (parameters), tp=3's padded vocabulary column taking probability 1.0e3 (losses).
+LAYOUT_FACTOR = 16.0
+# per-block compile besides a layout (long lane): inductor fuses and reorders more than a layout,
+# by as much as ~1e-5 on a loss (test_compile), which the attention twin does not measure. These
+# keep their fixed bounds, (losses, parameters) relative, until a yardstick of compiled code exists.
+COMPILE_TOL = (1e-4, 1e-4)
 # the yardstick's floor: one rounding of fp32 (2^-24 relative), where the twin happens to agree
 FP32_ROUNDING = 2.0**-24
 
@@ -198,10 +201,10 @@ def loss_bound(ref: Reference) -> float:
     return LAYOUT_FACTOR * max(ref.yardstick[0], FP32_ROUNDING)
 
 
-def assert_same_run(name, got_dir, report, ref: Reference, factor=LAYOUT_FACTOR):
+def assert_same_run(name, got_dir, report, ref: Reference, fixed=None):
     """The run in ``got_dir`` (its parameters in ``report``) against ``ref``: losses and updated
-    parameters within ``factor`` times the reference's yardstick (see LAYOUT_FACTOR); returns the
-    largest differences (loss, parameter)."""
+    parameters within LAYOUT_FACTOR times the reference's yardstick (``fixed``: these relative
+    bounds instead, see COMPILE_TOL); returns the largest differences (loss, parameter)."""
     from safetensors.torch import load_file
 
     state = {}
@@ -215,8 +218,9 @@ def assert_same_run(name, got_dir, report, ref: Reference, factor=LAYOUT_FACTOR)
         f"{name}: loss {loss:.1e} ({loss / yard_loss:.2f} of the yardstick {yard_loss:.1e}), "
         f"parameters {errs[worst]:.1e} ({errs[worst] / yard_param:.2f} of {yard_param:.1e}, {worst})"
     )
-    assert loss <= factor * yard_loss, (name, "losses", loss, yard_loss, losses(got_dir), ref.losses)
-    bad = {k: e for k, e in errs.items() if not e <= factor * yard_param}  # a NaN is bad too
+    loss_tol, param_tol = fixed or (LAYOUT_FACTOR * yard_loss, LAYOUT_FACTOR * yard_param)
+    assert loss <= loss_tol, (name, "losses", loss, yard_loss, losses(got_dir), ref.losses)
+    bad = {k: e for k, e in errs.items() if not e <= param_tol}  # a NaN is bad too
     assert not bad, (name, "parameters", bad, yard_param)
     return loss, errs[worst]
 
@@ -366,8 +370,8 @@ def test_tp3_pads_the_vocabulary_without_changing_the_model(cache, tmp_path, tmp
 @pytest.mark.long  # CI: compile + checkpointing under FSDP2 (test_parallel), per-block graphs (test_gpu)
 def test_tp_with_compile_and_activation_checkpointing(cache, tmp_path, tmp_path_factory):
     """tp=2 + SP with per-block compile inside full and op-level activation checkpointing: the
-    1-process run's losses and parameters (inductor fuses and reorders float math: COMPILE_FACTOR
-    times the yardstick, not bitwise)."""
+    1-process run's losses and parameters (inductor fuses and reorders float math: COMPILE_TOL,
+    not bitwise; selective checkpointing alone: the layout bound)."""
     runs = {
         "compiled-full": ["compile=true", "parallel.activation_checkpointing=full"],
         "compiled-op": ["compile=true", "parallel.activation_checkpointing=op"],
@@ -381,8 +385,8 @@ def test_tp_with_compile_and_activation_checkpointing(cache, tmp_path, tmp_path_
         jobs.append((recipe, overrides, str(tmp_path / f"{name}-report")))
     run_ranks(2, jobs, cache)
     for name in runs:
-        factor = COMPILE_FACTOR if name.startswith("compiled") else LAYOUT_FACTOR
-        assert_same_run(name, tmp_path / name, tmp_path / f"{name}-report", reference("gpt2", tmp_path_factory, 1), factor)
+        fixed = COMPILE_TOL if name.startswith("compiled") else None
+        assert_same_run(name, tmp_path / name, tmp_path / f"{name}-report", reference("gpt2", tmp_path_factory, 1), fixed)
         if name.startswith("compiled"):
             for rank in (0, 1):  # the blocks really ran compiled (2 blocks, at least one graph each)
                 assert int((tmp_path / f"{name}-report.graphs{rank}").read_text()) >= 2, name
