@@ -283,7 +283,9 @@ def _saved_bytes(core, rank, cp):
 
 # Each rank merges 2 x cp partial softmaxes (chunk pairs, log-sum-exp rescaling): more roundings than
 # the reference's one pass, so twice rounding.FACTOR. Measured on a 2-core AVX2 EPYC: at most 4.5
-# yardsticks (cp=4, AVX2 kernels; 4.2 with ATEN_CPU_CAPABILITY=default).
+# yardsticks (cp=4, AVX2 kernels; 4.2 with ATEN_CPU_CAPABILITY=default). The relative bias's key
+# positions off by one in a chunk pair: 1.8 off in an output (absolute), and t5's gradients 9e4
+# yardsticks off in test_families_equal_one_process.
 ATTENTION_FACTOR = 2 * FACTOR
 
 
