@@ -135,7 +135,8 @@ def run_cases(world, cases, tmp, cache, *common):
 # yardsticks (1 or 2 fp32 roundings), the parameters at most 4.9 (t5-v1.1 at tp=2, scalar; 3.9 at
 # AVX2, 4.3 on 1 thread). A layout's own defects are 10^3 yardsticks and more: the pipeline
 # stages' gradient norms not summed 3.5e3 (losses) and 6e4 (parameters), tp=3's padded vocabulary
-# column taking probability 1.0e3 (losses).
+# column taking probability 1.0e3 (losses), cp=2 x ep=2's pad counted in the MoE balancing loss
+# 1.8e3 (losses) and 1.1e5 (parameters: the router).
 LAYOUT_FACTOR = 16.0
 # per-block compile besides a layout (long lane): inductor fuses and reorders more than a layout,
 # by as much as ~1e-5 on a loss (test_compile), which the attention twin does not measure. These
