@@ -6,7 +6,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# two threads, or OMP_NUM_THREADS where it is set: the 1-thread lane (CONTRIBUTING.md, "ISA and thread lanes")
+# runs the 1-process references with another blocking of their sums
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or min(2, os.cpu_count() or 1))
 # precision=auto follows the CPU (bf16 with AVX512-BF16/AMX, else fp32), and CPUs differ between
 # machines: the suite takes the fp32 path on every CPU unless told otherwise. Tests marked ``bf16``
 # take the bf16-capable path on every CPU (see _cpu_bf16_lane). Numeric tests pin precision anyway.

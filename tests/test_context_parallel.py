@@ -26,10 +26,9 @@ from tformer.parallel.context import (
     unshard_seq,
 )
 
+from rounding import FACTOR, FP32_ROUNDING, ZERO, float64_throughout, relative, yardstick
 from test_mesh import GROUP_TIMEOUT, run_ranks
 from train_helpers import spawn_ranks
-
-TOL = 1e-5
 
 
 def run_group(world: int, seq: int, out_dir: str, worker) -> None:
@@ -177,18 +176,22 @@ def _inputs(name, seq, gen):
     return q, k, v, pad, q_doc, k_doc, rel, causal
 
 
-def _reference(name, seq, seed):
+def _reference(name, seq, seed, dtype=torch.float32):
+    """One process's output and gradients (in float64 throughout: the exact values the fp32 ones,
+    and the ranks', are measured against)."""
     gen = torch.Generator().manual_seed(seed)
     q, k, v, pad, q_doc, k_doc, rel, causal = _inputs(name, seq, gen)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    rel = rel.to(dtype) if rel is not None else None
     leaves = [t.requires_grad_() for t in (q, k, v)]
     doc = DocumentMask(q_doc, k_doc, flex=False) if q_doc is not None else None
     bias = rel(q.shape[2], k.shape[2]) if rel is not None else None
     out = local_attention(
         q, k, v, padding_mask=pad, causal=causal, attn_bias=bias, doc_mask=doc, scale=0.4, dropout_p=0.0, impl="math"
     )
-    dout = torch.randn(out.shape, generator=gen)
+    dout = torch.randn(out.shape, generator=gen).to(dtype)
     grads = torch.autograd.grad(out, leaves + ([rel.embedding.weight] if rel else []), dout)
-    return out.detach(), dout, grads
+    return out.detach(), dout.float(), grads
 
 
 def _shards(name, seq, seed, rank, cp):
@@ -218,6 +221,8 @@ def _attention_worker(rank, world, seq, out_dir):
         report = {}
         for seed, name in enumerate(CASES):
             ref_out, ref_dout, ref_grads = _reference(name, seq, seed)
+            with float64_throughout():
+                exact_out, _, exact_grads = _reference(name, seq, seed, torch.float64)
             q, k, v, pad, doc, rel, causal = _shards(name, seq, seed, rank, world)
             out = core(
                 q, k, v, padding_mask=pad, causal=causal, attn_bias=rel, doc_mask=doc, scale=0.4, dropout_p=0.0, impl="math"
@@ -225,17 +230,23 @@ def _attention_worker(rank, world, seq, out_dir):
             dout = shard_seq(ref_dout, rank, world, dim=2)
             leaves = [q, k, v] + ([rel.embedding.weight] if rel else [])
             grads = torch.autograd.grad(out, leaves, dout)
-            errs = {"out": _err(out, ref_out, rank, world, real_only=True)}
-            for what, got, want in zip("qkv", grads, ref_grads):
-                errs[f"d{what}"] = _err(got, want, rank, world)
+            # each: (this rank's largest difference from one process's fp32 result, the yardstick:
+            # how far that result lies from float64's, at least one fp32 rounding of its largest)
+            errs = {"out": (_err(out, ref_out, rank, world, real_only=True), _yard(ref_out, exact_out))}
+            for what, got, want, exact in zip("qkv", grads, ref_grads, exact_grads):
+                errs[f"d{what}"] = (_err(got, want, rank, world), _yard(want, exact))
             if rel is not None:  # each rank holds its queries' share of the bias gradient
                 dist.all_reduce(grads[3])
-                errs["dbias"] = (grads[3] - ref_grads[3]).abs().max().item()
+                errs["dbias"] = ((grads[3] - ref_grads[3]).abs().max().item(), _yard(ref_grads[3], exact_grads[3]))
             report[name] = errs
         report["saved"] = _saved_bytes(core, rank, world)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         close_group()
+
+
+def _yard(fp32, exact):
+    return max((fp32.double() - exact).abs().max().item(), FP32_ROUNDING * exact.abs().max().item())
 
 
 def _err(got, want, rank, cp, real_only=False):
@@ -270,18 +281,32 @@ def _saved_bytes(core, rank, cp):
     return {"saved": sum(saved), "local": local, "gathered_kv": 2 * cp * k.numel() * k.element_size()}
 
 
+# Each rank merges 2 x cp partial softmaxes (chunk pairs, log-sum-exp rescaling): more roundings than
+# the reference's one pass, so twice rounding.FACTOR. Measured on a 2-core AVX2 EPYC: at most 4.5
+# yardsticks (cp=4, AVX2 kernels; 4.2 with ATEN_CPU_CAPABILITY=default). The relative bias's key
+# positions off by one in a chunk pair: 1.8 off in an output (absolute), and t5's gradients 9e4
+# yardsticks off in test_families_equal_one_process.
+ATTENTION_FACTOR = 2 * FACTOR
+
+
 @pytest.mark.parametrize(
     "world,seq", [(2, 16), (2, 13), pytest.param(4, 16, marks=pytest.mark.slow), pytest.param(4, 13, marks=pytest.mark.slow)]
 )
 def test_sharded_attention_equals_one_process(world, seq, tmp_path):
+    """Each rank's output and q/k/v gradients (and the summed bias gradient) differ from one
+    process's fp32 ones by rounding only: at most ATTENTION_FACTOR times how far those lie from
+    float64 (tests/rounding.py)."""
     run_group(world, seq, str(tmp_path), _attention_worker)
+    worst = 0.0
     for rank in range(world):
         report = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
         saved = report.pop("saved")
         assert saved["saved"] == saved["local"] < saved["local"] + saved["gathered_kv"], saved
         for name, errs in report.items():
-            for what, err in errs.items():
-                assert err < TOL, (world, seq, rank, name, what, err)
+            for what, (err, yard) in errs.items():
+                assert err <= ATTENTION_FACTOR * yard, (world, seq, rank, name, what, err, yard)
+                worst = max(worst, err / yard)
+    print(f"cp={world} seq={seq}: attention at most {worst:.2f} yardsticks")
 
 
 # ---- the families over 2 and 4 ranks against one process
@@ -341,8 +366,15 @@ def _family_worker(rank, world, seq, out_dir):
         for seed, name in enumerate(FAMILIES):
             ref, kind = _model(name)
             batch = _batch(kind, seq, ref.config.vocab_size, torch.Generator().manual_seed(seed))
+            exact_model = copy.deepcopy(ref).double()
             want = ref(**batch, return_logits=False).loss
             want.backward()
+            with float64_throughout():  # the yardstick: how far one process's fp32 lies from float64
+                exact = exact_model(**batch, return_logits=False).loss
+                exact.backward()
+            ref_grads = {"loss": want.detach(), **{n: p.grad for n, p in ref.named_parameters()}}
+            exact_grads = {"loss": exact.detach(), **{n: p.grad for n, p in exact_model.named_parameters()}}
+            scale = max(g.abs().max().item() for n, g in ref_grads.items() if n != "loss")
             model = copy.deepcopy(ref)
             model.zero_grad()
             apply_context_parallel(model, dist.group.WORLD)
@@ -350,11 +382,16 @@ def _family_worker(rank, world, seq, out_dir):
             loss = model(**shard, return_logits=False, loss_tokens=loss_tokens(shard["labels"], dist.group.WORLD)).loss
             loss.backward()
             dist.all_reduce(loss := loss.detach())
-            errs = {"loss": abs(loss.item() - want.item())}
-            for (n, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+            got = {"loss": loss}
+            for n, p in model.named_parameters():
                 dist.all_reduce(p.grad)
-                errs[n] = (p.grad - r.grad).abs().max().item()
-            report[name] = errs
+                got[n] = p.grad
+            assert got.keys() == ref_grads.keys()
+            yard = yardstick(ref_grads, exact_grads, scale)
+            report[name] = {
+                "yard": yard,
+                **{n: relative(got[n], ref_grads[n], ZERO * scale) for n in got},
+            }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         close_group()
@@ -365,14 +402,19 @@ def _family_worker(rank, world, seq, out_dir):
 def test_families_equal_one_process(world, seq, tmp_path):
     """Loss and every parameter's gradient of cp ranks, each holding its shard of the same batch
     (its loss = its share of the sum over the whole batch's labelled tokens, gradients summed over
-    the ranks), equal the 1-process run."""
+    the ranks), equal the 1-process run: at most FACTOR times as far from it as it lies from the
+    same model in float64 (tests/rounding.py)."""
     run_group(world, seq, str(tmp_path), _family_worker)
     report = json.loads(Path(tmp_path, "rank0.json").read_text())
     assert list(report) == list(FAMILIES)
+    worst = 0.0
     for name, errs in report.items():
+        yard = errs.pop("yard")
         assert len(errs) > 10, name
         for what, err in errs.items():
-            assert err < TOL, (world, seq, name, what, err)
+            assert err <= FACTOR * yard, (world, seq, name, what, err, yard)
+        worst = max(worst, max(errs.values()) / yard)
+    print(f"cp={world} seq={seq}: families at most {worst:.2f} yardsticks")
 
 
 def test_loss_parts_add_up_to_the_mean():
@@ -425,7 +467,8 @@ TRAINER_CASES = [
 )
 def test_trainer_cp2_equals_the_single_process_run(tmp_path_factory, lane):
     """4 AdamW steps at parallel.cp=2 (2 ranks, each holding half of every sequence): the losses and
-    the updated parameters of the 1-process run on the same global batch, to 1e-5."""
+    the updated parameters of the 1-process run on the same global batch (test_mesh.LAYOUT_FACTOR
+    times the reference's rounding yardstick)."""
     from test_mesh import _overrides, assert_same_run, reference
 
     tmp = tmp_path_factory.mktemp("cp2")
@@ -435,8 +478,10 @@ def test_trainer_cp2_equals_the_single_process_run(tmp_path_factory, lane):
         recipe, overrides = _overrides(name, tmp / f"run{i}", "parallel.cp=2", *common, *own)
         jobs.append((recipe, overrides, str(tmp / f"report{i}")))
     run_ranks(2, jobs, os.environ["TFORMER_CACHE"])  # the cache fixture's
-    for i, (name, common, _) in enumerate(cases):
-        assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, 1, *common))
+    for i, (name, common, own) in enumerate(cases):
+        # compiled (long lane): its fixed bound of before, no yardstick of compiled code yet
+        fixed = (1e-5, 1e-5) if "compile=true" in own else None
+        assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, 1, *common), fixed)
     assert "cp: 2" in (tmp / "run0" / "config.yaml").read_text()
 
 
@@ -526,18 +571,19 @@ def test_trainer_cp_on_four_ranks_equals_the_single_process_run(tmp_path_factory
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("cache")
-def test_resume_across_cp(tmp_path):
+def test_resume_across_cp(tmp_path, tmp_path_factory):
     """A cp=2 checkpoint (FSDP2 over the 2 ranks) resumes on one process, and a 1-process one at cp=4:
-    every resumed step's loss is the uninterrupted 1-process run's, to 1e-5."""
+    every resumed step's loss is the uninterrupted 1-process run's (test_mesh.loss_bound)."""
     from tformer.train.config import load_config
     from tformer.train.trainer import Trainer
 
-    from test_mesh import _overrides, _resume
+    from test_mesh import _overrides, _resume, loss_bound, reference
     from train_helpers import CONFIGS, losses
 
     fsdp = ["parallel.strategy=fsdp"]
     recipe, one = _overrides("gpt2", tmp_path / "one", "save_every=2")
     Trainer(load_config(CONFIGS / f"{recipe}.yaml", one)).fit()
+    bound = loss_bound(reference("gpt2", tmp_path_factory, 1))  # the same run's yardstick (shared)
     straight = tmp_path / "cp2"
     run_ranks(
         2,
@@ -555,7 +601,7 @@ def test_resume_across_cp(tmp_path):
         got = losses(tmp_path / run)
         assert list(got) == steps, run
         for step in got:
-            assert got[step] == pytest.approx(base[step], rel=1e-5), (run, step, got, base)
+            assert abs(got[step] - base[step]) / base[step] <= bound, (run, step, got, base, bound)
 
 
 @pytest.mark.long  # CI: cp2 training and resume, sharded attention and every family's forward at cp 2 and 4
@@ -592,7 +638,8 @@ CP_TP_CASES = [
 @pytest.mark.usefixtures("cache")
 def test_cp2_x_tp2_equals_the_single_process_run(tmp_path_factory):
     """cp=2 x tp=2 on 4 ranks (FSDP2 over the cp ranks, TP with sequence and loss parallel inside
-    each cp rank's shard): the losses and updated parameters of the 1-process run, to 1e-5."""
+    each cp rank's shard): the losses and updated parameters of the 1-process run
+    (test_mesh.LAYOUT_FACTOR)."""
     from test_mesh import _overrides, assert_same_run, reference
 
     tmp = tmp_path_factory.mktemp("cp2tp2")
@@ -619,8 +666,9 @@ CP_PP_CASES = [
 def test_cp2_x_pp2_equals_the_single_process_run(tmp_path_factory):
     """cp=2 x pp=2 on 4 ranks (each pipeline stage on a cp group of 2, FSDP2 over its cp ranks; 2
     micro-batches through the schedule): the losses and updated parameters of the 1-process run
-    accumulating the same 2 micro-batches, to 1e-5."""
-    from test_mesh import assert_same_run, reference, reference_dir, run_cases
+    accumulating the same 2 micro-batches (test_mesh.LAYOUT_FACTOR; the final evaluation's loss within
+    test_mesh.loss_bound)."""
+    from test_mesh import assert_same_run, loss_bound, reference, reference_dir, run_cases
     from train_helpers import metrics
 
     tmp = tmp_path_factory.mktemp("cp2pp2")
@@ -634,7 +682,7 @@ def test_cp2_x_pp2_equals_the_single_process_run(tmp_path_factory):
         val, ref_val = (metrics(d)[-1]["val_loss"] for d in (tmp / f"run{i}", reference_dir(name, 2, *common)))
         print(f"cp2 x pp2 {name}: largest relative difference of a loss {diffs[0]:.1e}, of a parameter {diffs[1]:.1e}, "
               f"of the val loss {abs(val - ref_val) / ref_val:.1e}")  # fmt: skip
-        assert val == pytest.approx(ref_val, rel=TOL), (name, val, ref_val)
+        assert abs(val - ref_val) / ref_val <= loss_bound(ref), (name, val, ref_val, ref.yardstick)
 
 
 # ---- the planner with cp

@@ -17,7 +17,7 @@ import torch
 from tformer.config import ConfigError
 
 import test_mesh
-from test_mesh import _overrides, _resume, assert_same_run, reference, run_ranks
+from test_mesh import _overrides, _resume, assert_same_run, loss_bound, reference, run_ranks
 from train_helpers import CONFIGS, losses, small_overrides
 
 # MoE flavours for test_mesh's runner, by name: (recipe, overrides). Eight experts, so ep=2 gives
@@ -29,13 +29,22 @@ MOE_FAMILIES = {
     "qwen2_moe": ("mixtral-tiny", ["model.preset=qwen2-moe-tiny", "model.qkv_bias=false", "data.seq_len=32"]),
     "switch": ("switch-tiny", ["data.seq_len=32", "model.moe.expert_capacity=6"]),
 }
-test_mesh.FAMILIES.update(MOE_FAMILIES)  # test_mesh's reference runs and overrides know them by name
 FSDP = ["parallel.strategy=fsdp"]
 # One sequence per micro-batch, global batch 8 on every layout. The balancing loss is not linear in
 # the tokens it averages over, so the 1-process run must accumulate the very micro-batches the ranks
 # see: rank r's micro-batch j is the global batch's j x world + r at any micro-batch size
 # (tformer/data/sampler.py; tests/test_moe_layouts.py runs micro-batches of 2).
 ONE = "micro_batch_size=1"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def moe_families():
+    """test_mesh's reference runs and overrides know these by name while this module runs; its own
+    list is left as it was (module scope: mesh4_runs needs them too)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, entry in MOE_FAMILIES.items():
+            patch.setitem(test_mesh.FAMILIES, name, entry)
+        yield
 
 
 def _reference(name, tmp_path_factory):
@@ -70,7 +79,7 @@ def test_ep2_equals_the_single_process_run(world, tmp_path_factory):
     """parallel.ep=2 on 2 ranks (each routes its own micro-batches, holds four of eight experts) and
     on 4 (ep borrowed from dp_shard=4: experts split over 2 and FSDP2-sharded over the other 2,
     every other weight over all 4): losses and updated parameters of 1 process accumulating the
-    same micro-batches, to 1e-5."""
+    same micro-batches (test_mesh.LAYOUT_FACTOR times the reference's rounding yardstick)."""
     tmp = tmp_path_factory.mktemp(f"ep2-world{world}")
     run_ranks(world, _jobs(tmp, world, "parallel.ep=2"), os.environ["TFORMER_CACHE"])
     for i, name in enumerate(MOE_FAMILIES):
@@ -82,7 +91,7 @@ def test_ep2_equals_the_single_process_run(world, tmp_path_factory):
 @pytest.mark.usefixtures("cache")
 def test_resume_across_ep(tmp_path, tmp_path_factory):
     """An ep=2 checkpoint (expert stacks as DTensor shards over 2 ranks) resumes on one process:
-    steps 3 and 4 have the uninterrupted 1-process run's losses, to 1e-5."""
+    steps 3 and 4 have the uninterrupted 1-process run's losses (test_mesh.loss_bound)."""
     from tformer.train.config import load_config
     from tformer.train.trainer import Trainer
 
@@ -92,18 +101,19 @@ def test_resume_across_ep(tmp_path, tmp_path_factory):
     Trainer(
         load_config(CONFIGS / f"{recipe}.yaml", _resume("mixtral", tmp_path / "one", ckpt, ONE, "grad_accum=8")[1])
     ).fit()
-    base = _reference("mixtral", tmp_path_factory)[0]
+    ref = _reference("mixtral", tmp_path_factory)
+    base, bound = ref.losses, loss_bound(ref)
     got = losses(tmp_path / "one")
     assert list(got) == [3, 4]
     for step in got:
-        assert got[step] == pytest.approx(base[step], rel=1e-5), (step, got, base)
+        assert abs(got[step] - base[step]) / base[step] <= bound, (step, got, base, bound)
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("cache")
 def test_pp2_counts_every_stages_auxiliary_loss(tmp_path_factory):
     """Mixtral-like at parallel.pp=2 (one MoE block per stage): the first stage's balancing loss
-    joins the backward and the logged loss, so losses and parameters equal 1 process's (1e-5).
+    joins the backward and the logged loss, so losses and parameters equal 1 process's (test_mesh.LAYOUT_FACTOR).
     With only the last stage's counted, the router of block 0 missed its gradient."""
     tmp = tmp_path_factory.mktemp("pp2moe")
     recipe, overrides = _overrides("mixtral", tmp / "run", "grad_accum=2", "parallel.pp=2", "model.moe.aux_loss_coef=0.5")
@@ -143,7 +153,7 @@ def _counts(report, rank):
 def test_tp2_runs_moe_ffns_whole_on_every_tp_rank(tmp_path_factory):
     """parallel.tp=2 on a MoE model, with and without sequence parallelism: routing, capacity groups
     and auxiliary losses are the unsplit model's, so losses and updated parameters equal 1 process
-    accumulating the same micro-batches (1e-5); each rank holds half of q/k/v and the dense FFN,
+    accumulating the same micro-batches (test_mesh.LAYOUT_FACTOR); each rank holds half of q/k/v and the dense FFN,
     and the whole router, experts and shared expert."""
     tmp = tmp_path_factory.mktemp("moe-tp2")
     jobs = []
@@ -192,7 +202,7 @@ def test_ep2_with_a_pipeline_or_tensor_parallelism_equals_one_process(name, mesh
     """ep=2 x pp=2: each stage's experts split over its two data-parallel ranks, the first stage's
     auxiliary loss through the stage hook. ep=2 x tp=2: ep groups are the dp ranks with the same
     TP index, each TP rank of a group exchanges the same rows. Losses and updated parameters equal
-    1 process accumulating the same micro-batches (1e-5); every rank holds half of each expert stack
+    1 process accumulating the same micro-batches (test_mesh.LAYOUT_FACTOR); every rank holds half of each expert stack
     of its stage (dp_shard_mod_ep is 1), under TP the whole router (FSDP2-sharded over dp_shard=2)
     and half of q."""
     tmp = mesh4_runs[0]
@@ -208,14 +218,16 @@ def test_ep2_with_a_pipeline_or_tensor_parallelism_equals_one_process(name, mesh
 
 
 @pytest.mark.slow
-def test_resume_from_one_process_at_ep4(mesh4_runs):
+def test_resume_from_one_process_at_ep4(mesh4_runs, tmp_path_factory):
     """A 1-process checkpoint (whole expert stacks) resumed at ep=4 x dp_shard=4 (two of eight
-    experts per rank): steps 3 and 4 have the uninterrupted run's losses (1e-5)."""
+    experts per rank): steps 3 and 4 have the uninterrupted run's losses (test_mesh.loss_bound of
+    the same 1-process run without its checkpoints)."""
     tmp, base = mesh4_runs
+    bound = loss_bound(_reference("mixtral", tmp_path_factory))
     got = losses(tmp / "ep4")
     assert list(got) == [3, 4]
     for step in got:
-        assert got[step] == pytest.approx(base[step], rel=1e-5), (step, got, base)
+        assert abs(got[step] - base[step]) / base[step] <= bound, (step, got, base, bound)
     print("ep 1 -> 4: max relative loss difference", max(abs(got[s] - base[s]) / abs(base[s]) for s in got))
 
 

@@ -8,6 +8,7 @@ timeout that fails the test (``TFORMER_DIST_TIMEOUT`` bounds each collective, ``
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def run_ranks(world, jobs, cache, worker=_worker):
 # optim.eps=1e-4: Adam divides each gradient by its own running magnitude, so an element whose true
 # gradient is zero (attention's key bias: softmax ignores a per-query constant) moves by +-lr on
 # round-off alone, in whichever direction the summation order gives; a larger eps keeps such noise
-# from being amplified, so that the updated parameters can be compared at 1e-5 at all.
+# from being amplified, so that the updated parameters can be compared at rounding's scale at all.
 COMMON = [
     "max_steps=4",
     "eval_every=0",
@@ -121,37 +122,46 @@ def run_cases(world, cases, tmp, cache, *common):
     run_ranks(world, jobs, cache)
 
 
-def reference(name, tmp_path_factory, grad_accum, *extra):
-    """The 1-process run with the same global batch (cached per family, accumulation and extras)."""
-    key = (name, grad_accum, *extra)
-    if key not in REFS:
-        out = tmp_path_factory.mktemp(f"ref-{name}")
-        recipe, overrides = _overrides(name, out, f"grad_accum={grad_accum}", *extra)
-        trainer = Trainer(load_config(CONFIGS / f"{recipe}.yaml", overrides))
-        trainer.fit()
-        REFS[key] = (losses(out), {k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
-        REF_DIRS[key] = out
-    return REFS[key]
+# Layout tolerances (CONTRIBUTING.md "Tolerances hold on every CPU"). A layout computes what one
+# process computes, its sums split and joined in another order: the two runs differ by fp32 rounding
+# only, grown over 4 AdamW steps (Adam divides each gradient by its own magnitude, so an element with
+# a small gradient moves by round-off). How far rounding moves a run is measured next to each
+# reference, not taken from one machine: the yardstick is the distance from the reference to the
+# same run with model.attn_impl=math (the same attention, written out: another valid summation
+# order, the same mathematics, every family and loss). A layout may be LAYOUT_FACTOR times it.
+# Measured on a 2-core AVX2 EPYC over the default lane's layouts (test_mesh, test_pipeline,
+# test_moe_layouts, test_expert_parallel, test_context_parallel), at AVX2 and with
+# ATEN_CPU_CAPABILITY=default (scalar kernels) and with 1-thread references: the losses at most 2.2
+# yardsticks (1 or 2 fp32 roundings), the parameters at most 4.9 (t5-v1.1 at tp=2, scalar; 3.9 at
+# AVX2, 4.3 on 1 thread). A layout's own defects are 10^3 yardsticks and more: the pipeline
+# stages' gradient norms not summed 3.5e3 (losses) and 6e4 (parameters), tp=3's padded vocabulary
+# column taking probability 1.0e3 (losses), cp=2 x ep=2's pad counted in the MoE balancing loss
+# 1.8e3 (losses) and 1.1e5 (parameters: the router).
+LAYOUT_FACTOR = 16.0
+# per-block compile besides a layout (long lane): inductor fuses and reorders more than a layout,
+# by as much as ~1e-5 on a loss (test_compile), which the attention twin does not measure. These
+# keep their fixed bounds, (losses, parameters) relative, until a yardstick of compiled code exists.
+COMPILE_TOL = (1e-4, 1e-4)
+# the yardstick's floor: one rounding of fp32 (2^-24 relative), where the twin happens to agree
+FP32_ROUNDING = 2.0**-24
 
 
-def assert_same_run(name, got_dir, report, ref, tol=1e-5, param_tol=None):
-    """The run in ``got_dir`` (its parameters in ``report``) against ``ref``: losses within ``tol``
-    and updated parameters within ``param_tol`` (default ``tol``), relative; returns the largest
-    differences (loss, parameter)."""
-    param_tol = tol if param_tol is None else param_tol
-    ref_losses, ref_state = ref
-    got = losses(got_dir)
-    assert list(got) == list(ref_losses) == [1, 2, 3, 4]
-    for step in got:
-        assert got[step] == pytest.approx(ref_losses[step], rel=tol), (name, step, got, ref_losses)
-    from safetensors.torch import load_file
+class Reference(NamedTuple):
+    """A 1-process run: its losses by step, its final state, and how far a second valid rounding of
+    the same run lies from it (relative: losses, parameters)."""
 
-    state = {}
-    for part in sorted(Path(report).parent.glob(f"{Path(report).name}.full*.safetensors")):
-        state.update(load_file(part))  # pipeline ranks: each wrote its stages
-    assert state.keys() >= {k for k in ref_state if k != "lm_head.weight"}, (name, set(ref_state) - set(state))
+    losses: dict
+    state: dict
+    yardstick: tuple[float, float]
+
+
+def _distance(got_losses, got_state, ref_losses, ref_state, name=""):
+    """Largest relative difference of the losses, and of each parameter (to its tensor's largest
+    element), from the reference's."""
+    assert list(got_losses) == list(ref_losses) == [1, 2, 3, 4], (name, got_losses, ref_losses)
+    loss = max(abs(got_losses[s] - ref_losses[s]) / abs(ref_losses[s]) for s in ref_losses)
     errs = {}
-    for k, v in state.items():
+    for k, v in got_state.items():
         if v.shape != ref_state[k].shape:  # a vocabulary padded by tp: its padding rows stay zero
             assert not v[ref_state[k].shape[0] :].any(), (name, k)
             v = v[: ref_state[k].shape[0]]
@@ -161,9 +171,60 @@ def assert_same_run(name, got_dir, report, ref, tol=1e-5, param_tol=None):
             continue
         scale = ref_state[k].abs().max().clamp(min=1e-6)
         errs[k] = ((v - ref_state[k]).abs().max() / scale).item()
+    return loss, errs
+
+
+def one_process(name, out, *flags) -> Reference:
+    """Train ``name`` on one process with ``flags``, and again with the attention written out (the
+    yardstick)."""
+    results = []
+    for run, extra in ((out, ()), (out.with_name(out.name + "-math"), ("model.attn_impl=math",))):
+        recipe, overrides = _overrides(name, run, *flags, *extra)
+        trainer = Trainer(load_config(CONFIGS / f"{recipe}.yaml", overrides))
+        trainer.fit()
+        results.append((losses(run), {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}))
+    (ref_losses, ref_state), (twin_losses, twin_state) = results
+    loss, errs = _distance(twin_losses, twin_state, ref_losses, ref_state, name)
+    return Reference(ref_losses, ref_state, (loss, max(errs.values())))
+
+
+def reference(name, tmp_path_factory, grad_accum, *extra) -> Reference:
+    """The 1-process run with the same global batch (cached per family, accumulation and extras)."""
+    key = (name, grad_accum, *extra)
+    if key not in REFS:
+        out = tmp_path_factory.mktemp(f"ref-{name}")
+        REFS[key] = one_process(name, out / "run", f"grad_accum={grad_accum}", *extra)
+        REF_DIRS[key] = out / "run"
+    return REFS[key]
+
+
+def loss_bound(ref: Reference) -> float:
+    """How far a layout's (or a resumed run's) losses may lie from ``ref``'s, relative."""
+    return LAYOUT_FACTOR * max(ref.yardstick[0], FP32_ROUNDING)
+
+
+def assert_same_run(name, got_dir, report, ref: Reference, fixed=None):
+    """The run in ``got_dir`` (its parameters in ``report``) against ``ref``: losses and updated
+    parameters within LAYOUT_FACTOR times the reference's yardstick (``fixed``: these relative
+    bounds instead, see COMPILE_TOL); returns the largest differences (loss, parameter)."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for part in sorted(Path(report).parent.glob(f"{Path(report).name}.full*.safetensors")):
+        state.update(load_file(part))  # pipeline ranks: each wrote its stages
+    assert state.keys() >= {k for k in ref.state if k != "lm_head.weight"}, (name, set(ref.state) - set(state))
+    loss, errs = _distance(losses(got_dir), state, ref.losses, ref.state, name)
+    worst = max(errs, key=errs.get)
+    yard_loss, yard_param = (max(y, FP32_ROUNDING) for y in ref.yardstick)
+    print(
+        f"{name}: loss {loss:.1e} ({loss / yard_loss:.2f} of the yardstick {yard_loss:.1e}), "
+        f"parameters {errs[worst]:.1e} ({errs[worst] / yard_param:.2f} of {yard_param:.1e}, {worst})"
+    )
+    loss_tol, param_tol = fixed or (LAYOUT_FACTOR * yard_loss, LAYOUT_FACTOR * yard_param)
+    assert loss <= loss_tol, (name, "losses", loss, yard_loss, losses(got_dir), ref.losses)
     bad = {k: e for k, e in errs.items() if not e <= param_tol}  # a NaN is bad too
-    assert not bad, (name, bad)
-    return max(abs(got[s] - ref_losses[s]) / abs(ref_losses[s]) for s in got), max(errs.values())
+    assert not bad, (name, "parameters", bad, yard_param)
+    return loss, errs[worst]
 
 
 def sharded(name: str) -> bool:
@@ -264,9 +325,10 @@ def test_tp3_pads_the_vocabulary_without_changing_the_model(cache, tmp_path, tmp
     """2,048 tokens at tp=3: the trainer pads the embedding and head to 2,049 rows (as Megatron
     does) and records it in the run, yet trains the 1-process model of 2,048 rows: the padding
     draws no random numbers at init, starts and stays at zero, and takes no probability, so the
-    losses and every real row equal the unpadded run's at 1e-5 (they differed by 1.2e-3 at step 1
-    when the padding shifted the init's random stream). The tp=3 checkpoint resumes on one process,
-    the 1-process one at tp=3, and the export holds the 2,048 real rows with HF logit parity."""
+    losses and every real row equal the unpadded run's to the layout bound (LAYOUT_FACTOR; they
+    differed by 1.2e-3 at step 1 when the padding shifted the init's random stream). The tp=3
+    checkpoint resumes on one process, the 1-process one at tp=3, and the export holds the 2,048
+    real rows with HF logit parity."""
     from test_export import assert_logits_match, hf_model
 
     from tformer.checkpoint import load_checkpoint
@@ -274,11 +336,9 @@ def test_tp3_pads_the_vocabulary_without_changing_the_model(cache, tmp_path, tmp
 
     shape = ["model.num_heads=3", "model.d_model=96", "model.d_ff=192", "model.pad_vocab_multiple=1", "save_every=2"]
     tp3 = ["parallel.tp=3", "parallel.sp=true"]
-    recipe, one = _overrides("gpt2", tmp_path / "one", *shape)
-    ref_trainer = Trainer(load_config(CONFIGS / f"{recipe}.yaml", one))
-    ref_trainer.fit()
-    assert ref_trainer.model_cfg.padded_vocab_size == 2048
-    ref = (losses(tmp_path / "one"), {k: v.detach().clone() for k, v in ref_trainer.model.state_dict().items()})
+    recipe = FAMILIES["gpt2"][0]
+    ref = one_process("gpt2", tmp_path / "one", *shape)
+    assert ref.state["embed.tok.weight"].shape[0] == 2048
     one_ckpt = tmp_path / "one" / "checkpoints" / "step_00000002"
     run_ranks(
         3,
@@ -289,9 +349,8 @@ def test_tp3_pads_the_vocabulary_without_changing_the_model(cache, tmp_path, tmp
         cache,
     )
     assert "pad_vocab_multiple: 3\n" in (tmp_path / "tp3" / "config.yaml").read_text()
-    # parameters at 5e-5: three partial sums per row-parallel output (1.8e-5 measured on o_proj.bias)
-    # against 1e-3 and more when the padding moved the init
-    assert_same_run("gpt2-tp3", tmp_path / "tp3", tmp_path / "report", ref, param_tol=5e-5)
+    # three partial sums per row-parallel output; the padding moving the init was 1e-3 and more
+    assert_same_run("gpt2-tp3", tmp_path / "tp3", tmp_path / "report", ref)
     tp3_ckpt = tmp_path / "tp3" / "checkpoints" / "step_00000002"
     Trainer(
         load_config(CONFIGS / f"{recipe}.yaml", _overrides("gpt2", tmp_path / "back", *shape, f"resume={tp3_ckpt}")[1])
@@ -300,7 +359,8 @@ def test_tp3_pads_the_vocabulary_without_changing_the_model(cache, tmp_path, tmp
         got = losses(tmp_path / run)
         assert list(got) == [3, 4], run
         for step in got:
-            assert got[step] == pytest.approx(ref[0][step], rel=1e-5), (run, step)
+            err = abs(got[step] - ref.losses[step]) / ref.losses[step]
+            assert err <= loss_bound(ref), (run, step, err, ref.yardstick)
     final = tmp_path / "tp3" / "checkpoints" / "step_00000004"
     ours = load_checkpoint(final).eval()
     assert ours.embed.tok.weight.shape[0] == 2049 and not ours.embed.tok.weight[2048:].any()
@@ -312,7 +372,8 @@ def test_tp3_pads_the_vocabulary_without_changing_the_model(cache, tmp_path, tmp
 @pytest.mark.long  # CI: compile + checkpointing under FSDP2 (test_parallel), per-block graphs (test_gpu)
 def test_tp_with_compile_and_activation_checkpointing(cache, tmp_path, tmp_path_factory):
     """tp=2 + SP with per-block compile inside full and op-level activation checkpointing: the
-    1-process run's losses and parameters (inductor reorders float math: 1e-5, not bitwise)."""
+    1-process run's losses and parameters (inductor fuses and reorders float math: COMPILE_TOL,
+    not bitwise; selective checkpointing alone: the layout bound)."""
     runs = {
         "compiled-full": ["compile=true", "parallel.activation_checkpointing=full"],
         "compiled-op": ["compile=true", "parallel.activation_checkpointing=op"],
@@ -326,7 +387,8 @@ def test_tp_with_compile_and_activation_checkpointing(cache, tmp_path, tmp_path_
         jobs.append((recipe, overrides, str(tmp_path / f"{name}-report")))
     run_ranks(2, jobs, cache)
     for name in runs:
-        assert_same_run(name, tmp_path / name, tmp_path / f"{name}-report", reference("gpt2", tmp_path_factory, 1))
+        fixed = COMPILE_TOL if name.startswith("compiled") else None
+        assert_same_run(name, tmp_path / name, tmp_path / f"{name}-report", reference("gpt2", tmp_path_factory, 1), fixed)
         if name.startswith("compiled"):
             for rank in (0, 1):  # the blocks really ran compiled (2 blocks, at least one graph each)
                 assert int((tmp_path / f"{name}-report.graphs{rank}").read_text()) >= 2, name
@@ -520,13 +582,14 @@ def _resume(name, out, ckpt, *flags):
 def test_checkpoints_reshard_between_mesh_layouts(cache, tmp_path, tmp_path_factory):
     """A run saved at (dp_shard 2, tp 2) resumes at (dp 1, tp 2), (dp 2, tp 1) and on one process;
     a 1-process checkpoint resumes at (dp_shard 2, tp 2). Every resumed step's loss is the
-    uninterrupted run's at 1e-5: the arithmetic order changes with the layout (TP's partial sums,
+    uninterrupted run's to the layout bound: the arithmetic order changes with the layout (TP's partial sums,
     the order of the data-parallel gradient reduction), so not bitwise. The global batch stays 8:
     micro 4 x dp ranks x accumulation."""
     mesh = ["parallel.strategy=fsdp", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sp=true"]
     # the 1-process run, saved at step 2
     recipe, one = _overrides("gpt2", tmp_path / "one", "save_every=2", "grad_accum=2")
     Trainer(load_config(CONFIGS / f"{recipe}.yaml", one)).fit()
+    bound = loss_bound(reference("gpt2", tmp_path_factory, 2))  # the same run's yardstick (shared)
     one_ckpt = tmp_path / "one" / "checkpoints" / "step_00000002"
     straight = tmp_path / "straight"
     run_ranks(
@@ -554,9 +617,9 @@ def test_checkpoints_reshard_between_mesh_layouts(cache, tmp_path, tmp_path_fact
     base, mesh_losses = losses(tmp_path / "one"), losses(straight)
     assert list(base) == list(mesh_losses) == [1, 2, 3, 4]
     for step in base:
-        assert mesh_losses[step] == pytest.approx(base[step], rel=1e-5), step
+        assert abs(mesh_losses[step] - base[step]) / base[step] <= bound, (step, mesh_losses, base, bound)
     for run, expected in (("tp2", mesh_losses), ("dp2", mesh_losses), ("single", mesh_losses), ("from-one", base)):
         got = losses(tmp_path / run)
         assert list(got) == [3, 4], run
         for step in got:
-            assert got[step] == pytest.approx(expected[step], rel=1e-5), (run, step)
+            assert abs(got[step] - expected[step]) / expected[step] <= bound, (run, step, got, expected, bound)

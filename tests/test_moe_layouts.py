@@ -131,7 +131,7 @@ CASES = [
 def test_moe_layouts_equal_one_process_with_the_balancing_loss_on(tmp_path_factory):
     """cp=2 x ep=2 at an odd length, ep=2 x dp_shard=2 and tp=2 with sequence parallelism at an odd
     length, 4 AdamW steps with the balancing and z-losses on: losses and updated parameters of
-    the 1-process run to 1e-5."""
+    the 1-process run (test_mesh.LAYOUT_FACTOR times its rounding yardstick)."""
     tmp = tmp_path_factory.mktemp("moe-layouts")
     jobs = []
     for name, family, common, layout, _ in CASES:
