@@ -1,0 +1,193 @@
+"""Fault tolerance across replica groups of several ranks, and switching it at a resume
+(tformer/train/ft.py, torchft): real processes on gloo, forked from the fork server, a lighthouse
+started by the test and always killed, every wait under a deadline.
+
+- two replica groups of two ranks each, no failure, equal a plain four-rank run of the same global
+  batch (the loss of every step and the final weights, fp32, dropout off): DDP inside each group for
+  gpt2, bert and t5 tiny, and FSDP2 inside each group;
+- a checkpoint of a fault-tolerant run resumes in a plain run and a plain run's in a fault-tolerant
+  one, the continued run's losses unchanged, and the trainer says the switch in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from train_helpers import (
+    CONFIGS,
+    ROOT,
+    become_rank,
+    env,
+    free_port,
+    kill_group,
+    run_cmd,
+    small_overrides,
+    spawn_ranks,
+    start,
+)
+
+pytest.importorskip("torchft")
+
+LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
+STEPS = 8
+RANKS = 4  # two groups of two, or one plain job of four
+# The yardstick of fp32 rounding: two plain layouts of the same global batch that differ only in
+# their summation order (4-rank DDP, and 2 ranks x grad_accum 2) were measured against each other
+# (8 steps, 2-core AVX2 AMD EPYC): weights apart by at most 1.2e-7 (one ulp of a norm weight near
+# 1), losses by at most 2 ulps of the loss (9.5e-7 near 7.6: the step's loss is a mean of the
+# ranks' losses, whose order the layout sets). Two groups of two against the 4-rank run: the same
+# figures. The bounds: 1e-6 for every weight, 4 ulps for a loss.
+WEIGHT_TOLERANCE = 1e-6
+LOSS_ULPS = 4
+
+
+def lighthouse(port: int, min_replicas: int) -> subprocess.Popen:
+    # min_replicas = every group: no group may start a quorum of its own
+    cmd = [LIGHTHOUSE, "--min_replicas", min_replicas, "--bind", f"[::]:{port}"]
+    cmd += ["--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "5000"]
+    return start(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def overrides(recipe: str, out: Path, *extra: str) -> list[str]:
+    return small_overrides(
+        recipe,
+        out,
+        "model.dropout=0",
+        "model.attn_dropout=0",
+        "data.seq_len=32",
+        "micro_batch_size=2",  # x 4 data-parallel ranks: a global batch of 8
+        f"max_steps={STEPS}",
+        "eval_every=0",
+        "save_every=0",
+        # Adam divides each gradient by its running magnitude: an element whose true gradient is zero
+        # (a key bias: softmax ignores a per-query constant) or cancels almost exactly moves on the
+        # round-off of its summation order alone, by up to lr a step. With the default eps (1e-8)
+        # that put gpt2's key biases 2.6e-6 apart between two plain layouts (4-rank DDP and 2 ranks
+        # x grad_accum 2) and one t5 weight 8.9e-7 apart; eps=1e-4 keeps round-off from being
+        # amplified (as in test_mesh.py), so that the layouts can be compared at 1e-6 at all.
+        "optim.eps=1e-4",
+        *extra,
+    )
+
+
+def _rank(rank: int, recipe: str, args: list[str], per_group: int, ports: list[int], cache: str, tag: str) -> None:
+    """Rank ``rank`` of the launch: local rank ``rank % per_group`` of replica group ``rank //
+    per_group`` (a torchrun-like world of its own). Trains, then saves the full weights gathered
+    inside its group (the groups' ranks 0: ``OUT/full_<tag>_g<group>.pt``)."""
+    group, local = divmod(rank, per_group)
+    become_rank(local, per_group, ports[group], cache, 120)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from tformer.parallel.dist import shutdown
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+
+    ft = [f"fault_tolerance.replica_id={group}"] if len(ports) > 1 else []
+    cfg = load_config(CONFIGS / f"{recipe}.yaml", [*args, *ft])
+    trainer = Trainer(cfg)
+    trainer.fit()
+    full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if local == 0:
+        torch.save({k: v.clone() for k, v in full.items()}, Path(cfg.output_dir) / f"full_{tag}_g{group}.pt")
+    shutdown(None)
+
+
+def launch(recipe: str, out: Path, cache: Path, groups: int, *extra: str) -> None:
+    """RANKS ranks in ``groups`` torchft replica groups (1: a plain job), within a deadline."""
+    ports = [free_port() for _ in range(groups)]
+    args = overrides(recipe, out, *extra)
+    lh = None
+    if groups > 1:
+        port = free_port()
+        lh = lighthouse(port, groups)
+        args += [
+            "fault_tolerance.enabled=true",
+            f"fault_tolerance.lighthouse=http://127.0.0.1:{port}",
+            f"fault_tolerance.replicas={groups}",
+            f"fault_tolerance.min_replicas={groups}",
+            "fault_tolerance.timeout_s=60",
+            "fault_tolerance.quorum_timeout_s=60",
+        ]
+    try:
+        spawn_ranks(_rank, (recipe, args, RANKS // groups, ports, str(cache), out.name), RANKS, 240)
+    finally:
+        if lh is not None:
+            kill_group(lh)
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def plain(cache, tmp_path_factory):
+    """The references, one per family: a plain four-rank DDP run (run once, on first use)."""
+    runs: dict[str, Path] = {}
+
+    def get(recipe: str) -> Path:
+        if recipe not in runs:
+            out = tmp_path_factory.mktemp(f"plain-{recipe}")
+            launch(recipe, out, cache, 1, "parallel.strategy=ddp")
+            runs[recipe] = out
+        return runs[recipe]
+
+    return get
+
+
+def check_equal(reference: Path, ft: Path) -> tuple[float, float]:
+    """Every step's loss and the final weights of both groups against the plain run's; returns the
+    largest differences seen (losses, weights)."""
+    expected = {r["step"]: r["loss"] for r in rows(reference / "metrics.jsonl")}
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    worst = [0.0, 0.0]
+    for group in (0, 1):
+        got = rows(ft / "replicas" / str(group) / "metrics.jsonl")
+        assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+        for r in got:
+            assert r["quorum"] == "2/2" and r["ft_skipped_steps"] == 0, r
+            diff = abs(r["loss"] - expected[r["step"]])
+            worst[0] = max(worst[0], diff)
+            ulp = float(np.spacing(np.float32(expected[r["step"]])))
+            assert diff <= LOSS_ULPS * ulp, (group, r["step"], diff)
+        assert got[-1]["ft_commits"] == STEPS
+    want = torch.load(reference / f"full_{reference.name}_g0.pt", weights_only=True)
+    moved = 0
+    for group in (0, 1):
+        weights = torch.load(ft / f"full_{ft.name}_g{group}.pt", weights_only=True)
+        assert weights.keys() == want.keys()
+        for name, w in want.items():
+            diff = (weights[name].float() - w.float()).abs().max().item() if w.numel() else 0.0
+            worst[1] = max(worst[1], diff)
+            assert diff <= WEIGHT_TOLERANCE, (group, name, diff)
+            moved += w.is_floating_point()
+    assert moved, "the reference has no weights to compare"
+    return worst[0], worst[1]
+
+
+@pytest.mark.parametrize("recipe", ["gpt2-tiny", "bert-tiny", "t5-tiny"])
+def test_two_groups_of_two_ddp_ranks_equal_a_plain_four_rank_run(recipe, plain, cache, tmp_path_factory):
+    reference = plain(recipe)
+    out = tmp_path_factory.mktemp(f"ft-{recipe}")
+    launch(recipe, out, cache, 2, "parallel.strategy=ddp")
+    loss, weight = check_equal(reference, out)
+    print(f"{recipe}: 2 groups x 2 DDP ranks vs 4-rank DDP: losses {loss:.3g}, weights {weight:.3g} apart")
+
+
+def test_two_groups_of_two_fsdp2_ranks_equal_a_plain_four_rank_run(plain, cache, tmp_path_factory):
+    """FSDP2 inside each group: each rank holds half the model and the cross-group average runs on
+    those shards; the weights gathered in each group equal the plain run's."""
+    reference = plain("gpt2-tiny")
+    out = tmp_path_factory.mktemp("ft-fsdp")
+    launch("gpt2-tiny", out, cache, 2, "parallel.strategy=fsdp")
+    loss, weight = check_equal(reference, out)
+    print(f"gpt2-tiny: 2 groups x 2 FSDP2 ranks vs 4-rank DDP: losses {loss:.3g}, weights {weight:.3g} apart")
