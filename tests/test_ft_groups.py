@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,12 +23,9 @@ import torch
 
 from train_helpers import (
     CONFIGS,
-    ROOT,
     become_rank,
-    env,
     free_port,
     kill_group,
-    run_cmd,
     small_overrides,
     spawn_ranks,
     start,
@@ -80,10 +75,13 @@ def overrides(recipe: str, out: Path, *extra: str) -> list[str]:
     )
 
 
-def _rank(rank: int, recipe: str, args: list[str], per_group: int, ports: list[int], cache: str, tag: str) -> None:
+def _rank(
+    rank: int, recipe: str, args: list[str], per_group: int, ports: list[int], cache: str, tag: str, stop_at: int = 0
+) -> None:
     """Rank ``rank`` of the launch: local rank ``rank % per_group`` of replica group ``rank //
-    per_group`` (a torchrun-like world of its own). Trains, then saves the full weights gathered
-    inside its group (the groups' ranks 0: ``OUT/full_<tag>_g<group>.pt``)."""
+    per_group`` (a torchrun-like world of its own). Trains (stopping after step ``stop_at`` if set),
+    then saves the full weights gathered inside its group (the groups' ranks 0:
+    ``OUT/full_<tag>_g<group>.pt``); the trainer's warnings go to ``OUT/log_<tag>_g<group>.txt``."""
     group, local = divmod(rank, per_group)
     become_rank(local, per_group, ports[group], cache, 120)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -92,13 +90,22 @@ def _rank(rank: int, recipe: str, args: list[str], per_group: int, ports: list[i
     from tformer.train.config import load_config
     from tformer.train.trainer import Trainer
 
-    ft = [f"fault_tolerance.replica_id={group}"] if len(ports) > 1 else []
+    ft = [f"fault_tolerance.replica_id={group}"] if "fault_tolerance.enabled=true" in args else []
     cfg = load_config(CONFIGS / f"{recipe}.yaml", [*args, *ft])
-    trainer = Trainer(cfg)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if local == 0:
+        logging.getLogger("tformer.train").addHandler(logging.FileHandler(out / f"log_{tag}_g{group}.txt"))
+
+    def stop(trainer, record):
+        if record.get("step") == stop_at:
+            trainer._stop_reason = "test stop"
+
+    trainer = Trainer(cfg, callbacks=[stop] if stop_at else [])
     trainer.fit()
     full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if local == 0:
-        torch.save({k: v.clone() for k, v in full.items()}, Path(cfg.output_dir) / f"full_{tag}_g{group}.pt")
+        torch.save({k: v.clone() for k, v in full.items()}, out / f"full_{tag}_g{group}.pt")
     shutdown(None)
 
 
@@ -191,3 +198,60 @@ def test_two_groups_of_two_fsdp2_ranks_equal_a_plain_four_rank_run(plain, cache,
     launch("gpt2-tiny", out, cache, 2, "parallel.strategy=fsdp")
     loss, weight = check_equal(reference, out)
     print(f"gpt2-tiny: 2 groups x 2 FSDP2 ranks vs 4-rank DDP: losses {loss:.3g}, weights {weight:.3g} apart")
+
+
+# -- switching fault tolerance at a resume ----------------------------------------------------------
+
+
+def one_rank(out: Path, cache: Path, tag: str, *extra: str, stop_at: int = 0, lighthouse_port: int = 0) -> None:
+    """One process: a plain run, or with ``lighthouse_port`` a one-rank torchft replica group (the
+    only one: replicas=1)."""
+    args = overrides("gpt2-tiny", out, "max_steps=9", "save_every=3", *extra)
+    if lighthouse_port:
+        args += [
+            "fault_tolerance.enabled=true",
+            f"fault_tolerance.lighthouse=http://127.0.0.1:{lighthouse_port}",
+            "fault_tolerance.replicas=1",
+            "fault_tolerance.timeout_s=30",
+            "fault_tolerance.quorum_timeout_s=30",
+        ]
+    spawn_ranks(_rank, ("gpt2-tiny", args, 1, [free_port()], str(cache), tag, stop_at), 1, 120)
+
+
+def switched(out: Path, tag: str) -> list[str]:
+    return [line for line in (out / f"log_{tag}_g0.txt").read_text().splitlines() if "fault tolerance switched" in line]
+
+
+def test_a_run_switches_fault_tolerance_on_and_off_at_resume_and_trains_the_same(cache, tmp_path):
+    """One run directory: steps 1-3 plain, 4-6 as a torchft replica group (resumed from the plain
+    run's checkpoint), 7-9 plain again (resumed from the group's). Each switch is said in one line,
+    and every step's loss and the final weights are those of a plain run that never stopped."""
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    one_rank(reference, cache, "reference")
+    one_rank(run, cache, "plain", stop_at=3)
+    port = free_port()
+    lh = lighthouse(port, 1)
+    try:
+        one_rank(run, cache, "ft", stop_at=6, lighthouse_port=port)
+    finally:
+        kill_group(lh)
+    one_rank(run, cache, "plain_again")
+    assert switched(run, "plain") == []
+    (on,) = switched(run, "ft")
+    assert on.startswith("fault tolerance switched on at this resume (step 3)"), on
+    (off,) = switched(run, "plain_again")
+    assert off.startswith("fault tolerance switched off at this resume (step 6)"), off
+    expected = {r["step"]: r["loss"] for r in rows(reference / "metrics.jsonl")}
+    assert sorted(expected) == list(range(1, 10))
+    plain = {r["step"]: r["loss"] for r in rows(run / "metrics.jsonl")}
+    # every step logged once: the group's steps in replicas/0/, not again by the plain run
+    assert sorted(plain) == [1, 2, 3, 7, 8, 9]
+    ft = rows(run / "replicas" / "0" / "metrics.jsonl")
+    assert [r["step"] for r in ft] == [4, 5, 6] and all(r["quorum"] == "1/1" for r in ft)
+    got = {**plain, **{r["step"]: r["loss"] for r in ft}}
+    # one replica group alone: torchft's average over one participant is the gradient itself, and
+    # the same ranks see the same samples: the continued run is the reference bit for bit
+    assert got == expected
+    want = torch.load(reference / "full_reference_g0.pt", weights_only=True)
+    final = torch.load(run / "full_plain_again_g0.pt", weights_only=True)
+    assert final.keys() == want.keys() and all(torch.equal(final[k], w) for k, w in want.items())
