@@ -66,11 +66,13 @@ def unlogged_record(state: TrainerState, ckpt: Path, run_dir: Path) -> dict | No
     """The record a checkpoint of this run was saved with (its step due to be logged, and perhaps
     evaluated) when ``metrics.jsonl`` has no line for that step: the run was killed between the
     save and the log line. None when there is nothing to make good (or the checkpoint is another
-    run's)."""
+    run's, or a replica group of its fault-tolerant phase logged that step)."""
     pending = state.pending
     if not pending or Path(ckpt).resolve().parent != (Path(run_dir) / "checkpoints").resolve():
         return None
-    if state.step in logged_steps(run_dir):
+    # a fault-tolerant phase of the run logged its steps per replica group (replicas/<id>/)
+    logs = [Path(run_dir), *sorted((Path(run_dir) / "replicas").glob("*"))]
+    if any(state.step in logged_steps(d) for d in logs):
         return None
     return pending
 
@@ -168,6 +170,27 @@ def judge(changes: list[tuple[str, Any, Any]], cfg: TrainConfig, ckpt: Path, ste
             "resume_changes=allow to continue with the changes"
         )
     return [f"resume_changes=allow: {s} from step {step} on" for s in said]
+
+
+def fault_tolerance_note(saved: dict, cfg: TrainConfig, step: int) -> str | None:
+    """One line when this resume switches fault tolerance on or off (``fault_tolerance`` is free to
+    change, RESUME_FREE): what the run becomes. The math is unchanged; the layout rules of any
+    resume hold (the global batch spans every replica group)."""
+    before = (saved.get("fault_tolerance") or {}).get("enabled")
+    ft = cfg.fault_tolerance
+    if before is None or bool(before) == ft.enabled:
+        return None
+    if ft.enabled:
+        return (
+            f"fault tolerance switched on at this resume (step {step}): the data-parallel replicas are now "
+            f"{ft.replicas} torchft replica group(s) (this one is {ft.replica_id}) that meet at the lighthouse every "
+            "step; a dead group no longer stops the others, and a restarted one heals from a live peer"
+        )
+    return (
+        f"fault tolerance switched off at this resume (step {step}): the run is one job again, its data-parallel "
+        "ranks average their gradients among themselves; a dead rank stops the job (restart it and it resumes "
+        "from the newest checkpoint)"
+    )
 
 
 def horizon_note(cfg: TrainConfig, saved: dict, horizon: int, step: int) -> str | None:

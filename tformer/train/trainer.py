@@ -260,6 +260,7 @@ class Trainer:
         changes += resuming.float8_change(saved, self.cfg.precision)
         notes: list[str | None] = list(resuming.judge(changes, self.cfg, path, state.step))
         notes.append(resuming.horizon_note(self.cfg, saved, self.schedule_steps, state.step))
+        notes.append(resuming.fault_tolerance_note(saved, self.cfg, state.step))
         if self.dist.is_main:
             for note in filter(None, notes):
                 log.warning("%s", note)
