@@ -13,6 +13,7 @@ interpreter), a lighthouse started by the test and always killed, every wait und
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import time
 from pathlib import Path
@@ -119,3 +120,128 @@ def test_lighthouse_killed_groups_wait_say_why_and_go_on_when_back_then_stop_in_
     assert all(r["quorum"] == "2/2" for g in got for r in g)
     # nothing lost: the last committed step was checkpointed (by the group that writes them)
     assert (out / "checkpoints" / f"step_{last:08d}").is_dir(), sorted(p.name for p in (out / "checkpoints").iterdir())
+
+
+def records(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl being written (a line not yet whole is left for the next read)."""
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+    return out
+
+
+@pytest.mark.long
+def test_failure_loop_random_kills_the_job_never_stops_and_the_counts_equal_the_kills(cache, tmp_path):
+    """Two one-rank groups; a killer ends a random group (kill -9, seeded) every few seconds, three
+    times, and a supervisor restarts each killed group on its own, as launch/ft.sh's loop does. A
+    group is killed only when both groups commit together (its peer is then alive to go on and to
+    see it leave: killing the only group that has the run's state is a total outage, which this
+    test does not make). About 45 s on the 2-core CPU: the long lane."""
+    seed, kills_wanted, every_s, max_steps = 44, 3, 4.0, 300
+    # a launcher's restart takes longer than the lighthouse's heartbeat timeout (1 s here): the old
+    # process has left the quorum when the new one asks to join, so the peers see the failure
+    restart_after_s = 1.5
+    # no commit anywhere for longer than this is a stopped job: a dead peer is missed after the
+    # heartbeat timeout (1 s), a step in flight with it fails within timeout_s (10 s)
+    stall_limit_s = 20.0
+    out, port = tmp_path / "run", free_port()
+    paced = tmp_path / "paced"  # the groups step every 0.05 s while the killer works, then run free
+    paced.touch()
+    environ = {**env(cache), "FT_TEST_PACE": "0.05", "FT_TEST_PACE_WHILE": str(paced)}
+    metrics = [out / "replicas" / str(r) / "metrics.jsonl" for r in (0, 1)]
+    rng = random.Random(seed)
+    lives: list[list] = [[], []]  # per group: (process, log, rows before it started)
+    kills: list[dict] = []
+    killed_at: dict[int, float] = {}
+    before: list[dict] = []
+
+    def launch(r: int) -> None:
+        log = tmp_path / f"g{r}.{len(lives[r])}.log"
+        args = [WORKER, f"g{r}", CONFIG, *ft_overrides(out, port, r, f"max_steps={max_steps}")]
+        lives[r].append((start_python(args, log, environ), log, len(records(metrics[r]))))
+
+    def tails() -> str:
+        return "\n".join(f"{log}:\n{Path(f'{log}.err').read_text()[-1200:]}" for g in lives for _, log, _ in g[-2:])
+
+    lh = lighthouse(port, 1)
+    try:
+        for r in (0, 1):
+            launch(r)
+        t0 = time.monotonic()
+        deadline = t0 + 300
+        top, top_t, stall = 0, t0, 0.0
+        advanced = [t0, t0]
+        last_step = [0, 0]
+        victim = rng.randrange(2)
+        next_kill = t0 + every_s
+        done = [False, False]
+        while not all(done):
+            now = time.monotonic()
+            assert now < deadline, f"the run did not end within {deadline - t0:.0f} s: {tails()}"
+            got = [records(m) for m in metrics]
+            for r in (0, 1):
+                if got[r] and got[r][-1]["step"] != last_step[r]:
+                    last_step[r], advanced[r] = got[r][-1]["step"], now
+            if max(last_step) > top:
+                top, top_t = max(last_step), now
+            stall = max(stall, now - top_t)
+            assert now - top_t < stall_limit_s, f"no group committed for {now - top_t:.1f} s (at step {top}): {tails()}"
+            for r in (0, 1):  # the supervisor: each group restarted on its own
+                proc = lives[r][-1][0]
+                if done[r] or proc.is_alive():
+                    continue
+                if r in killed_at:
+                    if now - killed_at[r] >= restart_after_s:
+                        del killed_at[r]
+                        launch(r)
+                    continue
+                assert proc.exitcode == 0, f"group {r} failed (exit {proc.exitcode}): {tails()}"
+                done[r] = True
+            if len(kills) < kills_wanted and now >= next_kill and not killed_at:
+                # both groups committing together, each in its current life: the peer goes on
+                fresh = [got[r][lives[r][-1][2] :] for r in (0, 1)]
+                together = all(f and f[-1]["quorum"] == "2/2" for f in fresh)
+                other = 1 - victim
+                if together and now - advanced[other] < 1.0 and all(g[-1][0].is_alive() for g in lives):
+                    if not kills:  # what was counted before the first kill: a group that started
+                        # after its peer healed from it, a recovery no kill caused
+                        before = [{k: got[r][-1][k] for k in ("ft_failures", "ft_recoveries")} for r in (0, 1)]
+                    kill_python(lives[victim][-1][0])
+                    killed_at[victim] = time.monotonic()
+                    kills.append(
+                        {"t": round(now - t0, 2), "group": victim, "step": last_step[victim], "peer": last_step[other]}
+                    )
+                    print(f"kill -9 of group {victim}: {kills[-1]}")
+                    victim, next_kill = rng.randrange(2), now + every_s
+            if len(kills) == kills_wanted and paced.exists() and not killed_at:
+                fresh = [got[r][lives[r][-1][2] :] for r in (0, 1)]
+                if all(f and f[-1]["quorum"] == "2/2" for f in fresh):
+                    paced.unlink()  # every group back: the run goes on to its end unpaced
+            time.sleep(0.1)
+    finally:
+        for g in lives:
+            for p, _, _ in g:
+                kill_python(p)
+        kill_group(lh)
+    print(f"kills: {kills}; longest time without a commit anywhere: {stall:.1f} s")
+    assert len(kills) == kills_wanted, f"only {len(kills)} kills before the run ended at step {max_steps}: {kills}"
+    got = [records(m) for m in metrics]
+    for r in (0, 1):
+        s = [row["step"] for row in got[r]]
+        assert s[-1] == max_steps, (r, s[-20:])
+        assert all(a < b for a, b in zip(s, s[1:])), f"group {r}'s step went back: {s}"
+        jumps = sum(b != a + 1 for a, b in zip(s, s[1:]))  # a restarted group joins at its peer's step
+        assert jumps <= sum(k["group"] == r for k in kills), (r, s)
+    # at every step at least one group committed: the job never stopped
+    assert {row["step"] for g in got for row in g} == set(range(1, max_steps + 1))
+    # each kill was seen by the other group (a failure) and healed by the restarted one (a recovery);
+    # a group's counts go on over its restarts
+    made = [{k: g[-1][k] - b[k] for k in b} for g, b in zip(got, before)]
+    print(f"counted before the first kill: {before}; since: {made}")
+    assert sum(m["ft_failures"] for m in made) == len(kills), made
+    assert sum(m["ft_recoveries"] for m in made) == len(kills), made
+    for r in (0, 1):
+        assert made[r]["ft_recoveries"] == sum(k["group"] == r for k in kills), (r, made, kills)
+        assert made[r]["ft_failures"] == sum(k["group"] != r for k in kills), (r, made, kills)
