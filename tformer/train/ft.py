@@ -493,6 +493,8 @@ class FaultTolerance:
     def writes_checkpoints(self) -> bool:
         """One participating group writes the run's checkpoints: the first of the last quorum (also
         after a lost quorum, for the checkpoint of the last committed step)."""
+        if self.semi is not None:  # their quorum comes at a synchronisation, not in start_step
+            return self.manager.participating_rank() == 0
         return self.writer
 
     def record(self) -> dict:
