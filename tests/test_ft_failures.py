@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from test_ft import WORKER, ft_overrides, lighthouse, rows
+from test_ft import WORKER, ft_overrides, lighthouse
 from train_helpers import CONFIGS, env, free_port, kill_group, kill_python, run_cli, small_overrides, start_python
 
 pytest.importorskip("torchft")
@@ -33,7 +33,7 @@ def cache(tmp_path_factory):
     """A cache with the run's tokenizer built, so that no two groups build it at once."""
     cache = tmp_path_factory.mktemp("cache")
     out = tmp_path_factory.mktemp("tokenizer")
-    p = run_cli(["train", CONFIG, *small_overrides("gpt2-tiny", out, "max_steps=1", "eval_every=0")], cache, timeout=300)
+    p = run_cli(["data", "prepare", CONFIG, *small_overrides("gpt2-tiny", out), "--no-progress"], cache, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return cache
 
@@ -49,8 +49,18 @@ def ended(*procs):
                 kill_python(q)
 
 
+def records(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl being written (a line not yet whole is left for the next read)."""
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+    return out
+
+
 def steps(path: Path) -> int:
-    got = rows(path)
+    got = records(path)
     return got[-1]["step"] if got else 0
 
 
@@ -68,7 +78,7 @@ def test_lighthouse_killed_groups_wait_say_why_and_go_on_when_back_then_stop_in_
     and each group says in one line why; restarted on its port, both go on together (no step lost
     or repeated, the same averaged loss at every step). Killed for good: each group stops with one
     ``error:`` line after ``quorum_timeout_s``, and the last committed step is in a checkpoint."""
-    out, port, quorum_timeout = tmp_path / "run", free_port(), 15
+    out, port, quorum_timeout = tmp_path / "run", free_port(), 12
     extra = ("max_steps=100000", f"fault_tolerance.quorum_timeout_s={quorum_timeout}")
     addr = f"http://127.0.0.1:{port}"
     logs = [tmp_path / f"g{r}.log" for r in (0, 1)]
@@ -112,7 +122,7 @@ def test_lighthouse_killed_groups_wait_say_why_and_go_on_when_back_then_stop_in_
         assert p.exitcode == 3 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
         assert f"no torchft quorum at {addr} (the lighthouse is unreachable)" in lines[0], lines
         assert f"quorum_timeout_s={quorum_timeout} s, stopped after step" in lines[0], lines
-    got = [rows(m) for m in metrics]
+    got = [records(m) for m in metrics]
     last = got[0][-1]["step"]
     for g in got:  # both groups committed every step together: none lost, none repeated
         assert [r["step"] for r in g] == list(range(1, last + 1))
@@ -120,16 +130,6 @@ def test_lighthouse_killed_groups_wait_say_why_and_go_on_when_back_then_stop_in_
     assert all(r["quorum"] == "2/2" for g in got for r in g)
     # nothing lost: the last committed step was checkpointed (by the group that writes them)
     assert (out / "checkpoints" / f"step_{last:08d}").is_dir(), sorted(p.name for p in (out / "checkpoints").iterdir())
-
-
-def records(path: Path) -> list[dict]:
-    """The rows of a metrics.jsonl being written (a line not yet whole is left for the next read)."""
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                out.append(json.loads(line))
-    return out
 
 
 @pytest.mark.long
