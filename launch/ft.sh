@@ -10,7 +10,8 @@
 #   MIN_REPLICAS      groups a step needs to commit [1]; above REPLICAS / 2 no two halves of a
 #                     partitioned cluster can both commit
 #   LIGHTHOUSE        the lighthouse's address, http://HOST:PORT [unset: this script starts one here,
-#                     on LIGHTHOUSE_PORT, and stops it when the groups are done]
+#                     on LIGHTHOUSE_PORT, starts it again whenever it dies, and stops it when the
+#                     groups are done]
 #   LIGHTHOUSE_PORT   [29510]
 #   JOIN_TIMEOUT_MS   lighthouse: how long a quorum waits for heartbeating groups to join [10000]
 #   HEARTBEAT_TIMEOUT_MS  lighthouse: silence after which a group is dead [5000]
@@ -38,9 +39,22 @@ lighthouse_pid=
 if [ -z "${LIGHTHOUSE:-}" ]; then
     command -v "$BIN" >/dev/null 2>&1 \
         || { echo "launch/ft.sh: '$BIN' not found: pip install 'tformer[ft]' (torchft==0.2.0), or set LIGHTHOUSE to a running one" >&2; exit 2; }
-    # its per-quorum INFO lines would drown the trainers' (RUST_LOG=info brings them back)
-    RUST_LOG=${RUST_LOG:-warn} "$BIN" --min_replicas "$MIN_REPLICAS" --bind "[::]:$LIGHTHOUSE_PORT" \
-        --join_timeout_ms "${JOIN_TIMEOUT_MS:-10000}" --heartbeat_timeout_ms "${HEARTBEAT_TIMEOUT_MS:-5000}" &
+    # The lighthouse, started again on its port whenever it dies: the groups wait for it (up to
+    # fault_tolerance.quorum_timeout_s) and go on when it is back. TERM ends it for good.
+    run_lighthouse() {
+        local pid=
+        trap 'kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; exit 0' TERM INT
+        while true; do
+            # its per-quorum INFO lines would drown the trainers' (RUST_LOG=info brings them back)
+            RUST_LOG=${RUST_LOG:-warn} "$BIN" --min_replicas "$MIN_REPLICAS" --bind "[::]:$LIGHTHOUSE_PORT" \
+                --join_timeout_ms "${JOIN_TIMEOUT_MS:-10000}" --heartbeat_timeout_ms "${HEARTBEAT_TIMEOUT_MS:-5000}" &
+            pid=$!
+            wait "$pid" || true
+            echo "tformer ft: the lighthouse ended; starting it again on port $LIGHTHOUSE_PORT (the groups wait for it up to fault_tolerance.quorum_timeout_s)" >&2
+            sleep 1
+        done
+    }
+    run_lighthouse &
     lighthouse_pid=$!
     LIGHTHOUSE="http://$(hostname):$LIGHTHOUSE_PORT"
 fi

@@ -2,9 +2,9 @@
 Trainer with the overrides given, then saves the final model and optimizer state
 (``OUT/final_<tag>.pt``; under FSDP2 each rank its shards, ``OUT/final_<tag>_rank<r>.pt``) so the
 test can compare groups bitwise. ``FT_TEST_PACE`` (seconds) paces every step, leaving a test time
-to kill a group mid-run; while the file ``FT_TEST_SLOW`` names exists, each step takes a second
-more: a restarted group has time to start (a loaded CPU takes 10-30 s) while the live group goes on
-committing alone."""
+to kill a group mid-run (when ``FT_TEST_PACE_WHILE`` is set, only while the file it names exists);
+while the file ``FT_TEST_SLOW`` names exists, each step takes a second more: a restarted group has
+time to start (a loaded CPU takes 10-30 s) while the live group goes on committing alone."""
 
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ def main() -> int:
     torch.set_num_threads(1)
     cfg = load_config(config, overrides)
     pace, slow = float(os.environ.get("FT_TEST_PACE", "0")), os.environ.get("FT_TEST_SLOW")
+    pace_while = os.environ.get("FT_TEST_PACE_WHILE")  # a file: paced only while it exists
 
     def paced(trainer, record):
-        time.sleep(pace + (1.0 if slow and os.path.exists(slow) else 0.0))
+        wait = pace if not pace_while or os.path.exists(pace_while) else 0.0
+        time.sleep(wait + (1.0 if slow and os.path.exists(slow) else 0.0))
 
     trainer = Trainer(cfg, callbacks=[paced])
     trainer.fit()

@@ -195,6 +195,27 @@ def run_python(argv: list[str], timeout: float, env: dict | None = None, cwd=Non
     return subprocess.CompletedProcess([sys.executable, *argv], proc.exitcode, *text)
 
 
+def start_python(argv: list, log: Path, env: dict | None = None):
+    """``python *argv`` forked from the fork server and not waited for (a multiprocessing Process in
+    a session of its own: ``kill_python`` ends it and all it started); stdout to ``log``, stderr to
+    ``log`` with ``.err`` appended."""
+    err = Path(f"{log}.err")
+    for path in (log, err):
+        Path(path).write_text("")
+    environ = dict(os.environ if env is None else env)
+    proc = _fork_server().Process(target=_python_main, args=([str(a) for a in argv], environ, None, str(log), str(err)))
+    proc.start()
+    return proc
+
+
+def kill_python(proc) -> None:
+    """kill -9 of a ``start_python`` process and everything in its session, then reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.kill()
+    proc.join()
+
+
 # Ranks start from a fork server that imported torch and the trainer once per test session: a spawned
 # rank imports them itself (~5 s of CPU each; a 2-rank group on 2 cores ~8-16 s before its first
 # step, measured on a 2-core EPYC), a forked one starts in ~0.05 s. A forked rank would see the fork

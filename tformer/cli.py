@@ -566,9 +566,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001
+        from .train.ft import QuorumLost
         from .train.trainer import LossSpikeError, NonFiniteLoss
 
-        if isinstance(e, (NonFiniteLoss, LossSpikeError)):
+        if isinstance(e, (NonFiniteLoss, LossSpikeError, QuorumLost)):
             print(f"error: {e}", file=sys.stderr)
             return 3
         raise

@@ -23,9 +23,12 @@ counted in ``ft_samples_skipped``.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import socket
+import threading
 import time
 from datetime import timedelta
 from collections.abc import Sequence
@@ -39,6 +42,15 @@ from ..config import ConfigError
 log = logging.getLogger("tformer.train")
 
 INSTALL = "pip install 'tformer[ft]' (torchft==0.2.0)"
+
+# How often a group asks again for a quorum while the lighthouse is unreachable (torchft's Manager
+# retries the quorum, reconnecting, every quorum_timeout / (retries + 1)).
+QUORUM_RETRY_S = 1.0
+
+
+class QuorumLost(RuntimeError):
+    """No quorum within ``fault_tolerance.quorum_timeout_s`` (the lighthouse gone, too few groups):
+    the group stops, after writing a checkpoint of its last committed step when it is the writer."""
 
 
 def lighthouse_address(ft_cfg: Any) -> str:
@@ -180,6 +192,59 @@ def model_fragments(model: torch.nn.Module, n: int) -> list[torch.nn.Module]:
     return [_Fragment(blocks[cuts[i] : cuts[i + 1]], rest if i == 0 else []) for i in range(n)]
 
 
+class _LighthouseWatch:
+    """While a quorum takes long, asks whether the lighthouse still answers: when it does not, says
+    so in one line (its address, how long the group waits), and in one more when the quorum came."""
+
+    AFTER_S = 2.0  # a quorum normally takes milliseconds; a peer joining, up to the join timeout
+
+    def __init__(self, addr: str, replica_id: int, step: int, timeout_s: float, speak: bool):
+        self.addr, self.replica_id, self.step, self.timeout_s, self.speak = addr, replica_id, step, timeout_s, speak
+        self.lost = False
+        self.t0 = time.monotonic()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tformer_lighthouse_watch", daemon=True)
+        self._thread.start()
+
+    def _reachable(self) -> bool:
+        url = urlparse(self.addr)
+        try:
+            with socket.create_connection((url.hostname or "localhost", url.port or 29510), timeout=1.0):
+                return True
+        except OSError:
+            return False
+
+    def _run(self) -> None:
+        if self._done.wait(self.AFTER_S):
+            return
+        while not self._done.is_set():
+            if not self._reachable():
+                self.lost = True
+                if self.speak:
+                    log.warning(
+                        "replica group %d, step %d: the torchft lighthouse at %s is unreachable; no step commits "
+                        "until it is back (waiting up to fault_tolerance.quorum_timeout_s=%g s)",
+                        self.replica_id,
+                        self.step,
+                        self.addr,
+                        self.timeout_s,
+                    )
+                return
+            if self._done.wait(1.0):
+                return
+
+    def stop(self, came: bool = True) -> None:
+        self._done.set()
+        self._thread.join()
+        if came and self.lost and self.speak:
+            log.warning(
+                "replica group %d, step %d: the lighthouse is back, quorum after %.1f s; going on",
+                self.replica_id,
+                self.step,
+                time.monotonic() - self.t0,
+            )
+
+
 class FaultTolerance:
     """The trainer's side of torchft: one ``Manager`` per rank, the step's quorum, the cross-group
     average of the gradients (and of the step's statistics), the commit vote, and the state a
@@ -212,6 +277,9 @@ class FaultTolerance:
             use_async_quorum=False,  # heal before the forward, so the healed group trains this step's samples
             timeout=timeout,
             quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            # a lighthouse that dies (and is restarted on its address) is asked again every second or
+            # so until quorum_timeout_s: the groups go on when it is back
+            quorum_retries=max(0, math.ceil(cfg.quorum_timeout_s / QUORUM_RETRY_S) - 1),
             connect_timeout=timeout,
             rank=d.rank,
             world_size=d.world_size,
@@ -234,11 +302,37 @@ class FaultTolerance:
         self.commits = self.uncommitted = self.failures = self.recoveries = 0
         self.recovery_s = 0.0
         self.samples_skipped = 0
+        self._carry_counters(trainer.log_dir / "metrics.jsonl")
+        self.writer = False  # this group was the first of its last quorum: it writes the checkpoints
         self.participants = 0
         self.committed_s = 0.0
         self.start = time.perf_counter()
         self._healed = False
         self.quorum_s = 0.0  # the last step's quorum (and heal): part of its step time
+
+    def _carry_counters(self, path: Any) -> None:
+        """A restarted group's counters go on from its own last record in ``metrics.jsonl`` (the
+        counts are per replica group over the whole run, not per process): what it counted after
+        its last logged step died with it (none with log_every=1)."""
+        last: dict = {}
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()
+        except OSError:  # no record yet
+            lines = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut short by a kill
+                continue
+            if isinstance(record, dict) and "ft_commits" in record:
+                last = record
+        if not last:
+            return
+        self.commits, self.uncommitted = int(last["ft_commits"]), int(last["ft_skipped_steps"])
+        self.failures, self.recoveries = int(last["ft_failures"]), int(last["ft_recoveries"])
+        self.recovery_s, self.samples_skipped = float(last["ft_recovery_s"]), int(last["ft_samples_skipped"])
+        self.bytes = int(last.get("ft_bytes", 0))
 
     def _count_bytes(self) -> None:
         """Every cross-group all-reduce (tformer's, LocalSGD's, DiLoCo's) goes through
@@ -327,15 +421,26 @@ class FaultTolerance:
         self.quorum_s = 0.0
         self._healed = False
         before = self.participants
+        cfg = self.trainer.cfg.fault_tolerance
+        where = lighthouse_address(cfg)
+        watch = _LighthouseWatch(
+            where, self.replica_id, self.trainer.step + 1, cfg.quorum_timeout_s, self.trainer.dist.is_main
+        )
         try:
             self.manager.start_quorum()
         except Exception as e:  # noqa: BLE001 - torchft raises plain RuntimeErrors (timeouts, lost lighthouse)
-            where = lighthouse_address(self.trainer.cfg.fault_tolerance)
-            raise RuntimeError(
-                f"replica group {self.replica_id}: no torchft quorum at {where} "
-                f"within fault_tolerance.quorum_timeout_s ({e.__class__.__name__}: {str(e).splitlines()[0][:200]})"
+            watch.stop(came=False)
+            gone = " (the lighthouse is unreachable)" if watch.lost else ""
+            raise QuorumLost(
+                f"replica group {self.replica_id}: no torchft quorum at {where}{gone} within fault_tolerance."
+                f"quorum_timeout_s={cfg.quorum_timeout_s:g} s, stopped after step {self.trainer.step} "
+                f"({e.__class__.__name__}: {str(e).splitlines()[0][:200] if str(e) else 'timed out'}); restart the "
+                "lighthouse (torchft_lighthouse) and the group, which heals from a live peer or resumes from the "
+                "newest checkpoint"
             ) from None
+        watch.stop()
         self.participants = self.manager.num_participants()
+        self.writer = self.manager.participating_rank() == 0
         if before and self.participants < before:
             self.failures += before - self.participants
         if self._healed:
@@ -386,8 +491,11 @@ class FaultTolerance:
         self.committed_s += seconds
 
     def writes_checkpoints(self) -> bool:
-        """One participating group writes the run's checkpoints: the quorum's first."""
-        return self.manager.participating_rank() == 0
+        """One participating group writes the run's checkpoints: the first of the last quorum (also
+        after a lost quorum, for the checkpoint of the last committed step)."""
+        if self.semi is not None:  # their quorum comes at a synchronisation, not in start_step
+            return self.manager.participating_rank() == 0
+        return self.writer
 
     def record(self) -> dict:
         wall = time.perf_counter() - self.start

@@ -39,7 +39,7 @@ from .config import TrainConfig
 from .console import METRICS, log_step, start_summary, trim_metrics
 from .data import build_data, check_sources, copy_tokenizer, train_batches
 from .dist import all_reduce, barrier, device_type, init_distributed
-from .ft import FaultTolerance, check_fault_tolerance, lighthouse_address, wait_for_lighthouse
+from .ft import FaultTolerance, QuorumLost, check_fault_tolerance, lighthouse_address, wait_for_lighthouse
 from .head import loss_chunk_size
 from .metrics import peak_flops
 from .optim import build_optimizer, build_scheduler
@@ -435,7 +435,14 @@ class Trainer:
         try:
             last = self._finish_pending(metrics_file, tracker, bar) or last
             while self.step < cfg.max_steps and self._stop_reason is None:
-                if self.ft is not None and self.ft.start_step():  # healed from a peer: its data position
+                try:
+                    healed = self.ft is not None and self.ft.start_step()
+                except QuorumLost:  # nothing lost: the last committed step is saved by its writer group
+                    if self.step != saved_step and self.step > 0 and self._may_save():
+                        self.save()
+                        self.wait_for_checkpoint()
+                    raise
+                if healed:  # healed from a peer: its data position
                     batches = self._batches()
                     if bar is not None:
                         bar.n = self.step
