@@ -346,6 +346,8 @@ def ft_run(cache: Path, out: Path, steps: int, save_every: int, kills: list[int]
                 top = max(top, r["step"])
             for r in victim.poll():
                 top = max(top, r["step"])
+                if run.kills and r["step"] <= run.kills[-1]:  # a resumed group's rewritten file: older rows
+                    continue
                 if not joined and run.kills:
                     run.recoveries.append(time.perf_counter() - relaunched_at)
                 joined = True
