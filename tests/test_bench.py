@@ -132,3 +132,34 @@ def test_moe_bench_fails_unless_the_balancing_loss_beats_no_loss_and_exits_non_z
     assert bench_moe.main(["--part", "balance"]) == 1
     monkeypatch.setattr(bench_moe, "bench_balance", lambda args: bench_moe.balance_lines(1.18, 3.30, args.steps))
     assert bench_moe.main(["--part", "balance"]) == 0
+
+
+def test_ft_bench_verdicts_read_miss_or_fail():
+    """bench_ft's lines: the overhead ratio, wall time lost per failure (each side against its own
+    failure-free run), the recovery time; a run that did not finish is a FAIL, never a figure."""
+    import bench_ft
+    from bench_ft import Run
+
+    assert bench_ft.overhead_line([0.100], [0.105], same=True).startswith("PASS")
+    assert bench_ft.overhead_line([0.100], [0.120], same=True).startswith("MISS")
+    assert bench_ft.overhead_line([0.100], [0.090], same=False).startswith("FAIL")  # other losses
+    assert bench_ft.overhead_line([], [], same=True, error="exit 2: ...").startswith("FAIL")
+
+    def sides(lost_restart: float, lost_ft: float, recoveries=(12.0, 14.0, 13.0), error=""):
+        restart = (Run(wall=100.0, kept_s=80.0), Run(wall=100 + 3 * lost_restart, kept_s=80.0, kills=[75, 175, 275]))
+        ft = (
+            Run(wall=90.0, kept_s=80.0),
+            Run(wall=90 + 3 * lost_ft, kept_s=80.0, kills=[75, 175, 275], recoveries=list(recoveries), error=error),
+        )
+        return bench_ft.failure_lines(restart, ft, samples_per_step=16)
+
+    good = sides(30.0, 6.0)
+    assert [x.split()[0] for x in good if not x.startswith(" ")] == ["PASS", "PASS"], good
+    assert "5.0x smaller" in good[-2] and "goodput" in good[-2], good
+    assert sides(30.0, 12.0)[-2].startswith("MISS")  # 2.5x: short of 3x
+    assert sides(30.0, 6.0, recoveries=(12.0, 31.0, 13.0))[-1].startswith("MISS")  # one recovery over 30 s
+    assert sides(30.0, 6.0, recoveries=())[-1].startswith("MISS")  # never rejoined
+    broken = sides(30.0, 6.0, error="group 1 exit 1: ...")
+    assert all(x.startswith("FAIL") for x in broken) and "group 1 exit 1" in broken[0], broken
+    assert bench_ft.failed(good[:1] + broken) and not bench_ft.failed(good)
+    assert len(bench_ft.kill_steps(400, 3, 50)) == 3 and bench_ft.kill_steps(100, 3, 50) == []

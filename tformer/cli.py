@@ -476,10 +476,24 @@ def _plan(argv: list[str]) -> int:
     if args.calibrate:
         return report.calibrate_main(args.calibrate)
     hw = report.hardware(args.gpu, args.set, args.gpus_per_node)  # bad figures fail here, before any work
+    from .config import ConfigError
     from .plan.memory_report import plan_main
     from .train.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    ft = cfg.fault_tolerance
+    if ft.enabled:  # the devices are split over the replica groups; each group plans its own layout
+        if args.devices % ft.replicas:
+            raise ConfigError(
+                f"--devices {args.devices} is not a multiple of fault_tolerance.replicas={ft.replicas} "
+                "(every replica group has the same layout); give a multiple"
+            )
+        args.devices //= ft.replicas
+        args.max_pp = 1  # fault tolerance refuses pipelines (train/ft.py)
+        print(
+            f"fault tolerance: {ft.replicas} replica groups of {args.devices} devices each; "
+            "the layouts below are one group's"
+        )
     rc = plan_main(
         cfg,
         args.config,

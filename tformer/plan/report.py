@@ -20,7 +20,8 @@ from ..models import spec_of
 from . import memory as memory_plan
 from . import memory_report, search
 from .hardware import Hardware, load_profile, profile
-from .layout import Layout, NotPriced, StepTime
+from .layout import Layout, NotPriced, StepTime, rank_stages
+from .replicas import Replicas, replica_cost
 from .time import step_time
 
 
@@ -111,9 +112,12 @@ def speed_report(
     seq: int,
     target: int | None,
     tokens: float | None,
+    replicas: Replicas | None = None,
 ) -> int:
     """Print the priced table of ``fits`` (``candidates``, best for memory first), the fastest
-    layout's breakdown and, when it differs, the memory-only choice's speed."""
+    layout's breakdown and, when it differs, the memory-only choice's speed. With fault
+    tolerance's ``replicas``, ``fits`` are one group's layouts and a line adds what the groups
+    cost (replicas.py)."""
     precision = "bf16" if cfg.precision in ("auto", "bf16", "fp8") else cfg.precision
     # precision=fp8: the blocks' linear layers in float8 (the recipe's), the rest in bf16
     float8 = cfg.float8.recipe if cfg.precision == "fp8" else None
@@ -146,6 +150,8 @@ def speed_report(
         + (f", {_duration(fastest.time_to_train(tokens))} for {tokens:.3g} tokens" if tokens else "")
     )
     print("  breakdown: " + ", ".join(f"{k} {v:.3f} s" for k, v in fastest.breakdown.items() if v > 0))
+    if replicas is not None:
+        print(replicas_line(model, layout_of(best, precision, chunk, float8, compiled), hw, fastest, replicas, tokens))
     first, first_time = priced[0]
     if first is not fits[0]:
         print(f"  (the memory-first choice {_name(fits[0])} could not be priced)")
@@ -156,6 +162,34 @@ def speed_report(
             f"({first_time.tokens_per_s_per_device / fastest.tokens_per_s_per_device:.2f}x the fastest)"
         )
     return 0
+
+
+def replicas_line(model, layout: Layout, hw: Hardware, one: StepTime, rep: Replicas, tokens: float | None) -> str:
+    """What ``rep`` replica groups of ``layout`` (one group's step: ``one``) cost per step."""
+    cost = replica_cost(layout, rank_stages(model, layout)[0], hw, rep)
+    step = one.step + cost.seconds_per_step
+    where = "inside a node" if layout.devices * rep.groups <= hw.gpus_per_node else "network"
+    line = (
+        f"replicas: {rep.groups} fault-tolerance groups x {layout.devices} devices ({rep.name}): "
+        f"{cost.bytes_per_step / 2**20:,.1f} MiB per rank per step across the groups over the {where} "
+        f"({cost.link.bandwidth / 1e9:g} GB/s): {cost.seconds_per_step:.3f} s per step, "
+        f"step {one.step:.3f} -> {step:.3f} s, "
+        f"{one.tokens_per_step * rep.groups / step / (layout.devices * rep.groups):,.0f} tokens/s per device"
+    )
+    if tokens:
+        line += f", {_duration(tokens / (one.tokens_per_step * rep.groups) * step)} for {tokens:.3g} tokens"
+    if cost.device_bytes:
+        line += (
+            f"; DiLoCo keeps {cost.device_bytes / 2**30:.2f} GiB more per device (outer momentum) and "
+            f"{cost.host_bytes / 2**30:.2f} GiB of host memory per rank (the parameters' backup)"
+        )
+    return line
+
+
+def ft_runnable(e: memory_plan.Estimate) -> bool:
+    """A layout a fault-tolerance group can run (train/ft.py refuses the rest): no pipeline, no
+    DeepSpeed, no HSDP replica dimension (torchft's groups are the replicas)."""
+    return e.pp == 1 and e.dp_replicate == 1 and not e.strategy.startswith("zero")
 
 
 def candidates(
@@ -214,11 +248,15 @@ def plan_speed(
     tokens,
     max_cp: int | None = None,
 ) -> int:
-    """``candidates`` for the run config ``cfg``, priced."""
+    """``candidates`` for the run config ``cfg``, priced; under fault tolerance ``devices`` are one
+    replica group's, and the groups' cost is added (replicas.py)."""
     fits = candidates(cfg, devices, device_memory, gpus_per_node, n_micro, max_pp, max_cp)
+    replicas = Replicas.of(cfg.fault_tolerance)
+    if replicas is not None:
+        fits = [e for e in fits if ft_runnable(e)]
     if not fits:
         return 1
-    return speed_report(cfg, fits, hw, cfg.data.seq_len, _target(cfg), tokens)
+    return speed_report(cfg, fits, hw, cfg.data.seq_len, _target(cfg), tokens, replicas)
 
 
 def calibrate_main(path: str) -> int:

@@ -202,6 +202,11 @@ class FaultToleranceConfig:
                 f"fault_tolerance.min_replicas={self.min_replicas} exceeds fault_tolerance.replicas={self.replicas}; "
                 "no step could ever commit: lower min_replicas"
             )
+        if self.fragments != 1 and self.semi_sync != "diloco":  # here too: tformer plan prices the same section
+            raise ConfigError(
+                f"fault_tolerance.fragments={self.fragments} streams DiLoCo's synchronisation; it needs "
+                f"fault_tolerance.semi_sync=diloco (not {self.semi_sync}), or set fragments=1"
+            )
         if self.sync_every % self.fragments:
             raise ConfigError(
                 f"fault_tolerance.sync_every={self.sync_every} is not a multiple of fault_tolerance.fragments="

@@ -1,0 +1,95 @@
+"""``tformer plan`` prices fault tolerance's replica groups (tformer/plan/replicas.py): the
+cross-group all-reduce per step, DiLoCo's every-``sync_every`` exchange amortised, its memory, and
+the trainer's refusals for the same section."""
+
+from __future__ import annotations
+
+import pytest
+
+from train_helpers import CONFIGS
+
+from tformer.config import ConfigError
+from tformer.plan import Layout, profile
+from tformer.plan.layout import rank_stages
+from tformer.plan.replicas import Replicas, replica_cost
+from tformer.plan.states import num_parameters
+from tformer.train.config import load_config
+
+
+def _gpt2_tiny():
+    return load_config(str(CONFIGS / "gpt2-tiny.yaml"), []).model
+
+
+def test_per_step_all_reduce_is_a_ring_over_the_groups_on_the_network():
+    """4 groups of 8 H100s, FSDP2 over the 8: each rank all-reduces its 1/8 of the fp32 gradients
+    with its 3 counterparts over the network (50 GB/s, 10 us per hop): 2 x 3 hops and 2 x 3/4 of
+    the buffer through each link."""
+    model = _gpt2_tiny()
+    layout = Layout(strategy="fsdp", dp_shard=8)
+    hw = profile("h100-sxm")
+    cost = replica_cost(layout, rank_stages(model, layout)[0], hw, Replicas(4))
+    shard = num_parameters(model) / 8 * 4
+    assert cost.bytes_per_step == pytest.approx(shard)
+    assert cost.seconds_per_step == pytest.approx(6 * 10e-6 + 1.5 * shard / 50e9)
+    assert cost.link.bandwidth == 50e9 and cost.device_bytes == cost.host_bytes == 0
+    # DDP inside the group: every rank holds all the gradients; 2 groups of 4 fit one node: NVLink
+    ddp = Layout(strategy="ddp", dp_shard=4)
+    inside = replica_cost(ddp, rank_stages(model, ddp)[0], hw, Replicas(2))
+    assert inside.bytes_per_step == pytest.approx(num_parameters(model) * 4)
+    assert inside.seconds_per_step == pytest.approx(2 * hw.intra_latency + num_parameters(model) * 4 / hw.intra_bandwidth)
+    # one group: nothing crosses
+    assert replica_cost(layout, rank_stages(model, layout)[0], hw, Replicas(1)).seconds_per_step == 0
+
+
+def test_diloco_every_20_costs_a_twentieth_of_per_step_sync_and_keeps_two_copies():
+    model = _gpt2_tiny()
+    layout = Layout(strategy="fsdp", dp_shard=8)
+    stage, hw = rank_stages(model, layout)[0], profile("h100-sxm")
+    every_step = replica_cost(layout, stage, hw, Replicas(4))
+    diloco = replica_cost(layout, stage, hw, Replicas(4, "diloco", 20))
+    assert diloco.bytes_per_step == pytest.approx(every_step.bytes_per_step / 20)
+    assert diloco.seconds_per_step == pytest.approx(every_step.seconds_per_step / 20)
+    # the backup (host) and the outer momentum (device): one fp32 copy of the rank's parameters each
+    assert diloco.device_bytes == diloco.host_bytes == pytest.approx(every_step.bytes_per_step)
+    assert replica_cost(layout, stage, hw, Replicas(4, "local_sgd", 20)).device_bytes == 0
+    # streaming DiLoCo, 4 fragments: the same bytes, 4 times the hops' latency
+    streamed = replica_cost(layout, stage, hw, Replicas(4, "diloco", 20, 4))
+    assert streamed.bytes_per_step == pytest.approx(diloco.bytes_per_step)
+    assert streamed.seconds_per_step - diloco.seconds_per_step == pytest.approx(3 * 6 * 10e-6 / 20)
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["fault_tolerance.fragments=2"], "fragments=2 streams DiLoCo's synchronisation; it needs"),
+        (
+            ["fault_tolerance.semi_sync=diloco", "fault_tolerance.sync_every=10", "fault_tolerance.fragments=3"],
+            "sync_every=10 is not a multiple of",
+        ),
+        (["fault_tolerance.replica_id=4", "fault_tolerance.replicas=4"], "replica_id=4 is outside"),
+    ],
+)
+def test_plan_refuses_what_the_trainer_refuses_in_one_line(extra, match, capsys):
+    """The planner reads the run config's section, checked by the config as the trainer's is."""
+    from tformer.cli import main
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(str(CONFIGS / "gpt2-tiny.yaml"), ["fault_tolerance.enabled=true", *extra])
+    assert main(["plan", str(CONFIGS / "gpt2-tiny.yaml"), "fault_tolerance.enabled=true", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and match in err[0], err
+
+
+def test_plan_cli_prints_what_the_replicas_cost(capsys):
+    from tformer.cli import main
+
+    config = str(CONFIGS / "gpt2-tiny.yaml")
+    ft = ["fault_tolerance.enabled=true", "fault_tolerance.replicas=4"]
+    assert main(["plan", config, *ft, "--devices", "6"]) == 2
+    assert "--devices 6 is not a multiple of fault_tolerance.replicas=4" in capsys.readouterr().err
+    args = ["plan", config, *ft, "fault_tolerance.semi_sync=diloco", "--devices", "32", "--max-cp", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "4 replica groups of 8 devices each" in out
+    line = next(x for x in out.splitlines() if x.startswith("replicas: 4 fault-tolerance groups x 8 devices"))
+    assert "diloco every 20 steps" in line and "over the network" in line and "outer momentum" in line, line
