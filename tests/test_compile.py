@@ -90,6 +90,7 @@ def test_compile_settings_that_cannot_run_are_one_line(tmp_path, overrides, need
         load_config(CONFIGS / "gpt2-tiny.yaml", [f"output_dir={tmp_path}", *overrides])
 
 
+@pytest.mark.long  # 38 s with inductor's cache cold, as in a fresh CI checkout
 def test_compile_model_trains_what_eager_trains_through_inductor(tmp_path):
     """``compile=model`` in the trainer, inductor's generated code and all: one graph per step (no
     break), and 3 fp32 AdamW steps of gpt2-tiny equal eager's to a bound set by fp32 rounding. Fused

@@ -73,6 +73,7 @@ def wait_until(cond, timeout: float, what, alive=()) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.long  # 25-40 s: a quorum outage and a 15 s quorum timeout, waited for in real time
 def test_lighthouse_killed_groups_wait_say_why_and_go_on_when_back_then_stop_in_one_line(cache, tmp_path):
     """Two one-rank groups through the CLI. The lighthouse killed: no step commits while it is gone
     and each group says in one line why; restarted on its port, both go on together (no step lost
