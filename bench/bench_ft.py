@@ -21,9 +21,11 @@ starts it (the tokenizer and token caches are warmed first, not timed). Three ta
      and trains the lost steps again. This is the baseline's best case: the launcher notices the
      failure at once (torchrun's agent polls, a scheduler takes minutes) and no rank hangs on its
      dead peer.
-   - fault tolerance: two one-rank replica groups and a lighthouse (``launch/ft.sh``'s timeouts);
-     at a kill one group is killed (``kill -9``) and relaunched on its own at once; the other goes
-     on; the restarted group heals from it.
+   - fault tolerance: two one-rank replica groups and a lighthouse (``launch/ft.sh``'s timeouts;
+     ``HEARTBEAT_TIMEOUT_MS`` in the environment replaces its 5,000 ms, as it does for ft.sh: the
+     silence after which the live group goes on without the dead one); at a kill one group is
+     killed (``kill -9``) and relaunched on its own at once; the other goes on; the restarted
+     group heals from it.
 
    Wall time lost per failure = (wall time with the kills - the same side's failure-free wall
    time) / kills; target: fault tolerance's at least 3x smaller. Goodput (time in the steps the
@@ -335,7 +337,7 @@ def ft_run(cache: Path, out: Path, steps: int, save_every: int, kills: list[int]
     args = overrides(out, steps, f"save_every={save_every}", "resume=auto")
     run, todo = Run(), list(kills)
     port = free_port()
-    lh = launch_lighthouse(port, 1, JOIN_TIMEOUT_MS, HEARTBEAT_TIMEOUT_MS)
+    lh = launch_lighthouse(port, 1, JOIN_TIMEOUT_MS, int(os.environ.get("HEARTBEAT_TIMEOUT_MS", HEARTBEAT_TIMEOUT_MS)))
     live, victim = Rows(out / "replicas" / "0" / "metrics.jsonl"), Rows(out / "replicas" / "1" / "metrics.jsonl")
     t0 = time.perf_counter()
     procs = [launch_group(cache, out, args, r, port) for r in range(2)]
