@@ -60,6 +60,7 @@ def test_a_compiled_model_computes_what_eager_does(preset):
     model.config.dropout = 0.0
     model.loss_chunk_size = 16
     batch = _batch(model)
+    exact_model = copy.deepcopy(model).double()  # before a forward (an MoE layer keeps its statistics)
     results = []
     for compiled in (False, True):
         torch._dynamo.reset()
@@ -73,7 +74,6 @@ def test_a_compiled_model_computes_what_eager_does(preset):
     # not bitwise: AOTAutograd's decompositions reorder some sums (BERT's head at its labelled rows,
     # every gradient; gpt2 happens to agree exactly). The compiled step may lie a few times as far
     # from eager's as eager's lies from the same model in float64 throughout (tests/rounding.py)
-    exact_model = copy.deepcopy(model).double()
     exact_model.loss_chunk_size = None  # the chunked loss keeps its gradient in fp32; the exact value is one
     with float64_throughout():
         exact = exact_model(**batch, return_logits=False).loss
