@@ -478,10 +478,9 @@ def test_trainer_cp2_equals_the_single_process_run(tmp_path_factory, lane):
         recipe, overrides = _overrides(name, tmp / f"run{i}", "parallel.cp=2", *common, *own)
         jobs.append((recipe, overrides, str(tmp / f"report{i}")))
     run_ranks(2, jobs, os.environ["TFORMER_CACHE"])  # the cache fixture's
-    for i, (name, common, own) in enumerate(cases):
-        # compiled (long lane): its fixed bound of before, no yardstick of compiled code yet
-        fixed = (1e-5, 1e-5) if "compile=true" in own else None
-        assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, 1, *common), fixed)
+    for i, (name, common, _) in enumerate(cases):
+        # compiled (long lane) too: inductor's kernels are one more summation order (test_mesh)
+        assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, 1, *common))
     assert "cp: 2" in (tmp / "run0" / "config.yaml").read_text()
 
 
