@@ -1,10 +1,12 @@
 """MultiHeadAttention against the textbook: math vs SDPA, a naive per-head loop, masks, caches."""
 
+import copy
 import itertools
 import math
 
 import pytest
 import torch
+from rounding import assert_within, float64_throughout, yardstick
 
 from tformer.nn import KVCache, MultiHeadAttention, Rotary, build_mask
 
@@ -15,6 +17,20 @@ def make_pair(**kw):
     ref = MultiHeadAttention(impl="math", **kw)
     ref.load_state_dict(fast.state_dict())
     return fast.eval(), ref.eval()
+
+
+def assert_rounding_close(got, want, exact, what=""):
+    """``got`` within rounding.FACTOR yardsticks of ``want``: how far ``want`` (the textbook path in
+    fp32) lies from ``exact`` (the same in float64, tests/rounding.py). Another summation order,
+    not another computation: a wrong mask, scale or head is 10^3 yardsticks and more."""
+    scale = want.abs().max().item()
+    yard = yardstick({"out": want}, {"out": exact}, scale)
+    ratio = assert_within({"out": got}, {"out": want}, yard, scale, what)
+    print(f"{what}: {ratio:.2f} yardsticks ({yard:.1e})")
+
+
+def double(module):
+    return copy.deepcopy(module).double()
 
 
 def padding(b, s, lengths):
@@ -36,7 +52,10 @@ def test_math_path_equals_sdpa_for_every_mask_combination(use_pad, causal, use_b
     out_fast = fast(q, kv, kv, pad, causal, attn_bias=bias)
     out_ref = ref(q, kv, kv, pad, causal, attn_bias=bias)
     assert out_fast.shape == (b, s_q, d)
-    torch.testing.assert_close(out_fast, out_ref, atol=1e-5, rtol=1e-5)
+    with float64_throughout():
+        q64, kv64, bias64 = (t.double() if t is not None else None for t in (q, kv, bias))
+        exact = double(ref)(q64, kv64, kv64, pad, causal, attn_bias=bias64)
+    assert_rounding_close(out_fast, out_ref, exact)
 
 
 def naive_attention(mha, q_in, kv_in, allowed):
@@ -70,8 +89,11 @@ def test_equals_naive_per_head_loop(impl, kv_heads, d_k, d_v):
         allowed = build_mask(pad, causal, s, s, x.device)
         expected = naive_attention(mha, x, x, allowed)
         got = mha(x, padding_mask=pad, causal=causal)
+        with float64_throughout():
+            exact = naive_attention(double(mha), x.double(), x.double(), allowed)
         # Compare real positions only: padding queries attend to padding-free keys either way.
-        torch.testing.assert_close(got * pad[..., None], expected * pad[..., None], atol=1e-5, rtol=1e-5)
+        real = pad[..., None]
+        assert_rounding_close(got * real, expected * real, exact * real, causal)
 
 
 def test_padding_mask_broadcasts_to_b_h_sq_sk():
@@ -119,7 +141,9 @@ def test_kv_cache_last_token_query_matches_full_recompute(impl):
     steps = [mha(x[:, :4], causal=True, rotary=rot(torch.arange(4)), cache=cache)]
     for t in range(4, s):
         steps.append(mha(x[:, t : t + 1], causal=True, rotary=rot(torch.tensor([t])), cache=cache))
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+    with float64_throughout():
+        exact = double(mha)(x.double(), causal=True, rotary=rot(torch.arange(s)))
+    assert_rounding_close(torch.cat(steps, 1), full, exact)
     assert cache.length == s
 
 

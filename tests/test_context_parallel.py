@@ -435,7 +435,13 @@ def test_loss_parts_add_up_to_the_mean():
     ):
         parts = [loss(x[:, s], labels[:, s], total) for s in (slice(0, 5), slice(5, 10))]
         assert parts[1].item() == 0.0
-        assert torch.allclose(sum(parts), loss(x, labels), atol=1e-6)
+        # the parts sum in another order than the whole: within FACTOR of how far the whole lies
+        # from itself in float64 (tests/rounding.py)
+        whole = loss(x, labels)
+        with float64_throughout():
+            exact = lm_loss(x.double() @ w.double().T, labels, 0.1)
+        yard = max(FP32_ROUNDING, relative(whole, exact))
+        assert relative(sum(parts), whole) <= FACTOR * yard, (sum(parts), whole, yard)
         # per-sample counts (what a pipeline splits with its micro-batches) divide by their sum
         per_sample = (labels != -100).sum(-1)
         assert per_sample.shape == (2,) and loss(x, labels, per_sample).item() == loss(x, labels, total).item()
@@ -478,10 +484,9 @@ def test_trainer_cp2_equals_the_single_process_run(tmp_path_factory, lane):
         recipe, overrides = _overrides(name, tmp / f"run{i}", "parallel.cp=2", *common, *own)
         jobs.append((recipe, overrides, str(tmp / f"report{i}")))
     run_ranks(2, jobs, os.environ["TFORMER_CACHE"])  # the cache fixture's
-    for i, (name, common, own) in enumerate(cases):
-        # compiled (long lane): its fixed bound of before, no yardstick of compiled code yet
-        fixed = (1e-5, 1e-5) if "compile=true" in own else None
-        assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, 1, *common), fixed)
+    for i, (name, common, _) in enumerate(cases):
+        # compiled (long lane) too: inductor's kernels are one more summation order (test_mesh)
+        assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", reference(name, tmp_path_factory, 1, *common))
     assert "cp: 2" in (tmp / "run0" / "config.yaml").read_text()
 
 

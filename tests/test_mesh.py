@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from rounding import assert_within, float64_throughout, yardstick
 
 from tformer.config import ConfigError
 from tformer.parallel.mesh import ParallelDims
@@ -138,10 +139,10 @@ def run_cases(world, cases, tmp, cache, *common):
 # column taking probability 1.0e3 (losses), cp=2 x ep=2's pad counted in the MoE balancing loss
 # 1.8e3 (losses) and 1.1e5 (parameters: the router).
 LAYOUT_FACTOR = 16.0
-# per-block compile besides a layout (long lane): inductor fuses and reorders more than a layout,
-# by as much as ~1e-5 on a loss (test_compile), which the attention twin does not measure. These
-# keep their fixed bounds, (losses, parameters) relative, until a yardstick of compiled code exists.
-COMPILE_TOL = (1e-4, 1e-4)
+# Per-block compile besides a layout (long lane) is held to the same bound: inductor's fused kernels
+# are one more valid summation order, and test_compile measures them against this yardstick in the
+# default lane (compile=model in the trainer: 3.6 yardsticks on the parameters, the losses bitwise;
+# per-block compile with TP, pipeline and CP 0.5 to 1.2 on a 2-core AVX2 EPYC).
 # the yardstick's floor: one rounding of fp32 (2^-24 relative), where the twin happens to agree
 FP32_ROUNDING = 2.0**-24
 
@@ -203,10 +204,10 @@ def loss_bound(ref: Reference) -> float:
     return LAYOUT_FACTOR * max(ref.yardstick[0], FP32_ROUNDING)
 
 
-def assert_same_run(name, got_dir, report, ref: Reference, fixed=None):
+def assert_same_run(name, got_dir, report, ref: Reference):
     """The run in ``got_dir`` (its parameters in ``report``) against ``ref``: losses and updated
-    parameters within LAYOUT_FACTOR times the reference's yardstick (``fixed``: these relative
-    bounds instead, see COMPILE_TOL); returns the largest differences (loss, parameter)."""
+    parameters within LAYOUT_FACTOR times the reference's yardstick; returns the largest
+    differences (loss, parameter)."""
     from safetensors.torch import load_file
 
     state = {}
@@ -220,7 +221,7 @@ def assert_same_run(name, got_dir, report, ref: Reference, fixed=None):
         f"{name}: loss {loss:.1e} ({loss / yard_loss:.2f} of the yardstick {yard_loss:.1e}), "
         f"parameters {errs[worst]:.1e} ({errs[worst] / yard_param:.2f} of {yard_param:.1e}, {worst})"
     )
-    loss_tol, param_tol = fixed or (LAYOUT_FACTOR * yard_loss, LAYOUT_FACTOR * yard_param)
+    loss_tol, param_tol = LAYOUT_FACTOR * yard_loss, LAYOUT_FACTOR * yard_param
     assert loss <= loss_tol, (name, "losses", loss, yard_loss, losses(got_dir), ref.losses)
     bad = {k: e for k, e in errs.items() if not e <= param_tol}  # a NaN is bad too
     assert not bad, (name, "parameters", bad, yard_param)
@@ -372,8 +373,8 @@ def test_tp3_pads_the_vocabulary_without_changing_the_model(cache, tmp_path, tmp
 @pytest.mark.long  # CI: compile + checkpointing under FSDP2 (test_parallel), per-block graphs (test_gpu)
 def test_tp_with_compile_and_activation_checkpointing(cache, tmp_path, tmp_path_factory):
     """tp=2 + SP with per-block compile inside full and op-level activation checkpointing: the
-    1-process run's losses and parameters (inductor fuses and reorders float math: COMPILE_TOL,
-    not bitwise; selective checkpointing alone: the layout bound)."""
+    1-process run's losses and parameters to the layout bound (inductor fuses and reorders float
+    math: not bitwise)."""
     runs = {
         "compiled-full": ["compile=true", "parallel.activation_checkpointing=full"],
         "compiled-op": ["compile=true", "parallel.activation_checkpointing=op"],
@@ -387,8 +388,7 @@ def test_tp_with_compile_and_activation_checkpointing(cache, tmp_path, tmp_path_
         jobs.append((recipe, overrides, str(tmp_path / f"{name}-report")))
     run_ranks(2, jobs, cache)
     for name in runs:
-        fixed = COMPILE_TOL if name.startswith("compiled") else None
-        assert_same_run(name, tmp_path / name, tmp_path / f"{name}-report", reference("gpt2", tmp_path_factory, 1), fixed)
+        assert_same_run(name, tmp_path / name, tmp_path / f"{name}-report", reference("gpt2", tmp_path_factory, 1))
         if name.startswith("compiled"):
             for rank in (0, 1):  # the blocks really ran compiled (2 blocks, at least one graph each)
                 assert int((tmp_path / f"{name}-report.graphs{rank}").read_text()) >= 2, name
@@ -494,6 +494,16 @@ def _sp_worker(rank, world, port, out, cache):
                 for n, p in model.named_parameters()
             }
             results[name] = (saved.bytes, loss.item(), grads)
+        # the yardstick of the "tp" case: how far torch's fp32 loss and gradients of the same model,
+        # unsharded, lie from the model in float64 throughout (tests/rounding.py)
+        for dtype in (torch.float32, torch.float64):
+            torch.manual_seed(0)
+            shape = {"d_model": d, "num_layers": layers, "num_heads": 4, "d_ff": 4 * d, "max_seq_len": s}
+            model = build_model("gpt2-tiny", vocab_size=512, **shape, dropout=0.0).to(dtype)
+            with float64_throughout():
+                loss = model(ids, labels=ids, return_logits=False).loss
+                loss.backward()
+            results[dtype] = (None, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -511,17 +521,21 @@ def test_sequence_parallel_keeps_gathered_inputs_as_shards(cache, tmp_path):
     out = tmp_path / "sp.pt"
     run_ranks(2, str(out), cache, worker=_sp_worker)
     results = torch.load(out)
+    (_, fp32_loss, fp32), (_, exact_loss, exact) = results.pop(torch.float32), results.pop(torch.float64)
     d, layers, b, s = (SP_SHAPE[k] for k in ("d_model", "num_layers", "batch", "seq"))
     saved = {name: r[0] for name, r in results.items()}
     gathered = 2 * layers * b * s * d * 4  # fp32, two sub-layers per block
     assert saved["sp, torch alone"] - saved["sp"] == gathered - gathered // 2
     assert saved["sp"] < saved["sp, torch alone"] < saved["tp"]
+    scale = max(g.abs().max().item() for g in fp32.values())
+    yard = yardstick({"loss": fp32_loss, **fp32}, {"loss": exact_loss, **exact}, scale)
     ref_loss, ref_grads = results["sp, torch alone"][1:]
     for name, (_, loss, grads) in results.items():
-        exact = name.startswith("sp")  # the same collectives in the same order (tp: an all-reduce instead)
-        assert loss == pytest.approx(ref_loss, rel=0 if exact else 1e-6), name
-        for n, g in grads.items():
-            assert torch.allclose(g, ref_grads[n], rtol=0 if exact else 1e-5, atol=0 if exact else 1e-7), (name, n)
+        if name.startswith("sp"):  # the same collectives in the same order: bit for bit
+            assert loss == ref_loss and all(torch.equal(g, ref_grads[n]) for n, g in grads.items()), name
+        else:  # tp: an all-reduce where SP reduce-scatters and gathers, in another order
+            got, want = {"loss": torch.tensor(loss), **grads}, {"loss": torch.tensor(ref_loss), **ref_grads}
+            print(f"{name}: {assert_within(got, want, yard, scale, name):.2f} yardsticks ({yard:.1e})")
     print({name: round(v / saved["tp"], 3) for name, v in saved.items()})
 
 
