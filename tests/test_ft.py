@@ -270,7 +270,10 @@ def _refused(tmp_path, capsys, *extra: str) -> str:
             "replica_id=2 is outside fault_tolerance.replicas=2",
         ),
         (["fault_tolerance.min_replicas=3", "fault_tolerance.replicas=2"], "min_replicas=3 exceeds"),
-        (["fault_tolerance.sync_every=10", "fault_tolerance.fragments=3"], "sync_every=10 is not a multiple of"),
+        (
+            ["fault_tolerance.semi_sync=diloco", "fault_tolerance.sync_every=10", "fault_tolerance.fragments=3"],
+            "sync_every=10 is not a multiple of",
+        ),
         (["parallel.strategy=deepspeed", "fault_tolerance.lighthouse=http://x:1"], "parallel.strategy=deepspeed"),
         (["on_spike=rollback", "fault_tolerance.lighthouse=http://x:1"], "on_spike=rollback"),
         (["fault_tolerance.backend=nccl", "device=cpu", "fault_tolerance.lighthouse=http://x:1"], "backend=nccl needs CUDA"),
