@@ -104,10 +104,15 @@ def check_fault_tolerance(cfg: Any, device: torch.device) -> None:
     lighthouse_address(ft)
 
 
+def lighthouse_endpoint(addr: str) -> tuple[str, int]:
+    """The lighthouse's (host, port) from its address (torchft's default port when it names none)."""
+    url = urlparse(addr)
+    return url.hostname or "localhost", url.port or 29510
+
+
 def wait_for_lighthouse(addr: str, timeout_s: float) -> None:
     """Connect to the lighthouse within ``timeout_s`` (it may still be starting), else one line."""
-    url = urlparse(addr)
-    host, port = url.hostname or "localhost", url.port or 29510
+    host, port = lighthouse_endpoint(addr)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -207,9 +212,8 @@ class _LighthouseWatch:
         self._thread.start()
 
     def _reachable(self) -> bool:
-        url = urlparse(self.addr)
         try:
-            with socket.create_connection((url.hostname or "localhost", url.port or 29510), timeout=1.0):
+            with socket.create_connection(lighthouse_endpoint(self.addr), timeout=1.0):
                 return True
         except OSError:
             return False
