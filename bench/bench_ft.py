@@ -281,6 +281,20 @@ def newest_checkpoint(out: Path, upto: int) -> int:
     return max((s for s in steps if s <= upto), default=0)
 
 
+def ended(run: Run, procs: list, label: str, out: Path, late: bool, top: int, timeout: float) -> bool:
+    """Whether a side's watch loop is over: every process exited (the first failure recorded, with
+    the tail of its log ``out/<label><i>.log``) or, ``late``, past its deadline (recorded)."""
+    if all(p.poll() is not None for p in procs):
+        bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
+        if bad:
+            run.error = f"{label} {bad[0][0]} exit {bad[0][1]}: {tail(out / f'{label}{bad[0][0]}.log')}"
+        return True
+    if late:
+        run.error = f"still running after {timeout:.0f} s at step {top}"
+        return True
+    return False
+
+
 def restart_run(cache: Path, out: Path, steps: int, save_every: int, kills: list[int], timeout: float) -> Run:
     """The 2-rank DDP job; at each kill step every rank killed and the job relaunched with resume=auto."""
     args = overrides(out, steps, f"save_every={save_every}", "resume=auto")
@@ -309,13 +323,7 @@ def restart_run(cache: Path, out: Path, steps: int, save_every: int, kills: list
                 top, relaunched_at, first = resumed_at, time.perf_counter(), True
                 procs = launch_ddp(cache, out, args)
                 continue
-            if all(p.poll() is not None for p in procs):
-                bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
-                if bad:
-                    run.error = f"rank {bad[0][0]} exit {bad[0][1]}: {tail(out / f'rank{bad[0][0]}.log')}"
-                break
-            if time.perf_counter() - t0 > timeout:
-                run.error = f"still running after {timeout:.0f} s at step {top}"
+            if ended(run, procs, "rank", out, time.perf_counter() - t0 > timeout, top, timeout):
                 break
             time.sleep(POLL_S)
     finally:
@@ -365,13 +373,7 @@ def ft_run(cache: Path, out: Path, steps: int, save_every: int, kills: list[int]
                 # the live group is done; alone, the restarted one would start a run of its own
                 run.error = "the restarted group had not rejoined when the live group ended"
                 break
-            if all(p.poll() is not None for p in procs):
-                bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
-                if bad:
-                    run.error = f"group {bad[0][0]} exit {bad[0][1]}: {tail(out / f'group{bad[0][0]}.log')}"
-                break
-            if time.perf_counter() - t0 > timeout:
-                run.error = f"still running after {timeout:.0f} s at step {top}"
+            if ended(run, procs, "group", out, time.perf_counter() - t0 > timeout, top, timeout):
                 break
             time.sleep(POLL_S)
     finally:
