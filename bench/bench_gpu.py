@@ -20,7 +20,8 @@ weights (HF's through ``tformer.export.to_hf_model``, so their first losses agre
   ``labels``), the same optimizer and clipping, and compiled whole (``torch.compile``) with
   ``--compile on``.
 
-Printed per contender: micro-batch, tokens/s (median step), MFU (training FLOPs of the batch from
+Printed per contender: micro-batch, tokens/s (the mean of the timed steps, the device synchronised
+once after the last), MFU (training FLOPs of the batch from
 ``tformer.models.flops.training_flops`` -- HF models of the same configuration do the same work --
 over the step time and the device's dense bf16 peak: ``tformer.train.metrics.gpu_peak``'s table,
 989 TFLOP/s for an H100 SXM, or ``--peak``), peak allocated memory, the compile (first-step) time,
@@ -226,12 +227,12 @@ def measure(row: Row, base: torch.nn.Module, cfg, device, args, peak: float) -> 
     for _ in range(warmup - 1):
         step()
     free_memory(device)  # the peak of the timed steps: parameters and AdamW states are held by now
-    times = []
+    sync(device)
+    t0 = time.perf_counter()
     for _ in range(steps):
-        t0 = time.perf_counter()
         loss = step()
-        sync(device)
-        times.append(time.perf_counter() - t0)
+    sync(device)  # once, after the last step: the host runs ahead as in a real run
+    times = [(time.perf_counter() - t0) / steps]
     if not math.isfinite(loss.float().item()):
         row.error = "non-finite loss"
     finish(row, times, cfg, device, peak)
@@ -293,14 +294,14 @@ def measure_trainer(row: Row, base, cfg, device, args, peak: float) -> None:
 
 
 def trainer_steps(trainer, batches, steps: int, device: torch.device) -> tuple[list[float], dict]:
-    """``steps`` of the trainer, each timed to its end on the device; the last step's record."""
-    times = []
+    """``steps`` of the trainer timed together, the device synchronised before and after (not between:
+    a host read inside a step is what would stall it); the mean step and the last step's record."""
+    sync(device)
+    t0 = time.perf_counter()
     for _ in range(steps):
-        t0 = time.perf_counter()
         record = trainer._train_step(batches)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return times, record
+    sync(device)  # once, after the last step: a step that reads the device stalls the host here
+    return [(time.perf_counter() - t0) / steps], record
 
 
 def finish(row: Row, times: list[float], cfg, device, peak: float) -> None:

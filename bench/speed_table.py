@@ -51,13 +51,18 @@ def render(path: Path | None = None) -> str:
         f"{data['transformers']}, tformer `{data.get('code', '?')}`), bf16 autocast over fp32 weights, "
         f"tokens/s and MFU of {data['peak_tflops']:g} TFLOP/s; `bench/results/{path.name}`:",
         "",
-        "| model | mode | tformer tok/s (MFU) | HF tok/s (MFU) | tformer / HF | planned / measured peak |",
-        "|---|---|---|---|---|---|",
+        "| model | mode | tformer tok/s (MFU) | HF tok/s (MFU) | tformer / HF | Trainer's step / raw loop "
+        "| planned / measured peak |",
+        "|---|---|---|---|---|---|---|",
     ]
     for family, compiled in seen:
-        ours = next((r for r in rows if (r["family"], r["compiled"], r["contender"]) == (family, compiled, "tformer")), None)
-        theirs = next((r for r in rows if (r["family"], r["compiled"], r["contender"]) == (family, compiled, "HF")), None)
-        ratio = plan = "-"
+        ours, theirs, trainer = (
+            next((r for r in rows if (r["family"], r["compiled"], r["contender"]) == (family, compiled, who)), None)
+            for who in ("tformer", "HF", "trainer")
+        )
+        ratio = plan = steps = "-"
+        if ours and trainer and not ours.get("error") and not trainer.get("error"):
+            steps = f"{trainer['tokens_per_s'] / ours['tokens_per_s']:.2f}"
         if ours and theirs and not ours.get("error") and not theirs.get("error"):
             ratio = f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}"
         if ours and math.isfinite(ours.get("plan_mb", math.nan)) and math.isfinite(ours.get("peak_mb", math.nan)):
@@ -67,7 +72,7 @@ def render(path: Path | None = None) -> str:
         target = (ours or theirs or {}).get("target")
         shape = f"{model}, seq {seq}" + (f" -> {target}" if target else "")
         mode = "compiled" if compiled else "eager"
-        lines.append(f"| {shape} | {mode} | {_cell(ours)} | {_cell(theirs)} | {ratio} | {plan} |")
+        lines.append(f"| {shape} | {mode} | {_cell(ours)} | {_cell(theirs)} | {ratio} | {steps} | {plan} |")
     return "\n".join(lines) + "\n"
 
 

@@ -25,7 +25,7 @@ from tformer.plan import Layout, gpu_rows, profile, step_time
 from tformer.plan.gpu_rows import card_of, tformer_rows
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
-FILES = ("2026-11-26-h200.json", "2026-11-27-h100.json")
+FILES = ("2026-11-26-h200.json", "2026-11-27-h100.json", "2026-11-28-h100.json")
 TIME_TOLERANCE, MEMORY_TOLERANCE = 0.35, 0.10
 
 TIME_MISSES: dict[tuple[str, str, bool], str] = {
