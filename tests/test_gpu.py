@@ -404,6 +404,37 @@ def test_the_trainers_logged_tokens_per_s_is_the_benchmarks_row(monkeypatch, tmp
 
 
 @gpu
+def test_a_chunked_heads_weight_gradient_is_a_bf16_gemm_into_fp32_on_cuda(monkeypatch):
+    """On CUDA the chunked head's weight gradient takes ``addmm(..., out_dtype=float32)`` (a bf16
+    tensor-core GEMM accumulated in fp32, no fp32-rate GEMM) and equals the fp32 product of the same
+    logits within the rounding of its two bf16 operands (tests/test_loss.py has the CPU twin)."""
+    import tformer.models.loss as loss
+
+    monkeypatch.setattr(loss, "_FP32_OUT_ADDMM", {})
+    torch.manual_seed(0)
+    n, d, vocab, chunk = 4096, 256, 8000, 1024
+    x = torch.randn(n, d, device="cuda")
+    w = torch.randn(vocab, d, device="cuda") * 0.05
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+
+    def weight_grad(mixed: bool) -> torch.Tensor:
+        weight = w.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mixed):
+            loss.chunked_lm_loss(x, weight, None, labels, chunk).backward()
+        return weight.grad
+
+    got = weight_grad(True)
+    assert loss._FP32_OUT_ADDMM == {"cuda": True}, "this torch's CUDA build has no addmm out_dtype"
+    z = torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).float()
+    g = torch.softmax(z, -1)
+    g[torch.arange(n), labels] -= 1
+    g = g.double() / n
+    exact = g.t() @ x.double()
+    bound = (2 * 2.0**-8 + 1e-5) * (g.abs().t() @ x.abs().double())
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+@gpu
 @pytest.mark.parametrize(
     "name,padded,allowed",
     [

@@ -238,3 +238,56 @@ def test_auto_on_a_gpu_sizes_the_head_from_the_devices_capacity(tmp_path, monkey
     # FSDP over 8 ranks holds an eighth of the states: room for the whole head
     cfg.parallel.strategy = "fsdp"
     assert loss_chunk_size(cfg, cfg.model, cuda, "bf16", params, ParallelDims(1, 8, 1), 1024, None) is None
+
+
+@pytest.mark.parametrize("fp32_out", [True, False], ids=["addmm-out-dtype", "without-it"])
+def test_a_chunked_heads_weight_gradient_on_an_accelerator_multiplies_the_bf16_operands(fp32_out, monkeypatch):
+    """Under bf16 autocast on an accelerator, each chunk's weight gradient multiplies the bf16
+    operands (as ``F.linear``'s own weight gradient does) and the chunks are summed in fp32: with
+    ``addmm(..., out_dtype=float32)`` (CUDA) straight into the fp32 gradient; without it (this CPU
+    build has no such kernel) the bf16 product of each chunk added in. An fp32 GEMM there ran at
+    the card's fp32 rate. Against the fp32 product (the CPU path, same logits), the difference is
+    what rounding the two operands to bf16 explains (2u of |g|^T |x|, u = 2^-8 its unit roundoff),
+    plus one rounding of each chunk's product without ``out_dtype``: measured 0.46 and 0.42 of
+    those bounds, and a chunk left out 117 and 78 times them."""
+    import tformer.models.loss as loss
+
+    torch.manual_seed(0)
+    n, d, vocab, chunk = 96, 32, 64, 32
+    x = torch.randn(n, d)
+    w = torch.randn(vocab, d) * 0.3
+    labels = labels_with_ignored(n, vocab)
+
+    def weight_grad() -> torch.Tensor:
+        weight = w.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss.chunked_lm_loss(x, weight, None, labels, chunk).backward()
+        return weight.grad
+
+    fp32 = weight_grad()  # the CPU's path: an fp32 GEMM of the fp32 gradient and input
+    calls = []
+    if fp32_out:
+
+        def addmm(c, a, b, *, out_dtype=None, out=None):  # CUDA's kernel, emulated: fp32 accumulation
+            assert out_dtype == torch.float32 and a.dtype == b.dtype == torch.bfloat16 and out is c
+            calls.append(a.shape)
+            return out.add_(a.float() @ b.float())
+
+        monkeypatch.setattr(torch, "addmm", addmm)
+    monkeypatch.setattr(loss, "_accelerated", lambda t: True)
+    monkeypatch.setattr(loss, "_FP32_OUT_ADDMM", {})
+    got = weight_grad()
+    assert loss._FP32_OUT_ADDMM == {"cpu": fp32_out}
+    assert len(calls) == (n // chunk if fp32_out else 0)
+
+    # the gradient of the logits the chunks computed (bf16 logits, fp32 softmax), to size the bound
+    z = torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).float()
+    valid = labels != -100
+    g = torch.softmax(z, -1)
+    g[torch.arange(n)[valid], labels[valid]] -= 1
+    g = g * valid[:, None] / valid.sum()
+    scale = g.abs().t() @ x.abs()
+    u = 2.0**-8
+    bound = (2 * u + (0 if fp32_out else u) + 1e-5) * scale
+    assert ((got - fp32).abs() <= bound).all(), ((got - fp32).abs() / bound).max()
+    assert (got - fp32).abs().max() > 0  # the bf16 operands were used, not the fp32 ones

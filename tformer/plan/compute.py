@@ -275,17 +275,13 @@ def head_time(cfg: ModelConfig, layout: Layout, tokens: int, peak: float, hw: Ha
     """(forward, backward) GEMM seconds of the head over ``tokens`` rows of one rank: with the
     chunked loss (``Layout.loss_chunk``; the trainer drops it under TP) as its real GEMMs, chunk
     rows against the vocabulary, once per chunk (models/loss.py computes the input and weight
-    gradients in forward, the same two products a linear layer's backward makes)."""
+    gradients in forward, the same two products a linear layer's backward makes, both at ``peak``
+    under mixed precision: ``models/loss.add_weight_grad``)."""
     chunked = layout.loss_chunk is not None and layout.tp == 1
     rows = min(layout.loss_chunk, tokens) if chunked and layout.loss_chunk else tokens
     if not rows:
         return 0.0, 0.0
     chunks, last = divmod(tokens, rows)
-    # chunked under mixed precision on a GPU (a profile without a measured table), the weight
-    # gradient is an fp32 product added into the fp32 gradient (``grad_w.addmm_(g.t(), x.float())``):
-    # half the backward at the tf32 rate (bench_gpu allows TF32; without it cuBLAS runs fp32
-    # proper), the input gradient at ``peak``
-    tf32 = hw.peak.get("tf32") if chunked and layout.mixed and not hw.gemm_table else None
     # a vocabulary that is not a multiple of 8 leaves the head's GEMMs misaligned: eager at the
     # share of the aligned rate the profile measured (compiled and whole, inductor pads them)
     vocab = cfg.padded_vocab_size // layout.tp
@@ -295,8 +291,5 @@ def head_time(cfg: ModelConfig, layout: Layout, tokens: int, peak: float, hw: Ha
         if n:
             gemms = head_gemms(cfg, size, layout.tp)
             total[0] += n * gemm_time(gemms, peak, hw)
-            if tf32:
-                total[1] += n * (backward_time(gemms, peak, hw) + backward_time(gemms, tf32, hw)) / 2
-            else:
-                total[1] += n * backward_time(gemms, peak, hw)
+            total[1] += n * backward_time(gemms, peak, hw)
     return total[0] / slow, total[1] / slow

@@ -156,9 +156,9 @@ def gpu_head_bytes(cfg: ModelConfig, layout: Layout, tokens: int) -> float:
     - chunked (``loss.chunk_size``; a Python loop over chunks whatever ``compile`` says): the logits
       (2), ``.float()`` (2 + 4), amax (4), the shift, exp, softmax and label-mask passes in place
       (4 + 4 each, four of them), the sum of exps (4), the bf16 copy for the input gradient (4 +
-      2): 54 bytes. Each chunk's weight gradient is added in place (``addmm_``, beta 1) to the fp32
-      (vocabulary x d) gradient, which the GEMM reads and writes whole: 8 bytes per weight per
-      chunk, and 12 more once (zeroed, scaled by 1 / count).
+      2): 54 bytes. Each chunk's weight gradient is added in place (``add_weight_grad``: a GEMM
+      with beta 1) to the fp32 (vocabulary x d) gradient, which the GEMM reads and writes whole:
+      8 bytes per weight per chunk, and 12 more once (zeroed, scaled by 1 / count).
 
     The head's GEMMs and loss run whole under TP (loss parallelism), as ``head_time`` says."""
     mixed = layout.mixed
