@@ -42,6 +42,27 @@ def test_lm_loss_upcasts_bf16_logits_and_returns_bf16_gradients():
     assert logits.grad.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_bf16_logits_give_the_fp32_loss_and_its_gradient_rounded_once(eps):
+    """Low-precision logits go into the loss as they are (no fp32 copy first): the log-softmax
+    upcasts them and the gradient comes back in bf16 from its last pass. The loss is the float64
+    loss of the same bf16 logits to fp32's accuracy, and each gradient element that value rounded
+    to bf16 once (within u = 2^-8 of it, bf16's unit roundoff; scaling in bf16 after a bf16
+    rounding, or a lost 1/count, would not be)."""
+    n, vocab = 64, 1000
+    logits = (3 * torch.randn(n, vocab, generator=torch.Generator().manual_seed(1))).bfloat16().requires_grad_()
+    labels = labels_with_ignored(n, vocab)
+    exact = logits.detach().double().requires_grad_()
+    expected = torch.nn.functional.cross_entropy(exact, labels, ignore_index=-100, label_smoothing=eps)
+    (want,) = torch.autograd.grad(1.5 * expected, exact)
+    got = lm_loss(logits, labels, eps)
+    (have,) = torch.autograd.grad(1.5 * got, logits)
+    assert got.dtype == torch.float32 and have.dtype == torch.bfloat16
+    assert abs(got.item() - expected.item()) <= 1e-6 * expected.item()
+    assert ((have.double() - want).abs() <= 2.0**-8 * want.abs() + 1e-12).all()
+    assert have[labels == -100].abs().max() == 0
+
+
 def test_second_backward_through_the_same_loss_is_refused_loudly():
     logits = torch.randn(4, 9, requires_grad=True)
     loss = CrossEntropy.apply(logits, torch.tensor([1, 2, -100, 3]))

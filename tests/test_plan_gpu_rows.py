@@ -103,7 +103,7 @@ def test_the_head_moves_what_its_loss_path_moves():
     cfg = preset("gpt2-small")
     v, d, tokens = cfg.padded_vocab_size, cfg.d_model, 4096
     logits = tokens * v
-    assert gpu_head_bytes(cfg, Layout(), tokens) == 62 * logits
+    assert gpu_head_bytes(cfg, Layout(), tokens) == 38 * logits
     assert gpu_head_bytes(cfg, Layout(compile=True), tokens) == 16 * logits
     assert gpu_head_bytes(cfg, Layout(precision="fp32"), tokens) == 52 * logits
     one = gpu_head_bytes(cfg, Layout(loss_chunk=tokens), tokens)

@@ -145,11 +145,12 @@ def gpu_head_bytes(cfg: ModelConfig, layout: Layout, tokens: int) -> float:
     their compute as everywhere in this model. Per logit, under mixed precision (fp32: the logits
     are fp32, so no copy and no cast back):
 
-    - whole, eager (``CrossEntropy`` over its own fp32 copy): the GEMM writes bf16 logits (2),
-      ``.float()`` (read 2, write 4), ``logsumexp`` (amax: read 4; x - max: read 4, write 4; exp:
-      read 4, write 4; sum: read 4), the subtraction in place (read 4, write 4), backward's exp and
-      scale in place (read 4, write 4 each), the cast back to bf16 for the head's GEMMs (read 4,
-      write 2): 62 bytes;
+    - whole, eager (``CrossEntropy`` over the bf16 logits): the GEMM writes them (2), the
+      log-softmax upcasts them (read 2, write 4) and runs over the fp32 copy (max: read 4; sum of
+      exps: read 4; the result: read 4, write 4), backward's exp in place (read 4, write 4) and its
+      scaling straight into the bf16 gradient (read 4, write 2): 38 bytes (62 before the loss took
+      bf16 logits: the ``logsumexp`` composite's four passes, the subtraction, the scaling in fp32
+      and the cast back); in fp32, ``logsumexp`` and the subtraction over the logits in place: 52;
     - whole, compiled (``compile_head``): the logits written (2), read by the fused log-sum-exp and
       again to write the saved fp32 log-probabilities (2 + 2 + 4), read in backward, which writes
       the bf16 gradient (4 + 2): 16;
@@ -173,7 +174,9 @@ def gpu_head_bytes(cfg: ModelConfig, layout: Layout, tokens: int) -> float:
         return tokens * vocab * per_logit + accumulator
     if layout.compile:
         return tokens * vocab * (4 * elt + 8)
-    return tokens * vocab * (elt + copies + 24 + 8 + 16)
+    if mixed:
+        return tokens * vocab * (elt + (elt + 4) + 16 + 8 + (4 + elt))
+    return tokens * vocab * (elt + 24 + 8 + 16)
 
 
 def transcendental_seconds(
