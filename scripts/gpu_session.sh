@@ -9,6 +9,8 @@
 #   bash scripts/gpu_session.sh calibrate            # tformer plan --calibrate on this GPU (<= 2 min), then
 #                                                    # bench/bench_plan_gpu.py with that profile against the
 #                                                    # newest bench/results file (run it on that file's card)
+#   bash scripts/gpu_session.sh profile [CONFIG]     # the trainer's profiler on one bench row (default
+#                                                    # llama-1b), eager and compiled, and profile-report
 #   bash scripts/gpu_session.sh all                  # everything below in one call, under 9 minutes:
 #                                                    # the gpu tests (llama's compiled recipe only),
 #                                                    # every family eager and compiled
@@ -22,7 +24,7 @@
 # on the CPU machine) and name .whl in the call's `carry`. Logs and JSON go to $OUT (or /tmp/gpu-out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: gpu_session.sh tests | bench FAMILIES [extra bench_gpu.py flags] | calibrate | all}
+part=${1:?usage: gpu_session.sh tests | bench FAMILIES [extra bench_gpu.py flags] | calibrate | profile [CONFIG] | all}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -83,8 +85,26 @@ all)
     done
     python3 scripts/gpu_merge.py "$out/session.json" "${parts[@]}" "$log" | tee -a "$log"
     ;;
+profile)
+    # Where a row's step goes, by the trainer's own profiler (profile.steps) and `tformer
+    # profile-report` (device time split into GEMMs / attention / other / optimizer / idle, the top
+    # ops, the plan beside it): the bench row's shape (seq 2048, micro-batch 8, bf16, synthetic
+    # data), eager then compiled. Budget: ~15 s to build llama-1b, the steps, a final checkpoint of
+    # ~15 GB (deleted after), ~20 s of compile: under 3 minutes for both.
+    config=${2:-llama-1b}
+    for compiled in false true; do
+        run=/tmp/gpu-profile-$config-$compiled
+        rm -rf "$run"
+        { timeout 150 python3 -m tformer train "configs/$config.yaml" data.source=synthetic micro_batch_size=8 \
+            grad_accum=1 max_steps=6 profile.steps=5-6 eval_every=0 eval_batches=1 save_every=0 log_every=1 \
+            precision=bf16 compile=$compiled progress=false output_dir="$run" \
+            && python3 -m tformer profile-report "$run" --no-png || echo "profile compile=$compiled rc=$?"; } 2>&1 \
+            | grep -v "^USDT" | tee -a "$out/profile-$config.log"
+        rm -rf "$run/checkpoints"
+    done
+    ;;
 *)
-    echo "unknown part '$part': use tests, bench, calibrate or all" >&2
+    echo "unknown part '$part': use tests, bench, calibrate, profile or all" >&2
     exit 2
     ;;
 esac
