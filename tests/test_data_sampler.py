@@ -152,3 +152,15 @@ def test_collate_pads_each_field():
         [{"input_ids": [1, 2, 3, 4, 5], "attention_mask": [1] * 5, "labels": [7, 1]}]
     )
     assert seq2seq["input_ids"].shape == (1, 8) and seq2seq["labels"].tolist() == [[7, 1, -100, -100]]
+
+
+def test_an_unpadded_batch_can_go_without_its_all_ones_mask():
+    """``drop_full_mask``: a batch without one pad position leaves ``attention_mask`` out (an all-ones
+    mask changes no score but rules out the flash kernel); a batch with padding keeps it, and so
+    does every batch without the setting."""
+    full = [{"input_ids": np.array([5, 6, 7])}, {"input_ids": np.array([8, 9, 10])}]
+    ragged = [{"input_ids": np.array([5, 6, 7])}, {"input_ids": np.array([8])}]
+    assert "attention_mask" not in Collator(0, drop_full_mask=True)(full)
+    assert Collator(0, drop_full_mask=True)(ragged)["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert Collator(0, drop_full_mask=True, pad_to_multiple_of=4)(full)["attention_mask"].tolist() == [[1, 1, 1, 0]] * 2
+    assert Collator(0)(full)["attention_mask"].tolist() == [[1, 1, 1]] * 2

@@ -629,3 +629,33 @@ def test_a_training_step_reads_the_device_once(recipe, layout, cache, tmp_path, 
     counted = {s: [r for r in rs if r not in split[s]] for s, rs in reads.items()}
     for s in range(1, 5):
         assert len(counted.get(s, [])) <= 1, (s, counted)
+
+
+@pytest.mark.parametrize("recipe,masked", [("bert-tiny", False), ("t5-tiny", True)])
+def test_an_unpadded_training_batch_reaches_sdpa_as_the_family_runs_it_fastest(recipe, masked, cache, tmp_path):
+    """The data pipeline's all-ones ``attention_mask`` of an unpadded MLM batch is left out, so that
+    BERT's attention reaches SDPA with no mask tensor (the flash kernel on a GPU) and the loss is the
+    masked one's to fp32 rounding; T5's batch keeps it (its relative bias is a mask tensor anyway,
+    and broadcast over the batch it ran slower on an H100: tformer/train/data.make_collator)."""
+    import torch.nn.functional as F
+
+    t = trainer(recipe, tmp_path, "max_steps=1", "eval_every=0", "save_every=0", "precision=fp32")
+    batch = next(t._batches())
+    assert ("attention_mask" in batch) == masked
+    seen, real = [], F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("attn_mask"))
+        return real(*args, **kwargs)
+
+    inputs = {k: batch[k] for k in t.data.model_inputs if k in batch}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(F, "scaled_dot_product_attention", spy)
+        loss = t.model(**inputs, return_logits=False).loss
+    if masked:
+        return
+    assert seen and all(mask is None for mask in seen)
+    ones = torch.ones_like(inputs["input_ids"])
+    with_mask = t.model(**inputs, attention_mask=ones, return_logits=False).loss
+    # adding a zero mask is exact (0.0 apart here); a few ulps for a kernel that blocks otherwise
+    assert abs(loss.item() - with_mask.item()) <= 8 * torch.finfo(torch.float32).eps * loss.item()
