@@ -118,7 +118,8 @@ class Row:
 # --------------------------------------------------------------------------------------------
 def batch(cfg, b: int, s: int, t: int | None, device: torch.device, seed: int = 0) -> tuple[dict, dict]:
     """(tformer's inputs, HF's inputs) of one random batch. tformer takes next-token labels shifted
-    (its collator's layout), HF shifts inside; BERT labels a random 15% of positions."""
+    (its collator's layout), HF shifts inside; BERT labels a random 15% of positions and, unpadded,
+    goes without a mask as the trainer's batches do; T5 takes its all-ones mask, as they do."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, cfg.vocab_size, (b, s), generator=g)
     if cfg.family == "decoder":
@@ -129,7 +130,9 @@ def batch(cfg, b: int, s: int, t: int | None, device: torch.device, seed: int = 
         ours = theirs = dict(input_ids=ids, labels=labels)
     else:
         target = torch.randint(3, cfg.vocab_size, (b, t), generator=g)
-        ours = theirs = dict(input_ids=ids, labels=target)
+        # the all-ones mask the data pipeline gives T5 (train/data.make_collator keeps it): without it
+        # tformer's relative bias reached SDPA broadcast over the batch, 1.25x slower on an H100
+        ours = theirs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=target)
     move = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
     return move(ours), move(theirs)
 
