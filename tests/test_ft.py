@@ -3,9 +3,11 @@ lighthouse started by the test and always killed, every wait under a deadline.
 
 - two one-rank replica groups without failure commit every step together and stay identical
   (equality with a plain run of the same global batch: tests/test_ft_groups.py);
-- kill -9 of one two-rank FSDP2 group mid-run: the other keeps committing (its step never goes
-  back), the restarted group heals rank by rank from it and ends with every shard of weights and
-  optimizer state bitwise equal to it;
+- kill -9 of one two-rank FSDP2 group mid-run, restarted from the fork server: the other keeps
+  committing (its step never goes back), the restarted group heals rank by rank from it and ends
+  with every shard of weights and optimizer state bitwise equal to it, and the run's end loss is
+  within 2% of the failure-free run's (40 steps here; 120 in the long lane, against the spread of
+  failure-free runs);
 - bad input: one line each.
 """
 
@@ -41,8 +43,20 @@ pytest.importorskip("torchft")
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
 WORKER = ROOT / "tests" / "ft_worker.py"
 STEPS = 40
-# A run whose replica groups are killed ends within 2% of the failure-free run (the issue's bound;
-# figures measured: see test_killed_run_ends_within_two_percent_of_a_failure_free_one).
+# A run whose replica groups are killed ends within 2% of the failure-free run of the same length
+# (the issue's bound; the end loss is the mean of the last steps: one batch's loss swings by ~4%
+# between steps, and this tiny model at lr 3e-3 has loss spikes whose timing moves with the smallest
+# change of the weights). Measured on the 2-core AVX2 AMD EPYC, a group killed and restarted (back
+# within 1-2 steps):
+# - 40 steps, killed at step 8 / 20 / 28: -0.85% / -0.89% / -0.53% (mean of the last 10);
+# - 120 steps, killed at step 60: +0.11% (mean of the last 20).
+# The yardstick, failure-free runs of 120 steps against each other: another summation order
+# (model.attn_impl=math) 4e-9; another seed (initialisation and data order) +0.75% and +3.0%. The
+# bound is the width of the seed spread: a killed run must end no further away than a failure-free
+# run with another seed may. A defect fails it: a restarted group that does not heal its weights
+# from its peer (it keeps its initial ones, healing the rest) ends +5.2% (40 steps, killed at 20),
+# +10.1% (killed at 28), +6.6% (120 steps, killed at 60); killed at step 8, inside the warm-up, it
+# ends -0.42% (the bitwise comparison of the groups is what catches a defect there).
 KILL_BOUND = 0.02
 
 
@@ -226,7 +240,7 @@ def test_two_rank_fsdp2_groups_one_killed_rejoin_bitwise_equal_and_the_other_nev
     failure-free run's."""
     steps, ranks = STEPS, 2
     out = tmp_path / "run"
-    got = run_with_a_kill(cache, out, steps, 8, ranks)
+    got = run_with_a_kill(cache, out, steps, 20, ranks)
     victim, killed_at = got["victim"], got["killed_at"]
     live = got["metrics"][1 - victim]
     live_steps = [r["step"] for r in live]
@@ -244,7 +258,7 @@ def test_two_rank_fsdp2_groups_one_killed_rejoin_bitwise_equal_and_the_other_nev
     # forked, not a new interpreter)
     assert restarted[0]["step"] == restarted[-1]["step"] - len(restarted) + 1 > killed_at
     print(f"killed after step {killed_at}; the live group alone at steps {alone}; back at step {restarted[0]['step']}")
-    assert len(alone) <= 6, alone
+    assert len(alone) <= 10, alone  # 1-2 measured; 10 on a loaded CPU leaves the run 10 more steps
     for rank in range(ranks):
         a, b = (torch.load(out / f"final_{t}_rank{rank}.pt", weights_only=True) for t in ("g0", "g1"))
         assert a["step"] == b["step"] == steps
@@ -302,6 +316,9 @@ def test_killed_run_ends_within_two_percent_of_a_failure_free_one(cache, tmp_pat
     print(f"end loss (mean of the last {n} of {steps} steps): killed {killed:.4f}, failure-free {free}")
     print(f"from the failure-free run: killed {(killed - free['seed0']) / free['seed0']:+.2%}, others {off}")
     assert abs(killed - free["seed0"]) <= KILL_BOUND * free["seed0"], (killed, free)
+    # the summation order moves the end loss by rounding only; a seed moves it by about the bound
+    assert abs(off["math"]) < 1e-4, off
+    assert max(abs(off["seed1"]), abs(off["seed2"])) >= KILL_BOUND, f"the bound is wider than the seed spread: {off}"
 
 
 @pytest.mark.slow

@@ -93,3 +93,37 @@ def test_plan_cli_prints_what_the_replicas_cost(capsys):
     assert "4 replica groups of 8 devices each" in out
     line = next(x for x in out.splitlines() if x.startswith("replicas: 4 fault-tolerance groups x 8 devices"))
     assert "diloco every 20 steps" in line and "over the network" in line and "outer momentum" in line, line
+
+
+def _table(out: str) -> list[tuple[str, int]]:
+    """(strategy, dp_replicate) of each row of the memory table."""
+    rows = []
+    for line in out.splitlines():
+        parts = line.split()
+        if (
+            len(parts) > 3
+            and parts[0] in ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-no-reshard")
+            and parts[1].isdigit()
+        ):
+            rows.append((parts[0], int(parts[1])))
+    return rows
+
+
+def test_plan_lists_and_recommends_only_layouts_a_replica_group_runs(capsys):
+    """Under fault tolerance a group runs neither ZeRO (DeepSpeed) nor HSDP (train/ft.py refuses
+    both): the memory table and the recommendation leave them out, as the speed report does. Two
+    groups of 16 devices (two nodes each); the same 16 devices without fault tolerance list both."""
+    from tformer.cli import main
+
+    config = str(CONFIGS / "gpt2-tiny.yaml")
+    assert main(["plan", config, "--devices", "16", "--max-cp", "1"]) == 0
+    plain = _table(capsys.readouterr().out)
+    assert ("fsdp", 2) in plain and any(s.startswith("zero") for s, _ in plain), plain
+    ft = ["fault_tolerance.enabled=true", "fault_tolerance.replicas=2"]
+    assert main(["plan", config, *ft, "--devices", "32", "--max-cp", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = _table(out)
+    assert rows and all(rep == 1 and not s.startswith("zero") for s, rep in rows), rows
+    assert "no ZeRO (DeepSpeed) and no HSDP" in out
+    rec = next(x for x in out.splitlines() if x.startswith("recommendation: "))
+    assert "dp_replicate=" not in rec and "zero" not in rec, rec

@@ -211,7 +211,10 @@ def plan_main(
         f"{'activ. GiB':>12}{'total GiB':>11}  fits"
     )
     worse_op: dict[int, tuple[float, float]] = {}  # tp -> (AC none, AC op) totals where op holds more
-    for strategy, replicate, tp in layouts(model_cfg, devices, gpus_per_node):
+    group = cfg.fault_tolerance.enabled  # the layouts of one replica group (train/ft.py refuses the rest)
+    if group:
+        print("one replica group's layouts: no ZeRO (DeepSpeed) and no HSDP (the replica groups are the replicas)")
+    for strategy, replicate, tp in layouts(model_cfg, devices, gpus_per_node, group):
         totals = {}
         for ac in ("none", "op", "full"):
             layout = (strategy, replicate, tp, 1, "1f1b", 1, 1)
@@ -259,6 +262,7 @@ def plan_main(
         gpus_per_node=gpus_per_node,
         max_pp=max_pp,
         n_micro=n_micro,
+        replica_group=group,
     )
     if not fits:
         return _print_cp_recommendation(cfg, model_cfg, devices, memory, target, mixed, settings, max_cp)

@@ -221,6 +221,7 @@ def candidates(
         gpus_per_node=gpus_per_node,
         max_pp=1 if refused else (max_pp or devices),
         n_micro=n_micro,
+        replica_group=cfg.fault_tolerance.enabled,
     )
     if not memory_report.cp_searched(model, max_cp):
         fits += search.recommend_cp(
