@@ -127,3 +127,33 @@ def test_plan_lists_and_recommends_only_layouts_a_replica_group_runs(capsys):
     assert "no ZeRO (DeepSpeed) and no HSDP" in out
     rec = next(x for x in out.splitlines() if x.startswith("recommendation: "))
     assert "dp_replicate=" not in rec and "zero" not in rec, rec
+
+
+def test_diloco_outer_momentum_is_counted_in_the_fit_check():
+    """DiLoCo's outer momentum (one fp32 copy of the rank's parameters on the device) is part of
+    each layout's model states in the planner's fit check, the same bytes replicas.py prices."""
+    from tformer.plan.memory import cp_estimate
+    from tformer.plan.search import layout_estimate, recommend
+
+    model, hw = _gpt2_tiny(), profile("h100-sxm")
+    for strategy, tp in (("ddp", 1), ("fsdp", 1), ("fsdp", 2)):
+        layout = (strategy, 1, tp, 1, "1f1b", 1, 1)
+        base, diloco = (
+            layout_estimate(model, layout, 8, 4, 256, None, "none", True, {"outer_momentum": m}) for m in (False, True)
+        )
+        plan = Layout(strategy=strategy, dp_shard=8 // tp, tp=tp, sp=tp > 1)
+        cost = replica_cost(plan, rank_stages(model, plan)[0], hw, Replicas(2, "diloco", 20))
+        assert diloco.model_states - base.model_states == pytest.approx(cost.device_bytes, rel=1e-3), strategy
+        assert diloco.activations == base.activations
+    base, diloco = (cp_estimate(model, "fsdp", 8, 4, 256, None, "none", True, 2, outer_momentum=m) for m in (False, True))
+    assert diloco.model_states - base.model_states == pytest.approx(num_parameters(model) / 8 * 4, rel=1e-3)
+    # memory for the DDP layout without recomputation at micro-batch 64 with 2 bytes a parameter to
+    # spare: it fits without the momentum, and with it only at a smaller micro-batch
+    ddp = layout_estimate(model, ("ddp", 1, 1, 1, "1f1b", 1, 1), 8, 64, 256, None, "none", True, {})
+    memory = (ddp.total + num_parameters(model) * 2) / 0.9
+
+    def micro(momentum: bool) -> int:
+        got = recommend(model, 8, memory, 256, None, settings={"outer_momentum": momentum})
+        return next(e.micro_batch for e in got if e.strategy == "ddp" and e.ac == "none")
+
+    assert micro(False) == 64 and micro(True) < 64

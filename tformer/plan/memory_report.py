@@ -19,6 +19,7 @@ def print_savings(cfg: ModelConfig, micro_batch: int, seq: int, target: int | No
     unchunked head, no checkpointing, no offload), and of this run's choice."""
     gib = 2**30
     plain = {**settings, "chunk": None, "offload": False}
+    plain.pop("outer_momentum", None)  # model states, not activations
     chunk = settings["chunk"] or 1024
 
     def act(ac="none", **change):
@@ -163,6 +164,12 @@ def _print_cp_recommendation(
     return 0
 
 
+def diloco(cfg) -> bool:
+    """Whether the run keeps DiLoCo's outer momentum on each device (counted in the fit check)."""
+    ft = cfg.fault_tolerance
+    return bool(ft.enabled and ft.semi_sync == "diloco")
+
+
 def plan_main(
     cfg,
     config: str,
@@ -187,6 +194,7 @@ def plan_main(
         target = cfg.data.target_len or t5_lengths(cfg.data.seq_len)[1]
     gib = 2**30
     settings = {**training_memory(cfg, memory), "loss_parallel": cfg.parallel.loss_parallel}
+    settings["outer_momentum"] = diloco(cfg)
     print(
         f"model: {model_cfg.family}, {config}; {devices} devices x {memory / gib:.1f} GiB; seq "
         f"{cfg.data.seq_len}; {'bf16 mixed' if mixed else 'fp32'}; loss.chunk_size={cfg.loss.chunk_size}; "
