@@ -284,7 +284,8 @@ def plain_run(cache: Path, out: Path, steps: int, *extra: str) -> list[dict]:
     """A one-process run of the replica groups' global batch (8), no fault tolerance: the same run as
     two failure-free groups, to rounding (tests/test_ft_groups.py)."""
     p = run_cli(
-        ["train", CONFIGS / "gpt2-tiny.yaml", *overrides(out, f"max_steps={steps}", "micro_batch_size=8", *extra)], cache
+        ["train", str(CONFIGS / "gpt2-tiny.yaml"), *overrides(out, f"max_steps={steps}", "micro_batch_size=8", *extra)],
+        cache,
     )
     assert p.returncode == 0, p.stderr[-3000:]
     return rows(out / "metrics.jsonl")

@@ -61,7 +61,7 @@ def layouts(
     out = []
     for tp in tp_degrees(cfg, devices)[0]:
         hsdp = nodes > 1 and gpus_per_node % tp == 0 and gpus_per_node // tp > 1
-        strategies = (MOE_STRATEGIES if cfg.moe.enabled else STRATEGY_NAMES) if tp == 1 else ("fsdp",)
+        strategies: tuple[str, ...] = (MOE_STRATEGIES if cfg.moe.enabled else STRATEGY_NAMES) if tp == 1 else ("fsdp",)
         if replica_group:
             strategies = tuple(s for s in strategies if not s.startswith("zero"))
         for strategy in strategies:
