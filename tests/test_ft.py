@@ -3,9 +3,11 @@ lighthouse started by the test and always killed, every wait under a deadline.
 
 - two one-rank replica groups without failure commit every step together and stay identical
   (equality with a plain run of the same global batch: tests/test_ft_groups.py);
-- kill -9 of one two-rank FSDP2 group mid-run: the other keeps committing (its step never goes
-  back), the restarted group heals rank by rank from it and ends with every shard of weights and
-  optimizer state bitwise equal to it;
+- kill -9 of one two-rank FSDP2 group mid-run, restarted from the fork server: the other keeps
+  committing (its step never goes back), the restarted group heals rank by rank from it and ends
+  with every shard of weights and optimizer state bitwise equal to it, and the run's end loss is
+  within 2% of the failure-free run's (40 steps here; 120 in the long lane, against the spread of
+  failure-free runs);
 - bad input: one line each.
 """
 
@@ -22,13 +24,40 @@ from pathlib import Path
 import pytest
 import torch
 
-from train_helpers import CONFIGS, ROOT, env, free_port, kill_group, owned, reap, small_overrides, start
+from train_helpers import (
+    CONFIGS,
+    ROOT,
+    env,
+    free_port,
+    kill_group,
+    kill_python,
+    reap,
+    run_cli,
+    small_overrides,
+    start,
+    start_python,
+)
 
 pytest.importorskip("torchft")
 
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
 WORKER = ROOT / "tests" / "ft_worker.py"
 STEPS = 40
+# A run whose replica groups are killed ends within 2% of the failure-free run of the same length
+# (the issue's bound; the end loss is the mean of the last steps: one batch's loss swings by ~4%
+# between steps, and this tiny model at lr 3e-3 has loss spikes whose timing moves with the smallest
+# change of the weights). Measured on the 2-core AVX2 AMD EPYC, a group killed and restarted (back
+# within 1-2 steps):
+# - 40 steps, killed at step 8 / 20 / 28: -0.85% / -0.89% / -0.53% (mean of the last 10);
+# - 120 steps, killed at step 60: +0.11% (mean of the last 20).
+# The yardstick, failure-free runs of 120 steps against each other: another summation order
+# (model.attn_impl=math) 4e-9; another seed (initialisation and data order) +0.75% and +3.0%. The
+# bound is the width of the seed spread: a killed run must end no further away than a failure-free
+# run with another seed may. A defect fails it: a restarted group that does not heal its weights
+# from its peer (it keeps its initial ones, healing the rest) ends +5.2% (40 steps, killed at 20),
+# +10.1% (killed at 28), +6.6% (120 steps, killed at 60); killed at step 8, inside the warm-up, it
+# ends -0.42% (the bitwise comparison of the groups is what catches a defect there).
+KILL_BOUND = 0.02
 
 
 def overrides(out: Path, *extra: str) -> list[str]:
@@ -66,17 +95,6 @@ def worker(tag: str, args: list[str], cache: Path, log: Path, **environ: str) ->
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
     )
-
-
-def group(tag: str, args: list[str], cache: Path, log: Path, ranks: int, **environ: str) -> list[subprocess.Popen]:
-    """One replica group of ``ranks`` processes (a torchrun-like world of its own): rank r logs to
-    ``log`` with ``.r`` appended."""
-    port = str(free_port())
-    world = {"WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TFORMER_DIST_TIMEOUT": "120"}
-    return [
-        worker(tag, args, cache, log.with_suffix(f".{r}"), RANK=str(r), LOCAL_RANK=str(r), **world, **environ)
-        for r in range(ranks)
-    ]
 
 
 def lighthouse(port: int, min_replicas: int) -> subprocess.Popen:
@@ -132,66 +150,115 @@ def test_two_one_rank_replica_groups_commit_every_step_together(ft_run):
     assert (ft_run / "checkpoints" / f"step_{STEPS:08d}").is_dir()
 
 
-def test_two_rank_fsdp2_groups_one_killed_rejoin_bitwise_equal_and_the_other_never_stops(cache, ft_run, tmp_path):
-    """Two replica groups of two ranks each, FSDP2 inside each group: ``kill -9`` of one whole group
-    mid-run. The other commits every step alone; the restarted group heals rank by rank from the
-    live one (each rank the shards it holds) and ends with every shard of weights and optimizer
-    state bitwise equal to the live group's."""
-    steps, kill_at, ranks = STEPS, 8, 2
-    out = tmp_path / "run"
+def forked_group(tag: str, args: list[str], cache: Path, log: Path, ranks: int, **environ: str) -> list:
+    """One replica group of ``ranks`` processes (a torchrun-like world of its own) forked from the
+    fork server (tests/train_helpers.py: a restarted group starts in ~0.1 s, not the 8-30 s of a
+    fresh interpreter on the 2-core CPU): rank r logs to ``log`` with ``.r`` appended (stderr with
+    ``.r.err``)."""
+    world = {"WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    world["TFORMER_DIST_TIMEOUT"] = "120"
+    return [
+        start_python(
+            [WORKER, tag, CONFIGS / "gpt2-tiny.yaml", *args],
+            log.with_suffix(f".{r}"),
+            {**env(cache), **environ, **world, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in range(ranks)
+    ]
+
+
+def run_with_a_kill(cache: Path, out: Path, steps: int, kill_at: int, ranks: int = 2, *extra: str) -> dict:
+    """Two replica groups of ``ranks`` ranks each (FSDP2 inside a group when ``ranks`` > 1) train
+    ``steps`` steps; once both have logged step ``kill_at``, ``kill -9`` of the group that joined
+    later (the live one then holds the whole history) and, as a launcher would, its restart (after
+    the lighthouse's 1 s heartbeat timeout, so the peers see the failure). While the killed group is
+    away the live one takes a second more a step (ft_worker.py's FT_TEST_SLOW): the restarted group
+    is back within a step or two. Returns the metrics of both groups, the victim, and the step it
+    was killed at."""
     port = free_port()
     lh = lighthouse(port, 1)
-    logs = [tmp_path / "g0.log", tmp_path / "g1.log", tmp_path / "g1-restarted.log"]
-    # the global batch of ft_run (2 groups x 1 rank x 4): 2 groups x 2 ranks x 2
-    extra = (f"max_steps={steps}", "parallel.strategy=fsdp", "micro_batch_size=2")
-    slow = tmp_path / "slow"  # while it exists, the groups take a second a step (ft_worker.py)
+    logs = [out / "g0.log", out / "g1.log", out / "g-restarted.log"]
+    out.mkdir(parents=True, exist_ok=True)
+    # the global batch of ft_run (2 groups x 1 rank x 4): FSDP2 over 2 ranks x 2
+    layout = ("parallel.strategy=fsdp", f"micro_batch_size={4 // ranks}") if ranks > 1 else ()
+    extra = (f"max_steps={steps}", *layout, *extra)
+    slow = out / "slow"  # while it exists, the groups take a second a step (ft_worker.py)
     pace = {"FT_TEST_PACE": "0.1", "FT_TEST_SLOW": str(slow)}
-    groups = [group(f"g{r}", ft_overrides(out, port, r, *extra), cache, logs[r], ranks, **pace) for r in (0, 1)]
+    procs: list = []
     metrics = [out / "replicas" / str(r) / "metrics.jsonl" for r in (0, 1)]
 
-    def tails(*which: int) -> list[str]:
-        return [log.with_suffix(f".{r}").read_text()[-1500:] for i in which for log in [logs[i]] for r in range(ranks)]
+    def tails() -> str:
+        errs = [Path(f"{log.with_suffix(f'.{r}')}.err") for log in logs for r in range(ranks)]
+        return "\n".join(f"{e}:\n{e.read_text()[-1500:]}" for e in errs if e.exists())
 
-    with owned(lh, *groups[0], *groups[1]):
+    def alive(group) -> None:
+        assert all(p.is_alive() or p.exitcode == 0 for p in group), tails()
+
+    try:
+        groups = [forked_group(f"g{r}", ft_overrides(out, port, r, *extra), cache, logs[r], ranks, **pace) for r in (0, 1)]
+        procs += groups[0] + groups[1]
         deadline = time.monotonic() + 240
         while not all(any(r["step"] >= kill_at for r in rows(m)) for m in metrics):
-            assert time.monotonic() < deadline, tails(0, 1)
-            assert all(p.poll() is None for g in groups for p in g), tails(0, 1)
+            assert time.monotonic() < deadline, tails()
+            alive(procs)
             time.sleep(0.1)
-        # the lighthouse lets the first group to start run alone until the other joins (healing from
-        # it): the victim is the group that joined later, so the live one has its whole history
         firsts = [rows(m)[0]["step"] for m in metrics]
         victim = 0 if firsts[0] > firsts[1] else 1
-        live_id = 1 - victim
         slow.touch()  # the live group slows down until the restarted one is back
         for p in groups[victim]:
-            os.kill(p.pid, 9)  # kill -9 of the whole group
-        for p in groups[victim]:
-            p.wait(timeout=30)
+            kill_python(p)  # kill -9 of the whole group
         killed_at = max(r["step"] for r in rows(metrics[victim]))
-        again = group(f"g{victim}", ft_overrides(out, port, victim, *extra), cache, logs[2], ranks, **pace)
-        with owned(*again):
-            while not any(r["step"] > killed_at for r in rows(metrics[victim])):
-                assert time.monotonic() < deadline + 150, tails(2)
-                assert all(p.poll() is None for p in again), tails(2)
-                time.sleep(0.2)
-            slow.unlink()
-            reap([*groups[live_id], *again], 300)
-            assert all(p.returncode == 0 for p in [*groups[live_id], *again]), tails(live_id, 2)
-    kill_group(lh)
-    live = rows(metrics[live_id])
+        time.sleep(1.5)  # past the lighthouse's heartbeat timeout: the old group has left the quorum
+        again = forked_group(f"g{victim}", ft_overrides(out, port, victim, *extra), cache, logs[2], ranks, **pace)
+        procs += again
+        while not any(r["step"] > killed_at for r in rows(metrics[victim])):
+            assert time.monotonic() < deadline, tails()
+            alive(again)
+            time.sleep(0.1)
+        slow.unlink()
+        waiting = [*groups[1 - victim], *again]
+        for p in waiting:
+            p.join(max(1.0, deadline + 300 - time.monotonic()))
+            assert p.exitcode == 0, f"exit {p.exitcode}: {tails()}"
+    finally:
+        for p in procs:
+            kill_python(p)
+        kill_group(lh)
+    return {"metrics": [rows(m) for m in metrics], "victim": victim, "killed_at": killed_at}
+
+
+def tail_loss(got: list[dict], n: int) -> float:
+    """The mean loss of the last ``n`` steps (one batch's loss swings by ~4% between steps)."""
+    return sum(r["loss"] for r in got[-n:]) / n
+
+
+def test_two_rank_fsdp2_groups_one_killed_rejoin_bitwise_equal_and_the_other_never_stops(cache, ft_run, tmp_path):
+    """Two replica groups of two ranks each, FSDP2 inside each group: ``kill -9`` of one whole group
+    mid-run and its restart. The other commits every step; the restarted group heals rank by rank
+    from the live one (each rank the shards it holds) and ends with every shard of weights and
+    optimizer state bitwise equal to the live group's; the run's end loss is within 2% of the
+    failure-free run's."""
+    steps, ranks = STEPS, 2
+    out = tmp_path / "run"
+    got = run_with_a_kill(cache, out, steps, 20, ranks)
+    victim, killed_at = got["victim"], got["killed_at"]
+    live = got["metrics"][1 - victim]
     live_steps = [r["step"] for r in live]
     assert live_steps == list(range(1, steps + 1)), live_steps  # committed every step, never went back
-    assert "1/2" in [r["quorum"] for r in live[killed_at:]], "the live group never ran alone: the kill was not seen"
+    alone = [r["step"] for r in live[killed_at:] if r["quorum"] == "1/2"]
+    assert alone, "the live group never ran alone: the kill was not seen"
     assert live[-1]["ft_failures"] >= 1
-    restarted = [r for r in rows(metrics[victim]) if r["step"] > killed_at]
+    restarted = [r for r in got["metrics"][victim] if r["step"] > killed_at]
     assert restarted, "the restarted group logged no step"
     # the new processes healed once, from the live group (a restarted group carries its counters on
     # from its last record: the victim, which joined late, had healed once at its start already)
-    before = [r for r in rows(metrics[victim]) if r["step"] <= killed_at][-1]["ft_recoveries"]
+    before = [r for r in got["metrics"][victim] if r["step"] <= killed_at][-1]["ft_recoveries"]
     assert restarted[-1]["ft_recoveries"] - before == 1, (before, restarted[-1]["ft_recoveries"])
-    # it joined at the live group's step (within a few steps of its start), not from step 0
+    # it joined at the live group's step, not from step 0, and within a few steps of the kill (it is
+    # forked, not a new interpreter)
     assert restarted[0]["step"] == restarted[-1]["step"] - len(restarted) + 1 > killed_at
+    print(f"killed after step {killed_at}; the live group alone at steps {alone}; back at step {restarted[0]['step']}")
+    assert len(alone) <= 10, alone  # 1-2 measured; 10 on a loaded CPU leaves the run 10 more steps
     for rank in range(ranks):
         a, b = (torch.load(out / f"final_{t}_rank{rank}.pt", weights_only=True) for t in ("g0", "g1"))
         assert a["step"] == b["step"] == steps
@@ -203,15 +270,56 @@ def test_two_rank_fsdp2_groups_one_killed_rejoin_bitwise_equal_and_the_other_nev
             assert ka == kb and all(torch.equal(sa[k], sb[k]) for k in sa), (rank, ka)
     shards = [torch.load(out / f"final_g0_rank{r}.pt", weights_only=True)["model"] for r in range(ranks)]
     assert not all(torch.equal(shards[0][k], shards[1][k]) for k in shards[0]), "the ranks hold no shards of their own"
-    # Close to the failure-free run of the same length (the mean of the last 10 steps: one batch's
-    # loss swings by 4% between steps here). The live group trained alone, on half the global
-    # batch, for up to 30 of the 40 steps (a restart takes 8-30 s on the 2-core CPU, one step a
-    # second meanwhile): measured 1.1% and 2.1% above the failure-free run (one-rank groups).
+    # The end loss (mean of the last 10 steps) within 2% of the failure-free run of the same length
+    # and global batch (ft_run: 2 groups x 1 rank x 4 = 2 x 2 x 2). Figures: see KILL_BOUND.
     free = rows(ft_run / "replicas" / "0" / "metrics.jsonl")
     assert free[-1]["step"] == steps
-    tail, free_tail = (sum(r["loss"] for r in x[-10:]) / 10 for x in (live, free))
     assert all(math.isfinite(r["loss"]) for r in live)
-    assert abs(tail - free_tail) <= 0.05 * free_tail, (tail, free_tail)
+    tail, free_tail = tail_loss(live, 10), tail_loss(free, 10)
+    print(f"end loss (mean of the last 10 of {steps} steps): killed run {tail:.4f}, failure-free {free_tail:.4f}")
+    assert abs(tail - free_tail) <= KILL_BOUND * free_tail, (tail, free_tail)
+
+
+def plain_run(cache: Path, out: Path, steps: int, *extra: str) -> list[dict]:
+    """A one-process run of the replica groups' global batch (8), no fault tolerance: the same run as
+    two failure-free groups, to rounding (tests/test_ft_groups.py)."""
+    p = run_cli(
+        ["train", str(CONFIGS / "gpt2-tiny.yaml"), *overrides(out, f"max_steps={steps}", "micro_batch_size=8", *extra)],
+        cache,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return rows(out / "metrics.jsonl")
+
+
+@pytest.mark.long  # about 2 minutes on the 2-core CPU: a 120-step run with a kill, four plain ones
+def test_killed_run_ends_within_two_percent_of_a_failure_free_one(cache, tmp_path):
+    """The issue's bound at a length where the loss has settled (120 steps, the cosine schedule run
+    down; the mean of the last 20): a run whose replica group is killed at step 60 and restarted ends
+    within KILL_BOUND of the failure-free run, against the spread of failure-free runs that differ
+    only in their seed (initialisation and data order) or in their summation order."""
+    steps, n = 120, 20
+    got = run_with_a_kill(cache, tmp_path / "killed", steps, steps // 2)
+    live = got["metrics"][1 - got["victim"]]
+    assert [r["step"] for r in live] == list(range(1, steps + 1))
+    alone = [r["step"] for r in live if r["quorum"] == "1/2" and r["step"] > got["killed_at"]]
+    free = {
+        name: tail_loss(plain_run(cache, tmp_path / name, steps, *extra), n)
+        for name, extra in {
+            "seed0": ("seed=0",),
+            "math": ("seed=0", "model.attn_impl=math"),
+            "seed1": ("seed=1",),
+            "seed2": ("seed=2",),
+        }.items()
+    }
+    killed = tail_loss(live, n)
+    off = {k: (v - free["seed0"]) / free["seed0"] for k, v in free.items()}
+    print(f"killed after step {got['killed_at']}, alone at steps {alone}")
+    print(f"end loss (mean of the last {n} of {steps} steps): killed {killed:.4f}, failure-free {free}")
+    print(f"from the failure-free run: killed {(killed - free['seed0']) / free['seed0']:+.2%}, others {off}")
+    assert abs(killed - free["seed0"]) <= KILL_BOUND * free["seed0"], (killed, free)
+    # the summation order moves the end loss by rounding only; a seed moves it by about the bound
+    assert abs(off["math"]) < 1e-4, off
+    assert max(abs(off["seed1"]), abs(off["seed2"])) >= KILL_BOUND, f"the bound is wider than the seed spread: {off}"
 
 
 @pytest.mark.slow

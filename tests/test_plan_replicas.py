@@ -93,3 +93,67 @@ def test_plan_cli_prints_what_the_replicas_cost(capsys):
     assert "4 replica groups of 8 devices each" in out
     line = next(x for x in out.splitlines() if x.startswith("replicas: 4 fault-tolerance groups x 8 devices"))
     assert "diloco every 20 steps" in line and "over the network" in line and "outer momentum" in line, line
+
+
+def _table(out: str) -> list[tuple[str, int]]:
+    """(strategy, dp_replicate) of each row of the memory table."""
+    rows = []
+    for line in out.splitlines():
+        parts = line.split()
+        if (
+            len(parts) > 3
+            and parts[0] in ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-no-reshard")
+            and parts[1].isdigit()
+        ):
+            rows.append((parts[0], int(parts[1])))
+    return rows
+
+
+def test_plan_lists_and_recommends_only_layouts_a_replica_group_runs(capsys):
+    """Under fault tolerance a group runs neither ZeRO (DeepSpeed) nor HSDP (train/ft.py refuses
+    both): the memory table and the recommendation leave them out, as the speed report does. Two
+    groups of 16 devices (two nodes each); the same 16 devices without fault tolerance list both."""
+    from tformer.cli import main
+
+    config = str(CONFIGS / "gpt2-tiny.yaml")
+    assert main(["plan", config, "--devices", "16", "--max-cp", "1"]) == 0
+    plain = _table(capsys.readouterr().out)
+    assert ("fsdp", 2) in plain and any(s.startswith("zero") for s, _ in plain), plain
+    ft = ["fault_tolerance.enabled=true", "fault_tolerance.replicas=2"]
+    assert main(["plan", config, *ft, "--devices", "32", "--max-cp", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = _table(out)
+    assert rows and all(rep == 1 and not s.startswith("zero") for s, rep in rows), rows
+    assert "no ZeRO (DeepSpeed) and no HSDP" in out
+    rec = next(x for x in out.splitlines() if x.startswith("recommendation: "))
+    assert "dp_replicate=" not in rec and "zero" not in rec, rec
+
+
+def test_diloco_outer_momentum_is_counted_in_the_fit_check():
+    """DiLoCo's outer momentum (one fp32 copy of the rank's parameters on the device) is part of
+    each layout's model states in the planner's fit check, the same bytes replicas.py prices."""
+    from tformer.plan.memory import cp_estimate
+    from tformer.plan.search import layout_estimate, recommend
+
+    model, hw = _gpt2_tiny(), profile("h100-sxm")
+    for strategy, tp in (("ddp", 1), ("fsdp", 1), ("fsdp", 2)):
+        layout = (strategy, 1, tp, 1, "1f1b", 1, 1)
+        base, diloco = (
+            layout_estimate(model, layout, 8, 4, 256, None, "none", True, {"outer_momentum": m}) for m in (False, True)
+        )
+        plan = Layout(strategy=strategy, dp_shard=8 // tp, tp=tp, sp=tp > 1)
+        cost = replica_cost(plan, rank_stages(model, plan)[0], hw, Replicas(2, "diloco", 20))
+        assert diloco.model_states - base.model_states == pytest.approx(cost.device_bytes, rel=1e-3), strategy
+        assert diloco.activations == base.activations
+    base, diloco = (cp_estimate(model, "fsdp", 8, 4, 256, None, "none", True, 2, outer_momentum=m) for m in (False, True))
+    assert diloco.model_states - base.model_states == pytest.approx(num_parameters(model) / 8 * 4, rel=1e-3)
+    # memory for the DDP layout without recomputation at micro-batch 64 with 2 bytes a parameter to
+    # spare: it fits without the momentum, and with it only at a smaller micro-batch
+    ddp = layout_estimate(model, ("ddp", 1, 1, 1, "1f1b", 1, 1), 8, 64, 256, None, "none", True, {})
+    memory = (ddp.total + num_parameters(model) * 2) / 0.9
+
+    def micro(momentum: bool) -> int:
+        got = recommend(model, 8, memory, 256, None, settings={"outer_momentum": momentum})
+        return next(e.micro_batch for e in got if e.strategy == "ddp" and e.ac == "none")
+
+    assert micro(False) == 64 and micro(True) < 64

@@ -168,9 +168,11 @@ def estimate(
     n_micro: int | None = None,
     pp_rank: int | None = None,
     cp: int = 1,
+    outer_momentum: bool = False,
     **memory,
 ) -> Estimate:
-    """One rank of ``devices`` = pp x dp_replicate x dp_shard x tp. ``memory``: the head and offload
+    """One rank of ``devices`` = pp x dp_replicate x dp_shard x tp. ``outer_momentum``: DiLoCo's
+    (``outer_momentum_bytes``), counted with the model states. ``memory``: the head and offload
     settings of ``activation_bytes`` (chunk, offload, loss_parallel, ...). With ``pp`` > 1: ``n_micro``
     micro-batches per step (default 4 x pp) through ``schedule``, and the rank ``pp_rank``, or
     (None) the worst one: the first (most micro-batches in flight, the embeddings) or the last (the
@@ -185,6 +187,8 @@ def estimate(
     memory = {"fp32_weights": strategy == "ddp", **memory}
     if pp == 1:
         states = model_state_bytes(strategy, tp_local_parameters(cfg, tp), dp_shard, mixed, as_built=True)
+        if outer_momentum:
+            states += outer_momentum_bytes(cfg, strategy, tp, dp_shard)
         return Estimate(
             strategy,
             ac,
@@ -226,6 +230,14 @@ def estimate(
             best = e
     assert best is not None
     return best
+
+
+def outer_momentum_bytes(cfg: ModelConfig, strategy: str, tp: int, shard: int) -> float:
+    """DiLoCo's outer Nesterov momentum (``fault_tolerance.semi_sync=diloco``, plan/replicas.py):
+    one fp32 buffer per parameter the rank holds, on the device beside its model states (its
+    parameter backup is in host memory). FSDP2 holds 1/``shard`` of the TP-local parameters; DDP
+    all of them. The trainer refuses DiLoCo with pipelines, ZeRO and HSDP."""
+    return 4.0 * tp_local_parameters(cfg, tp) / (1 if strategy == "ddp" else shard)
 
 
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16", "fp16")  # the run's, once precision=auto is resolved
@@ -431,13 +443,17 @@ def cp_estimate(
     cp: int,
     tp: int = 1,
     sp: bool = False,
+    outer_momentum: bool = False,
     **memory,
 ) -> Estimate:
     """One rank of ``devices`` = dp_shard x cp x tp (``estimate``'s mesh with cp): FSDP2 shards the
-    model states over dp_shard x cp (the cp ranks hold the same parameters); DDP keeps them whole."""
+    model states over dp_shard x cp (the cp ranks hold the same parameters); DDP keeps them whole.
+    ``outer_momentum``: DiLoCo's, as in ``estimate``."""
     dp_shard = devices // (cp * tp)
     cfg = pad_vocab_for_tp(cfg, tp)
     memory = {"fp32_weights": strategy == "ddp", **memory}
     states = model_state_bytes(strategy, tp_local_parameters(cfg, tp), dp_shard * cp, mixed, as_built=True)
+    if outer_momentum:
+        states += outer_momentum_bytes(cfg, strategy, tp, dp_shard * cp)
     activations = cp_activation_bytes(cfg, micro_batch, seq, target, ac, mixed, cp, tp=tp, sp=sp, **memory)
     return Estimate(strategy, ac, micro_batch, states, activations, 1, dp_shard, tp, sp, cp=cp)

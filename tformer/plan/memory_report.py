@@ -19,6 +19,7 @@ def print_savings(cfg: ModelConfig, micro_batch: int, seq: int, target: int | No
     unchunked head, no checkpointing, no offload), and of this run's choice."""
     gib = 2**30
     plain = {**settings, "chunk": None, "offload": False}
+    plain.pop("outer_momentum", None)  # model states, not activations
     chunk = settings["chunk"] or 1024
 
     def act(ac="none", **change):
@@ -163,6 +164,12 @@ def _print_cp_recommendation(
     return 0
 
 
+def diloco(cfg) -> bool:
+    """Whether the run keeps DiLoCo's outer momentum on each device (counted in the fit check)."""
+    ft = cfg.fault_tolerance
+    return bool(ft.enabled and ft.semi_sync == "diloco")
+
+
 def plan_main(
     cfg,
     config: str,
@@ -187,6 +194,7 @@ def plan_main(
         target = cfg.data.target_len or t5_lengths(cfg.data.seq_len)[1]
     gib = 2**30
     settings = {**training_memory(cfg, memory), "loss_parallel": cfg.parallel.loss_parallel}
+    settings["outer_momentum"] = diloco(cfg)
     print(
         f"model: {model_cfg.family}, {config}; {devices} devices x {memory / gib:.1f} GiB; seq "
         f"{cfg.data.seq_len}; {'bf16 mixed' if mixed else 'fp32'}; loss.chunk_size={cfg.loss.chunk_size}; "
@@ -211,7 +219,10 @@ def plan_main(
         f"{'activ. GiB':>12}{'total GiB':>11}  fits"
     )
     worse_op: dict[int, tuple[float, float]] = {}  # tp -> (AC none, AC op) totals where op holds more
-    for strategy, replicate, tp in layouts(model_cfg, devices, gpus_per_node):
+    group = cfg.fault_tolerance.enabled  # the layouts of one replica group (train/ft.py refuses the rest)
+    if group:
+        print("one replica group's layouts: no ZeRO (DeepSpeed) and no HSDP (the replica groups are the replicas)")
+    for strategy, replicate, tp in layouts(model_cfg, devices, gpus_per_node, group):
         totals = {}
         for ac in ("none", "op", "full"):
             layout = (strategy, replicate, tp, 1, "1f1b", 1, 1)
@@ -259,6 +270,7 @@ def plan_main(
         gpus_per_node=gpus_per_node,
         max_pp=max_pp,
         n_micro=n_micro,
+        replica_group=group,
     )
     if not fits:
         return _print_cp_recommendation(cfg, model_cfg, devices, memory, target, mixed, settings, max_cp)

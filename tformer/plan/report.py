@@ -180,7 +180,8 @@ def replicas_line(model, layout: Layout, hw: Hardware, one: StepTime, rep: Repli
         line += f", {_duration(tokens / (one.tokens_per_step * rep.groups) * step)} for {tokens:.3g} tokens"
     if cost.device_bytes:
         line += (
-            f"; DiLoCo keeps {cost.device_bytes / 2**30:.2f} GiB more per device (outer momentum) and "
+            f"; DiLoCo keeps {cost.device_bytes / 2**30:.2f} GiB more per device (outer momentum, counted in the memory "
+            "table and the fit) and "
             f"{cost.host_bytes / 2**30:.2f} GiB of host memory per rank (the parameters' backup)"
         )
     return line
@@ -209,6 +210,7 @@ def candidates(
     mixed = cfg.precision != "fp32"
     seq, target = cfg.data.seq_len, _target(cfg)
     settings = {**memory_plan.training_memory(cfg, memory), "loss_parallel": cfg.parallel.loss_parallel}
+    settings["outer_momentum"] = memory_report.diloco(cfg)
     refused = memory_report._pp_refused(cfg)
     fits = search.recommend(
         model,
@@ -221,6 +223,7 @@ def candidates(
         gpus_per_node=gpus_per_node,
         max_pp=1 if refused else (max_pp or devices),
         n_micro=n_micro,
+        replica_group=cfg.fault_tolerance.enabled,
     )
     if not memory_report.cp_searched(model, max_cp):
         fits += search.recommend_cp(

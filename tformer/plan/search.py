@@ -48,15 +48,22 @@ PP_SEARCHED = (("1f1b", 1), ("interleaved_1f1b", 2))
 MAX_BUBBLE = 0.25
 
 
-def layouts(cfg: ModelConfig, devices: int, gpus_per_node: int = 8) -> list[tuple[str, int, int]]:
+def layouts(
+    cfg: ModelConfig, devices: int, gpus_per_node: int = 8, replica_group: bool = False
+) -> list[tuple[str, int, int]]:
     """(strategy, dp_replicate, tp) of every layout the planner tries, cheapest communication first
     within one tp: without TP each strategy, HSDP (one replica per node, FSDP2 inside it) before
-    FSDP2 over every device; with TP (sequence parallel on) FSDP2 on the rest, HSDP first."""
-    nodes = devices // gpus_per_node if devices % gpus_per_node == 0 else 1
+    FSDP2 over every device; with TP (sequence parallel on) FSDP2 on the rest, HSDP first.
+    ``replica_group``: the layouts of one fault-tolerance replica group, which the trainer runs
+    without DeepSpeed (ZeRO) and without an HSDP replica dimension (torchft's groups are the
+    replicas: train/ft.py)."""
+    nodes = devices // gpus_per_node if devices % gpus_per_node == 0 and not replica_group else 1
     out = []
     for tp in tp_degrees(cfg, devices)[0]:
         hsdp = nodes > 1 and gpus_per_node % tp == 0 and gpus_per_node // tp > 1
-        strategies = (MOE_STRATEGIES if cfg.moe.enabled else STRATEGY_NAMES) if tp == 1 else ("fsdp",)
+        strategies: tuple[str, ...] = (MOE_STRATEGIES if cfg.moe.enabled else STRATEGY_NAMES) if tp == 1 else ("fsdp",)
+        if replica_group:
+            strategies = tuple(s for s in strategies if not s.startswith("zero"))
         for strategy in strategies:
             if strategy == "fsdp" and hsdp:
                 out.append((strategy, nodes, tp))
@@ -139,9 +146,10 @@ def recommend(
     gpus_per_node: int = 8,
     max_pp: int = 1,
     n_micro: int | None = None,
+    replica_group: bool = False,
 ) -> list[Estimate]:
-    """Every layout (``layouts``; with ``max_pp`` > 1 also ``pp_layouts``) and AC that fits, each
-    with its largest micro-batch, best first:
+    """Every layout (``layouts``; with ``max_pp`` > 1 also ``pp_layouts``; ``replica_group``: those
+    of one fault-tolerance group) and AC that fits, each with its largest micro-batch, best first:
     1. no full recomputation: AC full runs the forward twice (~1/3 more compute per step), more than
        TP with sequence parallelism costs inside a node (Korthikanti et al., 2022); nor a pipeline
        bubble above ``MAX_BUBBLE`` (as costly);
@@ -156,7 +164,8 @@ def recommend(
     TP layouts run sequence parallel (it only removes memory) and the unchunked, vocabulary-
     sharded head (the chunked loss does not take a TP head)."""
     candidates = [
-        (strategy, replicate, tp, 1, "1f1b", 1, 1) for strategy, replicate, tp in layouts(cfg, devices, gpus_per_node)
+        (strategy, replicate, tp, 1, "1f1b", 1, 1)
+        for strategy, replicate, tp in layouts(cfg, devices, gpus_per_node, replica_group)
     ]
     if max_pp > 1:
         candidates += pp_layouts(cfg, devices, gpus_per_node, n_micro, max_pp)[0]
