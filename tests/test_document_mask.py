@@ -65,7 +65,8 @@ def _assert_rounding_close(model, alone, packed, packed_grads, what=""):
     for g, w, e, scale in ((got, want, exact, 0.0), (packed_grads, want_grads, exact_grads, grad_scale)):
         yard = yardstick(w, e, scale)
         ratios.append((assert_within(g, w, yard, scale, what), yard))
-    print(f"{what}: outputs {ratios[0][0]:.2f} yardsticks ({ratios[0][1]:.1e}), gradients {ratios[1][0]:.2f} ({ratios[1][1]:.1e})")
+    (out, out_yard), (grad, grad_yard) = ratios
+    print(f"{what}: outputs {out:.2f} yardsticks ({out_yard:.1e}), gradients {grad:.2f} ({grad_yard:.1e})")
 
 
 def _assert_packed_equals_alone(model, tokens, doc_ids, **packed_inputs):
@@ -191,7 +192,8 @@ def test_mask_path_equals_math_reference(preset):
     with float64_throughout():
         exact = _run(copy.deepcopy(ref).double(), family, *args).detach()
     scale = want.abs().max().item()
-    ratio = assert_within({"logits": got}, {"logits": want}, yardstick({"logits": want}, {"logits": exact}, scale), scale, preset)
+    yard = yardstick({"logits": want}, {"logits": exact}, scale)
+    ratio = assert_within({"logits": got}, {"logits": want}, yard, scale, preset)
     print(f"{preset}: {ratio:.2f} yardsticks")
 
 
