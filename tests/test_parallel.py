@@ -454,7 +454,7 @@ def test_zero3_offload_trains_and_matches_the_single_process_run(cache, tmp_path
     ref, got = reference("gpt2", tmp_path_factory, 2), losses(tmp_path / "run")
     assert list(got) == list(ref.losses) == [1, 2, 3, 4]
     loss = max(abs(got[s] - ref.losses[s]) / abs(ref.losses[s]) for s in got)
-    print(f"zero3 offload: loss {loss:.1e} (bound {loss_bound(ref):.1e}: LAYOUT_FACTOR x {ref.yardstick[0]:.1e})")
+    print(f"zero3 offload: loss {loss:.1e} (bound {loss_bound(ref):.1e}: LAYOUT_FACTOR x the yardstick)")
     assert loss <= loss_bound(ref), (loss, ref.yardstick, got, ref.losses)
 
 
