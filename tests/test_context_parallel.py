@@ -623,9 +623,9 @@ def test_cp2_evaluates_decodes_and_generates_like_one_process(tmp_path, monkeypa
     llama = sp._overrides(sp.LLAMA_GQA, tmp_path / "llama", *sp.ODD, *cp)
     translate = sp._overrides(sp.TRANSLATE, tmp_path / "translate", *cp)
     run_ranks(2, [(*llama, str(tmp_path / "llama.pt")), (*translate, None)], str(cache_dir), worker=sp._worker)
-    ref = sp._reference(sp.LLAMA_GQA, tmp_path / "llama-ref", *sp.ODD)
+    ref, twin = sp._reference(sp.LLAMA_GQA, tmp_path / "llama-ref", *sp.ODD)
     sp.assert_same_run(tmp_path / "llama", tmp_path / "llama-ref")
-    sp.assert_same_decoding(torch.load(tmp_path / "llama.pt"), ref.model)
+    sp.assert_same_decoding(torch.load(tmp_path / "llama.pt"), ref.model, twin.model)
     sp._reference(sp.TRANSLATE, tmp_path / "translate-ref")
     sp.assert_same_run(tmp_path / "translate", tmp_path / "translate-ref")
 

@@ -213,8 +213,13 @@ def assert_same_run(name, got_dir, report, ref: Reference):
     state = {}
     for part in sorted(Path(report).parent.glob(f"{Path(report).name}.full*.safetensors")):
         state.update(load_file(part))  # pipeline ranks: each wrote its stages
+    return assert_same_state(name, losses(got_dir), state, ref)
+
+
+def assert_same_state(name, got_losses: dict, state: dict, ref: Reference):
+    """``assert_same_run`` of losses by step and full parameters already read."""
     assert state.keys() >= {k for k in ref.state if k != "lm_head.weight"}, (name, set(ref.state) - set(state))
-    loss, errs = _distance(losses(got_dir), state, ref.losses, ref.state, name)
+    loss, errs = _distance(got_losses, state, ref.losses, ref.state, name)
     worst = max(errs, key=errs.get)
     yard_loss, yard_param = (max(y, FP32_ROUNDING) for y in ref.yardstick)
     print(
@@ -222,7 +227,7 @@ def assert_same_run(name, got_dir, report, ref: Reference):
         f"parameters {errs[worst]:.1e} ({errs[worst] / yard_param:.2f} of {yard_param:.1e}, {worst})"
     )
     loss_tol, param_tol = LAYOUT_FACTOR * yard_loss, LAYOUT_FACTOR * yard_param
-    assert loss <= loss_tol, (name, "losses", loss, yard_loss, losses(got_dir), ref.losses)
+    assert loss <= loss_tol, (name, "losses", loss, yard_loss, got_losses, ref.losses)
     bad = {k: e for k, e in errs.items() if not e <= param_tol}  # a NaN is bad too
     assert not bad, (name, "parameters", bad, yard_param)
     return loss, errs[worst]

@@ -439,31 +439,23 @@ def test_deepspeed_resume_same_world_size_and_on_one_rank(cache, tmp_path):
 def test_zero3_offload_trains_and_matches_the_single_process_run(cache, tmp_path_factory):
     """configs/deepspeed/zero3-offload.json (optimizer + parameter CPU offload) on 2 ranks: torch
     AdamW steps the offloaded fp32 partitions, so no DeepSpeed C++ op (CPUAdam) is needed, and the
-    losses are those of one process."""
+    losses are those of one process (test_mesh's gpt2 reference, shared: within LAYOUT_FACTOR
+    times its rounding yardstick)."""
     pytest.importorskip("deepspeed")
+    from test_mesh import _overrides, loss_bound, reference
+
     tmp_path = tmp_path_factory.mktemp("offload")
     flags = ["parallel.strategy=deepspeed", f"parallel.deepspeed_config={CONFIGS / 'deepspeed' / 'zero3-offload.json'}"]
-    run_two_ranks(
-        [
-            (
-                "gpt2-tiny",
-                small_overrides("gpt2-tiny", tmp_path / "run", *COMMON, "precision=fp32", *flags),
-                None,
-                str(tmp_path / "report"),
-            )
-        ],
-        cache,
-    )
+    run_two_ranks([(*_overrides("gpt2", tmp_path / "run", "grad_accum=1", *flags), None, str(tmp_path / "report"))], cache)
     for rank in (0, 1):
         assert (tmp_path / f"report.engine{rank}").read_text() == "DeepSpeedZeroOptimizer_Stage3 AdamW cpu cpu"
         local, total = map(int, (tmp_path / f"report.rank{rank}").read_text().split())
         assert abs(local / total - 0.5) < 0.02
-    if ("gpt2-tiny", "fp32") not in REFERENCES:
-        REFERENCES["gpt2-tiny", "fp32"] = reference("gpt2-tiny", tmp_path_factory.mktemp("ref"), *COMMON, "precision=fp32")
-    ref, got = REFERENCES["gpt2-tiny", "fp32"], losses(tmp_path / "run")
-    assert list(got) == list(ref) == [1, 2, 3, 4, 5]
-    for step in ref:
-        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+    ref, got = reference("gpt2", tmp_path_factory, 2), losses(tmp_path / "run")
+    assert list(got) == list(ref.losses) == [1, 2, 3, 4]
+    loss = max(abs(got[s] - ref.losses[s]) / abs(ref.losses[s]) for s in got)
+    print(f"zero3 offload: loss {loss:.1e} (bound {loss_bound(ref):.1e}: LAYOUT_FACTOR x the yardstick)")
+    assert loss <= loss_bound(ref), (loss, ref.yardstick, got, ref.losses)
 
 
 def test_deepspeed_skips_a_nonfinite_step_like_ddp_or_stops(cache, tmp_path):
