@@ -48,8 +48,8 @@ STEPS = 40
 # between steps, and this tiny model at lr 3e-3 has loss spikes whose timing moves with the smallest
 # change of the weights). Measured on the 2-core AVX2 AMD EPYC, a group killed and restarted (back
 # within 1-2 steps):
-# - 40 steps, killed at step 8 / 20 / 28: -0.85% / -0.89% / -0.53% (mean of the last 10);
-# - 120 steps, killed at step 60: +0.11% (mean of the last 20).
+# - 40 steps, killed at step 8 / 20 / 28: -0.85% / -0.83 to -0.92% (3 runs) / -0.53% (last 10);
+# - 120 steps, killed at step 60: +0.11% and +0.59% (two runs; mean of the last 20).
 # The yardstick, failure-free runs of 120 steps against each other: another summation order
 # (model.attn_impl=math) 4e-9; another seed (initialisation and data order) +0.75% and +3.0%. The
 # bound is the width of the seed spread: a killed run must end no further away than a failure-free
