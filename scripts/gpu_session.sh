@@ -22,22 +22,27 @@
 #                                                   # newest bench/results file (run it on that file's card)
 #
 # Budget (a session: 15 device-minutes, at most 10 a call, 30-60 s to start a machine). The H100
-# session of 2026-11-28 (torch 2.11, one `all` of three contenders, tests first) ran every family
-# past its deadline before HF's compiled row; the tests' 45 s ran out after 13 passed. Measured
-# there, first (compiling) steps: tformer 16-28 s, the Trainer 0.9-12 s (inductor's cache warm from
-# tformer's), HF 30-39 s (41-54 s on an H200); eager steps 0.2-0.66 s; one family's process builds
-# its model on the CPU (up to ~15 s for llama-1b); `--family llama --compile on` with three
-# contenders took ~110 s, bert ~80 s. So the measurement is split in two calls: `all` keeps the
-# rows the targets compare (tformer and HF, ~85-115 s a family) at 505 s of deadlines, `more`
-# everything else at 260 s. Each step runs under its own deadline (`timeout`) and hands the seconds
-# it leaves to the next, so one slow step cannot take the part past its call; the bench writes its
-# JSON after every row, so a deadline loses only the row in flight. The micro-batch each contender
-# settled on before on this device (--start-from: the newest bench/results file; for the Trainer,
-# `all`'s session.json, where tformer's raw loop settled) spares the out-of-memory tries that cost
-# a compiled contender a whole compile.
+# session of 2026-11-28 (torch 2.11, one `all` of three contenders, the tests first) ran every
+# family past its deadline before HF's compiled row, and the tests' 45 s ran out after 13 passed.
+# Measured there, first (compiling) steps: tformer 16-28 s, the Trainer 0.9-12 s (inductor's cache
+# warm from tformer's), HF 30-39 s (41-54 s on an H200); eager steps 0.2-0.66 s; a family's process
+# builds its model on the CPU (up to ~15 s for llama-1b); `--family llama --compile on` with three
+# contenders took ~110 s, bert ~80 s. So two calls on one warm machine:
+#   all   505 s of deadlines + 10 s merge: tformer and HF, eager and compiled, ~85-115 s a family
+#         (imports ~8, build 3-15, eager rows ~10, tformer's compile ~25, HF's ~40, steps a few)
+#   more  260 s + ~5 s of wheel install: the float8 row 100 s (three compiles of an 11-layer
+#         8B-wide model, ~25-30 s each, built on the GPU in seconds), the Trainer 120 s (each
+#         family's process builds two Trainers on the CPU -- llama's ~15 s each -- and compiles
+#         warm), the tests 30 s, the merge and the planner's prices 10 s
+# Each step runs under its own deadline (`timeout`) and hands the seconds it leaves to the next,
+# so one slow step cannot take the part past its call; the bench writes its JSON after every row,
+# so a deadline loses only the row in flight. The micro-batch each contender settled on before on
+# this device (--start-from: the newest bench/results file; for the Trainer, `all`'s session.json,
+# where tformer's raw loop settled) spares the out-of-memory tries that cost a compiled contender
+# a whole compile.
 #
 # GPU_SESSION_DRY=1 prints each step's command and deadline, runs nothing, and totals the budget
-# (tests/test_bench.py holds the parts to their limits that way, on a CPU).
+# (tests/test_gpu.py holds the parts to their limits that way, on a CPU).
 #
 # The GPU machine has torch, transformers, tokenizers and safetensors but not every package the
 # trainer imports; carry the missing ones (torchao for the float8 row among them) as wheels in
@@ -72,9 +77,8 @@ if [ -z "$dry" ] && compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
-if [ -z "$dry" ]; then
+if [ -z "$dry" ]; then # torch's and transformers' versions are in every bench JSON
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python3 -c 'import torch; print("torch", torch.__version__)'
 fi
 
 spare=0
@@ -134,10 +138,11 @@ more)
         prior=$session
     fi
     rm -f /tmp/gpu-fp8.json
-    step 85 fp8 python3 bench/bench_gpu.py --precision fp8 --compiled-warmup 1 --compiled-steps 4 \
+    step 100 fp8 python3 bench/bench_gpu.py --precision fp8 --compiled-warmup 1 --compiled-steps 4 \
         --json /tmp/gpu-fp8.json
     parts=(/tmp/gpu-fp8.json)
-    for family_s in gpt2:30 llama:45 bert:30 t5:30; do
+    # llama last: its two CPU model builds (~15 s each) make it the one a short budget cuts
+    for family_s in gpt2:25 bert:25 t5:25 llama:45; do
         family=${family_s%%:*}
         rm -f "/tmp/gpu-trainer-$family.json"
         step "${family_s##*:}" "trainer $family" python3 bench/bench_gpu.py --family "$family" --compile off,on \
@@ -145,8 +150,8 @@ more)
         parts+=("/tmp/gpu-trainer-$family.json")
     done
     # the fast subset: no compiled recipe (~20 s each), no DDP/FSDP2 world of one (27 s), no NCCL
-    # flight recorder (a process of its own); `tests` runs them all
-    step 30 tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
+    # flight recorder (a process of its own); `tests` runs them all. -v: a cut run still names what passed
+    step 30 tests python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_gpu.py \
         -k "not compiled_blocks and not world_of_one and not watchdog"
     step 10 "merge and planner" python3 scripts/gpu_merge.py "$out/more.json" "${parts[@]}" "$log" --price "$session"
     budget 270

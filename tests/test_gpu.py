@@ -793,10 +793,10 @@ def test_each_session_part_plans_its_steps_within_its_call(part, limit, tmp_path
     else:
         assert "--precision fp8" in bench[0]
         assert [line.split(":")[1].strip() for line in bench[1:]] == [
-            f"trainer {f}" for f in ("gpt2", "llama", "bert", "t5")
+            f"trainer {f}" for f in ("gpt2", "bert", "t5", "llama")
         ]
         assert all("--contenders trainer" in line and "--compile off,on" in line for line in bench[1:])
-        assert any("pytest -q -m gpu" in line and "not compiled_blocks" in line for line in steps)
+        assert any("pytest -v -m gpu" in line and "not compiled_blocks" in line for line in steps)
         assert f"{tmp_path}/more.log --price {tmp_path}/session.json" in steps[-1]
 
 
