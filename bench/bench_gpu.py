@@ -666,7 +666,7 @@ def parse(argv=None) -> argparse.Namespace:
         choices=("bf16", "fp8"),
         help="bf16: every family; fp8: the 8B-shaped row in bf16, float8 tensorwise and rowwise (compiled by default)",
     )
-    p.add_argument("--family", default="gpt2,llama,bert,t5", help="comma list of gpt2, llama, bert, t5")
+    p.add_argument("--family", default=None, help="comma list of gpt2, llama, bert, t5 (default: all four)")
     p.add_argument("--compile", default=None, help="comma list of off, on (default off,on; --precision fp8: on)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 10; --tiny 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps, compile included (default 3; --tiny 1)")
@@ -681,8 +681,8 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--contenders",
-        default="tformer,trainer,HF",
-        help="comma list of tformer (its raw loop), trainer (Trainer's step), HF",
+        default=None,
+        help="comma list of tformer (its raw loop), trainer (Trainer's step), HF (default: all three)",
     )
     p.add_argument("--micro-batch", default="auto", help="auto (the planner fills the GPU) or a number")
     p.add_argument("--fill", type=float, default=0.85, help="share of free device memory the planner may fill")
@@ -695,6 +695,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when visible)")
     p.add_argument("--json", default=None, help="write every row to this JSON file")
     args = p.parse_args(argv)
+    if args.precision == "fp8" and (args.family or args.contenders):
+        p.error("--precision fp8 runs its own row (Llama-3-8B's width, tformer's loop): drop --family and --contenders")
+    args.family = args.family or "gpt2,llama,bert,t5"
+    args.contenders = args.contenders or "tformer,trainer,HF"
     args.families = [f for f in args.family.split(",") if f]
     if bad := [f for f in args.families if f not in ROWS]:
         p.error(f"unknown family {bad[0]!r}; use gpt2, llama, bert or t5")
@@ -739,7 +743,7 @@ def main(argv=None) -> dict:
     from importlib.metadata import version
 
     hf_version = version("transformers")
-    if "HF" in args.contenders and args.precision != "fp8":  # 2-5 s of imports the other rows skip
+    if args.precision != "fp8" and ("HF" in args.contenders or not args.no_generate):  # 2-5 s of imports
         import transformers
 
         transformers.logging.set_verbosity_error()

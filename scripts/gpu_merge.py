@@ -45,7 +45,9 @@ def main(argv: list[str]) -> int:
     except (OSError, subprocess.CalledProcessError):
         merged["code"] = "unknown"  # the checkout travels without .git on some machines
     if log is not None and log.is_file():
-        closing = [line for line in log.read_text().splitlines() if re.search(r"\d+ (passed|failed)", line)]
+        closing = [
+            line for line in log.read_text().splitlines() if re.search(r"\d+ (passed|failed|skipped|errors?)\b", line)
+        ]
         merged["gpu_tests"] = closing[0] if closing else "no closing line"
     summary = ""
     if price:
@@ -82,6 +84,17 @@ def plan(merged: dict, out: str, others: list[str]) -> str:
         if data is not None:
             entries += price_rows(data, Path(other).name)
     merged["plan"] = entries
+    for e in entries:  # one line a row in the session's log
+        what = f"  plan {e['source']}: {e['preset']}{' x' + str(e['num_layers']) if e.get('num_layers') else ''} "
+        what += f"{e['contender']} {'compiled' if e['compiled'] else 'eager'}{' ' + e['float8'] if e.get('float8') else ''}"
+        if "error" in e:
+            print(f"{what}: not priced ({e['error']})")
+        else:
+            memory = f"{e['memory']:.3f}" if e["memory"] is not None else "-"
+            print(
+                f"{what} mb {e['micro_batch']}: step {e['step_s'] * 1e3:.1f} ms, planned {e['plan_step_s'] * 1e3:.1f} "
+                f"({e['time']:.2f}); peak memory planned / measured {memory}"
+            )
     priced = [e for e in entries if "error" not in e]
     times = sum(abs(e["time"] - 1) <= TIME_BOUND for e in priced)
     memories = sum(e["memory"] is not None and abs(e["memory"] - 1) <= MEMORY_BOUND for e in priced)

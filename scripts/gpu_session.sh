@@ -42,7 +42,9 @@
 # a whole compile.
 #
 # GPU_SESSION_DRY=1 prints each step's command and deadline, runs nothing, and totals the budget
-# (tests/test_gpu.py holds the parts to their limits that way, on a CPU).
+# (tests/test_gpu.py holds the parts to their limits that way, on a CPU). GPU_SESSION_TINY=1 runs
+# `all` and `more` for real on this CPU with tiny presets (bench_gpu.py --tiny; the float8 row
+# eager): the plumbing end to end (the long lane's test).
 #
 # The GPU machine has torch, transformers, tokenizers and safetensors but not every package the
 # trainer imports; carry the missing ones (torchao for the float8 row among them) as wheels in
@@ -53,6 +55,13 @@ cd "$(dirname "$0")/.."
 part=${1:?usage: gpu_session.sh all | more | tests | bench FAMILIES [extra bench_gpu.py flags] | calibrate}
 out=${OUT:-/tmp/gpu-out}
 dry=${GPU_SESSION_DRY:-}
+work=${GPU_SESSION_WORK:-/tmp} # each step's own JSON, merged into $OUT's
+tiny=()
+fp8_tiny=()
+if [ -n "${GPU_SESSION_TINY:-}" ]; then
+    tiny=(--tiny --device cpu)
+    fp8_tiny=(--compile off)
+fi
 mkdir -p "$out"
 case $part in
 all) log=session.log ;;
@@ -77,7 +86,7 @@ if [ -z "$dry" ] && compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
-if [ -z "$dry" ]; then # torch's and transformers' versions are in every bench JSON
+if [ -z "$dry" ] && [ ${#tiny[@]} -eq 0 ]; then # torch's and transformers' versions are in every bench JSON
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
 
@@ -123,10 +132,10 @@ all)
     parts=()
     for family_s in gpt2:120 llama:150 bert:110 t5:125; do
         family=${family_s%%:*}
-        rm -f "/tmp/gpu-$family.json" # an earlier session's file must not pass for this one's
-        step "${family_s##*:}" "$family" python3 bench/bench_gpu.py --family "$family" --compile off,on \
-            --contenders tformer,HF "${steps[@]}" ${newest:+--start-from "$newest"} --json "/tmp/gpu-$family.json"
-        parts+=("/tmp/gpu-$family.json")
+        rm -f "$work/gpu-$family.json" # an earlier session's file must not pass for this one's
+        step "${family_s##*:}" "$family" python3 bench/bench_gpu.py "${tiny[@]}" --family "$family" --compile off,on \
+            --contenders tformer,HF "${steps[@]}" ${newest:+--start-from "$newest"} --json "$work/gpu-$family.json"
+        parts+=("$work/gpu-$family.json")
     done
     step 10 merge python3 scripts/gpu_merge.py "$out/session.json" "${parts[@]}"
     budget 540
@@ -137,17 +146,17 @@ more)
     if [ -f "$session" ]; then
         prior=$session
     fi
-    rm -f /tmp/gpu-fp8.json
-    step 100 fp8 python3 bench/bench_gpu.py --precision fp8 --compiled-warmup 1 --compiled-steps 4 \
-        --json /tmp/gpu-fp8.json
-    parts=(/tmp/gpu-fp8.json)
+    rm -f "$work/gpu-fp8.json"
+    step 100 fp8 python3 bench/bench_gpu.py "${tiny[@]}" --precision fp8 "${fp8_tiny[@]}" --compiled-warmup 1 \
+        --compiled-steps 4 --json "$work/gpu-fp8.json"
+    parts=("$work/gpu-fp8.json")
     # llama last: its two CPU model builds (~15 s each) make it the one a short budget cuts
     for family_s in gpt2:25 bert:25 t5:25 llama:45; do
         family=${family_s%%:*}
-        rm -f "/tmp/gpu-trainer-$family.json"
-        step "${family_s##*:}" "trainer $family" python3 bench/bench_gpu.py --family "$family" --compile off,on \
-            --contenders trainer "${steps[@]}" ${prior:+--start-from "$prior"} --json "/tmp/gpu-trainer-$family.json"
-        parts+=("/tmp/gpu-trainer-$family.json")
+        rm -f "$work/gpu-trainer-$family.json"
+        step "${family_s##*:}" "trainer $family" python3 bench/bench_gpu.py "${tiny[@]}" --family "$family" --compile off,on \
+            --contenders trainer "${steps[@]}" ${prior:+--start-from "$prior"} --json "$work/gpu-trainer-$family.json"
+        parts+=("$work/gpu-trainer-$family.json")
     done
     # the fast subset: no compiled recipe (~20 s each), no DDP/FSDP2 world of one (27 s), no NCCL
     # flight recorder (a process of its own); `tests` runs them all. -v: a cut run still names what passed

@@ -92,6 +92,7 @@ def test_gpu_benchmark_refuses_bad_arguments_in_one_line(monkeypatch, capsys):
         (["--micro-batch", "0"], "--micro-batch must be auto or a positive number"),
         (["--fill", "1.5"], "--fill must be in (0, 1]"),
         (["--device", "cpu"], "no GPU here: the full sizes need one; run with --tiny"),
+        (["--precision", "fp8", "--family", "gpt2"], "--precision fp8 runs its own row"),
     ):
         with pytest.raises(SystemExit) as stop:
             bench.main(args)
@@ -847,3 +848,37 @@ def test_the_merge_prices_every_tformer_and_trainer_row_with_the_planner(tmp_pat
     assert plan[1]["num_layers"] == 11 and plan[1]["plan_step_s"] < bf16  # priced at the fp8 rate
     assert plan[-1]["error"] == "no datasheet profile for 'CPU'" and "plan_step_s" not in plan[-1]
     assert "; planner: 3 of 4 rows priced, step time within +-35% for " in capsys.readouterr().out
+
+
+@pytest.mark.long
+def test_both_session_parts_run_end_to_end_on_tiny_presets(tmp_path, cache):
+    """GPU_SESSION_TINY=1: `all` then `more` for real on this CPU (bench_gpu.py --tiny; the float8
+    row eager, its float8 emulated), each step under its deadline: $OUT ends with one log and one
+    JSON a part; `all`'s rows are tformer and HF, `more`'s the float8 row's three and the
+    Trainer's, started where `all`'s raw loop settled; the planner's section names every tformer
+    and trainer row of both (a CPU file: no datasheet prices them)."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    work.mkdir()
+    bin_dir = os.path.dirname(sys.executable)  # `python3` is this interpreter
+    env_ = {**env(cache), "OUT": str(out), "GPU_SESSION_TINY": "1", "GPU_SESSION_WORK": str(work)}
+    env_["PATH"] = f"{bin_dir}:{env_.get('PATH', os.environ['PATH'])}"
+    for part in ("all", "more"):
+        done = run_cmd(["bash", str(ROOT / "scripts" / "gpu_session.sh"), part], 900, env=env_)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["more.json", "more.log", "session.json", "session.log"]
+    session, more = (json.loads((out / f).read_text()) for f in ("session.json", "more.json"))
+    families = ["gpt2", "llama", "bert", "t5"]
+    assert [(r["family"], r["contender"], r["compiled"]) for r in session["training"]] == [
+        (f, w, c) for f in families for c in (False, True) for w in ("tformer", "HF")
+    ]
+    fp8, trainer = more["training"][:3], more["training"][3:]
+    assert [r["float8"] for r in fp8] == [None, "tensorwise", "rowwise"] and all(not r["compiled"] for r in fp8)
+    assert [(r["family"], r["compiled"]) for r in trainer] == [
+        (f, c) for f in ("gpt2", "bert", "t5", "llama") for c in (False, True)
+    ]
+    assert all(r["contender"] == "trainer" and r["error"] is None and r["micro_batch"] == 4 for r in trainer)
+    assert len(more["verdicts"]) == 2 and all(line.startswith("fp8 llama-tiny x3 ") for line in more["verdicts"])
+    priced = [(e["source"], e["contender"]) for e in more["plan"]]
+    assert priced == [("more.json", r["contender"]) for r in more["training"]] + [("session.json", "tformer")] * 8
+    assert all(e["error"] == "no datasheet profile for 'CPU'" for e in more["plan"])
+    assert "skipped" in more["gpu_tests"]  # the gpu tests ran, and skipped without a GPU
