@@ -80,7 +80,7 @@ exec > >(tee -a "$log") 2>&1
 tee_pid=$!
 # the call ends when this script does: let tee write the log's last lines first
 trap 'exec >&- 2>&-; wait "$tee_pid"' EXIT
-if [ -z "$dry" ] && compgen -G ".whl/*.whl" >/dev/null; then
+if [ -z "$dry" ] && [ ${#tiny[@]} -eq 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site
 fi

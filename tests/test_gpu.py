@@ -414,7 +414,9 @@ def test_the_trainers_logged_tokens_per_s_is_the_benchmarks_row(monkeypatch, tmp
         ("gpt2-tiny", False, ("FLASH_ATTENTION", "CUDNN_ATTENTION")),
         ("llama-tiny", False, ("FLASH_ATTENTION", "CUDNN_ATTENTION")),  # GQA: enable_gqa, no expanded K/V
         ("bert-tiny", True, ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")),  # a padding mask: a fused kernel with a mask
-        ("t5-tiny", False, ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")),  # the relative bias: an additive mask
+        # the relative bias, an additive mask: a fused kernel that takes one; the cross-attention
+        # over an unpadded source has no mask (flash)
+        ("t5-tiny", False, ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "FLASH_ATTENTION")),
     ],
 )
 def test_each_familys_training_batch_takes_a_fused_sdpa_kernel(name, padded, allowed, monkeypatch):
@@ -684,7 +686,7 @@ def test_an_fp32_run_says_in_one_line_when_sdpa_takes_the_math_kernel():
     assert all(line(name) is None for name in ("gpt2-small", "bert-base", "t5-base"))
     # a kernel that took no mask would leave BERT's padding and T5's bias to the math kernel
     assert "padded self-attention on its math kernel" in line("bert-base", checks=fake_checks(efficient_masks=False))
-    assert "relative-bias attention on its math kernel" in line("t5-base", checks=fake_checks(efficient_masks=False))
+    assert "relative-bias self-attention on its math kernel" in line("t5-base", checks=fake_checks(efficient_masks=False))
     # cuDNN after math in the priority order never runs; before it, it is taken
     gqa_cudnn = {**fake_checks(), "cudnn": lambda p: True}
     assert line("llama-1b", checks=gqa_cudnn) is not None

@@ -68,8 +68,10 @@ def attention_calls(
     cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, seq: int = 128
 ) -> list[tuple[str, object]]:
     """(what, SDPAParams) of each kind of SDPA call a training batch of the family makes (its
-    default data: packed causal rows for a decoder, padded rows for an encoder, T5's relative bias
-    as an additive mask), at ``seq`` tokens; the tensors are ``device``'s, empty."""
+    default data: packed causal rows for a decoder; padded rows for an encoder, the padding an
+    additive (batch, 1, 1, keys) mask; T5's relative bias an additive (1, heads, queries, keys)
+    mask in both stacks' self-attention, its cross-attention over unpadded sources unmasked), at
+    ``seq`` tokens; the tensors are ``device``'s, empty."""
     from torch.backends.cuda import SDPAParams
 
     heads, kv, d = cfg.num_heads, cfg.kv_heads, cfg.head_dim
@@ -80,10 +82,13 @@ def attention_calls(
     if cfg.family == "decoder":
         return [("causal self-attention", SDPAParams(q, k, v, None, p, True, gqa))]
     if cfg.family == "encoder":  # padding: an additive mask broadcast over the heads
-        mask = torch.empty(1, 1, seq, seq, dtype=dtype, device=device)
+        mask = torch.empty(1, 1, 1, seq, dtype=dtype, device=device)
         return [("padded self-attention", SDPAParams(q, k, v, mask, p, False, gqa))]
     bias = torch.empty(1, heads, seq, seq, dtype=dtype, device=device)
-    return [("relative-bias attention", SDPAParams(q, k, v, bias, p, False, gqa))]
+    return [
+        ("relative-bias self-attention", SDPAParams(q, k, v, bias, p, False, gqa)),
+        ("cross-attention", SDPAParams(q, k, v, None, p, False, gqa)),
+    ]
 
 
 def math_fallback_line(
