@@ -823,7 +823,7 @@ def test_the_merge_prices_every_tformer_and_trainer_row_with_the_planner(tmp_pat
     first.write_text(json.dumps({**h100, "training": [llama, hf]}))
     trainer = dict(llama, contender="trainer", step_s=0.4)
     fp8 = dict(
-        llama, preset="llama-8b", compiled=True, micro_batch=2, loss_chunk=None, num_layers=11, float8="tensorwise",
+        llama, preset="llama-8b", compiled=True, micro_batch=2, loss_chunk=None, num_layers=2, float8="tensorwise",
         step_s=0.2, peak_mb=60000.0,
     )  # fmt: skip
     failed = dict(trainer, error="out of memory at micro-batch 1")
@@ -847,7 +847,7 @@ def test_the_merge_prices_every_tformer_and_trainer_row_with_the_planner(tmp_pat
         assert entry["memory"] == pytest.approx(memory / (row["peak_mb"] * 2**20))
     assert plan[0]["time"] == pytest.approx(plan[2]["time"] * llama["step_s"] / 0.4)  # one run, two clocks
     bf16 = gpu_rows.planned(dict(fp8, float8=None), None, hw)[0]
-    assert plan[1]["num_layers"] == 11 and plan[1]["plan_step_s"] < bf16  # priced at the fp8 rate
+    assert plan[1]["num_layers"] == 2 and plan[1]["plan_step_s"] < bf16  # priced at the fp8 rate
     assert plan[-1]["error"] == "no datasheet profile for 'CPU'" and "plan_step_s" not in plan[-1]
     assert "; planner: 3 of 4 rows priced, step time within +-35% for " in capsys.readouterr().out
 
