@@ -15,6 +15,9 @@
 #                                      # from `all`), the gpu tests' fast subset, and the planner's
 #                                      # predicted vs measured step time and memory for every tformer
 #                                      # and trainer row of both parts -> more.json, more.log
+#                                      # (commit it as bench/results/DATE-DEVICE/more.json: the top
+#                                      # level holds one file a session, whose newest the README's
+#                                      # table and --start-from read)
 #   bash scripts/gpu_session.sh tests               # every `gpu` test (pytest -m gpu)
 #   bash scripts/gpu_session.sh bench gpt2,bert     # bench/bench_gpu.py rows (extra flags pass on)
 #   bash scripts/gpu_session.sh calibrate           # tformer plan --calibrate on this GPU (<= 2 min), then

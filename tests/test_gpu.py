@@ -853,6 +853,7 @@ def test_the_merge_prices_every_tformer_and_trainer_row_with_the_planner(tmp_pat
 
 
 @pytest.mark.long
+@pytest.mark.timeout(1900)  # two parts of tiny CPU compiles, ~10 minutes on a loaded 2-core machine
 def test_both_session_parts_run_end_to_end_on_tiny_presets(tmp_path, cache):
     """GPU_SESSION_TINY=1: `all` then `more` for real on this CPU (bench_gpu.py --tiny; the float8
     row eager, its float8 emulated), each step under its deadline: $OUT ends with one log and one
