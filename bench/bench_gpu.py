@@ -3,6 +3,7 @@ and KV-cached generation.
 
     python bench/bench_gpu.py [--family gpt2,llama,bert,t5] [--compile off,on] [--steps 10]
                               [--micro-batch auto|N] [--fill 0.85] [--peak TFLOPS] [--json out.json]
+    python bench/bench_gpu.py --precision fp8 # the 8B-shaped row: bf16 vs float8 tensorwise vs rowwise
     python bench/bench_gpu.py --tiny          # the same code on tiny presets, on CPU (CI runs this)
 
 Rows (one device, bf16 autocast with fp32 master weights): ``gpt2-small`` (seq 1,024), ``llama-1b``
@@ -35,6 +36,17 @@ under ``--fill`` of the device's free memory; a contender that runs out of memor
 tries again (each row says the micro-batch it ran). ``--start-from RESULTS.json`` starts each
 contender where it settled in an earlier run on the same device (the trainer, failing that, where
 the raw loop settled), sparing the compiles an out-of-memory try costs.
+
+``--precision fp8`` (issue #43, item 4): one row shaped like Llama-3-8B's width (``llama-8b``: hidden
+4,096, FFN 14,336, 32 heads / 8 KV heads, vocabulary 128,256, untied head) at sequence 2,048, with
+as many layers as fit one device (``fp8_shape``: the planner's bf16 step at micro-batch 2 -- 4,096
+tokens a step, GEMMs large enough for float8 to pay -- under ``--fill`` of the free memory; at 1 if
+not even one layer fits at 2), built on the device from one seed and trained by tformer's raw loop
+three times, compiled: bf16, then the blocks' linear layers in float8 (torchao, as ``precision:
+fp8`` converts them: ``parallel/float8.convert_to_float8``) tensorwise, then rowwise. MFU is
+against the bf16 peak for all three (the same FLOPs). Targets: tensorwise >= 1.3x bf16 tokens/s,
+rowwise >= 1.15x. On a CPU (``--tiny``) the same code on ``llama-tiny`` with float8 emulated and a
+fake device (``TINY_FP8_CAPACITY``) for the layer count.
 
 ``--json`` is rewritten (whole, then renamed) after every row: a run killed by a deadline keeps
 every row it finished. Targets (issue #18) are checked at the end.
@@ -73,6 +85,7 @@ from tformer.plan import rank_memory  # noqa: E402
 from tformer.plan.memory import training_memory  # noqa: E402
 from tformer.train.config import LossConfig, OptimConfig, TrainConfig  # noqa: E402
 from tformer.plan.head import free_after_states  # noqa: E402
+from tformer.plan.states import num_parameters  # noqa: E402
 from tformer.train.metrics import peak_flops  # noqa: E402
 from tformer.train.optim import build_optimizer  # noqa: E402
 
@@ -92,6 +105,16 @@ TINY_ROWS = {
 MLM_SHARE = 0.15
 MAX_MICRO_BATCH = 256
 TARGETS = dict(llama_mfu=0.40, llama_vs_hf=1.1, vs_hf=1.0, plan=0.10, generate=1.0, trainer=0.95)
+# --precision fp8: (preset whose width the row takes, sequence), the recipes in the order they run
+# (None: bf16), and each float8 recipe's target over bf16's tokens/s (issue #43)
+FP8_ROW = ("llama-8b", 2048)
+TINY_FP8_ROW = ("llama-tiny", 64)
+FP8_RECIPES = (None, "tensorwise", "rowwise")
+FP8_TARGETS = {"tensorwise": 1.3, "rowwise": 1.15}
+FP8_MICRO_BATCH = 2  # 4,096 tokens a step at 2,048; 1 where not even one layer fits at 2
+FP8_MAX_LAYERS = 32  # Llama-3-8B's depth
+# --tiny's pretend device: room for 3 llama-tiny layers at micro-batch 2, sequence 64 (fill 0.85)
+TINY_FP8_CAPACITY = 8.3e6
 
 
 @dataclass
@@ -113,6 +136,8 @@ class Row:
     oom_retries: int = 0
     loss_chunk: int | None = None  # tformer's head: tokens per chunk (None: whole)
     error: str | None = None
+    num_layers: int | None = None  # --precision fp8: the layers the row was cut to (None: the preset's)
+    float8: str | None = None  # --precision fp8: the blocks' linear layers' torchao recipe (None: bf16)
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,8 +201,8 @@ def auto_micro_batch(cfg, device: torch.device, s: int, t: int | None, chunk, fi
 
 
 def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
+    if device.type == "cuda":  # a CPU frees a dropped contender's tensors with their last reference
+        gc.collect()  # ~0.5 s here once transformers and dynamo are imported
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -208,11 +233,20 @@ def train_step(model, opt, inputs: dict, ours: bool, device: torch.device):
 
 def measure(row: Row, base: torch.nn.Module, cfg, device, args, peak: float) -> None:
     """Warm-up (compile included) and timed steps of one contender at ``row.micro_batch``; fills in
-    the row. Everything it allocates dies with its frame, so an out-of-memory leaves nothing behind."""
-    model = copy.deepcopy(base).to(device).train()
+    the row. Everything it allocates dies with its frame, so an out-of-memory leaves nothing behind.
+    Without ``base`` (the 8B-shaped row, too big to copy) the model is built on the device from seed
+    0, the same weights each time; ``row.float8`` converts its blocks' linear layers first."""
+    if base is None:
+        torch.manual_seed(0)
+        with device:
+            model = build_model(cfg).train()
+    else:
+        model = copy.deepcopy(base).to(device).train()
+    if row.float8:
+        to_float8(model, row.float8, row.compiled, device)
     ours = row.contender == "tformer"
     if ours:
-        n = sum(p.numel() for p in base.parameters())
+        n = sum(p.numel() for p in model.parameters())
         chunk = head_chunk(cfg, row.micro_batch, row.seq, row.target, device, args.loss_chunk, n)
         model.loss_chunk_size = row.loss_chunk = chunk
         if row.compiled:  # as the trainer's compile=true: every block, and the head with its loss
@@ -336,8 +370,9 @@ def run_contender(row: Row, base: torch.nn.Module, cfg, device, args, peak: floa
 def start_micro_batch(args, family: str, contender: str, compiled: bool, device_name: str) -> int | None:
     """The micro-batch this contender settled on in ``--start-from`` (an earlier results file of the
     same device): a row that starts there skips the out-of-memory tries a compiled contender pays a
-    whole compile for. A compiled row the file lacks starts at twice its eager row's (HF gpt2 on an
-    H100: eager 32, compiled 64). None where the file has neither, or is of another device."""
+    whole compile for. The trainer's row the file lacks starts where the raw loop's settled; a
+    compiled row the file lacks at twice its eager row's (HF gpt2 on an H100: eager 32, compiled
+    64). None where the file has neither, or is of another device."""
     prior = getattr(args, "prior", None)
     if not prior or prior.get("device") != device_name:
         return None
@@ -348,6 +383,10 @@ def start_micro_batch(args, family: str, contender: str, compiled: bool, device_
     }
     if (family, contender, compiled) in settled:
         return settled[(family, contender, compiled)]
+    if contender == "trainer" and (family, "tformer", compiled) in settled:
+        # the same model and head as the raw loop (scripts/gpu_session.sh's `more` runs the trainer
+        # on its own, from the `all` part's file)
+        return settled[(family, "tformer", compiled)]
     if compiled and (family, contender, False) in settled:
         return 2 * settled[(family, contender, False)]
     return None
@@ -357,9 +396,13 @@ def bench_training(family: str, args, device: torch.device, peak: float, done=la
     name, s, t = (TINY_ROWS if args.tiny else ROWS)[family]
     cfg = preset(name)
     torch.manual_seed(0)
-    ours = build_model(cfg)  # on the CPU: every contender copies these weights to the device
-    theirs = to_hf_model(ours)
-    n = sum(p.numel() for p in ours.parameters())
+    ours = theirs = None
+    if {"tformer", "HF"} & set(args.contenders):
+        ours = build_model(cfg)  # on the CPU: every contender copies these weights to the device
+        theirs = to_hf_model(ours) if "HF" in args.contenders else None
+        n = sum(p.numel() for p in ours.parameters())
+    else:  # the trainer builds its own model: llama-1b's ~15 s of CPU initialisation spared
+        n = num_parameters(cfg)
     if args.micro_batch == "auto":
         b = 4 if device.type == "cpu" else auto_micro_batch(cfg, device, s, t, args.loss_chunk, args.fill, n)
     else:
@@ -389,6 +432,115 @@ def bench_training(family: str, args, device: torch.device, peak: float, done=la
                 flush=True,
             )
     return rows
+
+
+# --------------------------------------------------------------------------------------------
+def fp8_planned(name: str, layers: int, b: int, s: int, capacity: float) -> float:
+    """The planner's bytes for the 8B-shaped row cut to ``layers`` (bf16 autocast over fp32 weights,
+    fused AdamW, the head chunked by the trainer's rule for a device of ``capacity`` bytes): the
+    bf16 step, which float8 does not outgrow (its casts are transient; the saved inputs stay bf16)."""
+    cfg = preset(name).replace(num_layers=layers)
+    free = free_after_states(capacity, num_parameters(cfg), "ddp", 1, 1, 1)
+    chunk = auto_chunk_size(b * s, cfg.padded_vocab_size, 6, free)
+    return planned_bytes(cfg, torch.device("cuda"), b, s, None, chunk)
+
+
+def fp8_shape(name: str, s: int, capacity: float, fill: float) -> tuple[int, int]:
+    """(layers, micro-batch) of the 8B-shaped row: the most layers (up to ``FP8_MAX_LAYERS``) whose
+    planned step fits ``fill`` of ``capacity`` at micro-batch ``FP8_MICRO_BATCH``, else at 1."""
+    for b in (FP8_MICRO_BATCH, 1):
+        low, high = 0, FP8_MAX_LAYERS  # the bytes grow with the layers: bisect for the last that fits
+        while low < high:
+            mid = (low + high + 1) // 2
+            if fp8_planned(name, mid, b, s, capacity) <= fill * capacity:
+                low = mid
+            else:
+                high = mid - 1
+        if low:
+            return low, b
+    raise SystemExit(
+        f"--precision fp8: not one {name}-wide layer at sequence {s} fits {fill:.0%} of {capacity / 2**30:.1f} GiB "
+        "free on this device; free the device or raise --fill"
+    )
+
+
+def to_float8(model: torch.nn.Module, recipe: str, compiled: bool, device: torch.device) -> None:
+    """The blocks' linear layers in float8 as ``precision: fp8`` converts them (emulated on a CPU)."""
+    from tformer.parallel.config import Float8Config
+    from tformer.parallel.float8 import compile_flags, convert_to_float8
+
+    convert_to_float8(model, Float8Config(recipe=recipe), device)  # type: ignore[arg-type]
+    compile_flags(recipe, compiled)
+
+
+def bench_fp8(args, device: torch.device, peak: float, done=lambda row: None) -> list[Row]:
+    """The 8B-shaped row (module docstring): bf16, float8 tensorwise, float8 rowwise, each built on
+    the device from the same seed, in each of ``--compile``'s modes."""
+    name, s = TINY_FP8_ROW if args.tiny else FP8_ROW
+    capacity = TINY_FP8_CAPACITY if args.tiny else torch.cuda.mem_get_info(device)[0]
+    layers, b = fp8_shape(name, s, capacity, args.fill)
+    if args.micro_batch != "auto":
+        b = int(args.micro_batch)
+    cfg = preset(name).replace(num_layers=layers)
+    print(
+        f"\n[fp8] {name} cut to {layers} layers ({num_parameters(cfg) / 1e9:.2f}B parameters; the planner's "
+        f"most at {fill_words(args.fill, capacity)}), seq {s}, micro-batch {b}",
+        flush=True,
+    )
+    rows = []
+    for recipe in FP8_RECIPES:
+        for compiled in args.compile:
+            row = Row("llama", name, "tformer", compiled, b, s, None, num_layers=layers, float8=recipe)
+            rows.append(run_contender(row, None, cfg, device, args, peak))
+            done(row)
+            print(
+                f"  {recipe or 'bf16':10} {'compiled' if compiled else 'eager':8} micro-batch {row.micro_batch:3}: "
+                f"{row.tokens_per_s:10,.0f} tok/s, MFU (bf16 peak) {row.mfu:6.1%}, step {row.step_s * 1e3:8.1f} ms, "
+                f"first step {row.compile_s:6.1f} s"
+                + (f", peak {row.peak_mb / 1024:.2f} GiB" if math.isfinite(row.peak_mb) else "")
+                + (f"  [{row.error}]" if row.error else ""),
+                flush=True,
+            )
+    return rows
+
+
+def check_fp8(device: torch.device) -> None:
+    """--precision fp8 refused in one line before any work: no torchao, or a GPU without FP8 cores."""
+    from tformer.config import ConfigError
+    from tformer.parallel.float8 import MIN_CAPABILITY, torchao_float8
+
+    try:
+        torchao_float8()
+    except ConfigError as e:
+        raise SystemExit(f"--precision fp8: {e}") from None
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
+        raise SystemExit(
+            f"--precision fp8 needs FP8 tensor cores (compute capability 8.9+); {torch.cuda.get_device_name(device)} "
+            "has none: run the bf16 rows only"
+        )
+
+
+def fill_words(fill: float, capacity: float) -> str:
+    return f"{fill:.0%} of {capacity / 2**30:.1f} GiB"
+
+
+def fp8_verdicts(rows: list[Row]) -> list[str]:
+    """Each float8 recipe's tokens/s over bf16's on the 8B-shaped row, compiled (eager where only
+    eager ran: the tiny CPU check); a recipe without a finished row, or bf16 without one, misses."""
+    mode = any(r.compiled for r in rows)
+    finished = {r.float8: r for r in rows if r.compiled == mode and not r.error and r.float8 in FP8_RECIPES}
+    how = "compiled" if mode else "eager"
+    shape = f"{rows[0].preset} x{rows[0].num_layers}" if rows else "8B-shaped row"
+    lines = []
+    for recipe, target in FP8_TARGETS.items():
+        base, r = finished.get(None), finished.get(recipe)
+        if base is None or r is None:
+            lines.append(f"fp8 {shape} {recipe} {how}: no finished {'bf16' if base is None else recipe} row: MISS")
+            continue
+        ratio = r.tokens_per_s / base.tokens_per_s
+        verdict = "PASS" if ratio >= target else "MISS"
+        lines.append(f"fp8 {shape} {recipe} / bf16 {how} tokens/s = {ratio:.2f} (>= {target}): {verdict}")
+    return lines
 
 
 # --------------------------------------------------------------------------------------------
@@ -512,8 +664,14 @@ def _chunk(text: str) -> int | str | None:
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny presets and sequences (runs on CPU; CI)")
-    p.add_argument("--family", default="gpt2,llama,bert,t5", help="comma list of gpt2, llama, bert, t5")
-    p.add_argument("--compile", default="off,on", help="comma list of off, on")
+    p.add_argument(
+        "--precision",
+        default="bf16",
+        choices=("bf16", "fp8"),
+        help="bf16: every family; fp8: the 8B-shaped row in bf16, float8 tensorwise and rowwise (compiled by default)",
+    )
+    p.add_argument("--family", default=None, help="comma list of gpt2, llama, bert, t5 (default: all four)")
+    p.add_argument("--compile", default=None, help="comma list of off, on (default off,on; --precision fp8: on)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 10; --tiny 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps, compile included (default 3; --tiny 1)")
     p.add_argument("--compiled-steps", type=int, default=None, help="timed steps of a compiled contender (default --steps)")
@@ -527,8 +685,8 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--contenders",
-        default="tformer,trainer,HF",
-        help="comma list of tformer (its raw loop), trainer (Trainer's step), HF",
+        default=None,
+        help="comma list of tformer (its raw loop), trainer (Trainer's step), HF (default: all three)",
     )
     p.add_argument("--micro-batch", default="auto", help="auto (the planner fills the GPU) or a number")
     p.add_argument("--fill", type=float, default=0.85, help="share of free device memory the planner may fill")
@@ -541,12 +699,17 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when visible)")
     p.add_argument("--json", default=None, help="write every row to this JSON file")
     args = p.parse_args(argv)
+    if args.precision == "fp8" and (args.family or args.contenders):
+        p.error("--precision fp8 runs its own row (Llama-3-8B's width, tformer's loop): drop --family and --contenders")
+    args.family = args.family or "gpt2,llama,bert,t5"
+    args.contenders = args.contenders or "tformer,trainer,HF"
     args.families = [f for f in args.family.split(",") if f]
     if bad := [f for f in args.families if f not in ROWS]:
         p.error(f"unknown family {bad[0]!r}; use gpt2, llama, bert or t5")
     args.contenders = [c for c in args.contenders.split(",") if c]
     if bad := [c for c in args.contenders if c not in ("tformer", "trainer", "HF")]:
         p.error(f"unknown contender {bad[0]!r}; use tformer, trainer or HF")
+    args.compile = args.compile or ("on" if args.precision == "fp8" else "off,on")
     modes = [m for m in args.compile.split(",") if m]
     if bad := [m for m in modes if m not in ("off", "on")]:
         p.error(f"--compile takes off and/or on, not {bad[0]!r}")
@@ -579,10 +742,16 @@ def main(argv=None) -> dict:
         raise SystemExit("--device cuda, but no CUDA GPU is visible; use --device cpu --tiny")
     if device.type == "cpu" and not args.tiny:
         raise SystemExit("no GPU here: the full sizes need one; run with --tiny on a CPU")
-    import transformers
+    if args.precision == "fp8":
+        check_fp8(device)
+    from importlib.metadata import version
 
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    hf_version = version("transformers")
+    if args.precision != "fp8" and ("HF" in args.contenders or not args.no_generate):  # 2-5 s of imports
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -592,7 +761,7 @@ def main(argv=None) -> dict:
         peak, source = peak_flops(device, torch.bfloat16)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(
-        f"{name}; torch {torch.__version__}, transformers {transformers.__version__}; bf16 autocast, fp32 master "
+        f"{name}; torch {torch.__version__}, transformers {hf_version}; bf16 autocast, fp32 master "
         f"weights; dense bf16 peak {peak / 1e12:.1f} TFLOP/s ({source}); {args.warmup} warm-up + {args.steps} "
         f"timed steps per contender; tformer loss chunk {args.loss_chunk}",
         flush=True,
@@ -604,7 +773,7 @@ def main(argv=None) -> dict:
         return dict(
             device=name,
             torch=torch.__version__,
-            transformers=transformers.__version__,
+            transformers=hf_version,
             date=time.strftime("%Y-%m-%d"),
             peak_tflops=peak / 1e12,
             peak_source=source,
@@ -623,12 +792,16 @@ def main(argv=None) -> dict:
         rows.append(row)
         save([])
 
-    for family in args.families:
-        bench_training(family, args, device, peak, done)
-        if not args.no_generate and family != "bert":
-            gens += bench_generate(family, args, device)
-            save([])
-    lines = verdicts(rows, gens, device)
+    if args.precision == "fp8":
+        bench_fp8(args, device, peak, done)
+        lines = fp8_verdicts(rows)
+    else:
+        for family in args.families:
+            bench_training(family, args, device, peak, done)
+            if not args.no_generate and family != "bert":
+                gens += bench_generate(family, args, device)
+                save([])
+        lines = verdicts(rows, gens, device)
     print("\n" + "\n".join(lines))
     save(lines)
     return result(lines)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Download the Python wheels that the lent GPU machine lacks for tformer into .whl/ (about 0.9 MB).
+# Download the Python wheels that the lent GPU machine lacks for tformer into .whl/ (about 4 MB).
 #
 # Run it HERE, on the CPU machine, before a GPU session: the GPU machine reaches no package
 # registry, so whatever tformer needs beyond its image must travel with the working tree.
@@ -10,6 +10,12 @@
 #   datasets      the corpus loader
 #   dill          datasets' pickler (datasets 5.2 wants >=0.3.0,<0.4.2; multiprocess 0.70.19 wants >=0.4.1)
 #   multiprocess  datasets' worker pool (<0.70.20); a per-Python wheel: py312 here
+#   torchao       precision=fp8's float8 layers (bench_gpu.py --precision fp8, gpu_session.sh more):
+#                 0.18.0, the version tested here (with torch 2.13), built against torch 2.11 -- the
+#                 GPU image's -- and loading its C++ extensions only on torch >= 2.11. Not a
+#                 pure-Python wheel (cp310-abi3, manylinux_2_24/2_28 x86_64: any CPython >= 3.10),
+#                 but float8 training is pure Python over torch's _scaled_mm; its extensions
+#                 (MXFP8, CUTLASS kernels) are for other recipes
 # Not carried on purpose: wandb (tracking imports it only when wandb.enabled=true; its two tests
 # skip without it) and deepspeed (parallel.strategy=deepspeed only; its tests skip without it).
 # datasets 5.2.0 also needs pyarrow>=24 and fsspec<=2026.9.0 from the image; check with
@@ -25,6 +31,7 @@ WHEELS=(
     datasets==5.2.0
     dill==0.4.1
     multiprocess==0.70.19
+    torchao==0.18.0
 )
 
 rm -rf .whl

@@ -19,6 +19,7 @@ import torch
 
 from tformer import build_model
 from tformer.generate import generate
+from tformer.models.presets import preset
 from tformer.nn import MultiHeadAttention
 from tformer.train.config import load_config
 from tformer.train.metrics import gpu_peak
@@ -91,6 +92,7 @@ def test_gpu_benchmark_refuses_bad_arguments_in_one_line(monkeypatch, capsys):
         (["--micro-batch", "0"], "--micro-batch must be auto or a positive number"),
         (["--fill", "1.5"], "--fill must be in (0, 1]"),
         (["--device", "cpu"], "no GPU here: the full sizes need one; run with --tiny"),
+        (["--precision", "fp8", "--family", "gpt2"], "--precision fp8 runs its own row"),
     ):
         with pytest.raises(SystemExit) as stop:
             bench.main(args)
@@ -366,7 +368,9 @@ def test_gpu_benchmark_starts_each_contender_where_it_settled_on_the_same_device
     assert bench.start_micro_batch(args, "gpt2", "HF", True, h100) == 64  # eager HF settled on 32
     assert bench.start_micro_batch(args, "gpt2", "HF", False, h100) == 32
     assert bench.start_micro_batch(args, "bert", "HF", True, h100) == 256  # never compiled: twice its eager 128
-    assert bench.start_micro_batch(args, "bert", "trainer", False, h100) is None  # never measured: the planner's
+    assert bench.start_micro_batch(args, "bert", "trainer", False, h100) == 256  # never measured: the raw loop's
+    assert bench.start_micro_batch(args, "bert", "trainer", True, h100) == 256
+    assert bench.start_micro_batch(args, "bert", "tformer", True, h100) == 256
     assert bench.start_micro_batch(args, "gpt2", "HF", True, "NVIDIA H200") is None  # another device
 
 
@@ -441,15 +445,22 @@ def test_a_chunked_heads_weight_gradient_is_a_bf16_gemm_into_fp32_on_cuda(monkey
         ("gpt2-tiny", False, ("FLASH_ATTENTION", "CUDNN_ATTENTION")),
         ("llama-tiny", False, ("FLASH_ATTENTION", "CUDNN_ATTENTION")),  # GQA: enable_gqa, no expanded K/V
         ("bert-tiny", True, ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")),  # a padding mask: a fused kernel with a mask
-        ("t5-tiny", False, ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")),  # the relative bias: an additive mask
+        # the relative bias, an additive mask: a fused kernel that takes one; the cross-attention
+        # over an unpadded source has no mask (flash)
+        ("t5-tiny", False, ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "FLASH_ATTENTION")),
     ],
 )
 def test_each_familys_training_batch_takes_a_fused_sdpa_kernel(name, padded, allowed, monkeypatch):
     """The kernel SDPA's dispatcher picks for each call of a bf16 training batch on this GPU
     (``torch._fused_sdp_choice``: the rule ``F.scaled_dot_product_attention`` itself applies, over
-    the enabled backends): never the math path; printed per family so the session log names it."""
+    the enabled backends): never the math path; the kernels torch.profiler saw run are those, and
+    those ``tformer.train.sdpa`` predicts for the family's calls; printed per family so the
+    session log names it."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend
+    from torch.profiler import profile
+
+    from tformer.train.sdpa import attention_calls, backends_run, sdpa_kernel
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -474,11 +485,16 @@ def test_each_familys_training_batch_takes_a_fused_sdpa_kernel(name, padded, all
         inputs["attention_mask"] = mask
     if cfg.family == "encdec":
         inputs["labels"] = ids[:, :32]
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = model(**inputs, return_logits=False).loss
-    loss.backward()
-    print(f"{name}: SDPA backends {sorted(set(chosen))}")
+    with profile() as prof:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**inputs, return_logits=False).loss
+        loss.backward()
+    ran = backends_run(e.name for e in prof.events())
+    predicted = {sdpa_kernel(p) for _, p in attention_calls(cfg, torch.bfloat16, "cuda")}
+    print(f"{name}: SDPA backends {sorted(set(chosen))}, profiled {sorted(ran)}, predicted {sorted(predicted)}")
     assert chosen and all(c in allowed for c in chosen), (name, chosen)
+    names = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient", "CUDNN_ATTENTION": "cudnn"}
+    assert ran == {names[c] for c in chosen} == predicted, (name, chosen, ran, predicted)
 
 
 @gpu
@@ -556,3 +572,347 @@ dist.destroy_process_group()
     entries = json.loads(out.stdout.strip().splitlines()[-1])
     assert entries.count(["nccl:all_reduce", [[6]]]) == 3, entries
     assert (tmp_path / "flight_rank0.pkl").stat().st_size > 0  # torchfrtrace's input
+
+
+# -- the 8B-shaped float8 row (bench_gpu.py --precision fp8) -------------------------------------
+H100_BYTES = 85_024_112_640  # torch.cuda.get_device_properties("NVIDIA H100 80GB HBM3").total_memory
+
+
+def test_the_fp8_row_takes_as_many_8b_wide_layers_as_the_planner_fits(monkeypatch):
+    """Llama-3-8B's width (4,096 / 14,336 / 32 heads over 8 K/V heads, 128,256 words) cut to the
+    most layers whose planned bf16 step fits 85% of an H100 at micro-batch 2 and sequence 2,048:
+    one layer more does not fit; a device too small for even one layer at 2 takes 1, and one too
+    small for that is refused in one line."""
+    bench = load_bench(monkeypatch)
+    cfg = preset("llama-8b")
+    assert (cfg.d_model, cfg.d_ff, cfg.num_heads, cfg.kv_heads, cfg.vocab_size) == (4096, 14336, 32, 8, 128256)
+    layers, b = bench.fp8_shape("llama-8b", 2048, H100_BYTES, 0.85)
+    assert b == 2 and 8 <= layers < 32, layers  # ~16 GiB of embedding and head states, ~4.3 GiB a layer
+    assert bench.fp8_planned("llama-8b", layers, 2, 2048, H100_BYTES) <= 0.85 * H100_BYTES
+    assert bench.fp8_planned("llama-8b", layers + 1, 2, 2048, H100_BYTES) > 0.85 * H100_BYTES
+    one = bench.fp8_planned("llama-8b", 1, 1, 2048, H100_BYTES)
+    small = (bench.fp8_planned("llama-8b", 1, 2, 2048, H100_BYTES) + one) / 2 / 0.85
+    assert bench.fp8_shape("llama-8b", 2048, small, 0.85) == (1, 1)
+    with pytest.raises(SystemExit, match="^--precision fp8: not one llama-8b-wide layer at sequence 2048 fits"):
+        bench.fp8_shape("llama-8b", 2048, one / 2, 0.85)
+
+
+def test_fp8_verdicts_hold_each_recipe_to_its_target_over_bf16(monkeypatch):
+    bench = load_bench(monkeypatch)
+
+    def row(recipe, tokens_per_s, compiled=True, error=None):
+        r = bench.Row("llama", "llama-8b", "tformer", compiled, 2, 2048, None, num_layers=11, float8=recipe)
+        r.tokens_per_s, r.error = tokens_per_s, error
+        return r
+
+    lines = bench.fp8_verdicts([row(None, 1000.0), row("tensorwise", 1310.0), row("rowwise", 1140.0)])
+    assert lines == [
+        "fp8 llama-8b x11 tensorwise / bf16 compiled tokens/s = 1.31 (>= 1.3): PASS",
+        "fp8 llama-8b x11 rowwise / bf16 compiled tokens/s = 1.14 (>= 1.15): MISS",
+    ]
+    # an eager row never stands in for a compiled one; a failed row is no row
+    lines = bench.fp8_verdicts([row(None, 1000.0), row("tensorwise", 2000.0, compiled=False), row("rowwise", 1, error="x")])
+    assert lines == [
+        "fp8 llama-8b x11 tensorwise compiled: no finished tensorwise row: MISS",
+        "fp8 llama-8b x11 rowwise compiled: no finished rowwise row: MISS",
+    ]
+
+
+@pytest.mark.parametrize(
+    "whole",
+    [
+        # CI: each contender's step a forward in fp32 (float8 emulation of bf16 on this CPU is ~1 s a
+        # step for rowwise); the long lane runs the bench's own bf16 steps
+        pytest.param(False, id="forward"),
+        pytest.param(True, id="bf16-steps", marks=pytest.mark.long),
+    ],
+)
+def test_the_fp8_row_runs_bf16_tensorwise_and_rowwise_on_tiny_sizes(monkeypatch, tmp_path, capsys, whole):
+    """``--precision fp8 --tiny`` on this CPU (float8 emulated, eager: inductor's CPU compile of
+    three models is no CPU check): three rows built from the same weights, each recipe's linear
+    layers converted, the layer count the planner picked for the pretend device, the verdicts."""
+    pytest.importorskip("torchao.float8")
+    bench = load_bench(monkeypatch)
+    converted = []
+    real = bench.to_float8
+
+    def to_float8(model, recipe, compiled, device):
+        real(model, recipe, compiled, device)
+        converted.append((recipe, sum(type(m).__name__ == "Float8Linear" for m in model.modules())))
+
+    monkeypatch.setattr(bench, "to_float8", to_float8)
+    if not whole:
+
+        def forward_only(model, opt, inputs, ours, device):
+            return lambda: model(**inputs, return_logits=False).loss.detach()
+
+        monkeypatch.setattr(bench, "train_step", forward_only)
+        monkeypatch.setattr(bench, "peak_flops", lambda device, dtype: (1e12, "test"))
+    out = tmp_path / "fp8.json"
+    argv = ["--tiny", "--device", "cpu", "--precision", "fp8", "--compile", "off", "--steps", "1", "--json", str(out)]
+    result = bench.main(argv)
+    rows = result["training"]
+    assert [(r["float8"], r["num_layers"], r["micro_batch"]) for r in rows] == [
+        (x, 3, 2) for x in (None, "tensorwise", "rowwise")
+    ]
+    # 3 layers x (q, k, v, o, gate, up, down), the head and embeddings left in bf16
+    assert converted == [("tensorwise", 21), ("rowwise", 21)]
+    assert all(r["error"] is None and r["tokens_per_s"] > 0 for r in rows)
+    # the same initial weights and batch: float8's first loss within its rounding of bf16's
+    assert all(r["first_loss"] == pytest.approx(rows[0]["first_loss"], rel=1e-2) for r in rows)
+    assert rows[1]["first_loss"] != rows[0]["first_loss"]  # and not bf16's own: the layers did convert
+    assert [line.split(" = ")[0] for line in result["verdicts"]] == [
+        "fp8 llama-tiny x3 tensorwise / bf16 eager tokens/s",
+        "fp8 llama-tiny x3 rowwise / bf16 eager tokens/s",
+    ]
+    assert [r["first_loss"] for r in json.loads(out.read_text())["training"]] == [r["first_loss"] for r in rows]
+    assert "[fp8] llama-tiny cut to 3 layers" in capsys.readouterr().out
+
+
+def test_fp8_without_torchao_is_refused_in_one_line(monkeypatch):
+    from tformer.config import ConfigError
+    from tformer.parallel import float8
+
+    bench = load_bench(monkeypatch)
+
+    def missing():
+        raise ConfigError("precision=fp8 needs torchao (its float8 training layers), which is not installed; pip ...")
+
+    monkeypatch.setattr(float8, "torchao_float8", missing)
+    with pytest.raises(SystemExit, match="^--precision fp8: precision=fp8 needs torchao") as stop:
+        bench.main(["--tiny", "--device", "cpu", "--precision", "fp8"])
+    assert "\n" not in str(stop.value.code)
+
+
+# -- which SDPA kernel a run's attention takes (tformer/train/sdpa.py) ----------------------------
+def fake_checks(efficient_masks=True):
+    """A CUDA GPU's checks as torch 2.11-2.13 apply them to fp32 inputs: flash and cuDNN refuse
+    fp32; the memory-efficient kernel takes it, but no grouped K/V."""
+    return {
+        "flash": lambda p: p.query.dtype != torch.float32,
+        "cudnn": lambda p: p.query.dtype != torch.float32,
+        "efficient": lambda p: not p.enable_gqa and (efficient_masks or p.attn_mask is None),
+        "math": lambda p: True,
+    }
+
+
+def test_an_fp32_run_says_in_one_line_when_sdpa_takes_the_math_kernel():
+    from tformer.train.sdpa import math_fallback_line
+
+    cuda = torch.device("cuda")
+    order = ("flash", "efficient", "math", "cudnn")
+
+    def line(name, precision="fp32", device=cuda, checks=None, order=order, **overrides):
+        cfg = preset(name).replace(**overrides)
+        return math_fallback_line(cfg, precision, device, checks or fake_checks(), order, tensors_on="meta")
+
+    said = line("llama-1b")
+    assert said == (
+        "precision=fp32 on CUDA: SDPA runs the causal self-attention on its math kernel, the scores materialised "
+        "(flash and cuDNN take only fp16/bf16, the memory-efficient kernel no grouped K/V (32 query / 8 K/V "
+        "heads)); precision=bf16 runs it on a fused kernel"
+    )
+    # no GQA: the memory-efficient kernel takes fp32, whatever the mask
+    assert line("llama-1b", num_kv_heads=32) is None
+    assert all(line(name) is None for name in ("gpt2-small", "bert-base", "t5-base"))
+    # a kernel that took no mask would leave BERT's padding and T5's bias to the math kernel
+    assert "padded self-attention on its math kernel" in line("bert-base", checks=fake_checks(efficient_masks=False))
+    assert "relative-bias self-attention on its math kernel" in line("t5-base", checks=fake_checks(efficient_masks=False))
+    # cuDNN after math in the priority order never runs; before it, it is taken
+    gqa_cudnn = {**fake_checks(), "cudnn": lambda p: True}
+    assert line("llama-1b", checks=gqa_cudnn) is not None
+    assert line("llama-1b", checks=gqa_cudnn, order=("cudnn", "flash", "efficient", "math")) is None
+    # bf16, a CPU, or attention asked of the math path on purpose: nothing to say
+    assert line("llama-1b", precision="bf16") is None
+    assert line("llama-1b", device=torch.device("cpu")) is None
+    assert line("llama-1b", attn_impl="math") is None
+
+
+def test_the_trainer_says_the_fallback_once_at_start_up(monkeypatch, tmp_path, caplog):
+    from tformer.train import trainer as trainer_module
+
+    asked = []
+
+    def fallback(cfg, precision, device):
+        asked.append((cfg.family, precision, device.type))
+        return "precision=fp32 on CUDA: SDPA runs ... on its math kernel"
+
+    monkeypatch.setattr(trainer_module, "math_fallback_line", fallback)
+    run = dict(
+        model=dict(preset="gpt2-tiny"), data=dict(source="synthetic", seq_len=32), output_dir=str(tmp_path),
+        micro_batch_size=2, max_steps=1, precision="fp32", eval_every=0, save_every=0, progress=False, device="cpu",
+    )  # fmt: skip
+    with caplog.at_level("WARNING", logger="tformer.train"):
+        Trainer(load_config(base=run))
+    assert asked == [("decoder", "fp32", "cpu")]
+    assert [r.message for r in caplog.records].count("precision=fp32 on CUDA: SDPA runs ... on its math kernel") == 1
+
+
+def test_a_profiles_sdpa_ops_name_their_kernels():
+    """The ATen op each backend runs as, read back from torch.profiler's events on this CPU: its
+    flash kernel for a causal call, the math kernel where ``sdpa_kernel`` asks for it."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import profile
+
+    from tformer.train.sdpa import backends_run
+
+    q = torch.randn(1, 2, 16, 8)
+    with profile() as prof:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert backends_run(e.name for e in prof.events()) == {"flash"}
+    with profile() as prof, sdpa_kernel(SDPBackend.MATH):
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert backends_run(e.name for e in prof.events()) == {"math"}
+
+
+@gpu
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "bert-tiny", "t5-tiny"])
+def test_the_fp32_line_matches_the_kernel_a_cuda_step_runs(name):
+    """fp32 on this GPU: the start-up line appears exactly when the profiled forward and backward
+    run SDPA's math kernel (llama-tiny's grouped K/V), and the decision for every call kind is the
+    kernel the profile shows."""
+    from torch.profiler import profile
+
+    from tformer.train.sdpa import attention_calls, backends_run, math_fallback_line, sdpa_kernel
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = build_model(name).cuda()
+    cfg = model.config
+    ids = torch.randint(3, cfg.vocab_size, (2, 128), device="cuda")
+    inputs = dict(input_ids=ids, labels=ids[:, :32] if cfg.family == "encdec" else ids)
+    if cfg.family == "encoder":
+        mask = torch.ones_like(ids)
+        mask[1, 100:] = 0
+        inputs["attention_mask"] = mask
+    with profile() as prof:
+        model(**inputs, return_logits=False).loss.backward()
+    ran = backends_run(e.name for e in prof.events())
+    predicted = {sdpa_kernel(p) for _, p in attention_calls(cfg, torch.float32, "cuda")}
+    line = math_fallback_line(cfg, "fp32", torch.device("cuda"))
+    print(f"{name} fp32: SDPA ran {sorted(ran)}, predicted {sorted(predicted)}; line: {line}")
+    assert ran == predicted and (line is not None) == ("math" in ran), (ran, predicted, line)
+    assert ("math" in ran) == (cfg.kv_heads != cfg.num_heads)
+
+
+# -- scripts/gpu_session.sh: the budget of each part, and its merge --------------------------------
+@pytest.mark.parametrize("part,limit", [("all", 540), ("more", 270)])
+def test_each_session_part_plans_its_steps_within_its_call(part, limit, tmp_path):
+    """GPU_SESSION_DRY=1 prints every step and its deadline: `all` is tformer and HF of every
+    family (no trainer rows, no tests) under 9 minutes; `more` the float8 row, the Trainer's rows,
+    the fast gpu tests and the planner's prices under 4.5; each writes one log (its JSON comes from
+    its merge); a step's deadline grows by what the ones before it left (none here: nothing ran)."""
+    env_ = {**os.environ, "OUT": str(tmp_path), "GPU_SESSION_DRY": "1"}
+    done = subprocess.run(
+        ["bash", ROOT / "scripts" / "gpu_session.sh", part], capture_output=True, text=True, timeout=60, env=env_
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    steps = [line for line in lines if line.startswith("dry-run: ")]
+    planned = int(lines[-1].split()[1])
+    assert lines[-1] == f"budget: {planned} s of deadlines planned, limit {limit} s" and planned <= limit - 10
+    assert int(steps[-1].split("deadline ")[1].split()[0]) == planned
+    assert [p.name for p in tmp_path.iterdir()] == [f"{'session' if part == 'all' else 'more'}.log"]
+    assert (tmp_path / f"{'session' if part == 'all' else 'more'}.log").read_text() == done.stdout
+    bench = [line for line in steps if "bench/bench_gpu.py" in line]
+    if part == "all":
+        assert [line.split(":")[1].strip() for line in bench] == ["gpt2", "llama", "bert", "t5"]
+        assert all("--contenders tformer,HF" in line and "--compile off,on" in line for line in bench)
+        assert not any("-m pytest" in line for line in steps)
+        assert steps[-1].endswith(
+            f"gpu_merge.py {tmp_path}/session.json "
+            + " ".join(f"/tmp/gpu-{f}.json" for f in ("gpt2", "llama", "bert", "t5"))
+        )
+    else:
+        assert "--precision fp8" in bench[0]
+        assert [line.split(":")[1].strip() for line in bench[1:]] == [
+            f"trainer {f}" for f in ("gpt2", "bert", "t5", "llama")
+        ]
+        assert all("--contenders trainer" in line and "--compile off,on" in line for line in bench[1:])
+        assert any("pytest -v -m gpu" in line and "not compiled_blocks" in line for line in steps)
+        assert f"{tmp_path}/more.log --price {tmp_path}/session.json" in steps[-1]
+
+
+def test_the_merge_prices_every_tformer_and_trainer_row_with_the_planner(tmp_path, capsys):
+    """``gpu_merge.py ... --price OTHER``: the planner's step time and memory beside each measured
+    tformer and trainer row of the merged parts and of the other part's file (HF's and failed rows
+    are not tformer's run), the 8B-shaped float8 row cut to its layers and priced at the fp8 rate;
+    a CPU file's rows say that no datasheet prices them. (In this process: the planner counts a
+    model's host ops once per shape, ~1-2 s each here.)"""
+    import importlib.util
+
+    from tformer.plan import gpu_rows, profile
+
+    spec = importlib.util.spec_from_file_location("gpu_merge", ROOT / "scripts" / "gpu_merge.py")
+    merge = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge)
+    h100 = json.loads((ROOT / "bench" / "results" / "2026-11-27-h100.json").read_text())
+    llama, hf = h100["training"][2], h100["training"][3]
+    assert (llama["preset"], llama["contender"], llama["compiled"], hf["contender"]) == ("llama-1b", "tformer", False, "HF")
+    first = tmp_path / "session.json"
+    first.write_text(json.dumps({**h100, "training": [llama, hf]}))
+    trainer = dict(llama, contender="trainer", step_s=0.4)
+    fp8 = dict(
+        llama, preset="llama-8b", compiled=True, micro_batch=2, loss_chunk=None, num_layers=2, float8="tensorwise",
+        step_s=0.2, peak_mb=60000.0,
+    )  # fmt: skip
+    failed = dict(trainer, error="out of memory at micro-batch 1")
+    part = tmp_path / "fp8.json"
+    part.write_text(json.dumps({**h100, "training": [trainer, fp8, failed], "verdicts": ["fp8 ...: PASS"]}))
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps({"device": "CPU", "training": [trainer]}))
+    merged, log = tmp_path / "more.json", tmp_path / "more.log"
+    log.write_text("12 passed, 40 deselected in 21.0s\n")
+    assert merge.main([str(merged), str(part), str(log), "--price", str(first), str(cpu)]) == 0
+    result = json.loads(merged.read_text())
+    assert result["verdicts"] == ["fp8 ...: PASS"] and result["gpu_tests"].startswith("12 passed")
+    plan = result["plan"]
+    assert [(e["source"], e["contender"]) for e in plan] == [
+        ("more.json", "trainer"), ("more.json", "tformer"), ("session.json", "tformer"), ("cpu.json", "trainer"),
+    ]  # fmt: skip
+    hw = profile("h100-sxm")
+    for entry, row in zip(plan, [trainer, fp8, llama]):
+        step, memory = gpu_rows.planned(row, row["loss_chunk"], hw)
+        assert entry["plan_step_s"] == step and entry["time"] == step / row["step_s"]
+        assert entry["memory"] == pytest.approx(memory / (row["peak_mb"] * 2**20))
+    assert plan[0]["time"] == pytest.approx(plan[2]["time"] * llama["step_s"] / 0.4)  # one run, two clocks
+    bf16 = gpu_rows.planned(dict(fp8, float8=None), None, hw)[0]
+    assert plan[1]["num_layers"] == 2 and plan[1]["plan_step_s"] < bf16  # priced at the fp8 rate
+    assert plan[-1]["error"] == "no datasheet profile for 'CPU'" and "plan_step_s" not in plan[-1]
+    assert "; planner: 3 of 4 rows priced, step time within +-35% for " in capsys.readouterr().out
+
+
+@pytest.mark.long
+@pytest.mark.timeout(1900)  # two parts of tiny CPU compiles, ~10 minutes on a loaded 2-core machine
+def test_both_session_parts_run_end_to_end_on_tiny_presets(tmp_path, cache):
+    """GPU_SESSION_TINY=1: `all` then `more` for real on this CPU (bench_gpu.py --tiny; the float8
+    row eager, its float8 emulated), each step under its deadline: $OUT ends with one log and one
+    JSON a part; `all`'s rows are tformer and HF, `more`'s the float8 row's three and the
+    Trainer's, started where `all`'s raw loop settled; the planner's section names every tformer
+    and trainer row of both (a CPU file: no datasheet prices them)."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    work.mkdir()
+    bin_dir = os.path.dirname(sys.executable)  # `python3` is this interpreter
+    env_ = {**env(cache), "OUT": str(out), "GPU_SESSION_TINY": "1", "GPU_SESSION_WORK": str(work)}
+    env_["PATH"] = f"{bin_dir}:{env_.get('PATH', os.environ['PATH'])}"
+    for part in ("all", "more"):
+        done = run_cmd(["bash", str(ROOT / "scripts" / "gpu_session.sh"), part], 900, env=env_)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["more.json", "more.log", "session.json", "session.log"]
+    session, more = (json.loads((out / f).read_text()) for f in ("session.json", "more.json"))
+    families = ["gpt2", "llama", "bert", "t5"]
+    assert [(r["family"], r["contender"], r["compiled"]) for r in session["training"]] == [
+        (f, w, c) for f in families for c in (False, True) for w in ("tformer", "HF")
+    ]
+    fp8, trainer = more["training"][:3], more["training"][3:]
+    assert [r["float8"] for r in fp8] == [None, "tensorwise", "rowwise"] and all(not r["compiled"] for r in fp8)
+    assert [(r["family"], r["compiled"]) for r in trainer] == [
+        (f, c) for f in ("gpt2", "bert", "t5", "llama") for c in (False, True)
+    ]
+    assert all(r["contender"] == "trainer" and r["error"] is None and r["micro_batch"] == 4 for r in trainer)
+    assert len(more["verdicts"]) == 2 and all(line.startswith("fp8 llama-tiny x3 ") for line in more["verdicts"])
+    priced = [(e["source"], e["contender"]) for e in more["plan"]]
+    assert priced == [("more.json", r["contender"]) for r in more["training"]] + [("session.json", "tformer")] * 8
+    assert all(e["error"] == "no datasheet profile for 'CPU'" for e in more["plan"])
+    assert "skipped" in more["gpu_tests"]  # the gpu tests ran, and skipped without a GPU

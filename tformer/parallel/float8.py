@@ -168,6 +168,16 @@ def convert_to_float8(model: torch.nn.Module, f8cfg: Any, device: torch.device, 
     return sorted(names)
 
 
+def compile_flags(recipe: str, compiled: bool) -> None:
+    """Inductor's settings a compiled float8 recipe needs (the trainer's and bench_gpu's)."""
+    if recipe != "tensorwise" and compiled:
+        # pytorch/pytorch#150859 (as torchtitan does): inductor's float8 casts of rowwise scales
+        # round like eager only with this flag
+        from torch._inductor import config as inductor
+
+        inductor.emulate_precision_casts = True
+
+
 def apply_float8(model: torch.nn.Module, layout: Any) -> torch.nn.Module:
     """``precision: fp8``: the blocks' linear layers converted to float8 (``convert_to_float8``)."""
     cfg = layout.cfg
@@ -175,12 +185,7 @@ def apply_float8(model: torch.nn.Module, layout: Any) -> torch.nn.Module:
         return model
     fsdp = cfg.parallel.strategy == "fsdp"
     names = convert_to_float8(model, cfg.float8, layout.device, fsdp)
-    if cfg.float8.recipe != "tensorwise" and cfg.compile:
-        # pytorch/pytorch#150859 (as torchtitan does): inductor's float8 casts of rowwise scales
-        # round like eager only with this flag
-        from torch._inductor import config as inductor
-
-        inductor.emulate_precision_casts = True
+    compile_flags(cfg.float8.recipe, bool(cfg.compile))
     if _is_main():
         total = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
         how = "emulated" if emulated(cfg.float8, layout.device) else "FP8 tensor cores"

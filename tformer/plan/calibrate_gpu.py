@@ -65,17 +65,17 @@ class Measure(Protocol):
 def datasheet_of(name: str) -> Hardware:
     """The datasheet profile of the card called ``name`` (torch.cuda.get_device_name): its links,
     memory and fp8 rate, which one GPU cannot measure."""
+    return PROFILES[datasheet_name(name) or "h100-sxm"]
+
+
+# (a substring of torch.cuda.get_device_name, lowered; its datasheet profile), the first match wins
+CARDS = (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("a100", "a100-80gb"), ("b200", "b200"))
+
+
+def datasheet_name(name: str) -> str | None:
+    """The datasheet profile named for the card called ``name``; None for a device without one."""
     lowered = name.lower()
-    for key, profile in (
-        ("h200", "h200"),
-        ("h100 pcie", "h100-pcie"),
-        ("h100", "h100-sxm"),
-        ("a100", "a100-80gb"),
-        ("b200", "b200"),
-    ):
-        if key in lowered:
-            return PROFILES[profile]
-    return PROFILES["h100-sxm"]
+    return next((profile for key, profile in CARDS if key in lowered), None)
 
 
 def _timed(measure: Measure, started: float, what: str):

@@ -45,6 +45,7 @@ from .metrics import peak_flops
 from .optim import build_optimizer, build_scheduler
 from .profiling import OFF, build_profiler, check_ranks
 from .rollback import LossSpikeError as LossSpikeError  # raised there; cli.py and tests import it here
+from .sdpa import math_fallback_line
 from .signals import install_stop_signals, restore_signals
 from .spike import SpikeDetector
 from .state import DataPosition, Progress
@@ -97,6 +98,7 @@ class Trainer:
         self._peek_resume()  # a complete run ends here, before any work
         self._start_processes()
         self._build_data()
+        self._say_attention_kernel()
         self._check_resume_changes()  # before the model is built
         self._build_model_and_optimizer()
         self._init_counters()
@@ -219,6 +221,12 @@ class Trainer:
                 f"precision={self.precision} on a CPU without AVX512-BF16/AMX: torch emulates bf16 matmuls here, "
                 "30-100x slower than fp32; precision=auto picks fp32 on this CPU"
             )
+
+    def _say_attention_kernel(self) -> None:
+        """fp32 on CUDA: one line when SDPA will run this model's attention on its math kernel."""
+        line = math_fallback_line(self.model_cfg, self.precision, self.device)
+        if line and self.dist.is_main:
+            log.warning(line)
 
     def _offload(self):
         return activation_offload(self.device, self.cfg.parallel.activation_offload)
