@@ -264,12 +264,7 @@ def measure(row: Row, base: torch.nn.Module, cfg, device, args, peak: float) -> 
     for _ in range(warmup - 1):
         step()
     free_memory(device)  # the peak of the timed steps: parameters and AdamW states are held by now
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss = step()
-    sync(device)  # once, after the last step: the host runs ahead as in a real run
-    times = [(time.perf_counter() - t0) / steps]
+    times, loss = timed_steps(step, steps, device)
     if not math.isfinite(loss.float().item()):
         row.error = "non-finite loss"
     finish(row, times, cfg, device, peak)
@@ -330,15 +325,21 @@ def measure_trainer(row: Row, base, cfg, device, args, peak: float) -> None:
             row.plan_mb = planned_bytes(cfg, device, row.micro_batch, row.seq, row.target, row.loss_chunk) / 2**20
 
 
-def trainer_steps(trainer, batches, steps: int, device: torch.device) -> tuple[list[float], dict]:
-    """``steps`` of the trainer timed together, the device synchronised before and after (not between:
-    a host read inside a step is what would stall it); the mean step and the last step's record."""
+def timed_steps(step, steps: int, device: torch.device):
+    """``steps`` calls of ``step`` timed together, the device synchronised before and after, not
+    between: the host runs ahead as in a run, and a step that reads the device stalls it there.
+    ([the mean step's seconds], the last call's result)."""
     sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
-        record = trainer._train_step(batches)
-    sync(device)  # once, after the last step: a step that reads the device stalls the host here
-    return [(time.perf_counter() - t0) / steps], record
+        out = step()
+    sync(device)
+    return [(time.perf_counter() - t0) / steps], out
+
+
+def trainer_steps(trainer, batches, steps: int, device: torch.device) -> tuple[list[float], dict]:
+    """``timed_steps`` of the trainer's own step: the mean step and the last step's record."""
+    return timed_steps(lambda: trainer._train_step(batches), steps, device)
 
 
 def finish(row: Row, times: list[float], cfg, device, peak: float) -> None:

@@ -291,6 +291,10 @@ class TformerModel(nn.Module):
         )
 
 
+# logits the loss takes as they are (bf16 / fp16 under autocast): ``CrossEntropy`` upcasts them itself
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
 def lm_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -318,13 +322,12 @@ def lm_loss(
     the head's elementwise passes move 38 bytes a logit instead of 62 (``plan/memory_bound``); on
     an H100 that is ~15 ms a step at llama-1b's 2.1 billion logits."""
     compiling = torch.compiler.is_compiling()
-    if logits.dtype in (torch.bfloat16, torch.float16) and not compiling:
-        flat = logits.reshape(-1, logits.shape[-1])
-        return CrossEntropy.apply(flat, labels.reshape(-1), float(label_smoothing), loss_tokens, False)
-    flat = logits.float().reshape(-1, logits.shape[-1])
+    low = logits.dtype in LOW_PRECISION and not compiling
+    flat = (logits if low else logits.float()).reshape(-1, logits.shape[-1])
     # a copy (the fp32 cast, a sliced vocabulary reshaped) or the head's own output may be written
     # over; a view autograd made elsewhere (a gathered tensor-parallel head's) may not. Compiled,
-    # the graph plans its own buffers (and a data pointer is no traceable value)
+    # the graph plans its own buffers (and a data pointer is no traceable value). Low-precision
+    # logits are never written over: ``CrossEntropy`` upcasts them into a tensor of its own
     overwrite = overwrite and not compiling and (not logits._is_view() or flat.data_ptr() != logits.data_ptr())
     return CrossEntropy.apply(flat, labels.reshape(-1), float(label_smoothing), loss_tokens, overwrite)
 
@@ -345,14 +348,13 @@ class CrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         valid = labels != -100
         target = labels.masked_fill(~valid, 0)[:, None]
-        ctx.low = logits.dtype in (torch.bfloat16, torch.float16)
-        if ctx.low:  # upcast by the log-softmax: no fp32 copy of the logits kept
+        ctx.dtype = logits.dtype
+        if logits.dtype in LOW_PRECISION:  # upcast by the log-softmax: no fp32 copy of the logits kept
             logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
         elif overwrite:  # (lm_loss) no autograd node reads the logits: the head's matmul saves its inputs
             logp = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
         else:
             logp = torch.log_softmax(logits, dim=-1)
-        ctx.dtype = logits.dtype
         count = loss_divisor(valid, tokens)
         ctx.save_for_backward(logp, target, valid, count)
         ctx.smoothing = smoothing
@@ -367,7 +369,7 @@ class CrossEntropy(torch.autograd.Function):
         logp, target, valid, count = ctx.saved_tensors
         e = ctx.smoothing
         scale = (grad / count * valid)[:, None]
-        if ctx.low:
+        if ctx.dtype in LOW_PRECISION:
             # softmax - (1-e) onehot - e/V in fp32 in place, then scaled straight into the logits'
             # dtype: one pass fewer than scaling in fp32 and casting after
             p = logp.exp_().scatter_add_(-1, target, torch.full_like(scale, e - 1.0))
