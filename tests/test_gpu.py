@@ -204,6 +204,37 @@ def test_tiny_recipe_trains_on_cuda_in_bf16_with_compiled_blocks(recipe, cache, 
 
 
 @gpu
+@pytest.mark.parametrize("recipe,extra", [("gpt2-tiny", []), ("t5-tiny", []), ("llama-tiny", ["compile=true"])])
+def test_a_cuda_step_that_does_not_log_never_waits_for_the_device(recipe, extra, cache, tmp_path, monkeypatch):
+    """CUDA's own account of every synchronising call (``torch.cuda.set_sync_debug_mode("error")``:
+    an ``.item()``, a blocking copy either way, a ``nonzero``) raises inside a step that does not
+    log: such a step queues its work and returns, so the host runs ahead of the device (the CPU
+    test counts the reads by name; this catches the ones only CUDA knows). Step 1 (lazy set-up,
+    compilation) is left out."""
+    monkeypatch.setenv("TFORMER_CACHE", str(cache))
+    overrides = small_overrides(
+        recipe, tmp_path, "device=cuda", "precision=bf16", "max_steps=9", "eval_every=0", "save_every=0",
+        "log_every=4", *extra,
+    )  # fmt: skip
+    t = Trainer(load_config(CONFIGS / f"{recipe}.yaml", overrides))
+    step, checked = t._train_step, []
+
+    def strict(*a, **kw):
+        quiet = t.step + 1 > 1 and not t.logs_at(t.step + 1)
+        if quiet:
+            checked.append(t.step + 1)
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            return step(*a, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(t, "_train_step", strict)
+    t.fit()
+    assert checked == [2, 3, 5, 6, 7] and [r["step"] for r in metrics(tmp_path)] == [4, 8, 9]
+
+
+@gpu
 @pytest.mark.parametrize("backend", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"])
 @pytest.mark.parametrize("causal,gqa", [(False, False), (True, False), (True, True)])
 def test_fused_sdpa_kernels_equal_the_math_path_in_bf16(backend, causal, gqa):

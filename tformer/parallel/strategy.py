@@ -352,6 +352,25 @@ def finish_step(optimizer: Any, scaler: Any, ok: bool) -> StepResult:
     return StepResult(float("nan"), applied)
 
 
+def skips_on_device(optimizer: Any, scaler: Any) -> bool:
+    """Whether ``finish_step_on_device`` can skip a non-finite step without the host: torch's fused
+    AdamW takes a ``found_inf`` flag (its kernel leaves the weights, moments and step count as they
+    were when it is set). fp16's GradScaler drives that flag itself."""
+    return scaler is None and bool(getattr(optimizer, "defaults", {}).get("fused"))
+
+
+def finish_step_on_device(optimizer: Any, ok: torch.Tensor) -> None:
+    """The second half of a step with the decision left on the device: update where ``ok`` (a
+    device bool: the loss and the norm finite), leave everything as it was where not, and clear
+    the gradients. Nothing is read on the host."""
+    optimizer.found_inf = (~ok).to(torch.float32)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf  # an optimizer step outside the trainer's (a test's) is unconditional
+    optimizer.zero_grad(set_to_none=True)
+
+
 def optimizer_step(optimizer: Any, scaler: Any, loss_finite: bool, clip: Callable[[], torch.Tensor]) -> StepResult:
     """Clip, update and clear the gradients in one call (the two halves above, reading the norm
     here). A non-finite loss or gradient norm skips the update."""
@@ -411,8 +430,9 @@ class MeshStrategy:
         return optimizer
 
     def fused_optimizer_ok(self) -> bool:
-        # DTensor parameters (FSDP2, TP, stages under FSDP2) need the foreach implementation
-        return self.name == "ddp" and self.layout.tp == 1 and self.layout.pp == 1
+        # DTensor parameters (FSDP2, TP, EP) run torch's fused AdamW too: DTensor dispatches its
+        # kernel shard by shard. Fused, a non-finite step is skipped on the device (no read).
+        return True
 
     def no_sync(self, last_micro: bool) -> contextlib.AbstractContextManager:
         """Skip the gradient reduction on all but the last micro-batch of an accumulation."""
@@ -444,6 +464,12 @@ class MeshStrategy:
 
     def finish_step(self, optimizer: Any, scaler: Any, ok: bool) -> StepResult:
         return finish_step(optimizer, scaler, ok)
+
+    def skips_on_device(self, optimizer: Any, scaler: Any) -> bool:
+        return skips_on_device(optimizer, scaler)
+
+    def finish_step_on_device(self, optimizer: Any, ok: torch.Tensor) -> None:
+        finish_step_on_device(optimizer, ok)
 
     def release_gathered(self) -> None:
         release_gathered(self.model)

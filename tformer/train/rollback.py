@@ -41,22 +41,24 @@ class RollbackState(RunState, Protocol):
 
 
 def handle_spike(trainer: RollbackState, record: dict) -> bool:
-    """Judge the step's loss; on a spike with ``on_spike: rollback`` reload the newest checkpoint
-    before it and skip ``spike_skip_batches`` steps' worth of data. True if it rolled back."""
+    """Judge a step's loss (``record["step"]``'s, in step order); on a spike with ``on_spike:
+    rollback`` reload the newest checkpoint before it and skip ``spike_skip_batches`` steps' worth
+    of data. True if it rolled back."""
     t, cfg = trainer, trainer.cfg
     if cfg.on_spike == "none":
         return False
-    median = t.spikes.check(t.step, record["loss"])
+    step = record["step"]  # read at a later step where the figures stay on the device until then
+    median = t.spikes.check(step, record["loss"])
     if median is None:
         return False
-    what = f"loss spike at step {t.step}: {record['loss']:.4f} > {cfg.spike_factor:g} x running median {median:.4f}"
+    what = f"loss spike at step {step}: {record['loss']:.4f} > {cfg.spike_factor:g} x running median {median:.4f}"
     record["spike"] = True
     if cfg.on_spike == "warn":
         if t.dist.is_main:
             log.warning("%s (on_spike=warn)", what)
         return False
     t.wait_for_checkpoint()  # every rank then lists the same checkpoints
-    target = [p for p in t.ckpt.committed() if int(p.name.split("_")[1]) < t.step]
+    target = [p for p in t.ckpt.committed() if int(p.name.split("_")[1]) < step]
     if t.rollbacks >= cfg.max_rollbacks:
         raise LossSpikeError(
             f"{what}; max_rollbacks={cfg.max_rollbacks} reached; the last good checkpoint is "
@@ -66,7 +68,7 @@ def handle_spike(trainer: RollbackState, record: dict) -> bool:
         if t.dist.is_main:
             log.warning("%s; no checkpoint before it to roll back to: continuing (save more often with save_every)", what)
         return False
-    spike_step, wandb_id = t.step, t.wandb_id
+    spike_step, wandb_id = step, t.wandb_id
     t._load(target[-1])  # verified and checked like any resume
     t.wandb_id = wandb_id
     t.rollbacks += 1

@@ -4,6 +4,7 @@ checkpoints with exact resume, signals, metrics (JSONL, W&B, progress bar)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -41,6 +42,7 @@ from .data import build_data, check_sources, copy_tokenizer, train_batches
 from .dist import all_reduce, barrier, device_type, init_distributed
 from .ft import FaultTolerance, QuorumLost, check_fault_tolerance, lighthouse_address, wait_for_lighthouse
 from .head import loss_chunk_size
+from .lagged import LaggedFlags
 from .metrics import peak_flops
 from .optim import build_optimizer, build_scheduler
 from .profiling import OFF, build_profiler, check_ranks
@@ -214,6 +216,11 @@ class Trainer:
         self.pending: dict | None = None  # this step's record until it is logged (saved with a checkpoint)
         self._stop_reason: str | None = None
         self._signal: str | None = None
+        self._start = time.perf_counter()  # fit() sets it: max_time counts from there
+        self._read_reason: str | None = None  # fit() sets it: why each step reads the device, if it must
+        self._unread: list[_Unread] = []  # steps whose figures are still on the device
+        self._replayed: list[dict] = []  # the records read with the last step's, before it
+        self._flags = LaggedFlags(self.device, 2)  # the stop flags, read a few steps late on a GPU
 
     def _warn_slow_precision(self) -> None:
         if self.dist.is_main and self.precision != "fp32" and self.device.type == "cpu" and not cpu_has_native_bf16():
@@ -431,7 +438,10 @@ class Trainer:
             bar = tqdm(
                 total=cfg.max_steps, initial=self.step, unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=1.0
             )
-        start = time.perf_counter()
+        self._start = time.perf_counter()
+        self._read_reason = self._why_read_every_step()
+        if self._read_reason is not None and main:
+            log.info("reading the step's figures from the device at every step: %s", self._read_reason)
         last: dict = {}
         saved_step = self.step if self.resumed_from is not None else -1
         batches = self._batches()
@@ -462,15 +472,17 @@ class Trainer:
                 self.prof.after_step(self.step, record["step_time"])
                 if self.ft is not None and self.ft.take_healed():  # local_sgd / diloco: healed at a sync
                     batches = self._batches()
-                if rollback.handle_spike(self, record):  # rolled back to an earlier checkpoint: new data position
+                # the losses read at this step, in order (those of the steps since the last read too)
+                spike = next((r for r in [*self._replayed, record] if "loss" in r and rollback.handle_spike(self, r)), None)
+                if spike is not None:  # rolled back to an earlier checkpoint: new data position
                     if main:
-                        log_step(record, metrics_file, tracker, bar)
+                        log_step(spike, metrics_file, tracker, bar)
                     if bar is not None:
                         bar.n = self.step
                     batches = self._batches()
                     saved_step = self.step
                     continue
-                stopping = self._stop_check(start)
+                stopping = self._stop_check()
                 due_eval = cfg.eval_every and self.step % cfg.eval_every == 0
                 final = self.step >= cfg.max_steps or stopping
                 due_log = self.step % cfg.log_every == 0 or final or bool(due_eval)
@@ -492,7 +504,8 @@ class Trainer:
                 self.pending = None
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+                    if "loss" in record:
+                        bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
                 last = record
                 for cb in self.callbacks:
                     cb(self, record)
@@ -626,57 +639,48 @@ class Trainer:
                     self.strategy.backward(loss, last, self.scaler)
             loss_sum += loss.detach().float()
         self._beat("loss all-reduce")
-        stats = torch.stack(
-            [
-                loss_sum,
-                torch.tensor(float(tokens), device=self.device),
-                torch.tensor(1.0 if self._signal else 0.0, device=self.device),
-                torch.tensor(float(flops), device=self.device),
-            ]
-        )
+        over_time = cfg.max_time is not None and time.perf_counter() - self._start >= cfg.max_time
+        # the step's figures, summed over the ranks; its stop flags (a signal here, rank 0's clock
+        # past max_time) join them, so that every rank decides a stop at the same step
+        signal = 1.0 if self._signal else 0.0
+        host = [float(tokens), float(flops), signal, float(over_time and self.dist.is_main)]
+        stats = torch.cat([loss_sum.reshape(1), _on_device(host, self.device)])
         with self.times.closing_sync():  # what this rank waits here is the others' time, not its own
             all_reduce(stats)
         committed = True
         if self.ft is not None:  # gradients and statistics averaged over the quorum's groups; the commit vote
             stats, committed = self.ft.sync(self.model, stats)
-        self._beat("optimizer step")
-        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        clip_first = getattr(self.strategy, "clip_for_step", None)  # DeepSpeed's engine steps in one call
-        two_halves = clip_first is not None
-        if clip_first is not None:
-            # clipped on the device first, so that the norm joins the one read below
-            with self.prof.range("optimizer"):
-                norm = clip_first(self.optimizer, self.scaler, clip)
-            stats = torch.cat([stats, norm.detach().reshape(1).to(stats.dtype)])
-        # a logging step's MoE routing figures (this rank's last micro-batch) join the same read
-        table = moe_table(self.model) if self.model_cfg.moe.enabled and self.logs_at(self.step + 1) else None
-        fixed = len(stats)
-        if table is not None:
-            stats = torch.cat([stats, table[1].flatten().to(stats)])
-        # one read of the device a step for all of them (each .item() would wait for the device again)
-        read = stats.tolist()
-        loss_sum_all, tokens_all, signals, flops_all, *norm_read = read[:fixed]
-        moe = {}
-        if table is not None:
-            width = len(table[0])
-            rest = read[fixed:]
-            moe = moe_figures(table[0], [rest[i : i + width] for i in range(0, len(rest), width)])
-        # the tp ranks of a group agree; of a pipeline, only the last stage's ranks hold the loss
-        loss_avg = loss_sum_all / (self.dist.world_size // self.dims.pp)
-        if signals > 0 and self._stop_reason is None:
-            self._stop_reason = f"signal {self._signal or 'on another rank'}"
+        flags = self._flags.push(stats[3:5])  # the flags of a step `lag` back (lagged.py)
+        if flags is not None:
+            self._note_stop(*flags)
         if not committed:  # a step torchft did not commit changes nothing (it was counted)
             self.optimizer.zero_grad(set_to_none=True)
             return {"step": self.step, "committed": False}
-        with self.prof.range("optimizer"):
-            grad_norm = self._update(loss_avg, norm_read[0] if two_halves else None)
+        self._beat("optimizer step")
+        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+        # a logging step's MoE routing figures (this rank's last micro-batch), read with the rest
+        table = moe_table(self.model) if self.model_cfg.moe.enabled and self.logs_at(self.step + 1) else None
+        must_stop = False
+        if self._read_reason is None:
+            # clip, then update where the loss and the norm are finite, all on the device
+            with self.prof.range("optimizer"):
+                norm = cast(Any, self.strategy).clip_for_step(self.optimizer, self.scaler, clip)
+                ok = torch.isfinite(stats[0]) & torch.isfinite(norm)
+                cast(Any, self.strategy).finish_step_on_device(self.optimizer, ok)
+            row: torch.Tensor | list[float] = torch.cat(
+                [stats[:3], norm.detach().reshape(1).to(stats.dtype), ok.reshape(1).to(stats.dtype)]
+            )
+        else:
+            row, must_stop, table = self._step_reading(stats, clip, table)
+        self.scheduler.step()  # the schedule follows the step count, a skipped step's too
         self.step += 1
         # samples consumed, or with token-budget batches, batches consumed (the sampler's unit)
         per_batch = 1 if cfg.data.tokens_per_batch is not None else cfg.micro_batch_size
         self.consumed += per_batch * cfg.grad_accum * self.dist.dp_size
-        group = self.dims.tp * self.dims.pp * self.dims.cp
-        global_tokens = int(tokens_all) // group  # each counted its group's batch
-        self.tokens += global_tokens
+        self._unread.append(_Unread(self.step, lr, row, table, must_stop))
+        # the figures of every step since the last read, in one read: at a logging, saving or
+        # evaluating step, a stop, or at every step where the run must decide on the host
+        replayed = self._read_figures() if self._reads_at(self.step) else []
         memory = self.strategy.memory_report(self.optimizer)  # inside the step's time: it is part of the step
         dt = time.perf_counter() - t0
         if self.ft is not None:  # the step began with its quorum, before the first batch
@@ -685,30 +689,114 @@ class Trainer:
         self.times.step_done(dt)
         self._check_watchdog_margin(dt)
         window = self._window
-        # every rank of a tp / pp / cp group counted its group's batch: the model FLOPs of the step
-        # are sum / (tp pp cp), shared by all world_size devices
         window[0] += dt
-        window[1] += global_tokens
-        window[2] += flops_all / group
         window[3] += 1
-        seconds, window_tokens, window_flops, steps_in_window = window
-        if self.logs_at(self.step):
-            self._window = [0.0, 0, 0.0, 0]
-        return {
+        record = {
             "step": self.step,
-            "loss": loss_avg,
             "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": window_tokens / seconds,
-            "mfu": window_flops / self.dist.world_size / seconds / self.peak,
-            "tokens": self.tokens,
-            "step_time": seconds / steps_in_window,
+            "step_time": dt,
             **memory,
-            # routing of this rank's last micro-batch: balance / z-loss, max/mean tokens per expert, dropped share
-            # (read at a logging step only: each figure is a read of the device)
-            **moe,
             **(self.ft.record() if self.ft is not None else {}),
         }
+        if replayed:
+            # this step's loss, norm and count; the rates over the interval since the last
+            # logged step (only that interval, which ends in this read, has a true wall time)
+            seconds, window_tokens, window_flops, steps_in_window = window
+            record.update(replayed.pop())
+            record.update(
+                tokens_per_s=window_tokens / seconds,
+                mfu=window_flops / self.dist.world_size / seconds / self.peak,
+                step_time=seconds / steps_in_window,
+            )
+            if self.logs_at(self.step):
+                self._window = [0.0, 0, 0.0, 0]
+        self._replayed = replayed  # earlier steps' records, read with this one (fit judges their losses)
+        return record
+
+    def _step_reading(self, stats: torch.Tensor, clip: float, table) -> tuple[list[float], bool, Any]:
+        """The optimizer step where the host decides (``_read_reason``): the step's figures, the
+        norm and a logging step's MoE figures read now, in one read."""
+        clip_first = getattr(self.strategy, "clip_for_step", None)  # DeepSpeed's engine steps in one call
+        stats = stats[:3]
+        if clip_first is not None:
+            # clipped on the device first, so that the norm joins the one read below
+            with self.prof.range("optimizer"):
+                norm = clip_first(self.optimizer, self.scaler, clip)
+            stats = torch.cat([stats, norm.detach().reshape(1).to(stats.dtype)])
+        fixed = len(stats)
+        if table is not None:
+            stats = torch.cat([stats, table[1].flatten().to(stats)])
+        read = stats.tolist()
+        loss_sum_all, tokens_all, flops_all, *norm_read = read[:fixed]
+        if table is not None:
+            table = (table[0], read[fixed:])
+        loss = loss_sum_all / (self.dist.world_size // self.dims.pp)
+        with self.prof.range("optimizer"):
+            if clip_first is not None:
+                ok = math.isfinite(loss) and math.isfinite(norm_read[0])
+                applied = cast(Any, self.strategy).finish_step(self.optimizer, self.scaler, ok).applied
+                result = StepResult(norm_read[0] if math.isfinite(loss) else float("nan"), applied)
+            else:
+                result = self.strategy.step(self.optimizer, self.scaler, clip, math.isfinite(loss))
+        ok = result.applied and math.isfinite(loss) and not result.must_stop
+        return [loss_sum_all, tokens_all, flops_all, result.grad_norm, float(ok)], result.must_stop, table
+
+    def _reads_at(self, step: int) -> bool:
+        cfg = self.cfg
+        return (
+            self._read_reason is not None
+            or self.logs_at(step)
+            or self._stop_reason is not None
+            or bool(cfg.save_every and step % cfg.save_every == 0)
+            or bool(cfg.eval_every and step % cfg.eval_every == 0)
+        )
+
+    def _read_figures(self) -> list[dict]:
+        """The records of the steps not read yet, in order, from one read of the device; their
+        losses and norms replayed through the non-finite accounting (which may stop the run here,
+        naming the step it happened at)."""
+        unread, self._unread = self._unread, []
+        on_device = [u.row for u in unread if isinstance(u.row, torch.Tensor)]
+        values: list[float] = []
+        if on_device:
+            rows = torch.stack(on_device).flatten()
+            tables = [u.table[1].flatten().to(rows) for u in unread if u.table is not None and torch.is_tensor(u.table[1])]
+            values = torch.cat([rows, *tables]).tolist()
+        width = 5
+        at = 0
+        tables_at = width * len(on_device)
+        group = self.dims.tp * self.dims.pp * self.dims.cp
+        records = []
+        for u in unread:
+            if isinstance(u.row, torch.Tensor):
+                row, at = values[at : at + width], at + width
+            else:
+                row = u.row
+            loss_sum_all, tokens_all, flops_all, norm, ok = row
+            # the tp ranks of a group agree; of a pipeline, only the last stage's ranks hold the loss
+            loss = loss_sum_all / (self.dist.world_size // self.dims.pp)
+            global_tokens = int(tokens_all) // group  # each counted its group's batch
+            self.tokens += global_tokens
+            # every rank of a tp / pp / cp group counted its group's batch: the model FLOPs of the
+            # step are sum / (tp pp cp), shared by all world_size devices
+            self._window[1] += global_tokens
+            self._window[2] += flops_all / group
+            if ok > 0:
+                self.skipped, self.streak_start = 0, None
+            else:
+                self._nonfinite(u.step, loss, norm, u.must_stop)
+            record = {"step": u.step, "loss": loss, "lr": u.lr, "grad_norm": norm, "tokens": self.tokens}
+            if u.table is not None:
+                keys, figures = u.table
+                if isinstance(figures, torch.Tensor):
+                    n = figures.numel()
+                    figures, tables_at = values[tables_at : tables_at + n], tables_at + n
+                cols = len(keys)
+                # routing of this rank's last micro-batch: balance / z-loss, max/mean tokens per
+                # expert, dropped share (read at a logging step only)
+                record.update(moe_figures(keys, [figures[i : i + cols] for i in range(0, len(figures), cols)]))
+            records.append(record)
+        return records
 
     def logs_at(self, step: int) -> bool:
         """Whether ``step`` is a logging step: every ``log_every``-th and the last."""
@@ -732,30 +820,16 @@ class Trainer:
                 math.ceil(4 * step_time),
             )
 
-    def _update(self, loss: float, grad_norm: float | None = None) -> float:
-        """One optimizer step through the strategy (clip, update, clear the gradients), then the LR
-        schedule; returns the gradient norm. A non-finite loss or gradient norm skips the update, or
-        stops the run (see ``_nonfinite``). ``grad_norm``: the strategy clipped already (its
-        ``clip_for_step``), and this is the norm, read with the step's other figures."""
-        clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        if grad_norm is not None:
-            ok = math.isfinite(loss) and math.isfinite(grad_norm)
-            applied = cast(Any, self.strategy).finish_step(self.optimizer, self.scaler, ok).applied
-            result = StepResult(grad_norm if math.isfinite(loss) else float("nan"), applied)
-        else:
-            result = self.strategy.step(self.optimizer, self.scaler, clip, math.isfinite(loss))
-        if result.applied and math.isfinite(loss) and not result.must_stop:
-            self.scheduler.step()
-            self.skipped, self.streak_start = 0, None
-        else:
-            self._nonfinite(loss, result.grad_norm, result.must_stop)
-        return result.grad_norm
-
-    def _nonfinite(self, loss: float, grad_norm: float, must_stop: bool = False) -> None:
+    def _nonfinite(self, step: int, loss: float, grad_norm: float, must_stop: bool = False) -> None:
+        """Step ``step``'s update was skipped (a non-finite loss or gradient norm): count the streak,
+        or stop the run (``on_nonfinite: stop``, the streak too long, or an engine that could not
+        skip). Where the skip is decided on the device this runs when the step's figures are read
+        (at the next logging or saving step), so a stop comes up to ``log_every`` steps late; the
+        skipped steps changed nothing and no checkpoint is written in a streak."""
         what = f"loss={loss}" if not math.isfinite(loss) else f"grad_norm={grad_norm}"
         self.skipped += 1
         if self.streak_start is None:
-            self.streak_start = self.step + 1
+            self.streak_start = step
         if must_stop or self.cfg.on_nonfinite == "stop" or self.skipped > self.cfg.max_skipped_steps:
             last = rollback.last_good(self)
             why = (
@@ -764,21 +838,59 @@ class Trainer:
                 else f"on_nonfinite={self.cfg.on_nonfinite}, {self.skipped} bad step(s) in a row"
             )
             raise NonFiniteLoss(
-                f"non-finite {what} at step {self.step + 1}; stopping ({why}); the last good "
+                f"non-finite {what} at step {step}; stopping ({why}); the last good "
                 f"checkpoint is {last or 'none'}; lower optim.lr or check the data"
             )
         if self.dist.is_main:
-            log.warning("step %d: non-finite %s; update skipped (%d in a row)", self.step + 1, what, self.skipped)
+            log.warning("step %d: non-finite %s; update skipped (%d in a row)", step, what, self.skipped)
 
-    def _stop_check(self, start: float) -> bool:
+    def _note_stop(self, signals: float, over_time: float) -> None:
+        if self._stop_reason is None and signals > 0:
+            self._stop_reason = f"signal {self._signal or 'on another rank'}"
+        if self._stop_reason is None and over_time > 0:
+            self._stop_reason = "max_time"
+
+    def _stop_check(self) -> bool:
         cfg = self.cfg
         if self._stop_reason is None and cfg.max_tokens is not None and self.tokens >= cfg.max_tokens:
             self._stop_reason = "max_tokens"
-        if self._stop_reason is None and cfg.max_time is not None:
-            flag = torch.tensor(1.0 if time.perf_counter() - start >= cfg.max_time else 0.0, device=self.device)
-            if all_reduce(flag).item() > 0:
-                self._stop_reason = "max_time"
         return self._stop_reason is not None
+
+    def _why_read_every_step(self) -> str | None:
+        """Why this run reads its figures from the device at every step; None where a step that
+        does not log or save reads nothing (the skip of a non-finite step decided on the device)."""
+        strategy = cast(Any, self.strategy)
+        if not hasattr(strategy, "clip_for_step"):
+            return "DeepSpeed's engine decides a non-finite step's skip in its own step"
+        if self.ft is not None:
+            return "torchft's commit vote is taken on the host"
+        if self.scaler is not None:
+            return "fp16's GradScaler reads its overflow flag"
+        if not strategy.skips_on_device(self.optimizer, self.scaler):
+            return "optim.fused=false: a non-finite step's skip is decided on the host"
+        if self.cfg.max_tokens is not None:
+            return "max_tokens stops at the step's global token count"
+        return None
+
+
+@dataclasses.dataclass
+class _Unread:
+    """A step whose figures are still on the device (``row``: loss sum, tokens, FLOPs, norm, ok),
+    or were read at once (a list)."""
+
+    step: int
+    lr: float
+    row: torch.Tensor | list[float]
+    table: Any  # a logging step's MoE figures: (keys, tensor or list)
+    must_stop: bool
+
+
+def _on_device(values: list[float], device: torch.device) -> torch.Tensor:
+    """Host figures on the device without waiting for it: a blocking copy to a CUDA device
+    synchronises its stream (the host would wait for the step queued so far); from pinned memory
+    the copy is queued like a kernel."""
+    host = torch.tensor(values, dtype=torch.float32, pin_memory=device.type == "cuda")
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
 
 
 def _concat(batches: list[dict]) -> dict:
