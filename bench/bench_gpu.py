@@ -311,14 +311,17 @@ def measure_trainer(row: Row, base, cfg, device, args, peak: float) -> None:
         row.loss_chunk = trainer.model.loss_chunk_size
         batches = trainer._batches()
         t0 = time.perf_counter()
-        row.first_loss = float(trainer._train_step(batches)["loss"])
+        trainer._train_step(batches)
+        # a step that does not log leaves its figures on the device: read them as a logging step does
+        row.first_loss = trainer._read_figures()[-1]["loss"]
         row.compile_s = time.perf_counter() - t0
         warmup, steps = (args.compiled_warmup, args.compiled_steps) if row.compiled else (args.warmup, args.steps)
         for _ in range(warmup - 1):
             trainer._train_step(batches)
         free_memory(device)
-        times, record = trainer_steps(trainer, batches, steps, device)
-        if not math.isfinite(float(record["loss"])):
+        times, _ = trainer_steps(trainer, batches, steps, device)
+        record = trainer._read_figures()[-1]  # after the timing, as the next logging step would
+        if not math.isfinite(record["loss"]):
             row.error = "non-finite loss"
         finish(row, times, cfg, device, peak)
         if device.type == "cuda":

@@ -171,7 +171,7 @@ more)
     # the fast subset: no compiled recipe (~20 s each), no DDP/FSDP2 world of one (27 s), no NCCL
     # flight recorder (a process of its own); `tests` runs them all. -v: a cut run still names what passed
     step 30 tests python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_gpu.py \
-        -k "not compiled_blocks and not world_of_one and not watchdog"
+        -k "not compiled_blocks and not world_of_one and not watchdog and not llama_compiled"
     step 10 "merge and planner" python3 scripts/gpu_merge.py "$out/more.json" "${parts[@]}" "$log" --price "$session"
     budget 270
     ;;

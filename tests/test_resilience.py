@@ -119,6 +119,38 @@ def test_spike_rolls_back_skips_data_and_resumes_exactly_after_a_kill_in_the_ski
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_a_spike_read_a_step_late_rolls_back_as_a_spike_read_at_once(cache, tmp_path):
+    """At log_every=4 step 7's loss stays on the device until step 8's read (a saving step): the
+    spike is judged then, in step order, and the run rolls back to checkpoint 6 before step 8's
+    checkpoint is written; from there it is the run that read step 7 at once, bitwise."""
+
+    def spike_once(t):
+        forward, fired = t.model.forward, []
+
+        def at_7(*a, **kw):
+            out = forward(*a, **kw)
+            if t.model.training and t.step == 6 and not fired:
+                fired.append(True)
+                out.loss = out.loss * 100.0
+            return out
+
+        t.model.forward = at_7
+
+    runs = {}
+    for log_every in (1, 4):
+        t = trainer(tmp_path / str(log_every), *SPIKE, f"log_every={log_every}")
+        spike_once(t)
+        t.fit()
+        events = json.loads((tmp_path / str(log_every) / "rollbacks.json").read_text())
+        assert [(e["spike_step"], e["to_step"]) for e in events] == [(7, 6)], log_every
+        runs[log_every] = t
+    spike = [r for r in metrics(tmp_path / "4") if r.get("spike")]
+    assert len(spike) == 1 and spike[0]["step"] == 7 and spike[0]["rollback_to"] == 6
+    a, b = (runs[k].model.state_dict() for k in (1, 4))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert runs[1].consumed == runs[4].consumed == 12 * 4 + 8
+
+
 def test_spike_options_change_nothing_without_a_spike(cache, tmp_path):
     common = [s for s in SPIKE if not s.startswith("on_spike")]
     trainer(tmp_path / "off", *common, "on_spike=none").fit()

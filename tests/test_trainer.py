@@ -168,6 +168,30 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(cache, tmp_path):
     assert "signal SIGTERM" in out
 
 
+def test_a_stop_flag_is_read_lag_steps_late_and_the_stopping_step_is_logged_and_saved(cache, tmp_path):
+    """On CUDA a step's stop flags (a signal on any rank, max_time) are read two steps after they
+    were all-reduced, so that no step waits for the device (tformer/train/lagged.py); forced here on
+    the CPU: a signal noted after step 3 rides in step 4's figures, is read at step 6, and the run
+    stops there with step 6 logged (log_every=4 would not log it) and checkpointed."""
+    from tformer.train.lagged import LaggedFlags
+
+    flags = LaggedFlags(torch.device("cpu"), 2, lag=2)
+    got = [flags.push(torch.tensor([float(i), -float(i)])) for i in range(5)]
+    assert got == [None, None, (0.0, -0.0), (1.0, -1.0), (2.0, -2.0)]
+
+    def signal_after(t, record):
+        if record["step"] == 3:
+            t._signal = "SIGTERM"
+
+    common = ["max_steps=20", "save_every=0", "eval_every=0", "log_every=4"]
+    t = trainer("gpt2-tiny", tmp_path, *common, callbacks=[signal_after])
+    t._flags = LaggedFlags(torch.device("cpu"), 2, lag=2)
+    t.fit()
+    assert t.step == 6 and t._stop_reason == "signal SIGTERM"
+    assert [r["step"] for r in metrics(tmp_path)] == [4, 6]
+    assert find_latest(tmp_path / "checkpoints").name == "step_00000006"
+
+
 def test_ctrl_c_saves_like_sigterm_even_when_it_arrives_twice(cache, tmp_path):
     """Ctrl-C (SIGINT) finishes the step, saves and exits 0. The terminal sends it to the whole
     process group (the DataLoader worker, data.num_workers=1, ignores it), and a torchrun agent

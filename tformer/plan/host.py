@@ -16,8 +16,8 @@ aten op; the difference is one block's, the rest the embedding's, head's and los
 parallelism the ops of the modules tformer's TP plan parallelizes (``parallel.tp.tp_plan``), and
 with loss parallelism the loss after the head, run on DTensors: they are counted apart, forward by
 module hooks and backward by the autograd nodes those forwards made (their sequence numbers). The
-optimizer's ops are counted by running torch's AdamW the way the trainer builds it (fused for DDP
-on one rank; DTensor parameters take the per-parameter loop on the CPU and foreach on a GPU), with
+optimizer's ops are counted by running torch's AdamW the way the trainer builds it (fused, for
+every layout), with
 the gradient norm and clip of ``parallel.tp.grad_norm_and_clip``. The counts are cached per model
 structure (a few tens of milliseconds each, once).
 

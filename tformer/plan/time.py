@@ -214,15 +214,13 @@ def _host_micro_batch(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: Sta
 
 
 def _host_optimizer(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: Stage) -> float:
-    """Host seconds of the optimizer step on one rank (plan/host.py): AdamW as the trainer builds it,
-    fused over plain parameters (DDP on its own, DeepSpeed's client), else the per-parameter loop on
-    the CPU and foreach on a GPU, each op on DTensors when FSDP2 or TP made the parameters ones."""
+    """Host seconds of the optimizer step on one rank (plan/host.py): torch's fused AdamW, as the
+    trainer builds it for every layout (under FSDP2 / TP DTensor dispatches its kernels on the
+    local shards, each op at the DTensor's extra cost), and the clip's per-parameter ops."""
     c = op_counts(cfg)
     dtensors = _fsdp2(layout) or layout.tp > 1
-    fused = not dtensors and layout.pp == 1
-    kind = "fused" if fused else "loop" if hw.device == "cpu" else "foreach"
     params = sum(n * c.block_params[i] for i, n in enumerate(stage.blocks)) + c.rest_params
-    return optimizer_ops(kind).ops(params) * (hw.op_overhead + dtensors * hw.dtensor_optimizer_overhead)
+    return optimizer_ops("fused").ops(params) * (hw.op_overhead + dtensors * hw.dtensor_optimizer_overhead)
 
 
 def _pipeline_alone(shared: dict, alone: dict, layout: Layout, m: int) -> dict:

@@ -475,8 +475,8 @@ class Trainer:
                 # the losses read at this step, in order (those of the steps since the last read too)
                 spike = next((r for r in [*self._replayed, record] if "loss" in r and rollback.handle_spike(self, r)), None)
                 if spike is not None:  # rolled back to an earlier checkpoint: new data position
-                    if main:
-                        log_step(spike, metrics_file, tracker, bar)
+                    if main:  # the interval's rates and memory are the read's (this step's)
+                        log_step({**record, **spike}, metrics_file, tracker, bar)
                     if bar is not None:
                         bar.n = self.step
                     batches = self._batches()
