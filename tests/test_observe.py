@@ -263,9 +263,9 @@ def test_watchdog_names_the_collective_a_rank_never_joined(cache, tmp_path):
     # the loss all-reduce of step 3: the 3rd collective of the default group this run made on rank 0
     # after start-up; rank 1's last is the one before it
     entered = json.loads((d / "flight_rank0.json").read_text())["entries"][-1]
-    assert entered["profiling_name"] == "gloo:all_reduce" and entered["input_sizes"] == [[4]]
+    assert entered["profiling_name"] == "gloo:all_reduce" and entered["input_sizes"] == [[5]]
     seq = entered["collective_seq_id"]
-    assert f"rank(s) [0] entered gloo:all_reduce #{seq} (sizes [[4]])" in report, report
+    assert f"rank(s) [0] entered gloo:all_reduce #{seq} (sizes [[5]])" in report, report
     assert f"rank 1 never joined it (its last: gloo:all_reduce #{seq - 1})" in report, report
 
 

@@ -721,6 +721,21 @@ def test_a_step_reads_the_device_only_when_it_logs(recipe, layout, cache, tmp_pa
         assert all("moe/tokens_max_over_mean_worst" in r for r in rows), rows[0]
 
 
+@pytest.mark.parametrize(
+    "extra,reason",
+    [(["optim.fused=false"], "optim.fused=false"), (["max_tokens=100000"], "max_tokens stops at the step's")],
+)
+def test_a_run_that_must_decide_on_the_host_reads_once_a_step_and_says_why(extra, reason, cache, tmp_path):
+    """Where the host must decide at every step (a foreach AdamW cannot skip on the device; a
+    max_tokens stop needs the global count), each step reads once, its figures all together, and
+    the run says why in its start-up log."""
+    t = trainer("gpt2-tiny", tmp_path, *READ_STEPS, *extra)
+    reads = count_step_reads(t)
+    assert reason in (t._read_reason or "")
+    assert [len(reads.get(s, [])) for s in range(1, 6)] == [1] * 5, reads
+    assert [r["step"] for r in metrics(tmp_path)] == [2, 4, 5]
+
+
 def _reads_worker(rank, world, port, jobs, cache, out):
     from train_helpers import become_rank
 

@@ -431,8 +431,12 @@ class MeshStrategy:
 
     def fused_optimizer_ok(self) -> bool:
         # DTensor parameters (FSDP2, TP, EP) run torch's fused AdamW too: DTensor dispatches its
-        # kernel shard by shard. Fused, a non-finite step is skipped on the device (no read).
-        return True
+        # kernel shard by shard; fused, a non-finite step is skipped on the device (no read). One
+        # kernel takes a parameter group's tensors together, so they must be of one kind: TP under
+        # DDP (replicated plain tensors beside DTensors) takes the foreach implementation.
+        from torch.distributed.tensor import DTensor
+
+        return len({isinstance(p, DTensor) for p in self.model.parameters() if p.requires_grad}) <= 1
 
     def no_sync(self, last_micro: bool) -> contextlib.AbstractContextManager:
         """Skip the gradient reduction on all but the last micro-batch of an accumulation."""

@@ -219,8 +219,11 @@ def _host_optimizer(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: Stage
     local shards, each op at the DTensor's extra cost), and the clip's per-parameter ops."""
     c = op_counts(cfg)
     dtensors = _fsdp2(layout) or layout.tp > 1
+    # TP without FSDP2 leaves plain parameters beside the DTensors: foreach (the loop on a CPU)
+    mixed = layout.tp > 1 and not _fsdp2(layout)
+    kind = "fused" if not mixed else "loop" if hw.device == "cpu" else "foreach"
     params = sum(n * c.block_params[i] for i, n in enumerate(stage.blocks)) + c.rest_params
-    return optimizer_ops("fused").ops(params) * (hw.op_overhead + dtensors * hw.dtensor_optimizer_overhead)
+    return optimizer_ops(kind).ops(params) * (hw.op_overhead + dtensors * hw.dtensor_optimizer_overhead)
 
 
 def _pipeline_alone(shared: dict, alone: dict, layout: Layout, m: int) -> dict:

@@ -867,7 +867,12 @@ class Trainer:
         if self.scaler is not None:
             return "fp16's GradScaler reads its overflow flag"
         if not strategy.skips_on_device(self.optimizer, self.scaler):
-            return "optim.fused=false: a non-finite step's skip is decided on the host"
+            if self.cfg.optim.fused is False:
+                return "optim.fused=false: a non-finite step's skip is decided on the host"
+            return (
+                "this layout holds plain and DTensor parameters side by side: they take the foreach AdamW, "
+                "which cannot skip a non-finite step on the device"
+            )
         if self.cfg.max_tokens is not None:
             return "max_tokens stops at the step's global token count"
         return None
