@@ -746,6 +746,7 @@ class Trainer:
         return (
             self._read_reason is not None
             or self.logs_at(step)
+            or self.prof.active  # a traced step's time (steps.json) is then the device's too
             or self._stop_reason is not None
             or bool(cfg.save_every and step % cfg.save_every == 0)
             or bool(cfg.eval_every and step % cfg.eval_every == 0)
