@@ -110,6 +110,7 @@ class Trainer:
         self._resume()  # it restores the RNG streams, which nothing may draw from afterwards
         # after the resume: the Manager starts at the step this group stands at
         self.ft: FaultTolerance | None = FaultTolerance(self) if cfg.fault_tolerance.enabled else None
+        self._read_reason = self._why_read_every_step()  # None: a step that does not log reads nothing
 
     # -- setup -----------------------------------------------------------------------------
     def _check_inputs(self) -> None:
@@ -217,7 +218,7 @@ class Trainer:
         self._stop_reason: str | None = None
         self._signal: str | None = None
         self._start = time.perf_counter()  # fit() sets it: max_time counts from there
-        self._read_reason: str | None = None  # fit() sets it: why each step reads the device, if it must
+        self._read_reason: str | None = None  # why each step reads the device, if it must (set last)
         self._unread: list[_Unread] = []  # steps whose figures are still on the device
         self._replayed: list[dict] = []  # the records read with the last step's, before it
         self._flags = LaggedFlags(self.device, 2)  # the stop flags, read a few steps late on a GPU
@@ -439,7 +440,6 @@ class Trainer:
                 total=cfg.max_steps, initial=self.step, unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=1.0
             )
         self._start = time.perf_counter()
-        self._read_reason = self._why_read_every_step()
         if self._read_reason is not None and main:
             log.info("reading the step's figures from the device at every step: %s", self._read_reason)
         last: dict = {}
