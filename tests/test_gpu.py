@@ -206,7 +206,12 @@ def test_tiny_recipe_trains_on_cuda_in_bf16_with_compiled_blocks(recipe, cache, 
 @gpu
 @pytest.mark.parametrize(
     "recipe,extra",
-    [("gpt2-tiny", []), ("t5-tiny", []), pytest.param("llama-tiny", ["compile=true"], id="llama_compiled")],
+    [
+        ("gpt2-tiny", []),
+        ("bert-tiny", []),
+        ("t5-tiny", []),
+        pytest.param("llama-tiny", ["compile=true"], id="llama_compiled"),
+    ],
 )
 def test_a_cuda_step_that_does_not_log_never_waits_for_the_device(recipe, extra, cache, tmp_path, monkeypatch):
     """CUDA's own account of every synchronising call (``torch.cuda.set_sync_debug_mode("error")``:

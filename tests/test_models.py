@@ -395,6 +395,31 @@ def test_models_never_import_torch_distributed():
         assert "torch.distributed" not in path.read_text(), path
 
 
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_a_host_count_of_the_labels_finds_the_masked_rows_bitwise(chunk):
+    """The trainer passes an eager masked LM the count of its labels, taken in host memory, so that
+    the head's rows are found by a gather of a size the host knows (``nonzero_static``) instead of
+    boolean indexing (which waits for the device): the same rows in the same order, so the same
+    loss and gradients bitwise, whole head or chunked; a count one short would drop a row."""
+    torch.manual_seed(0)
+    model = build_model("bert-tiny")
+    model.loss_chunk_size = chunk
+    b, s = 3, 12
+    ids = torch.randint(5, model.config.vocab_size, (b, s))
+    labels = ids.masked_fill(torch.rand(b, s) > 0.3, -100)
+    labels[:, 0] = ids[:, 0]
+    count = int((labels != -100).sum())
+    results = []
+    for extra in ({}, {"labelled_count": count}, {"labelled_count": count - 1}):
+        model.zero_grad()
+        out = model(ids, labels=labels, return_logits=False, **extra)
+        out.loss.backward()
+        results.append((out.loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (mask, mask_grads), (host, host_grads), (short, _) = results
+    assert torch.equal(host, mask) and all(torch.equal(a, b) for a, b in zip(host_grads, mask_grads))
+    assert not torch.equal(short, mask)
+
+
 @pytest.mark.parametrize("preset", TINY)
 def test_loss_only_forward_gives_the_same_loss_and_gradients(preset):
     """return_logits=False (the trainer's path; for BERT the MLM head runs at masked positions

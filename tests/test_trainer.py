@@ -628,8 +628,9 @@ def test_strategy_step_contract_applies_skips_and_clears():
 # what is read on the host on every machine, or must be (named): models/loss.py's CPU-only
 # shortcut; a device mesh's rank table; AdamW's step count where it is a host tensor; the MoE
 # layer's split of its tokens by expert (``expert_matmul``) and expert parallelism's send/receive
-# split (ep.py): grouped matmuls and all-to-alls of data-dependent sizes, one a layer and micro-batch
-NAMED_CALLERS = ("_is_one", "_get_value", "expert_matmul")
+# split (ep.py): grouped matmuls and all-to-alls of data-dependent sizes, one a layer and micro-batch;
+# a masked LM's labels counted in the loader's batch (``_host_count``: host memory on every machine)
+NAMED_CALLERS = ("_is_one", "_get_value", "expert_matmul", "_host_count")
 NAMED_FILES = ("device_mesh.py", "ep.py")
 # once, in the first step: torch's pipeline schedule exchanges the stages' shapes (its warm-up p2p)
 FIRST_STEP_FILES = ("schedules.py", "stage.py", "distributed_c10d.py")
@@ -655,15 +656,15 @@ def count_step_reads(t: Trainer) -> dict[int, list[str]]:
         reads.setdefault(current[0], []).append(f"{what} in {where}")
 
     with pytest.MonkeyPatch.context() as patch:
-        for name in ("item", "__float__", "__bool__", "__int__", "tolist", "cpu", "numpy", "to"):
+        names = ("item", "__float__", "__bool__", "__int__", "tolist", "cpu", "numpy", "to")
+        for name in (*names, "__getitem__", "nonzero", "masked_select"):
             original = getattr(torch.Tensor, name)
 
             def counted(self, *a, _original=original, _name=name, **kw):
                 if inside[0]:
                     inside[0] = False  # a read inside a read (e.g. .numpy() calling .cpu()) counts once
                     try:
-                        # .to("cpu") spelt so: on this CPU every .to(device) moves to a "cpu" device
-                        if _name != "to" or (a[:1] or [kw.get("device")])[0] == "cpu":
+                        if _waits(_name, a, kw):
                             note(_name)
                         return _original(self, *a, **kw)
                     finally:
@@ -685,6 +686,18 @@ def count_step_reads(t: Trainer) -> dict[int, list[str]]:
     return reads
 
 
+def _waits(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a counted tensor method waits for the device: ``.to`` only to the host (spelt
+    "cpu": on this CPU every ``.to(device)`` moves to a "cpu" device), indexing only with a boolean
+    mask (its result's size is a count the device knows, as for ``nonzero``, ``masked_select``)."""
+    if name == "to":
+        return (args[:1] or [kwargs.get("device")])[0] == "cpu"
+    if name == "__getitem__":
+        parts = args[0] if isinstance(args[0], tuple) else (args[0],)
+        return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+    return True
+
+
 def assert_reads_only_to_log(reads: dict[int, list[str]], steps: int, log_every: int, what=()) -> None:
     """No read at a step that does not log; one at a logging step (every figure in it)."""
     for s in range(1, steps + 1):
@@ -702,6 +715,7 @@ READ_STEPS = ["max_steps=5", "eval_every=0", "save_every=0", "log_every=2"]
         ("gpt2-tiny", "parallel.strategy=ddp"),
         ("gpt2-tiny", "parallel.strategy=fsdp"),
         ("mixtral-tiny", "parallel.strategy=ddp"),
+        ("bert-tiny", "parallel.strategy=ddp"),
     ],
 )
 def test_a_step_reads_the_device_only_when_it_logs(recipe, layout, cache, tmp_path):

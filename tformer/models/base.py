@@ -264,6 +264,7 @@ class TformerModel(nn.Module):
         labelled_only: bool = False,
         label_smoothing: float = 0.0,
         loss_tokens: torch.Tensor | None = None,
+        labelled_count: int | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Apply the output head (``_head_input``, then ``lm_head``) and the loss.
 
@@ -277,7 +278,12 @@ class TformerModel(nn.Module):
             return logits, (lm_loss(logits, labels, label_smoothing, loss_tokens) if labels is not None else None)
         if labelled_only:
             keep = labels != -100
-            hidden, labels = hidden[keep], labels[keep]
+            if labelled_count is None:
+                hidden, labels = hidden[keep], labels[keep]  # a count only the device knows: it waits
+            else:  # the same rows, in the same order, found in a tensor of a size the host knows
+                rows = torch.nonzero_static(keep.reshape(-1), size=labelled_count).squeeze(1)
+                hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+                labels = labels.reshape(-1).index_select(0, rows)
         x = self._head_input(hidden)
         if self.sharded_loss is not None:
             return None, self.sharded_loss(self.lm_head(x), labels, self.config.vocab_size, label_smoothing, loss_tokens)

@@ -67,16 +67,25 @@ class EncoderModel(TformerModel):
         label_smoothing: float = 0.0,
         doc_ids: torch.Tensor | None = None,
         loss_tokens: torch.Tensor | None = None,
+        labelled_count: int | None = None,
     ) -> ModelOutput | torch.Tensor:
         """``return_logits=False`` (with labels) runs the MLM head at the masked positions only and
         returns the loss without logits: the same loss and gradients for a fraction of the head.
+        ``labelled_count``: how many labels are set, counted on the host (the trainer's batch before
+        it moves to the device), so that finding them needs no wait for the device.
         ``doc_ids`` (B, S) packs documents that do not attend to each other (see the decoder).
         A pipeline stage before the last (no ``lm_head``) returns its hidden states."""
         h = self.hidden_states(input_ids, attention_mask, token_type_ids, position_ids, doc_ids)
         if self.lm_head is None:
             return h
         logits, loss = self._head_and_loss(
-            h, labels, return_logits, labelled_only=True, label_smoothing=label_smoothing, loss_tokens=loss_tokens
+            h,
+            labels,
+            return_logits,
+            labelled_only=True,
+            label_smoothing=label_smoothing,
+            loss_tokens=loss_tokens,
+            labelled_count=labelled_count,
         )
         return ModelOutput(logits, loss)
 

@@ -111,6 +111,12 @@ class Trainer:
         # after the resume: the Manager starts at the step this group stands at
         self.ft: FaultTolerance | None = FaultTolerance(self) if cfg.fault_tolerance.enabled else None
         self._read_reason = self._why_read_every_step()  # None: a step that does not log reads nothing
+        # an eager masked LM on a plain layout: its labelled positions counted on the host (under tp,
+        # cp or pp the model sees another part of the batch; compiled, a count would recompile)
+        dims = self.dims
+        self._count_labels = (
+            self.model_cfg.family == "encoder" and dims.tp == dims.cp == dims.pp == 1 and cfg.compile is False
+        )
 
     # -- setup -----------------------------------------------------------------------------
     def _check_inputs(self) -> None:
@@ -219,6 +225,7 @@ class Trainer:
         self._signal: str | None = None
         self._start = time.perf_counter()  # fit() sets it: max_time counts from there
         self._read_reason: str | None = None  # why each step reads the device, if it must (set last)
+        self._count_labels = False  # set last: a masked LM's labels counted on the host
         self._unread: list[_Unread] = []  # steps whose figures are still on the device
         self._replayed: list[dict] = []  # the records read with the last step's, before it
         self._flags = LaggedFlags(self.device, 2)  # the stop flags, read a few steps late on a GPU
@@ -609,6 +616,8 @@ class Trainer:
                 batch = next(batches)
             self._beat("forward-backward")
             inputs = {k: batch[k].to(self.device, non_blocking=True) for k in keys if k in batch}
+            if self._count_labels:  # the masked LM head's rows, counted in the loader's host copy
+                inputs["labelled_count"] = _host_count(batch["labels"])
             seq2seq = spec_of(self.model_cfg).seq2seq  # the labels are a second (target) sequence
             tokens += inputs["input_ids"].numel() + (inputs["labels"].numel() if seq2seq else 0)
             # the FLOPs of the batch as it is (token-budget batches vary in shape; padding included)
@@ -889,6 +898,11 @@ class _Unread:
     row: torch.Tensor | list[float]
     table: Any  # a logging step's MoE figures: (keys, tensor or list)
     must_stop: bool
+
+
+def _host_count(labels: torch.Tensor) -> int:
+    """The labels set in a batch still in host memory (the loader's copy): no device involved."""
+    return int(torch.count_nonzero(labels != -100))
 
 
 def _on_device(values: list[float], device: torch.device) -> torch.Tensor:
