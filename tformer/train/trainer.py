@@ -110,7 +110,7 @@ class Trainer:
         self._resume()  # it restores the RNG streams, which nothing may draw from afterwards
         # after the resume: the Manager starts at the step this group stands at
         self.ft: FaultTolerance | None = FaultTolerance(self) if cfg.fault_tolerance.enabled else None
-        self._read_reason = self._why_read_every_step()  # None: a step that does not log reads nothing
+        self._read_reason: str | None = self._why_read_every_step()  # None: a step that does not log reads nothing
         # an eager masked LM on a plain layout: its labelled positions counted on the host (under tp,
         # cp or pp the model sees another part of the batch; compiled, a count would recompile)
         dims = self.dims
@@ -224,7 +224,7 @@ class Trainer:
         self._stop_reason: str | None = None
         self._signal: str | None = None
         self._start = time.perf_counter()  # fit() sets it: max_time counts from there
-        self._read_reason: str | None = None  # why each step reads the device, if it must (set last)
+        self._read_reason = None  # why each step reads the device, if it must (set last in __init__)
         self._count_labels = False  # set last: a masked LM's labels counted on the host
         self._unread: list[_Unread] = []  # steps whose figures are still on the device
         self._replayed: list[dict] = []  # the records read with the last step's, before it
