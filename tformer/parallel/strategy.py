@@ -469,9 +469,6 @@ class MeshStrategy:
     def finish_step(self, optimizer: Any, scaler: Any, ok: bool) -> StepResult:
         return finish_step(optimizer, scaler, ok)
 
-    def skips_on_device(self, optimizer: Any, scaler: Any) -> bool:
-        return skips_on_device(optimizer, scaler)
-
     def finish_step_on_device(self, optimizer: Any, ok: torch.Tensor) -> None:
         finish_step_on_device(optimizer, ok)
 

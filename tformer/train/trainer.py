@@ -31,7 +31,7 @@ from ..parallel.build import build_strategy
 from ..parallel.context import context_shard
 from ..parallel.offload import activation_offload
 from ..parallel.routing import note_lengths
-from ..parallel.strategy import Pipeline, StepResult, Strategy
+from ..parallel.strategy import Pipeline, StepResult, Strategy, skips_on_device
 from ..parallel.tp import pad_vocab_for_tp
 from . import evaluation, rollback
 from . import resume as resuming
@@ -224,8 +224,6 @@ class Trainer:
         self._stop_reason: str | None = None
         self._signal: str | None = None
         self._start = time.perf_counter()  # fit() sets it: max_time counts from there
-        self._read_reason = None  # why each step reads the device, if it must (set last in __init__)
-        self._count_labels = False  # set last: a masked LM's labels counted on the host
         self._unread: list[_Unread] = []  # steps whose figures are still on the device
         self._replayed: list[dict] = []  # the records read with the last step's, before it
         self._flags = LaggedFlags(self.device, 2)  # the stop flags, read a few steps late on a GPU
@@ -739,7 +737,7 @@ class Trainer:
         loss_sum_all, tokens_all, flops_all, *norm_read = read[:fixed]
         if table is not None:
             table = (table[0], read[fixed:])
-        loss = loss_sum_all / (self.dist.world_size // self.dims.pp)
+        loss = self._mean_loss(loss_sum_all)
         with self.prof.range("optimizer"):
             if clip_first is not None:
                 ok = math.isfinite(loss) and math.isfinite(norm_read[0])
@@ -749,6 +747,11 @@ class Trainer:
                 result = self.strategy.step(self.optimizer, self.scaler, clip, math.isfinite(loss))
         ok = result.applied and math.isfinite(loss) and not result.must_stop
         return [loss_sum_all, tokens_all, flops_all, result.grad_norm, float(ok)], result.must_stop, table
+
+    def _mean_loss(self, loss_sum: float) -> float:
+        """The step's loss from its sum over the ranks: the tp ranks of a group agree; of a
+        pipeline, only the last stage's ranks hold the loss."""
+        return loss_sum / (self.dist.world_size // self.dims.pp)
 
     def _reads_at(self, step: int) -> bool:
         cfg = self.cfg
@@ -783,8 +786,7 @@ class Trainer:
             else:
                 row = u.row
             loss_sum_all, tokens_all, flops_all, norm, ok = row
-            # the tp ranks of a group agree; of a pipeline, only the last stage's ranks hold the loss
-            loss = loss_sum_all / (self.dist.world_size // self.dims.pp)
+            loss = self._mean_loss(loss_sum_all)
             global_tokens = int(tokens_all) // group  # each counted its group's batch
             self.tokens += global_tokens
             # every rank of a tp / pp / cp group counted its group's batch: the model FLOPs of the
@@ -876,7 +878,7 @@ class Trainer:
             return "torchft's commit vote is taken on the host"
         if self.scaler is not None:
             return "fp16's GradScaler reads its overflow flag"
-        if not strategy.skips_on_device(self.optimizer, self.scaler):
+        if not skips_on_device(self.optimizer, self.scaler):
             if self.cfg.optim.fused is False:
                 return "optim.fused=false: a non-finite step's skip is decided on the host"
             return (
