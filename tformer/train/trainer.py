@@ -37,13 +37,13 @@ from . import evaluation, rollback
 from . import resume as resuming
 from .checks import check_support
 from .config import TrainConfig
-from .console import METRICS, log_step, start_summary, trim_metrics
+from .console import METRICS, log_step, mark_start, say, start_summary, trim_metrics
 from .data import build_data, check_sources, copy_tokenizer, train_batches
 from .dist import all_reduce, barrier, device_type, init_distributed
 from .ft import FaultTolerance, QuorumLost, check_fault_tolerance, lighthouse_address, wait_for_lighthouse
 from .head import loss_chunk_size
 from .lagged import LaggedFlags
-from .metrics import peak_flops
+from .metrics import cpu_peak_at_least, peak_flops
 from .optim import build_optimizer, build_scheduler
 from .profiling import OFF, build_profiler, check_ranks
 from .rollback import LossSpikeError as LossSpikeError  # raised there; cli.py and tests import it here
@@ -426,7 +426,7 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / RUN_CONFIG).write_text(self.resolved_yaml())  # the run's, as in each checkpoint
             copy_tokenizer(self.data, self.out)
-            print(start_summary(self), flush=True)  # the whole resolved config is config.yaml
+            say(start_summary(self))  # the whole resolved config is config.yaml
         quiet_repeats()  # torch and DeepSpeed have set up their loggers by now
         previous = self._install_signals()
         if main:
@@ -445,6 +445,7 @@ class Trainer:
                 total=cfg.max_steps, initial=self.step, unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=1.0
             )
         self._start = time.perf_counter()
+        mark_start()
         if self._read_reason is not None and main:
             log.info("reading the step's figures from the device at every step: %s", self._read_reason)
         last: dict = {}
@@ -541,10 +542,7 @@ class Trainer:
             restore_signals(previous)
         if main:
             reason = self._stop_reason or "max_steps"
-            print(
-                f"tformer: stopped at step {self.step} ({reason}); checkpoint {self.ckpt_root / f'step_{self.step:08d}'}",
-                flush=True,
-            )
+            say(f"tformer: stopped at step {self.step} ({reason}); checkpoint {self.ckpt_root / f'step_{self.step:08d}'}")
         return last
 
     def _finish_pending(self, metrics_file, tracker, bar) -> dict | None:
@@ -710,9 +708,12 @@ class Trainer:
             # logged step (only that interval, which ends in this read, has a true wall time)
             seconds, window_tokens, window_flops, steps_in_window = window
             record.update(replayed.pop())
+            achieved = window_flops / self.dist.world_size / seconds
+            if achieved > self.peak and self.device.type == "cpu":  # the measured peak was low: MFU <= 100%
+                self.peak = cpu_peak_at_least(DTYPES[self.precision], achieved)
             record.update(
                 tokens_per_s=window_tokens / seconds,
-                mfu=window_flops / self.dist.world_size / seconds / self.peak,
+                mfu=achieved / self.peak,
                 step_time=seconds / steps_in_window,
             )
             if self.logs_at(self.step):
