@@ -300,6 +300,20 @@ class _LighthouseWatch:
             )
 
 
+def _one_line(backend: str) -> Any:
+    """A filter for torchft's Manager log: its errors as one line each, without the traceback of
+    torchft's own wait (the message names the error: "got exception waiting for work ...
+    Connection closed by peer"); on gloo, no warning about NCCL's flight recorder."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        if backend != "nccl" and "NCCL flight recorder" in record.getMessage():
+            return False
+        record.exc_info, record.exc_text = None, None
+        return True
+
+    return keep
+
+
 class FaultTolerance:
     """The trainer's side of torchft: one ``Manager`` per rank, the step's quorum, the cross-group
     average of the gradients (and of the step's statistics), the commit vote, and the state a
@@ -347,6 +361,7 @@ class FaultTolerance:
         # a restarted lighthouse numbers its quorums from 1 again: see QuorumEpochs
         self.epochs = QuorumEpochs(self.manager._client)
         self.manager._client = self.epochs
+        self._quiet(cfg.backend)
         self.semi_sync = cfg.semi_sync
         # a group resumed from disk stands at the checkpoint's step (the Manager counts commits:
         # every step, or every synchronisation under local_sgd / diloco)
@@ -367,6 +382,18 @@ class FaultTolerance:
         self.start = time.perf_counter()
         self._healed = False
         self.quorum_s = 0.0  # the last step's quorum (and heal): part of its step time
+
+    def _quiet(self, backend: str) -> None:
+        """One readable log: torchft's checkpoint server prints an access line per heal request
+        (``"GET /checkpoint/230/full HTTP/1.1" 200 -``, the standard library's default), and its
+        Manager warns at every reconfiguration that it cannot reset NCCL's flight recorder, which
+        a gloo run has none of (both dropped; heals are said by tformer's own line), and logs a
+        peer's death with a traceback of its own wait (kept as its one line)."""
+        server = getattr(self.manager._checkpoint_transport, "_server", None)
+        handler = getattr(server, "RequestHandlerClass", None)
+        if handler is not None:
+            handler.log_message = lambda *args, **kwargs: None
+        logging.getLogger("torchft.manager").addFilter(_one_line(backend))
 
     def _carry_counters(self, path: Any) -> None:
         """A restarted group's counters go on from its own last record in ``metrics.jsonl`` (the
