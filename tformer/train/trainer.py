@@ -216,6 +216,8 @@ class Trainer:
         self.watchdog: Watchdog | None = None
         self.prof = OFF  # fit() sets the run's profiler (tformer/train/profiling.py)
         self.times = StepTimes()  # this rank's data wait and step time, gathered at logging steps
+        if self.dist.world_size > 1 and self.dims.pp == 1:  # a rank's waits in its collectives
+            self.times.watch(self.wrapped)
         self.ft = None  # torchft's Manager (fault_tolerance.enabled), set up last
         self._watchdog_warned = False
         self.wandb_id: str | None = None
