@@ -52,3 +52,28 @@ def test_cpu_mfu_divides_by_the_quiet_peak_beside_busy_processes_and_never_excee
     low = _train(tmp_path / "low", cache)
     assert low["mfu"] <= 1.0
     assert next(iter(json.loads(peaks.read_text()).values())) > 1e6
+
+
+def test_kinetos_start_and_stop_lines_are_dropped_and_the_rest_of_stderr_kept(capfd, monkeypatch):
+    """torch's profiler prints ``USDT: ... profiler_start`` / ``profiler_stop`` to the process's
+    stderr at each start and stop (torch 2.13); tformer drops those lines, keeps every other line
+    written meanwhile and the profile itself, and touches nothing when KINETO_LOG_LEVEL is set."""
+    import os
+
+    import torch
+
+    from tformer.train.profiling import quiet_kineto
+
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
+    x = torch.randn(64, 64)
+    prof = torch.profiler.profile()
+    with quiet_kineto():
+        prof.start()
+        os.write(2, b"a line of someone else's\n")
+    x @ x
+    with quiet_kineto():
+        prof.stop()
+    err = capfd.readouterr().err
+    assert "profiler_start" not in err and "profiler_stop" not in err, err
+    assert "a line of someone else's" in err
+    assert any(e.name == "aten::mm" for e in prof.events())
