@@ -27,6 +27,7 @@ from ..models import build_model, spec_of
 from ..models.flops import training_flops
 from ..models.padding import pad_sequences
 from ..nn.moe import moe_figures, moe_table
+from ..parallel.balance import LoadBalancer
 from ..parallel.build import build_strategy
 from ..parallel.context import context_shard
 from ..parallel.offload import activation_offload
@@ -199,6 +200,7 @@ class Trainer:
         self.optimizer = self.strategy.setup_optimizer(base)
         self.wrapped = self.strategy.wrapped
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
+        self.balancer = LoadBalancer.of(self.model, self.model_cfg.moe, self.dist)  # None: nothing to balance
 
     def _init_counters(self) -> None:
         """Where the run stands before any step (a resume then sets them from its checkpoint)."""
@@ -680,6 +682,8 @@ class Trainer:
         else:
             row, must_stop, table = self._step_reading(stats, clip, table)
         self.scheduler.step()  # the schedule follows the step count, a skipped step's too
+        if self.balancer is not None:  # the loss-free MoE bias, from this step's expert loads
+            self.balancer.after_step()
         self.step += 1
         # samples consumed, or with token-budget batches, batches consumed (the sampler's unit)
         per_batch = 1 if cfg.data.tokens_per_batch is not None else cfg.micro_batch_size
