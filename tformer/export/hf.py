@@ -114,11 +114,12 @@ def check_blocks(cfg: ModelConfig, target) -> None:
     moe = cfg.moe
     found = [
         cfg.latent_attention and not getattr(target, "MLA", False) and "attention=mla (latent attention)",
-        cfg.yarn.enabled and not getattr(target, "YARN", False) and f"yarn.factor={cfg.yarn.factor} (YaRN RoPE)",
+        cfg.yarn.enabled and not getattr(target, "YARN", False) and f"yarn=(factor={cfg.yarn.factor}) (YaRN RoPE)",
         moe.enabled
         and not getattr(target, "SIGMOID_ROUTING", False)
         and (moe.router_score == "sigmoid" or moe.first_dense or moe.routed_scaling_factor != 1.0)
-        and "moe.router_score/first_dense/routed_scaling_factor (DeepSeek-V3's routing)",
+        and f"moe=(router_score={moe.router_score}, first_dense={moe.first_dense}, routed_scaling_factor="
+        f"{moe.routed_scaling_factor}) (DeepSeek-V3's routing)",
     ]
     found = [f for f in found if f]
     if found:
