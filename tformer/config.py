@@ -304,6 +304,9 @@ class ModelConfig:
     attention: AttentionKind = "mha"  # mha: multi-head (GQA / MQA) | mla: multi-head latent attention (model.mla)
     mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)
     yarn: YarnConfig = dataclasses.field(default_factory=YarnConfig)
+    # decoder: multi-token prediction depth D (DeepSeek-V3: 1), extra modules each predicting one token further
+    mtp_depth: int = ranged(0, "[0, inf)")
+    mtp_loss_coef: float = ranged(0.3, "[0, inf)")  # the MTP depths' mean loss times this joins the training loss
 
     def __post_init__(self) -> None:
         self.moe = moe_config(self.moe)
@@ -380,6 +383,8 @@ class ModelConfig:
             if self.num_kv_heads not in (None, self.num_heads):
                 raise ConfigError("attention=mla expands keys for every head; remove num_kv_heads")
             self.mla.validate(self.num_heads)
+        if self.mtp_depth and self.family != "decoder":
+            raise ConfigError(f"mtp_depth={self.mtp_depth} predicts further tokens of a decoder; set family=decoder or mtp_depth=0")
         if self.yarn.enabled and self.position != "rotary":
             raise ConfigError("model.yarn.factor scales rotary positions; set position=rotary or yarn.factor=null")
 

@@ -53,6 +53,11 @@ def check(cfg: ModelConfig) -> None:
     )
 
 
+def drop_mtp(state: dict) -> dict:
+    """The multi-token prediction modules left out: HF's DeepSeek-V3 has none (they stay in tformer's checkpoints)."""
+    return {k: v for k, v in state.items() if not k.startswith("mtp.")}
+
+
 def rope_parameters(cfg: ModelConfig) -> dict:
     y = cfg.yarn
     if not y.enabled:

@@ -121,6 +121,7 @@ def check_blocks(cfg: ModelConfig, target) -> None:
         and f"moe=(router_score={moe.router_score}, first_dense={moe.first_dense}, routed_scaling_factor="
         f"{moe.routed_scaling_factor}) (DeepSeek-V3's routing)",
     ]
+    found.append(cfg.mtp_depth and not hasattr(target, "drop_mtp") and f"mtp_depth={cfg.mtp_depth} (multi-token prediction)")
     found = [f for f in found if f]
     if found:
         raise ExportError(f"cannot export to HF {target.HF_CLASS}: {found[0]} has no place in it; use flavour=deepseek_v3")
@@ -138,6 +139,8 @@ def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     dtype = state["embed.tok.weight"].dtype
     hf_config.dtype = str(dtype).removeprefix("torch.")
     state = unpad_vocab(cfg, state)
+    if hasattr(target, "drop_mtp"):  # DeepSeek-V3: HF has no multi-token prediction module
+        state = target.drop_mtp(state)
     if hasattr(target, "before_export"):  # e.g. Marian: our d_model order -> HF's
         state = target.before_export(cfg, state)
     hf_state = to_hf(state, target.rules(cfg), target.HF_CLASS)
