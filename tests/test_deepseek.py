@@ -392,3 +392,89 @@ def test_router_choice_never_takes_gradient_from_the_bias():
     moe.score_bias.requires_grad_(False)
     moe(torch.randn(2, 5, 16)).sum().backward()
     assert moe.score_bias.grad is None and moe.router.weight.grad is not None
+
+
+# -- multi-token prediction ----------------------------------------------------------------------
+
+
+def _mtp_targets_are_the_tokens_k_plus_1_ahead(model, ids) -> bool:
+    """Depth k's labels at position t are the token at t + k + 1 (written out), -100 past the end."""
+    labels = torch.cat((ids[:, 1:], torch.full_like(ids[:, :1], -100)), 1)  # the trunk's aligned labels
+    seen = []
+    with torch.no_grad():
+        h = model.decoder(model.embed(ids, torch.arange(ids.shape[1])), positions=torch.arange(ids.shape[1]))
+        model.mtp(h, ids, labels, model.embed.tok, lambda x, y: seen.append(y) or x.sum() * 0)
+    b, s = ids.shape
+    for k, got in enumerate(seen, start=1):
+        want = [[ids[i, t + k + 1].item() if t + k + 1 < s else -100 for t in range(s)] for i in range(b)]
+        if got.tolist() != want:
+            return False
+    return len(seen) == model.config.mtp_depth
+
+
+def test_mtp_depths_predict_k_plus_1_ahead_and_a_label_one_short_is_caught(monkeypatch):
+    model = odd_model(mtp_depth=2).train()
+    ids = torch.randint(3, 300, (2, 10))
+    assert _mtp_targets_are_the_tokens_k_plus_1_ahead(model, ids)
+    from tformer.models import mtp
+
+    monkeypatch.setattr(mtp, "mtp_labels", lambda labels, k, doc_ids=None: mtp.shift_left(labels, k - 1, -100))
+    assert not _mtp_targets_are_the_tokens_k_plus_1_ahead(model, ids)
+
+
+def test_mtp_loss_joins_the_training_loss_only_and_is_dropped_at_export():
+    model = odd_model(mtp_depth=1, mtp_loss_coef=0.25, moe=dict(ODD["moe"], seq_aux_loss_coef=0.0))
+    ids = torch.randint(3, 300, (2, 10))
+    labels = torch.cat((ids[:, 1:], torch.full_like(ids[:, :1], -100)), 1)
+    assert any(k.startswith("mtp.") for k in model.state_dict())  # kept in tformer's checkpoints
+    train = model.train()(ids, labels=labels).loss
+    mtp = model.mtp.stats["mtp_loss"]
+    lm = model.eval()(ids, labels=labels).loss  # no dropout, no jitter: the same trunk
+    assert torch.allclose(train, lm + 0.25 * mtp, atol=1e-6), (train, lm, mtp)
+    hf = to_hf_model(model, attn_implementation="eager").eval()  # the MTP depth left out
+    assert hf.config.num_mtp_layers == 0
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, hf(ids).logits, atol=1e-4)
+
+
+def test_mtp_with_pipeline_parallelism_is_refused_in_one_line(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+    from train_helpers import CONFIGS, small_overrides
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    flags = small_overrides("deepseek-v3-tiny", tmp_path, "parallel.pp=2", "model.mla.kv_lora_rank=24")
+    with pytest.raises(ConfigError) as err:
+        Trainer(load_config(CONFIGS / "deepseek-v3-tiny.yaml", flags))
+    assert "model.mtp_depth=1" in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert not dist.is_initialized()
+
+
+# -- the tiny recipe trains ----------------------------------------------------------------------
+
+
+@pytest.mark.long
+def test_tiny_recipe_loss_falls_and_logs_mtp_loss_and_routing(tmp_path):
+    """200 fp32 steps of configs/deepseek-v3-tiny.yaml (at the suite's small sizes): the loss falls,
+    mtp_loss and the routing figures are logged, the loss-free bias moved and is saved."""
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+    from train_helpers import CONFIGS, metrics, small_overrides
+
+    flags = small_overrides(
+        "deepseek-v3-tiny", tmp_path, "max_steps=200", "log_every=20", "eval_every=0", "save_every=200",
+        "model.mla.kv_lora_rank=24", "model.moe.d_expert=32",
+    )  # fmt: skip
+    trainer = Trainer(load_config(CONFIGS / "deepseek-v3-tiny.yaml", flags))
+    trainer.fit()
+    rows = metrics(tmp_path)
+    first, last = rows[0], rows[-1]
+    assert last["loss"] < first["loss"] - 1.0, (first["loss"], last["loss"])
+    assert "mtp_loss" in last and last["mtp_loss"] < first["mtp_loss"]
+    assert "moe/tokens_max_over_mean" in last
+    biases = [m.score_bias for m in trainer.balancer.layers]
+    assert biases and all(b.abs().max() > 0 for b in biases)
+    saved = tformer.load_checkpoint(tmp_path)
+    assert torch.equal(saved.decoder.layers[1].ffn.score_bias, trainer.model.decoder.layers[1].ffn.score_bias)

@@ -297,6 +297,8 @@ FLIPS = {
     "attention": ["mla"],
     "mla": [{"q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}],
     "yarn": [{"factor": 2.0, "original_max_seq_len": 32}],
+    "mtp_depth": [1],
+    "mtp_loss_coef": [0.5],
 }
 
 
