@@ -478,3 +478,71 @@ def test_tiny_recipe_loss_falls_and_logs_mtp_loss_and_routing(tmp_path):
     assert biases and all(b.abs().max() > 0 for b in biases)
     saved = tformer.load_checkpoint(tmp_path)
     assert torch.equal(saved.decoder.layers[1].ffn.score_bias, trainer.model.decoder.layers[1].ffn.score_bias)
+
+
+# -- tensor parallelism --------------------------------------------------------------------------
+
+TP_MODEL = dict(num_heads=4, mtp_depth=1)
+
+
+def _tp_batch():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 300, (2, 10), generator=g)
+    return ids, torch.cat((ids[:, 1:], torch.full_like(ids[:, :1], -100)), 1)
+
+
+def _loss_and_grads(model):
+    ids, labels = _tp_batch()
+    loss = model.train()(ids, labels=labels, return_logits=False).loss
+    loss.backward()
+    full = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        full[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    return loss.detach(), full
+
+
+def _tp_worker(rank, port, out):
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tformer.parallel.tp import apply_tensor_parallel, loss_context
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        torch.set_num_threads(1)
+        model = odd_model(**TP_MODEL)
+        apply_tensor_parallel(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"])
+        with loss_context(True):  # the vocabulary-parallel loss, as the trainer runs it
+            loss, grads = _loss_and_grads(model)
+        if rank == 0:
+            torch.save({"loss": loss, **grads}, f"{out}/tp.pt")
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_mla_under_tensor_parallelism_equals_one_process(tmp_path):
+    """tp=2 (latent down projections replicated, up projections column-wise, output row-wise; MoE
+    and the MTP depth included): the loss and every parameter's gradient equal one process's within
+    FACTOR times how far one process's fp32 values lie from float64 (tests/rounding.py). The
+    replicated kv_down's gradient holds the rotary key's part, summed over the ranks' heads."""
+    from train_helpers import free_port, spawn_ranks
+
+    spawn_ranks(_tp_worker, (free_port(), str(tmp_path)), 2, 100)
+    got = torch.load(tmp_path / "tp.pt", weights_only=True)
+    loss, want = _loss_and_grads(odd_model(**TP_MODEL))
+    exact = odd_model(**TP_MODEL).double()
+    with float64_throughout():
+        loss64, want64 = _loss_and_grads(exact)
+    scale = max(g.abs().max().item() for g in want.values())
+    yard = max(FP32_ROUNDING, relative(loss, loss64), *(relative(want[k], want64[k], 1e-3 * scale) for k in want))
+    errs = {k: relative(got[k], want[k], 1e-3 * scale) for k in want}
+    errs["loss"] = relative(got["loss"], loss)
+    bad = {k: e for k, e in errs.items() if not e <= FACTOR * yard}
+    assert not bad, (bad, yard)

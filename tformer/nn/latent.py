@@ -22,6 +22,7 @@ Parameter names, for the exporter and the TP plan (tformer/parallel/tp.py): ``q_
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -67,6 +68,10 @@ class LatentAttention(nn.Module):
         self.impl = cfg.attn_impl
         self.out_dropout = nn.Dropout(cfg.dropout)
         self.core: AttentionCore = local_attention
+        # Set from outside by tensor parallelism (tformer/parallel/tp.py): identity forward, its
+        # backward sums the rotary key's gradient over the TP ranks (each uses it for its own heads;
+        # the latent's gradient is summed by the column-wise kv_up itself)
+        self.shared_key_grad: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def _rotate(self, x: torch.Tensor, rotary) -> torch.Tensor:
         if rotary is None:
@@ -117,6 +122,8 @@ class LatentAttention(nn.Module):
         q_nope, q_rope = q.split((self.nope, self.rope), dim=-1)
         q = torch.cat((q_nope, self._rotate(q_rope, rotary)), dim=-1)
         c, k_rope = self.latent(x)
+        if self.shared_key_grad is not None:
+            k_rope = self.shared_key_grad(k_rope)
         k_rope = self._rotate(k_rope, rotary)
         if cache is not None:
             c, k_rope = cache.update(c, k_rope)
