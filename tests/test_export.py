@@ -656,7 +656,18 @@ def hf_configs():
 
 @pytest.mark.parametrize(
     "name",
-    ["gpt2", "llama", "bert", "bert-untied", "t5-v1.0", "t5-v1.1", "marian", "mixtral", "switch_transformers", "deepseek_v3"],
+    [
+        "gpt2",
+        "llama",
+        "bert",
+        "bert-untied",
+        "t5-v1.0",
+        "t5-v1.1",
+        "marian",
+        "mixtral",
+        "switch_transformers",
+        "deepseek_v3",
+    ],
 )
 def test_import_then_export_is_the_identity_on_tensors(name, toks, tmp_path):
     config, cls, kind = hf_configs()[name]

@@ -196,7 +196,7 @@ class MLAConfig:
     head. A query/key head is ``qk_nope_head_dim + qk_rope_head_dim`` wide, a value head
     ``v_head_dim``; generation caches the latent and the rotary key only."""
 
-    q_lora_rank: int | None = ranged(None, "[1, inf)", note="or null: one query projection")  # width of the query's low-rank bottleneck
+    q_lora_rank: int | None = ranged(None, "[1, inf)", note="or null: one projection")  # the query's low-rank width
     kv_lora_rank: int = ranged(512, "[1, inf)")  # width of the shared key/value latent (what the cache holds)
     qk_nope_head_dim: int = ranged(128, "[1, inf)")  # per-head query/key width without positions
     qk_rope_head_dim: int = ranged(64, "[2, inf)")  # width of the rotary part (shared key, per-head query); even
@@ -384,7 +384,7 @@ class ModelConfig:
                 raise ConfigError("attention=mla expands keys for every head; remove num_kv_heads")
             self.mla.validate(self.num_heads)
         if self.mtp_depth and self.family != "decoder":
-            raise ConfigError(f"mtp_depth={self.mtp_depth} predicts further tokens of a decoder; set family=decoder or mtp_depth=0")
+            raise ConfigError(f"mtp_depth={self.mtp_depth} predicts further tokens of a decoder; set mtp_depth=0")
         if self.yarn.enabled and self.position != "rotary":
             raise ConfigError("model.yarn.factor scales rotary positions; set position=rotary or yarn.factor=null")
 

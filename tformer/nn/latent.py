@@ -50,11 +50,13 @@ class LatentAttention(nn.Module):
         self.kv_rank = m.kv_lora_rank
         self.interleave = m.rope_interleave
         d, h, qk = cfg.d_model, cfg.num_heads, m.qk_head_dim
+        self.q_proj: nn.Linear | None = None
+        self.q_down: nn.Linear | None = None
+        self.q_norm: nn.Module | None = None
+        self.q_up: nn.Linear | None = None
         if m.q_lora_rank is None:
             self.q_proj = nn.Linear(d, h * qk, bias=False)
-            self.q_down = self.q_norm = self.q_up = None
         else:
-            self.q_proj = None
             self.q_down = nn.Linear(d, m.q_lora_rank, bias=cfg.bias)
             self.q_norm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
             self.q_up = nn.Linear(m.q_lora_rank, h * qk, bias=False)
@@ -81,7 +83,11 @@ class LatentAttention(nn.Module):
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """(B, S, d_model) -> (B, h, S, qk_nope + qk_rope), positions not yet applied."""
         b, s, _ = x.shape
-        q = self.q_proj(x) if self.q_proj is not None else self.q_up(self.q_norm(self.q_down(x)))
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            assert self.q_up is not None and self.q_norm is not None and self.q_down is not None
+            q = self.q_up(self.q_norm(self.q_down(x)))
         return q.view(b, s, -1, self.nope + self.rope).transpose(1, 2)
 
     def latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

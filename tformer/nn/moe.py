@@ -332,10 +332,7 @@ class MoEFeedForward(nn.Module):
         # Sigmoid routing's loss-free balancing bias (HF's ``e_score_correction_bias``): state, not
         # a parameter, so no optimizer touches it; saved with the weights; moved after each
         # optimizer step from ``load`` (tformer/train/balance.py, ``update_score_bias``)
-        if cfg.score_bias:
-            self.register_buffer("score_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
-        else:
-            self.score_bias = None
+        self.register_buffer("score_bias", torch.zeros(cfg.num_experts) if cfg.score_bias else None)
         # Assignments per expert (E,) of this rank's training forwards since the last bias update,
         # a plain attribute, not a buffer: DDP would broadcast rank 0's over the others'
         self.load: torch.Tensor | None = None
@@ -358,7 +355,7 @@ class MoEFeedForward(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         group = shape[-2] if x.dim() == 3 else flat.shape[0]  # capacity per sequence
-        routing = route(self.router_logits(flat), self.cfg, group, self.score_bias)
+        routing = route(self.router_logits(flat), self.cfg, group, self._buffers["score_bias"])
         plan = dispatch(routing, self.cfg.num_experts)
         out = combine(self.experts(flat[plan.token], plan.counts), plan, flat.shape[0])
         if self.shared is not None:

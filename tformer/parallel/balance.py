@@ -12,7 +12,7 @@ in fp32: their sum is exact in any order, so the bias is bitwise the same on eve
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -38,11 +38,15 @@ class LoadBalancer:
         group = stage_group(dist_info.dims) if reduce else None
         return cls(model, moe_cfg.bias_update_rate, group, reduce)
 
+    def biases(self) -> list[torch.Tensor]:
+        """The layers' bias buffers, read now (a load or a move may have replaced them)."""
+        return [cast(torch.Tensor, m.score_bias) for m in self.layers]
+
     def loads(self) -> torch.Tensor:
         """(layers, experts) assignments since the last update, summed over this stage's ranks."""
         rows = []
-        for m in self.layers:
-            rows.append(m.load if m.load is not None else m.score_bias.new_zeros(m.score_bias.shape))
+        for m, bias in zip(self.layers, self.biases()):
+            rows.append(m.load if m.load is not None else bias.new_zeros(bias.shape))
             m.load = None
         loads = torch.stack(rows)
         if self.reduce:
@@ -52,8 +56,8 @@ class LoadBalancer:
     def after_step(self) -> None:
         if not self.layers:
             return
-        for m, load in zip(self.layers, self.loads()):
-            update_score_bias(m.score_bias, load, self.rate)
+        for bias, load in zip(self.biases(), self.loads()):
+            update_score_bias(bias, load, self.rate)
 
 
 def stage_group(dims: Any) -> Any:
