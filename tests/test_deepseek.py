@@ -548,3 +548,20 @@ def test_mla_under_tensor_parallelism_equals_one_process(tmp_path):
     errs["loss"] = relative(got["loss"], loss)
     bad = {k: e for k, e in errs.items() if not e <= FACTOR * yard}
     assert not bad, (bad, yard)
+
+
+@pytest.mark.parametrize("q_lora", [14, None])
+def test_training_flops_with_mla_and_mtp_match_the_flop_counter(q_lora):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tformer.models.flops import training_flops
+    from tformer.nn.moe import Experts
+
+    model = odd_model(mtp_depth=2, attn_impl="math", mla=dict(q_lora_rank=q_lora)).train()
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.grouped = False  # the counter sees plain matmuls, not torch._grouped_mm
+    ids = torch.randint(3, 300, (2, 12))
+    with FlopCounterMode(display=False) as counter:
+        model(ids, labels=ids).loss.backward()
+    assert counter.get_total_flops() == training_flops(model.config, 2, 12, None)

@@ -9,6 +9,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..nn import DocumentMask, StackCache, TransformerStack, positions_from_doc_ids
 from .base import Embeddings, ModelOutput, TformerModel, default_positions, vocab_rows
+from .block_flops import attention_flops, ffn_flops, head_flops
 from .mtp import MultiTokenPrediction
 
 
@@ -28,6 +29,19 @@ class DecoderModel(TformerModel):
         self.init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.tok.weight
+
+    @classmethod
+    def forward_flops(cls, cfg: ModelConfig, batch: int, seq: int, target: int | None) -> int:
+        """The trunk and head, plus in training each multi-token prediction depth: its input
+        projection, one block (of the index after the trunk's last) and the shared head."""
+        flops = super().forward_flops(cfg, batch, seq, target)
+        tokens = batch * seq
+        for k in range(cfg.mtp_depth):
+            block = attention_flops(cfg, tokens, tokens, seq) + ffn_flops(
+                cfg, tokens, range(cfg.num_layers + k, cfg.num_layers + k + 1)
+            )
+            flops += 2 * tokens * 2 * cfg.d_model * cfg.d_model + block + head_flops(cfg, tokens)
+        return flops
 
     def new_cache(self) -> StackCache:
         return StackCache(self.config.num_layers)
