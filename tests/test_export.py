@@ -934,3 +934,27 @@ def test_to_hf_model_is_the_export_in_memory(name):
         for p in hf.parameters():
             p.add_(1.0)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_deepseek_v3_export_then_import_is_bitwise_and_drops_only_mtp(toks, tmp_path):
+    """Every weight and buffer moved off its init (norm gains, the routers' correction bias): the
+    tensors come back bitwise; the multi-token prediction depth is the one thing left out."""
+    torch.manual_seed(0)
+    preset, overrides = CASES["deepseek-v3-odd-groups-yarn"]
+    model = tformer.build_model(preset, init_std=0.1, mtp_depth=1, **overrides)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.dim() == 1 and name in model.state_dict():  # not the rotary tables (recomputed)
+                t.add_(torch.randn_like(t) * 0.1)
+    out = export_hf(save_run(model, toks["bpe"], tmp_path / "run"), tmp_path / "hf")
+    back = tformer.load_checkpoint(import_hf(out, tmp_path / "back"))
+    ours, theirs = model.state_dict(), back.state_dict()
+    assert sorted(k for k in ours if not k.startswith("mtp.")) == sorted(theirs)
+    assert any(k.startswith("mtp.") for k in ours) and back.config.mtp_depth == 0
+    for key, value in theirs.items():
+        assert torch.equal(ours[key], value), key
+    # training-only switches HF's config does not carry (the balancing rate, the sequence-wise loss,
+    # the MTP weight) come back at their defaults; the model computes the same: bitwise equal logits
+    ids = torch.randint(3, 500, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids).logits, back.eval()(ids).logits)
