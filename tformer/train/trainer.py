@@ -26,7 +26,8 @@ from ..logs import interactive, quiet_repeats
 from ..models import build_model, spec_of
 from ..models.flops import training_flops
 from ..models.padding import pad_sequences
-from ..nn.moe import moe_figures, moe_table
+from ..models.figures import model_figures, model_table
+from ..parallel.balance import LoadBalancer
 from ..parallel.build import build_strategy
 from ..parallel.context import context_shard
 from ..parallel.offload import activation_offload
@@ -199,6 +200,7 @@ class Trainer:
         self.optimizer = self.strategy.setup_optimizer(base)
         self.wrapped = self.strategy.wrapped
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
+        self.balancer = LoadBalancer.of(self.model, self.model_cfg.moe, self.dist)  # None: nothing to balance
 
     def _init_counters(self) -> None:
         """Where the run stands before any step (a resume then sets them from its checkpoint)."""
@@ -666,7 +668,8 @@ class Trainer:
         self._beat("optimizer step")
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         # a logging step's MoE routing figures (this rank's last micro-batch), read with the rest
-        table = moe_table(self.model) if self.model_cfg.moe.enabled and self.logs_at(self.step + 1) else None
+        figures = self.model_cfg.moe.enabled or self.model_cfg.mtp_depth  # MoE routing, mtp_loss
+        table = model_table(self.model) if figures and self.logs_at(self.step + 1) else None
         must_stop = False
         if self._read_reason is None:
             # clip, then update where the loss and the norm are finite, all on the device
@@ -680,6 +683,8 @@ class Trainer:
         else:
             row, must_stop, table = self._step_reading(stats, clip, table)
         self.scheduler.step()  # the schedule follows the step count, a skipped step's too
+        if self.balancer is not None:  # the loss-free MoE bias, from this step's expert loads
+            self.balancer.after_step()
         self.step += 1
         # samples consumed, or with token-budget batches, batches consumed (the sampler's unit)
         per_batch = 1 if cfg.data.tokens_per_batch is not None else cfg.micro_batch_size
@@ -806,10 +811,9 @@ class Trainer:
                 if isinstance(figures, torch.Tensor):
                     n = figures.numel()
                     figures, tables_at = values[tables_at : tables_at + n], tables_at + n
-                cols = len(keys)
-                # routing of this rank's last micro-batch: balance / z-loss, max/mean tokens per
-                # expert, dropped share (read at a logging step only)
-                record.update(moe_figures(keys, [figures[i : i + cols] for i in range(0, len(figures), cols)]))
+                # of this rank's last micro-batch: routing (balance / z-loss, max/mean tokens per
+                # expert, dropped share), mtp_loss (read at a logging step only)
+                record.update(model_figures(keys, figures))
             records.append(record)
         return records
 
