@@ -44,7 +44,7 @@ from .ft import FaultTolerance, QuorumLost, check_fault_tolerance, lighthouse_ad
 from .head import loss_chunk_size
 from .lagged import LaggedFlags
 from .metrics import peak_flops
-from .optim import build_optimizer, build_scheduler
+from .optim import apply_optim_config, build_optimizer, build_scheduler
 from .profiling import OFF, build_profiler, check_ranks
 from .rollback import LossSpikeError as LossSpikeError  # raised there; cli.py and tests import it here
 from .sdpa import math_fallback_line
@@ -290,12 +290,9 @@ class Trainer:
         """A loaded optimizer and schedule carry the hyperparameters they were saved with; under
         ``resume_changes=allow`` this run's ``optim`` section replaces them (the moments stay)."""
         o, sched = self.cfg.optim, self.scheduler
-        decays = [o.weight_decay, 0.0]  # the groups of optim.param_groups: matrices, then the rest
-        for group, decay in zip(self.optimizer.param_groups, decays):
-            group.update(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=decay, initial_lr=o.lr)
-        sched.base_lrs = [o.lr] * len(sched.base_lrs)
+        sched.base_lrs = apply_optim_config(self.optimizer, o)
         for group, factor in zip(self.optimizer.param_groups, sched.lr_lambdas):
-            group["lr"] = o.lr * factor(sched.last_epoch)
+            group["lr"] = group["initial_lr"] * factor(sched.last_epoch)
 
     def _global_batch_size(self) -> tuple[int, int]:
         """(sequences, input tokens) per optimizer step; token-budget batches: (batches, budget)."""

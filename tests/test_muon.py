@@ -1,0 +1,173 @@
+"""Muon (``optim.name: muon``, tformer/parallel/muon.py) on one process: bitwise torch.optim.Muon on
+the blocks' matrices and torch.optim.AdamW on the rest, expert stacks as per-expert loops, Muon never
+on embeddings, the head, norms, biases or the router; its config's one-line refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tformer.config import ConfigError
+from tformer.models import build_config, build_model
+from tformer.nn.moe import Experts, MoEFeedForward
+from tformer.parallel import muon as muon_mod
+from tformer.parallel.muon import MuonAdamW, build_muon, muon_parameters
+from tformer.parallel.newton_schulz import NS_COEFFICIENTS, iterate, newton_schulz, newton_schulz_flops
+from tformer.train.config import OptimConfig, TrainConfig
+
+ADJUST = {"match_adamw": "match_rms_adamw", "spectral": "original"}
+
+
+def _optim(**muon) -> OptimConfig:
+    cfg = OptimConfig(name="muon", lr=0.02, weight_decay=0.1)
+    for k, v in {"ns_dtype": "bf16", **muon}.items():
+        setattr(cfg.muon, k, v)
+    return cfg
+
+
+def _random_grads(params, gen):
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+@pytest.mark.parametrize("adjust", ["match_adamw", "spectral"])
+def test_one_process_is_bitwise_torch_muon_and_adamw(adjust):
+    """A decoder's optimizer against torch.optim.Muon on the same matrices and torch.optim.AdamW
+    (decay on matrices, none on the rest) on everything else, over 3 steps of random gradients."""
+    torch.manual_seed(0)
+    model = build_model(build_config("llama-tiny"))
+    twin = build_model(build_config("llama-tiny"))
+    twin.load_state_dict(model.state_dict())
+    ours = build_muon(model, _optim(adjust=adjust), fused=False)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon_names = {names[id(p)] for p in muon_parameters(model)}
+    tp = dict(twin.named_parameters())
+    muon_t = [tp[n] for n in tp if n in muon_names]
+    rest = [tp[n] for n in tp if n not in muon_names]
+    torch_muon = torch.optim.Muon(muon_t, lr=0.02, weight_decay=0.1, adjust_lr_fn=ADJUST[adjust])
+    torch_adamw = torch.optim.AdamW(
+        [
+            {"params": [p for p in rest if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=0.02,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=False,
+    )
+    for step in range(3):
+        _random_grads(model.parameters(), torch.Generator().manual_seed(step))
+        _random_grads(twin.parameters(), torch.Generator().manual_seed(step))
+        ours.step()
+        torch_muon.step()
+        torch_adamw.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, tp[n]), n
+    assert len(muon_names) == 4 * 2 + 3 * 2  # q, k, v, o and gate, up, down in each of 2 blocks
+
+
+def test_expert_stacks_equal_per_expert_loops():
+    """A 3-D stack (E, out, in) steps as E separate matrices through torch.optim.Muon: bitwise."""
+    gen = torch.Generator().manual_seed(1)
+    stack = nn.Parameter(torch.randn(3, 12, 20, generator=gen))
+    experts = [nn.Parameter(e.detach().clone()) for e in stack.unbind(0)]
+    group = {"params": [stack], "muon": True, **muon_mod.muon_group_settings(_optim(adjust="spectral"))}
+    ours = MuonAdamW([group], lr=0.02, betas=(0.9, 0.95), eps=1e-8, fused=False)
+    theirs = torch.optim.Muon(experts, lr=0.02, weight_decay=0.1, adjust_lr_fn="original")
+    for _ in range(3):
+        g = torch.randn(stack.shape, generator=gen)
+        stack.grad = g.clone()
+        for e, ge in zip(experts, g.unbind(0)):
+            e.grad = ge.clone()
+        ours.step()
+        theirs.step()
+    assert torch.equal(stack.detach(), torch.stack([e.detach() for e in experts]))
+
+
+def test_the_dtype_free_iteration_is_torchs_in_bf16():
+    """``iterate`` (the fp32 path) is torch's arithmetic: in bf16 it is bitwise torch's function;
+    in fp32 it lies within 8x of its float64 distance from float64's result."""
+    gen = torch.Generator().manual_seed(2)
+    for shape in ((16, 40), (40, 16), (24, 24)):
+        g = torch.randn(shape, generator=gen)
+        ref = torch.optim._muon._zeropower_via_newtonschulz(g, NS_COEFFICIENTS, 5, 1e-7)
+        assert torch.equal(iterate(g, 5, torch.bfloat16), ref), shape
+        assert torch.equal(newton_schulz(g, 5, torch.bfloat16), ref), shape
+        exact = iterate(g.double(), 5, torch.float64)
+        fp32 = iterate(g, 5, torch.float32)
+        # the result's singular values are ~0.7-1.2 (not 1): compare to float64's own iteration
+        assert (fp32.double() - exact).abs().max() < 1e-5, shape
+    assert newton_schulz_flops((64, 256)) == 5 * (4 * 64 * 64 * 256 + 2 * 64**3)
+    assert newton_schulz_flops((8, 64, 256)) == 8 * newton_schulz_flops((64, 256))
+
+
+def check_muon_split(model: nn.Module, optimizer) -> None:
+    """Muon takes exactly the blocks' linear weights (not the router, the shared gate) and the
+    expert stacks; embeddings, the head, norms and biases stay with AdamW."""
+    muon_ids = {id(p) for g in optimizer.param_groups if g["muon"] for p in g["params"]}
+    adamw_ids = {id(p) for g in optimizer.param_groups if not g["muon"] for p in g["params"]}
+    assert not muon_ids & adamw_ids
+    assert muon_ids | adamw_ids == {id(p) for p in model.parameters()}
+    for name, module in model.named_modules():
+        own = [(n, p) for n, p in module.named_parameters(recurse=False)]
+        for n, p in own:
+            where = f"{name}.{n}"
+            if isinstance(module, nn.Embedding) or name.startswith(("lm_head", "head", "embed")):
+                assert id(p) not in muon_ids, where
+            elif p.dim() < 2 or ".router" in where or "shared_gate" in where:
+                assert id(p) not in muon_ids, where
+            elif isinstance(module, (nn.Linear, Experts)):
+                assert id(p) in muon_ids, where
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "bert-tiny", "t5-tiny", "mixtral-tiny", "qwen2-moe-tiny"])
+def test_muon_takes_only_the_blocks_matrices(preset):
+    model = build_model(build_config(preset))
+    check_muon_split(model, build_muon(model, _optim(), fused=False))
+    assert any(isinstance(m, MoEFeedForward) for m in model.modules()) == ("moe" in preset or "mixtral" in preset)
+
+
+def test_muon_on_the_embedding_is_caught(monkeypatch):
+    """Planted defect: every matrix given to Muon (embeddings and head too) fails the split check."""
+    model = build_model(build_config("gpt2-tiny"))
+    monkeypatch.setattr(muon_mod, "muon_parameters", lambda m: [p for p in m.parameters() if p.dim() == 2])
+    with pytest.raises(AssertionError, match="embed"):
+        check_muon_split(model, build_muon(model, _optim(), fused=False))
+
+
+def test_a_non_finite_step_on_the_device_leaves_everything():
+    """``found_inf`` set (the trainer's step that never reads the host): weights and buffers stay."""
+    model = build_model(build_config("gpt2-tiny"))
+    opt = build_muon(model, _optim(ns_dtype="fp32"), fused=True)
+    _random_grads(model.parameters(), torch.Generator().manual_seed(0))
+    opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bufs = {id(p): s["momentum_buffer"].clone() for p, s in opt.state.items() if "momentum_buffer" in s}
+    _random_grads(model.parameters(), torch.Generator().manual_seed(1))
+    next(iter(muon_parameters(model))).grad[0, 0] = float("nan")
+    opt.found_inf = torch.ones(())
+    opt.step()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for p, s in opt.state.items():
+        if "momentum_buffer" in s:
+            assert torch.equal(s["momentum_buffer"], bufs[id(p)])
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        ({"optim": {"name": "sgd"}}, "optim.name='sgd' is not allowed"),
+        ({"optim": {"name": "muon", "muon": {"adjust": "rms"}}}, "optim.muon.adjust='rms' is not allowed"),
+        ({"optim": {"name": "muon", "muon": {"momentum": 1.0}}}, "optim.muon.momentum=1.0 must be in [0, 1)"),
+        ({"optim": {"name": "muon"}, "parallel": {"strategy": "deepspeed"}}, "optim.name=muon does not run under"),
+        ({"optim": {"muon": {"qk_clip": 50}}}, "optim.muon.qk_clip=50.0 is Muon's"),
+    ],
+)
+def test_bad_muon_config_is_one_line(flags, needle):
+    from tformer.train.config import _build
+
+    with pytest.raises(ConfigError) as err:
+        _build(TrainConfig, flags, "")
+    assert needle in str(err.value) and "\n" not in str(err.value)
