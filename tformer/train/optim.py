@@ -1,5 +1,5 @@
-"""AdamW with decay on matrices only (or Muon for the blocks' matrices: parallel/muon.py), and the LR schedules (warmup + cosine / linear / constant / WSD,
-and the paper's inverse square root)."""
+"""AdamW with decay on matrices only (or Muon for the blocks' matrices: parallel/muon.py), and the
+LR schedules (warmup + cosine / linear / constant / WSD, and the paper's inverse square root)."""
 
 from __future__ import annotations
 
