@@ -171,3 +171,43 @@ def test_bad_muon_config_is_one_line(flags, needle):
     with pytest.raises(ConfigError) as err:
         _build(TrainConfig, flags, "")
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def _run(out, *flags):
+    from train_helpers import CONFIGS, small_overrides
+
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+
+    overrides = small_overrides("gpt2-tiny", out, "eval_every=0", "micro_batch_size=4", "model.dropout=0.0", *flags)
+    trainer = Trainer(load_config(CONFIGS / "gpt2-tiny.yaml", overrides))
+    trainer.fit()
+    return trainer
+
+
+MUON = ["optim.name=muon", "optim.muon.ns_dtype=fp32", "optim.lr=3e-3"]
+
+
+@pytest.mark.usefixtures("cache")
+def test_resume_is_exact_and_a_switch_of_optimizer_is_refused(tmp_path):
+    """Muon's momentum is optimizer state: a run resumed at step 2 has the uninterrupted run's
+    losses and weights bitwise (the buffers restored, not restarted at zero: without them step 3
+    differs). Resuming an AdamW checkpoint with optim.name=muon is one line, even under
+    resume_changes=allow."""
+    from train_helpers import losses
+
+    straight = _run(tmp_path / "straight", "max_steps=4", "save_every=2", *MUON)
+    ckpt = tmp_path / "straight" / "checkpoints" / "step_00000002"
+    resumed = _run(tmp_path / "resumed", "max_steps=4", "save_every=2", f"resume={ckpt}", *MUON)
+    want, got = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    assert list(got) == [3, 4] and all(got[s] == want[s] for s in got), (got, want)
+    for (k, v), w in zip(resumed.model.state_dict().items(), straight.model.state_dict().values()):
+        assert torch.equal(v, w), k
+    buffers = [s["momentum_buffer"] for s in resumed.optimizer.state.values() if "momentum_buffer" in s]
+    assert len(buffers) == 12 and all(b.abs().sum() > 0 for b in buffers)
+
+    _run(tmp_path / "adamw", "max_steps=2", "save_every=2")
+    adamw_ckpt = tmp_path / "adamw" / "checkpoints" / "step_00000002"
+    with pytest.raises(ConfigError) as err:
+        _run(tmp_path / "switch", "max_steps=4", f"resume={adamw_ckpt}", "resume_changes=allow", *MUON)
+    assert "would switch optim.name adamw -> muon" in str(err.value) and "\n" not in str(err.value)

@@ -16,8 +16,11 @@ import pytest
 import torch
 
 import test_mesh
-from test_mesh import assert_same_run, reference, run_cases
-from train_helpers import become_rank, free_port, spawn_ranks
+from test_mesh import _resume, assert_same_run, loss_bound, reference, run_cases
+from train_helpers import CONFIGS, become_rank, free_port, losses, spawn_ranks
+
+from tformer.train.config import load_config
+from tformer.train.trainer import Trainer
 
 GROUP_TIMEOUT = 300
 pytestmark = pytest.mark.timeout(900)
@@ -95,7 +98,7 @@ def test_owners_orthogonalise_whole_matrices_and_defects_are_caught(tmp_path):
 MUON = ["optim.name=muon", "optim.muon.ns_dtype=fp32", "optim.lr=3e-3"]
 LAYOUTS = {  # global batch 8 on each: micro-batches of 4, one per data-parallel rank and accumulation step
     "ddp": ["grad_accum=1"],
-    "fsdp": ["parallel.strategy=fsdp", "grad_accum=1"],
+    "fsdp": ["parallel.strategy=fsdp", "grad_accum=1", "save_every=2"],
     "tp": ["parallel.strategy=fsdp", "parallel.tp=2", "grad_accum=2"],
 }
 
@@ -105,13 +108,22 @@ LAYOUTS = {  # global batch 8 on each: micro-batches of 4, one per data-parallel
 def test_ddp_fsdp_and_tp_equal_the_single_process_run(tmp_path_factory):
     """gpt2-tiny with optim.name=muon on 2 ranks as DDP, FSDP2 (matrices gathered to their owners)
     and TP (the TP group's shards to their owners): losses and updated parameters of the 1-process
-    run of the same global batch, within test_mesh.LAYOUT_FACTOR of its rounding yardstick."""
+    run of the same global batch, within test_mesh.LAYOUT_FACTOR of its rounding yardstick. The
+    FSDP2 run's step-2 checkpoint (momentum buffers as DTensor shards) resumes on one process: steps
+    3 and 4 within the same bound of the uninterrupted run."""
     tmp = tmp_path_factory.mktemp("muon-layouts")
     cases = [("gpt2", [*MUON, *flags]) for flags in LAYOUTS.values()]
     run_cases(2, cases, tmp, os.environ["TFORMER_CACHE"])
     ref = reference("gpt2", tmp_path_factory, 2, *MUON)
     for i, layout in enumerate(LAYOUTS):
         assert_same_run(f"gpt2 {layout}", tmp / f"run{i}", tmp / f"report{i}", ref)
+    ckpt = tmp / "run1" / "checkpoints" / "step_00000002"
+    recipe, flags = _resume("gpt2", tmp / "one", ckpt, *MUON, "grad_accum=2")
+    Trainer(load_config(CONFIGS / f"{recipe}.yaml", flags)).fit()
+    got, bound = losses(tmp / "one"), loss_bound(ref)
+    assert list(got) == [3, 4], got
+    for step in got:
+        assert abs(got[step] - ref.losses[step]) / ref.losses[step] <= bound, (step, got, ref.losses, bound)
 
 
 @pytest.mark.long

@@ -26,6 +26,7 @@ from torch import nn
 from torch.optim._muon import _adjust_lr
 from torch.optim.adam import adam
 
+from ..config import ConfigError
 from ..nn.block import TransformerStack
 from ..nn.moe import Experts, MoEFeedForward
 from .newton_schulz import orthogonalise
@@ -114,6 +115,14 @@ class MuonAdamW(torch.optim.AdamW):
                 if bad:
                     raise ValueError(f"Muon takes matrices and stacks of matrices, not shapes {bad}")
 
+    def __setstate__(self, state: dict) -> None:
+        """AdamW's (a loaded state's defaults, tensor step counts) for AdamW's groups only: Muon's
+        parameters hold a momentum buffer and no step count."""
+        muon = [g for g in state["param_groups"] if g.get("muon")]
+        hidden = {p: state["state"].pop(p) for g in muon for p in g["params"] if p in state["state"]}
+        super().__setstate__(state)
+        self.state.update(hidden)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -185,6 +194,17 @@ class MuonAdamW(torch.optim.AdamW):
                 buf = local(self.state[p]["momentum_buffer"])
                 buf.copy_(torch.where(keep, buf, old_buf))
                 w.copy_(torch.where(keep, w, old_w))
+
+
+def check_same_optimizer(saved: str, name: str, ckpt: Any) -> None:
+    """A checkpoint's optimizer state belongs to its optimizer: AdamW's two moments per parameter
+    are not Muon's momentum (nor the other way), so a switch at a resume is refused, even under
+    ``resume_changes=allow``."""
+    if saved != name:
+        raise ConfigError(
+            f"resuming {ckpt} would switch optim.name {saved} -> {name}: its optimizer state is {saved}'s; resume "
+            f"with optim.name={saved}, or start a new run from its weights (tformer export, then import)"
+        )
 
 
 def build_muon(model: nn.Module, optim: Any, fused: bool | None) -> MuonAdamW:

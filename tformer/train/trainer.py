@@ -29,6 +29,7 @@ from ..models.padding import pad_sequences
 from ..nn.moe import moe_figures, moe_table
 from ..parallel.build import build_strategy
 from ..parallel.context import context_shard
+from ..parallel.muon import check_same_optimizer
 from ..parallel.offload import activation_offload
 from ..parallel.routing import note_lengths
 from ..parallel.strategy import Pipeline, StepResult, Strategy, skips_on_device
@@ -273,6 +274,8 @@ class Trainer:
             return
         path, state, saved = self._resume_peek
         current = {**self.cfg.to_dict(), "model": self.model_cfg.to_dict()}
+        if not state.weights_only:
+            check_same_optimizer(saved.get("optim", {}).get("name", "adamw"), self.cfg.optim.name, path)
         if state.weights_only:  # an import starts a run: only the model its weights belong to counts
             saved, current = {"model": state.model_config or {}}, {"model": current["model"]}
         resuming.check_padding(saved, current, self.cfg.parallel.strategy)
