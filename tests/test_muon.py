@@ -211,3 +211,47 @@ def test_resume_is_exact_and_a_switch_of_optimizer_is_refused(tmp_path):
     with pytest.raises(ConfigError) as err:
         _run(tmp_path / "switch", "max_steps=4", f"resume={adamw_ckpt}", "resume_changes=allow", *MUON)
     assert "would switch optim.name adamw -> muon" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])  # MHA with q/k biases; GQA (4 heads over 2)
+def test_qk_clip_rescales_the_head_above_tau_to_tau_and_nothing_else(preset):
+    """Head 1 of the first block forced far above TAU: after the clip its largest logit on the same
+    batch is TAU (fp32 rounding of the factors: 1e-5 relative); every other parameter (the other
+    heads' q/k rows, v, o, FFN, embeddings, the other block) is bitwise as it was."""
+    from tformer.parallel.qk_clip import QKClip
+
+    torch.manual_seed(0)
+    model = build_model(build_config(preset, dropout=0.0)).train()
+    clip = QKClip(model, tau=1e9)
+    ids = torch.randint(0, 1000, (2, 24))
+    attn = clip.layers[0]
+    d = attn.d_k
+    model(ids)
+    natural = attn.max_logit.clone()
+    tau = float(natural.max()) * 2
+    clip.tau = tau
+    with torch.no_grad():  # head 1's queries 20x: its logits 20x, far above TAU
+        attn.q_proj.weight[d : 2 * d] *= 20
+        if attn.q_proj.bias is not None:
+            attn.q_proj.bias[d : 2 * d] *= 20
+    clip.layers[0].max_logit = clip._fresh(attn)
+    model(ids)
+    forced = attn.max_logit.clone()
+    assert forced[1] > tau and (forced[[0, 2, 3]] < tau).all()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    clip()
+    assert float(clip.last_max) == float(forced.max())
+    model(ids)
+    after = attn.max_logit
+    assert abs(float(after[1]) - tau) <= 1e-5 * tau, (after, tau)
+    assert torch.equal(after[[0, 2, 3]], forced[[0, 2, 3]])
+    for k, v in model.state_dict().items():
+        head = k.startswith("decoder.layers.0.attn.") and k.split(".")[-2] in ("q_proj", "k_proj")
+        if not head:
+            assert torch.equal(v, before[k]), k
+            continue
+        rows = slice(d, 2 * d) if attn.num_kv_heads == attn.num_heads or "q_proj" in k else slice(0, 0)
+        keep = torch.ones(v.shape[0], dtype=torch.bool)
+        keep[rows] = False
+        assert torch.equal(v[keep], before[k][keep]), k
+        assert rows.stop == 0 or k.endswith("bias") or not torch.equal(v[rows], before[k][rows]), k

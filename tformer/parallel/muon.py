@@ -30,6 +30,7 @@ from ..config import ConfigError
 from ..nn.block import TransformerStack
 from ..nn.moe import Experts, MoEFeedForward
 from .newton_schulz import orthogonalise
+from .qk_clip import QKClip
 
 # optim.muon.adjust -> torch's adjust_lr_fn (any other name is torch's factor 1.0)
 TORCH_ADJUST = {"match_adamw": "match_rms_adamw", "spectral": "original", "none": "none"}
@@ -108,6 +109,7 @@ class MuonAdamW(torch.optim.AdamW):
 
     def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], eps: float, fused: bool | None):
         super().__init__(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+        self.qk_clip: QKClip | None = None  # optim.muon.qk_clip: run after every step
         for group in self.param_groups:
             if group["muon"]:
                 group["fused"] = group["foreach"] = False  # no AdamW kernel runs on them
@@ -134,6 +136,8 @@ class MuonAdamW(torch.optim.AdamW):
                 self._muon_step(group)
             else:
                 self._adamw_step(group)
+        if self.qk_clip is not None:
+            self.qk_clip()
         return loss
 
     def _adamw_step(self, group: dict) -> None:
@@ -209,4 +213,7 @@ def check_same_optimizer(saved: str, name: str, ckpt: Any) -> None:
 
 def build_muon(model: nn.Module, optim: Any, fused: bool | None) -> MuonAdamW:
     """The run's optimizer for ``optim.name=muon`` (``optim`` the run's ``optim`` section)."""
-    return MuonAdamW(param_groups(model, optim), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=fused)
+    opt = MuonAdamW(param_groups(model, optim), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=fused)
+    if optim.muon.qk_clip is not None:
+        opt.qk_clip = QKClip(model, optim.muon.qk_clip)
+    return opt

@@ -327,6 +327,12 @@ class TrainConfig:
                 f"optim.muon.qk_clip={self.optim.muon.qk_clip} is Muon's (Kimi K2's QK-clip); set "
                 "optim.name=muon, or optim.muon.qk_clip=null"
             )
+        split = [f"parallel.{k}={getattr(self.parallel, k)}" for k in ("tp", "pp", "cp") if getattr(self.parallel, k) > 1]
+        if self.optim.muon.qk_clip is not None and split:
+            raise ConfigError(
+                f"optim.muon.qk_clip does not compose with {', '.join(split)} yet (each rank sees part of a head's "
+                "logits or of the layers); set optim.muon.qk_clip=null there"
+            )
 
     def _check_batching(self) -> None:
         """Rules between keys of different sections (each key's own range is on its field)."""
