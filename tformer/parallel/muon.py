@@ -36,14 +36,14 @@ from .qk_clip import QKClip
 TORCH_ADJUST = {"match_adamw": "match_rms_adamw", "spectral": "original", "none": "none"}
 
 
-def muon_parameters(model: nn.Module) -> list[nn.Parameter]:
+def muon_parameters(model: nn.Module) -> list[torch.Tensor]:
     """The parameters Muon updates: the 2-D weights of the linear layers inside the transformer
     stacks, except the MoE routers and shared-expert gates, and the experts' 3-D stacks."""
     skip: set[int] = set()
     for module in model.modules():
         if isinstance(module, MoEFeedForward):
             skip.update(id(m) for m in (module.router, module.shared_gate) if m is not None)
-    chosen: dict[int, nn.Parameter] = {}
+    chosen: dict[int, torch.Tensor] = {}
     for stack in model.modules():
         if not isinstance(stack, TransformerStack):
             continue

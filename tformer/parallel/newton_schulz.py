@@ -19,6 +19,7 @@ strided FSDP-over-TP shard) is gathered whole on every rank (``full_tensor``) an
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -86,10 +87,11 @@ def orthogonalise(
         else:
             out[i] = _gathered_everywhere(p, u, steps, dtype)
     for members in batches.values():
-        n = params[members[0]].device_mesh.size()
+        like = cast(DTensor, params[members[0]])
+        n = like.device_mesh.size()
         for start in range(0, len(members), n):
             batch = members[start : start + n]
-            for i, o in zip(batch, owner_orthogonalise(params[batch[0]], [updates[i] for i in batch], steps, dtype)):
+            for i, o in zip(batch, owner_orthogonalise(like, [updates[i] for i in batch], steps, dtype)):
                 out[i] = o
     return out  # type: ignore[return-value]
 
