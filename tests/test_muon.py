@@ -255,3 +255,23 @@ def test_qk_clip_rescales_the_head_above_tau_to_tau_and_nothing_else(preset):
         keep[rows] = False
         assert torch.equal(v[keep], before[k][keep]), k
         assert rows.stop == 0 or k.endswith("bias") or not torch.equal(v[rows], before[k][rows]), k
+
+
+def test_the_planner_prices_muons_states_and_newton_schulz():
+    """plan/optimizer.py: Muon's parameters are those the optimizer takes; its FLOPs the sum over
+    them; FSDP2 over 2 ranks halves the Newton-Schulz time (owners) and pays the traffic, DDP none."""
+    from tformer.plan.hardware import profile
+    from tformer.plan.layout import Layout
+    from tformer.plan.optimizer import memory_line, muon_cost, muon_shapes
+
+    cfg = build_config("mixtral-tiny")
+    model = build_model(cfg)
+    shapes = muon_shapes(cfg)
+    assert sorted(shapes) == sorted(tuple(p.shape) for p in muon_parameters(model))
+    hw = profile("h100-sxm")
+    fsdp = muon_cost(cfg, Layout(strategy="fsdp", dp_shard=2), hw)
+    ddp = muon_cost(cfg, Layout(strategy="ddp", dp_shard=2), hw)
+    assert fsdp.flops == ddp.flops == sum(newton_schulz_flops(s) for s in shapes)
+    assert fsdp.seconds == pytest.approx(ddp.seconds / 2) and ddp.comm_seconds == 0 < fsdp.comm_seconds
+    assert fsdp.state_saving == 4 * fsdp.params / 2
+    assert "momentum buffer" in memory_line(cfg, model.num_parameters(), 2, "fsdp")
