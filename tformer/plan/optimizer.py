@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import ModelConfig
 from ..models import build_model
@@ -34,7 +35,7 @@ def _shapes(fields: tuple) -> tuple[tuple[int, ...], ...]:
     import torch
 
     with torch.device("meta"):
-        values = {k: dict(v) if k == "moe" else v for k, v in fields}
+        values: dict[str, Any] = {k: dict(v) if k == "moe" else v for k, v in fields}
         model = build_model(ModelConfig(**values))
     return tuple(tuple(p.shape) for p in muon_parameters(model))
 
