@@ -191,15 +191,18 @@ MUON = ["optim.name=muon", "optim.muon.ns_dtype=fp32", "optim.lr=3e-3"]
 @pytest.mark.usefixtures("cache")
 def test_resume_is_exact_and_a_switch_of_optimizer_is_refused(tmp_path):
     """Muon's momentum is optimizer state: a run resumed at step 2 has the uninterrupted run's
-    losses and weights bitwise (the buffers restored, not restarted at zero: without them step 3
-    differs). Resuming an AdamW checkpoint with optim.name=muon is one line, even under
-    resume_changes=allow."""
+    losses and weights bitwise (QK-clip on, its maximum logged at every logged step). Resuming an
+    AdamW checkpoint with optim.name=muon is one line, even under resume_changes=allow."""
     from train_helpers import losses
 
-    straight = _run(tmp_path / "straight", "max_steps=4", "save_every=2", *MUON)
+    from train_helpers import metrics
+
+    clip = "optim.muon.qk_clip=0.1"  # below gpt2-tiny's largest logits (0.11-0.14): every step clips
+    straight = _run(tmp_path / "straight", "max_steps=4", "save_every=2", *MUON, clip)
     ckpt = tmp_path / "straight" / "checkpoints" / "step_00000002"
-    resumed = _run(tmp_path / "resumed", "max_steps=4", "save_every=2", f"resume={ckpt}", *MUON)
+    resumed = _run(tmp_path / "resumed", "max_steps=4", "save_every=2", f"resume={ckpt}", *MUON, clip)
     want, got = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    assert all(r["max_logit"] > 0.1 for r in metrics(tmp_path / "straight")), "the clip's maximum is logged"
     assert list(got) == [3, 4] and all(got[s] == want[s] for s in got), (got, want)
     for (k, v), w in zip(resumed.model.state_dict().items(), straight.model.state_dict().values()):
         assert torch.equal(v, w), k

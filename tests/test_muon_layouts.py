@@ -96,6 +96,7 @@ def test_owners_orthogonalise_whole_matrices_and_defects_are_caught(tmp_path):
 
 
 MUON = ["optim.name=muon", "optim.muon.ns_dtype=fp32", "optim.lr=3e-3"]
+QK_CLIP = "optim.muon.qk_clip=0.1"  # below gpt2-tiny's largest logits (0.11-0.14): it clips every step
 LAYOUTS = {  # global batch 8 on each: micro-batches of 4, one per data-parallel rank and accumulation step
     "ddp": ["grad_accum=1"],
     "fsdp": ["parallel.strategy=fsdp", "grad_accum=1", "save_every=2"],
@@ -110,13 +111,18 @@ def test_ddp_fsdp_and_tp_equal_the_single_process_run(tmp_path_factory):
     and TP (the TP group's shards to their owners): losses and updated parameters of the 1-process
     run of the same global batch, within test_mesh.LAYOUT_FACTOR of its rounding yardstick. The
     FSDP2 run's step-2 checkpoint (momentum buffers as DTensor shards) resumes on one process: steps
-    3 and 4 within the same bound of the uninterrupted run."""
+    3 and 4 within the same bound of the uninterrupted run. DDP and FSDP2 with QK-clip on (every
+    rank clips by the maxima of all ranks' sequences) equal one process with it on."""
     tmp = tmp_path_factory.mktemp("muon-layouts")
     cases = [("gpt2", [*MUON, *flags]) for flags in LAYOUTS.values()]
+    cases += [("gpt2", [*MUON, QK_CLIP, *LAYOUTS[name]]) for name in ("ddp", "fsdp")]
     run_cases(2, cases, tmp, os.environ["TFORMER_CACHE"])
     ref = reference("gpt2", tmp_path_factory, 2, *MUON)
+    clipped = reference("gpt2", tmp_path_factory, 2, *MUON, QK_CLIP)
     for i, layout in enumerate(LAYOUTS):
         assert_same_run(f"gpt2 {layout}", tmp / f"run{i}", tmp / f"report{i}", ref)
+    for i, layout in enumerate(("ddp", "fsdp"), start=len(LAYOUTS)):  # each rank clipped by every rank's maxima
+        assert_same_run(f"gpt2 {layout} qk_clip", tmp / f"run{i}", tmp / f"report{i}", clipped)
     ckpt = tmp / "run1" / "checkpoints" / "step_00000002"
     recipe, flags = _resume("gpt2", tmp / "one", ckpt, *MUON, "grad_accum=2")
     Trainer(load_config(CONFIGS / f"{recipe}.yaml", flags)).fit()

@@ -49,6 +49,15 @@ def apply_optim_config(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> li
     return peaks
 
 
+def optimizer_figures(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """A logging step's figures of the optimizer: under ``optim.muon.qk_clip`` the step's largest
+    attention logit over every head, layer and rank (before the clip; kept on the device, read here)."""
+    clip = getattr(optimizer, "qk_clip", None)
+    if clip is None or clip.last_max is None:
+        return {}
+    return {"max_logit": float(clip.last_max)}
+
+
 def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
     """Multiplier of the peak LR at optimizer step ``step`` (0-based) of ``total``.
 

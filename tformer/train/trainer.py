@@ -45,7 +45,7 @@ from .ft import FaultTolerance, QuorumLost, check_fault_tolerance, lighthouse_ad
 from .head import loss_chunk_size
 from .lagged import LaggedFlags
 from .metrics import peak_flops
-from .optim import apply_optim_config, build_optimizer, build_scheduler
+from .optim import apply_optim_config, build_optimizer, build_scheduler, optimizer_figures
 from .profiling import OFF, build_profiler, check_ranks
 from .rollback import LossSpikeError as LossSpikeError  # raised there; cli.py and tests import it here
 from .sdpa import math_fallback_line
@@ -807,6 +807,8 @@ class Trainer:
                 # routing of this rank's last micro-batch: balance / z-loss, max/mean tokens per
                 # expert, dropped share (read at a logging step only)
                 record.update(moe_figures(keys, [figures[i : i + cols] for i in range(0, len(figures), cols)]))
+            if u.step == self.step and self.logs_at(u.step):  # the clip's maximum is the last step's
+                record.update(optimizer_figures(self.optimizer))
             records.append(record)
         return records
 
