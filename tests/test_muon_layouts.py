@@ -68,8 +68,8 @@ def _orthogonalise_worker(rank, world, port, out):
 
                 def missed(like, result, shape):
                     got = scatter(like, result, shape)
-                    mine = ns.owner_index(like.device_mesh)
-                    return torch.stack([g if i == mine else torch.zeros_like(g) for i, g in enumerate(got)])
+                    per, mine = result.shape[0], ns.owner_index(like.device_mesh)
+                    return torch.stack([g if i // per == mine else torch.zeros_like(g) for i, g in enumerate(got)])
 
                 ns.scatter_from_owners = missed
             got = ns.orthogonalise(params, [p.to_local() for p in params], 5, torch.float32)
