@@ -7,7 +7,8 @@ parameter (states.py), so Muon's states are those less ``4 x Muon's parameters /
 Time: Newton-Schulz per matrix (m, n) of ``steps`` iterations is ``steps x (4 s^2 l + 2 s^3)``
 FLOPs (s = min(m, n), l = max(m, n): the Gram matrix, its square, the product with X; about
 ``5 x 3 x 2 x m x n x min(m, n)`` at 5 steps on a square matrix), run at the GEMM peak of its dtype
-(bf16 on a GPU, fp32 on a CPU: ``optim.muon.ns_dtype``). A data-parallel (FSDP2) or TP group of n
+(bf16 on a GPU, fp32 on a CPU: ``optim.muon.ns_dtype``) at the share of it the planner's GEMM curve
+gives each product's shape. A data-parallel (FSDP2) or TP group of n
 ranks spreads the matrices over n owners (``newton_schulz.orthogonalise``), each rank sending and
 receiving ``(n - 1) / n`` of its shards twice (gather to the owners, scatter back); under DDP or on
 one device every rank runs every matrix itself. The elementwise work (momentum, the update) is
@@ -25,6 +26,7 @@ from ..models import build_model
 from ..parallel.muon import muon_parameters
 from ..parallel.newton_schulz import newton_schulz_flops
 from .comm import link_of
+from .compute import gemm_efficiency
 from .hardware import Hardware
 from .layout import Layout
 from .states import _fields
@@ -60,6 +62,7 @@ def muon_cost(cfg: ModelConfig, layout: Layout, hw: Hardware, ns_steps: int = 5,
     flops = sum(newton_schulz_flops(s, ns_steps) for s in shapes)
     dtype = ns_dtype if ns_dtype != "auto" else ("bf16" if hw.device == "cuda" else "fp32")
     rate = hw.peak["bf16" if dtype == "bf16" else "fp32"]
+    seconds = sum(_ns_seconds(s, ns_steps, rate, hw) for s in shapes)
     sharded = layout.strategy != "ddp"
     owners = layout.dp_shard * layout.tp if sharded else 1
     shard = layout.dp_shard * layout.cp if sharded else 1
@@ -68,7 +71,17 @@ def muon_cost(cfg: ModelConfig, layout: Layout, hw: Hardware, ns_steps: int = 5,
         link = link_of(hw, 1, owners)
         moved = 2 * 4 * params / (layout.tp * max(shard, 1)) * (owners - 1) / owners
         comm = moved / link.bandwidth + 2 * len(shapes) / owners * link.latency
-    return MuonCost(params, flops, flops / owners / rate, comm, 4 * params / layout.tp / max(shard, 1))
+    return MuonCost(params, flops, seconds / owners, comm, 4 * params / layout.tp / max(shard, 1))
+
+
+def _ns_seconds(shape: tuple[int, ...], steps: int, rate: float, hw: Hardware) -> float:
+    """One matrix (or stack): per step the Gram matrix (s x l)(l x s), its square (s x s)(s x s) and
+    the product with X (s x s)(s x l), each at the share of the peak its shape reaches
+    (``compute.gemm_efficiency``: small matrices run far below it)."""
+    *stack, m, n = shape
+    s, big = min(m, n), max(m, n)
+    per = sum(2 * a * b * c / (rate * gemm_efficiency(a, b, c, hw)) for a, b, c in ((s, s, big), (s, s, s), (s, big, s)))
+    return _numel(tuple(stack)) * steps * per
 
 
 def _numel(shape: tuple[int, ...]) -> int:
