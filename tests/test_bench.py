@@ -163,3 +163,17 @@ def test_ft_bench_verdicts_read_miss_or_fail():
     assert all(x.startswith("FAIL") for x in broken) and "group 1 exit 1" in broken[0], broken
     assert bench_ft.failed(good[:1] + broken) and not bench_ft.failed(good)
     assert len(bench_ft.kill_steps(400, 3, 50)) == 3 and bench_ft.kill_steps(100, 3, 50) == []
+
+
+def test_muon_bench_verdicts_read_miss_or_fail():
+    """bench_muon's lines: the step-time ratio against its 1.3x target, the convergence sweep's best
+    runs; an untimed or unfinished side is a FAIL."""
+    import bench_muon
+
+    assert bench_muon.ratio_line([0.10, 0.11], [0.12, 0.13]).startswith("PASS")
+    assert bench_muon.ratio_line([0.10], [0.14]).startswith("MISS")
+    assert bench_muon.ratio_line([], [0.12]).startswith("FAIL")
+    nan = float("nan")
+    assert bench_muon.best_line({("adamw", 1e-3): 5.0, ("muon", 1e-3): 4.9}).startswith("PASS")
+    assert bench_muon.best_line({("adamw", 1e-3): 4.8, ("muon", 1e-3): 4.9}).startswith("MISS")
+    assert bench_muon.best_line({("adamw", 1e-3): 4.8, ("muon", 1e-3): nan}).startswith("FAIL")

@@ -146,6 +146,25 @@ def local_attention(
 AttentionCore = Callable[..., torch.Tensor]
 
 
+@torch.no_grad()
+def head_max_logits(
+    q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, padding_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Each query head's largest logit ``q . k x scale`` over the (B, H, S_q, S_k) pairs attention
+    may see (causal and padding masks applied; a position bias, which no projection scales, left
+    out): (H,), in fp32."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s_q, s_k = scores.shape[-2:]
+    if causal:
+        seen = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
+        scores = scores.masked_fill(~seen, float("-inf"))
+    if padding_mask is not None:
+        scores = scores.masked_fill(~padding_mask.bool()[:, None, None, :], float("-inf"))
+    return scores.amax(dim=(0, 2, 3))
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention over ``(B, S, d_model)`` inputs.
 
@@ -199,6 +218,11 @@ class MultiHeadAttention(nn.Module):
         # here; a parallel layout replaces it from outside (context parallelism's attention across
         # sequence shards, tformer/parallel/context.py), so this module stays single-device code.
         self.core: AttentionCore = local_attention
+        # Set from outside (Muon's QK-clip, tformer/parallel/qk_clip.py) to a (num_heads,) tensor:
+        # while training, each forward raises it to every head's largest pre-softmax logit q.k x
+        # scale (no gradient; one more Q K^T product); the clip reads and resets it after each step.
+        # None: not tracked.
+        self.max_logit: torch.Tensor | None = None
 
     def _heads(self, x: torch.Tensor, n: int, d: int) -> torch.Tensor:
         b, s, _ = x.shape
@@ -243,6 +267,8 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.update(k, v)
         if rotary is not None:
             q = apply_rotary(q, *rotary)
+        if self.max_logit is not None and self.training:
+            self.max_logit = torch.maximum(self.max_logit, head_max_logits(q, k, self.scale, causal, padding_mask))
         dropout_p = self.attn_dropout if self.training else 0.0
         out = self.core(
             q,

@@ -17,8 +17,18 @@ Backend = Literal["gloo", "nccl", "mpi", "ucc"]
 CPKernel = Literal["tformer", "torch"]
 # torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``, torchao 0.12-0.18)
 Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+# How Muon scales its orthogonalised update (tformer/parallel/muon.py): match_adamw = Moonlight's
+# 0.2 * sqrt(max(A, B)) (an AdamW recipe's lr and decay carry over), spectral = Keller Jordan's
+# sqrt(max(1, A / B)) (torch's "original"), none = the bare orthogonal matrix
+MuonAdjust = Literal["match_adamw", "spectral", "none"]
+# The dtype of the Newton-Schulz iteration: bf16 is torch.optim.Muon's; fp32 the same iteration in
+# fp32 (CPUs without bf16 matmul instructions run bf16 30-100x slower); auto = bf16 on a GPU, fp32
+# on a CPU
+NSDtype = Literal["auto", "bf16", "fp32"]
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
 FLOAT8_RECIPES: tuple[Float8Recipe, ...] = get_args(Float8Recipe)
+MUON_ADJUSTS: tuple[MuonAdjust, ...] = get_args(MuonAdjust)
+NS_DTYPES: tuple[NSDtype, ...] = get_args(NSDtype)
 
 
 @dataclass
@@ -76,3 +86,22 @@ class Float8Config:
     # true: the float8 products computed in fp32 from the float8 values (the same casts and scales,
     # no FP8 tensor cores: tests and CPUs); false needs a GPU of compute capability 8.9+
     emulate: bool | None = field(default=None, metadata={"null": "true on a CPU, false on a GPU"})
+
+
+@dataclass
+class MuonConfig:
+    """``optim.name: muon`` (tformer/parallel/muon.py): Muon for the blocks' weight matrices
+    (attention, FFN, experts), AdamW (the ``optim`` keys) for embeddings, head, norms, biases and
+    the MoE router. Read only when optim.name=muon."""
+
+    lr: float | None = ranged(None, "(0, inf)", note="null = optim.lr")  # Muon's peak learning rate
+    # decoupled, as AdamW's: p *= 1 - lr * weight_decay
+    weight_decay: float | None = ranged(None, "[0, inf)", note="null = optim.weight_decay")
+    momentum: float = ranged(0.95, "[0, 1)")  # Muon's momentum (the buffer's decay)
+    nesterov: bool = True  # orthogonalise grad.lerp(buffer, momentum) instead of the buffer
+    ns_steps: int = ranged(5, "[1, 99]")  # Newton-Schulz iterations (torch's coefficients)
+    ns_dtype: NSDtype = "auto"  # bf16 (torch.optim.Muon's) | fp32 | auto (bf16 on a GPU, fp32 on a CPU)
+    adjust: MuonAdjust = "match_adamw"  # the update's scale by shape: match_adamw | spectral | none
+    # Kimi K2's QK-clip: after each step, a head whose largest pre-softmax logit of the step exceeded
+    # qk_clip has its query and key projections scaled so it would be qk_clip; null = off
+    qk_clip: float | None = ranged(None, "(0, inf)")

@@ -209,6 +209,10 @@ def plan_main(
 
     for line in moe_lines(model_cfg, num_parameters(model_cfg), devices, cfg.micro_batch_size * cfg.data.seq_len, mixed):
         print(line)
+    if cfg.optim.name == "muon":
+        from .optimizer import memory_line
+
+        print(memory_line(model_cfg, num_parameters(model_cfg), devices, cfg.parallel.strategy))
     if skipped:
         print(
             "tp skipped (it must divide num_heads, num_kv_heads and d_ff): "

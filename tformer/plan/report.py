@@ -150,6 +150,12 @@ def speed_report(
         + (f", {_duration(fastest.time_to_train(tokens))} for {tokens:.3g} tokens" if tokens else "")
     )
     print("  breakdown: " + ", ".join(f"{k} {v:.3f} s" for k, v in fastest.breakdown.items() if v > 0))
+    if cfg.optim.name == "muon":
+        from .optimizer import time_line
+
+        m = cfg.optim.muon
+        layout = layout_of(best, precision, chunk, float8, compiled)
+        print(time_line(model, layout, hw, fastest.step, m.ns_steps, m.ns_dtype))
     if replicas is not None:
         print(replicas_line(model, layout_of(best, precision, chunk, float8, compiled), hw, fastest, replicas, tokens))
     first, first_time = priced[0]

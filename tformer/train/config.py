@@ -48,9 +48,11 @@ from ..data.config import AUTO_OBJECTIVE as AUTO_OBJECTIVE, OBJECTIVES as OBJECT
 from ..data.config import Objective as Objective
 from ..parallel.config import BACKENDS as BACKENDS, Backend as Backend, CPKernel as CPKernel
 from ..parallel.config import ParallelConfig as ParallelConfig
+from ..parallel.config import MUON_ADJUSTS as MUON_ADJUSTS, MuonConfig as MuonConfig
 from ..parallel.config import FLOAT8_RECIPES as FLOAT8_RECIPES, Float8Config as Float8Config
 
 Schedule = Literal["cosine", "linear", "constant", "wsd", "inverse_sqrt"]
+OptimName = Literal["adamw", "muon"]
 NonFinite = Literal["skip", "stop"]
 Device = Literal["auto", "cpu", "cuda"]
 SpikeAction = Literal["none", "warn", "rollback"]
@@ -59,6 +61,7 @@ SemiSync = Literal["none", "local_sgd", "diloco"]
 FTBackend = Literal["gloo", "nccl"]
 
 SCHEDULES: tuple[Schedule, ...] = get_args(Schedule)
+OPTIMIZERS: tuple[OptimName, ...] = get_args(OptimName)
 NONFINITE: tuple[NonFinite, ...] = get_args(NonFinite)
 DEVICES: tuple[Device, ...] = get_args(Device)
 SPIKE_ACTIONS: tuple[SpikeAction, ...] = get_args(SpikeAction)
@@ -69,6 +72,8 @@ DOC_MASK_IMPLS: tuple[AttnImpl, ...] = ("sdpa", "math")  # attention implementat
 
 @dataclass
 class OptimConfig:
+    # adamw | muon (the blocks' matrices by Muon, optim.muon.*; everything else by AdamW, these keys)
+    name: OptimName = "adamw"
     lr: float = ranged(3e-4, "(0, inf)")  # peak learning rate (AdamW)
     min_lr_ratio: float = ranged(0.1, "[0, 1]")  # final lr = lr * min_lr_ratio (cosine / linear / wsd)
     weight_decay: float = ranged(0.1, "[0, inf)")  # matrices only; biases, norms and 1-D params get none
@@ -83,6 +88,7 @@ class OptimConfig:
     # the paper's epsilon_ls = 0.1; the logged train loss is the smoothed objective, val_loss /
     # val_ppl the plain NLL
     label_smoothing: float = ranged(0.0, "[0, 1)", note="the paper uses 0.1")
+    muon: MuonConfig = field(default_factory=MuonConfig)  # name=muon only
 
 
 @dataclass
@@ -283,7 +289,9 @@ class TrainConfig:
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section) and not isinstance(section, ModelConfig):
                 check_ranges(section, f"{config_key(f)}.")
+        check_ranges(self.optim.muon, "optim.muon.")
         self.parallel.check()
+        self._check_muon()
         self.loss.check()
         self.profile.check(self.max_steps)
         self.fault_tolerance.check()
@@ -306,6 +314,24 @@ class TrainConfig:
             raise ConfigError(
                 f"compile=model does not compose with {layout} (whole-model compile graph-breaks in the "
                 "sharding and splitting hooks); use compile=true (per block) there"
+            )
+
+    def _check_muon(self) -> None:
+        if self.optim.name == "muon" and self.parallel.strategy == "deepspeed":
+            raise ConfigError(
+                "optim.name=muon does not run under parallel.strategy=deepspeed (its engine steps a flat "
+                "partition, not whole matrices); use parallel.strategy=fsdp, or optim.name=adamw"
+            )
+        if self.optim.muon.qk_clip is not None and self.optim.name != "muon":
+            raise ConfigError(
+                f"optim.muon.qk_clip={self.optim.muon.qk_clip} is Muon's (Kimi K2's QK-clip); set "
+                "optim.name=muon, or optim.muon.qk_clip=null"
+            )
+        split = [f"parallel.{k}={getattr(self.parallel, k)}" for k in ("tp", "pp", "cp") if getattr(self.parallel, k) > 1]
+        if self.optim.muon.qk_clip is not None and split:
+            raise ConfigError(
+                f"optim.muon.qk_clip does not compose with {', '.join(split)} yet (each rank sees part of a head's "
+                "logits or of the layers); set optim.muon.qk_clip=null there"
             )
 
     def _check_batching(self) -> None:

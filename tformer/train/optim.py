@@ -1,5 +1,5 @@
-"""AdamW with decay on matrices only, and the LR schedules (warmup + cosine / linear / constant / WSD,
-and the paper's inverse square root)."""
+"""AdamW with decay on matrices only (or Muon for the blocks' matrices: parallel/muon.py), and the
+LR schedules (warmup + cosine / linear / constant / WSD, and the paper's inverse square root)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from ..parallel.muon import build_muon, muon_group_settings
 from .config import OptimConfig
 
 
@@ -26,9 +27,35 @@ def build_optimizer(
     fused = cfg.fused
     if fused is None:
         fused = allow_fused and device.type in ("cuda", "cpu")  # torch >= 2.4: fused AdamW on both
+    if cfg.name == "muon":
+        return build_muon(model, cfg, fused)
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused
     )
+
+
+def apply_optim_config(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> list[float]:
+    """This run's ``optim`` section onto a loaded optimizer's groups (AdamW's: matrices, then the
+    rest; Muon's group last); returns each group's peak lr for the schedule."""
+    decays = [cfg.weight_decay, 0.0]
+    for group, decay in zip(optimizer.param_groups, decays):
+        group.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=decay, initial_lr=cfg.lr)
+    peaks = [cfg.lr] * len(optimizer.param_groups)
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("muon"):
+            fresh = muon_group_settings(cfg)
+            group.update(fresh, initial_lr=fresh["lr"])
+            peaks[i] = fresh["lr"]
+    return peaks
+
+
+def optimizer_figures(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """A logging step's figures of the optimizer: under ``optim.muon.qk_clip`` the step's largest
+    attention logit over every head, layer and rank (before the clip; kept on the device, read here)."""
+    clip = getattr(optimizer, "qk_clip", None)
+    if clip is None or clip.last_max is None:
+        return {}
+    return {"max_logit": float(clip.last_max)}
 
 
 def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:

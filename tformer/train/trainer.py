@@ -30,6 +30,7 @@ from ..models.figures import model_figures, model_table
 from ..parallel.balance import LoadBalancer
 from ..parallel.build import build_strategy
 from ..parallel.context import context_shard
+from ..parallel.muon import check_same_optimizer
 from ..parallel.offload import activation_offload
 from ..parallel.routing import note_lengths
 from ..parallel.strategy import Pipeline, StepResult, Strategy, skips_on_device
@@ -45,7 +46,7 @@ from .ft import FaultTolerance, QuorumLost, check_fault_tolerance, lighthouse_ad
 from .head import loss_chunk_size
 from .lagged import LaggedFlags
 from .metrics import cpu_peak_at_least, peak_flops
-from .optim import build_optimizer, build_scheduler
+from .optim import apply_optim_config, build_optimizer, build_scheduler, optimizer_figures
 from .profiling import OFF, build_profiler, check_ranks
 from .rollback import LossSpikeError as LossSpikeError  # raised there; cli.py and tests import it here
 from .sdpa import math_fallback_line
@@ -277,6 +278,8 @@ class Trainer:
             return
         path, state, saved = self._resume_peek
         current = {**self.cfg.to_dict(), "model": self.model_cfg.to_dict()}
+        if not state.weights_only:
+            check_same_optimizer(saved.get("optim", {}).get("name", "adamw"), self.cfg.optim.name, path)
         if state.weights_only:  # an import starts a run: only the model its weights belong to counts
             saved, current = {"model": state.model_config or {}}, {"model": current["model"]}
         resuming.check_padding(saved, current, self.cfg.parallel.strategy)
@@ -294,12 +297,9 @@ class Trainer:
         """A loaded optimizer and schedule carry the hyperparameters they were saved with; under
         ``resume_changes=allow`` this run's ``optim`` section replaces them (the moments stay)."""
         o, sched = self.cfg.optim, self.scheduler
-        decays = [o.weight_decay, 0.0]  # the groups of optim.param_groups: matrices, then the rest
-        for group, decay in zip(self.optimizer.param_groups, decays):
-            group.update(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=decay, initial_lr=o.lr)
-        sched.base_lrs = [o.lr] * len(sched.base_lrs)
+        sched.base_lrs = apply_optim_config(self.optimizer, o)
         for group, factor in zip(self.optimizer.param_groups, sched.lr_lambdas):
-            group["lr"] = o.lr * factor(sched.last_epoch)
+            group["lr"] = group["initial_lr"] * factor(sched.last_epoch)
 
     def _global_batch_size(self) -> tuple[int, int]:
         """(sequences, input tokens) per optimizer step; token-budget batches: (batches, budget)."""
@@ -814,6 +814,8 @@ class Trainer:
                 # of this rank's last micro-batch: routing (balance / z-loss, max/mean tokens per
                 # expert, dropped share), mtp_loss (read at a logging step only)
                 record.update(model_figures(keys, figures))
+            if u.step == self.step and self.logs_at(u.step):  # the clip's maximum is the last step's
+                record.update(optimizer_figures(self.optimizer))
             records.append(record)
         return records
 

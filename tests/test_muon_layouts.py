@@ -1,0 +1,147 @@
+"""Muon over layouts (tformer/parallel/newton_schulz.py): every matrix orthogonalised whole on one
+owner rank and its update scattered back, so DDP, FSDP2, TP and EP runs equal the 1-process run of the
+same global batch (test_mesh's bound); planted defects (a shard orthogonalised instead of the whole
+matrix, the owner's result not scattered back) are caught.
+
+Real gloo processes (2 ranks), each group under a deadline that kills it and fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import test_mesh
+from test_mesh import _resume, assert_same_run, loss_bound, reference, run_cases
+from train_helpers import CONFIGS, become_rank, free_port, losses, spawn_ranks
+
+from tformer.train.config import load_config
+from tformer.train.trainer import Trainer
+
+GROUP_TIMEOUT = 300
+pytestmark = pytest.mark.timeout(900)
+
+# (shape, placements on a 1-D mesh of 2): an odd count of one shape (the last batch padded),
+# rows and columns cut, an uneven cut (7 rows over 2), expert stacks whole on each rank (Shard(0))
+# and cut inside their matrices (gathered everywhere)
+MATRICES = [
+    ((12, 20), "S0"),
+    ((12, 20), "S0"),
+    ((12, 20), "S0"),
+    ((12, 20), "S1"),
+    ((7, 10), "S0"),
+    ((4, 6, 10), "S0"),
+    ((2, 6, 10), "S1"),
+]
+DEFECTS = ("none", "shard_only", "no_scatter")
+
+
+def _orthogonalise_worker(rank, world, port, out):
+    become_rank(rank, world, port, "", 60)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tformer.parallel import newton_schulz as ns
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        gen = torch.Generator().manual_seed(0)
+        fulls = [torch.randn(shape, generator=gen) for shape, _ in MATRICES]
+        places = [[Shard(int(p[1]))] for _, p in MATRICES]
+        params = [distribute_tensor(f, mesh, pl, src_data_rank=None) for f, pl in zip(fulls, places)]
+        want = [
+            distribute_tensor(ns.orthogonalise_local(f, 5, torch.float32), mesh, pl, src_data_rank=None).to_local()
+            for f, pl in zip(fulls, places)
+        ]
+        scatter, whole_here = ns.scatter_from_owners, ns.whole_here
+        results = {}
+        for defect in DEFECTS:
+            if defect == "shard_only":  # each rank orthogonalises the shard it holds
+                ns.whole_here = lambda p: True
+            if defect == "no_scatter":  # an owner keeps its result: the other ranks get zeros
+
+                def missed(like, result, shape):
+                    got = scatter(like, result, shape)
+                    per, mine = result.shape[0], ns.owner_index(like.device_mesh)
+                    return torch.stack([g if i // per == mine else torch.zeros_like(g) for i, g in enumerate(got)])
+
+                ns.scatter_from_owners = missed
+            got = ns.orthogonalise(params, [p.to_local() for p in params], 5, torch.float32)
+            ns.scatter_from_owners, ns.whole_here = scatter, whole_here
+            results[defect] = [torch.equal(g, w) for g, w in zip(got, want)]
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def test_owners_orthogonalise_whole_matrices_and_defects_are_caught(tmp_path):
+    """Each sharded matrix's result on every rank is bitwise its shard of the whole matrix's
+    Newton-Schulz (the owner ran it on the gathered matrix); orthogonalising shards, or an owner
+    that does not scatter its result back, is caught."""
+    spawn_ranks(_orthogonalise_worker, (2, free_port(), str(tmp_path)), 2, GROUP_TIMEOUT)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert all(got["none"]), (rank, got["none"])
+        assert not all(got["shard_only"]), rank
+        assert not all(got["no_scatter"]), rank
+        # whole expert stacks are never gathered nor cut: the defects leave them right
+        assert got["shard_only"][5] and got["no_scatter"][5]
+
+
+MUON = ["optim.name=muon", "optim.muon.ns_dtype=fp32", "optim.lr=3e-3"]
+QK_CLIP = "optim.muon.qk_clip=0.1"  # below gpt2-tiny's largest logits (0.11-0.14): it clips every step
+LAYOUTS = {  # global batch 8 on each: micro-batches of 4, one per data-parallel rank and accumulation step
+    "ddp": ["grad_accum=1"],
+    "fsdp": ["parallel.strategy=fsdp", "grad_accum=1", "save_every=2"],
+    "tp": ["parallel.strategy=fsdp", "parallel.tp=2", "grad_accum=2"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cache")
+def test_ddp_fsdp_and_tp_equal_the_single_process_run(tmp_path_factory):
+    """gpt2-tiny with optim.name=muon on 2 ranks as DDP, FSDP2 (matrices gathered to their owners)
+    and TP (the TP group's shards to their owners): losses and updated parameters of the 1-process
+    run of the same global batch, within test_mesh.LAYOUT_FACTOR of its rounding yardstick. The
+    FSDP2 run's step-2 checkpoint (momentum buffers as DTensor shards) resumes on one process: steps
+    3 and 4 within the same bound of the uninterrupted run. DDP and FSDP2 with QK-clip on (every
+    rank clips by the maxima of all ranks' sequences) equal one process with it on."""
+    tmp = tmp_path_factory.mktemp("muon-layouts")
+    cases = [("gpt2", [*MUON, *flags]) for flags in LAYOUTS.values()]
+    cases += [("gpt2", [*MUON, QK_CLIP, *LAYOUTS[name]]) for name in ("ddp", "fsdp")]
+    run_cases(2, cases, tmp, os.environ["TFORMER_CACHE"])
+    ref = reference("gpt2", tmp_path_factory, 2, *MUON)
+    clipped = reference("gpt2", tmp_path_factory, 2, *MUON, QK_CLIP)
+    for i, layout in enumerate(LAYOUTS):
+        assert_same_run(f"gpt2 {layout}", tmp / f"run{i}", tmp / f"report{i}", ref)
+    for i, layout in enumerate(("ddp", "fsdp"), start=len(LAYOUTS)):  # each rank clipped by every rank's maxima
+        assert_same_run(f"gpt2 {layout} qk_clip", tmp / f"run{i}", tmp / f"report{i}", clipped)
+    ckpt = tmp / "run1" / "checkpoints" / "step_00000002"
+    recipe, flags = _resume("gpt2", tmp / "one", ckpt, *MUON, "grad_accum=2")
+    Trainer(load_config(CONFIGS / f"{recipe}.yaml", flags)).fit()
+    got, bound = losses(tmp / "one"), loss_bound(ref)
+    assert list(got) == [3, 4], got
+    for step in got:
+        assert abs(got[step] - ref.losses[step]) / ref.losses[step] <= bound, (step, got, ref.losses, bound)
+
+
+@pytest.mark.long
+@pytest.mark.usefixtures("cache")
+def test_ep_equals_the_single_process_run(tmp_path_factory):
+    """mixtral-tiny with optim.name=muon at ep=2: each rank's experts (whole, Shard(0) of the stacks)
+    orthogonalised where they are, every other matrix gathered to its owner; one sequence per
+    micro-batch, the 1-process run accumulating the same micro-batches (test_expert_parallel)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(test_mesh.FAMILIES, "mixtral", ("mixtral-tiny", ["data.seq_len=32"]))
+        tmp = tmp_path_factory.mktemp("muon-ep")
+        flags = [*MUON, "micro_batch_size=1", "parallel.strategy=fsdp"]
+        run_cases(2, [("mixtral", [*flags, "grad_accum=4", "parallel.ep=2"])], tmp, os.environ["TFORMER_CACHE"])
+        ref = reference("mixtral", tmp_path_factory, 8, *MUON, "micro_batch_size=1")
+        assert_same_run("mixtral ep2", tmp / "run0", tmp / "report0", ref)
