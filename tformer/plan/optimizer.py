@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
 
 from ..config import ModelConfig
 from ..models import build_model
@@ -29,7 +28,7 @@ from .comm import link_of
 from .compute import gemm_efficiency
 from .hardware import Hardware
 from .layout import Layout
-from .states import _fields
+from .states import _fields, config_of
 
 
 @functools.lru_cache(maxsize=16)
@@ -37,8 +36,7 @@ def _shapes(fields: tuple) -> tuple[tuple[int, ...], ...]:
     import torch
 
     with torch.device("meta"):
-        values: dict[str, Any] = {k: dict(v) if k == "moe" else v for k, v in fields}
-        model = build_model(ModelConfig(**values))
+        model = build_model(config_of(fields))
     return tuple(tuple(p.shape) for p in muon_parameters(model))
 
 

@@ -28,7 +28,6 @@ and head on the last, a tied embedding/head on both).
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 from ..config import ModelConfig
 from ..models import build_model, spec_of
@@ -81,6 +80,12 @@ def _fields(cfg: ModelConfig) -> tuple:
     return tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in cfg.to_dict().items()))
 
 
+def config_of(fields: tuple) -> ModelConfig:
+    """The ``ModelConfig`` that ``_fields`` made ``fields`` of (its sections mappings again)."""
+    nested = {k for k, v in ModelConfig().to_dict().items() if isinstance(v, dict)}
+    return ModelConfig(**{k: dict(v) if k in nested else v for k, v in fields})
+
+
 @functools.lru_cache(maxsize=16)
 def _module_counts(fields: tuple) -> dict[str, int]:
     """Elements of the model's parts, by module: ``all``; ``embed`` (token, position, type
@@ -91,8 +96,7 @@ def _module_counts(fields: tuple) -> dict[str, int]:
     import torch
 
     with torch.device("meta"):
-        values: dict[str, Any] = {k: dict(v) if k in ("moe", "mla", "yarn") else v for k, v in fields}
-        model = build_model(ModelConfig(**values))
+        model = build_model(config_of(fields))
 
     def count(module) -> int:
         return sum(p.numel() for p in module.parameters()) if module is not None else 0
