@@ -476,13 +476,16 @@ def failed(lines: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", choices=("all", "overhead", "failures"), default="all")
+    ap.add_argument("--part", choices=("all", "overhead", "failures", "outage"), default="all")
     ap.add_argument("--steps", type=int, default=60, help="overhead: steps per run")
     ap.add_argument("--warmup", type=int, default=10, help="overhead: steps not timed")
     ap.add_argument("--rounds", type=int, default=2, help="overhead: rounds of DDP then FT")
     ap.add_argument("--fail-steps", type=int, default=400, help="failures: steps per run")
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--save-every", type=int, default=50, help="failures: both sides' checkpoint interval")
+    ap.add_argument("--outage-steps", type=int, default=200, help="outage: steps per run")
+    ap.add_argument("--outages", type=int, default=3, help="outage: lighthouse outages in the run")
+    ap.add_argument("--seed", type=int, default=0, help="outage: the random steps' seed")
     ap.add_argument("--keep", type=Path, help="run in this directory and keep it (logs, metrics) instead of a temporary one")
     args = ap.parse_args(argv)
     lines: list[str] = []
@@ -502,6 +505,11 @@ def main(argv: list[str] | None = None) -> int:
             new = bench_failures(cache, Path(tmp), args.fail_steps, args.kills, args.save_every)
             lines += new
             print("\n".join(new), flush=True)
+        if args.part in ("all", "outage"):
+            from ft_outage import bench_outage  # its own module (bench_ft's helpers); bench/ is on sys.path
+
+            lines += bench_outage(cache, Path(tmp), args.outage_steps, args.outages, args.seed)
+            print(lines[-1], flush=True)
     return 1 if failed(lines) else 0
 
 
