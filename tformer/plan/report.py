@@ -188,7 +188,7 @@ def replicas_line(
             "table and the fit) and "
             f"{cost.host_bytes / 2**30:.2f} GiB of host memory per rank (the parameters' backup)"
         )
-    restart = restart_cost(layout, rank_stages(model, layout)[0], step, save_every)
+    restart = restart_cost(layout, rank_stages(model, layout)[0], one.step, save_every)  # the job without the groups
     if restart is None:
         line += "; without fault tolerance a failure restarts the job from step 0 (save_every=0: no checkpoint till the end)"
     else:
