@@ -194,10 +194,3 @@ def test_ft_outage_lines_and_stalls():
     assert ft_outage.outage_line(clean, slow, join_s=10.0, heartbeat_s=5.0).startswith("MISS")
     broken = OutageRun(wall=50.0, kills=[30], error="group 1 exit 1: ...")
     assert ft_outage.outage_line(clean, broken, 10.0, 5.0).startswith("FAIL")
-    assert bench_ft_failed(["MISS x"]) and not bench_ft_failed(["PASS x"])
-
-
-def bench_ft_failed(lines: list[str]) -> bool:
-    import bench_ft
-
-    return bench_ft.failed(lines)
