@@ -28,7 +28,18 @@ starts it (the tokenizer and token caches are warmed first, not timed). Three ta
      group heals from it.
 
    Wall time lost per failure = (wall time with the kills - the same side's failure-free wall
-   time) / kills; target: fault tolerance's at least 3x smaller. Goodput (time in the steps the
+   time) / kills, for both sides in seconds, with what each is made of: for the restart, detection
+   (none here), the relaunch and checkpoint reload to its first step, the steps trained again; for
+   fault tolerance, the live group's stall per failure (its longest time between commits, from its
+   rows' ``time``: detection is the heartbeat timeout), beside it the killed group's relaunch and
+   heal (``ft_recovery_s``). Targets: the live group's stall per failure <= heartbeat timeout + 2
+   steps (+ 1 s for the quorum's round trips); fault tolerance's loss per failure at least 3x smaller
+   than this restart's. That ratio compares two losses on this machine with a baseline relaunched at
+   once from a local disk: a fast machine makes the restart cheap (2.4 s on the AVX512-BF16 Xeon,
+   13.8 s on the AVX2 EPYC the 3x was tuned on) while fault tolerance's loss is bounded below by the
+   heartbeat timeout; a cluster restart (a scheduler's requeue, a checkpoint read from shared
+   storage, half a save interval of steps at scale) is what ``tformer plan``'s ``replicas:`` line
+   prices beside fault tolerance. Goodput (time in the steps the
    run kept / wall time from launch to the end, the trainer's ``goodput`` for the whole job) is
    reported for both, and so are the samples fault tolerance skipped (a missing group's share of
    the steps committed without it; the restart baseline skips none, it retrains).
@@ -36,11 +47,31 @@ starts it (the tokenizer and token caches are warmed first, not timed). Three ta
    model, the lighthouse, the heal from the live peer) to its first committed step (its first line
    in ``metrics.jsonl``). Target: under 30 s, every recovery.
 
-Each target prints one PASS or MISS line (FAIL when a run did not finish or did not train like with
-like); a MISS or FAIL sets the exit code. The defaults take about 8 minutes on a 2-core CPU:
+4. **lighthouse outage** (``--part outage``, bench/ft_outage.py): the lighthouse killed (``kill -9``)
+   at a random step and started again on its port 1 s later, 3 times in a ``--outage-steps`` run of
+   two one-rank groups; lost per outage = (wall time with the outages - failure-free) / 3, and the
+   longest time without a commit anywhere per outage (both groups' rows' ``time``). Target: lost
+   per outage <= heartbeat + join timeout + 2 step times.
 
-    .venv/bin/python bench/bench_ft.py [--part all|overhead|failures] [--steps 60] [--rounds 2]
-        [--fail-steps 400] [--kills 3] [--save-every 50] [--keep DIR]
+Each target prints one PASS or MISS line (FAIL when a run did not finish or did not train like with
+like); a MISS or FAIL sets the exit code. The defaults take about 10 minutes on a 2-core CPU:
+
+    .venv/bin/python bench/bench_ft.py [--part all|overhead|failures|outage] [--steps 60] [--rounds 2]
+        [--fail-steps 400] [--kills 3] [--save-every 50] [--outage-steps 200] [--outages 3] [--seed 0]
+        [--keep DIR]
+
+Measured on a 2-core Intel Xeon (AVX-512, AVX512-BF16, AMX; shared with other jobs, run under a
+lock), 2026-11-28, launch/ft.sh's timeouts (join 10 s, heartbeat 5 s):
+
+- outage: PASS, 3 outages at steps 44, 86, 102 of 200: 3.5 s lost per outage (39.6 s against 29.0 s
+  failure-free), the longest time without a commit 3.5, 3.4, 3.4 s (bound 15.2 s; step 0.114 s);
+- failures: MISS, 5.7 s lost per failure with fault tolerance against 7.1 s for restart + resume
+  (1.2x; target 3x; kills at 75, 175, 275 of 400; goodput 0.85 vs 0.57). Restart: relaunch and
+  checkpoint reload to its first step 5.5 s, 25 steps trained again 2.8 s (0.112 s a step), -1.3 s
+  other (its first step counted twice), detection free. Fault tolerance: the live group's stall
+  5.3, 5.2, 5.3 s (PASS, bound heartbeat 5 s + 2 steps + 1 s = 6.2 s); the killed group's relaunch
+  to its first commit 5.3, 5.8, 5.2 s (recovery PASS; quorum + heal 0.4 s of it), beside the stall;
+  32 samples skipped.
 """
 
 from __future__ import annotations
@@ -67,6 +98,7 @@ LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
 # launch/ft.sh's lighthouse defaults: what a user runs
 JOIN_TIMEOUT_MS, HEARTBEAT_TIMEOUT_MS = 10000, 5000
 POLL_S = 0.05
+STALL_SLACK_S = 1.0  # the live group's stall: the quorum's and the lighthouse's round trips and polls
 
 
 def free_port() -> int:
@@ -257,6 +289,9 @@ class Run:
     recoveries: list[float] = field(default_factory=list)  # relaunch -> first committed step, seconds
     rolled_back: int = 0  # steps trained again (restart baseline)
     skipped: int = 0  # samples of a missing group (fault tolerance)
+    step_s: float = 0.0  # median step_time of the kept steps
+    stalls: list[float] = field(default_factory=list)  # per kill, the live group's longest time between commits
+    heals: list[float] = field(default_factory=list)  # per kill, the restarted group's quorum + heal (ft_recovery_s)
 
     @property
     def goodput(self) -> float:
@@ -337,6 +372,7 @@ def restart_run(cache: Path, out: Path, steps: int, save_every: int, kills: list
     if not run.error and last != steps:
         run.error = f"ended at step {last} of {steps}"
     run.kept_s = sum(r["step_time"] for r in final.rows)
+    run.step_s = statistics.median(r["step_time"] for r in final.rows) if final.rows else 0.0
     return run
 
 
@@ -349,7 +385,8 @@ def ft_run(cache: Path, out: Path, steps: int, save_every: int, kills: list[int]
     live, victim = Rows(out / "replicas" / "0" / "metrics.jsonl"), Rows(out / "replicas" / "1" / "metrics.jsonl")
     t0 = time.perf_counter()
     procs = [launch_group(cache, out, args, r, port) for r in range(2)]
-    top, joined, relaunched_at = 0, False, t0
+    top, joined, relaunched_at, healed = 0, False, t0, 0.0
+    kill_times: list[float] = []
     try:
         while True:
             for r in live.poll():
@@ -360,11 +397,14 @@ def ft_run(cache: Path, out: Path, steps: int, save_every: int, kills: list[int]
                     continue
                 if not joined and run.kills:
                     run.recoveries.append(time.perf_counter() - relaunched_at)
+                    run.heals.append(max(float(r.get("ft_recovery_s", 0.0)) - healed, 0.0))
+                    healed = float(r.get("ft_recovery_s", 0.0))
                 joined = True
             # the next kill once its step is reached and the victim is back in (else: when it is)
             if todo and top >= todo[0] and joined and procs[1].poll() is None:
                 run.kills.append(top)
                 todo.pop(0)
+                kill_times.append(time.time())
                 kill(procs[1])
                 relaunched_at, joined = time.perf_counter(), False
                 procs[1] = launch_group(cache, out, args, 1, port)
@@ -392,6 +432,10 @@ def ft_run(cache: Path, out: Path, steps: int, save_every: int, kills: list[int]
         run.error = "a restarted group never committed a step"
     run.kept_s = sum(r["step_time"] for r in live.rows)  # group 0 is never killed: all its steps committed
     run.skipped = int(last.get("ft_samples_skipped", 0))
+    run.step_s = statistics.median(r["step_time"] for r in live.rows) if live.rows else 0.0
+    from ft_outage import stalls, when  # bench/ is on sys.path
+
+    run.stalls = stalls([when(r) for r in live.rows], kill_times)
     return run
 
 
@@ -399,8 +443,41 @@ def lost_per_failure(failed: Run, clean: Run) -> float:
     return (failed.wall - clean.wall) / max(len(failed.kills), 1)
 
 
-def failure_lines(restart: tuple[Run, Run], ft: tuple[Run, Run], samples_per_step: int) -> list[str]:
-    """The failure-schedule and recovery verdicts from (failure-free, with kills) runs of each side."""
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def breakdown_lines(restart: Run, ft: Run, lost_r: float, lost_f: float, heartbeat_s: float) -> list[str]:
+    """What each side's wall time lost per failure is made of (each the mean over the kills)."""
+    n = max(len(restart.kills), 1)
+    relaunch, retrained = mean(restart.recoveries), restart.rolled_back / n * restart.step_s
+    heal = mean(ft.heals)
+    return [
+        f"  restart per failure: detection 0 s (relaunched at once: the baseline's best case), relaunch + "
+        f"checkpoint reload to the first step {relaunch:.1f} s, {restart.rolled_back / n:.0f} steps trained again "
+        f"{retrained:.1f} s ({restart.step_s:.3f} s each), other {lost_r - relaunch - retrained:+.1f} s: {lost_r:.1f} s",
+        f"  fault tolerance per failure: the live group's stall {', '.join(f'{x:.1f}' for x in ft.stalls)} s (detection: "
+        f"the heartbeat timeout {heartbeat_s:g} s; no relaunch, no reload, no step trained again); the killed group's "
+        f"relaunch to its first commit {mean(ft.recoveries):.1f} s (of it quorum + heal {heal:.1f} s), beside the live "
+        f"group; {lost_f:.1f} s lost",
+    ]
+
+
+def stall_line(ft: Run, heartbeat_s: float) -> str:
+    """The live group's stall per failure against about the heartbeat timeout plus two steps."""
+    bound = heartbeat_s + 2 * ft.step_s + STALL_SLACK_S
+    worst = max(ft.stalls) if ft.stalls else float("inf")
+    return (
+        f"{'PASS' if worst <= bound else 'MISS'} fault tolerance, the live group's longest time without a commit per "
+        f"failure {', '.join(f'{x:.1f}' for x in ft.stalls) or 'unmeasured'} s (target <= heartbeat {heartbeat_s:g} s "
+        f"+ 2 steps of {ft.step_s:.3f} s + {STALL_SLACK_S:g} s for the quorum's round trips = {bound:.1f} s)"
+    )
+
+
+def failure_lines(
+    restart: tuple[Run, Run], ft: tuple[Run, Run], samples_per_step: int, heartbeat_s: float = HEARTBEAT_TIMEOUT_MS / 1000
+) -> list[str]:
+    """The failure-schedule, live-stall and recovery verdicts from (failure-free, with kills) runs of each side."""
     runs = {"restart": restart, "fault tolerance": ft}
     broken = [
         f"{name} ({'failure-free' if i == 0 else 'with kills'}): {r.error}"
@@ -411,6 +488,7 @@ def failure_lines(restart: tuple[Run, Run], ft: tuple[Run, Run], samples_per_ste
     if broken:
         return [
             f"FAIL fault tolerance vs restart: a run did not finish: {'; '.join(broken)}",
+            "FAIL fault tolerance, the live group's stall: the failure run did not finish",
             "FAIL fault tolerance, recovery: the failure run did not finish",
         ]
     lines = []
@@ -429,9 +507,13 @@ def failure_lines(restart: tuple[Run, Run], ft: tuple[Run, Run], samples_per_ste
         )
     lost_r, lost_f = lost_per_failure(restart[1], restart[0]), lost_per_failure(ft[1], ft[0])
     ratio = lost_r / lost_f if lost_f > 0 else float("inf")
+    lines += breakdown_lines(restart[1], ft[1], lost_r, lost_f, heartbeat_s)
+    lines.append(stall_line(ft[1], heartbeat_s))
     lines.append(
-        f"{'PASS' if ratio >= LOST else 'MISS'} fault tolerance vs restart + resume, {len(ft[1].kills)} kills: wall time "
-        f"lost per failure {lost_f:.1f} s vs {lost_r:.1f} s, {ratio:.1f}x smaller (target >= {LOST:.0f}x); goodput "
+        f"{'PASS' if ratio >= LOST else 'MISS'} fault tolerance vs restart + resume relaunched at once on this machine, "
+        f"{len(ft[1].kills)} kills: wall time lost per failure {lost_f:.1f} s vs {lost_r:.1f} s, {ratio:.1f}x smaller "
+        f"(target >= {LOST:.0f}x; both sides' own failure-free runs as reference; a cluster's restart, with its "
+        f"scheduler and checkpoint reload at scale: `tformer plan`'s replicas: line); goodput "
         f"{ft[1].goodput:.2f} vs {restart[1].goodput:.2f}"
     )
     rec = ft[1].recoveries
@@ -467,7 +549,8 @@ def bench_failures(cache: Path, tmp: Path, steps: int, kills: int, save_every: i
             + (f", {r.error}" if r.error else ""),
             flush=True,
         )
-    return failure_lines((runs[0], runs[1]), (runs[2], runs[3]), samples_per_step=16)
+    heartbeat_s = int(os.environ.get("HEARTBEAT_TIMEOUT_MS", HEARTBEAT_TIMEOUT_MS)) / 1000
+    return failure_lines((runs[0], runs[1]), (runs[2], runs[3]), samples_per_step=16, heartbeat_s=heartbeat_s)
 
 
 def failed(lines: list[str]) -> bool:
@@ -476,13 +559,16 @@ def failed(lines: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", choices=("all", "overhead", "failures"), default="all")
+    ap.add_argument("--part", choices=("all", "overhead", "failures", "outage"), default="all")
     ap.add_argument("--steps", type=int, default=60, help="overhead: steps per run")
     ap.add_argument("--warmup", type=int, default=10, help="overhead: steps not timed")
     ap.add_argument("--rounds", type=int, default=2, help="overhead: rounds of DDP then FT")
     ap.add_argument("--fail-steps", type=int, default=400, help="failures: steps per run")
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--save-every", type=int, default=50, help="failures: both sides' checkpoint interval")
+    ap.add_argument("--outage-steps", type=int, default=200, help="outage: steps per run")
+    ap.add_argument("--outages", type=int, default=3, help="outage: lighthouse outages in the run")
+    ap.add_argument("--seed", type=int, default=0, help="outage: the random steps' seed")
     ap.add_argument("--keep", type=Path, help="run in this directory and keep it (logs, metrics) instead of a temporary one")
     args = ap.parse_args(argv)
     lines: list[str] = []
@@ -502,6 +588,11 @@ def main(argv: list[str] | None = None) -> int:
             new = bench_failures(cache, Path(tmp), args.fail_steps, args.kills, args.save_every)
             lines += new
             print("\n".join(new), flush=True)
+        if args.part in ("all", "outage"):
+            from ft_outage import bench_outage  # its own module (bench_ft's helpers); bench/ is on sys.path
+
+            lines += bench_outage(cache, Path(tmp), args.outage_steps, args.outages, args.seed)
+            print(lines[-1], flush=True)
     return 1 if failed(lines) else 0
 
 

@@ -145,17 +145,25 @@ def test_ft_bench_verdicts_read_miss_or_fail():
     assert bench_ft.overhead_line([0.100], [0.090], same=False).startswith("FAIL")  # other losses
     assert bench_ft.overhead_line([], [], same=True, error="exit 2: ...").startswith("FAIL")
 
-    def sides(lost_restart: float, lost_ft: float, recoveries=(12.0, 14.0, 13.0), error=""):
-        restart = (Run(wall=100.0, kept_s=80.0), Run(wall=100 + 3 * lost_restart, kept_s=80.0, kills=[75, 175, 275]))
+    def sides(lost_restart: float, lost_ft: float, recoveries=(12.0, 14.0, 13.0), error="", stalls=(5.2, 5.9, 5.5)):
+        restart = (
+            Run(wall=100.0, kept_s=80.0),
+            Run(wall=100 + 3 * lost_restart, kept_s=80.0, kills=[75, 175, 275], rolled_back=75, step_s=0.2),
+        )
         ft = (
             Run(wall=90.0, kept_s=80.0),
             Run(wall=90 + 3 * lost_ft, kept_s=80.0, kills=[75, 175, 275], recoveries=list(recoveries), error=error),
         )
-        return bench_ft.failure_lines(restart, ft, samples_per_step=16)
+        ft[1].step_s, ft[1].stalls = 0.2, list(stalls)
+        return bench_ft.failure_lines(restart, ft, samples_per_step=16, heartbeat_s=5.0)
 
     good = sides(30.0, 6.0)
-    assert [x.split()[0] for x in good if not x.startswith(" ")] == ["PASS", "PASS"], good
+    assert [x.split()[0] for x in good if not x.startswith(" ")] == ["PASS", "PASS", "PASS"], good
     assert "5.0x smaller" in good[-2] and "goodput" in good[-2], good
+    # the restart's 30 s: 25 steps again at 0.2 s = 5.0 s, relaunch 0 (none recorded), 25.0 s other
+    assert "25 steps trained again 5.0 s" in good[-5] and "other +25.0 s" in good[-5], good
+    assert sides(30.0, 6.0, stalls=(5.2, 7.5, 5.5))[-3].startswith("MISS")  # over 5 + 2 x 0.2 + 1 s
+    assert sides(30.0, 6.0, stalls=())[-3].startswith("MISS")  # never measured
     assert sides(30.0, 12.0)[-2].startswith("MISS")  # 2.5x: short of 3x
     assert sides(30.0, 6.0, recoveries=(12.0, 31.0, 13.0))[-1].startswith("MISS")  # one recovery over 30 s
     assert sides(30.0, 6.0, recoveries=())[-1].startswith("MISS")  # never rejoined
@@ -177,3 +185,26 @@ def test_muon_bench_verdicts_read_miss_or_fail():
     assert bench_muon.best_line({("adamw", 1e-3): 5.0, ("muon", 1e-3): 4.9}).startswith("PASS")
     assert bench_muon.best_line({("adamw", 1e-3): 4.8, ("muon", 1e-3): 4.9}).startswith("MISS")
     assert bench_muon.best_line({("adamw", 1e-3): 4.8, ("muon", 1e-3): nan}).startswith("FAIL")
+
+
+def test_ft_outage_lines_and_stalls():
+    """The lighthouse-outage part: lost wall time per outage against heartbeat + join + 2 steps, the
+    longest gap between commits (any group) after each outage, a run that did not finish a FAIL."""
+    import ft_outage
+    from ft_outage import OutageRun
+
+    # commits every second, a 5 s gap after the first kill (at 3.5) and a 7 s one after the second (14.5)
+    commits = [0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 21, 22]
+    assert ft_outage.stalls(commits, [3.5, 14.5]) == [5, 7]
+    assert ft_outage.stalls([0, 1, 2], [2.5]) == [float("inf")]  # nothing committed after it
+    steps = ft_outage.outage_steps(200, 3, seed=1)
+    assert len(steps) == 3 and steps == sorted(steps) and 20 <= steps[0] and steps[-1] < 140
+    assert ft_outage.outage_steps(10, 3, seed=1) == []
+    clean = OutageRun(wall=40.0, step_s=0.2)
+    fine = OutageRun(wall=40.0 + 3 * 4.6, kills=[30, 80, 120], kill_times=[3.5, 14.5], commits=commits)
+    line = ft_outage.outage_line(clean, fine, join_s=10.0, heartbeat_s=5.0)
+    assert line.startswith("PASS") and "lost per outage 4.6 s" in line and "15.4 s" in line, line
+    slow = OutageRun(wall=40.0 + 3 * 16.0, kills=[30, 80, 120], kill_times=[3.5], commits=commits)
+    assert ft_outage.outage_line(clean, slow, join_s=10.0, heartbeat_s=5.0).startswith("MISS")
+    broken = OutageRun(wall=50.0, kills=[30], error="group 1 exit 1: ...")
+    assert ft_outage.outage_line(clean, broken, 10.0, 5.0).startswith("FAIL")

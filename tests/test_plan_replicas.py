@@ -11,7 +11,7 @@ from train_helpers import CONFIGS
 from tformer.config import ConfigError
 from tformer.plan import Layout, profile
 from tformer.plan.layout import rank_stages
-from tformer.plan.replicas import Replicas, replica_cost
+from tformer.plan.replicas import CHECKPOINT_READ, RELAUNCH_S, Replicas, replica_cost, restart_cost
 from tformer.plan.states import num_parameters
 from tformer.train.config import load_config
 
@@ -93,6 +93,26 @@ def test_plan_cli_prints_what_the_replicas_cost(capsys):
     assert "4 replica groups of 8 devices each" in out
     line = next(x for x in out.splitlines() if x.startswith("replicas: 4 fault-tolerance groups x 8 devices"))
     assert "diloco every 20 steps" in line and "over the network" in line and "outer momentum" in line, line
+    # beside it, a cluster restart: the recipe's save_every=50, so 25 steps since the last save
+    assert "a cluster restart, about" in line and "25 steps since the last save (half of save_every=50)" in line, line
+    main(["plan", config, *ft, "save_every=0", "--devices", "32", "--max-cp", "1"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("replicas: "))
+    assert "restarts the job from step 0" in line, line
+
+
+def test_a_cluster_restart_costs_relaunch_reload_and_half_a_save_interval():
+    """FSDP2 over 8: each rank reads its 1/8 of 12 bytes a parameter (fp32 weights, AdamW's two
+    moments); the steps since the last save, half of save_every, at the step time; DDP reads all."""
+    model = _gpt2_tiny()
+    layout = Layout(strategy="fsdp", dp_shard=8)
+    cost = restart_cost(layout, rank_stages(model, layout)[0], step_s=0.5, save_every=200)
+    assert cost is not None
+    assert cost.reload_s == pytest.approx(num_parameters(model) / 8 * 12 / CHECKPOINT_READ)
+    assert cost.retrain_steps == 100 and cost.retrain_s == pytest.approx(50.0) and cost.relaunch_s == RELAUNCH_S
+    assert cost.total_s == pytest.approx(RELAUNCH_S + cost.reload_s + 50.0)
+    ddp = Layout(strategy="ddp", dp_shard=8)
+    assert restart_cost(ddp, rank_stages(model, ddp)[0], 0.5, 200).reload_s == pytest.approx(8 * cost.reload_s)
+    assert restart_cost(layout, rank_stages(model, layout)[0], 0.5, 0) is None  # no checkpoint before the end
 
 
 def _table(out: str) -> list[tuple[str, int]]:

@@ -23,7 +23,16 @@ the last synchronisation, in host memory (fp32), and the outer Nesterov SGD's mo
 buffer per parameter on the device. LocalSGD keeps neither.
 
 Not priced: the per-step quorum and commit vote, one round trip each to the lighthouse and the
-groups (bench/bench_ft.py measures their cost), and a failure's recovery.
+groups (bench/bench_ft.py measures their cost), and the fault-tolerant side of a failure: the live
+groups wait about the lighthouse's heartbeat timeout (launch/ft.sh: 5 s) and a step or two while
+the dead group is relaunched beside them (bench_ft.py: 5-6 s on a CPU).
+
+Priced beside it (``restart_cost``): what the same failure costs without fault tolerance, the whole
+job restarted and resumed from its newest checkpoint: a relaunch (the scheduler's requeue, process
+start, imports, rendezvous: ``RELAUNCH_S``, assumed), the checkpoint's reload (each rank reads its
+shard: fp32 weights and AdamW's two moments at ``CHECKPOINT_READ`` bytes/s, assumed shared storage)
+and the steps trained again since the last save, half of ``save_every`` on average, at the planned
+step time.
 """
 
 from __future__ import annotations
@@ -35,6 +44,9 @@ from .hardware import Hardware
 from .layout import Layout, Stage
 
 GRAD_BYTES = 4  # fp32 gradients and parameters: the trainer keeps fp32 weights under mixed precision
+RELAUNCH_S = 120.0  # a cluster job's requeue to its first step: scheduler, process start, imports, rendezvous
+CHECKPOINT_READ = 2e9  # bytes/s one rank reads its checkpoint shard at from shared storage
+CHECKPOINT_BYTES = 12  # per parameter: fp32 weights and AdamW's two fp32 moments
 
 
 @dataclass(frozen=True)
@@ -88,3 +100,26 @@ def replica_cost(layout: Layout, stage: Stage, hw: Hardware, rep: Replicas) -> R
     diloco = rep.semi_sync == "diloco"
     backup = whole if diloco else 0.0
     return ReplicaCost(whole / every if rep.groups > 1 else 0.0, seconds, link, backup, backup)
+
+
+@dataclass(frozen=True)
+class RestartCost:
+    """One failure's price when the whole job restarts and resumes (module doc), in seconds."""
+
+    relaunch_s: float
+    reload_s: float
+    retrain_steps: float  # steps since the last save, on average
+    retrain_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.relaunch_s + self.reload_s + self.retrain_s
+
+
+def restart_cost(layout: Layout, stage: Stage, step_s: float, save_every: int) -> RestartCost | None:
+    """A cluster restart per failure for one group's ``layout`` at ``step_s`` a step; None when
+    ``save_every`` is 0 (no checkpoint before the end: a restart trains from step 0)."""
+    if save_every <= 0:
+        return None
+    reload = local_parameters(layout, stage) * CHECKPOINT_BYTES / CHECKPOINT_READ
+    return RestartCost(RELAUNCH_S, reload, save_every / 2, save_every / 2 * step_s)

@@ -21,7 +21,7 @@ from . import memory as memory_plan
 from . import memory_report, search
 from .hardware import Hardware, load_profile, profile
 from .layout import Layout, NotPriced, StepTime, rank_stages
-from .replicas import Replicas, replica_cost
+from .replicas import CHECKPOINT_READ, Replicas, replica_cost, restart_cost
 from .time import step_time
 
 
@@ -157,7 +157,8 @@ def speed_report(
         layout = layout_of(best, precision, chunk, float8, compiled)
         print(time_line(model, layout, hw, fastest.step, m.ns_steps, m.ns_dtype))
     if replicas is not None:
-        print(replicas_line(model, layout_of(best, precision, chunk, float8, compiled), hw, fastest, replicas, tokens))
+        layout = layout_of(best, precision, chunk, float8, compiled)
+        print(replicas_line(model, layout, hw, fastest, replicas, tokens, cfg.save_every))
     first, first_time = priced[0]
     if first is not fits[0]:
         print(f"  (the memory-first choice {_name(fits[0])} could not be priced)")
@@ -170,8 +171,11 @@ def speed_report(
     return 0
 
 
-def replicas_line(model, layout: Layout, hw: Hardware, one: StepTime, rep: Replicas, tokens: float | None) -> str:
-    """What ``rep`` replica groups of ``layout`` (one group's step: ``one``) cost per step."""
+def replicas_line(
+    model, layout: Layout, hw: Hardware, one: StepTime, rep: Replicas, tokens: float | None, save_every: int = 0
+) -> str:
+    """What ``rep`` replica groups of ``layout`` (one group's step: ``one``) cost per step, and
+    what a failure would cost the job without them (a cluster restart, replicas.restart_cost)."""
     cost = replica_cost(layout, rank_stages(model, layout)[0], hw, rep)
     step = one.step + cost.seconds_per_step
     where = "inside a node" if layout.devices * rep.groups <= hw.gpus_per_node else "network"
@@ -189,6 +193,17 @@ def replicas_line(model, layout: Layout, hw: Hardware, one: StepTime, rep: Repli
             f"; DiLoCo keeps {cost.device_bytes / 2**30:.2f} GiB more per device (outer momentum, counted in the memory "
             "table and the fit) and "
             f"{cost.host_bytes / 2**30:.2f} GiB of host memory per rank (the parameters' backup)"
+        )
+    restart = restart_cost(layout, rank_stages(model, layout)[0], one.step, save_every)  # the job without the groups
+    if restart is None:
+        line += "; without fault tolerance a failure restarts the job from step 0 (save_every=0: no checkpoint till the end)"
+    else:
+        line += (
+            f"; without fault tolerance a failure costs a cluster restart, about {restart.total_s:,.0f} s: relaunch "
+            f"{restart.relaunch_s:.0f} s (assumed), checkpoint reload {restart.reload_s:.1f} s (at "
+            f"{CHECKPOINT_READ / 1e9:g} GB/s per rank), {restart.retrain_steps:g} steps since the last save (half of "
+            f"save_every={save_every}) {restart.retrain_s:,.1f} s; with it the live groups wait about the heartbeat "
+            "timeout (launch/ft.sh: 5 s) and a step or two"
         )
     return line
 
