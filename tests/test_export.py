@@ -267,6 +267,7 @@ FLIPS = {
     "bias": [True, False],
     "qkv_bias": [True, False],
     "attn_scale": [True, False],
+    "qk_norm": ["none", "head"],
     "attn_impl": ["math"],
     "dropout": [0.1],
     "attn_dropout": [0.1],

@@ -247,6 +247,19 @@ def _hf_reference(name):
                 tie_word_embeddings=False,
             )
         )
+    if p["flavour"] == "qwen3":  # Qwen/Qwen3-0.6B's and Qwen/Qwen3-8B's configs
+        return T.Qwen3ForCausalLM(
+            T.Qwen3Config(
+                vocab_size=151936,
+                hidden_size=p["d_model"],
+                intermediate_size=p["d_ff"],
+                num_hidden_layers=p["num_layers"],
+                num_attention_heads=p["num_heads"],
+                num_key_value_heads=p["num_kv_heads"],
+                head_dim=128,
+                tie_word_embeddings=p["tie_embeddings"],
+            )
+        )
     if p["flavour"] == "switch_transformers":  # google/switch-base-8's config
         return T.SwitchTransformersForConditionalGeneration(
             T.SwitchTransformersConfig(

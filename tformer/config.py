@@ -29,6 +29,9 @@ NormPosition = Literal["pre", "post"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu"]
 AttnImpl = Literal["sdpa", "math"]
 RouterSoftmax = Literal["all", "topk"]
+# "head": an RMSNorm over each head's query and key (width d_head, one gain shared by the heads)
+# before RoPE (Qwen3, Gemma 3); "none": none
+QKNorm = Literal["none", "head"]
 
 # -- training choices the lower layers act on ------------------------------------------------------
 # They live here, not in tformer/train/config.py (which re-exports them), because nn, models, data
@@ -48,6 +51,7 @@ NORM_POSITIONS: tuple[NormPosition, ...] = get_args(NormPosition)
 ACTIVATIONS: tuple[Activation, ...] = get_args(Activation)
 ATTN_IMPLS: tuple[AttnImpl, ...] = get_args(AttnImpl)
 ROUTER_SOFTMAXES: tuple[RouterSoftmax, ...] = get_args(RouterSoftmax)
+QK_NORMS: tuple[QKNorm, ...] = get_args(QKNorm)
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 STRATEGIES: tuple[StrategyName, ...] = get_args(StrategyName)
 AC_MODES: tuple[ACMode, ...] = get_args(ACMode)
@@ -176,6 +180,7 @@ class ModelConfig:
     bias: bool = True  # biases in attention and FFN projections
     qkv_bias: bool | None = None  # biases on q/k/v alone (Qwen2: bias=false, qkv_bias=true); null: as bias
     attn_scale: bool = True  # 1/sqrt(d_k); T5 has none
+    qk_norm: QKNorm = "none"  # head: RMSNorm (norm_eps) over each head's q and k before RoPE (Qwen3)
     attn_impl: AttnImpl = "sdpa"  # sdpa (fast path) | math (explicit reference)
     dropout: float = ranged(0.0, "[0, 1)")  # residual and FFN dropout
     attn_dropout: float = ranged(0.0, "[0, 1)")  # dropout on the attention probabilities

@@ -108,12 +108,23 @@ def check_qkv_bias(cfg: ModelConfig, target) -> None:
         )
 
 
+def check_qk_norm(cfg: ModelConfig, target) -> None:
+    """A norm over each head's q and k goes only to the HF classes that have it (``QK_NORM = True``)."""
+    if cfg.qk_norm != "none" and not getattr(target, "QK_NORM", False):
+        have = ", ".join(name for name, t in TARGETS.items() if getattr(t, "QK_NORM", False))
+        raise ExportError(
+            f"cannot export to HF {target.HF_CLASS}: qk_norm={cfg.qk_norm!r}: it has no norm on queries and keys; "
+            f"set qk_norm=none or use a flavour that has one ({have or 'none'})"
+        )
+
+
 def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     """(HF config, HF tensors) of our model tensors (each tied tensor once, under its first name):
     the whole export but the files. Every tensor is checked against the HF class's parameters."""
     target = target_of(cfg)
     check_moe(cfg, target)
     check_qkv_bias(cfg, target)
+    check_qk_norm(cfg, target)
     target.check(cfg)
     hf_config = target.hf_config(cfg)
     dtype = state["embed.tok.weight"].dtype

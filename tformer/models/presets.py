@@ -114,6 +114,21 @@ QWEN2_MOE = dict(
     norm_eps=1e-6,
     moe=dict(num_experts=60, top_k=4, num_shared_experts=4, shared_gate=True, aux_loss_coef=1e-3),
 )
+# Qwen3: Llama with an RMSNorm over each head's q and k before RoPE, head width 128 whatever
+# d_model, RoPE theta 1e6, no biases (HF Qwen3ForCausalLM; tformer/export/qwen3.py)
+QWEN3 = dict(
+    LLAMA,
+    flavour="qwen3",
+    qk_norm="head",
+    norm_eps=1e-6,
+    rope_theta=1e6,
+    vocab_size=151936,
+    max_seq_len=40960,
+    d_head=128,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    pad_token_id=151643,
+)
 # Switch Transformer: T5 v1.0 with 8 ReLU experts on every other block, top-1, capacity per sequence
 SWITCH = dict(
     T5,
@@ -312,6 +327,25 @@ PRESETS: dict[str, dict] = {
         eos_token_id=0,
         pad_token_id=0,
         moe=dict(num_experts=6, top_k=2, d_expert=32, num_shared_experts=2, d_shared=32, shared_gate=True),
+    ),
+    # Qwen3-0.6B and Qwen3-8B (HF Qwen/Qwen3-0.6B, Qwen/Qwen3-8B): 0.6B parameters (tied), 8.2B
+    "qwen3-0.6b": dict(QWEN3, d_model=1024, num_layers=28, num_heads=16, num_kv_heads=8, d_ff=3072, tie_embeddings=True),
+    "qwen3-8b": dict(QWEN3, d_model=4096, num_layers=36, num_heads=32, num_kv_heads=8, d_ff=12288, tie_embeddings=False),
+    # heads wider than d_model / num_heads (4 x 24 = 96 > 64), as in Qwen3-0.6B (16 x 128 > 1024)
+    "qwen3-tiny": dict(
+        QWEN3,
+        vocab_size=1024,
+        max_seq_len=128,
+        d_model=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        d_head=24,
+        d_ff=176,
+        tie_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     ),
     # Switch-Base-8 (Fedus et al. 2021; HF google/switch-base-8): T5 v1.0 base with 8 top-1 experts
     # on every other block, 64 tokens per expert per sequence (619M parameters)

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..config import ATTN_IMPLS, AttnImpl
 from .cast import autocast_input
+from .norm import RMSNorm
 from .position import apply_rotary
 
 
@@ -153,6 +154,8 @@ class MultiHeadAttention(nn.Module):
     key/value heads (fewer = grouped-query / multi-query attention); values of width ``d_v``.
     ``scale=False`` drops the ``1/sqrt(d_k)`` factor (T5 folds it into the initialisation).
     ``kv_dim`` is the width of the key/value inputs for cross-attention from a different stream.
+    ``qk_norm``: an RMSNorm (``norm_eps``) over each head's query and key, one gain of width ``d_k``
+    shared by the heads, before RoPE (Qwen3, Gemma 3): it bounds the logits' growth.
     """
 
     def __init__(
@@ -170,6 +173,8 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         attn_dropout: float = 0.0,
         impl: AttnImpl = "sdpa",
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
     ):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -194,6 +199,8 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(kv_dim, num_kv_heads * d_k, bias=qkv_bias)
         self.v_proj = nn.Linear(kv_dim, num_kv_heads * d_v, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * d_v, d_model, bias=bias)
+        self.q_norm = RMSNorm(d_k, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(d_k, norm_eps) if qk_norm else None
         self.out_dropout = nn.Dropout(dropout)
         # What turns (q, k, v) heads and the masks into the attended values: ``local_attention``
         # here; a parallel layout replaces it from outside (context parallelism's attention across
@@ -232,11 +239,15 @@ class MultiHeadAttention(nn.Module):
         query, key, value = _cast_once(query, key, value)
         b, q_len, _ = query.shape
         q = self._heads(self.q_proj(query), self.num_heads, self.d_k)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
         if cache is not None and cache.static and cache.k is not None:
             k, v = cache.k, cache.v
         else:
             k = self._heads(self.k_proj(key), self.num_kv_heads, self.d_k)
             v = self._heads(self.v_proj(value), self.num_kv_heads, self.d_v)
+            if self.k_norm is not None:
+                k = self.k_norm(k)
             if rotary is not None:
                 k = apply_rotary(k, *rotary)
             if cache is not None:

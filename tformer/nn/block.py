@@ -49,6 +49,8 @@ def _attention(cfg, **extra) -> MultiHeadAttention:
         dropout=cfg.dropout,
         attn_dropout=cfg.attn_dropout,
         impl=cfg.attn_impl,
+        qk_norm=cfg.qk_norm == "head",
+        norm_eps=cfg.norm_eps,
         **extra,
     )
 

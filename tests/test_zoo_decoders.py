@@ -1,0 +1,262 @@
+"""Today's decoders (Qwen3, Qwen3-MoE, gpt-oss) against their HF twins, both ways: logits within a
+float64-derived bound on tiny random HF configs at odd shapes with every weight moved off its
+init, greedy generation token-equal, export -> import bitwise, and parameter counts equal to
+transformers' own models on the meta device and within 1% of the published totals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from rounding import FACTOR, float64_throughout, relative
+from safetensors.torch import load_file
+
+import tformer
+from tformer.data import hf_tokenizer, load_tokenizer
+from tformer.export import export_hf, import_hf
+from tformer.export.hf import TARGETS
+from tformer.generate import generate
+from tformer.plan.moe import active_parameters
+
+from test_export import batch_for, corpus, save_run, toks  # noqa: F401 - session fixtures shared with test_export
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def hf_configs():
+    """Tiny random HF configs at odd shapes: heads wider than d_model / num_heads, GQA, an odd
+    FFN width, untied heads."""
+    t = transformers
+    common = dict(
+        vocab_size=512,
+        hidden_size=40,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=14,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    return {
+        "qwen3": t.Qwen3Config(**common, intermediate_size=90),
+        "qwen3-tied": t.Qwen3Config(**{**common, "tie_word_embeddings": True, "num_key_value_heads": 1}, intermediate_size=60),
+    }
+
+
+def hf_model_of(config):
+    name = {"qwen3": "Qwen3ForCausalLM"}[config.model_type]
+    return getattr(transformers, name)
+
+
+def perturb(model: torch.nn.Module, seed: int = 0) -> None:
+    """Every parameter and persistent float buffer moved off its init (norm gains off 1, biases
+    and sinks off 0), so a tensor mapped to the wrong place or left out shows in the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 1 else 0.05))
+
+
+def load_hf(out):
+    config = transformers.AutoConfig.from_pretrained(out)
+    extra = {}
+    if config.model_type in ("qwen3_moe", "gpt_oss"):
+        extra["experts_implementation"] = "eager"  # grouped_mm on CPU refuses odd widths (test_export)
+    return transformers.AutoModelForCausalLM.from_pretrained(out, **extra).eval()
+
+
+def assert_parity(model, hf):
+    """Logits at every real position of a ragged batch: HF's fp32 logits lie within FACTOR
+    yardsticks of ours, a yardstick being how far our own fp32 logits lie from our model run in
+    float64 (tests/rounding.py). A tensor in the wrong place, a missing norm or an off-by-one
+    mask is orders of magnitude outside."""
+    cfg = model.config
+    ids, mask, _, _ = batch_for(cfg)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    keep = mask.bool()
+    with torch.no_grad():
+        ours = model(ids, mask, position_ids=positions).logits[..., : cfg.vocab_size][keep]
+        theirs = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits[keep]
+        with float64_throughout():
+            exact = copy.deepcopy(model).double()(ids, mask, position_ids=positions).logits[..., : cfg.vocab_size][keep]
+    yard = max(2.0**-24, relative(ours, exact))
+    err = relative(theirs, exact)
+    print(f"{cfg.flavour}: HF {err / yard:.2f} yardsticks ({yard:.1e}) from float64, ours 1")
+    assert err <= FACTOR * yard, (err, yard)
+
+
+def assert_greedy(model, hf, steps=8):
+    ids, mask, _, _ = batch_for(model.config, seed=1)
+    ids, mask = ids[[0, 2], :6], mask[[0, 2], :6]  # HF decoders generate from left padding
+    ours = generate(model, ids, steps, attention_mask=mask)
+    theirs = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, do_sample=False)
+    assert ours.tolist() == theirs.tolist()
+
+
+# -- HF -> tformer -> HF: import, parity, generation, export bitwise -----------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-tied"])
+def test_import_matches_hf_and_exports_back_bitwise(name, toks, tmp_path):  # noqa: F811
+    config = hf_configs()[name]
+    torch.manual_seed(0)
+    original = hf_model_of(config)(config).eval()
+    perturb(original)
+    src = tmp_path / "hf"
+    original.save_pretrained(src)
+    hf_tokenizer(load_tokenizer(toks["bpe"])).save_pretrained(src)
+    run = import_hf(src, tmp_path / "run")
+    model = tformer.load_checkpoint(run).eval()
+    assert model.config.flavour == config.model_type
+    original = load_hf(src)
+    assert_parity(model, original)
+    assert_greedy(model, original)
+    back = export_hf(run, tmp_path / "back")
+    a, b = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+# -- tformer -> HF -> tformer: export, parity, import bitwise ------------------------------------
+
+EXPORTS = {
+    "qwen3-tiny-odd": ("qwen3-tiny", dict(vocab_size=512, d_model=40, d_head=14, d_ff=90, num_layers=3, rope_theta=5e3)),
+    "qwen3-tiny-tied-mqa-geglu": ("qwen3-tiny", dict(vocab_size=512, num_kv_heads=1, tie_embeddings=True, activation="geglu")),
+}
+
+
+@pytest.mark.parametrize("case", list(EXPORTS))
+def test_export_matches_hf_and_imports_back_bitwise(case, toks, tmp_path):  # noqa: F811
+    preset, overrides = EXPORTS[case]
+    torch.manual_seed(0)
+    model = tformer.build_model(preset, **overrides).eval()
+    perturb(model)
+    ckpt = save_run(model, toks["bpe"], tmp_path / "run")
+    out = export_hf(ckpt, tmp_path / "hf")
+    hf = load_hf(out)
+    assert type(hf).__name__ == TARGETS[model.config.flavour].HF_CLASS
+    assert_parity(model, hf)
+    assert_greedy(model, hf)
+    back = tformer.load_checkpoint(import_hf(out, tmp_path / "back"))
+    assert back.config == model.config
+    theirs = back.state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, theirs[key]), key
+
+
+# -- the planner's counts: transformers' own model, and the published figures --------------------
+
+# preset -> (published total, published active), in parameters
+PUBLISHED = {
+    "qwen3-0.6b": (0.6e9, None),
+    "qwen3-8b": (8.2e9, None),
+}
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_parameter_counts_equal_transformers_and_the_published_figures(preset):
+    cfg = tformer.build_config(preset)
+    with torch.device("meta"):
+        ours = tformer.build_model(cfg)
+        target = TARGETS[cfg.flavour]
+        hf = getattr(transformers, target.HF_CLASS)(target.hf_config(cfg))
+    total = ours.num_parameters()
+    assert total == sum(p.numel() for p in hf.parameters())
+    published, active = PUBLISHED[preset]
+    assert abs(total / published - 1) <= 0.01, total
+    if active is not None:
+        assert abs(active_parameters(cfg, total) / active - 1) <= 0.01, active_parameters(cfg, total)
+
+
+# -- the blocks against written-out references, with planted defects -----------------------------
+
+
+def _written_out_qk_norm_attention(attn, x, cos, sin):
+    """Causal attention with each head's q and k RMS-normalised (times the gains) before RoPE,
+    written out in float64 from the module's weights."""
+    from tformer.nn.position import apply_rotary
+
+    b, s, _ = x.shape
+    h, kv, d = attn.num_heads, attn.num_kv_heads, attn.d_k
+
+    def heads(t, n):
+        return t.view(b, s, n, d).transpose(1, 2)
+
+    def rms(t, gain, eps):
+        return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + eps) * gain
+
+    q = rms(heads(x @ attn.q_proj.weight.t(), h), attn.q_norm.weight, attn.q_norm.eps)
+    k = rms(heads(x @ attn.k_proj.weight.t(), kv), attn.k_norm.weight, attn.k_norm.eps)
+    v = heads(x @ attn.v_proj.weight.t(), kv)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    k, v = k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1)
+    scores = q @ k.transpose(-1, -2) / d**0.5
+    scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, h * d)
+    return out @ attn.o_proj.weight.t()
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "math"])
+def test_qk_norm_attention_is_the_written_out_formula_and_a_missing_norm_is_not(impl):
+    from tformer.nn import MultiHeadAttention, Rotary
+
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(40, 4, num_kv_heads=2, d_k=14, bias=False, qk_norm=True, norm_eps=1e-5, impl=impl).eval()
+    perturb(attn)
+    x = torch.randn(2, 9, 40)
+    cos, sin = Rotary(14, 5000.0)(torch.arange(9))
+    got = attn(x, causal=True, rotary=(cos, sin))
+    with torch.no_grad():
+        attn64 = copy.deepcopy(attn).double()
+        exact = _written_out_qk_norm_attention(attn64, x.double(), cos.double(), sin.double())
+        with float64_throughout():
+            ours64 = attn64(x.double(), causal=True, rotary=(cos.double(), sin.double()))
+    assert relative(ours64, exact) <= 1e-12  # the module computes the formula
+    yard = max(2.0**-24, relative(got, exact))
+    assert yard <= 1e-5
+    for defect in ("q_norm", "k_norm"):  # planted: one of the norms left out
+        broken = copy.deepcopy(attn)
+        setattr(broken, defect, None)
+        assert relative(broken(x, causal=True, rotary=(cos, sin)), exact) > 1e3 * yard, defect
+
+
+def test_bad_qk_norm_is_one_line():
+    with pytest.raises(tformer.ConfigError, match=r"^qk_norm='rms' is not allowed; use one of: none, head$"):
+        tformer.build_config("qwen3-tiny", qk_norm="rms")
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-tiny"])
+def test_a_target_without_qk_norm_refuses_it_naming_the_field(preset, toks, tmp_path):  # noqa: F811
+    from tformer.export import ExportError
+
+    model = tformer.build_model(preset, vocab_size=512, qk_norm="head")
+    ckpt = save_run(model, toks["bpe"], tmp_path / "run")
+    with pytest.raises(ExportError, match="qk_norm='head'") as e:
+        export_hf(ckpt, tmp_path / "hf")
+    assert "\n" not in str(e.value)
+
+
+# -- the tiny recipes train -----------------------------------------------------------------------
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("recipe", ["qwen3-tiny"])
+def test_the_tiny_recipe_loss_falls_over_200_steps(recipe, cache, tmp_path):
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+    from train_helpers import CONFIGS, losses, small_overrides
+
+    overrides = small_overrides(recipe, tmp_path, "max_steps=200", "eval_every=0", "save_every=0", "log_every=10")
+    Trainer(load_config(CONFIGS / f"{recipe}.yaml", overrides)).fit()
+    curve = losses(tmp_path)
+    first, last = curve[min(curve)], curve[max(curve)]
+    print(f"{recipe}: loss {first:.3f} -> {last:.3f} over 200 steps")
+    assert max(curve) == 200 and last < first - 1.5, curve
