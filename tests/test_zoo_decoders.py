@@ -46,7 +46,9 @@ def hf_configs():
     )
     return {
         "qwen3": t.Qwen3Config(**common, intermediate_size=90),
-        "qwen3-tied": t.Qwen3Config(**{**common, "tie_word_embeddings": True, "num_key_value_heads": 1}, intermediate_size=60),
+        "qwen3-tied": t.Qwen3Config(
+            **{**common, "tie_word_embeddings": True, "num_key_value_heads": 1}, intermediate_size=60
+        ),
     }
 
 
@@ -60,7 +62,7 @@ def perturb(model: torch.nn.Module, seed: int = 0) -> None:
     and sinks off 0), so a tensor mapped to the wrong place or left out shows in the logits."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 1 else 0.05))
 
 
@@ -129,7 +131,10 @@ def test_import_matches_hf_and_exports_back_bitwise(name, toks, tmp_path):  # no
 
 EXPORTS = {
     "qwen3-tiny-odd": ("qwen3-tiny", dict(vocab_size=512, d_model=40, d_head=14, d_ff=90, num_layers=3, rope_theta=5e3)),
-    "qwen3-tiny-tied-mqa-geglu": ("qwen3-tiny", dict(vocab_size=512, num_kv_heads=1, tie_embeddings=True, activation="geglu")),
+    "qwen3-tiny-tied-mqa-geglu": (
+        "qwen3-tiny",
+        dict(vocab_size=512, num_kv_heads=1, tie_embeddings=True, activation="geglu"),
+    ),
 }
 
 

@@ -62,9 +62,7 @@ def rules(cfg: ModelConfig) -> list[Rule]:
 def decoder_fields(hf, flavour: str) -> dict:
     """The Qwen3-shaped fields of an HF config (Qwen3, Qwen3-MoE), refusing what tformer lacks."""
     if hf.attention_bias:
-        raise ExportError(
-            f"HF {flavour} attention_bias=True (biases on q/k/v/o but not the MLP) has no tformer equivalent"
-        )
+        raise ExportError(f"HF {flavour} attention_bias=True (biases on q/k/v/o but not the MLP) has no tformer equivalent")
     if any(t != "full_attention" for t in hf.layer_types):
         raise ExportError(f"HF {flavour} layer_types={hf.layer_types} (sliding windows) has no tformer equivalent")
     return {**llama.decoder_fields(hf, flavour), "qk_norm": "head"}
