@@ -14,7 +14,17 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or min(2, os.c
 # take the bf16-capable path on every CPU (see _cpu_bf16_lane). Numeric tests pin precision anyway.
 os.environ.setdefault("TFORMER_CPU_BF16", "0")
 
-TINY = ["bert-tiny", "gpt2-tiny", "llama-tiny", "t5-tiny", "t5-v1.1-tiny", "mixtral-tiny", "qwen2-moe-tiny", "qwen3-tiny"]
+TINY = [
+    "bert-tiny",
+    "gpt2-tiny",
+    "llama-tiny",
+    "t5-tiny",
+    "t5-v1.1-tiny",
+    "mixtral-tiny",
+    "qwen2-moe-tiny",
+    "qwen3-tiny",
+    "qwen3-moe-tiny",
+]
 
 
 @pytest.fixture(autouse=True)

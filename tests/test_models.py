@@ -260,6 +260,23 @@ def _hf_reference(name):
                 tie_word_embeddings=p["tie_embeddings"],
             )
         )
+    if p["flavour"] == "qwen3_moe":  # Qwen/Qwen3-30B-A3B's config
+        return T.Qwen3MoeForCausalLM(
+            T.Qwen3MoeConfig(
+                vocab_size=151936,
+                hidden_size=2048,
+                intermediate_size=6144,
+                moe_intermediate_size=768,
+                num_hidden_layers=48,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                head_dim=128,
+                num_experts=128,
+                num_experts_per_tok=8,
+                norm_topk_prob=True,
+                tie_word_embeddings=False,
+            )
+        )
     if p["flavour"] == "switch_transformers":  # google/switch-base-8's config
         return T.SwitchTransformersForConditionalGeneration(
             T.SwitchTransformersConfig(

@@ -6,6 +6,7 @@ transformers' own models on the meta device and within 1% of the published total
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -44,8 +45,14 @@ def hf_configs():
         pad_token_id=0,
         tie_word_embeddings=False,
     )
+    moe = dict(moe_intermediate_size=22, num_experts=5, num_experts_per_tok=3, router_aux_loss_coef=0.01)
     return {
         "qwen3": t.Qwen3Config(**common, intermediate_size=90),
+        # every other block MoE (the others dense 90 wide), top-3 of 5 not renormalised
+        "qwen3_moe": t.Qwen3MoeConfig(**common, **moe, intermediate_size=90, decoder_sparse_step=2, norm_topk_prob=False),
+        "qwen3_moe-tied-renormalised": t.Qwen3MoeConfig(
+            **{**common, "tie_word_embeddings": True}, **moe, intermediate_size=90, norm_topk_prob=True
+        ),
         "qwen3-tied": t.Qwen3Config(
             **{**common, "tie_word_embeddings": True, "num_key_value_heads": 1}, intermediate_size=60
         ),
@@ -53,7 +60,7 @@ def hf_configs():
 
 
 def hf_model_of(config):
-    name = {"qwen3": "Qwen3ForCausalLM"}[config.model_type]
+    name = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[config.model_type]
     return getattr(transformers, name)
 
 
@@ -105,11 +112,15 @@ def assert_greedy(model, hf, steps=8):
 # -- HF -> tformer -> HF: import, parity, generation, export bitwise -----------------------------
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3-tied"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-tied", "qwen3_moe", "qwen3_moe-tied-renormalised"])
 def test_import_matches_hf_and_exports_back_bitwise(name, toks, tmp_path):  # noqa: F811
     config = hf_configs()[name]
     torch.manual_seed(0)
     original = hf_model_of(config)(config).eval()
+    if config.model_type == "qwen3_moe":  # make the routers' choices clear-cut: no near-ties that rounding could flip
+        for layer in original.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.data.normal_(0.0, 1.0)
     perturb(original)
     src = tmp_path / "hf"
     original.save_pretrained(src)
@@ -135,6 +146,14 @@ EXPORTS = {
         "qwen3-tiny",
         dict(vocab_size=512, num_kv_heads=1, tie_embeddings=True, activation="geglu"),
     ),
+    "qwen3-moe-tiny-odd-every-other-topk": (
+        "qwen3-moe-tiny",
+        dict(vocab_size=512, d_model=40, d_head=14, d_ff=90, num_layers=3, moe=dict(moe_every=2, router_softmax="topk")),
+    ),
+    "qwen3-moe-tiny-all-not-renormalised-tied": (
+        "qwen3-moe-tiny",
+        dict(vocab_size=512, tie_embeddings=True, moe=dict(num_experts=5, top_k=3, d_expert=22, renormalize=False)),
+    ),
 }
 
 
@@ -151,7 +170,10 @@ def test_export_matches_hf_and_imports_back_bitwise(case, toks, tmp_path):  # no
     assert_parity(model, hf)
     assert_greedy(model, hf)
     back = tformer.load_checkpoint(import_hf(out, tmp_path / "back"))
-    assert back.config == model.config
+    want = model.config
+    if want.moe.router_softmax == "topk":  # imported as its equal: a softmax over all, renormalised
+        want = want.replace(moe={**dataclasses.asdict(want.moe), "router_softmax": "all", "renormalize": True})
+    assert back.config == want
     theirs = back.state_dict()
     for key, value in model.state_dict().items():
         assert torch.equal(value, theirs[key]), key
@@ -163,7 +185,11 @@ def test_export_matches_hf_and_imports_back_bitwise(case, toks, tmp_path):  # no
 PUBLISHED = {
     "qwen3-0.6b": (0.6e9, None),
     "qwen3-8b": (8.2e9, None),
+    "qwen3-30b-a3b": (30.5e9, 3.3e9),
 }
+# Qwen's "3.3B activated" is 3.353B rounded down (its experts 1.811B, attention 0.906B, embedding and
+# head 0.622B, routers 0.013B): 1.6% above the printed figure, the only count held to 2%
+ACTIVE_TOLERANCE = {"qwen3-30b-a3b": 0.02}
 
 
 @pytest.mark.parametrize("preset", list(PUBLISHED))
@@ -178,7 +204,8 @@ def test_parameter_counts_equal_transformers_and_the_published_figures(preset):
     published, active = PUBLISHED[preset]
     assert abs(total / published - 1) <= 0.01, total
     if active is not None:
-        assert abs(active_parameters(cfg, total) / active - 1) <= 0.01, active_parameters(cfg, total)
+        tolerance = ACTIVE_TOLERANCE.get(preset, 0.01)
+        assert abs(active_parameters(cfg, total) / active - 1) <= tolerance, active_parameters(cfg, total)
 
 
 # -- the blocks against written-out references, with planted defects -----------------------------
@@ -253,7 +280,7 @@ def test_a_target_without_qk_norm_refuses_it_naming_the_field(preset, toks, tmp_
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("recipe", ["qwen3-tiny"])
+@pytest.mark.parametrize("recipe", ["qwen3-tiny", "qwen3-moe-tiny"])
 def test_the_tiny_recipe_loss_falls_over_200_steps(recipe, cache, tmp_path):
     from tformer.train.config import load_config
     from tformer.train.trainer import Trainer

@@ -32,6 +32,7 @@ def problems(cfg: ModelConfig, name: str) -> list[str | None]:
 
 
 def decoder_config(cfg: ModelConfig) -> dict:
+    """Qwen3's arguments, which Qwen3-MoE's config takes too."""
     return dict(
         **llama.decoder_config(cfg),
         head_dim=cfg.head_dim,
@@ -63,7 +64,7 @@ def decoder_fields(hf, flavour: str) -> dict:
     """The Qwen3-shaped fields of an HF config (Qwen3, Qwen3-MoE), refusing what tformer lacks."""
     if hf.attention_bias:
         raise ExportError(f"HF {flavour} attention_bias=True (biases on q/k/v/o but not the MLP) has no tformer equivalent")
-    if any(t != "full_attention" for t in hf.layer_types):
+    if any(t != "full_attention" for t in getattr(hf, "layer_types", None) or ()):
         raise ExportError(f"HF {flavour} layer_types={hf.layer_types} (sliding windows) has no tformer equivalent")
     return {**llama.decoder_fields(hf, flavour), "qk_norm": "head"}
 

@@ -129,6 +129,13 @@ QWEN3 = dict(
     eos_token_id=151645,
     pad_token_id=151643,
 )
+# Qwen3-MoE: Qwen3's attention, 128 narrow experts on every block, top-8 of a softmax over all of
+# them renormalised (HF Qwen3MoeForCausalLM; tformer/export/qwen3_moe.py)
+QWEN3_MOE = dict(
+    QWEN3,
+    flavour="qwen3_moe",
+    moe=dict(num_experts=128, top_k=8, d_expert=768, renormalize=True, aux_loss_coef=1e-3),
+)
 # Switch Transformer: T5 v1.0 with 8 ReLU experts on every other block, top-1, capacity per sequence
 SWITCH = dict(
     T5,
@@ -346,6 +353,26 @@ PRESETS: dict[str, dict] = {
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,
+    ),
+    # Qwen3-30B-A3B (HF Qwen/Qwen3-30B-A3B): 30.5B parameters, 3.3B active
+    "qwen3-30b-a3b": dict(
+        QWEN3_MOE, d_model=2048, num_layers=48, num_heads=32, num_kv_heads=4, d_ff=6144, tie_embeddings=False
+    ),
+    "qwen3-moe-tiny": dict(
+        QWEN3_MOE,
+        vocab_size=1024,
+        max_seq_len=128,
+        d_model=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        d_head=24,
+        d_ff=128,
+        tie_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        moe=dict(num_experts=8, top_k=2, d_expert=48, renormalize=True, aux_loss_coef=1e-3),
     ),
     # Switch-Base-8 (Fedus et al. 2021; HF google/switch-base-8): T5 v1.0 base with 8 top-1 experts
     # on every other block, 64 tokens per expert per sequence (619M parameters)
