@@ -111,6 +111,7 @@ register(ModelSpec("mixtral", DecoderModel, "tformer.export.mixtral"))
 register(ModelSpec("qwen2_moe", DecoderModel, "tformer.export.qwen2_moe"))
 register(ModelSpec("qwen3", DecoderModel, "tformer.export.qwen3"))
 register(ModelSpec("qwen3_moe", DecoderModel, "tformer.export.qwen3_moe"))
+register(ModelSpec("gpt_oss", DecoderModel, "tformer.export.gpt_oss"))
 register(ModelSpec("t5", EncoderDecoderModel, "tformer.export.t5"))  # v1.0 (tied) and v1.1 (untied)
 register(ModelSpec("switch_transformers", EncoderDecoderModel, "tformer.export.switch_transformers"))
 register(ModelSpec("marian", EncoderDecoderModel, "tformer.export.marian"))  # the paper's Transformer

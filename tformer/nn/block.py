@@ -37,7 +37,8 @@ class StackCache:
             c.reorder(index)
 
 
-def _attention(cfg, **extra) -> MultiHeadAttention:
+def _attention(cfg, index: int | None = None, **extra) -> MultiHeadAttention:
+    """Block ``index``'s self-attention (its window and sinks), or with None a cross-attention."""
     return MultiHeadAttention(
         cfg.d_model,
         cfg.num_heads,
@@ -51,6 +52,8 @@ def _attention(cfg, **extra) -> MultiHeadAttention:
         impl=cfg.attn_impl,
         qk_norm=cfg.qk_norm == "head",
         norm_eps=cfg.norm_eps,
+        window=cfg.layer_window(index) if index is not None else None,
+        sinks=cfg.attn_sinks and index is not None,
         **extra,
     )
 
@@ -73,7 +76,7 @@ class TransformerBlock(nn.Module):
         def norm():
             return make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
 
-        self.attn = _attention(cfg)
+        self.attn = _attention(cfg, index)
         self.attn_norm = norm()
         self.cross_attn = _attention(cfg) if cross else None
         self.cross_norm = norm() if cross else None
@@ -144,7 +147,12 @@ class TransformerStack(nn.Module):
             if cfg.position == "relative"
             else None
         )
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if cfg.position == "rotary" else None
+        yarn = (cfg.rope_factor, cfg.rope_original_max_len, cfg.rope_beta_fast, cfg.rope_beta_slow, cfg.rope_truncate)
+        self.rotary = (
+            Rotary(cfg.head_dim, cfg.rope_theta, yarn if cfg.rope_scaling == "yarn" else None)
+            if cfg.position == "rotary"
+            else None
+        )
         # Pre-norm stacks end with a norm; post-norm blocks already end normalised.
         self.final_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias) if cfg.pre_norm else None
         self.dropout = nn.Dropout(cfg.dropout)

@@ -36,19 +36,52 @@ class LearnedPositions(nn.Embedding):
         super().__init__(max_len, dim)
 
 
+def yarn(
+    inv_freq: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    factor: float,
+    original_len: int,
+    beta_fast: float,
+    beta_slow: float,
+    truncate: bool,
+) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023): pairs that turn more than ``beta_fast`` times over the original
+    context keep their frequency, those that turn fewer than ``beta_slow`` times are divided by
+    ``factor`` (interpolated), a linear ramp between; cos and sin are then scaled by
+    ``0.1 ln(factor) + 1`` (the attention temperature). Returns (frequencies, that scale)."""
+
+    def dim_of(rotations: float) -> float:  # the pair index that turns ``rotations`` times
+        return head_dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the trained frequency, 0: divided by factor
+    scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, scale
+
+
 class Rotary(nn.Module):
     """Rotary position embedding in HF's rotate-half layout.
 
     The head dimension is split in two halves ``(x1, x2)`` and rotated as
     ``(x1 cos - x2 sin, x2 cos + x1 sin)`` with frequency ``theta^(-2i/d)`` for pair ``i``.
     ``forward(positions)`` returns ``(cos, sin)`` shaped to broadcast over ``(B, h, S, d)``.
+    ``yarn_args`` (factor, original length, beta_fast, beta_slow, truncate): YaRN's table (``yarn``).
     """
 
-    def __init__(self, head_dim: int, theta: float = 10000.0):
+    def __init__(self, head_dim: int, theta: float = 10000.0, yarn_args: tuple | None = None):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary needs an even head dimension, got {head_dim}")
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.scale = 1.0
+        if yarn_args is not None:
+            inv_freq, self.scale = yarn(inv_freq, head_dim, theta, *yarn_args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,6 +89,8 @@ class Rotary(nn.Module):
         pos = positions if positions.dim() == 2 else positions.unsqueeze(0)
         angles = pos.float().unsqueeze(-1) * self.inv_freq  # (B, S, d/2)
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
+        if self.scale != 1.0:
+            return angles.cos() * self.scale, angles.sin() * self.scale
         return angles.cos(), angles.sin()
 
 
