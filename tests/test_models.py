@@ -277,6 +277,10 @@ def _hf_reference(name):
                 tie_word_embeddings=False,
             )
         )
+    if p["flavour"] == "gpt_oss":  # openai/gpt-oss-20b's and -120b's configs
+        return T.GptOssForCausalLM(
+            T.GptOssConfig(num_hidden_layers=p["num_layers"], num_local_experts=p["moe"]["num_experts"])
+        )
     if p["flavour"] == "switch_transformers":  # google/switch-base-8's config
         return T.SwitchTransformersForConditionalGeneration(
             T.SwitchTransformersConfig(

@@ -339,3 +339,110 @@ def test_the_tiny_recipe_loss_falls_over_200_steps(recipe, cache, tmp_path):
     first, last = curve[min(curve)], curve[max(curve)]
     print(f"{recipe}: loss {first:.3f} -> {last:.3f} over 200 steps")
     assert max(curve) == 200 and last < first - 1.5, curve
+
+
+def _written_out_local_attention(q, k, v, window, sinks, causal):
+    """float64, per query and key: a key counts if the window lets it (causal: 0 <= i - j < W;
+    bidirectional: |i - j| <= W // 2), and each softmax's denominator holds exp(sink) as well."""
+    b, h, s, d = q.shape
+    out = torch.zeros_like(q)
+    for i in range(s):
+        keys = [j for j in range(s) if (0 <= i - j < window if causal else abs(i - j) <= window // 2)]
+        scores = torch.einsum("bhd,bhkd->bhk", q[:, :, i], k[:, :, keys]) / d**0.5
+        weights = scores.exp()
+        denominator = weights.sum(-1, keepdim=True)
+        if sinks is not None:
+            denominator = denominator + sinks.exp()[None, :, None]
+        out[:, :, i] = torch.einsum("bhk,bhkd->bhd", weights / denominator, v[:, :, keys])
+    return out
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "math"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_windows_and_sinks_are_the_written_out_formula_and_planted_defects_are_not(impl, causal):
+    from tformer.nn.attention import local_attention
+
+    torch.manual_seed(0)
+    b, h, s, d, window = 2, 3, 11, 8, 4
+    q, k, v = (torch.randn(b, h, s, d) for _ in range(3))
+    sinks = torch.randn(h)
+    exact = _written_out_local_attention(q.double(), k.double(), v.double(), window, sinks.double(), causal)
+
+    def run(window=window, sinks=sinks):
+        extra = dict(window=window, sinks=sinks)
+        common = dict(padding_mask=None, attn_bias=None, doc_mask=None, scale=d**-0.5, dropout_p=0.0)
+        return local_attention(q, k, v, causal=causal, impl=impl, **common, **extra)
+
+    yard = max(2.0**-24, relative(run(), exact))
+    assert yard <= 1e-5, yard
+    # planted: one key past the window visible; the sink left out of the denominator
+    assert relative(run(window=window + (1 if causal else 2)), exact) > 1e3 * yard
+    assert relative(run(sinks=None), exact) > 1e3 * yard
+
+
+def test_a_window_under_the_kv_cache_sees_what_the_full_sequence_sees():
+    """Decoding one token at a time with a cache: each new query sees the same window of keys as
+    in the whole-sequence forward (the window counts from the query's own position)."""
+    torch.manual_seed(0)
+    model = tformer.build_model("gpt-oss-tiny", attn_window=3, num_layers=2).eval()
+    perturb(model)
+    ids = torch.randint(3, 1000, (2, 9))
+    with torch.no_grad():
+        whole = model(ids).logits
+        cache = model.new_cache()
+        steps = [model(ids[:, i : i + 1], cache=cache).logits for i in range(ids.shape[1])]
+    assert relative(torch.cat(steps, 1), whole) <= 1e-5
+
+
+def test_yarn_frequencies_and_scale_are_hf_ones():
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tformer.nn import Rotary
+
+    for truncate in (True, False):
+        rope = dict(
+            rope_type="yarn", rope_theta=150000.0, factor=32.0, original_max_position_embeddings=4096, truncate=truncate
+        )
+        hf = GptOssConfig(head_dim=64, rope_parameters=rope)
+        want, scale = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+        ours = Rotary(64, 150000.0, (32.0, 4096, 32.0, 1.0, truncate))
+        assert torch.equal(ours.inv_freq, want) and ours.scale == scale
+    plain = Rotary(64, 150000.0)
+    assert not torch.equal(plain.inv_freq, ours.inv_freq)  # planted: YaRN left out
+
+
+BAD = [
+    (dict(attn_window=129), "attn_window=129 is longer than max_seq_len=128"),
+    (dict(attn_window=0), "attn_window=0 must be >= 1"),
+    (dict(global_every=-1), "global_every=-1 must be >= 0"),
+    (dict(rope_factor=0.5), "rope_factor=0.5 must be >= 1"),
+    (dict(moe=dict(swiglu_limit=0.0)), "model.moe.swiglu_limit=0.0 must be > 0"),
+]
+
+
+@pytest.mark.parametrize("overrides,needle", BAD, ids=[n.split(" ")[0] for _, n in BAD])
+def test_bad_gpt_oss_switches_are_one_line(overrides, needle):
+    with pytest.raises(tformer.ConfigError) as e:
+        tformer.build_config("gpt-oss-tiny", **overrides)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "flag,needle",
+    [
+        ("model.attn_sinks=true", "parallel.cp=2 does not run with model.attn_sinks=true yet"),
+        ("model.attn_window=16", "parallel.cp=2 does not run with model.attn_window=16 yet"),
+    ],
+)
+def test_sinks_and_windows_with_a_kernel_that_cannot_take_them_are_one_line(flag, needle, tmp_path, monkeypatch):
+    from tformer.config import ConfigError
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+    from train_helpers import CONFIGS, small_overrides
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = load_config(CONFIGS / "gpt2-tiny.yaml", small_overrides("gpt2-tiny", tmp_path, "parallel.cp=2", flag))
+    with pytest.raises(ConfigError) as e:
+        Trainer(cfg)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
