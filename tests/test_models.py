@@ -28,6 +28,7 @@ def shrunk(name):
         max_seq_len=64,
         **({"num_decoder_layers": 2} if cfg["family"] == "encdec" else {}),
         **({k: 1 for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k)}),
+        **({"attn_window": 8} if cfg.get("attn_window") else {}),  # shorter than the 12 tokens run
     )
 
 
