@@ -446,3 +446,30 @@ def test_sinks_and_windows_with_a_kernel_that_cannot_take_them_are_one_line(flag
     with pytest.raises(ConfigError) as e:
         Trainer(cfg)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+# -- layouts: FSDP2 and TP (+ SP) equal to one process (tests/test_mesh.py's harness) -------------
+
+LAYOUTS = [
+    ("qwen3", ["parallel.tp=2", "parallel.sp=true"], 1),
+    ("qwen3", ["parallel.tp=2", "parallel.sp=false"], 1),
+    ("qwen3", ["parallel.strategy=fsdp", "parallel.dp_shard=2"], 2),
+]
+
+
+@pytest.mark.long
+@pytest.mark.timeout(1800)
+def test_qwen3_under_fsdp2_and_tp_equals_one_process(cache, tmp_path_factory):
+    """QK-norm under TP: each rank normalises its own heads with the whole gain, whose gradient is
+    summed over the ranks' heads; a gain left with one rank's share drifts far outside the bound."""
+    import test_mesh
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(test_mesh.FAMILIES, "qwen3", ("qwen3-tiny", ["model.d_head=16"]))
+        tmp = tmp_path_factory.mktemp("qwen3-layouts")
+        test_mesh.run_cases(2, [(name, flags) for name, flags, _ in LAYOUTS], tmp, cache)
+        for i, (name, flags, dp) in enumerate(LAYOUTS):
+            ref = test_mesh.reference(name, tmp_path_factory, dp)
+            test_mesh.assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", ref)
+            if "parallel.tp=2" in flags:
+                test_mesh.assert_counts(tmp / f"report{i}", 2, 2)

@@ -30,12 +30,13 @@ With degree ``t`` on the mesh's ``tp`` dimension:
   sequence parallel alone would keep the whole gathered input of every sub-layer on every rank.
 
 What stays replicated on every TP rank: norms (their gradients are summed over the sequence shards
-under SP), position and token-type embeddings, BERT's MLM transform, the biases of row-wise
-projections, and mixture-of-experts FFNs (router, experts, shared experts; ``nn/moe.py``): each TP
-rank runs the whole MoE FFN on the whole sequence (under SP its input is gathered before it and its
-output cut back to the rank's slice after it), so routing, capacity groups and auxiliary losses are
-the unsplit model's, and its plain parameters get the same gradient on every TP rank. Splitting the
-experts is expert parallelism's job (``ep.py``: its groups are ranks with the same TP index).
+under SP; QK-norm's gains over the ranks' heads, always), position and token-type embeddings,
+BERT's MLM transform, the biases of row-wise projections, and mixture-of-experts FFNs (router,
+experts, shared experts; ``nn/moe.py``): each TP rank runs the whole MoE FFN on the whole sequence
+(under SP its input is gathered before it and its output cut back to the rank's slice after it), so
+routing, capacity groups and auxiliary losses are the unsplit model's, and its plain parameters get
+the same gradient on every TP rank. Splitting the experts is expert parallelism's job (``ep.py``:
+its groups are ranks with the same TP index).
 
 Model files never import ``torch.distributed``: this module sets the attention modules' local head
 counts and the model's ``sharded_loss``/``gather_logits`` hooks from outside.
@@ -66,13 +67,11 @@ def check_tp(cfg: ModelConfig, tp: int, sp: bool = False) -> None:
     """One line for each model shape that ``tp`` ranks cannot split evenly."""
     if tp == 1:
         return
-    # Not laid out yet (each needs a 2-rank test against one process before it runs): QK-norm's
-    # gains stay whole on every rank but see only the rank's heads, so their gradients must be
-    # summed over the TP ranks (torchtitan: SequenceParallel over the head dimension); the sinks,
-    # one logit per query head, must be split with their heads (Shard(0), as q_proj's rows).
-    for name, on, value in (("qk_norm", cfg.qk_norm != "none", cfg.qk_norm), ("attn_sinks", cfg.attn_sinks, True)):
-        if on:
-            raise ConfigError(f"parallel.tp={tp} does not run with model.{name}={value} yet; set parallel.tp=1")
+    # Not laid out yet (it needs a 2-rank test against one process before it runs): the sinks, one
+    # logit per query head, must be split with their heads (Shard(0), as q_proj's rows), and the
+    # attention core handed the rank's part as a plain tensor.
+    if cfg.attn_sinks:
+        raise ConfigError(f"parallel.tp={tp} does not run with model.attn_sinks=true yet; set parallel.tp=1")
     for name, value, fix in (
         ("model.num_heads", cfg.num_heads, "a tp that divides the head count"),
         ("model.num_kv_heads", cfg.kv_heads, "a tp that divides the KV head count (a GQA group cannot straddle ranks)"),
@@ -129,6 +128,10 @@ def tp_plan(model, sp: bool, loss_parallel: bool) -> dict:
                 for proj in ("q_proj", "k_proj", "v_proj"):
                     plan[f"{p}.{attn}.{proj}"] = ColwiseParallel()
                 plan[f"{p}.{attn}.o_proj"] = RowwiseParallel(output_layouts=between)
+                for norm in ("q_norm", "k_norm"):  # QK-norm: its gain whole on every rank, its input
+                    # (B, heads, S, d) split by head; the gain's gradient summed over the ranks' heads
+                    if getattr(getattr(block, attn), norm) is not None:
+                        plan[f"{p}.{attn}.{norm}"] = SequenceParallel(sequence_dim=1, use_local_output=True)
             moe = isinstance(block.ffn, MoEFeedForward)
             if not moe:
                 for proj in ("up", "gate") if block.ffn.gated else ("up",):

@@ -116,9 +116,7 @@ def tp_blocker(cfg: ModelConfig, tp: int) -> str | None:
     """The first size that ``tp`` does not divide (TP splits heads, KV heads and the FFN width;
     the vocabulary it pads itself, ``pad_vocab_for_tp``), as ``name=value``; None when ``tp`` can
     split them all."""
-    if tp > 1 and cfg.qk_norm != "none":  # not laid out under TP yet (parallel/tp.py check_tp)
-        return f"qk_norm={cfg.qk_norm}"
-    if tp > 1 and cfg.attn_sinks:
+    if tp > 1 and cfg.attn_sinks:  # not laid out under TP yet (parallel/tp.py check_tp)
         return "attn_sinks=True"
     for name, value in (
         ("num_heads", cfg.num_heads),
