@@ -58,6 +58,7 @@ def hf_config(cfg: ModelConfig):
     from transformers import GptOssConfig
 
     moe = cfg.moe
+    assert moe.swiglu_limit is not None  # check() refused a model without it
     rope: dict = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling == "yarn":
         rope = dict(

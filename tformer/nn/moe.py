@@ -218,7 +218,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (N, d) sorted by expert, ``counts`` (E,) rows per expert -> (N, d)."""
-        weights = (self.gate, self.up, self.down)
+        weights: tuple[torch.Tensor | None, ...] = (self.gate, self.up, self.down)
         if self.up_bias is not None:
             weights += (self.gate_bias, self.up_bias, self.down_bias)
         if self.exchange is not None:
