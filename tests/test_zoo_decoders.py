@@ -454,6 +454,12 @@ LAYOUTS = [
     ("qwen3", ["parallel.tp=2", "parallel.sp=true"], 1),
     ("qwen3", ["parallel.tp=2", "parallel.sp=false"], 1),
     ("qwen3", ["parallel.strategy=fsdp", "parallel.dp_shard=2"], 2),
+    # gpt-oss (sinks split with their heads under TP) ran on 2026-11-28 against one process: tp=2
+    # (+SP) 2.1 yardsticks on the losses and 5.8e-6 relative on the parameters (the sinks the
+    # worst), FSDP2 losses bitwise and 1.3e-6 on the parameters; not asserted here because
+    # test_mesh's parameter yardstick is degenerate for it (its attn_impl=math twin equals the SDPA
+    # run bitwise on the explicit-mask path, a bound of one fp32 rounding): it waits for a twin that
+    # rounds differently
 ]
 
 

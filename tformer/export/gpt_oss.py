@@ -96,7 +96,7 @@ def rules(cfg: ModelConfig) -> list[Rule]:
             rule(f"{m}experts.gate_up_proj_bias", f"{f}experts.gate_bias", f"{f}experts.up_bias", dim=1),
             rule(f"{m}experts.down_proj", f"{f}experts.down"),
             rule(f"{m}experts.down_proj_bias", f"{f}experts.down_bias"),
-            rule(f"{h}self_attn.sinks", f"{o}attn.sinks"),
+            rule(f"{h}self_attn.sinks", f"{o}attn.sinks.logits"),
         ]
 
     return llama.decoder_rules(cfg, experts)

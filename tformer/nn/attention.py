@@ -188,6 +188,18 @@ def local_attention(
 AttentionCore = Callable[..., torch.Tensor]
 
 
+class HeadLogits(nn.Module):
+    """One learned logit per head, the attention sinks: a module of its own so that a parallel
+    layout splits it with its heads from outside (``parallel/tp.py``) and hands back its part."""
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        self.logits = nn.Parameter(torch.zeros(num_heads))
+
+    def forward(self) -> torch.Tensor:
+        return self.logits
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention over ``(B, S, d_model)`` inputs.
 
@@ -247,7 +259,7 @@ class MultiHeadAttention(nn.Module):
         self.q_norm = RMSNorm(d_k, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(d_k, norm_eps) if qk_norm else None
         self.window = window
-        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
+        self.sinks = HeadLogits(num_heads) if sinks else None
         self.out_dropout = nn.Dropout(dropout)
         # What turns (q, k, v) heads and the masks into the attended values: ``local_attention``
         # here; a parallel layout replaces it from outside (context parallelism's attention across
@@ -303,7 +315,8 @@ class MultiHeadAttention(nn.Module):
             q = apply_rotary(q, *rotary)
         dropout_p = self.attn_dropout if self.training else 0.0
         # only where set, so a core that cannot take them (context parallelism's) is never handed them
-        local = {k: v for k, v in (("window", self.window), ("sinks", self.sinks)) if v is not None}
+        sinks = self.sinks() if self.sinks is not None else None
+        local = {k: v for k, v in (("window", self.window), ("sinks", sinks)) if v is not None}
         out = self.core(
             q,
             k,

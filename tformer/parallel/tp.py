@@ -30,7 +30,8 @@ With degree ``t`` on the mesh's ``tp`` dimension:
   sequence parallel alone would keep the whole gathered input of every sub-layer on every rank.
 
 What stays replicated on every TP rank: norms (their gradients are summed over the sequence shards
-under SP; QK-norm's gains over the ranks' heads, always), position and token-type embeddings,
+under SP; QK-norm's gains over the ranks' heads, always; the attention sinks are split with their
+heads), position and token-type embeddings,
 BERT's MLM transform, the biases of row-wise projections, and mixture-of-experts FFNs (router,
 experts, shared experts; ``nn/moe.py``): each TP rank runs the whole MoE FFN on the whole sequence
 (under SP its input is gathered before it and its output cut back to the rank's slice after it), so
@@ -67,11 +68,6 @@ def check_tp(cfg: ModelConfig, tp: int, sp: bool = False) -> None:
     """One line for each model shape that ``tp`` ranks cannot split evenly."""
     if tp == 1:
         return
-    # Not laid out yet (it needs a 2-rank test against one process before it runs): the sinks, one
-    # logit per query head, must be split with their heads (Shard(0), as q_proj's rows), and the
-    # attention core handed the rank's part as a plain tensor.
-    if cfg.attn_sinks:
-        raise ConfigError(f"parallel.tp={tp} does not run with model.attn_sinks=true yet; set parallel.tp=1")
     for name, value, fix in (
         ("model.num_heads", cfg.num_heads, "a tp that divides the head count"),
         ("model.num_kv_heads", cfg.kv_heads, "a tp that divides the KV head count (a GQA group cannot straddle ranks)"),
@@ -94,6 +90,24 @@ def pad_vocab_for_tp(cfg: ModelConfig, tp: int) -> ModelConfig:
 
 def _stacks(model):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, TransformerStack)]
+
+
+def head_split():
+    """The style of a per-head parameter module (``nn.attention.HeadLogits``, the attention sinks):
+    its parameter split along the heads as q_proj's rows are (Shard(0)), and its output handed to
+    the attention as this rank's part, a plain tensor; the gradient goes back to the rank's rows."""
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    class _HeadSplit(ParallelStyle):
+        def _apply(self, module, device_mesh):
+            def split(name, mod, mesh):
+                for key, param in list(mod.named_parameters(recurse=False)):
+                    mod.register_parameter(key, torch.nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+            return distribute_module(module, device_mesh, split, output_fn=lambda mod, out, mesh: out.to_local())
+
+    return _HeadSplit()
 
 
 def tp_plan(model, sp: bool, loss_parallel: bool) -> dict:
@@ -128,6 +142,8 @@ def tp_plan(model, sp: bool, loss_parallel: bool) -> dict:
                 for proj in ("q_proj", "k_proj", "v_proj"):
                     plan[f"{p}.{attn}.{proj}"] = ColwiseParallel()
                 plan[f"{p}.{attn}.o_proj"] = RowwiseParallel(output_layouts=between)
+                if getattr(block, attn).sinks is not None:  # one logit per query head: split with them
+                    plan[f"{p}.{attn}.sinks"] = head_split()
                 for norm in ("q_norm", "k_norm"):  # QK-norm: its gain whole on every rank, its input
                     # (B, heads, S, d) split by head; the gain's gradient summed over the ranks' heads
                     if getattr(getattr(block, attn), norm) is not None:
