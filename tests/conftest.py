@@ -23,6 +23,8 @@ TINY = [
     "mixtral-tiny",
     "qwen2-moe-tiny",
     "deepseek-v3-tiny",
+    "qwen3-tiny",
+    "qwen3-moe-tiny",
 ]
 
 

@@ -29,6 +29,7 @@ def shrunk(name):
         **({"num_decoder_layers": 2} if cfg["family"] == "encdec" else {}),
         **({k: 1 for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k)}),
         **({"mla": _shrunk_mla(cfg["mla"])} if cfg.get("attention") == "mla" else {}),
+        **({"attn_window": 8} if cfg.get("attn_window") else {}),  # shorter than the 12 tokens run
     )
 
 
@@ -257,6 +258,40 @@ def _hf_reference(name):
                 num_experts_per_tok=4,
                 tie_word_embeddings=False,
             )
+        )
+    if p["flavour"] == "qwen3":  # Qwen/Qwen3-0.6B's and Qwen/Qwen3-8B's configs
+        return T.Qwen3ForCausalLM(
+            T.Qwen3Config(
+                vocab_size=151936,
+                hidden_size=p["d_model"],
+                intermediate_size=p["d_ff"],
+                num_hidden_layers=p["num_layers"],
+                num_attention_heads=p["num_heads"],
+                num_key_value_heads=p["num_kv_heads"],
+                head_dim=128,
+                tie_word_embeddings=p["tie_embeddings"],
+            )
+        )
+    if p["flavour"] == "qwen3_moe":  # Qwen/Qwen3-30B-A3B's config
+        return T.Qwen3MoeForCausalLM(
+            T.Qwen3MoeConfig(
+                vocab_size=151936,
+                hidden_size=2048,
+                intermediate_size=6144,
+                moe_intermediate_size=768,
+                num_hidden_layers=48,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                head_dim=128,
+                num_experts=128,
+                num_experts_per_tok=8,
+                norm_topk_prob=True,
+                tie_word_embeddings=False,
+            )
+        )
+    if p["flavour"] == "gpt_oss":  # openai/gpt-oss-20b's and -120b's configs
+        return T.GptOssForCausalLM(
+            T.GptOssConfig(num_hidden_layers=p["num_layers"], num_local_experts=p["moe"]["num_experts"])
         )
     if p["flavour"] == "switch_transformers":  # google/switch-base-8's config
         return T.SwitchTransformersForConditionalGeneration(

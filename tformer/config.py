@@ -31,6 +31,12 @@ AttnImpl = Literal["sdpa", "math"]
 RouterSoftmax = Literal["all", "topk"]
 RouterScore = Literal["softmax", "sigmoid"]
 AttentionKind = Literal["mha", "mla"]
+# "head": an RMSNorm over each head's query and key (width d_head, one gain shared by the heads)
+# before RoPE (Qwen3, Gemma 3); "none": none
+QKNorm = Literal["none", "head"]
+# "yarn": YaRN's rotary table (Peng et al. 2023; gpt-oss, DeepSeek-V3): frequencies between the
+# original and 1/rope_factor of it, by wavelength, and cos/sin scaled by 0.1 ln(rope_factor) + 1
+RopeScaling = Literal["none", "yarn"]
 
 # -- training choices the lower layers act on ------------------------------------------------------
 # They live here, not in tformer/train/config.py (which re-exports them), because nn, models, data
@@ -52,6 +58,8 @@ ATTN_IMPLS: tuple[AttnImpl, ...] = get_args(AttnImpl)
 ROUTER_SOFTMAXES: tuple[RouterSoftmax, ...] = get_args(RouterSoftmax)
 ROUTER_SCORES: tuple[RouterScore, ...] = get_args(RouterScore)
 ATTENTION_KINDS: tuple[AttentionKind, ...] = get_args(AttentionKind)
+QK_NORMS: tuple[QKNorm, ...] = get_args(QKNorm)
+ROPE_SCALINGS: tuple[RopeScaling, ...] = get_args(RopeScaling)
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 STRATEGIES: tuple[StrategyName, ...] = get_args(StrategyName)
 AC_MODES: tuple[ACMode, ...] = get_args(ACMode)
@@ -135,6 +143,11 @@ class MoEConfig:
     # over capacity gets nothing from that expert and goes on through the residual.
     capacity_factor: float | None = ranged(None, "(0, inf)", note="or null: dropless")  # routing capacity; null: dropless
     expert_capacity: int | None = ranged(None, "[1, inf)")  # per expert and sequence (HF Switch); or capacity_factor
+    expert_bias: bool = False  # biases on every expert projection (gpt-oss)
+    # gpt-oss's clamped SwiGLU (activation swiglu): gate clamped to <= limit, up to [-limit, limit],
+    # output (up + 1) * gate * sigmoid(swiglu_alpha * gate); null: plain SwiGLU
+    swiglu_limit: float | None = ranged(None, "(0, inf)")  # gpt-oss 7.0
+    swiglu_alpha: float = ranged(1.702, "(0, inf)")  # the sigmoid's slope with swiglu_limit (gpt-oss 1.702)
     aux_loss_coef: float = ranged(0.01, "[0, inf)")  # load-balancing loss (Switch / Mixtral form), added while training
     z_loss_coef: float = ranged(0.0, "[0, inf)")  # router z-loss (ST-MoE; 1e-3 there)
 
@@ -277,6 +290,12 @@ class ModelConfig:
     max_seq_len: int = positive(1024)  # longest sequence (size of a learned position table)
     position: Position = "learned"  # how positions enter: none, learned or sinusoidal tables, rotary, T5 relative bias
     rope_theta: float = ranged(10000.0, "(0, inf)")  # base of the rotary frequencies
+    rope_scaling: RopeScaling = "none"  # yarn: YaRN's table for contexts rope_factor x the original (gpt-oss)
+    rope_factor: float = ranged(1.0, "[1, inf)")  # yarn: context extension factor (gpt-oss 32)
+    rope_original_max_len: int = positive(4096)  # yarn: the context the frequencies were trained at
+    rope_beta_fast: float = ranged(32.0, "(0, inf)")  # yarn: rotations above which frequencies stay as trained
+    rope_beta_slow: float = ranged(1.0, "(0, inf)")  # yarn: rotations below which they are divided by rope_factor
+    rope_truncate: bool = True  # yarn: round the ramp's ends to whole dimensions (gpt-oss: false)
     rel_num_buckets: int = positive(32)  # T5 relative-position buckets
     rel_max_distance: int = positive(128)  # T5: distances beyond share the last bucket
     norm: Norm = "layernorm"  # the norm of every block and the final one
@@ -287,7 +306,13 @@ class ModelConfig:
     bias: bool = True  # biases in attention and FFN projections
     qkv_bias: bool | None = None  # biases on q/k/v alone (Qwen2: bias=false, qkv_bias=true); null: as bias
     attn_scale: bool = True  # 1/sqrt(d_k); T5 has none
+    qk_norm: QKNorm = "none"  # head: RMSNorm (norm_eps) over each head's q and k before RoPE (Qwen3)
     attn_impl: AttnImpl = "sdpa"  # sdpa (fast path) | math (explicit reference)
+    # Local attention: a query sees the attn_window keys up to itself (causal; bidirectional: those
+    # within attn_window // 2 either side), on every block but the global ones (global_every)
+    attn_window: int | None = ranged(None, "[1, inf)", note="or null: every block global")  # gpt-oss 128
+    global_every: int = ranged(0, "[0, inf)")  # with attn_window: blocks k-1, 2k-1, ... global (gpt-oss 2); 0: none
+    attn_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
     dropout: float = ranged(0.0, "[0, 1)")  # residual and FFN dropout
     attn_dropout: float = ranged(0.0, "[0, 1)")  # dropout on the attention probabilities
     tie_embeddings: bool = True  # the output head shares the token embedding
@@ -336,6 +361,15 @@ class ModelConfig:
     def attn_qkv_bias(self) -> bool:
         return self.bias if self.qkv_bias is None else self.qkv_bias
 
+    def layer_window(self, index: int) -> int | None:
+        """The attention window of block ``index`` (None: it sees the whole sequence). The one place
+        a per-layer pattern is read: a new pattern (ModernBERT's offset, Gemma 3's) goes here."""
+        if self.attn_window is None:
+            return None
+        if self.global_every and index % self.global_every == self.global_every - 1:
+            return None
+        return self.attn_window
+
     @property
     def pre_norm(self) -> bool:
         return self.norm_position == "pre"
@@ -365,6 +399,11 @@ class ModelConfig:
             )
         if self.position == "rotary" and self.head_dim % 2 and not self.latent_attention:
             raise ConfigError(f"position='rotary' needs an even head width, got d_head={self.head_dim}")
+        if self.attn_window is not None and self.attn_window > self.max_seq_len:
+            raise ConfigError(
+                f"attn_window={self.attn_window} is longer than max_seq_len={self.max_seq_len}; a window that long "
+                "is full attention: set attn_window=null or a shorter window"
+            )
         if self.position == "relative" and self.family == "encoder" and self.rel_num_buckets < 2:
             raise ConfigError("rel_num_buckets must be >= 2 for bidirectional relative positions")
         if self.family != "encdec" and self.num_decoder_layers is not None:

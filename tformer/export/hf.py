@@ -127,6 +127,31 @@ def check_blocks(cfg: ModelConfig, target) -> None:
         raise ExportError(f"cannot export to HF {target.HF_CLASS}: {found[0]} has no place in it; use flavour=deepseek_v3")
 
 
+# Switches only some HF classes have: (field, its "off" value, the exporter attribute that says the
+# class has it, what the switch is). Off, they export anywhere; on, only to a class that has them.
+SWITCHES = (
+    ("qk_norm", "none", "QK_NORM", "a norm on each head's queries and keys"),
+    ("attn_window", None, "WINDOW", "local (sliding-window) attention"),
+    ("attn_sinks", False, "SINKS", "attention sinks"),
+    ("rope_scaling", "none", "YARN", "YaRN rotary scaling"),
+    ("moe.expert_bias", False, "GPT_OSS_EXPERTS", "biases in the experts"),
+    ("moe.swiglu_limit", None, "GPT_OSS_EXPERTS", "gpt-oss's clamped SwiGLU"),
+)
+
+
+def check_switches(cfg: ModelConfig, target) -> None:
+    """Each switch of ``SWITCHES`` that is on goes only to a class that has it: else one line
+    naming the field and the flavours that do."""
+    for field, off, attr, what in SWITCHES:
+        value = getattr(cfg.moe, field[4:]) if field.startswith("moe.") else getattr(cfg, field)
+        if value != off and not getattr(target, attr, False):
+            have = ", ".join(name for name, t in TARGETS.items() if getattr(t, attr, False))
+            raise ExportError(
+                f"cannot export to HF {target.HF_CLASS}: {field}={value!r}: it has no {what}; "
+                f"set {field}={'null' if off is None else off} or use a flavour that has it ({have or 'none'})"
+            )
+
+
 def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     """(HF config, HF tensors) of our model tensors (each tied tensor once, under its first name):
     the whole export but the files. Every tensor is checked against the HF class's parameters."""
@@ -134,6 +159,7 @@ def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     check_moe(cfg, target)
     check_qkv_bias(cfg, target)
     check_blocks(cfg, target)
+    check_switches(cfg, target)
     target.check(cfg)
     hf_config = target.hf_config(cfg)
     dtype = state["embed.tok.weight"].dtype
@@ -144,6 +170,8 @@ def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     if hasattr(target, "before_export"):  # e.g. Marian: our d_model order -> HF's
         state = target.before_export(cfg, state)
     hf_state = to_hf(state, target.rules(cfg), target.HF_CLASS)
+    if hasattr(target, "after_export"):  # e.g. gpt-oss: our stacked experts -> its interleaved layout
+        hf_state = target.after_export(cfg, hf_state)
     if hasattr(target, "fill"):
         hf_state.update(target.fill(cfg, dtype))
     unique, aliases = hf_expected(hf_config, target.HF_CLASS)
@@ -245,6 +273,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, force: bool = False) -> P
     shapes = model_shapes(cfg)
     if hasattr(target, "drop_on_import"):  # fixed tensors HF stores and tformer computes
         hf_state = target.drop_on_import(cfg, hf_state, str(hf_dir))
+    if hasattr(target, "before_import"):  # the inverse of after_export
+        hf_state = target.before_import(cfg, hf_state)
     state = from_hf(hf_state, target.rules(cfg), shapes, str(hf_dir))
     if hasattr(target, "after_import"):
         state = target.after_import(cfg, state)

@@ -114,6 +114,58 @@ QWEN2_MOE = dict(
     norm_eps=1e-6,
     moe=dict(num_experts=60, top_k=4, num_shared_experts=4, shared_gate=True, aux_loss_coef=1e-3),
 )
+# Qwen3: Llama with an RMSNorm over each head's q and k before RoPE, head width 128 whatever
+# d_model, RoPE theta 1e6, no biases (HF Qwen3ForCausalLM; tformer/export/qwen3.py)
+QWEN3 = dict(
+    LLAMA,
+    flavour="qwen3",
+    qk_norm="head",
+    norm_eps=1e-6,
+    rope_theta=1e6,
+    vocab_size=151936,
+    max_seq_len=40960,
+    d_head=128,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    pad_token_id=151643,
+)
+# Qwen3-MoE: Qwen3's attention, 128 narrow experts on every block, top-8 of a softmax over all of
+# them renormalised (HF Qwen3MoeForCausalLM; tformer/export/qwen3_moe.py)
+QWEN3_MOE = dict(
+    QWEN3,
+    flavour="qwen3_moe",
+    moe=dict(num_experts=128, top_k=8, d_expert=768, renormalize=True, aux_loss_coef=1e-3),
+)
+# gpt-oss: biases on q/k/v/o, a sink logit per head, a 128-token window on every other block (the
+# first local), YaRN (x32 over 4096), experts with biases and a clamped SwiGLU on every block, top-4
+# of a softmax over the chosen logits, a router with a bias (HF GptOssForCausalLM; export/gpt_oss.py)
+GPT_OSS = dict(
+    LLAMA,
+    flavour="gpt_oss",
+    bias=True,
+    vocab_size=201088,
+    max_seq_len=131072,
+    d_model=2880,
+    num_heads=64,
+    num_kv_heads=8,
+    d_head=64,
+    d_ff=2880,
+    rope_theta=150000.0,
+    rope_scaling="yarn",
+    rope_factor=32.0,
+    rope_original_max_len=4096,
+    rope_truncate=False,
+    attn_window=128,
+    global_every=2,
+    attn_sinks=True,
+    tie_embeddings=False,
+    bos_token_id=199998,
+    eos_token_id=200002,
+    pad_token_id=199999,
+)
+GPT_OSS_MOE = dict(
+    top_k=4, d_expert=2880, router_softmax="topk", router_bias=True, expert_bias=True, swiglu_limit=7.0, aux_loss_coef=1e-3
+)
 # Switch Transformer: T5 v1.0 with 8 ReLU experts on every other block, top-1, capacity per sequence
 SWITCH = dict(
     T5,
@@ -400,6 +452,66 @@ PRESETS: dict[str, dict] = {
         pad_token_id=0,
         mla=dict(q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
         moe=dict(DEEPSEEK_V3_MOE, num_experts=8, top_k=2, d_expert=32, n_group=4, topk_group=2, first_dense=1),
+    ),
+    # Qwen3-0.6B and Qwen3-8B (HF Qwen/Qwen3-0.6B, Qwen/Qwen3-8B): 0.6B parameters (tied), 8.2B
+    "qwen3-0.6b": dict(QWEN3, d_model=1024, num_layers=28, num_heads=16, num_kv_heads=8, d_ff=3072, tie_embeddings=True),
+    "qwen3-8b": dict(QWEN3, d_model=4096, num_layers=36, num_heads=32, num_kv_heads=8, d_ff=12288, tie_embeddings=False),
+    # heads wider than d_model / num_heads (4 x 24 = 96 > 64), as in Qwen3-0.6B (16 x 128 > 1024)
+    "qwen3-tiny": dict(
+        QWEN3,
+        vocab_size=1024,
+        max_seq_len=128,
+        d_model=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        d_head=24,
+        d_ff=176,
+        tie_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    ),
+    # Qwen3-30B-A3B (HF Qwen/Qwen3-30B-A3B): 30.5B parameters, 3.3B active
+    "qwen3-30b-a3b": dict(
+        QWEN3_MOE, d_model=2048, num_layers=48, num_heads=32, num_kv_heads=4, d_ff=6144, tie_embeddings=False
+    ),
+    "qwen3-moe-tiny": dict(
+        QWEN3_MOE,
+        vocab_size=1024,
+        max_seq_len=128,
+        d_model=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        d_head=24,
+        d_ff=128,
+        tie_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        moe=dict(num_experts=8, top_k=2, d_expert=48, renormalize=True, aux_loss_coef=1e-3),
+    ),
+    # gpt-oss-20b and gpt-oss-120b (HF openai/gpt-oss-20b, -120b): 21B / 3.6B active, 117B / 5.1B
+    "gpt-oss-20b": dict(GPT_OSS, num_layers=24, moe=dict(GPT_OSS_MOE, num_experts=32)),
+    "gpt-oss-120b": dict(GPT_OSS, num_layers=36, moe=dict(GPT_OSS_MOE, num_experts=128)),
+    "gpt-oss-tiny": dict(
+        GPT_OSS,
+        vocab_size=1024,
+        max_seq_len=128,
+        d_model=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        d_head=16,
+        d_ff=64,
+        rope_original_max_len=32,
+        rope_factor=4.0,
+        attn_window=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        moe=dict(GPT_OSS_MOE, num_experts=4, top_k=2, d_expert=64),
     ),
     # Switch-Base-8 (Fedus et al. 2021; HF google/switch-base-8): T5 v1.0 base with 8 top-1 experts
     # on every other block, 64 tokens per expert per sequence (619M parameters)

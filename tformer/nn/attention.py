@@ -16,6 +16,7 @@ from torch import nn
 
 from ..config import ATTN_IMPLS, AttnImpl
 from .cast import autocast_input
+from .norm import RMSNorm
 from .position import apply_rotary
 
 
@@ -84,17 +85,44 @@ def additive_mask(allowed: torch.Tensor | None, bias: torch.Tensor | None, dtype
     return bias if allowed is None else bias.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def math_attention(q, k, v, mask, scale: float, dropout_p: float = 0.0, training: bool = False):
-    """The textbook formula, written out: the reference implementation."""
+def window_allowed(q_len: int, k_len: int, window: int, causal: bool, device: torch.device) -> torch.Tensor:
+    """(q_len, k_len) "may attend" within a local window; the queries are the last ``q_len`` of the
+    ``k_len`` positions. Causal: the ``window`` keys up to and including the query's position (HF's
+    sliding window); bidirectional: the keys within ``window // 2`` either side (ModernBERT's)."""
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    distance = q_pos - torch.arange(k_len, device=device)[None, :]
+    return distance < window if causal else distance.abs() <= window // 2
+
+
+def math_attention(q, k, v, mask, scale: float, dropout_p: float = 0.0, training: bool = False, sinks=None):
+    """The textbook formula, written out: the reference implementation. ``sinks`` (h,): a logit per
+    head that joins each softmax's denominator and attends to nothing (gpt-oss)."""
     if k.shape[1] != q.shape[1]:  # grouped KV heads serve several query heads each
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
     if mask is not None:
         scores = scores + mask
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if sinks is not None:
+        column = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat((scores, column), -1).float(), dim=-1)[..., :-1].to(q.dtype)
+    else:
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     probs = F.dropout(probs, dropout_p, training)
     return torch.matmul(probs, v)
+
+
+def sink_column(q, k, v, mask, sinks):
+    """SDPA takes no sinks; one more key does: a zero key (score 0) with a zero value, its mask
+    entry the head's sink logit, so it joins the denominator and adds nothing to the output."""
+    b, h, q_len = q.shape[0], q.shape[1], q.shape[2]
+    k = torch.cat((k, k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[3])), 2)
+    v = torch.cat((v, v.new_zeros(v.shape[0], v.shape[1], 1, v.shape[3])), 2)
+    if mask is None:
+        mask = q.new_zeros(1, 1, 1, k.shape[2] - 1)
+    mask = mask.expand(b, h, q_len, k.shape[2] - 1)
+    column = sinks.to(mask.dtype)[None, :, None, None].expand(b, h, q_len, 1)
+    return k, v, torch.cat((mask, column), -1)
 
 
 def _cast_once(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -117,18 +145,24 @@ def local_attention(
     dropout_p: float,
     impl: AttnImpl,
     training: bool = False,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``(B, h, S_q, d)`` queries over all ``(B, h_kv, S_k, d)`` keys of this device.
 
     ``attn_bias`` is a tensor broadcastable to the scores, or a module that builds it from the
     query and key counts (``RelativePositionBias`` of a stack whose ``bias_per_block`` is set).
+    ``window``: local attention (``window_allowed``); ``sinks`` (h,): a logit per head in each
+    softmax's denominator. Both take SDPA with an explicit mask (sinks as one more key column,
+    ``sink_column``) or the math path; plain causal attention keeps SDPA's causal kernel.
     """
     q_len, k_len = q.shape[2], k.shape[2]
     if attn_bias is not None and not isinstance(attn_bias, torch.Tensor):
         attn_bias = attn_bias(q_len, k_len, k_len - q_len)
     gqa = k.shape[1] != q.shape[1]
-    only_causal = causal and padding_mask is None and attn_bias is None and doc_mask is None and q_len == k_len
-    if doc_mask is not None and doc_mask.flex and impl == "sdpa" and not dropout_p:
+    local = window is not None or sinks is not None
+    only_causal = causal and padding_mask is None and attn_bias is None and doc_mask is None and q_len == k_len and not local
+    if doc_mask is not None and doc_mask.flex and impl == "sdpa" and not dropout_p and not local:
         return doc_mask.attend(q, k, v, causal, scale, attn_bias)
     if impl == "sdpa" and only_causal:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -137,9 +171,17 @@ def local_attention(
     else:
         allowed = build_mask(padding_mask, causal and q_len > 1, q_len, k_len, q.device)
         mask = additive_mask(allowed, attn_bias, q.dtype)
+    if window is not None:
+        inside = window_allowed(q_len, k_len, window, causal, q.device)
+        if mask is None:
+            mask = additive_mask(inside, None, q.dtype)
+        else:  # broadcast both ways: a padding mask is (B, 1, 1, S_k)
+            mask = torch.where(inside, mask, torch.finfo(mask.dtype).min)
     if impl == "sdpa":
+        if sinks is not None:
+            k, v, mask = sink_column(q, k, v, mask, sinks)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
-    return math_attention(q, k, v, mask, scale, dropout_p, dropout_p > 0)
+    return math_attention(q, k, v, mask, scale, dropout_p, dropout_p > 0, sinks)
 
 
 # A function called as ``local_attention`` is: (q, k, v heads, masks as keywords) -> attended values
@@ -165,6 +207,18 @@ def head_max_logits(
     return scores.amax(dim=(0, 2, 3))
 
 
+class HeadLogits(nn.Module):
+    """One learned logit per head, the attention sinks: a module of its own so that a parallel
+    layout splits it with its heads from outside (``parallel/tp.py``) and hands back its part."""
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        self.logits = nn.Parameter(torch.zeros(num_heads))
+
+    def forward(self) -> torch.Tensor:
+        return self.logits
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention over ``(B, S, d_model)`` inputs.
 
@@ -172,6 +226,10 @@ class MultiHeadAttention(nn.Module):
     key/value heads (fewer = grouped-query / multi-query attention); values of width ``d_v``.
     ``scale=False`` drops the ``1/sqrt(d_k)`` factor (T5 folds it into the initialisation).
     ``kv_dim`` is the width of the key/value inputs for cross-attention from a different stream.
+    ``qk_norm``: an RMSNorm (``norm_eps``) over each head's query and key, one gain of width ``d_k``
+    shared by the heads, before RoPE (Qwen3, Gemma 3): it bounds the logits' growth. ``window``:
+    local attention (``window_allowed``); ``sinks``: a learned logit per head joining each softmax's
+    denominator (gpt-oss), so a query may give its keys less than all of its attention.
     """
 
     def __init__(
@@ -189,6 +247,10 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         attn_dropout: float = 0.0,
         impl: AttnImpl = "sdpa",
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        window: int | None = None,
+        sinks: bool = False,
     ):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -213,6 +275,10 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(kv_dim, num_kv_heads * d_k, bias=qkv_bias)
         self.v_proj = nn.Linear(kv_dim, num_kv_heads * d_v, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * d_v, d_model, bias=bias)
+        self.q_norm = RMSNorm(d_k, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(d_k, norm_eps) if qk_norm else None
+        self.window = window
+        self.sinks = HeadLogits(num_heads) if sinks else None
         self.out_dropout = nn.Dropout(dropout)
         # What turns (q, k, v) heads and the masks into the attended values: ``local_attention``
         # here; a parallel layout replaces it from outside (context parallelism's attention across
@@ -256,11 +322,15 @@ class MultiHeadAttention(nn.Module):
         query, key, value = _cast_once(query, key, value)
         b, q_len, _ = query.shape
         q = self._heads(self.q_proj(query), self.num_heads, self.d_k)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
         if cache is not None and cache.static and cache.k is not None:
             k, v = cache.k, cache.v
         else:
             k = self._heads(self.k_proj(key), self.num_kv_heads, self.d_k)
             v = self._heads(self.v_proj(value), self.num_kv_heads, self.d_v)
+            if self.k_norm is not None:
+                k = self.k_norm(k)
             if rotary is not None:
                 k = apply_rotary(k, *rotary)
             if cache is not None:
@@ -270,6 +340,9 @@ class MultiHeadAttention(nn.Module):
         if self.max_logit is not None and self.training:
             self.max_logit = torch.maximum(self.max_logit, head_max_logits(q, k, self.scale, causal, padding_mask))
         dropout_p = self.attn_dropout if self.training else 0.0
+        # only where set, so a core that cannot take them (context parallelism's) is never handed them
+        sinks = self.sinks() if self.sinks is not None else None
+        local = {k: v for k, v in (("window", self.window), ("sinks", sinks)) if v is not None}
         out = self.core(
             q,
             k,
@@ -282,6 +355,7 @@ class MultiHeadAttention(nn.Module):
             dropout_p=dropout_p,
             impl=self.impl,
             training=self.training,
+            **local,
         )
         out = out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.d_v)
         return self.out_dropout(self.o_proj(out))

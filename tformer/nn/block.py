@@ -38,8 +38,10 @@ class StackCache:
             c.reorder(index)
 
 
-def _attention(cfg, **extra) -> nn.Module:
-    if cfg.latent_attention:
+def _attention(cfg, index: int | None = None, **extra) -> nn.Module:
+    """Block ``index``'s self-attention (its window and sinks; latent attention under
+    ``attention: mla``), or with None a cross-attention (always MHA)."""
+    if cfg.latent_attention and index is not None:
         return LatentAttention(cfg)
     return MultiHeadAttention(
         cfg.d_model,
@@ -52,6 +54,10 @@ def _attention(cfg, **extra) -> nn.Module:
         dropout=cfg.dropout,
         attn_dropout=cfg.attn_dropout,
         impl=cfg.attn_impl,
+        qk_norm=cfg.qk_norm == "head",
+        norm_eps=cfg.norm_eps,
+        window=cfg.layer_window(index) if index is not None else None,
+        sinks=cfg.attn_sinks and index is not None,
         **extra,
     )
 
@@ -74,7 +80,7 @@ class TransformerBlock(nn.Module):
         def norm():
             return make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
 
-        self.attn = _attention(cfg)
+        self.attn = _attention(cfg, index)
         self.attn_norm = norm()
         self.cross_attn = _attention(cfg.replace(attention="mha")) if cross else None
         self.cross_norm = norm() if cross else None
@@ -145,7 +151,12 @@ class TransformerStack(nn.Module):
             if cfg.position == "relative"
             else None
         )
-        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.yarn) if cfg.position == "rotary" else None
+        flat = (cfg.rope_factor, cfg.rope_original_max_len, cfg.rope_beta_fast, cfg.rope_beta_slow, cfg.rope_truncate)
+        self.rotary = (
+            Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.yarn, flat if cfg.rope_scaling == "yarn" else None)
+            if cfg.position == "rotary"
+            else None
+        )
         # Pre-norm stacks end with a norm; post-norm blocks already end normalised.
         self.final_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias) if cfg.pre_norm else None
         self.dropout = nn.Dropout(cfg.dropout)

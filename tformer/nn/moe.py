@@ -202,18 +202,41 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, groupe
     return torch.cat([p @ we.t() for p, we in zip(pieces, w.unbind(0))])
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's gated activation: the gate clamped from above and the up projection both ways at
+    ``limit``, then ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
+
+
 class Experts(nn.Module):
     """``num_experts`` FFNs of one kind, weights stacked in HF's ``(E, out, in)`` layout: ``up``
-    (and ``gate`` for gated kinds) ``(E, d_expert, d_model)``, ``down`` ``(E, d_model, d_expert)``.
-    No biases (none of the HF MoE models has them)."""
+    (and ``gate`` for gated kinds) ``(E, d_expert, d_model)``, ``down`` ``(E, d_model, d_expert)``;
+    with ``bias`` (gpt-oss) ``up_bias`` / ``gate_bias`` ``(E, d_expert)``, ``down_bias``
+    ``(E, d_model)``. ``swiglu_limit``: gpt-oss's clamped SwiGLU (``clamped_swiglu``)."""
 
-    def __init__(self, num_experts: int, d_model: int, d_expert: int, activation) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        d_model: int,
+        d_expert: int,
+        activation,
+        bias: bool = False,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.702,
+    ) -> None:
         super().__init__()
         self.act, self.gated = FFN_KINDS[activation]
+        if swiglu_limit is not None and activation != "swiglu":
+            raise ValueError(f"swiglu_limit is gpt-oss's clamped SwiGLU; the experts' activation is {activation!r}")
+        self.limit, self.alpha = swiglu_limit, swiglu_alpha
         shape = (num_experts, d_expert, d_model)
         self.gate = nn.Parameter(torch.empty(shape)) if self.gated else None
         self.up = nn.Parameter(torch.empty(shape))
         self.down = nn.Parameter(torch.empty(num_experts, d_model, d_expert))
+        self.gate_bias = nn.Parameter(torch.zeros(num_experts, d_expert)) if bias and self.gated else None
+        self.up_bias = nn.Parameter(torch.zeros(num_experts, d_expert)) if bias else None
+        self.down_bias = nn.Parameter(torch.zeros(num_experts, d_model)) if bias else None
         # None: grouped matmuls where the operands allow them, else the per-expert loop; set False
         # to force the loop (tests compare the two; bench/bench_moe.py times them)
         self.grouped: bool | None = None
@@ -229,22 +252,38 @@ class Experts(nn.Module):
             if w is not None:
                 nn.init.normal_(w, 0.0, std)
         nn.init.normal_(self.down, 0.0, down_std)
+        for b in (self.gate_bias, self.up_bias, self.down_bias):
+            if b is not None:
+                nn.init.zeros_(b)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (N, d) sorted by expert, ``counts`` (E,) rows per expert -> (N, d)."""
-        weights = (self.gate, self.up, self.down)
+        weights: tuple[torch.Tensor | None, ...] = (self.gate, self.up, self.down)
+        if self.up_bias is not None:
+            weights += (self.gate_bias, self.up_bias, self.down_bias)
         if self.exchange is not None:
             return self.exchange(x, counts, weights, self.ffn)
         return self.ffn(x, counts, *weights)
 
-    def ffn(self, x: torch.Tensor, counts: torch.Tensor, gate, up, down) -> torch.Tensor:
-        """The experts' FFNs on rows sorted by expert, with the given (stacked) weights: this
-        module's own, or under expert parallelism the rank's slice of them."""
+    def ffn(self, x: torch.Tensor, counts: torch.Tensor, gate, up, down, *biases) -> torch.Tensor:
+        """The experts' FFNs on rows sorted by expert, with the given (stacked) weights and biases:
+        this module's own, or under expert parallelism the rank's slice of them."""
         present = [w for w in (gate, up, down) if w is not None]
         grouped = grouped_mm_ok(x, *present) if self.grouped is None else self.grouped
-        h = expert_matmul(x, up, counts, grouped)
-        h = self.act(expert_matmul(x, gate, counts, grouped)) * h if gate is not None else self.act(h)
-        return expert_matmul(h, down, counts, grouped)
+        gate_b, up_b, down_b = biases or (None, None, None)
+
+        def project(rows, w, b):
+            out = expert_matmul(rows, w, counts, grouped)
+            return out if b is None else out + b.repeat_interleave(counts, dim=0, output_size=rows.shape[0])
+
+        h = project(x, up, up_b)
+        if gate is None:
+            h = self.act(h)
+        elif self.limit is not None:
+            h = clamped_swiglu(project(x, gate, gate_b), h, self.limit, self.alpha)
+        else:
+            h = self.act(project(x, gate, gate_b)) * h
+        return project(h, down, down_b)
 
 
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -324,7 +363,7 @@ class MoEFeedForward(nn.Module):
         kind = cfg.activation or activation
         d_expert = cfg.d_expert or d_ff
         self.router = nn.Linear(d_model, cfg.num_experts, bias=cfg.router_bias)
-        self.experts = Experts(cfg.num_experts, d_model, d_expert, kind)
+        self.experts = Experts(cfg.num_experts, d_model, d_expert, kind, cfg.expert_bias, cfg.swiglu_limit, cfg.swiglu_alpha)
         width = cfg.num_shared_experts * (cfg.d_shared or d_expert)
         self.shared = FeedForward(d_model, width, kind, bias=False) if width else None
         self.shared_gate = nn.Linear(d_model, 1, bias=False) if width and cfg.shared_gate else None

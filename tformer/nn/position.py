@@ -36,25 +36,56 @@ class LearnedPositions(nn.Embedding):
         super().__init__(max_len, dim)
 
 
+def yarn_table(
+    inv_freq: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    factor: float,
+    original_len: int,
+    beta_fast: float,
+    beta_slow: float,
+    truncate: bool,
+) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023): pairs that turn more than ``beta_fast`` times over the original
+    context keep their frequency, those that turn fewer than ``beta_slow`` times are divided by
+    ``factor`` (interpolated), a linear ramp between; cos and sin are then scaled by
+    ``0.1 ln(factor) + 1`` (the attention temperature). Returns (frequencies, that scale)."""
+
+    def dim_of(rotations: float) -> float:  # the pair index that turns ``rotations`` times
+        return head_dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the trained frequency, 0: divided by factor
+    scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, scale
+
+
 class Rotary(nn.Module):
     """Rotary position embedding in HF's rotate-half layout.
 
     The head dimension is split in two halves ``(x1, x2)`` and rotated as
     ``(x1 cos - x2 sin, x2 cos + x1 sin)`` with frequency ``theta^(-2i/d)`` for pair ``i``.
     ``forward(positions)`` returns ``(cos, sin)`` shaped to broadcast over ``(B, h, S, d)``.
-    ``yarn`` (a ``YarnConfig`` that is enabled) replaces the frequencies by YaRN's and scales
-    cos and sin by its attention factor (``yarn_frequencies``).
+    ``yarn`` (a ``YarnConfig`` that is enabled: DeepSeek-V3's section) or ``yarn_args`` (factor,
+    original length, beta_fast, beta_slow, truncate: gpt-oss's flat keys) replace the frequencies
+    by YaRN's and scale cos and sin by its attention factor (``yarn_frequencies`` / ``yarn``).
     """
 
-    def __init__(self, head_dim: int, theta: float = 10000.0, yarn=None):
+    def __init__(self, head_dim: int, theta: float = 10000.0, yarn=None, yarn_args: tuple | None = None):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary needs an even head dimension, got {head_dim}")
         self.scale = 1.0
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         if yarn is not None and yarn.enabled:
             inv_freq, self.scale = yarn_frequencies(head_dim, theta, yarn)
-        else:
-            inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        elif yarn_args is not None:
+            inv_freq, self.scale = yarn_table(inv_freq, head_dim, theta, *yarn_args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

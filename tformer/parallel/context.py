@@ -460,6 +460,12 @@ def check_context_parallel(cfg, dims) -> None:
         raise ConfigError(
             f"parallel.cp={cp} does not run with attention dropout yet; set model.attn_dropout=0, or parallel.cp=1"
         )
+    if cfg.model.attn_sinks or cfg.model.attn_window is not None:  # its kernels take neither (the core gets none)
+        field = "model.attn_sinks=true" if cfg.model.attn_sinks else f"model.attn_window={cfg.model.attn_window}"
+        raise ConfigError(
+            f"parallel.cp={cp} does not run with {field} yet: context parallelism's attention kernels take no sinks "
+            "and no windows; set parallel.cp=1"
+        )
     if pcfg.strategy == "ddp" and (dims.tp > 1 or dims.pp > 1):
         raise ConfigError(
             f"parallel.cp={cp} with parallel.{'tp' if dims.tp > 1 else 'pp'}>1 needs parallel.strategy=fsdp (DDP does "

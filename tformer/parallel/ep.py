@@ -68,7 +68,7 @@ def apply_expert_parallel(model: nn.Module, mesh) -> None:
     exchange = ExpertExchange(mesh)
     for layer in moe_layers(model):
         experts = layer.experts
-        for name in ("gate", "up", "down"):
+        for name in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias"):  # biases (E, ...): gpt-oss
             w = getattr(experts, name)
             if w is not None:  # every rank holds the same full stack (one seed): cut it, no traffic
                 shard = distribute_tensor(w.detach(), mesh, [Shard(0)], src_data_rank=None)

@@ -30,12 +30,14 @@ With degree ``t`` on the mesh's ``tp`` dimension:
   sequence parallel alone would keep the whole gathered input of every sub-layer on every rank.
 
 What stays replicated on every TP rank: norms (their gradients are summed over the sequence shards
-under SP), position and token-type embeddings, BERT's MLM transform, the biases of row-wise
-projections, and mixture-of-experts FFNs (router, experts, shared experts; ``nn/moe.py``): each TP
-rank runs the whole MoE FFN on the whole sequence (under SP its input is gathered before it and its
-output cut back to the rank's slice after it), so routing, capacity groups and auxiliary losses are
-the unsplit model's, and its plain parameters get the same gradient on every TP rank. Splitting the
-experts is expert parallelism's job (``ep.py``: its groups are ranks with the same TP index).
+under SP; QK-norm's gains over the ranks' heads, always; the attention sinks are split with their
+heads), position and token-type embeddings,
+BERT's MLM transform, the biases of row-wise projections, and mixture-of-experts FFNs (router,
+experts, shared experts; ``nn/moe.py``): each TP rank runs the whole MoE FFN on the whole sequence
+(under SP its input is gathered before it and its output cut back to the rank's slice after it), so
+routing, capacity groups and auxiliary losses are the unsplit model's, and its plain parameters get
+the same gradient on every TP rank. Splitting the experts is expert parallelism's job (``ep.py``:
+its groups are ranks with the same TP index).
 
 Model files never import ``torch.distributed``: this module sets the attention modules' local head
 counts and the model's ``sharded_loss``/``gather_logits`` hooks from outside.
@@ -91,6 +93,24 @@ def _stacks(model):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, TransformerStack)]
 
 
+def head_split():
+    """The style of a per-head parameter module (``nn.attention.HeadLogits``, the attention sinks):
+    its parameter split along the heads as q_proj's rows are (Shard(0)), and its output handed to
+    the attention as this rank's part, a plain tensor; the gradient goes back to the rank's rows."""
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    class _HeadSplit(ParallelStyle):
+        def _apply(self, module, device_mesh):
+            def split(name, mod, mesh):
+                for key, param in list(mod.named_parameters(recurse=False)):
+                    mod.register_parameter(key, torch.nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+            return distribute_module(module, device_mesh, split, output_fn=lambda mod, out, mesh: out.to_local())
+
+    return _HeadSplit()
+
+
 def tp_plan(model, sp: bool, loss_parallel: bool) -> dict:
     """The ``parallelize_module`` plan: module path -> ParallelStyle."""
     from torch.distributed.tensor import Replicate, Shard
@@ -123,6 +143,12 @@ def tp_plan(model, sp: bool, loss_parallel: bool) -> dict:
                 for proj in _column_projections(getattr(block, attn)):
                     plan[f"{p}.{attn}.{proj}"] = ColwiseParallel()
                 plan[f"{p}.{attn}.o_proj"] = RowwiseParallel(output_layouts=between)
+                if getattr(block, attn).sinks is not None:  # one logit per query head: split with them
+                    plan[f"{p}.{attn}.sinks"] = head_split()
+                for norm in ("q_norm", "k_norm"):  # QK-norm: its gain whole on every rank, its input
+                    # (B, heads, S, d) split by head; the gain's gradient summed over the ranks' heads
+                    if getattr(getattr(block, attn), norm) is not None:
+                        plan[f"{p}.{attn}.{norm}"] = SequenceParallel(sequence_dim=1, use_local_output=True)
             moe = isinstance(block.ffn, MoEFeedForward)
             if not moe:
                 for proj in ("up", "gate") if block.ffn.gated else ("up",):

@@ -25,7 +25,9 @@ def expert_parameters(cfg: ModelConfig) -> int:
     if not moe.enabled:
         return 0
     matrices = 3 if FFN_KINDS[moe.activation or cfg.activation][1] else 2
-    return spec_of(cfg).model.moe_layer_count(cfg) * moe.num_experts * matrices * cfg.d_model * (moe.d_expert or cfg.d_ff)
+    d_expert = moe.d_expert or cfg.d_ff
+    per_expert = matrices * cfg.d_model * d_expert + ((matrices - 1) * d_expert + cfg.d_model if moe.expert_bias else 0)
+    return spec_of(cfg).model.moe_layer_count(cfg) * moe.num_experts * per_expert
 
 
 def active_parameters(cfg: ModelConfig, total: int) -> int:

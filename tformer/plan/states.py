@@ -138,6 +138,7 @@ def _tp_sharded_parts(cfg: ModelConfig) -> dict[str, int]:
     d, h, kv, dk, ff, vocab = (cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff, cfg.padded_vocab_size)
     bias = int(cfg.bias)
     attention = (h + 2 * kv) * dk * (d + int(cfg.attn_qkv_bias)) + h * dk * d  # (Qwen: q/k/v biases alone)
+    attention += h if cfg.attn_sinks else 0  # the sinks, split with their heads
     ffn = (2 if FFN_KINDS[cfg.activation][1] else 1) * ff * (d + bias) + ff * d
     if cfg.moe.is_moe_layer(0):  # an MoE FFN runs whole on every TP rank (parallel/tp.py); blocks as block 0
         ffn = 0
