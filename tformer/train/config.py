@@ -112,7 +112,7 @@ class WandbConfig:
 
 @dataclass
 class ProfileConfig:
-    # steps traced by torch.profiler (tformer/train/profiling.py): "20-22", 7, or a list [3, 9];
+    # steps traced by torch.profiler (tformer/train/observe/profiling.py): "20-22", 7, or a list [3, 9];
     # null = off (no profiler is created). Each step's trace: OUTPUT/profile/rank{R}/step{N}.trace.json.gz
     steps: str | int | list | None = None
     every: int | None = ranged(None, "[1, inf)", note="null = once")  # repeat the steps every this many steps
@@ -163,7 +163,7 @@ class TensorboardConfig:
 
 @dataclass
 class FaultToleranceConfig:
-    """torchft replica groups (tformer/train/ft.py, docs/fault-tolerance.md): each group is one
+    """torchft replica groups (tformer/train/resilience/ft.py, docs/fault-tolerance.md): each group is one
     torchrun job; the groups meet in a quorum every step at the lighthouse, and a step is committed
     only when the quorum says so. Read only when enabled."""
 
@@ -360,7 +360,7 @@ def _to_dict(obj: Any) -> Any:
 RANGES = {k: v for k, v in ranges(TrainConfig).items() if not k.startswith("model.")}
 
 
-# What a resumed run may change (tformer/train/resume.py; docs/reliability.md, "Resuming"), as dotted keys or
+# What a resumed run may change (tformer/train/resilience/resume.py; docs/reliability.md, "Resuming"), as dotted keys or
 # whole sections. Free: how the run is laid out and executed, and its bookkeeping -- the parallel
 # layout, micro_batch_size and grad_accum (as long as the global batch, micro_batch_size x
 # grad_accum x data-parallel ranks, stays the same), device, precision, compilation, attention

@@ -33,27 +33,28 @@ from ..parallel.offload import activation_offload
 from ..parallel.routing import note_lengths
 from ..parallel.strategy import Pipeline, StepResult, Strategy, skips_on_device
 from ..parallel.tp import pad_vocab_for_tp
-from . import evaluation, rollback
-from . import resume as resuming
-from .checks import check_support
+from .loop import evaluation
+from .resilience import rollback
+from .resilience import resume as resuming
+from .loop.checks import check_support
 from .config import TrainConfig
-from .console import METRICS, log_step, start_summary, trim_metrics
-from .data import build_data, check_sources, copy_tokenizer, train_batches
+from .observe.console import METRICS, log_step, start_summary, trim_metrics
+from .loop.data import build_data, check_sources, copy_tokenizer, train_batches
 from .dist import all_reduce, barrier, device_type, init_distributed
-from .ft import FaultTolerance, QuorumLost, check_fault_tolerance, lighthouse_address, wait_for_lighthouse
-from .head import loss_chunk_size
-from .lagged import LaggedFlags
-from .metrics import peak_flops
-from .optim import build_optimizer, build_scheduler
-from .profiling import OFF, build_profiler, check_ranks
-from .rollback import LossSpikeError as LossSpikeError  # raised there; cli.py and tests import it here
-from .sdpa import math_fallback_line
-from .signals import install_stop_signals, restore_signals
-from .spike import SpikeDetector
-from .state import DataPosition, Progress
-from .stragglers import StepTimes
-from .tracking import Trackers
-from .watchdog import Watchdog, enable_flight_recorder
+from .resilience.ft import FaultTolerance, QuorumLost, check_fault_tolerance, lighthouse_address, wait_for_lighthouse
+from .loop.head import loss_chunk_size
+from .resilience.lagged import LaggedFlags
+from .observe.metrics import peak_flops
+from .loop.optim import build_optimizer, build_scheduler
+from .observe.profiling import OFF, build_profiler, check_ranks
+from .resilience.rollback import LossSpikeError as LossSpikeError  # raised there; cli.py and tests import it here
+from .loop.sdpa import math_fallback_line
+from .resilience.signals import install_stop_signals, restore_signals
+from .resilience.spike import SpikeDetector
+from .loop.state import DataPosition, Progress
+from .observe.stragglers import StepTimes
+from .observe.tracking import Trackers
+from .observe.watchdog import Watchdog, enable_flight_recorder
 
 log = logging.getLogger("tformer.train")
 

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from .config import OptimConfig
+from ..config import OptimConfig
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

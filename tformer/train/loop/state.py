@@ -11,13 +11,13 @@ from typing import Any, Protocol
 
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..config import ModelConfig
-from ..data import DataError, MixtureDataset
-from ..parallel.dist import DistInfo
-from ..parallel.mesh import ParallelDims
-from .config import TrainConfig
+from ...config import ModelConfig
+from ...data import DataError, MixtureDataset
+from ...parallel.dist import DistInfo
+from ...parallel.mesh import ParallelDims
+from ..config import TrainConfig
 from .data import RunData
-from .spike import SpikeDetector
+from ..resilience.spike import SpikeDetector
 
 
 class RunState(Protocol):

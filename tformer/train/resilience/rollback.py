@@ -6,9 +6,9 @@ so that a run killed before its next checkpoint resumes the skip. The last good 
 one a stopped run names: saved before the non-finite streak (or the spike) began.
 
 Plain functions of the trainer, which calls them from its loop, its resume and its non-finite
-handling. They see the trainer through :class:`RollbackState` (``state.py``'s ``RunState`` plus the
-checkpoints and the run directory), so this module never imports ``trainer.py`` (which imports
-this)."""
+handling. They see the trainer through :class:`RollbackState`, the fields of it they read and set,
+so this module imports nothing above it (``trainer.py`` and the loop's ``state.py`` import this
+folder)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
-from ..checkpoint.manager import CheckpointManager
-from ..files import atomic_write
-from .dist import barrier
-from .state import RunState
+from ...checkpoint.manager import CheckpointManager
+from ...files import atomic_write
+from ...parallel.dist import DistInfo
+from ..config import TrainConfig
+from ..dist import barrier
 
 log = logging.getLogger("tformer.train")
 
@@ -29,9 +30,17 @@ class LossSpikeError(RuntimeError):
     """The run stopped on a loss spike it could not roll back (``on_spike: rollback``)."""
 
 
-class RollbackState(RunState, Protocol):
+class RollbackState(Protocol):
     """What a rollback reads and sets of a run (``train.trainer.Trainer`` has it)."""
 
+    cfg: TrainConfig
+    dist: DistInfo
+    step: int
+    consumed: int  # global samples consumed
+    skipped: int  # consecutive non-finite steps
+    streak_start: int | None
+    rollbacks: int
+    wandb_id: str | None
     out: Path  # the run directory
     ckpt: CheckpointManager
 

@@ -37,7 +37,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from ..config import ConfigError
+from ...config import ConfigError
 
 log = logging.getLogger("tformer.train")
 
@@ -184,7 +184,7 @@ def model_fragments(model: torch.nn.Module, n: int) -> list[torch.nn.Module]:
     """``n`` fragments of contiguous transformer blocks (the whole model when ``n`` is 1)."""
     if n == 1:
         return [model]
-    from ..nn import TransformerBlock
+    from ...nn import TransformerBlock
 
     blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
     if len(blocks) < n:

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..files import atomic_write
+from ...files import atomic_write
 
 METRICS = "metrics.jsonl"
 

@@ -23,11 +23,11 @@ from typing import Any
 
 import yaml
 
-from ..checkpoint.io import RUN_CONFIG
-from ..checkpoint.state import TrainerState
-from ..config import ConfigError
-from .config import RESUME_EXTEND, RESUME_FREE, TrainConfig
-from .console import logged_steps
+from ...checkpoint.io import RUN_CONFIG
+from ...checkpoint.state import TrainerState
+from ...config import ConfigError
+from ..config import RESUME_EXTEND, RESUME_FREE, TrainConfig
+from ..observe.console import logged_steps
 
 GLOBAL_BATCH = "global batch"  # the name a change of the global batch is reported under
 
