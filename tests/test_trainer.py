@@ -557,9 +557,10 @@ def test_cli_exit_code_in_a_real_process(cache, tmp_path):
 
 @pytest.mark.parametrize("native", [False, True])
 def test_bf16_on_a_cpu_without_bf16_matmuls_warns(monkeypatch, caplog, native):
+    import tformer.train.loop.run as run_module
     import tformer.train.trainer as tr
 
-    monkeypatch.setattr(tr, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(run_module, "cpu_has_native_bf16", lambda: native)
     from tformer.train.dist import DistInfo
 
     from tformer.logs import Quiet

@@ -60,3 +60,14 @@ def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
+
+
+def apply_optim_config(optimizer: torch.optim.Optimizer, scheduler, o: OptimConfig) -> None:
+    """A loaded optimizer and schedule carry the hyperparameters they were saved with; under
+    ``resume_changes=allow`` this run's ``optim`` section replaces them (the moments stay)."""
+    decays = [o.weight_decay, 0.0]  # the groups of param_groups: matrices, then the rest
+    for group, decay in zip(optimizer.param_groups, decays):
+        group.update(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=decay, initial_lr=o.lr)
+    scheduler.base_lrs = [o.lr] * len(scheduler.base_lrs)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["lr"] = o.lr * factor(scheduler.last_epoch)

@@ -30,6 +30,13 @@ class LossSpikeError(RuntimeError):
     """The run stopped on a loss spike it could not roll back (``on_spike: rollback``)."""
 
 
+class NonFiniteStreak(Protocol):
+    """The non-finite steps in a row (loop/figures.py's ``Streak``)."""
+
+    skipped: int
+    start: int | None  # the streak's first step
+
+
 class RollbackState(Protocol):
     """What a rollback reads and sets of a run (``train.trainer.Trainer`` has it)."""
 
@@ -37,8 +44,7 @@ class RollbackState(Protocol):
     dist: DistInfo
     step: int
     consumed: int  # global samples consumed
-    skipped: int  # consecutive non-finite steps
-    streak_start: int | None
+    streak: NonFiniteStreak
     rollbacks: int
     wandb_id: str | None
     out: Path  # the run directory
@@ -147,7 +153,7 @@ def last_good(trainer: RollbackState) -> Path | None:
     found = t.ckpt.committed()
     if t.ckpt.in_flight is not None:  # a good state, being written: committed before the run ends
         found.append(t.ckpt.path(t.ckpt.in_flight))
-    if t.streak_start is not None:
-        limit = t.streak_start - (2 if t.skipped > 1 else 1)
+    if t.streak.start is not None:
+        limit = t.streak.start - (2 if t.streak.skipped > 1 else 1)
         found = [p for p in found if int(p.name.split("_")[1]) <= limit]
     return found[-1] if found else None
