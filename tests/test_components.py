@@ -333,3 +333,26 @@ def test_a_run_calls_its_components_at_fixed_points(cache, tmp_path, monkeypatch
         ("end_step", 3),
         ("close",),
     ], calls
+
+
+# -- the suite's lanes ------------------------------------------------------------------------
+
+
+def test_each_lane_and_isa_compiles_into_its_own_inductor_cache():
+    """The default lane, the long lane and an ISA forced with ATEN_CPU_CAPABILITY never share
+    inductor's cache (a kernel of one aborted the other); this session's is set before any test."""
+    import os
+
+    from train_helpers import inductor_cache_dir
+
+    default = inductor_cache_dir("not cluster and not long", {})
+    dirs = {
+        default,
+        inductor_cache_dir("long", {}),
+        inductor_cache_dir("not cluster and not long", {"ATEN_CPU_CAPABILITY": "avx2"}),
+        inductor_cache_dir("not cluster and not long", {"ATEN_CPU_CAPABILITY": "default"}),
+        inductor_cache_dir("not cluster and not long", {"OMP_NUM_THREADS": "1"}),
+    }
+    assert len(dirs) == 5, dirs
+    assert default == inductor_cache_dir("not cluster and not long", {})  # and a lane keeps its own across runs
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR")
