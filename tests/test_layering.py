@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # reports (observe/); what keeps it going through faults (resilience/); the loop that runs the
     # steps (loop/); and the trainer that puts them together (train/trainer.py, the package's
     # __init__ and any module directly in train/ not named here)
-    ("train: base", ("tformer.train.config", "tformer.train.dist", "tformer.train.reference")),
+    ("train: base", ("tformer.train.config", "tformer.train.recipe", "tformer.train.dist", "tformer.train.reference")),
     ("train: observe", ("tformer.train.observe",)),
     ("train: resilience", ("tformer.train.resilience",)),
     ("train: loop", ("tformer.train.loop",)),
@@ -306,7 +306,7 @@ def test_every_train_module_sits_in_a_folder_by_concern():
     """Only the run config's base modules and the trainer that composes the folders sit directly in
     train/; everything else lives in loop/, observe/ or resilience/."""
     top = sorted(p.name for p in (ROOT / "train").glob("*.py"))
-    assert top == ["__init__.py", "config.py", "dist.py", "reference.py", "trainer.py"]
+    assert top == ["__init__.py", "config.py", "dist.py", "recipe.py", "reference.py", "trainer.py"]
     assert {p.name for p in (ROOT / "train").iterdir() if p.is_dir() and p.name != "__pycache__"} == {
         "loop",
         "observe",

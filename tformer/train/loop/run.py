@@ -150,7 +150,7 @@ class Run:
         self.consumed = 0  # global samples consumed by all ranks
         self.tokens = 0  # global tokens consumed
         # the non-finite accounting: the steps skipped in a row, and since which step
-        self.streak = Streak(self.cfg, self.dist.is_main, lambda: rollback.last_good(self))
+        self.streak = Streak(self.cfg, self.dist.is_main, lambda: rollback.last_good(self.ckpt, self.streak))
         self.spikes = SpikeDetector(self.cfg.spike_factor, self.cfg.spike_window, self.cfg.spike_warmup)
         self.rollbacks = 0  # loss-spike rollbacks done (on_spike=rollback)
         self.components = Components()  # the trainer's fit() sets the run's features (components.py)

@@ -144,16 +144,15 @@ def apply_pending_rollback(trainer: RollbackState) -> None:
                 )
 
 
-def last_good(trainer: RollbackState) -> Path | None:
+def last_good(ckpt: CheckpointManager, streak: NonFiniteStreak) -> Path | None:
     """The newest checkpoint saved before the non-finite streak. When the streak is longer than
     one step, the checkpoint just before it is excluded too: its weights gave a non-finite loss
     on several different batches (and skipped steps leave them unchanged), so resuming it would
     fail again at once."""
-    t = trainer
-    found = t.ckpt.committed()
-    if t.ckpt.in_flight is not None:  # a good state, being written: committed before the run ends
-        found.append(t.ckpt.path(t.ckpt.in_flight))
-    if t.streak.start is not None:
-        limit = t.streak.start - (2 if t.streak.skipped > 1 else 1)
+    found = ckpt.committed()
+    if ckpt.in_flight is not None:  # a good state, being written: committed before the run ends
+        found.append(ckpt.path(ckpt.in_flight))
+    if streak.start is not None:
+        limit = streak.start - (2 if streak.skipped > 1 else 1)
         found = [p for p in found if int(p.name.split("_")[1]) <= limit]
     return found[-1] if found else None
