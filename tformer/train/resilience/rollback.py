@@ -21,6 +21,7 @@ from ...checkpoint.manager import CheckpointManager
 from ...files import atomic_write
 from ...parallel.dist import DistInfo
 from ..config import TrainConfig
+from .spike import SpikeDetector
 from ..dist import barrier
 
 log = logging.getLogger("tformer.train")
@@ -44,11 +45,14 @@ class RollbackState(Protocol):
     dist: DistInfo
     step: int
     consumed: int  # global samples consumed
-    streak: NonFiniteStreak
+    spikes: SpikeDetector
     rollbacks: int
     wandb_id: str | None
     out: Path  # the run directory
     ckpt: CheckpointManager
+
+    @property
+    def streak(self) -> NonFiniteStreak: ...
 
     def wait_for_checkpoint(self) -> Path | None: ...
     def _load(self, target: str | Path, verified: bool = False) -> bool: ...
