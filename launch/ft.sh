@@ -51,7 +51,7 @@ if [ -z "${LIGHTHOUSE:-}" ]; then
             pid=$!
             wait "$pid" || true
             echo "tformer ft: the lighthouse ended; starting it again on port $LIGHTHOUSE_PORT (the groups wait for it up to fault_tolerance.quorum_timeout_s)" >&2
-            sleep 1
+            sleep 0.2
         done
     }
     run_lighthouse &

@@ -45,8 +45,8 @@ from .loop.run import cpu_has_native_bf16 as cpu_has_native_bf16  # tests and be
 from .loop.run import resolve_precision as resolve_precision
 from .loop.step import _concat as _concat  # bench/bench_scale.py imports it here
 from .loop.step import _host_count, step_on_device, step_reading
-from .observe.console import start_summary, trim_metrics
-from .observe.metrics import peak_flops
+from .observe.console import mark_start, say, start_summary, trim_metrics
+from .observe.metrics import cpu_peak_at_least, peak_flops
 from .observe.profiling import OFF, build_profiler
 from .observe.stragglers import StepTimes
 from .observe.watchdog import Watchdog
@@ -64,8 +64,14 @@ class Trainer(Run):
     def __init__(self, cfg: TrainConfig, callbacks=()):
         super().__init__(cfg)  # refuses, resumes, builds, in that order; a complete run ends there
         self.callbacks = list(callbacks)
-        self.peak, self.peak_source = peak_flops(self.device, DTYPES[self.precision])
-        self.figures = StepFigures(cfg, self.dims, self.dist.world_size, self.peak, self.streak)
+        peak, self.peak_source = peak_flops(self.device, DTYPES[self.precision])
+        # on a CPU the measured peak is raised by a faster step (MFU <= 100%; observe/metrics.py)
+        dtype = DTYPES[self.precision]
+        raise_peak = (lambda achieved: cpu_peak_at_least(dtype, achieved)) if self.device.type == "cpu" else None
+        self.figures = StepFigures(cfg, self.dims, self.dist.world_size, peak, self.streak, raise_peak)
+        self.times = StepTimes()  # this rank's data wait and step time, gathered at logging steps
+        if self.dist.world_size > 1 and self.dims.pp == 1:  # a rank's waits in its collectives
+            self.times.watch(self.wrapped)
         # after the resume: the Manager starts at the step this group stands at
         self.ft = FaultTolerance(self) if cfg.fault_tolerance.enabled else None
         self.replicas = self.ft or SingleGroup()  # the step's commit vote (always yes without torchft)
@@ -78,7 +84,6 @@ class Trainer(Run):
             self.model_cfg.family == "encoder" and dims.tp == dims.cp == dims.pp == 1 and cfg.compile is False
         )
         self.prof = OFF  # fit() sets the run's profiler (observe/profiling.py)
-        self.times = StepTimes()  # this rank's data wait and step time, gathered at logging steps
         self.step_seconds = 0.0  # the last step's own time
         self._stop_reason: str | None = None
         self._signal: str | None = None
@@ -94,6 +99,7 @@ class Trainer(Run):
         self._write_run_files()
         self.components = self._components()
         self._start = time.perf_counter()
+        mark_start()
         if self.figures.reason is not None and self.dist.is_main:
             log.info("reading the step's figures from the device at every step: %s", self.figures.reason)
         last: dict = {}
@@ -132,10 +138,7 @@ class Trainer(Run):
             self.components, self.prof = Components(), OFF
         if self.dist.is_main:
             reason = self._stop_reason or "max_steps"
-            print(
-                f"tformer: stopped at step {self.step} ({reason}); checkpoint {self.ckpt_root / f'step_{self.step:08d}'}",
-                flush=True,
-            )
+            say(f"tformer: stopped at step {self.step} ({reason}); checkpoint {self.ckpt_root / f'step_{self.step:08d}'}")
         return last
 
     def _write_run_files(self) -> None:
@@ -145,7 +148,7 @@ class Trainer(Run):
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / RUN_CONFIG).write_text(self.resolved_yaml())  # the run's, as in each checkpoint
             copy_tokenizer(self.data, self.out)
-            print(start_summary(self), flush=True)  # the whole resolved config is config.yaml
+            say(start_summary(self))  # the whole resolved config is config.yaml
         quiet_repeats()  # torch and DeepSpeed have set up their loggers by now
         if self.dist.is_main:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -344,6 +347,11 @@ class Trainer(Run):
         return self.figures.logs_at(step)
 
     # -- names tests and tools read here -----------------------------------------------------
+    @property
+    def peak(self) -> float:
+        """The device's peak FLOP/s that MFU is over (on a CPU, raised by a faster step)."""
+        return self.figures.peak
+
     @property
     def _read_reason(self) -> str | None:
         """Why every step reads its figures (loop/figures.py's ``why_read_every_step``)."""

@@ -129,8 +129,19 @@ class StepFigures:
     """The steps not read yet, the one read that brings them to the host, and the logging
     interval's rates (only an interval that ends in a read has a true wall time)."""
 
-    def __init__(self, cfg: TrainConfig, dims: ParallelDims, world_size: int, peak: float, streak: Streak):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        dims: ParallelDims,
+        world_size: int,
+        peak: float,
+        streak: Streak,
+        raise_peak: Callable[[float], float] | None = None,
+    ):
+        """``peak``: the device's FLOP/s that MFU is over; ``raise_peak(achieved)``, where given, the
+        peak after an interval that ran faster than it (a CPU's measured peak: MFU stays <= 100%)."""
         self.cfg, self.world_size, self.peak, self.streak = cfg, world_size, peak, streak
+        self.raise_peak = raise_peak
         self.group = dims.tp * dims.pp * dims.cp  # each rank of a tp / pp / cp group counted its group's batch
         self.loss_ranks = world_size // dims.pp  # the tp ranks of a group agree; only a pipeline's last stage holds the loss
         self.reason: str | None = None  # why every step reads (why_read_every_step); None: only the steps below
@@ -223,9 +234,12 @@ class StepFigures:
         if self.replayed:
             seconds_in, window_tokens, window_flops, steps_in = window
             record.update(self.replayed.pop())
+            achieved = window_flops / self.world_size / seconds_in
+            if achieved > self.peak and self.raise_peak is not None:
+                self.peak = self.raise_peak(achieved)
             record.update(
                 tokens_per_s=window_tokens / seconds_in,
-                mfu=window_flops / self.world_size / seconds_in / self.peak,
+                mfu=achieved / self.peak,
                 step_time=seconds_in / steps_in,
             )
             if self.logs_at(step):

@@ -8,8 +8,10 @@ the model (no ``dp_shard``), FSDP2 shards it, tensor and pipeline parallelism sp
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
+import time
 from pathlib import Path
 
 from ...files import atomic_write
@@ -99,9 +101,23 @@ def trim_metrics(run_dir: Path, step: int) -> int:
     return len(rows) - len(keep)
 
 
+_started = time.monotonic()
+
+
+def mark_start() -> None:
+    """The moment training starts in this process: each record's ``elapsed_s`` counts from it."""
+    global _started
+    _started = time.monotonic()
+
+
 def log_step(record: dict, metrics_file, tracker, bar) -> None:
     """A step's record (rank 0): a line of ``metrics.jsonl``, to W&B, and one line on the console
-    (through the progress bar when there is one, so the bar stays at the bottom)."""
+    (through the progress bar when there is one, so the bar stays at the bottom). Each row says
+    when it was written: ``time`` (UTC) and ``elapsed_s`` (since training started in this process),
+    so a stall shows in the records, not only in the log."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    record.setdefault("time", now.isoformat(timespec="milliseconds").replace("+00:00", "Z"))
+    record.setdefault("elapsed_s", round(time.monotonic() - _started, 3))
     metrics_file.write(json.dumps(record) + "\n")
     metrics_file.flush()
     if tracker is not None:
@@ -122,7 +138,17 @@ def log_step(record: dict, metrics_file, tracker, bar) -> None:
         )
     if "val_bleu" in record:
         text += f" | BLEU {record['val_bleu']:.2f} chrF {record['val_chrf']:.1f} ({record['bleu_signature']})"
+    if "replica_group" in record:  # fault tolerance: every group prints, each line says whose it is
+        text = f"[group {record['replica_group']}] {text}"
     if bar is not None:
         bar.write(text, file=sys.stdout)
     else:
-        print(text, flush=True)
+        say(text)
+
+
+def say(text: str) -> None:
+    """``text`` and its newline in one write: processes that share a terminal or a log file (the
+    replica groups of a fault-tolerant run, each under ``python -u``, where ``print`` writes the
+    text and the newline apart) then never cut into each other's lines."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()

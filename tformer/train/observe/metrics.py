@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import platform
 import time
+from pathlib import Path
 
 import torch
 
@@ -56,13 +61,86 @@ def measured_matmul_peak(dtype: torch.dtype, size: int = 512, repeats: int = 3) 
     return _MEASURED[dtype]
 
 
+CPU_PEAKS = "cpu_peak.json"
+
+
+def _cpu_key(dtype: torch.dtype) -> str:
+    """What a CPU matmul peak depends on: the processor, torch's build, the threads, the dtype."""
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    model = model or platform.processor() or platform.machine()
+    return f"{model} | torch {torch.__version__} | {torch.get_num_threads()} threads | {str(dtype).removeprefix('torch.')}"
+
+
+class CpuPeak:
+    """The MFU denominator on a CPU: the fastest square matmul this machine has been measured to
+    run, at this thread count and dtype, kept in ``$TFORMER_CACHE/cpu_peak.json``.
+
+    A peak timed once at start-up is as low as the machine is busy: beside another process (a
+    second replica group, a build) it read half the quiet figure and MFU read 96-127%. Each run
+    measures again and the file keeps the best figure ever seen, so a quiet measurement, once
+    made, is the figure every later run divides by; a step that runs faster than the known peak
+    raises it (``raise_to``), so MFU never exceeds 100%."""
+
+    def __init__(self, dtype: torch.dtype, cache: Path | None = None):
+        self.dtype, self.key = dtype, _cpu_key(dtype)
+        root = cache or Path(os.environ.get("TFORMER_CACHE") or Path.home() / ".cache" / "tformer")
+        self.path = Path(root) / CPU_PEAKS
+        now = measured_matmul_peak(dtype)
+        if dtype != torch.float32:
+            # A CPU without native bf16 GEMMs (AVX2) runs a bare bf16 torch.mm in a scalar fallback (~1-2
+            # GFLOP/s), while autocast's products of small operands take faster paths: against that figure a
+            # tiny model's MFU read 1.8-2.6. The peak is the faster of the two measured products.
+            now = max(now, measured_matmul_peak(torch.float32))
+        self.flops = max(now, self._known().get(self.key, 0.0))
+        if self.flops > self._known().get(self.key, 0.0):
+            self._keep()
+
+    def _known(self) -> dict:
+        try:
+            got = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return got if isinstance(got, dict) else {}
+
+    def _keep(self) -> None:
+        known = self._known()
+        known[self.key] = self.flops
+        with contextlib.suppress(OSError):  # a read-only cache still runs; the figure is this run's
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{CPU_PEAKS}.{os.getpid()}")
+            tmp.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")
+            os.replace(tmp, self.path)
+
+    def raise_to(self, achieved: float) -> bool:
+        """A step ran at ``achieved`` FLOP/s per process: when that beats the known peak, it is the
+        new peak (kept for later runs). True when it was raised."""
+        if achieved <= self.flops:
+            return False
+        self.flops = achieved
+        self._keep()
+        return True
+
+    @property
+    def source(self) -> str:
+        return f"the best torch.mm measured on this CPU ({self.key}; {self.path})"
+
+
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """(peak FLOP/s per device, where the figure comes from)."""
     if device.type == "cuda":
         return gpu_peak(torch.cuda.get_device_name(device), dtype in (torch.bfloat16, torch.float16))
-    if dtype == torch.float32:
-        return measured_matmul_peak(dtype), "measured torch.mm on this CPU"
-    # A CPU without native bf16 GEMMs (AVX2) runs a bare bf16 torch.mm in a scalar fallback (~1-2
-    # GFLOP/s), while autocast's products of small operands take faster paths: against that figure a
-    # tiny model's MFU read 1.8-2.6. The peak is the faster of the two measured products.
-    return max(measured_matmul_peak(dtype), measured_matmul_peak(torch.float32)), "measured torch.mm on this CPU"
+    peak = CpuPeak(dtype)
+    return peak.flops, peak.source
+
+
+def cpu_peak_at_least(dtype: torch.dtype, achieved: float) -> float:
+    """The CPU peak after a step that ran at ``achieved`` FLOP/s: raised to it (and kept) when the
+    step beat it, so that MFU stays a fraction of what this CPU can do."""
+    peak = CpuPeak(dtype)
+    peak.raise_to(achieved)
+    return peak.flops

@@ -18,7 +18,10 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -32,6 +35,37 @@ STEPS_FILE = "steps.json"  # beside the traces: the rank, world size, device, an
 PREFIX = "tformer/"  # the trainer's record_function ranges: tformer/step, tformer/data, ...
 _NULL = contextlib.nullcontext()
 MEMORY_EVENTS = 200_000  # the allocator history's ring: the newest events a snapshot holds
+
+
+_KINETO_LINE = re.compile(r"^(USDT|STAGE):\S+ \S+ \S+ \w+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def quiet_kineto():
+    """torch's profiler (kineto) prints ``USDT:... profiler_start`` / ``profiler_stop`` (and at
+    some levels ``STAGE:`` lines) straight to the process's stderr at every start and stop, between
+    the step lines. Those lines are dropped here, everything else written meanwhile is passed on;
+    with ``KINETO_LOG_LEVEL`` set (the user asked for kineto's own logs) nothing is touched."""
+    if "KINETO_LOG_LEVEL" in os.environ:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            rest = [
+                line
+                for line in caught.read().splitlines(keepends=True)
+                if not _KINETO_LINE.match(line.decode(errors="replace"))
+            ]
+            if rest:
+                os.write(2, b"".join(rest))
 
 
 def check_ranks(cfg: ProfileConfig, world_size: int) -> None:
@@ -144,7 +178,8 @@ class StepProfiler:
         if self.active and self._recording_memory:
             self._dump_memory(self.dir / f"memory_step{step}.pickle")
         self.active = False
-        self.prof.step()  # saves a traced step (on_trace_ready)
+        with quiet_kineto():
+            self.prof.step()  # saves a traced step (on_trace_ready)
         if (step + 1) not in self.steps:  # the run of traced steps is over
             self._stop()
 
@@ -168,7 +203,8 @@ class StepProfiler:
             profile_memory=self.cfg.memory,
             with_stack=self.cfg.with_stack,
         )
-        self.prof.start()
+        with quiet_kineto():
+            self.prof.start()
 
     def _save(self, prof) -> None:
         path = self.dir / f"step{self._current}.trace.json.gz"
@@ -185,7 +221,8 @@ class StepProfiler:
     def _stop(self) -> None:
         prof, self.prof = self.prof, None
         if prof is not None:
-            prof.stop()
+            with quiet_kineto():
+                prof.stop()
 
     # -- memory ---------------------------------------------------------------------------------
     def _dump_memory(self, path: Path) -> None:

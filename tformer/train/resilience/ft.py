@@ -23,6 +23,7 @@ counted in ``ft_samples_skipped``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -31,6 +32,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlparse
@@ -197,6 +199,55 @@ def model_fragments(model: torch.nn.Module, n: int) -> list[torch.nn.Module]:
     return [_Fragment(blocks[cuts[i] : cuts[i + 1]], rest if i == 0 else []) for i in range(n)]
 
 
+def configuration_id(quorum: Any) -> int:
+    """A process-group configuration's id, the same on every member of ``quorum`` (it is made of
+    what the lighthouse sent them all: its quorum id, the members, the step) and new whenever one
+    of those is: the store prefix of the configuration's rendezvous is built from it."""
+    text = f"{quorum.quorum_id}|{','.join(quorum.replica_ids)}|{quorum.max_step}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big") + 1
+
+
+class QuorumEpochs:
+    """torchft's ``ManagerClient`` with its quorum ids made safe against a restarted lighthouse.
+
+    torchft 0.2.0's ``Manager`` reconfigures its cross-group process group only when the quorum id
+    changes, and a lighthouse numbers its quorums from 1 again when it restarts. Measured (two
+    groups, the lighthouse killed at step 21): the fresh lighthouse gave group 0 a quorum alone as
+    id 1 (group 0 committed step 22 alone), then both groups as id 2, which group 1 had last seen
+    from the old lighthouse: group 1 kept its old process group, group 0 made a new one at the
+    same store prefix (``/torchft/2/``, where the old rendezvous keys still lie), so their
+    all-reduce paired nothing, group 0 stopped serving its checkpoint at its next vote while group
+    1 still waited to heal ("Timed out waiting for wlock"), and no step committed anywhere for one
+    ``timeout_s`` per try (minutes, with restarts).
+
+    This client hands the Manager a configuration id instead (``configuration_id``): it changes
+    when the lighthouse's id or the members change, and also when a member is behind under an
+    unchanged id and members (under one lighthouse a commit failure bumps the id, so that happens
+    only after a restart); every member decides the same from what the lighthouse sent them all,
+    and each new configuration meets at a store prefix of its own. A fast quorum of the same
+    members keeps its id and its process group, as before."""
+
+    def __init__(self, client: Any):
+        self._client = client
+        self._key: tuple | None = None
+        self._id = 0
+        self.reconfigured = 0  # new configurations made (the first included)
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        got = self._client._quorum(*args, **kwargs)
+        key = (got.quorum_id, tuple(got.replica_ids))
+        behind = got.max_world_size < got.replica_world_size
+        if key != self._key or behind:
+            self._key, self._id = key, configuration_id(got)
+            self.reconfigured += 1
+        out = SimpleNamespace(**{name: getattr(got, name) for name in dir(got) if not name.startswith("_")})
+        out.quorum_id = self._id
+        return out
+
+    def __getattr__(self, name: str) -> Any:  # should_commit, _checkpoint_metadata: torchft's own
+        return getattr(self._client, name)
+
+
 class _LighthouseWatch:
     """While a quorum takes long, asks whether the lighthouse still answers: when it does not, says
     so in one line (its address, how long the group waits), and in one more when the quorum came."""
@@ -249,6 +300,20 @@ class _LighthouseWatch:
             )
 
 
+def _one_line(backend: str) -> Any:
+    """A filter for torchft's Manager log: its errors as one line each, without the traceback of
+    torchft's own wait (the message names the error: "got exception waiting for work ...
+    Connection closed by peer"); on gloo, no warning about NCCL's flight recorder."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        if backend != "nccl" and "NCCL flight recorder" in record.getMessage():
+            return False
+        record.exc_info, record.exc_text = None, None
+        return True
+
+    return keep
+
+
 class FaultTolerance:
     """The trainer's side of torchft: one ``Manager`` per rank, the step's quorum, the cross-group
     average of the gradients (and of the step's statistics), the commit vote, and the state a
@@ -293,6 +358,10 @@ class FaultTolerance:
             replica_id=f"tformer_replica_{cfg.replica_id}",  # torchft reads the trailing digits
             init_sync=False,  # every group starts from the same seed: the same weights
         )
+        # a restarted lighthouse numbers its quorums from 1 again: see QuorumEpochs
+        self.epochs = QuorumEpochs(self.manager._client)
+        self.manager._client = self.epochs
+        self._quiet(cfg.backend)
         self.semi_sync = cfg.semi_sync
         # a group resumed from disk stands at the checkpoint's step (the Manager counts commits:
         # every step, or every synchronisation under local_sgd / diloco)
@@ -313,6 +382,18 @@ class FaultTolerance:
         self.start = time.perf_counter()
         self._healed = False
         self.quorum_s = 0.0  # the last step's quorum (and heal): part of its step time
+
+    def _quiet(self, backend: str) -> None:
+        """One readable log: torchft's checkpoint server prints an access line per heal request
+        (``"GET /checkpoint/230/full HTTP/1.1" 200 -``, the standard library's default), and its
+        Manager warns at every reconfiguration that it cannot reset NCCL's flight recorder, which
+        a gloo run has none of (both dropped; heals are said by tformer's own line), and logs a
+        peer's death with a traceback of its own wait (kept as its one line)."""
+        server = getattr(self.manager._checkpoint_transport, "_server", None)
+        handler = getattr(server, "RequestHandlerClass", None)
+        if handler is not None:
+            handler.log_message = lambda *args, **kwargs: None
+        logging.getLogger("torchft.manager").addFilter(_one_line(backend))
 
     def _carry_counters(self, path: Any) -> None:
         """A restarted group's counters go on from its own last record in ``metrics.jsonl`` (the
@@ -504,6 +585,7 @@ class FaultTolerance:
     def record(self) -> dict:
         wall = time.perf_counter() - self.start
         return {
+            "replica_group": self.replica_id,
             "quorum": f"{self.participants}/{self.replicas}",
             "ft_commits": self.commits,
             "ft_skipped_steps": self.uncommitted,
