@@ -75,6 +75,10 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 
 class Run:
+    """A run built from its config and resumed: its parts (``dist``, ``data``, ``model``,
+    ``strategy``, ``optimizer``, ``scheduler``, ``ckpt``) and where it stands (``step``,
+    ``consumed``, ``tokens``, ``streak``, ``spikes``, ``rollbacks``). ``Trainer`` trains it."""
+
     def __init__(self, cfg: TrainConfig):
         """Set up a run from its config, in this order: refuse what cannot run before any work, find
         the checkpoint to resume (a complete run ends there), start the process group and mesh, build
@@ -300,6 +304,7 @@ class Run:
         return train_batches(self.cfg, self.data, self.dist.dp_rank, self.dist.dp_size, self.consumed, self.device)
 
     def _beat(self, phase: str) -> None:
+        """The run enters ``phase`` (the watchdog's beat, where it is on)."""
         self.components.phase(self.step, phase)
 
     def _global_batch(self) -> int:
