@@ -768,7 +768,7 @@ def test_an_fp32_run_says_in_one_line_when_sdpa_takes_the_math_kernel():
 
 
 def test_the_trainer_says_the_fallback_once_at_start_up(monkeypatch, tmp_path, caplog):
-    from tformer.train import trainer as trainer_module
+    from tformer.train.loop import run as trainer_module  # the run says it at start-up (loop/run.py)
 
     asked = []
 
