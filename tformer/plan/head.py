@@ -23,7 +23,7 @@ def head_rows(cfg: Any, model_cfg: ModelConfig, seq_len: int, target_len: int | 
     target's (encoder-decoder) or the sequence's tokens, only the masked share under masked LM, 1/cp
     of them under context parallelism; a token-budget batch counts its budget."""
     budget = cfg.data.tokens_per_batch
-    per_sample = target_len if model_cfg.family == "encdec" and target_len else seq_len
+    per_sample = spec_of(model_cfg).output_len(seq_len, target_len)
     tokens = budget if budget else cfg.micro_batch_size * per_sample
     share = cfg.data.mlm_probability if spec_of(model_cfg).masked_lm else 1.0
     return max(1, int(tokens * share / cp))

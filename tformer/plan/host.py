@@ -34,6 +34,7 @@ import functools
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..models.spec import spec_of
 
 SHRUNK_HEAD_DIM = 4
 SHRUNK_TOKENS = (2, 8)  # batch, sequence of the counting run (op counts do not depend on sizes)
@@ -84,7 +85,7 @@ def _shrunk(cfg: ModelConfig, first: int, second: int) -> ModelConfig:
         pad_vocab_multiple=1,
         max_seq_len=max(SHRUNK_TOKENS[1], 8),
         num_layers=first,
-        num_decoder_layers=second if cfg.family == "encdec" else None,
+        num_decoder_layers=second if spec_of(cfg).seq2seq else None,
         moe=moe,
     )
 
@@ -155,7 +156,6 @@ def _run(cfg: ModelConfig, tp: bool) -> tuple[int, int, int, int]:
     of ``cfg``."""
     import torch
 
-    from ..models import spec_of
     from ..parallel.tp import tp_plan
 
     torch.manual_seed(0)
@@ -191,7 +191,7 @@ def op_counts(cfg: ModelConfig) -> OpCounts:
 
 
 def _count(cfg: ModelConfig) -> OpCounts:
-    seq2seq = cfg.family == "encdec"
+    seq2seq = spec_of(cfg).seq2seq
     base = [_run(_shrunk(cfg, 1, 1), tp) for tp in (False, True)]
     first = [_run(_shrunk(cfg, 2, 1), tp) for tp in (False, True)]
     second = [_run(_shrunk(cfg, 1, 2), tp) for tp in (False, True)] if seq2seq else base
