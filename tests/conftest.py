@@ -23,7 +23,16 @@ def pytest_configure(config):
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir(config.option.markexpr or "")))
 
 
-TINY = ["bert-tiny", "gpt2-tiny", "llama-tiny", "t5-tiny", "t5-v1.1-tiny", "mixtral-tiny", "qwen2-moe-tiny"]
+TINY = [
+    "bert-tiny",
+    "gpt2-tiny",
+    "llama-tiny",
+    "t5-tiny",
+    "t5-v1.1-tiny",
+    "mixtral-tiny",
+    "qwen2-moe-tiny",
+    "deepseek-v3-tiny",
+]
 
 
 @pytest.fixture(autouse=True)

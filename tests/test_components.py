@@ -85,11 +85,13 @@ def test_a_logging_step_reports_the_rates_of_its_interval_and_starts_a_new_one()
 
 
 def test_an_moe_table_joins_the_same_read():
-    """A logging step's routing table is read with the rows (one transfer) and its figures land in
-    that step's record."""
+    """A logging step's model table (MoE routing, mtp_loss) is read with the rows (one transfer) and
+    its figures land in that step's record."""
     f = _figures(_cfg())
-    keys = ["balance", "z_loss", "tokens_max_over_mean", "dropped"]
-    table = torch.tensor([[0.5, 0.25, 2.0, 0.0], [1.5, 0.75, 4.0, 0.5]])
+    from tformer.models.figures import TableKeys
+
+    keys = TableKeys(("balance", "z_loss", "tokens_max_over_mean", "dropped"), 2, ("mtp_loss",))
+    table = torch.tensor([0.5, 0.25, 2.0, 0.0, 1.5, 0.75, 4.0, 0.5, 3.25])  # 2 MoE layers, then mtp_loss
     f.unread = [
         Unread(1, 0.1, _row(1.0, 1, 1.0, 1.0, 1), None, False),
         Unread(2, 0.1, _row(1.0, 1, 1.0, 1.0, 1), (keys, table), False),
@@ -106,7 +108,7 @@ def test_an_moe_table_joins_the_same_read():
         records, _ = f.read(0)
     assert len(calls) == 1
     assert not any(k.startswith("moe/") for k in records[0])
-    assert records[1]["moe/tokens_max_over_mean_worst"] == 4.0, records[1]
+    assert records[1]["moe/tokens_max_over_mean_worst"] == 4.0 and records[1]["mtp_loss"] == 3.25, records[1]
 
 
 # -- the non-finite accounting ----------------------------------------------------------------

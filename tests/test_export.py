@@ -78,7 +78,7 @@ def save_run(model, tokenizer: Path, run: Path, step: int = 1) -> Path:
 def hf_model(out: Path, family: str):
     auto = {"decoder": "AutoModelForCausalLM", "encoder": "AutoModelForMaskedLM", "encdec": "AutoModelForSeq2SeqLM"}[family]
     extra = {}
-    if transformers.AutoConfig.from_pretrained(out).model_type in ("mixtral", "qwen2_moe"):
+    if transformers.AutoConfig.from_pretrained(out).model_type in ("mixtral", "qwen2_moe", "deepseek_v3"):
         # transformers 5.24 runs these experts with torch._grouped_mm by default, which on CPU
         # fails at widths that are not a multiple of 4 floats (e.g. d_ff 90); its loop works
         extra["experts_implementation"] = "eager"
@@ -209,6 +209,19 @@ CASES = {
         "switch-tiny",
         dict(vocab_size=400, activation="gelu", num_decoder_layers=3, moe=dict(moe_every=1, router_bias=True)),
     ),
+    # latent attention (3 heads, odd latent widths), 6 experts in 3 groups (2 kept), top-3, YaRN
+    "deepseek-v3-odd-groups-yarn": (
+        "deepseek-v3-tiny",
+        dict(
+            vocab_size=512,
+            d_model=36,
+            num_heads=3,
+            d_ff=52,
+            mla=dict(q_lora_rank=14, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5),
+            moe=dict(num_experts=6, n_group=3, topk_group=2, top_k=3, d_expert=20),
+            yarn=dict(factor=4.0, original_max_seq_len=16, mscale=0.9, mscale_all_dim=0.8),
+        ),
+    ),
     "t5-tied-unscaled-swiglu": (
         "t5-tiny",
         dict(vocab_size=400, tied_output_scale=False, activation="swiglu", d_head=12, num_heads=3),
@@ -281,6 +294,11 @@ FLIPS = {
     "eos_token_id": [3, None],
     "decoder_start_token_id": [2],
     "moe": [{"num_experts": 4, "top_k": 2}],
+    "attention": ["mla"],
+    "mla": [{"q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}],
+    "yarn": [{"factor": 2.0, "original_max_seq_len": 32}],
+    "mtp_depth": [1],
+    "mtp_loss_coef": [0.5],
 }
 
 
@@ -552,6 +570,44 @@ def hf_configs():
             "Qwen2MoeForCausalLM",
             "bpe",
         ),
+        "deepseek_v3": (
+            t.DeepseekV3Config(
+                vocab_size=512,
+                hidden_size=36,
+                intermediate_size=52,
+                moe_intermediate_size=20,
+                num_hidden_layers=3,
+                num_attention_heads=3,
+                num_key_value_heads=3,
+                n_routed_experts=6,
+                n_shared_experts=2,
+                num_experts_per_tok=3,
+                n_group=3,
+                topk_group=2,
+                first_k_dense_replace=1,
+                routed_scaling_factor=1.7,
+                q_lora_rank=14,
+                kv_lora_rank=10,
+                qk_nope_head_dim=6,
+                qk_rope_head_dim=4,
+                v_head_dim=5,
+                max_position_embeddings=64,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                    "mscale": 0.9,
+                    "mscale_all_dim": 0.8,
+                },
+                bos_token_id=0,
+                eos_token_id=0,
+                pad_token_id=0,
+                tie_word_embeddings=False,
+            ),
+            "DeepseekV3ForCausalLM",
+            "bpe",
+        ),
         "switch_transformers": (
             t.SwitchTransformersConfig(
                 vocab_size=400,
@@ -599,12 +655,29 @@ def hf_configs():
 
 
 @pytest.mark.parametrize(
-    "name", ["gpt2", "llama", "bert", "bert-untied", "t5-v1.0", "t5-v1.1", "marian", "mixtral", "switch_transformers"]
+    "name",
+    [
+        "gpt2",
+        "llama",
+        "bert",
+        "bert-untied",
+        "t5-v1.0",
+        "t5-v1.1",
+        "marian",
+        "mixtral",
+        "switch_transformers",
+        "deepseek_v3",
+    ],
 )
 def test_import_then_export_is_the_identity_on_tensors(name, toks, tmp_path):
     config, cls, kind = hf_configs()[name]
     torch.manual_seed(0)
     original = getattr(transformers, cls)(config).eval()
+    if name == "deepseek_v3":  # every norm gain and the routers' correction bias off their init
+        with torch.no_grad():
+            for key, t in [*original.named_parameters(), *original.named_buffers()]:
+                if key.endswith(("norm.weight", "layernorm.weight", "e_score_correction_bias")):
+                    t.add_(torch.randn_like(t) * 0.1)
     if name == "t5-v1.1":  # transformers 5 ties a fresh T5 head whatever the config; untie it
         original.lm_head.weight = torch.nn.Parameter(torch.randn_like(original.shared.weight) * 0.05)
     src = tmp_path / "hf"
@@ -711,6 +784,11 @@ NO_HF_EQUIVALENT = [
     ("llama-tiny", dict(qkv_bias=True), "qkv_bias"),
     ("switch-tiny", dict(moe={"top_k": 2}), "moe.top_k"),
     ("switch-tiny", dict(tie_embeddings=False), "tie_embeddings"),
+    ("llama-tiny", dict(num_kv_heads=None, attention="mla"), "attention"),
+    ("llama-tiny", dict(yarn={"factor": 2.0}), "yarn"),
+    ("mixtral-tiny", dict(moe={"first_dense": 1}), "moe"),
+    ("deepseek-v3-tiny", dict(attention="mha"), "attention"),
+    ("deepseek-v3-tiny", dict(moe={"shared_gate": True}), "moe.shared_gate"),
 ]
 
 
@@ -856,3 +934,27 @@ def test_to_hf_model_is_the_export_in_memory(name):
         for p in hf.parameters():
             p.add_(1.0)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_deepseek_v3_export_then_import_is_bitwise_and_drops_only_mtp(toks, tmp_path):
+    """Every weight and buffer moved off its init (norm gains, the routers' correction bias): the
+    tensors come back bitwise; the multi-token prediction depth is the one thing left out."""
+    torch.manual_seed(0)
+    preset, overrides = CASES["deepseek-v3-odd-groups-yarn"]
+    model = tformer.build_model(preset, init_std=0.1, mtp_depth=1, **overrides)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.dim() == 1 and name in model.state_dict():  # not the rotary tables (recomputed)
+                t.add_(torch.randn_like(t) * 0.1)
+    out = export_hf(save_run(model, toks["bpe"], tmp_path / "run"), tmp_path / "hf")
+    back = tformer.load_checkpoint(import_hf(out, tmp_path / "back"))
+    ours, theirs = model.state_dict(), back.state_dict()
+    assert sorted(k for k in ours if not k.startswith("mtp.")) == sorted(theirs)
+    assert any(k.startswith("mtp.") for k in ours) and back.config.mtp_depth == 0
+    for key, value in theirs.items():
+        assert torch.equal(ours[key], value), key
+    # training-only switches HF's config does not carry (the balancing rate, the sequence-wise loss,
+    # the MTP weight) come back at their defaults; the model computes the same: bitwise equal logits
+    ids = torch.randint(3, 500, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids).logits, back.eval()(ids).logits)

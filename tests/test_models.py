@@ -28,7 +28,14 @@ def shrunk(name):
         max_seq_len=64,
         **({"num_decoder_layers": 2} if cfg["family"] == "encdec" else {}),
         **({k: 1 for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k)}),
+        **({"mla": _shrunk_mla(cfg["mla"])} if cfg.get("attention") == "mla" else {}),
     )
+
+
+def _shrunk_mla(mla):
+    """Latent attention's widths at toy size, with or without the query's bottleneck."""
+    q = 16 if mla.get("q_lora_rank") else None
+    return dict(mla, q_lora_rank=q, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
 
 
 def run(model, ids, mask=None, labels=None, dec=None):
@@ -194,6 +201,10 @@ def _hf_reference(name):
     import transformers as T
 
     p = PRESETS[name]
+    if p["flavour"] == "deepseek_v3":  # its config from the exporter (tests/test_deepseek.py checks that one)
+        from tformer.export.deepseek_v3 import hf_config
+
+        return T.DeepseekV3ForCausalLM(hf_config(tformer.build_config(name)))
     if p["family"] == "encoder":
         return T.BertForMaskedLM(
             T.BertConfig(

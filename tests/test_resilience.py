@@ -236,11 +236,12 @@ def test_watchdog_warns_when_a_step_takes_most_of_the_timeout(caplog):
 
 
 def _ranges(moe: bool = False):
-    from tformer.config import MODEL_RANGES, MOE_RANGES
+    from tformer.config import MLA_RANGES, MODEL_RANGES, MOE_RANGES, YARN_RANGES
     from tformer.train.config import RANGES
 
-    moe_keys = {f"model.moe.{k}": v for k, v in MOE_RANGES.items()} if moe else {}
-    return {**RANGES, **{f"model.{k}": v for k, v in MODEL_RANGES.items()}, **moe_keys}
+    sections = {"moe": MOE_RANGES, "mla": MLA_RANGES, "yarn": YARN_RANGES} if moe else {}
+    nested = {f"model.{s}.{k}": v for s, table in sections.items() for k, v in table.items()}
+    return {**RANGES, **{f"model.{k}": v for k, v in MODEL_RANGES.items()}, **nested}
 
 
 def _numeric_fields(cls, prefix=""):

@@ -717,6 +717,7 @@ READ_STEPS = ["max_steps=5", "eval_every=0", "save_every=0", "log_every=2"]
         ("gpt2-tiny", "parallel.strategy=fsdp"),
         ("mixtral-tiny", "parallel.strategy=ddp"),
         ("bert-tiny", "parallel.strategy=ddp"),
+        ("deepseek-v3-tiny", "parallel.strategy=ddp"),  # + the loss-free bias update and mtp_loss
     ],
 )
 def test_a_step_reads_the_device_only_when_it_logs(recipe, layout, cache, tmp_path):
@@ -732,8 +733,10 @@ def test_a_step_reads_the_device_only_when_it_logs(recipe, layout, cache, tmp_pa
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [2, 4, 5]
     assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
-    if recipe.startswith("mixtral"):  # the routing figures of a logging step are in its record
+    if recipe.startswith(("mixtral", "deepseek")):  # the routing figures of a logging step are in its record
         assert all("moe/tokens_max_over_mean_worst" in r for r in rows), rows[0]
+    if recipe.startswith("deepseek"):
+        assert all("mtp_loss" in r for r in rows), rows[0]
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,8 @@ NormPosition = Literal["pre", "post"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu"]
 AttnImpl = Literal["sdpa", "math"]
 RouterSoftmax = Literal["all", "topk"]
+RouterScore = Literal["softmax", "sigmoid"]
+AttentionKind = Literal["mha", "mla"]
 
 # -- training choices the lower layers act on ------------------------------------------------------
 # They live here, not in tformer/train/config.py (which re-exports them), because nn, models, data
@@ -48,6 +50,8 @@ NORM_POSITIONS: tuple[NormPosition, ...] = get_args(NormPosition)
 ACTIVATIONS: tuple[Activation, ...] = get_args(Activation)
 ATTN_IMPLS: tuple[AttnImpl, ...] = get_args(AttnImpl)
 ROUTER_SOFTMAXES: tuple[RouterSoftmax, ...] = get_args(RouterSoftmax)
+ROUTER_SCORES: tuple[RouterScore, ...] = get_args(RouterScore)
+ATTENTION_KINDS: tuple[AttentionKind, ...] = get_args(AttentionKind)
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 STRATEGIES: tuple[StrategyName, ...] = get_args(StrategyName)
 AC_MODES: tuple[ACMode, ...] = get_args(ACMode)
@@ -111,6 +115,19 @@ class MoEConfig:
     router_softmax: RouterSoftmax = "all"
     renormalize: bool = False  # router_softmax=all: the top-k weights rescaled to sum 1
     router_bias: bool = False  # the router projection has a bias
+    # "softmax": the router_softmax rules above; "sigmoid": each expert scored by sigmoid(logit)
+    # on its own (DeepSeek-V3), the top-k weights renormalised over the chosen with ``renormalize``
+    router_score: RouterScore = "softmax"
+    n_group: int = ranged(1, "[1, inf)")  # sigmoid routing: experts in n_group groups; a token picks topk_group groups first
+    topk_group: int = ranged(1, "[1, inf)", says="in [1, n_group={n_group}]")  # groups a token's experts come from
+    routed_scaling_factor: float = ranged(1.0, "(0, inf)")  # the routed experts' weights times this (DeepSeek-V3: 2.5)
+    first_dense: int = ranged(0, "[0, inf)")  # the first k blocks keep a dense FFN (DeepSeek-V3: 3)
+    # Auxiliary-loss-free balancing (sigmoid routing): a per-expert bias added to the scores for
+    # the choice only, moved by +-bias_update_rate after every optimizer step towards even loads
+    # (tformer/train/balance.py); 0 = the bias stays as loaded
+    bias_update_rate: float = ranged(0.0, "[0, inf)")
+    # DeepSeek-V3's sequence-wise balance loss (alpha there: 1e-4), added while training
+    seq_aux_loss_coef: float = ranged(0.0, "[0, inf)")
     jitter: float = ranged(0.0, "[0, 1)")  # training only: router input times uniform noise in [1 - jitter, 1 + jitter]
     # Capacity routing (null: dropless). Each sequence is a group; an expert takes at most
     # ceil(capacity_factor * tokens * top_k / num_experts) of its tokens (or ``expert_capacity``,
@@ -126,7 +143,12 @@ class MoEConfig:
         return self.num_experts > 0
 
     def is_moe_layer(self, index: int) -> bool:
-        return self.enabled and index % self.moe_every == self.moe_every - 1
+        return self.enabled and index >= self.first_dense and index % self.moe_every == self.moe_every - 1
+
+    @property
+    def score_bias(self) -> bool:
+        """The router carries the loss-free balancing bias (HF's ``e_score_correction_bias``)."""
+        return self.enabled and self.router_score == "sigmoid"
 
     def validate(self) -> None:
         if not self.enabled:
@@ -136,6 +158,22 @@ class MoEConfig:
         check_ranges(self, "model.moe.")
         if self.capacity_factor is not None and self.expert_capacity is not None:
             raise ConfigError("model.moe.capacity_factor and model.moe.expert_capacity are exclusive; set one")
+        if self.num_experts % self.n_group:
+            raise ConfigError(
+                f"model.moe.n_group={self.n_group} must divide num_experts={self.num_experts} "
+                f"(allowed: {', '.join(str(d) for d in _divisors(self.num_experts))})"
+            )
+        if self.topk_group > self.n_group:
+            raise ConfigError(range_error(self, "topk_group", "model.moe."))
+        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ConfigError(
+                f"model.moe.top_k={self.top_k} exceeds the {self.topk_group * (self.num_experts // self.n_group)} "
+                "experts of topk_group groups; raise topk_group or lower top_k"
+            )
+        if self.router_score == "softmax" and (self.n_group > 1 or self.bias_update_rate or self.seq_aux_loss_coef):
+            raise ConfigError(
+                "model.moe.n_group, bias_update_rate and seq_aux_loss_coef need router_score=sigmoid (DeepSeek-V3's routing)"
+            )
 
 
 def moe_config(value: Any) -> MoEConfig:
@@ -146,6 +184,79 @@ def moe_config(value: Any) -> MoEConfig:
         raise ConfigError(f"model.moe must be a mapping (e.g. num_experts: 8), got {value!r}")
     check_keys(value, MoEConfig, "model.moe")
     return MoEConfig(**value)
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (``model.mla.*``, DeepSeek-V2/V3), used where ``attention: mla``.
+
+    Queries come through a low-rank down/up projection with an RMSNorm between (or one projection
+    when ``q_lora_rank`` is null); keys and values are expanded from one shared latent of width
+    ``kv_lora_rank`` (normed), plus one rotary key of width ``qk_rope_head_dim`` shared by every
+    head. A query/key head is ``qk_nope_head_dim + qk_rope_head_dim`` wide, a value head
+    ``v_head_dim``; generation caches the latent and the rotary key only."""
+
+    q_lora_rank: int | None = ranged(None, "[1, inf)", note="or null: one projection")  # the query's low-rank width
+    kv_lora_rank: int = ranged(512, "[1, inf)")  # width of the shared key/value latent (what the cache holds)
+    qk_nope_head_dim: int = ranged(128, "[1, inf)")  # per-head query/key width without positions
+    qk_rope_head_dim: int = ranged(64, "[2, inf)")  # width of the rotary part (shared key, per-head query); even
+    v_head_dim: int = ranged(128, "[1, inf)")  # per-head value width
+    # rotary pairs (x0, x1), (x2, x3), ... as DeepSeek and HF's rope_interleave=true, instead of the halves
+    rope_interleave: bool = True
+
+    def validate(self, num_heads: int) -> None:
+        check_ranges(self, "model.mla.")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"model.mla.qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary rotates pairs)")
+        kv_out = num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+        if self.kv_lora_rank >= kv_out:
+            raise ConfigError(
+                f"model.mla.kv_lora_rank={self.kv_lora_rank} must be below num_heads * (qk_nope_head_dim + v_head_dim)"
+                f" = {kv_out}, the keys and values it expands to; lower it"
+            )
+        q_out = num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        if self.q_lora_rank is not None and self.q_lora_rank >= q_out:
+            raise ConfigError(
+                f"model.mla.q_lora_rank={self.q_lora_rank} must be below num_heads * (qk_nope_head_dim + "
+                f"qk_rope_head_dim) = {q_out}; lower it or set null"
+            )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass
+class YarnConfig:
+    """YaRN RoPE scaling (``model.yarn.*``; DeepSeek-V3): frequencies interpolated by ``factor``
+    outside a band ramped between ``beta_fast`` and ``beta_slow`` rotations over
+    ``original_max_seq_len``, cos/sin scaled by ``mscale``'s attention factor; ``factor: null`` is
+    plain RoPE. MLA's softmax scale also takes ``mscale_all_dim``'s factor squared (HF's rule)."""
+
+    factor: float | None = ranged(None, "(1, inf)", note="or null: off")  # context extension factor
+    original_max_seq_len: int = positive(4096)  # the pretraining length the factor extends
+    beta_fast: float = ranged(32.0, "(0, inf)")  # rotations where extrapolation ends
+    beta_slow: float = ranged(1.0, "(0, inf)")  # rotations where interpolation begins
+    mscale: float = ranged(1.0, "[0, inf)")  # cos/sin scale 0.1 * mscale * ln(factor) + 1 (over mscale_all_dim's)
+    mscale_all_dim: float = ranged(0.0, "[0, inf)")  # 0 = off; else the softmax scale's factor (0.1 m ln(factor) + 1)^2
+
+    @property
+    def enabled(self) -> bool:
+        return self.factor is not None
+
+
+def section(cls: type, key: str):
+    """``model.<key>`` from YAML / a saved config (a mapping) or already built."""
+
+    def make(value: Any):
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"model.{key} must be a mapping, got {value!r}")
+        check_keys(value, cls, f"model.{key}")
+        return cls(**value)
+
+    return make
 
 
 @dataclass
@@ -190,9 +301,17 @@ class ModelConfig:
     eos_token_id: int | None = ranged(None, "[0, inf)")  # end-of-sequence id (stops generation)
     decoder_start_token_id: int = ranged(0, "[0, inf)")  # encdec: first decoder input (T5 uses pad = 0)
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    attention: AttentionKind = "mha"  # mha: multi-head (GQA / MQA) | mla: multi-head latent attention (model.mla)
+    mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)
+    yarn: YarnConfig = dataclasses.field(default_factory=YarnConfig)
+    # decoder: multi-token prediction depth D (DeepSeek-V3: 1), extra modules each predicting one token further
+    mtp_depth: int = ranged(0, "[0, inf)")
+    mtp_loss_coef: float = ranged(0.3, "[0, inf)")  # the MTP depths' mean loss times this joins the training loss
 
     def __post_init__(self) -> None:
         self.moe = moe_config(self.moe)
+        self.mla = section(MLAConfig, "mla")(self.mla)
+        self.yarn = section(YarnConfig, "yarn")(self.yarn)
         self.validate()
 
     # -- derived ---------------------------------------------------------------------------
@@ -221,6 +340,15 @@ class ModelConfig:
     def pre_norm(self) -> bool:
         return self.norm_position == "pre"
 
+    @property
+    def latent_attention(self) -> bool:
+        return self.attention == "mla"
+
+    @property
+    def rotary_dim(self) -> int:
+        """Width the rotary table turns: MLA's rotary part, else the whole head."""
+        return self.mla.qk_rope_head_dim if self.latent_attention else self.head_dim
+
     # -- validation --------------------------------------------------------------------------
     def validate(self) -> None:
         check_fields(self)
@@ -235,7 +363,7 @@ class ModelConfig:
                 f"num_kv_heads={self.kv_heads} must divide num_heads={self.num_heads} "
                 f"(allowed: {', '.join(str(d) for d in _divisors(self.num_heads))})"
             )
-        if self.position == "rotary" and self.head_dim % 2:
+        if self.position == "rotary" and self.head_dim % 2 and not self.latent_attention:
             raise ConfigError(f"position='rotary' needs an even head width, got d_head={self.head_dim}")
         if self.position == "relative" and self.family == "encoder" and self.rel_num_buckets < 2:
             raise ConfigError("rel_num_buckets must be >= 2 for bidirectional relative positions")
@@ -248,6 +376,17 @@ class ModelConfig:
             if value is not None and not 0 <= value < self.vocab_size:
                 raise ConfigError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
         self.moe.validate()
+        check_ranges(self.yarn, "model.yarn.")
+        if self.latent_attention:
+            if self.position != "rotary":
+                raise ConfigError(f"attention=mla needs position=rotary (its decoupled rotary key), got {self.position!r}")
+            if self.num_kv_heads not in (None, self.num_heads):
+                raise ConfigError("attention=mla expands keys for every head; remove num_kv_heads")
+            self.mla.validate(self.num_heads)
+        if self.mtp_depth and self.family != "decoder":
+            raise ConfigError(f"mtp_depth={self.mtp_depth} predicts further tokens of a decoder; set mtp_depth=0")
+        if self.yarn.enabled and self.position != "rotary":
+            raise ConfigError("model.yarn.factor scales rotary positions; set position=rotary or yarn.factor=null")
 
     # -- conversion --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -413,3 +552,5 @@ def check_fields(obj: Any, prefix: str = "") -> None:
 # Tables derived from the declarations, for callers that want them whole (the tests, the reference)
 MODEL_RANGES = ranges(ModelConfig, nested=False)
 MOE_RANGES = ranges(MoEConfig)
+MLA_RANGES = ranges(MLAConfig)
+YARN_RANGES = ranges(YarnConfig)

@@ -305,10 +305,13 @@ def write_safetensors(state: dict[str, torch.Tensor], out: Path, max_shard_size:
         (out / "model.safetensors.index.json").write_text(text)
 
 
-def read_hf_weights(hf_dir: str, class_name: str, hf_config) -> tuple[dict[str, torch.Tensor], bool]:
+def read_hf_weights(
+    hf_dir: str, class_name: str, hf_config, buffers: tuple[str, ...] = ()
+) -> tuple[dict[str, torch.Tensor], bool]:
     """The HF model's parameters in fp32 (tformer's master weights), each tied tensor once, and
     whether its output projection is tied to the input embeddings. Loaded through ``transformers``,
-    so sharded, legacy-named and hub checkpoints all work."""
+    so sharded, legacy-named and hub checkpoints all work. ``buffers``: name endings of HF buffers
+    that are weights of ours too (DeepSeek-V3's ``e_score_correction_bias``)."""
     import logging
 
     import transformers
@@ -336,7 +339,10 @@ def read_hf_weights(hf_dir: str, class_name: str, hf_config) -> tuple[dict[str, 
             sorted(missing)[0],
         )
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    return {name: p.detach() for name, p in model.named_parameters()}, tied
+    state = {name: p.detach() for name, p in model.named_parameters()}
+    if buffers:
+        state.update({name: b.detach() for name, b in model.named_buffers() if name.endswith(buffers)})
+    return state, tied
 
 
 # -- tokenizers ------------------------------------------------------------------------------

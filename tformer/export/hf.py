@@ -108,17 +108,39 @@ def check_qkv_bias(cfg: ModelConfig, target) -> None:
         )
 
 
+def check_blocks(cfg: ModelConfig, target) -> None:
+    """Latent attention, YaRN and DeepSeek-V3's routing go only to the HF classes that have them
+    (``MLA``, ``YARN``, ``SIGMOID_ROUTING`` = True)."""
+    moe = cfg.moe
+    found = [
+        cfg.latent_attention and not getattr(target, "MLA", False) and "attention=mla (latent attention)",
+        cfg.yarn.enabled and not getattr(target, "YARN", False) and f"yarn=(factor={cfg.yarn.factor}) (YaRN RoPE)",
+        moe.enabled
+        and not getattr(target, "SIGMOID_ROUTING", False)
+        and (moe.router_score == "sigmoid" or moe.first_dense or moe.routed_scaling_factor != 1.0)
+        and f"moe=(router_score={moe.router_score}, first_dense={moe.first_dense}, routed_scaling_factor="
+        f"{moe.routed_scaling_factor}) (DeepSeek-V3's routing)",
+    ]
+    found.append(cfg.mtp_depth and not hasattr(target, "drop_mtp") and f"mtp_depth={cfg.mtp_depth} (multi-token prediction)")
+    found = [f for f in found if f]
+    if found:
+        raise ExportError(f"cannot export to HF {target.HF_CLASS}: {found[0]} has no place in it; use flavour=deepseek_v3")
+
+
 def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     """(HF config, HF tensors) of our model tensors (each tied tensor once, under its first name):
     the whole export but the files. Every tensor is checked against the HF class's parameters."""
     target = target_of(cfg)
     check_moe(cfg, target)
     check_qkv_bias(cfg, target)
+    check_blocks(cfg, target)
     target.check(cfg)
     hf_config = target.hf_config(cfg)
     dtype = state["embed.tok.weight"].dtype
     hf_config.dtype = str(dtype).removeprefix("torch.")
     state = unpad_vocab(cfg, state)
+    if hasattr(target, "drop_mtp"):  # DeepSeek-V3: HF has no multi-token prediction module
+        state = target.drop_mtp(state)
     if hasattr(target, "before_export"):  # e.g. Marian: our d_model order -> HF's
         state = target.before_export(cfg, state)
     hf_state = to_hf(state, target.rules(cfg), target.HF_CLASS)
@@ -127,7 +149,10 @@ def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     unique, aliases = hf_expected(hf_config, target.HF_CLASS)
     # parameters HF itself does not save but recomputes on load (Marian's sinusoidal tables)
     unique = {k: v for k, v in unique.items() if k not in getattr(target, "NOT_SAVED", ())}
+    # persistent HF buffers mapped from ours (DeepSeek-V3's e_score_correction_bias) are no parameters
+    held = {k: hf_state.pop(k) for k in list(hf_state) if k.endswith(getattr(target, "HF_BUFFERS", ()) or ("\0",))}
     check_against(hf_state, (unique, aliases), target.HF_CLASS)
+    hf_state.update(held)
     if hasattr(target, "buffers"):  # persistent HF buffers (Marian's final_logits_bias)
         hf_state.update(target.buffers(cfg, dtype))
     if getattr(target, "MOE", False):  # written one tensor per expert, as HF writes them
@@ -215,7 +240,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, force: bool = False) -> P
     target = TARGETS.get(hf_config.model_type)
     if target is None:
         raise ExportError(f"HF model_type={hf_config.model_type!r} cannot be imported; tformer imports {', '.join(TARGETS)}")
-    hf_state, tied = read_hf_weights(str(hf_dir), target.HF_CLASS, hf_config)
+    hf_state, tied = read_hf_weights(str(hf_dir), target.HF_CLASS, hf_config, getattr(target, "HF_BUFFERS", ()))
     cfg = target.model_config(hf_config, tied)
     shapes = model_shapes(cfg)
     if hasattr(target, "drop_on_import"):  # fixed tensors HF stores and tformer computes

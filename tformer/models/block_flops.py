@@ -12,6 +12,8 @@ from ..nn.ffn import FFN_KINDS
 def attention_flops(cfg: ModelConfig, q_tokens: int, kv_tokens: int, keys_per_query: int) -> int:
     """Forward FLOPs of one attention layer: projections of queries and keys/values, the two
     score matmuls (QK^T and PV) and the output projection."""
+    if cfg.latent_attention:
+        return latent_attention_flops(cfg, q_tokens, kv_tokens, keys_per_query)
     d, h, hkv, dk = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_dim
     q_and_out = 2 * q_tokens * d * h * dk * 2
     kv = 2 * kv_tokens * d * hkv * dk * 2
@@ -19,18 +21,38 @@ def attention_flops(cfg: ModelConfig, q_tokens: int, kv_tokens: int, keys_per_qu
     return q_and_out + kv + scores
 
 
+def latent_attention_flops(cfg: ModelConfig, q_tokens: int, kv_tokens: int, keys_per_query: int) -> int:
+    """Forward FLOPs of one multi-head latent attention layer (nn/latent.py): the query's down and
+    up projections (or its one projection), the latent's down projection and its expansion to
+    every head's key part and value, the scores over q/k heads of qk_nope + qk_rope and the
+    values of v_head_dim, the output projection."""
+    m, d, h = cfg.mla, cfg.d_model, cfg.num_heads
+    qk = m.qk_head_dim
+    q = 2 * q_tokens * (d * m.q_lora_rank + m.q_lora_rank * h * qk if m.q_lora_rank else d * h * qk)
+    kv = (
+        2
+        * kv_tokens
+        * (d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim))
+    )
+    scores = 2 * q_tokens * keys_per_query * h * (qk + m.v_head_dim)
+    return q + kv + scores + 2 * q_tokens * h * m.v_head_dim * d
+
+
 def denseffn_flops(d_model: int, d_ff: int, activation, tokens: int) -> int:
     mats = 3 if FFN_KINDS[activation][1] else 2
     return 2 * tokens * d_model * d_ff * mats
 
 
-def ffn_flops(cfg: ModelConfig, tokens: int, layers: int) -> int:
-    """Forward FLOPs of the FFNs of a stack of ``layers`` blocks. An MoE block counts what a token
-    really computes (active FLOPs): the router, its top-k experts and the shared experts (under
-    capacity routing a dropped assignment computes nothing; counted as computed, an upper bound)."""
+def ffn_flops(cfg: ModelConfig, tokens: int, layers: int | range) -> int:
+    """Forward FLOPs of the FFNs of a stack of ``layers`` blocks (or of the blocks at these
+    indices). An MoE block counts what a token really computes (active FLOPs): the router, its
+    top-k experts and the shared experts (under capacity routing a dropped assignment computes
+    nothing; counted as computed, an upper bound)."""
     moe = cfg.moe
+    indices = layers if isinstance(layers, range) else range(layers)
+    layers = len(indices)
     dense = denseffn_flops(cfg.d_model, cfg.d_ff, cfg.activation, tokens)
-    n_moe = sum(moe.is_moe_layer(i) for i in range(layers))
+    n_moe = sum(moe.is_moe_layer(i) for i in indices)
     if not n_moe:
         return layers * dense
     kind, d_expert = moe.activation or cfg.activation, moe.d_expert or cfg.d_ff

@@ -9,6 +9,8 @@ from torch import nn
 from ..config import ModelConfig
 from ..nn import DocumentMask, StackCache, TransformerStack, positions_from_doc_ids
 from .base import Embeddings, ModelOutput, TformerModel, default_positions, vocab_rows
+from .block_flops import attention_flops, ffn_flops, head_flops
+from .mtp import MultiTokenPrediction
 
 
 class DecoderModel(TformerModel):
@@ -22,9 +24,24 @@ class DecoderModel(TformerModel):
         self.embed = Embeddings(cfg)
         self.decoder = TransformerStack(cfg, cfg.num_layers, causal=True)
         self.lm_head = vocab_rows(nn.Linear(cfg.d_model, cfg.vocab_size, bias=False), cfg)
+        # multi-token prediction (models/mtp.py): training only, kept in checkpoints, never exported
+        self.mtp = MultiTokenPrediction(cfg) if cfg.mtp_depth else None
         self.init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.tok.weight
+
+    @classmethod
+    def forward_flops(cls, cfg: ModelConfig, batch: int, seq: int, target: int | None) -> int:
+        """The trunk and head, plus in training each multi-token prediction depth: its input
+        projection, one block (of the index after the trunk's last) and the shared head."""
+        flops = super().forward_flops(cfg, batch, seq, target)
+        tokens = batch * seq
+        for k in range(cfg.mtp_depth):
+            block = attention_flops(cfg, tokens, tokens, seq) + ffn_flops(
+                cfg, tokens, range(cfg.num_layers + k, cfg.num_layers + k + 1)
+            )
+            flops += 2 * tokens * 2 * cfg.d_model * cfg.d_model + block + head_flops(cfg, tokens)
+        return flops
 
     def new_cache(self) -> StackCache:
         return StackCache(self.config.num_layers)
@@ -57,7 +74,23 @@ class DecoderModel(TformerModel):
         h = self.decoder(x, attention_mask, positions=positions, cache=cache, doc_mask=doc_mask)
         if self.lm_head is None:
             return h
+        mtp = None
+        if self.mtp is not None and labels is not None and self.training:
+            # before the head's loss, which adds every MoE layer's auxiliary loss: the MTP block's too
+            mtp = self.mtp(
+                h,
+                input_ids,
+                labels,
+                self.embed.tok,
+                lambda x, y: self._head_and_lm_loss(x, y, False, label_smoothing=label_smoothing)[1],
+                padding_mask=attention_mask,
+                positions=positions,
+                doc_ids=doc_ids,
+                doc_mask=doc_mask,
+            )
         logits, loss = self._head_and_loss(
             h, labels, return_logits, label_smoothing=label_smoothing, loss_tokens=loss_tokens
         )
+        if mtp is not None and loss is not None:
+            loss = loss + self.config.mtp_loss_coef * mtp.to(loss.dtype)
         return ModelOutput(logits, loss, cache)

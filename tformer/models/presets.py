@@ -120,6 +120,33 @@ SWITCH = dict(
     flavour="switch_transformers",
     moe=dict(num_experts=8, top_k=1, moe_every=2, expert_capacity=64, jitter=0.01, aux_loss_coef=1e-3, z_loss_coef=1e-3),
 )
+# DeepSeek-V3: Llama's block with multi-head latent attention and, after the first dense blocks,
+# sigmoid-scored, group-limited routing over fine-grained experts plus a shared one; loss-free
+# balancing (bias_update_rate 1e-3, the paper's gamma) and a tiny sequence-wise balance loss
+DEEPSEEK_V3_MLA: dict = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+DEEPSEEK_V3_MOE: dict = dict(
+    num_experts=256,
+    top_k=8,
+    router_score="sigmoid",
+    renormalize=True,
+    n_group=8,
+    topk_group=4,
+    routed_scaling_factor=2.5,
+    num_shared_experts=1,
+    first_dense=3,
+    bias_update_rate=1e-3,
+    seq_aux_loss_coef=1e-4,
+    aux_loss_coef=0.0,
+)
+DEEPSEEK_V3 = dict(
+    LLAMA,
+    flavour="deepseek_v3",
+    num_kv_heads=None,
+    norm_eps=1e-6,
+    attention="mla",
+    mla=DEEPSEEK_V3_MLA,
+    moe=DEEPSEEK_V3_MOE,
+)
 
 PRESETS: dict[str, dict] = {
     "bert-base": dict(BERT, d_model=768, num_layers=12, num_heads=12, d_ff=3072),
@@ -312,6 +339,67 @@ PRESETS: dict[str, dict] = {
         eos_token_id=0,
         pad_token_id=0,
         moe=dict(num_experts=6, top_k=2, d_expert=32, num_shared_experts=2, d_shared=32, shared_gate=True),
+    ),
+    # DeepSeek-V3 (HF deepseek-ai/DeepSeek-V3; config only: 671B parameters, 37B active; its MTP
+    # module, 14B more, is not built here), YaRN-extended from 4k to 160k positions
+    "deepseek-v3": dict(
+        DEEPSEEK_V3,
+        vocab_size=129280,
+        d_model=7168,
+        num_layers=61,
+        num_heads=128,
+        d_ff=18432,
+        max_seq_len=163840,
+        tie_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        yarn=dict(factor=40.0, original_max_seq_len=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        moe=dict(DEEPSEEK_V3_MOE, d_expert=2048),
+    ),
+    # Moonlight-16B-A3B (HF moonshotai/Moonlight-16B-A3B, a DeepseekV3ForCausalLM; config only: ~16B
+    # parameters, ~3B active): no query bottleneck, 64 experts in one group, top-6, two shared
+    "moonlight-16b-a3b": dict(
+        DEEPSEEK_V3,
+        vocab_size=163840,
+        d_model=2048,
+        num_layers=27,
+        num_heads=16,
+        d_ff=11264,
+        max_seq_len=8192,
+        rope_theta=50000.0,
+        norm_eps=1e-5,
+        tie_embeddings=False,
+        bos_token_id=163584,
+        eos_token_id=163585,
+        pad_token_id=163585,
+        mla=dict(DEEPSEEK_V3_MLA, q_lora_rank=None),
+        moe=dict(
+            DEEPSEEK_V3_MOE,
+            num_experts=64,
+            top_k=6,
+            d_expert=1408,
+            num_shared_experts=2,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.446,
+            first_dense=1,
+        ),
+    ),
+    "deepseek-v3-tiny": dict(
+        DEEPSEEK_V3,
+        vocab_size=1024,
+        max_seq_len=128,
+        d_model=64,
+        num_layers=3,
+        num_heads=4,
+        d_ff=128,
+        tie_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        mla=dict(q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+        moe=dict(DEEPSEEK_V3_MOE, num_experts=8, top_k=2, d_expert=32, n_group=4, topk_group=2, first_dense=1),
     ),
     # Switch-Base-8 (Fedus et al. 2021; HF google/switch-base-8): T5 v1.0 base with 8 top-1 experts
     # on every other block, 64 tokens per expert per sequence (619M parameters)

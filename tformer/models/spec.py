@@ -109,6 +109,7 @@ register(ModelSpec("gpt2", DecoderModel, "tformer.export.gpt2"))
 register(ModelSpec("llama", DecoderModel, "tformer.export.llama"))
 register(ModelSpec("mixtral", DecoderModel, "tformer.export.mixtral"))
 register(ModelSpec("qwen2_moe", DecoderModel, "tformer.export.qwen2_moe"))
+register(ModelSpec("deepseek_v3", DecoderModel, "tformer.export.deepseek_v3"))
 register(ModelSpec("t5", EncoderDecoderModel, "tformer.export.t5"))  # v1.0 (tied) and v1.1 (untied)
 register(ModelSpec("switch_transformers", EncoderDecoderModel, "tformer.export.switch_transformers"))
 register(ModelSpec("marian", EncoderDecoderModel, "tformer.export.marian"))  # the paper's Transformer

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import KVCache, MultiHeadAttention
 from .ffn import FeedForward
+from .latent import LatentAttention
 from .moe import MoEFeedForward
 from .norm import make_norm, residual
 from .position import RelativePositionBias, Rotary
@@ -37,7 +38,9 @@ class StackCache:
             c.reorder(index)
 
 
-def _attention(cfg, **extra) -> MultiHeadAttention:
+def _attention(cfg, **extra) -> nn.Module:
+    if cfg.latent_attention:
+        return LatentAttention(cfg)
     return MultiHeadAttention(
         cfg.d_model,
         cfg.num_heads,
@@ -73,7 +76,7 @@ class TransformerBlock(nn.Module):
 
         self.attn = _attention(cfg)
         self.attn_norm = norm()
-        self.cross_attn = _attention(cfg) if cross else None
+        self.cross_attn = _attention(cfg.replace(attention="mha")) if cross else None
         self.cross_norm = norm() if cross else None
         self.ffn = _ffn(cfg, index)
         self.ffn_norm = norm()
@@ -142,7 +145,7 @@ class TransformerStack(nn.Module):
             if cfg.position == "relative"
             else None
         )
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if cfg.position == "rotary" else None
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.yarn) if cfg.position == "rotary" else None
         # Pre-norm stacks end with a norm; post-norm blocks already end normalised.
         self.final_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias) if cfg.pre_norm else None
         self.dropout = nn.Dropout(cfg.dropout)

@@ -39,6 +39,9 @@ __all__ = [
     "RoutingPool",
     "grouped_mm_ok",
     "AttachAux",
+    "sigmoid_route",
+    "update_score_bias",
+    "sequence_balance_loss",
 ]
 
 
@@ -64,9 +67,50 @@ class Dispatch:
     counts: torch.Tensor
 
 
-def route(logits: torch.Tensor, cfg: MoEConfig, group_size: int) -> Routing:
+def route(logits: torch.Tensor, cfg: MoEConfig, group_size: int, score_bias: torch.Tensor | None = None) -> Routing:
     """Top-k experts and weights from fp32 router ``logits`` (T, E); tokens come in groups of
-    ``group_size`` (one sequence) for capacity routing."""
+    ``group_size`` (one sequence) for capacity routing. ``score_bias`` (E,): sigmoid routing's
+    loss-free balancing bias (``sigmoid_route``)."""
+    if cfg.router_score == "sigmoid":
+        probs, experts, weights = sigmoid_route(logits, cfg, score_bias)
+    else:
+        probs, experts, weights = softmax_route(logits, cfg)
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
+    keep = None
+    capacity = expert_capacity(cfg, group_size)
+    if capacity is not None:
+        keep = capacity_mask(experts.view(-1, group_size, cfg.top_k), cfg.num_experts, capacity).reshape(experts.shape)
+    return Routing(logits, probs, experts, weights, keep)
+
+
+def sigmoid_route(
+    logits: torch.Tensor, cfg: MoEConfig, score_bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing (its paper's eqs. 12-16): each expert's score is ``sigmoid(logit)``;
+    the choice reads ``score + score_bias``, first keeping the ``topk_group`` of ``n_group``
+    groups whose two best biased scores sum highest, then the ``top_k`` best experts in those;
+    the weights are the chosen experts' unbiased scores (renormalised to sum 1 with
+    ``renormalize``). The bias steers the choice only, never a weight, so it needs no gradient
+    (``tformer/train/balance.py`` moves it). ``probs`` (for the balance losses): the scores
+    normalised per token, the paper's ``s'``."""
+    scores = logits.sigmoid()
+    choice = scores.detach() if score_bias is None else scores.detach() + score_bias
+    if cfg.n_group > 1:
+        grouped = choice.view(choice.shape[0], cfg.n_group, -1)
+        best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # (T, n_group)
+        groups = best.topk(cfg.topk_group, dim=-1).indices
+        allowed = torch.zeros_like(best, dtype=torch.bool).scatter_(1, groups, True)
+        choice = choice.masked_fill(~allowed.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+    experts = choice.topk(cfg.top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if cfg.renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return scores / scores.sum(-1, keepdim=True), experts, weights
+
+
+def softmax_route(logits: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax routing: Mixtral's over the top-k logits, or Switch's / Qwen2-MoE's over all."""
     probs = logits.softmax(-1)
     if cfg.router_softmax == "topk":
         top_logits, experts = logits.topk(cfg.top_k, dim=-1)
@@ -75,11 +119,7 @@ def route(logits: torch.Tensor, cfg: MoEConfig, group_size: int) -> Routing:
         weights, experts = probs.topk(cfg.top_k, dim=-1)
         if cfg.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
-    keep = None
-    capacity = expert_capacity(cfg, group_size)
-    if capacity is not None:
-        keep = capacity_mask(experts.view(-1, group_size, cfg.top_k), cfg.num_experts, capacity).reshape(experts.shape)
-    return Routing(logits, probs, experts, weights, keep)
+    return probs, experts, weights
 
 
 def expert_capacity(cfg: MoEConfig, group_size: int) -> int | None:
@@ -289,6 +329,13 @@ class MoEFeedForward(nn.Module):
         self.shared = FeedForward(d_model, width, kind, bias=False) if width else None
         self.shared_gate = nn.Linear(d_model, 1, bias=False) if width and cfg.shared_gate else None
         self.dropout = nn.Dropout(dropout)
+        # Sigmoid routing's loss-free balancing bias (HF's ``e_score_correction_bias``): state, not
+        # a parameter, so no optimizer touches it; saved with the weights; moved after each
+        # optimizer step from ``load`` (tformer/train/balance.py, ``update_score_bias``)
+        self.register_buffer("score_bias", torch.zeros(cfg.num_experts) if cfg.score_bias else None)
+        # Assignments per expert (E,) of this rank's training forwards since the last bias update,
+        # a plain attribute, not a buffer: DDP would broadcast rank 0's over the others'
+        self.load: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
         # Set from outside where a layout splits or pads the sequences (``RoutingPool``): while
@@ -308,7 +355,7 @@ class MoEFeedForward(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         group = shape[-2] if x.dim() == 3 else flat.shape[0]  # capacity per sequence
-        routing = route(self.router_logits(flat), self.cfg, group)
+        routing = route(self.router_logits(flat), self.cfg, group, self._buffers["score_bias"])
         plan = dispatch(routing, self.cfg.num_experts)
         out = combine(self.experts(flat[plan.token], plan.counts), plan, flat.shape[0])
         if self.shared is not None:
@@ -330,6 +377,11 @@ class MoEFeedForward(nn.Module):
             sums = pool(routing_sums(routing.probs, routing.logits, routing.experts, weight))
         balance, z, chosen = routing_losses(sums)
         self.aux_loss = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z
+        if self.training and cfg.seq_aux_loss_coef and len(shape) == 3:
+            self.aux_loss = self.aux_loss + cfg.seq_aux_loss_coef * sequence_balance_loss(routing, shape[0], cfg.top_k)
+        if self.score_bias is not None and self.training and torch.is_grad_enabled() and not in_backward():
+            load = torch.bincount(routing.experts.reshape(-1), minlength=cfg.num_experts).float()
+            self.load = load if self.load is None else self.load + load
         assignments = routing.experts.numel()
         self.stats = {
             "balance_loss": balance.detach(),
@@ -337,6 +389,32 @@ class MoEFeedForward(nn.Module):
             "tokens_max_over_mean": (chosen.max() / chosen.mean()).detach(),
             "dropped_fraction": 1.0 - plan.counts.sum().float() / assignments,
         }
+
+
+def in_backward() -> bool:
+    """Inside autograd's backward: activation checkpointing recomputing a forward, whose routing
+    is already counted."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def sequence_balance_loss(routing: Routing, batch: int, top_k: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (its eqs. 17-20), averaged over the batch's
+    sequences: ``sum_e f_e * P_e`` with ``f_e = E / (k S)`` times the assignments to expert e in
+    the sequence and ``P_e`` the sequence's mean normalised score ``s'``."""
+    probs = routing.probs.view(batch, -1, routing.probs.shape[-1])  # (B, S, E)
+    num_experts, seq = probs.shape[-1], probs.shape[1]
+    chosen = F.one_hot(routing.experts.view(batch, -1), num_experts).sum(1).to(probs.dtype)  # (B, E)
+    f = chosen * (num_experts / (top_k * seq))
+    return (f * probs.mean(1)).sum(-1).mean()
+
+
+@torch.no_grad()
+def update_score_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
+    """The loss-free balancing step (DeepSeek-V3 section 2.1.2): an expert with more than the mean
+    load gets its bias lowered by ``rate``, one with less raised by ``rate``. ``load`` (E,) must be
+    the step's assignments summed over every rank that routed tokens (a sum over replicas is a
+    common factor, which the sign ignores)."""
+    bias.add_(torch.sign(load.mean() - load), alpha=rate)
 
 
 def moe_layers(model: nn.Module) -> list[MoEFeedForward]:

@@ -42,13 +42,19 @@ class Rotary(nn.Module):
     The head dimension is split in two halves ``(x1, x2)`` and rotated as
     ``(x1 cos - x2 sin, x2 cos + x1 sin)`` with frequency ``theta^(-2i/d)`` for pair ``i``.
     ``forward(positions)`` returns ``(cos, sin)`` shaped to broadcast over ``(B, h, S, d)``.
+    ``yarn`` (a ``YarnConfig`` that is enabled) replaces the frequencies by YaRN's and scales
+    cos and sin by its attention factor (``yarn_frequencies``).
     """
 
-    def __init__(self, head_dim: int, theta: float = 10000.0):
+    def __init__(self, head_dim: int, theta: float = 10000.0, yarn=None):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary needs an even head dimension, got {head_dim}")
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.scale = 1.0
+        if yarn is not None and yarn.enabled:
+            inv_freq, self.scale = yarn_frequencies(head_dim, theta, yarn)
+        else:
+            inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +62,50 @@ class Rotary(nn.Module):
         pos = positions if positions.dim() == 2 else positions.unsqueeze(0)
         angles = pos.float().unsqueeze(-1) * self.inv_freq  # (B, S, d/2)
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
+        if self.scale != 1.0:
+            return angles.cos() * self.scale, angles.sin() * self.scale
         return angles.cos(), angles.sin()
+
+
+# -- YaRN (Peng et al. 2023), as DeepSeek-V3 configures it. Kept apart from the plain table so a
+# second YaRN user (gpt-oss) can share or replace it.
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 when not extending)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(dim: int, theta: float, yarn) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies (dim/2,), cos/sin scale). Pair ``i`` keeps its frequency where it turns
+    more than ``beta_fast`` times over ``original_max_seq_len`` positions, is divided by ``factor``
+    where it turns fewer than ``beta_slow`` times, and is blended linearly between (the band's
+    ends rounded outwards, as HF's ``truncate``). The scale is ``mscale``'s correction over
+    ``mscale_all_dim``'s when both are set, else the plain one."""
+    base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolated, interpolated = 1.0 / base, 1.0 / (yarn.factor * base)
+
+    def dim_of(rotations: float) -> float:  # the pair index that turns ``rotations`` times
+        return dim * math.log(yarn.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_of(yarn.beta_fast)), 0)
+    high = min(math.ceil(dim_of(yarn.beta_slow)), dim - 1)
+    span = (high - low) or 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / span).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (high frequencies), 0: interpolate
+    inv_freq = interpolated * (1 - keep) + extrapolated * keep
+    if yarn.mscale and yarn.mscale_all_dim:
+        scale = yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim)
+    else:
+        scale = yarn_mscale(yarn.factor)
+    return inv_freq, float(scale)
+
+
+def yarn_softmax_scale(yarn) -> float:
+    """The factor on MLA's softmax scale: ``yarn_mscale(factor, mscale_all_dim)**2`` (1 when off)."""
+    if not yarn.enabled or not yarn.mscale_all_dim:
+        return 1.0
+    return yarn_mscale(yarn.factor, yarn.mscale_all_dim) ** 2
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -67,6 +116,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` of shape (B, h, S, d) by the angles of its positions."""
     return (x * cos.to(x.dtype)) + (rotate_half(x) * sin.to(x.dtype))
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the interleaved pairs ``(x0, x1), (x2, x3), ...`` of ``x`` (B, h, S, d) (DeepSeek's
+    layout), pair ``i`` by ``Rotary``'s angle ``i``; the result is laid out de-interleaved (the
+    first elements of the pairs, then the second ones), as HF's ``rope_interleave`` writes it: a
+    fixed permutation of the head's rotary part that queries and keys share, so their products
+    are those of the interleaved rotation."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half].to(x.dtype), sin[..., :half].to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
 def relative_bucket(relative: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> torch.Tensor:

@@ -58,6 +58,7 @@ from ..config import ConfigError, ModelConfig
 from ..models import spec_of
 from ..models.loss import loss_divisor
 from ..nn import MultiHeadAttention, TransformerBlock, TransformerStack
+from ..nn.latent import LatentAttention
 from ..nn.moe import MoEFeedForward
 from .memory import local_part
 
@@ -119,7 +120,7 @@ def tp_plan(model, sp: bool, loss_parallel: bool) -> dict:
             block = stack.layers[i]
             p = f"{stack_name}.layers.{i}"
             for attn in ("attn", "cross_attn") if block.cross_attn is not None else ("attn",):
-                for proj in ("q_proj", "k_proj", "v_proj"):
+                for proj in _column_projections(getattr(block, attn)):
                     plan[f"{p}.{attn}.{proj}"] = ColwiseParallel()
                 plan[f"{p}.{attn}.o_proj"] = RowwiseParallel(output_layouts=between)
             moe = isinstance(block.ffn, MoEFeedForward)
@@ -175,6 +176,25 @@ def tp_plan(model, sp: bool, loss_parallel: bool) -> dict:
     return plan
 
 
+def _column_projections(attn) -> tuple[str, ...]:
+    """An attention module's column-wise projections: MHA's q/k/v; MLA's up projections (whole heads
+    per rank), its latent down projections and their norms staying replicated (every rank needs the
+    whole latent)."""
+    if isinstance(attn, LatentAttention):
+        return ("q_proj" if attn.q_proj is not None else "q_up", "kv_up")
+    return ("q_proj", "k_proj", "v_proj")
+
+
+def _sum_grad_over(mesh):
+    """Identity whose backward sums the gradient over ``mesh`` (MLA's rotary key, see nn/latent.py)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    def shared(t: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+    return shared
+
+
 def apply_tensor_parallel(model, mesh, sp: bool = False, loss_parallel: bool = True) -> None:
     """Split ``model`` over the 1-D ``mesh`` (the run mesh's ``tp`` dimension) in place."""
     from torch.distributed.tensor.parallel import parallelize_module
@@ -192,6 +212,9 @@ def apply_tensor_parallel(model, mesh, sp: bool = False, loss_parallel: bool = T
         if isinstance(m, MultiHeadAttention):  # this rank's heads
             m.num_heads //= tp
             m.num_kv_heads //= tp
+        if isinstance(m, LatentAttention):
+            m.num_heads //= tp
+            m.shared_key_grad = _sum_grad_over(mesh)
     model.loss_chunk_size = None  # the sharded logits are already 1/tp of the vocabulary
     if sp:  # what callers pad every sequence to (training, evaluation, decoding: pad_sequences)
         model.sequence_multiple = tp

@@ -77,7 +77,7 @@ def num_parameters(cfg: ModelConfig) -> int:
 
 
 def _fields(cfg: ModelConfig) -> tuple:
-    # hashable for the cache: the nested ``moe`` section as a sorted tuple of its items
+    # hashable for the cache: the nested sections (moe, mla, yarn) as sorted tuples of their items
     return tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in cfg.to_dict().items()))
 
 
@@ -91,7 +91,7 @@ def _module_counts(fields: tuple) -> dict[str, int]:
     import torch
 
     with torch.device("meta"):
-        values: dict[str, Any] = {k: dict(v) if k == "moe" else v for k, v in fields}
+        values: dict[str, Any] = {k: dict(v) if k in ("moe", "mla", "yarn") else v for k, v in fields}
         model = build_model(ModelConfig(**values))
 
     def count(module) -> int:

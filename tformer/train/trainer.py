@@ -16,7 +16,7 @@ from ..config import ConfigError as ConfigError  # tests read it here
 from ..logs import quiet_repeats
 from ..models import spec_of
 from ..models.flops import training_flops
-from ..nn.moe import moe_table
+from ..models.figures import model_table
 from ..parallel.context import context_shard
 from ..parallel.routing import note_lengths
 from .config import TrainConfig
@@ -252,8 +252,9 @@ class Trainer(Run):
             return {"step": self.step, "committed": False}
         self._beat("optimizer step")
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        # a logging step's MoE routing figures (this rank's last micro-batch), read with the rest
-        table = moe_table(self.model) if self.model_cfg.moe.enabled and self.logs_at(self.step + 1) else None
+        # a logging step's MoE routing figures and mtp_loss (this rank's last micro-batch), read with the rest
+        figures = self.model_cfg.moe.enabled or self.model_cfg.mtp_depth
+        table = model_table(self.model) if figures and self.logs_at(self.step + 1) else None
         must_stop = False
         row: torch.Tensor | list[float]
         if self.figures.reason is None:  # clip, then update where the loss and the norm are finite, on the device
@@ -263,6 +264,8 @@ class Trainer(Run):
                 self.strategy, self.optimizer, self.scaler, self.prof, stats, clip, table, self.figures.mean_loss
             )
         self.scheduler.step()  # the schedule follows the step count, a skipped step's too
+        if self.balancer is not None:  # the loss-free MoE bias, from this step's expert loads
+            self.balancer.after_step()
         self.step += 1
         # samples consumed, or with token-budget batches, batches consumed (the sampler's unit)
         per_batch = 1 if cfg.data.tokens_per_batch is not None else cfg.micro_batch_size

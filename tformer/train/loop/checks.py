@@ -60,6 +60,12 @@ def check_support(cfg: TrainConfig, precision: str, device: torch.device) -> Par
             f"{'pp' if cfg.parallel.pp > 1 else 'sp'} yet (the document ids are not split "
             "with the sequence / sent between stages); turn one of them off"
         )
+    if cfg.model.mtp_depth and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
+        dim = "pp" if cfg.parallel.pp > 1 else "cp"
+        raise ConfigError(
+            f"model.mtp_depth={cfg.model.mtp_depth} is not supported with parallel.{dim} > 1 "
+            "(its modules read the whole sequence after the last block); set model.mtp_depth=0"
+        )
     if cfg.parallel.pp > 1 and cfg.data.tokens_per_batch is not None:
         raise ConfigError(
             "parallel.pp needs micro-batches of micro_batch_size samples (the schedule splits "

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ...nn.moe import moe_figures
+from ...models.figures import model_figures
 from ...parallel.mesh import ParallelDims
 from ...parallel.strategy import skips_on_device
 from ..config import TrainConfig
@@ -46,7 +46,7 @@ class Unread:
     step: int
     lr: float
     row: torch.Tensor | list[float]
-    table: Any  # a logging step's MoE figures: (keys, tensor or list)
+    table: Any  # a logging step's model figures (MoE routing, mtp_loss): (keys, tensor or list)
     must_stop: bool
 
 
@@ -207,10 +207,9 @@ class StepFigures:
                 if isinstance(figures, torch.Tensor):
                     n = figures.numel()
                     figures, tables_at = values[tables_at : tables_at + n], tables_at + n
-                cols = len(keys)
-                # routing of this rank's last micro-batch: balance / z-loss, max/mean tokens per
-                # expert, dropped share (read at a logging step only)
-                record.update(moe_figures(keys, [figures[i : i + cols] for i in range(0, len(figures), cols)]))
+                # of this rank's last micro-batch: routing (balance / z-loss, max/mean tokens per
+                # expert, dropped share), mtp_loss (read at a logging step only)
+                record.update(model_figures(keys, figures))
             records.append(record)
         return records, tokens
 

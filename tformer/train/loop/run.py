@@ -22,6 +22,7 @@ from ...checkpoint.state import TrainerState
 from ...config import ConfigError
 from ...models import build_model
 from ...models.padding import pad_sequences
+from ...parallel.balance import LoadBalancer
 from ...parallel.build import build_strategy
 from ...parallel.offload import activation_offload
 from ...parallel.strategy import Pipeline, Strategy
@@ -147,6 +148,7 @@ class Run:
         self.optimizer = self.strategy.setup_optimizer(base)
         self.wrapped = self.strategy.wrapped
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
+        self.balancer = LoadBalancer.of(self.model, self.model_cfg.moe, self.dist)  # None: nothing to balance
 
     def _init_counters(self) -> None:
         """Where the run stands before any step (a resume then sets them from its checkpoint)."""
