@@ -200,7 +200,7 @@ def bench_translate_packing(work: Path, steps: int, pack_len: int = 128) -> bool
 
     from tformer.models import build_model
     from tformer.train.config import load_config
-    from tformer.train.data import build_data
+    from tformer.train.loop.data import build_data
 
     os.environ["TFORMER_CACHE"] = str(work / "cache")
     base = [f"output_dir={work}/run", "precision=fp32"]

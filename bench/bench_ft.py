@@ -1,4 +1,4 @@
-"""Fault tolerance (tformer/train/ft.py, torchft) measured against what it replaces: issue #44's targets.
+"""Fault tolerance (tformer/train/resilience/ft.py, torchft) measured against what it replaces: issue #44's targets.
 
 gpt2-tiny (the shipped recipe's model, fp32, micro-batch 8) on the bundled corpus, 2 data-parallel
 ranks (one core each: OMP_NUM_THREADS=1), every run a fresh interpreter per rank as a launcher

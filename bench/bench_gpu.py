@@ -24,7 +24,7 @@ weights (HF's through ``tformer.export.to_hf_model``, so their first losses agre
 Printed per contender: micro-batch, tokens/s (the mean of the timed steps, the device synchronised
 once after the last), MFU (training FLOPs of the batch from
 ``tformer.models.flops.training_flops`` -- HF models of the same configuration do the same work --
-over the step time and the device's dense bf16 peak: ``tformer.train.metrics.gpu_peak``'s table,
+over the step time and the device's dense bf16 peak: ``tformer.train.observe.metrics.gpu_peak``'s table,
 989 TFLOP/s for an H100 SXM, or ``--peak``), peak allocated memory, the compile (first-step) time,
 and for tformer the planner's prediction (``tformer.plan.rank_memory`` with the trainer's head
 settings: what ``tformer plan`` prints) against the measured peak. Ratios against HF eager and HF
@@ -86,8 +86,8 @@ from tformer.plan.memory import training_memory  # noqa: E402
 from tformer.train.config import LossConfig, OptimConfig, TrainConfig  # noqa: E402
 from tformer.plan.head import free_after_states  # noqa: E402
 from tformer.plan.states import num_parameters  # noqa: E402
-from tformer.train.metrics import peak_flops  # noqa: E402
-from tformer.train.optim import build_optimizer  # noqa: E402
+from tformer.train.observe.metrics import peak_flops  # noqa: E402
+from tformer.train.loop.optim import build_optimizer  # noqa: E402
 
 # family -> (preset, sequence, target sequence): the issue's sizes, then the --tiny ones
 ROWS = {

@@ -214,7 +214,7 @@ class Contender:
     def __post_init__(self):
         if self.model is not None:
             self.model.train()
-            # The trainer's choice on CPU (tformer.train.optim): fused AdamW.
+            # The trainer's choice on CPU (tformer.train.loop.optim): fused AdamW.
             self.optimizer = torch.optim.AdamW(
                 self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True
             )

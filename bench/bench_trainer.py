@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from tformer.models import build_model  # noqa: E402
 from tformer.train.config import load_config  # noqa: E402
-from tformer.train.optim import build_optimizer  # noqa: E402
+from tformer.train.loop.optim import build_optimizer  # noqa: E402
 from tformer.train.trainer import Trainer  # noqa: E402
 
 RECIPE = ROOT / "configs" / "gpt2-tiny.yaml"

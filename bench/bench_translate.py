@@ -45,7 +45,7 @@ from tformer.evaluate import bleu, corpus_scores  # noqa: E402
 from tformer.export import to_hf_model  # noqa: E402
 from tformer.generate import beam_search  # noqa: E402
 from tformer.train.config import load_config  # noqa: E402
-from tformer.train.optim import build_optimizer, build_scheduler  # noqa: E402
+from tformer.train.loop.optim import build_optimizer, build_scheduler  # noqa: E402
 from tformer.train.trainer import Trainer  # noqa: E402
 
 

@@ -14,6 +14,15 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or min(2, os.c
 # take the bf16-capable path on every CPU (see _cpu_bf16_lane). Numeric tests pin precision anyway.
 os.environ.setdefault("TFORMER_CPU_BF16", "0")
 
+
+def pytest_configure(config):
+    """Each lane (``-m``) and forced ISA compiles into an inductor cache of its own (set before any
+    test compiles; the processes a test starts inherit it). A cache chosen in the environment wins."""
+    from train_helpers import inductor_cache_dir
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir(config.option.markexpr or "")))
+
+
 TINY = [
     "bert-tiny",
     "gpt2-tiny",

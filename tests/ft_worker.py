@@ -17,7 +17,7 @@ import torch
 
 def main() -> int:
     from tformer.parallel.dist import shutdown
-    from tformer.train.ft import _local_tensors
+    from tformer.train.resilience.ft import _local_tensors
     from tformer.train.config import load_config
     from tformer.train.trainer import Trainer
 

@@ -11,6 +11,7 @@ import signal
 
 from tformer.checkpoint import io
 from tformer.train import trainer as trainer_mod
+from tformer.train.loop import components as components_mod
 from tformer.train.config import load_config
 
 p = argparse.ArgumentParser()
@@ -87,14 +88,14 @@ if args.kill_before_eval is not None:
     trainer_mod.Trainer.evaluate = evaluate
 
 if args.kill_before_log is not None:
-    real_log = trainer_mod.log_step
+    real_log = components_mod.log_step
 
     def log_step(record, *rest):
         if record["step"] == args.kill_before_log:
             os.kill(os.getpid(), signal.SIGKILL)  # saved and evaluated, the line not yet written
         return real_log(record, *rest)
 
-    trainer_mod.log_step = log_step
+    components_mod.log_step = log_step
 
 t = trainer_mod.Trainer(load_config(args.config, args.overrides), callbacks=[kill_after])
 if args.spike_at_sample is not None:

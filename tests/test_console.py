@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from tformer.parallel.mesh import ParallelDims
-from tformer.train.console import layout
+from tformer.train.observe.console import layout
 
 from train_helpers import CONFIGS, env, run_cli, small_overrides
 

@@ -151,7 +151,7 @@ def test_bad_mixture_recipes_are_refused_in_one_line(tmp_path, overrides, match)
 
 
 def test_an_unknown_source_is_refused_before_any_work(tmp_path, monkeypatch):
-    from tformer.train.data import build_data
+    from tformer.train.loop.data import build_data
 
     monkeypatch.setenv("TFORMER_CACHE", str(tmp_path / "cache"))
     cfg = load_config(
@@ -319,7 +319,7 @@ def test_killed_prepare_resumes_to_a_byte_identical_cache(tmp_path, tokenizer, s
 
 def test_a_training_run_finds_the_prepared_cache_or_says_why_not(tmp_path, tokenizer, small, monkeypatch):
     from tformer.data import train_tokenizer
-    from tformer.train.data import build_data
+    from tformer.train.loop.data import build_data
 
     assert _prepare(tmp_path / "c", tokenizer, small).returncode == 0
     monkeypatch.setenv("TFORMER_CACHE", str(tmp_path / "c"))

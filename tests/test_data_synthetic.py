@@ -12,7 +12,7 @@ from tformer.config import ConfigError
 from tformer.data import t5_lengths
 from tformer.data.synthetic import RESERVED_IDS, SyntheticDataset
 from tformer.train.config import load_config
-from tformer.train.data import build_data, train_batches
+from tformer.train.loop.data import build_data, train_batches
 
 from train_helpers import CONFIGS
 

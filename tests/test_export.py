@@ -29,7 +29,7 @@ from tformer.export import ExportError, export_hf, import_hf, to_hf_model
 from tformer.export.hf import TARGETS
 from tformer.generate import generate
 from tformer.train.config import load_config
-from tformer.train.data import MODEL_INPUTS
+from tformer.train.loop.data import MODEL_INPUTS
 from tformer.train.trainer import Trainer
 
 from train_helpers import CONFIGS, ROOT, small_overrides

@@ -1,4 +1,4 @@
-"""Fault tolerance across replica groups (tformer/train/ft.py, torchft): real processes on gloo, a
+"""Fault tolerance across replica groups (tformer/train/resilience/ft.py, torchft): real processes on gloo, a
 lighthouse started by the test and always killed, every wait under a deadline.
 
 - two one-rank replica groups without failure commit every step together and stay identical

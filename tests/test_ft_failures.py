@@ -1,4 +1,4 @@
-"""Fault tolerance under repeated failures (tformer/train/ft.py, torchft): real processes on gloo,
+"""Fault tolerance under repeated failures (tformer/train/resilience/ft.py, torchft): real processes on gloo,
 forked from the fork server (a restarted group starts in ~0.1 s, not the 8-16 s of a fresh
 interpreter), a lighthouse started by the test and always killed, every wait under a deadline.
 

@@ -1,5 +1,5 @@
 """Fault tolerance across replica groups of several ranks, and switching it at a resume
-(tformer/train/ft.py, torchft): real processes on gloo, forked from the fork server, a lighthouse
+(tformer/train/resilience/ft.py, torchft): real processes on gloo, forked from the fork server, a lighthouse
 started by the test and always killed, every wait under a deadline.
 
 - two replica groups of two ranks each, no failure, equal a plain four-rank run of the same global

@@ -1,4 +1,4 @@
-"""A lighthouse outage under ``launch/ft.sh``, as a user meets it (tformer/train/ft.py,
+"""A lighthouse outage under ``launch/ft.sh``, as a user meets it (tformer/train/resilience/ft.py,
 ``QuorumEpochs``): real processes, the lighthouse killed with SIGKILL and started again by the
 launcher's own loop, every wait under a deadline and everything killed at the end.
 

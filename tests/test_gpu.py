@@ -22,7 +22,7 @@ from tformer.generate import generate
 from tformer.models.presets import preset
 from tformer.nn import MultiHeadAttention
 from tformer.train.config import load_config
-from tformer.train.metrics import gpu_peak
+from tformer.train.observe.metrics import gpu_peak
 from tformer.train.trainer import Trainer
 
 from train_helpers import CONFIGS, ROOT, env, kill_group, losses, metrics, run_cli, run_cmd, small_overrides, start
@@ -493,13 +493,13 @@ def test_each_familys_training_batch_takes_a_fused_sdpa_kernel(name, padded, all
     """The kernel SDPA's dispatcher picks for each call of a bf16 training batch on this GPU
     (``torch._fused_sdp_choice``: the rule ``F.scaled_dot_product_attention`` itself applies, over
     the enabled backends): never the math path; the kernels torch.profiler saw run are those, and
-    those ``tformer.train.sdpa`` predicts for the family's calls; printed per family so the
+    those ``tformer.train.loop.sdpa`` predicts for the family's calls; printed per family so the
     session log names it."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend
     from torch.profiler import profile
 
-    from tformer.train.sdpa import attention_calls, backends_run, sdpa_kernel
+    from tformer.train.loop.sdpa import attention_calls, backends_run, sdpa_kernel
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -595,7 +595,7 @@ def test_the_watchdogs_dump_holds_nccl_collectives(tmp_path):
 
     code = f"""
 import json, pathlib, torch, torch.distributed as dist
-from tformer.train.watchdog import dump_flight_recorder, enable_flight_recorder
+from tformer.train.observe.watchdog import dump_flight_recorder, enable_flight_recorder
 enable_flight_recorder()
 dist.init_process_group("nccl", init_method="file://{tmp_path}/rendezvous", rank=0, world_size=1)
 x = torch.ones(6, device="cuda")
@@ -723,7 +723,7 @@ def test_fp8_without_torchao_is_refused_in_one_line(monkeypatch):
     assert "\n" not in str(stop.value.code)
 
 
-# -- which SDPA kernel a run's attention takes (tformer/train/sdpa.py) ----------------------------
+# -- which SDPA kernel a run's attention takes (tformer/train/loop/sdpa.py) ----------------------------
 def fake_checks(efficient_masks=True):
     """A CUDA GPU's checks as torch 2.11-2.13 apply them to fp32 inputs: flash and cuDNN refuse
     fp32; the memory-efficient kernel takes it, but no grouped K/V."""
@@ -736,7 +736,7 @@ def fake_checks(efficient_masks=True):
 
 
 def test_an_fp32_run_says_in_one_line_when_sdpa_takes_the_math_kernel():
-    from tformer.train.sdpa import math_fallback_line
+    from tformer.train.loop.sdpa import math_fallback_line
 
     cuda = torch.device("cuda")
     order = ("flash", "efficient", "math", "cudnn")
@@ -768,7 +768,7 @@ def test_an_fp32_run_says_in_one_line_when_sdpa_takes_the_math_kernel():
 
 
 def test_the_trainer_says_the_fallback_once_at_start_up(monkeypatch, tmp_path, caplog):
-    from tformer.train import trainer as trainer_module
+    from tformer.train.loop import run as trainer_module  # the run says it at start-up (loop/run.py)
 
     asked = []
 
@@ -794,7 +794,7 @@ def test_a_profiles_sdpa_ops_name_their_kernels():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import profile
 
-    from tformer.train.sdpa import backends_run
+    from tformer.train.loop.sdpa import backends_run
 
     q = torch.randn(1, 2, 16, 8)
     with profile() as prof:
@@ -813,7 +813,7 @@ def test_the_fp32_line_matches_the_kernel_a_cuda_step_runs(name):
     kernel the profile shows."""
     from torch.profiler import profile
 
-    from tformer.train.sdpa import attention_calls, backends_run, math_fallback_line, sdpa_kernel
+    from tformer.train.loop.sdpa import attention_calls, backends_run, math_fallback_line, sdpa_kernel
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

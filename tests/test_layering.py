@@ -29,7 +29,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("parallel", ("tformer.parallel",)),
     ("plan", ("tformer.plan",)),  # the planner reads parallel/'s layouts and memory model
     ("checkpoint", ("tformer.checkpoint",)),
-    ("train", ("tformer.train",)),
+    # train/ by concern, lowest first: the run config and process group every part reads; what a run
+    # reports (observe/); what keeps it going through faults (resilience/); the loop that runs the
+    # steps (loop/); and the trainer that puts them together (train/trainer.py, the package's
+    # __init__ and any module directly in train/ not named here)
+    ("train: base", ("tformer.train.config", "tformer.train.recipe", "tformer.train.dist", "tformer.train.reference")),
+    ("train: observe", ("tformer.train.observe",)),
+    ("train: resilience", ("tformer.train.resilience",)),
+    ("train: loop", ("tformer.train.loop",)),
+    ("train: trainer", ("tformer.train",)),
     ("export/cli", ("tformer.export", "tformer.cli", "tformer.__main__", "tformer")),
 ]
 # rooms that must stay free of torch.distributed (parallelism is applied from outside)
@@ -246,7 +254,8 @@ def test_the_check_finds_an_import_of_a_higher_layer(tmp_path, line, target):
         assert found == []
     else:
         assert found == [
-            f"tformer/parallel/mesh.py:5: tformer.parallel.mesh (parallel) imports {target} (train), a layer above it"
+            f"tformer/parallel/mesh.py:5: tformer.parallel.mesh (parallel) imports {target} "
+            f"({LAYERS[layer_of(target)][0]}), a layer above it"
         ]
 
 
@@ -265,6 +274,44 @@ def test_the_real_tree_fails_once_a_lower_layer_imports_a_higher_one(tmp_path):
     norm.write_text(norm.read_text() + "\n\ndef _late():\n    from ..checkpoint import io  # a door in the wrong wall\n")
     found = violations(copy)
     assert len(found) == 1 and found[0].startswith("tformer/nn/norm.py:") and "(checkpoint)" in found[0]
+
+
+@pytest.mark.parametrize(
+    "where, line, above",
+    [
+        # observe/ reports: it never reaches into what keeps the run going, nor into the loop
+        ("observe/console.py", "from ..resilience.spike import SpikeDetector", "train: resilience"),
+        ("observe/console.py", "from ..loop.figures import StepFigures", "train: loop"),
+        # resilience/ is called by the loop and the trainer, never the other way round
+        ("resilience/rollback.py", "from ..loop.state import RunState", "train: loop"),
+        ("resilience/ft.py", "from .. import trainer", "train: trainer"),
+        ("loop/step.py", "from ..trainer import Trainer", "train: trainer"),
+        # the run config is the base of train/: it imports none of the folders
+        ("config.py", "from .observe import console", "train: observe"),
+    ],
+)
+def test_the_train_folders_import_one_way(tmp_path, where, line, above):
+    """A copy of tformer/ with one import that runs up inside train/: the check names exactly it."""
+    import shutil
+
+    copy = tmp_path / "tformer"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__", "corpus"))
+    path = copy / "train" / where
+    path.write_text(path.read_text() + f"\n\ndef _late():\n    {line}  # a door in the wrong wall\n")
+    found = violations(copy)
+    assert len(found) == 1 and found[0].startswith(f"tformer/train/{where}:") and f"({above})" in found[0], found
+
+
+def test_every_train_module_sits_in_a_folder_by_concern():
+    """Only the run config's base modules and the trainer that composes the folders sit directly in
+    train/; everything else lives in loop/, observe/ or resilience/."""
+    top = sorted(p.name for p in (ROOT / "train").glob("*.py"))
+    assert top == ["__init__.py", "config.py", "dist.py", "recipe.py", "reference.py", "trainer.py"]
+    assert {p.name for p in (ROOT / "train").iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        "loop",
+        "observe",
+        "resilience",
+    }
 
 
 @pytest.mark.parametrize(

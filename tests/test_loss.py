@@ -200,7 +200,7 @@ def test_the_trainer_resolves_auto_and_keeps_a_number(tmp_path, monkeypatch):
     count a micro-batch's target tokens (T5), its masked share (BERT), 1/cp of them."""
     from tformer.train.config import load_config
     from tformer.plan.head import head_rows
-    from tformer.train.head import loss_chunk_size
+    from tformer.train.loop.head import loss_chunk_size
     from tformer.parallel.mesh import ParallelDims
 
     from train_helpers import CONFIGS
@@ -223,14 +223,14 @@ def test_the_trainer_resolves_auto_and_keeps_a_number(tmp_path, monkeypatch):
 
 
 def test_auto_on_a_gpu_sizes_the_head_from_the_devices_capacity(tmp_path, monkeypatch):
-    """The trainer's GPU branch (train/head.py): the capacity it reads from the device, less 16 bytes
+    """The trainer's GPU branch (train/loop/head.py): the capacity it reads from the device, less 16 bytes
     per parameter the rank holds, decides between the whole head and the fewest chunks that fit."""
     from types import SimpleNamespace
 
     from tformer.models.loss import GPU_MIN_CHUNK, HEAD_SHARE
     from tformer.parallel.mesh import ParallelDims
     from tformer.train.config import load_config
-    from tformer.train.head import loss_chunk_size
+    from tformer.train.loop.head import loss_chunk_size
 
     from train_helpers import CONFIGS
 

@@ -1,4 +1,4 @@
-"""MFU on a CPU (tformer/train/metrics.py, ``CpuPeak``): against the fastest matmul this machine
+"""MFU on a CPU (tformer/train/observe/metrics.py, ``CpuPeak``): against the fastest matmul this machine
 and thread count was measured to run, kept in ``$TFORMER_CACHE/cpu_peak.json``, never above 100%.
 
 Measured before (the issue, 2-core EPYC, two replica groups side by side): the peak was a matmul
@@ -62,7 +62,7 @@ def test_kinetos_start_and_stop_lines_are_dropped_and_the_rest_of_stderr_kept(ca
 
     import torch
 
-    from tformer.train.profiling import quiet_kineto
+    from tformer.train.observe.profiling import quiet_kineto
 
     monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
     x = torch.randn(64, 64)

@@ -43,7 +43,7 @@ def _trace_names(path: Path) -> set[str]:
 def _check_run(out: Path, ranks: list[int], collectives: bool) -> None:
     """Traces of steps 3 and 4 only, with tformer's ranges; profile-report's split of each adds up
     to the step time the trainer measured for it (metrics.jsonl: rank 0's) within 10%."""
-    from tformer.train.profile_report import analyse
+    from tformer.train.observe.profile_report import analyse
 
     step_time = {r["step"]: r["step_time"] for r in metrics(out)}
     for rank in ranks:
@@ -254,7 +254,7 @@ def test_watchdog_names_the_collective_a_rank_never_joined(cache, tmp_path):
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
-    from tformer.train.watchdog import EXIT_CODE
+    from tformer.train.observe.watchdog import EXIT_CODE
 
     assert [p.exitcode for p in ctx.processes] == [EXIT_CODE, EXIT_CODE]
     d = tmp_path / "watchdog"
@@ -273,7 +273,7 @@ def test_device_split_of_a_gpu_trace():
     """A GPU trace is split on the device's timeline: compute before communication (a collective
     kernel beside a GEMM is overlapped, alone exposed), kernels launched in the optimizer range are
     the optimizer's, an idle device inside tformer/data is data loading, the rest idle."""
-    from tformer.train.profile_report import split_step
+    from tformer.train.observe.profile_report import split_step
 
     def span(name, ts, dur, cat="cpu_op", **args):
         return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "tid": 1, "args": args}
@@ -314,7 +314,7 @@ def test_each_run_of_traced_steps_gets_a_profiler_started_one_step_early(tmp_pat
     one trace per traced step, none of the others, each with its step range."""
     from tformer.parallel.dist import DistInfo
     from tformer.train.config import ProfileConfig
-    from tformer.train.profiling import build_profiler
+    from tformer.train.observe.profiling import build_profiler
 
     started = []
     real = torch.profiler.profile
@@ -366,7 +366,7 @@ def test_memory_history_runs_from_the_first_step_and_an_oom_writes_its_snapshot(
     same section makes no profiler and says so in one line."""
     from tformer.parallel.dist import DistInfo
     from tformer.train.config import ProfileConfig
-    from tformer.train.profiling import MEMORY_EVENTS, OFF, build_profiler
+    from tformer.train.observe.profiling import MEMORY_EVENTS, OFF, build_profiler
 
     calls = _fake_allocator(monkeypatch)
     cuda = DistInfo(device=torch.device("cuda"))
@@ -441,7 +441,7 @@ def test_the_watchdog_dumps_nccls_own_flight_recorder_beside_the_generic_one(tmp
     pickle and one JSON of all entries, which names the stuck NCCL collective."""
     from torch._C import _distributed_c10d as c10d
 
-    from tformer.train.watchdog import dump_flight_recorder, stuck_collectives
+    from tformer.train.observe.watchdog import dump_flight_recorder, stuck_collectives
 
     def entry(name, seq):
         return {"profiling_name": name, "collective_seq_id": seq, "process_group": ["0", "default"], "input_sizes": [[8]]}

@@ -130,7 +130,7 @@ def _table(out: str) -> list[tuple[str, int]]:
 
 
 def test_plan_lists_and_recommends_only_layouts_a_replica_group_runs(capsys):
-    """Under fault tolerance a group runs neither ZeRO (DeepSpeed) nor HSDP (train/ft.py refuses
+    """Under fault tolerance a group runs neither ZeRO (DeepSpeed) nor HSDP (train/resilience/ft.py refuses
     both): the memory table and the recommendation leave them out, as the speed report does. Two
     groups of 16 devices (two nodes each); the same 16 devices without fault tolerance list both."""
     from tformer.cli import main

@@ -163,7 +163,7 @@ def test_spike_options_change_nothing_without_a_spike(cache, tmp_path):
 
 
 def test_spike_detector_judges_against_the_running_median():
-    from tformer.train.spike import SpikeDetector
+    from tformer.train.resilience.spike import SpikeDetector
 
     d = SpikeDetector(factor=2.0, window=3, warmup=2)
     assert [d.check(s, x) for s, x in enumerate([5.0, 4.0, 9.0], 1)] == [None, None, None]  # window filling
@@ -203,7 +203,7 @@ def test_spike_stop_after_max_rollbacks(cache, tmp_path):
 
 def test_watchdog_names_the_rank_that_stopped_responding(tmp_path):
     import time
-    from tformer.train.watchdog import Watchdog
+    from tformer.train.observe.watchdog import Watchdog
 
     live = Watchdog(tmp_path, rank=0, world_size=2, timeout=5.0)
     stuck = Watchdog(tmp_path, rank=1, world_size=2, timeout=5.0)

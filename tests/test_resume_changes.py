@@ -12,8 +12,8 @@ import pytest
 from tformer.checkpoint import list_checkpoints, verify
 from tformer.checkpoint.state import TrainerState
 from tformer.train.config import load_config
-from tformer.train.optim import lr_factor
-from tformer.train.resume import saved_global_batch
+from tformer.train.loop.optim import lr_factor
+from tformer.train.resilience.resume import saved_global_batch
 from tformer.train.trainer import Trainer
 
 from test_mesh import FP32_ROUNDING, LAYOUT_FACTOR

@@ -1,4 +1,4 @@
-"""The rank slow in its forward named (tformer/train/stragglers.py): 2 ranks under DDP, FSDP2 and
+"""The rank slow in its forward named (tformer/train/observe/stragglers.py): 2 ranks under DDP, FSDP2 and
 TP, rank 1's forward 0.15 s slower each step (a sleep in its first block, inside the collectives'
 reach: the other rank waits for it in the backward's gradient all-reduce, in FSDP2's all-gathers,
 in TP's redistributions). Counting only the closing all-reduce's wait, as before, named rank 1 at

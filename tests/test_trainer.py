@@ -170,10 +170,10 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(cache, tmp_path):
 
 def test_a_stop_flag_is_read_lag_steps_late_and_the_stopping_step_is_logged_and_saved(cache, tmp_path):
     """On CUDA a step's stop flags (a signal on any rank, max_time) are read two steps after they
-    were all-reduced, so that no step waits for the device (tformer/train/lagged.py); forced here on
+    were all-reduced, so that no step waits for the device (tformer/train/resilience/lagged.py); forced here on
     the CPU: a signal noted after step 3 rides in step 4's figures, is read at step 6, and the run
     stops there with step 6 logged (log_every=4 would not log it) and checkpointed."""
-    from tformer.train.lagged import LaggedFlags
+    from tformer.train.resilience.lagged import LaggedFlags
 
     flags = LaggedFlags(torch.device("cpu"), 2, lag=2)
     got = [flags.push(torch.tensor([float(i), -float(i)])) for i in range(5)]
@@ -457,7 +457,7 @@ def test_inverse_sqrt_schedule_is_the_papers():
     """lr(t) = peak * min(t / warmup, sqrt(warmup / t)) at 1-based step t; with peak
     (d_model * warmup)**-0.5 it is the paper's d_model**-0.5 * min(t**-0.5, t * warmup**-1.5)."""
     from tformer.train.config import OptimConfig
-    from tformer.train.optim import lr_factor
+    from tformer.train.loop.optim import lr_factor
 
     cfg = OptimConfig(schedule="inverse_sqrt", warmup_steps=4000, lr=(512 * 4000) ** -0.5)
     for t, want in [(1, 1 / 4000), (2000, 0.5), (4000, 1.0), (16000, 0.5), (64000, 0.25)]:
@@ -557,9 +557,10 @@ def test_cli_exit_code_in_a_real_process(cache, tmp_path):
 
 @pytest.mark.parametrize("native", [False, True])
 def test_bf16_on_a_cpu_without_bf16_matmuls_warns(monkeypatch, caplog, native):
+    import tformer.train.loop.run as run_module
     import tformer.train.trainer as tr
 
-    monkeypatch.setattr(tr, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(run_module, "cpu_has_native_bf16", lambda: native)
     from tformer.train.dist import DistInfo
 
     from tformer.logs import Quiet
@@ -807,7 +808,7 @@ def test_an_unpadded_training_batch_reaches_sdpa_as_the_family_runs_it_fastest(r
     """The data pipeline's all-ones ``attention_mask`` of an unpadded MLM batch is left out, so that
     BERT's attention reaches SDPA with no mask tensor (the flash kernel on a GPU) and the loss is the
     masked one's to fp32 rounding; T5's batch keeps it (its relative bias is a mask tensor anyway,
-    and broadcast over the batch it ran slower on an H100: tformer/train/data.make_collator)."""
+    and broadcast over the batch it ran slower on an H100: tformer/train/loop/data.make_collator)."""
     import torch.nn.functional as F
 
     t = trainer(recipe, tmp_path, "max_steps=1", "eval_every=0", "save_every=0", "precision=fp32")

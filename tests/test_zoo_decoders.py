@@ -406,7 +406,7 @@ def test_yarn_frequencies_and_scale_are_hf_ones():
         )
         hf = GptOssConfig(head_dim=64, rope_parameters=rope)
         want, scale = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
-        ours = Rotary(64, 150000.0, (32.0, 4096, 32.0, 1.0, truncate))
+        ours = Rotary(64, 150000.0, yarn_args=(32.0, 4096, 32.0, 1.0, truncate))
         assert torch.equal(ours.inv_freq, want) and ours.scale == scale
     plain = Rotary(64, 150000.0)
     assert not torch.equal(plain.inv_freq, ours.inv_freq)  # planted: YaRN left out

@@ -16,6 +16,27 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 
 
+def inductor_cache_dir(markexpr: str, environ: dict | os._Environ = os.environ) -> Path:
+    """Inductor's cache for one lane of the suite (``markexpr``: pytest's ``-m``) at one vector ISA
+    (``ATEN_CPU_CAPABILITY``, else the machine's own) and thread count (``OMP_NUM_THREADS``).
+    Inductor's own cache keys do not tell the forced-ISA lanes apart: a kernel compiled with
+    ``ATEN_CPU_CAPABILITY=avx2`` was loaded by the next default-lane run on an AVX512-BF16 CPU and
+    aborted it, so each lane and ISA compiles into a directory of its own (CONTRIBUTING.md, "ISA and
+    thread lanes")."""
+    import getpass
+    import re
+    import tempfile
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (some containers)
+        user = str(os.getuid())
+    lane = re.sub(r"[^a-z0-9]+", "-", markexpr.lower()).strip("-") or "all"
+    isa = environ.get("ATEN_CPU_CAPABILITY") or "native"
+    threads = environ.get("OMP_NUM_THREADS") or "auto"
+    return Path(tempfile.gettempdir()) / f"torchinductor_{user}" / f"tformer-{lane}-{isa}-threads{threads}"
+
+
 def small_overrides(recipe: str, out: Path, *extra: str) -> list[str]:
     base = [
         f"output_dir={out}",

@@ -28,7 +28,7 @@ def _train(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from .train.config import load_config
     from .train.dist import shutdown
-    from .train.resume import RunComplete
+    from .train.resilience.resume import RunComplete
     from .train.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides + (["checkpoint.trust=true"] if args.trust_checkpoint else []))
@@ -65,7 +65,7 @@ def _data(argv: list[str]) -> int:
         if value < 1:
             raise UsageError(f"tformer data prepare: {flag}={value} must be >= 1")
     from .train.config import load_config
-    from .train.data import prepare_data
+    from .train.loop.data import prepare_data
 
     cfg = load_config(args.config, args.overrides)
     from .logs import interactive
@@ -240,7 +240,7 @@ def _evaluate(argv: list[str]) -> int:
     from .checkpoint.io import RUN_CONFIG
     from .config import ConfigError
     from .train.config import load_config
-    from .train.data import build_data
+    from .train.loop.data import build_data
 
     run = Path(args.run_dir)
     if not (run / RUN_CONFIG).is_file():
@@ -270,7 +270,7 @@ def _evaluate(argv: list[str]) -> int:
     if first <= n:
         result["val_loss_training_subset"] = sums["first"][0] / max(sums["first"][1], 1)
     if args.bleu:
-        from .train.decoding import decoded_bleu
+        from .train.loop.decoding import decoded_bleu
 
         d = cfg.decode
         scored = decoded_bleu(d, model, val, data.tokenizer, n)
@@ -340,7 +340,7 @@ def _plot(argv: list[str]) -> int:
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/loss.png)")
     args = p.parse_args(argv)
-    from .train.plot import plot_run
+    from .train.observe.plot import plot_run
 
     print(plot_run(args.run_dir, args.out))
     return 0
@@ -361,7 +361,7 @@ def _profile_report(argv: list[str]) -> int:
     )
     p.add_argument("--no-png", action="store_true", help="print only")
     args = p.parse_args(argv)
-    from .train.profile_report import report
+    from .train.observe.profile_report import report
 
     print(report(args.run_dir, args.gpu, png=not args.no_png))
     return 0
@@ -489,7 +489,7 @@ def _plan(argv: list[str]) -> int:
                 "(every replica group has the same layout); give a multiple"
             )
         args.devices //= ft.replicas
-        args.max_pp = 1  # fault tolerance refuses pipelines (train/ft.py)
+        args.max_pp = 1  # fault tolerance refuses pipelines (train/resilience/ft.py)
         print(
             f"fault tolerance: {ft.replicas} replica groups of {args.devices} devices each; "
             "the layouts below are one group's"
@@ -580,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001
-        from .train.ft import QuorumLost
+        from .train.resilience.ft import QuorumLost
         from .train.trainer import LossSpikeError, NonFiniteLoss
 
         if isinstance(e, (NonFiniteLoss, LossSpikeError, QuorumLost)):

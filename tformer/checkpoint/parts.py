@@ -351,7 +351,7 @@ class TrainerStatePart:
 
 class TextPart:
     """A text file written by rank 0 and not loaded back (the resolved run config: a resume reads
-    it before any work, through ``train/resume.py``)."""
+    it before any work, through ``train/resilience/resume.py``)."""
 
     can_write_in_background = True
 

@@ -21,7 +21,7 @@ class DistInfo:
     device: torch.device = torch.device("cpu")
     dims: Any = None  # tformer.parallel.mesh.ParallelDims (None: one process, no mesh)
     mesh: Any = None  # its DeviceMesh, once a process group exists
-    # fault tolerance (tformer/train/ft.py): this process group is replica group ``replica`` of
+    # fault tolerance (tformer/train/resilience/ft.py): this process group is replica group ``replica`` of
     # ``replicas``, each a job of its own; the training data is split over all of them
     replica: int = 0
     replicas: int = 1

@@ -223,7 +223,7 @@ def plan_main(
         f"{'activ. GiB':>12}{'total GiB':>11}  fits"
     )
     worse_op: dict[int, tuple[float, float]] = {}  # tp -> (AC none, AC op) totals where op holds more
-    group = cfg.fault_tolerance.enabled  # the layouts of one replica group (train/ft.py refuses the rest)
+    group = cfg.fault_tolerance.enabled  # the layouts of one replica group (train/resilience/ft.py refuses the rest)
     if group:
         print("one replica group's layouts: no ZeRO (DeepSpeed) and no HSDP (the replica groups are the replicas)")
     for strategy, replicate, tp in layouts(model_cfg, devices, gpus_per_node, group):

@@ -6,7 +6,7 @@ meets rank i of every other group (they hold the same shard: the groups have one
 
 - ``semi_sync: none``: every step, the rank's gradients (its local shard under FSDP2 / TP, fp32:
   the trainer's gradients are of fp32 parameters) and the step's statistics go through one
-  ``Manager.allreduce`` after the backward (tformer/train/ft.py ``sync``): a ring all-reduce over
+  ``Manager.allreduce`` after the backward (tformer/train/resilience/ft.py ``sync``): a ring all-reduce over
   the groups, nothing to hide it behind (exposed);
 - ``local_sgd`` / ``diloco``: every ``sync_every`` steps the parameters (LocalSGD) or the
   pseudo-gradients (DiLoCo) of the same size, so 1/``sync_every`` of the bytes per step; streaming

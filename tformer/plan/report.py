@@ -209,7 +209,7 @@ def replicas_line(
 
 
 def ft_runnable(e: memory_plan.Estimate) -> bool:
-    """A layout a fault-tolerance group can run (train/ft.py refuses the rest): no pipeline, no
+    """A layout a fault-tolerance group can run (train/resilience/ft.py refuses the rest): no pipeline, no
     DeepSpeed, no HSDP replica dimension (torchft's groups are the replicas)."""
     return e.pp == 1 and e.dp_replicate == 1 and not e.strategy.startswith("zero")
 

@@ -56,7 +56,7 @@ def layouts(
     FSDP2 over every device; with TP (sequence parallel on) FSDP2 on the rest, HSDP first.
     ``replica_group``: the layouts of one fault-tolerance replica group, which the trainer runs
     without DeepSpeed (ZeRO) and without an HSDP replica dimension (torchft's groups are the
-    replicas: train/ft.py)."""
+    replicas: train/resilience/ft.py)."""
     nodes = devices // gpus_per_node if devices % gpus_per_node == 0 and not replica_group else 1
     out = []
     for tp in tp_degrees(cfg, devices)[0]:

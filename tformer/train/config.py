@@ -42,6 +42,9 @@ from ..config import PRECISIONS as PRECISIONS, STRATEGIES as STRATEGIES
 from ..decode_config import DecodeConfig as DecodeConfig, as_number
 from ..models import build_config
 
+from .recipe import apply_overrides as apply_overrides, load_yaml as load_yaml
+from .recipe import parse_override as parse_override
+
 # The sections owned by lower layers, composed here (and importable from here, as before)
 from ..checkpoint.config import CheckpointConfig as CheckpointConfig
 from ..data.config import AUTO_OBJECTIVE as AUTO_OBJECTIVE, OBJECTIVES as OBJECTIVES, DataConfig as DataConfig
@@ -118,7 +121,7 @@ class WandbConfig:
 
 @dataclass
 class ProfileConfig:
-    # steps traced by torch.profiler (tformer/train/profiling.py): "20-22", 7, or a list [3, 9];
+    # steps traced by torch.profiler (tformer/train/observe/profiling.py): "20-22", 7, or a list [3, 9];
     # null = off (no profiler is created). Each step's trace: OUTPUT/profile/rank{R}/step{N}.trace.json.gz
     steps: str | int | list | None = None
     every: int | None = ranged(None, "[1, inf)", note="null = once")  # repeat the steps every this many steps
@@ -169,7 +172,7 @@ class TensorboardConfig:
 
 @dataclass
 class FaultToleranceConfig:
-    """torchft replica groups (tformer/train/ft.py, docs/fault-tolerance.md): each group is one
+    """torchft replica groups (tformer/train/resilience/ft.py, docs/fault-tolerance.md): each group is one
     torchrun job; the groups meet in a quorum every step at the lighthouse, and a step is committed
     only when the quorum says so. Read only when enabled."""
 
@@ -386,7 +389,7 @@ def _to_dict(obj: Any) -> Any:
 RANGES = {k: v for k, v in ranges(TrainConfig).items() if not k.startswith("model.")}
 
 
-# What a resumed run may change (tformer/train/resume.py; docs/reliability.md, "Resuming"), as dotted keys or
+# What a resumed run may change (tformer/train/resilience/resume.py; docs/reliability.md, "Resuming"), as dotted keys or
 # whole sections. Free: how the run is laid out and executed, and its bookkeeping -- the parallel
 # layout, micro_batch_size and grad_accum (as long as the global batch, micro_batch_size x
 # grad_accum x data-parallel ranks, stays the same), device, precision, compilation, attention
@@ -595,47 +598,6 @@ def _build(cls, data: Any, section: str):
             _check_type(name, value, hint)  # a choice's value is checked with the others, in validate
             kwargs[f.name] = value
     return cls(**kwargs)
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} is not key=value (e.g. max_steps=100 or optim.lr=1e-3)")
-    key, raw = text.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw != "" else None
-    except yaml.YAMLError:
-        value = raw
-    return key.strip().split("."), value
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    data = dict(data)
-    for text in overrides:
-        path, value = parse_override(text)
-        node = data
-        for part in path[:-1]:
-            child = node.get(part)
-            child = dict(child) if isinstance(child, dict) else {}
-            node[part] = child
-            node = child
-        node[path[-1]] = value
-    return data
-
-
-def load_yaml(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pass a recipe such as configs/gpt2-tiny.yaml")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or "invalid YAML"
-        raise ConfigError(f"{path}{where}: {problem}; fix the YAML syntax") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping of config keys, not a {type(data).__name__}")
-    return data
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, base: dict | None = None) -> TrainConfig:

@@ -11,13 +11,14 @@ from typing import Any, Protocol
 
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..config import ModelConfig
-from ..data import DataError, MixtureDataset
-from ..parallel.dist import DistInfo
-from ..parallel.mesh import ParallelDims
-from .config import TrainConfig
+from ...config import ModelConfig
+from ...data import DataError, MixtureDataset
+from ...parallel.dist import DistInfo
+from ...parallel.mesh import ParallelDims
+from ..config import TrainConfig
 from .data import RunData
-from .spike import SpikeDetector
+from .figures import Streak
+from ..resilience.spike import SpikeDetector
 
 
 class RunState(Protocol):
@@ -31,8 +32,7 @@ class RunState(Protocol):
     step: int
     consumed: int  # global samples consumed
     tokens: int  # global tokens consumed
-    skipped: int  # consecutive non-finite steps
-    streak_start: int | None
+    streak: Streak  # the non-finite steps in a row
     rollbacks: int
     spikes: SpikeDetector
     wandb_id: str | None
@@ -83,7 +83,7 @@ class Progress(Stateful):
         sequences, tokens = t._global_batch_size()
         return {
             "step": t.step,
-            "skipped": t.skipped,
+            "skipped": t.streak.skipped,
             "world_size": t.dist.world_size,
             "mesh": t.dims.describe(),
             "rollbacks": t.rollbacks,
@@ -103,7 +103,7 @@ class Progress(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         t = self.trainer
-        t.step, t.skipped, t.rollbacks = state_dict["step"], state_dict["skipped"], state_dict["rollbacks"]
+        t.step, t.streak.skipped, t.rollbacks = state_dict["step"], state_dict["skipped"], state_dict["rollbacks"]
         t.wandb_id = state_dict["wandb_id"]
         t.spikes.load_state_dict(state_dict["spike_detector"])
-        t.streak_start = None
+        t.streak.start = None

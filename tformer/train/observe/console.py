@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..files import atomic_write
+from ...files import atomic_write
 
 METRICS = "metrics.jsonl"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .config import TensorboardConfig, TrainConfig, WandbConfig
+from ..config import TensorboardConfig, TrainConfig, WandbConfig
 
 
 class WandbTracker:
@@ -18,7 +18,7 @@ class WandbTracker:
         try:
             import wandb
         except ImportError:
-            from ..config import ConfigError
+            from ...config import ConfigError
 
             raise ConfigError(
                 "wandb.enabled=true but the wandb package is not installed; pip install wandb, or set wandb.enabled=false"
@@ -73,7 +73,7 @@ class TensorboardTracker:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            from ..config import ConfigError
+            from ...config import ConfigError
 
             raise ConfigError(
                 "tensorboard.enabled=true but the tensorboard package is not installed; "

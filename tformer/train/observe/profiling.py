@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
-from .config import ProfileConfig
+from ...config import ConfigError
+from ..config import ProfileConfig
 
 log = logging.getLogger("tformer.train")
 

@@ -18,16 +18,20 @@ the horizon of its LR schedule. At resume (docs/reliability.md, "Resuming"):
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from ..checkpoint.io import RUN_CONFIG
-from ..checkpoint.state import TrainerState
-from ..config import ConfigError
-from .config import RESUME_EXTEND, RESUME_FREE, TrainConfig
-from .console import logged_steps
+from ...checkpoint.io import RUN_CONFIG
+from ...checkpoint.manager import CheckpointManager
+from ...checkpoint.state import TrainerState
+from ...config import ConfigError
+from ..config import RESUME_EXTEND, RESUME_FREE, TrainConfig
+from ..observe.console import logged_steps
+
+log = logging.getLogger("tformer.train")
 
 GLOBAL_BATCH = "global batch"  # the name a change of the global batch is reported under
 
@@ -206,3 +210,57 @@ def horizon_note(cfg: TrainConfig, saved: dict, horizon: int, step: int) -> str 
         "stays at its final value"
     )
     return f"max_steps {before} -> {cfg.max_steps} at step {step}: {rule}"
+
+
+Found = tuple[Path, TrainerState, dict]  # a checkpoint to resume: its path, trainer.json, config.yaml
+
+
+def peek(cfg: TrainConfig) -> tuple[Found | None, list[tuple[Path, str]], dict | None, int]:
+    """The checkpoint to resume from, read cheaply (``trainer.json``, ``config.yaml``; verified when
+    loaded), or None; the damaged newer ones it falls back past (path, why); the record its step
+    still has to log (``unlogged_record``); the LR schedule's horizon. A run already complete
+    raises :class:`RunComplete`, before any work."""
+    manager = CheckpointManager(Path(cfg.output_dir) / "checkpoints")
+    path, damaged = manager.locate(cfg.resume)
+    found: Found | None = None
+    unlogged = None
+    if path is not None and path.is_dir():
+        state, saved = manager.read(path), saved_config(path)
+        if not cfg.fault_tolerance.enabled:  # under torchft each group logs apart (replicas/<id>/)
+            unlogged = unlogged_record(state, path, Path(cfg.output_dir))
+        if unlogged is None:  # a record still to log (and evaluate) is work left
+            check_not_complete(cfg, path, state)
+        found = (path, state, saved)
+    return found, damaged, unlogged, schedule_steps(cfg, *(found or (None, None, {}))[1:])
+
+
+def change_notes(found: Found, cfg: TrainConfig, model: dict, global_batch: tuple[int, int], horizon: int) -> list[str]:
+    """Refuse what the resumed run changes (``ConfigError``), or under ``resume_changes=allow`` the
+    warning lines naming each change; with the schedule's and fault tolerance's notes. ``model``:
+    this run's model config (its vocabulary padded), ``global_batch``: (sequences, tokens)."""
+    path, state, saved = found
+    current = {**cfg.to_dict(), "model": model}
+    if state.weights_only:  # an import starts a run: only the model its weights belong to counts
+        saved, current = {"model": state.model_config or {}}, {"model": current["model"]}
+    check_padding(saved, current, cfg.parallel.strategy)
+    changes = meaning_changes(saved, current, weights_only=state.weights_only)
+    changes += batch_change(saved_global_batch(state, saved), global_batch)
+    changes += float8_change(saved, cfg.precision)
+    notes: list[str | None] = list(judge(changes, cfg, path, state.step))
+    notes.append(horizon_note(cfg, saved, horizon, state.step))
+    notes.append(fault_tolerance_note(saved, cfg, state.step))
+    return [note for note in notes if note]
+
+
+def say_damaged(damaged: list[tuple[Path, str]], moved: list[Path], own: bool, back: str) -> None:
+    """One warning line per damaged checkpoint a resume fell back past (set aside as ``moved`` when
+    ``own``: this run's own), naming the one it resumes from."""
+    for (path, why), where in zip(damaged, moved):
+        aside = f"; set aside as {where.name}" if own else ""
+        log.warning(
+            "%s is damaged (%s)%s; resuming from %s: the steps after it are trained again",
+            path.name,
+            why.split("; use an")[0],
+            aside,
+            back,
+        )

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
-from ..parallel.build import strategy_class
-from ..parallel.context import check_context_parallel
-from ..parallel.ep import check_moe_layout
-from ..parallel.float8 import check_float8
-from ..parallel.mesh import ParallelDims, check_strategy
-from ..parallel.pipeline import check_pipeline
-from ..parallel.tp import check_tp
-from .config import TrainConfig
+from ...config import ConfigError
+from ...parallel.build import strategy_class
+from ...parallel.context import check_context_parallel
+from ...parallel.ep import check_moe_layout
+from ...parallel.float8 import check_float8
+from ...parallel.mesh import ParallelDims, check_strategy
+from ...parallel.pipeline import check_pipeline
+from ...parallel.tp import check_tp
+from ..config import TrainConfig
 
 
 def check_support(cfg: TrainConfig, precision: str, device: torch.device) -> ParallelDims:

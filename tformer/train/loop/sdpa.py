@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..config import ModelConfig
+from ...config import ModelConfig
 
 # torch.nn.attention.SDPBackend's values (what _get_sdp_priority_order returns) -> our names
 BACKENDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}

@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import ConfigError
+from ...config import ConfigError
 from .profiling import PREFIX, STEPS_FILE
 
 PARTS = ("GEMMs", "attention", "other compute", "collectives exposed", "optimizer", "data loading", "idle")
@@ -219,11 +219,11 @@ PLANNED_IDLE = ("host/dispatch",)
 def predicted(run: Path, about: dict, gpu: str) -> tuple[dict[str, float], float]:
     """The planner's split of this run's step (its layout, from config.yaml and steps.json) on
     ``gpu`` (a hardware profile name or a calibration file), and its step seconds."""
-    from ..parallel.mesh import ParallelDims
-    from ..plan.layout import Layout
-    from ..plan.report import hardware
-    from ..plan.time import step_time
-    from .config import load_config
+    from ...parallel.mesh import ParallelDims
+    from ...plan.layout import Layout
+    from ...plan.report import hardware
+    from ...plan.time import step_time
+    from ..config import load_config
 
     cfg = load_config(Path(run) / "config.yaml")
     p = cfg.parallel

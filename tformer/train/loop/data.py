@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import Family, ModelConfig, check_table
-from ..files import atomic_write
-from ..data import (
+from ...config import Family, ModelConfig, check_table
+from ...files import atomic_write
+from ...data import (
     Collator,
     DataError,
     MLMDataset,
@@ -38,13 +38,13 @@ from ..data import (
     tokenize_pairs,
     train_tokenizer,
 )
-from ..data.loading import check_source
-from ..data.synthetic import SYNTHETIC, SyntheticDataset
-from ..data.mixture import ConcatKeyed
-from ..models import spec_of
-from ..parallel.dist import barrier, multi_process
-from .config import AUTO_OBJECTIVE, TrainConfig, source_name
-from .signals import ignore_interrupts
+from ...data.loading import check_source
+from ...data.synthetic import SYNTHETIC, SyntheticDataset
+from ...data.mixture import ConcatKeyed
+from ...models import spec_of
+from ...parallel.dist import barrier, multi_process
+from ..config import AUTO_OBJECTIVE, TrainConfig, source_name
+from ..resilience.signals import ignore_interrupts
 
 log = logging.getLogger("tformer.train")
 
@@ -344,7 +344,7 @@ def prepare_data(cfg: TrainConfig, workers: int = 1, progress: bool = True, shar
     """Tokenize every source of a recipe (train and validation splits) into the token cache, as a
     training run with the same config and ``TFORMER_CACHE`` will look for it. Returns one record per
     source and split: tokens, documents (rows) and bytes on disk."""
-    from ..data.cache import prepare_columns
+    from ...data.cache import prepare_columns
 
     family = cfg.model.family
     objective = AUTO_OBJECTIVE[family] if cfg.data.objective == "auto" else cfg.data.objective
@@ -417,7 +417,7 @@ def train_batches(cfg: TrainConfig, data: RunData, dp_rank: int, dp_size: int, c
     """This data-parallel rank's training batches, from ``consumed`` on (global samples, or batches
     with token-budget batches: the sampler's unit), at any number of ranks."""
     if cfg.data.tokens_per_batch is not None:
-        from ..data import TokenBudgetSampler
+        from ...data import TokenBudgetSampler
 
         src, tgt = data.train.lengths()
         sampler = TokenBudgetSampler(

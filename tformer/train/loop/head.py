@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ModelConfig
-from ..parallel.mesh import ParallelDims
-from ..plan.head import run_chunk
-from .config import TrainConfig
+from ...config import ModelConfig
+from ...parallel.mesh import ParallelDims
+from ...plan.head import run_chunk
+from ..config import TrainConfig
 
 
 def loss_chunk_size(

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..files import atomic_write
+from ...files import atomic_write
 
 log = logging.getLogger("tformer.train")
 

@@ -6,9 +6,9 @@ so that a run killed before its next checkpoint resumes the skip. The last good 
 one a stopped run names: saved before the non-finite streak (or the spike) began.
 
 Plain functions of the trainer, which calls them from its loop, its resume and its non-finite
-handling. They see the trainer through :class:`RollbackState` (``state.py``'s ``RunState`` plus the
-checkpoints and the run directory), so this module never imports ``trainer.py`` (which imports
-this)."""
+handling. They see the trainer through :class:`RollbackState`, the fields of it they read and set,
+so this module imports nothing above it (``trainer.py`` and the loop's ``state.py`` import this
+folder)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
-from ..checkpoint.manager import CheckpointManager
-from ..files import atomic_write
-from .dist import barrier
-from .state import RunState
+from ...checkpoint.manager import CheckpointManager
+from ...files import atomic_write
+from ...parallel.dist import DistInfo
+from ..config import TrainConfig
+from .spike import SpikeDetector
+from ..dist import barrier
 
 log = logging.getLogger("tformer.train")
 
@@ -29,11 +31,28 @@ class LossSpikeError(RuntimeError):
     """The run stopped on a loss spike it could not roll back (``on_spike: rollback``)."""
 
 
-class RollbackState(RunState, Protocol):
+class NonFiniteStreak(Protocol):
+    """The non-finite steps in a row (loop/figures.py's ``Streak``)."""
+
+    skipped: int
+    start: int | None  # the streak's first step
+
+
+class RollbackState(Protocol):
     """What a rollback reads and sets of a run (``train.trainer.Trainer`` has it)."""
 
+    cfg: TrainConfig
+    dist: DistInfo
+    step: int
+    consumed: int  # global samples consumed
+    spikes: SpikeDetector
+    rollbacks: int
+    wandb_id: str | None
     out: Path  # the run directory
     ckpt: CheckpointManager
+
+    @property
+    def streak(self) -> NonFiniteStreak: ...
 
     def wait_for_checkpoint(self) -> Path | None: ...
     def _load(self, target: str | Path, verified: bool = False) -> bool: ...
@@ -129,16 +148,15 @@ def apply_pending_rollback(trainer: RollbackState) -> None:
                 )
 
 
-def last_good(trainer: RollbackState) -> Path | None:
+def last_good(ckpt: CheckpointManager, streak: NonFiniteStreak) -> Path | None:
     """The newest checkpoint saved before the non-finite streak. When the streak is longer than
     one step, the checkpoint just before it is excluded too: its weights gave a non-finite loss
     on several different batches (and skipped steps leave them unchanged), so resuming it would
     fail again at once."""
-    t = trainer
-    found = t.ckpt.committed()
-    if t.ckpt.in_flight is not None:  # a good state, being written: committed before the run ends
-        found.append(t.ckpt.path(t.ckpt.in_flight))
-    if t.streak_start is not None:
-        limit = t.streak_start - (2 if t.skipped > 1 else 1)
+    found = ckpt.committed()
+    if ckpt.in_flight is not None:  # a good state, being written: committed before the run ends
+        found.append(ckpt.path(ckpt.in_flight))
+    if streak.start is not None:
+        limit = streak.start - (2 if streak.skipped > 1 else 1)
         found = [p for p in found if int(p.name.split("_")[1]) <= limit]
     return found[-1] if found else None

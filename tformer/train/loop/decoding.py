@@ -8,8 +8,8 @@ and the HF export's ``generation_config.json`` take them as their defaults too.
 
 from __future__ import annotations
 
-from ..decode_config import DecodeConfig
-from ..evaluate import bleu
+from ...decode_config import DecodeConfig
+from ...evaluate import bleu
 
 
 def decoded_bleu(decode: DecodeConfig, model, pairs, tokenizer, n: int, device=None):

@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from ..parallel.muon import build_muon, muon_group_settings
-from .config import OptimConfig
+from ...parallel.muon import build_muon, muon_group_settings
+from ..config import OptimConfig
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -32,21 +32,6 @@ def build_optimizer(
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused
     )
-
-
-def apply_optim_config(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> list[float]:
-    """This run's ``optim`` section onto a loaded optimizer's groups (AdamW's: matrices, then the
-    rest; Muon's group last); returns each group's peak lr for the schedule."""
-    decays = [cfg.weight_decay, 0.0]
-    for group, decay in zip(optimizer.param_groups, decays):
-        group.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=decay, initial_lr=cfg.lr)
-    peaks = [cfg.lr] * len(optimizer.param_groups)
-    for i, group in enumerate(optimizer.param_groups):
-        if group.get("muon"):
-            fresh = muon_group_settings(cfg)
-            group.update(fresh, initial_lr=fresh["lr"])
-            peaks[i] = fresh["lr"]
-    return peaks
 
 
 def optimizer_figures(optimizer: torch.optim.Optimizer) -> dict[str, float]:
@@ -87,3 +72,21 @@ def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
+
+
+def apply_optim_config(optimizer: torch.optim.Optimizer, scheduler, o: OptimConfig) -> None:
+    """A loaded optimizer and schedule carry the hyperparameters they were saved with; under
+    ``resume_changes=allow`` this run's ``optim`` section replaces them (the moments stay): AdamW's
+    groups (matrices, then the rest) and Muon's group (its own lr and decay)."""
+    decays = [o.weight_decay, 0.0]  # the groups of param_groups: matrices, then the rest
+    for group, decay in zip(optimizer.param_groups, decays):
+        group.update(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=decay, initial_lr=o.lr)
+    peaks = [o.lr] * len(optimizer.param_groups)
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("muon"):
+            fresh = muon_group_settings(o)
+            group.update(fresh, initial_lr=fresh["lr"])
+            peaks[i] = fresh["lr"]
+    scheduler.base_lrs = peaks
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["lr"] = group["initial_lr"] * factor(scheduler.last_epoch)

@@ -15,12 +15,12 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from ..parallel.dist import DistInfo
-from ..parallel.mesh import ParallelDims
-from ..parallel.strategy import Pipeline, Strategy
-from .config import TrainConfig
+from ...parallel.dist import DistInfo
+from ...parallel.mesh import ParallelDims
+from ...parallel.strategy import Pipeline, Strategy
+from ..config import TrainConfig
 from .data import RunData
-from .dist import all_reduce
+from ..dist import all_reduce
 
 
 class Evaluated(Protocol):
