@@ -143,11 +143,14 @@ def tp_plan(model, sp: bool, loss_parallel: bool) -> dict:
                 for proj in _column_projections(getattr(block, attn)):
                     plan[f"{p}.{attn}.{proj}"] = ColwiseParallel()
                 plan[f"{p}.{attn}.o_proj"] = RowwiseParallel(output_layouts=between)
-                if getattr(block, attn).sinks is not None:  # one logit per query head: split with them
+                module = getattr(block, attn)
+                if not isinstance(module, MultiHeadAttention):  # latent attention: its norms are the latents'
+                    continue
+                if module.sinks is not None:  # one logit per query head: split with them
                     plan[f"{p}.{attn}.sinks"] = head_split()
                 for norm in ("q_norm", "k_norm"):  # QK-norm: its gain whole on every rank, its input
                     # (B, heads, S, d) split by head; the gain's gradient summed over the ranks' heads
-                    if getattr(getattr(block, attn), norm) is not None:
+                    if getattr(module, norm) is not None:
                         plan[f"{p}.{attn}.{norm}"] = SequenceParallel(sequence_dim=1, use_local_output=True)
             moe = isinstance(block.ffn, MoEFeedForward)
             if not moe:
