@@ -83,7 +83,8 @@ def _fields(cfg: ModelConfig) -> tuple:
 def config_of(fields: tuple) -> ModelConfig:
     """The ``ModelConfig`` that ``_fields`` made ``fields`` of (its sections mappings again)."""
     nested = {k for k, v in ModelConfig().to_dict().items() if isinstance(v, dict)}
-    return ModelConfig(**{k: dict(v) if k in nested else v for k, v in fields})
+    values: dict[str, Any] = {k: dict(v) if k in nested else v for k, v in fields}
+    return ModelConfig(**values)
 
 
 @functools.lru_cache(maxsize=16)
