@@ -118,6 +118,8 @@ def tp_blocker(cfg: ModelConfig, tp: int) -> str | None:
     split them all."""
     if tp > 1 and cfg.attn_sinks:  # not laid out under TP yet (parallel/tp.py check_tp)
         return "attn_sinks=True"
+    if tp > 1 and cfg.sandwich_norm:
+        return "sandwich_norm=True"
     for name, value in (
         ("num_heads", cfg.num_heads),
         ("num_kv_heads", cfg.kv_heads),
