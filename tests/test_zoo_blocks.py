@@ -157,3 +157,12 @@ def test_kernels_that_cannot_cap_refuse():
 
     line = math_fallback_line(model, "bf16", torch.device("cpu"))
     assert line is not None and "math path" in line and "\n" not in line
+
+
+def test_export_refuses_switches_its_class_lacks():
+    from tformer.export.hf import TARGETS, ExportError, check_switches
+
+    cfg = ModelConfig(**TINY, norm="rmsnorm", flavour="llama", final_softcap=30.0)
+    with pytest.raises(ExportError, match=r"final_softcap=30.0: it has no soft-capped output logits") as err:
+        check_switches(cfg, TARGETS["llama"])
+    assert "\n" not in str(err.value)
