@@ -312,7 +312,19 @@ class ModelConfig:
     # within attn_window // 2 either side), on every block but the global ones (global_every)
     attn_window: int | None = ranged(None, "[1, inf)", note="or null: every block global")  # gpt-oss 128
     global_every: int = ranged(0, "[0, inf)")  # with attn_window: blocks k-1, 2k-1, ... global (gpt-oss 2); 0: none
+    # with global_every: block i is global when i % global_every == global_offset (ModernBERT 0:
+    # blocks 0, 3, 6, ...); null: global_every - 1 (gpt-oss, Gemma 3: the last of each group)
+    global_offset: int | None = ranged(None, "[0, inf)", note="or null: global_every - 1")  # ModernBERT 0
+    rope_local_theta: float | None = ranged(None, "(0, inf)", note="or null: rope_theta")  # windowed blocks' RoPE base
     attn_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
+    # cap * tanh(x / cap) on the attention logits, before the mask (Gemma 2 50.0); the math path
+    # computes it (SDPA cannot)
+    attn_softcap: float | None = ranged(None, "(0, inf)", note="or null: no cap")  # on the attention logits
+    final_softcap: float | None = ranged(None, "(0, inf)", note="or null: no cap")  # on the output logits (Gemma 2 30)
+    # the attention scale is query_pre_attn_scalar ** -0.5 rather than d_head ** -0.5 (Gemma)
+    query_pre_attn_scalar: float | None = ranged(None, "(0, inf)", note="or null: d_head")  # Gemma 3 256
+    sandwich_norm: bool = False  # a norm on each sub-layer's output too, before the residual add (Gemma 2/3)
+    norm_unit_offset: bool = False  # RMSNorm gains as offsets from 1: applied as 1 + weight (Gemma)
     dropout: float = ranged(0.0, "[0, 1)")  # residual and FFN dropout
     attn_dropout: float = ranged(0.0, "[0, 1)")  # dropout on the attention probabilities
     tie_embeddings: bool = True  # the output head shares the token embedding
@@ -320,6 +332,7 @@ class ModelConfig:
     type_vocab_size: int = ranged(0, "[0, inf)", note="0 = no token types")  # token-type (segment) embeddings, BERT uses 2
     embed_norm: bool = False  # norm right after the embedding sum (BERT)
     embed_scale: bool = False  # multiply token embeddings by sqrt(d_model) (the paper)
+    embed_scale_dtype: bool = False  # with embed_scale: sqrt(d_model) rounded to the activations' dtype first (Gemma)
     init_std: float = ranged(0.02, "(0, inf)")  # standard deviation of the initial weights
     pad_token_id: int = ranged(0, "[0, inf)")  # padding id (masked out, ignored by the loss)
     bos_token_id: int | None = ranged(None, "[0, inf)")  # beginning-of-sequence id, if the tokenizer has one
@@ -366,9 +379,19 @@ class ModelConfig:
         a per-layer pattern is read: a new pattern (ModernBERT's offset, Gemma 3's) goes here."""
         if self.attn_window is None:
             return None
-        if self.global_every and index % self.global_every == self.global_every - 1:
+        if self.global_every and index % self.global_every == self.global_layer_offset:
             return None
         return self.attn_window
+
+    @property
+    def global_layer_offset(self) -> int:
+        return self.global_every - 1 if self.global_offset is None else self.global_offset
+
+    def layer_rope_theta(self, index: int) -> float:
+        """The RoPE base of block ``index``: ``rope_local_theta`` on a windowed block, if set."""
+        if self.rope_local_theta is not None and self.layer_window(index) is not None:
+            return self.rope_local_theta
+        return self.rope_theta
 
     @property
     def pre_norm(self) -> bool:
@@ -404,6 +427,22 @@ class ModelConfig:
                 f"attn_window={self.attn_window} is longer than max_seq_len={self.max_seq_len}; a window that long "
                 "is full attention: set attn_window=null or a shorter window"
             )
+        if self.attn_window is not None and self.attn_window % 2 and self.family != "decoder":
+            raise ConfigError(
+                f"attn_window={self.attn_window} must be even for a bidirectional ({self.family}) window: it spans "
+                "attn_window // 2 keys either side of the query (ModernBERT 128)"
+            )
+        if self.global_offset is not None and not self.global_offset < self.global_every:
+            raise ConfigError(
+                f"global_offset={self.global_offset} needs a global-layer period global_every > {self.global_offset} "
+                f"(global_every={self.global_every}); set global_every or global_offset=null"
+            )
+        if self.sandwich_norm and not self.pre_norm:
+            raise ConfigError(
+                "sandwich_norm=true needs norm_position='pre' (post-norm blocks already normalise each output)"
+            )
+        if self.norm_unit_offset and self.norm != "rmsnorm":
+            raise ConfigError(f"norm_unit_offset=true is for norm='rmsnorm' (Gemma's), not norm={self.norm!r}")
         if self.position == "relative" and self.family == "encoder" and self.rel_num_buckets < 2:
             raise ConfigError("rel_num_buckets must be >= 2 for bidirectional relative positions")
         if self.family != "encdec" and self.num_decoder_layers is not None:

@@ -136,6 +136,14 @@ SWITCHES = (
     ("rope_scaling", "none", "YARN", "YaRN rotary scaling"),
     ("moe.expert_bias", False, "GPT_OSS_EXPERTS", "biases in the experts"),
     ("moe.swiglu_limit", None, "GPT_OSS_EXPERTS", "gpt-oss's clamped SwiGLU"),
+    ("global_offset", None, "GLOBAL_OFFSET", "global blocks at an offset other than the last of each group"),
+    ("rope_local_theta", None, "LOCAL_ROPE", "a RoPE base of the windowed blocks' own"),
+    ("attn_softcap", None, "SOFTCAP", "soft-capped attention logits"),
+    ("final_softcap", None, "SOFTCAP", "soft-capped output logits"),
+    ("query_pre_attn_scalar", None, "QUERY_SCALAR", "an attention scale other than d_head's"),
+    ("sandwich_norm", False, "SANDWICH", "sandwich norms"),
+    ("norm_unit_offset", False, "GEMMA_NORM", "RMSNorm gains as offsets from 1"),
+    ("embed_scale_dtype", False, "GEMMA_NORM", "the embedding scale rounded to the activations' dtype"),
 )
 
 

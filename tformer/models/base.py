@@ -11,6 +11,7 @@ from torch import nn
 
 from ..config import ConfigError, Family, ModelConfig
 from ..nn import LearnedPositions, SinusoidalPositions, make_norm
+from ..nn.attention import soft_cap
 from ..nn.moe import Experts, moe_aux_loss, moe_layers
 from .block_flops import head_flops, stack_flops
 from .loss import chunked_lm_loss, loss_divisor
@@ -54,8 +55,11 @@ class Embeddings(nn.Module):
             cfg.max_seq_len, cfg.d_model
         )
         self.types = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
-        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias) if cfg.embed_norm else None
+        self.norm = (
+            make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias, cfg.norm_unit_offset) if cfg.embed_norm else None
+        )
         self.scale = math.sqrt(cfg.d_model) if cfg.embed_scale else None
+        self.scale_in_dtype = cfg.embed_scale_dtype  # Gemma: sqrt(d_model) rounded to the activations' dtype
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(
@@ -63,7 +67,7 @@ class Embeddings(nn.Module):
     ) -> torch.Tensor:
         x = self.tok(input_ids)
         if self.scale is not None:
-            x = x * self.scale
+            x = x * (torch.tensor(self.scale, dtype=x.dtype) if self.scale_in_dtype else self.scale)
         if self.pos is not None:
             x = x + self.pos(positions)
         if self.types is not None:
@@ -209,7 +213,8 @@ class TformerModel(nn.Module):
             elif isinstance(module, Experts):
                 module.init_weights(cfg.init_std, cfg.init_std / math.sqrt(2 * depth))
             elif hasattr(module, "weight") and module.weight is not None and module.weight.dim() == 1:
-                nn.init.ones_(module.weight)
+                # a gain stored as its offset from 1 (Gemma's RMSNorm) starts at 0
+                (nn.init.zeros_ if getattr(module, "unit_offset", False) else nn.init.ones_)(module.weight)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
 
@@ -235,7 +240,7 @@ class TformerModel(nn.Module):
             )
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        logits = soft_cap(self.lm_head(hidden), self.config.final_softcap)
         if self.gather_logits is not None:
             logits = self.gather_logits(logits)
         if self.config.padded_vocab_size != self.config.vocab_size:
@@ -286,10 +291,18 @@ class TformerModel(nn.Module):
                 labels = labels.reshape(-1).index_select(0, rows)
         x = self._head_input(hidden)
         if self.sharded_loss is not None:
-            return None, self.sharded_loss(self.lm_head(x), labels, self.config.vocab_size, label_smoothing, loss_tokens)
+            return None, self.sharded_loss(
+                soft_cap(self.lm_head(x), self.config.final_softcap),
+                labels,
+                self.config.vocab_size,
+                label_smoothing,
+                loss_tokens,
+            )
         # compiled, a masked LM's labelled rows are a data-dependent count, which a graph cannot loop
         # over in chunks: its head (15% of the positions) runs whole there
-        if self.loss_chunk_size is None or (labelled_only and torch.compiler.is_compiling()):
+        # (capped logits, final_softcap, are computed whole too: the chunked loss takes plain ones)
+        chunked = self.loss_chunk_size is not None and self.config.final_softcap is None
+        if not chunked or (labelled_only and torch.compiler.is_compiling()):
             return None, lm_loss(self._logits(x), labels, label_smoothing, loss_tokens, overwrite=True)
         head = self.lm_head
         return None, chunked_lm_loss(

@@ -34,7 +34,7 @@ class EncoderModel(TformerModel):
         self.head_dense = nn.Linear(cfg.d_model, cfg.d_model)
         act, gated = FFN_KINDS[cfg.activation]
         self.head_act = F.gelu if gated else act  # a gated kind is no one function: its head uses GELU
-        self.head_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
+        self.head_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias, cfg.norm_unit_offset)
         self.lm_head = vocab_rows(nn.Linear(cfg.d_model, cfg.vocab_size, bias=self.LM_HEAD_BIAS), cfg)
         self.init_weights()
         if cfg.tie_embeddings:

@@ -94,13 +94,19 @@ def window_allowed(q_len: int, k_len: int, window: int, causal: bool, device: to
     return distance < window if causal else distance.abs() <= window // 2
 
 
-def math_attention(q, k, v, mask, scale: float, dropout_p: float = 0.0, training: bool = False, sinks=None):
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(x / cap)``: logits squashed smoothly into (-cap, cap) (Gemma 2); None: as they are."""
+    return x if cap is None else cap * torch.tanh(x / cap)
+
+
+def math_attention(q, k, v, mask, scale: float, dropout_p: float = 0.0, training: bool = False, sinks=None, softcap=None):
     """The textbook formula, written out: the reference implementation. ``sinks`` (h,): a logit per
-    head that joins each softmax's denominator and attends to nothing (gpt-oss)."""
+    head that joins each softmax's denominator and attends to nothing (gpt-oss). ``softcap``: the
+    scores capped (``soft_cap``) before the mask is added, so masked keys stay at the dtype's minimum."""
     if k.shape[1] != q.shape[1]:  # grouped KV heads serve several query heads each
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    scores = soft_cap(torch.matmul(q, k.transpose(-2, -1)) * scale, softcap)
     if mask is not None:
         scores = scores + mask
     if sinks is not None:
@@ -147,16 +153,21 @@ def local_attention(
     training: bool = False,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of ``(B, h, S_q, d)`` queries over all ``(B, h_kv, S_k, d)`` keys of this device.
 
     ``attn_bias`` is a tensor broadcastable to the scores, or a module that builds it from the
     query and key counts (``RelativePositionBias`` of a stack whose ``bias_per_block`` is set).
     ``window``: local attention (``window_allowed``); ``sinks`` (h,): a logit per head in each
-    softmax's denominator. Both take SDPA with an explicit mask (sinks as one more key column,
-    ``sink_column``) or the math path; plain causal attention keeps SDPA's causal kernel.
+    softmax's denominator. ``softcap``: the scores capped before the mask (``soft_cap``), which no
+    SDPA kernel does: the math path computes it whatever ``impl`` says. Windows and sinks take SDPA
+    with an explicit mask (sinks as one more key column, ``sink_column``) or the math path; plain
+    causal attention keeps SDPA's causal kernel.
     """
     q_len, k_len = q.shape[2], k.shape[2]
+    if softcap is not None:
+        impl = "math"  # SDPA and FlexAttention's document path take no cap (the start-up line says so)
     if attn_bias is not None and not isinstance(attn_bias, torch.Tensor):
         attn_bias = attn_bias(q_len, k_len, k_len - q_len)
     gqa = k.shape[1] != q.shape[1]
@@ -181,7 +192,7 @@ def local_attention(
         if sinks is not None:
             k, v, mask = sink_column(q, k, v, mask, sinks)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
-    return math_attention(q, k, v, mask, scale, dropout_p, dropout_p > 0, sinks)
+    return math_attention(q, k, v, mask, scale, dropout_p, dropout_p > 0, sinks, softcap)
 
 
 # A function called as ``local_attention`` is: (q, k, v heads, masks as keywords) -> attended values
@@ -230,6 +241,8 @@ class MultiHeadAttention(nn.Module):
     shared by the heads, before RoPE (Qwen3, Gemma 3): it bounds the logits' growth. ``window``:
     local attention (``window_allowed``); ``sinks``: a learned logit per head joining each softmax's
     denominator (gpt-oss), so a query may give its keys less than all of its attention.
+    ``softcap``: ``cap * tanh(s / cap)`` on the scores before the mask (Gemma 2); ``query_pre_attn_scalar``:
+    the scale is its -1/2 power rather than d_k's (Gemma).
     """
 
     def __init__(
@@ -251,6 +264,9 @@ class MultiHeadAttention(nn.Module):
         norm_eps: float = 1e-6,
         window: int | None = None,
         sinks: bool = False,
+        softcap: float | None = None,
+        query_pre_attn_scalar: float | None = None,
+        norm_unit_offset: bool = False,
     ):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -267,7 +283,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"unknown attention impl {impl!r}; allowed: {', '.join(ATTN_IMPLS)}")
         kv_dim = kv_dim or d_model
         self.num_heads, self.num_kv_heads, self.d_k, self.d_v = num_heads, num_kv_heads, d_k, d_v
-        self.scale = 1.0 / math.sqrt(d_k) if scale else 1.0
+        self.scale = 1.0 / math.sqrt(query_pre_attn_scalar or d_k) if scale else 1.0
         self.attn_dropout = attn_dropout
         self.impl = impl
         qkv_bias = bias if qkv_bias is None else qkv_bias
@@ -275,10 +291,11 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(kv_dim, num_kv_heads * d_k, bias=qkv_bias)
         self.v_proj = nn.Linear(kv_dim, num_kv_heads * d_v, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * d_v, d_model, bias=bias)
-        self.q_norm = RMSNorm(d_k, norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(d_k, norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(d_k, norm_eps, norm_unit_offset) if qk_norm else None
+        self.k_norm = RMSNorm(d_k, norm_eps, norm_unit_offset) if qk_norm else None
         self.window = window
         self.sinks = HeadLogits(num_heads) if sinks else None
+        self.softcap = softcap
         self.out_dropout = nn.Dropout(dropout)
         # What turns (q, k, v) heads and the masks into the attended values: ``local_attention``
         # here; a parallel layout replaces it from outside (context parallelism's attention across
@@ -342,7 +359,7 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.attn_dropout if self.training else 0.0
         # only where set, so a core that cannot take them (context parallelism's) is never handed them
         sinks = self.sinks() if self.sinks is not None else None
-        local = {k: v for k, v in (("window", self.window), ("sinks", sinks)) if v is not None}
+        local = {k: v for k, v in (("window", self.window), ("sinks", sinks), ("softcap", self.softcap)) if v is not None}
         out = self.core(
             q,
             k,

@@ -58,6 +58,9 @@ def _attention(cfg, index: int | None = None, **extra) -> nn.Module:
         norm_eps=cfg.norm_eps,
         window=cfg.layer_window(index) if index is not None else None,
         sinks=cfg.attn_sinks and index is not None,
+        softcap=cfg.attn_softcap,
+        query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+        norm_unit_offset=cfg.norm_unit_offset,
         **extra,
     )
 
@@ -78,14 +81,20 @@ class TransformerBlock(nn.Module):
         self.pre_norm = cfg.pre_norm
 
         def norm():
-            return make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
+            return make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias, cfg.norm_unit_offset)
+
+        def post_norm(present: bool = True):  # sandwich norms (Gemma 2/3): each sub-layer's output normalised too
+            return norm() if present and cfg.sandwich_norm else None
 
         self.attn = _attention(cfg, index)
         self.attn_norm = norm()
+        self.attn_post_norm = post_norm()
         self.cross_attn = _attention(cfg.replace(attention="mha")) if cross else None
         self.cross_norm = norm() if cross else None
+        self.cross_post_norm = post_norm(cross)
         self.ffn = _ffn(cfg, index)
         self.ffn_norm = norm()
+        self.ffn_post_norm = post_norm()
         # Op-level checkpointing, set from outside (tformer.parallel.apply_activation_checkpointing):
         # a torch.utils.checkpoint ``context_fn`` that decides op by op what backward keeps. It
         # runs inside the block's forward, so a compiled block traces the policy into its graph.
@@ -127,6 +136,7 @@ class TransformerBlock(nn.Module):
                 doc_mask=doc_mask,
             ),
             self.pre_norm,
+            self.attn_post_norm,
         )
         if self.cross_attn is not None:
             x = residual(
@@ -134,8 +144,9 @@ class TransformerBlock(nn.Module):
                 self.cross_norm,
                 lambda h: self.cross_attn(h, memory, padding_mask=memory_mask, cache=cross_cache, doc_mask=memory_doc_mask),
                 self.pre_norm,
+                self.cross_post_norm,
             )
-        return residual(x, self.ffn_norm, self.ffn, self.pre_norm)
+        return residual(x, self.ffn_norm, self.ffn, self.pre_norm, self.ffn_post_norm)
 
 
 class TransformerStack(nn.Module):
@@ -157,8 +168,17 @@ class TransformerStack(nn.Module):
             if cfg.position == "rotary"
             else None
         )
+        # Windowed blocks with a RoPE base of their own (Gemma 3, ModernBERT: 10k) take a second
+        # table (unscaled, as HF's local rotary is); ``local_rotary[i]`` says which block takes it.
+        self.rotary_local = None
+        self.local_rotary = [False] * num_layers
+        if cfg.position == "rotary" and cfg.rope_local_theta is not None:
+            self.rotary_local = Rotary(cfg.head_dim, cfg.rope_local_theta)
+            self.local_rotary = [cfg.layer_rope_theta(i) != cfg.rope_theta for i in range(num_layers)]
         # Pre-norm stacks end with a norm; post-norm blocks already end normalised.
-        self.final_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias) if cfg.pre_norm else None
+        self.final_norm = (
+            make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias, cfg.norm_unit_offset) if cfg.pre_norm else None
+        )
         self.dropout = nn.Dropout(cfg.dropout)
         # Indices of blocks whose activations are recomputed in backward instead of stored. Set
         # from outside (tformer.parallel.apply_activation_checkpointing); names stay unchanged.
@@ -193,10 +213,11 @@ class TransformerStack(nn.Module):
             if positions is None:
                 positions = torch.arange(offset, offset + seq, device=x.device)
             rotary = self.rotary(positions)
+        rotary_local = self.rotary_local(positions) if self.rotary_local is not None else None
         for i, layer in enumerate(self.layers):
             kwargs = dict(
                 attn_bias=bias,
-                rotary=rotary,
+                rotary=rotary_local if self.local_rotary[i] else rotary,
                 memory=memory,
                 memory_mask=memory_mask,
                 cache=cache.layer(i) if cache is not None else None,

@@ -466,6 +466,11 @@ def check_context_parallel(cfg, dims) -> None:
             f"parallel.cp={cp} does not run with {field} yet: context parallelism's attention kernels take no sinks "
             "and no windows; set parallel.cp=1"
         )
+    if cfg.model.attn_softcap is not None:  # nor a cap on the scores (only the math path caps)
+        raise ConfigError(
+            f"parallel.cp={cp} cannot apply model.attn_softcap={cfg.model.attn_softcap}: context parallelism's attention "
+            "kernels take no cap on the scores; set parallel.cp=1"
+        )
     if pcfg.strategy == "ddp" and (dims.tp > 1 or dims.pp > 1):
         raise ConfigError(
             f"parallel.cp={cp} with parallel.{'tp' if dims.tp > 1 else 'pp'}>1 needs parallel.strategy=fsdp (DDP does "

@@ -27,6 +27,8 @@ and head on the last, a tied embedding/head on both).
 
 from __future__ import annotations
 
+from typing import Any
+
 import functools
 
 from ..config import ModelConfig
@@ -121,6 +123,8 @@ def tp_blocker(cfg: ModelConfig, tp: int) -> str | None:
     """The first size that ``tp`` does not divide (TP splits heads, KV heads and the FFN width;
     the vocabulary it pads itself, ``pad_vocab_for_tp``), as ``name=value``; None when ``tp`` can
     split them all."""
+    if tp > 1 and cfg.sandwich_norm:  # not laid out under TP yet (parallel/tp.py check_tp)
+        return "sandwich_norm=True"
     for name, value in (
         ("num_heads", cfg.num_heads),
         ("num_kv_heads", cfg.kv_heads),
