@@ -153,7 +153,7 @@ def test_kernels_that_cannot_cap_refuse():
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="sandwich_norm=true yet"):
         check_tp(ModelConfig(**TINY, norm="rmsnorm", sandwich_norm=True), 2)
-    from tformer.train.sdpa import math_fallback_line
+    from tformer.train.loop.sdpa import math_fallback_line
 
     line = math_fallback_line(model, "bf16", torch.device("cpu"))
     assert line is not None and "math path" in line and "\n" not in line
