@@ -364,3 +364,22 @@ def test_the_real_tree_fails_once_two_of_its_modules_import_each_other(tmp_path)
     state.write_text(state.read_text() + "\n\ndef _late():\n    from .manager import CheckpointManager  # back up\n")
     found = [line for line in circles(copy) if "tformer.checkpoint.state" in line]
     assert len(found) == 1 and "tformer.checkpoint.manager" in found[0], circles(copy)
+
+
+def test_no_family_name_is_asked_outside_the_config_and_the_spec_registry():
+    """A flavour's facts come from its spec or its switches (a ModernBERT is an encoder with local
+    windows, a T5Gemma an encoder-decoder with soft-caps): code that compares family names would
+    mis-serve them. Only the config (validation) and the registry (``spec_of``) may."""
+    import re
+
+    allowed = {ROOT / "config.py", ROOT / "models" / "spec.py"}
+    asked = re.compile(r"""\bfamily\s*(==|!=|in\b)|(==|!=)\s*\w*\.family\b""")
+    found = [
+        f"{path.relative_to(ROOT.parent)}:{n}: {line.strip()}"
+        for path in sorted(ROOT.rglob("*.py"))
+        if path not in allowed
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if asked.search(line)
+    ]
+    assert not found, "\n".join(found)
+    assert asked.search('if cfg.family == "encoder":')  # the pattern catches what it is for

@@ -61,6 +61,11 @@ class ModelSpec:
         return self.model.CAUSAL_LM
 
     @property
+    def encoder_only(self) -> bool:
+        """One bidirectional stack over padded rows (no causal stack): its batch carries a padding mask."""
+        return not self.causal_lm and not self.seq2seq
+
+    @property
     def masked_lm(self) -> bool:
         """The head runs only at labelled (masked) positions and has its own dense + norm."""
         return self.model.MASKED_LM

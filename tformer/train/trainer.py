@@ -82,7 +82,7 @@ class Trainer(Run):
         # cp or pp the model sees another part of the batch; compiled, a count would recompile)
         dims = self.dims
         self._count_labels = (
-            self.model_cfg.family == "encoder" and dims.tp == dims.cp == dims.pp == 1 and cfg.compile is False
+            spec_of(self.model_cfg).masked_lm and dims.tp == dims.cp == dims.pp == 1 and cfg.compile is False
         )
         self.prof = OFF  # fit() sets the run's profiler (observe/profiling.py)
         self.step_seconds = 0.0  # the last step's own time

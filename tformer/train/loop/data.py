@@ -287,7 +287,7 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
         model_cfg,
         train,
         validation,
-        make_collator(cfg, family, ids.pad_id or 0),
+        make_collator(cfg, model_cfg, ids.pad_id or 0),
         objective,
         seq_len,
         target_len,
@@ -296,13 +296,13 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
     )
 
 
-def make_collator(cfg: TrainConfig, family: str, pad_id: int) -> Collator:
+def make_collator(cfg: TrainConfig, model_cfg: ModelConfig, pad_id: int) -> Collator:
     """The run's collator. An encoder's unpadded batch goes without its all-ones mask, to the flash
     kernel (not under pipelining: the schedule's micro-batches must all carry the same inputs). T5
     keeps it: its relative bias is a mask tensor either way, and without the padding mask its
     gradient-carrying bias, broadcast over the batch, ran 1.25x slower on an H100 (bench_gpu's bare
     loop against the trainer, 2026-11-28)."""
-    return Collator(pad_id=pad_id, drop_full_mask=family == "encoder" and cfg.parallel.pp == 1)
+    return Collator(pad_id=pad_id, drop_full_mask=spec_of(model_cfg).encoder_only and cfg.parallel.pp == 1)
 
 
 def decoder_target_len(cfg: TrainConfig, objective: str, seq_len: int, max_len: int | None) -> int | None:
@@ -334,7 +334,7 @@ def synthetic_data(cfg: TrainConfig, objective: str) -> RunData:
 
     train, validation = split(cfg.seed), split(cfg.seed + 1)
     family = model_cfg.family
-    collator = make_collator(cfg, family, model_cfg.pad_token_id)
+    collator = make_collator(cfg, model_cfg, model_cfg.pad_token_id)
     return RunData(
         None, None, model_cfg, train, validation, collator, objective, seq_len, target_len, model_inputs(family, False)
     )

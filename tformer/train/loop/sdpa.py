@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ...config import ModelConfig
+from ...models.spec import spec_of
 
 # torch.nn.attention.SDPBackend's values (what _get_sdp_priority_order returns) -> our names
 BACKENDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
@@ -79,16 +80,18 @@ def attention_calls(
     q = torch.empty(1, heads, seq, d, dtype=dtype, device=device)
     k = v = torch.empty(1, kv, seq, d, dtype=dtype, device=device)
     p = float(cfg.attn_dropout)
-    if cfg.family == "decoder":
+    spec = spec_of(cfg)
+    if spec.causal_lm:
         return [("causal self-attention", SDPAParams(q, k, v, None, p, True, gqa))]
-    if cfg.family == "encoder":  # padding: an additive mask broadcast over the heads
-        mask = torch.empty(1, 1, 1, seq, dtype=dtype, device=device)
+    mask = torch.empty(1, 1, 1, seq, dtype=dtype, device=device)  # padding: additive, broadcast over the heads
+    if spec.encoder_only:
         return [("padded self-attention", SDPAParams(q, k, v, mask, p, False, gqa))]
-    bias = torch.empty(1, heads, seq, seq, dtype=dtype, device=device)
-    return [
-        ("relative-bias self-attention", SDPAParams(q, k, v, bias, p, False, gqa)),
-        ("cross-attention", SDPAParams(q, k, v, None, p, False, gqa)),
-    ]
+    if cfg.position == "relative":  # T5's bias: an additive mask of every head, query and key
+        bias = torch.empty(1, heads, seq, seq, dtype=dtype, device=device)
+        own = ("relative-bias self-attention", SDPAParams(q, k, v, bias, p, False, gqa))
+    else:
+        own = ("padded self-attention", SDPAParams(q, k, v, mask, p, False, gqa))
+    return [own, ("cross-attention", SDPAParams(q, k, v, None, p, False, gqa))]
 
 
 def math_fallback_line(
