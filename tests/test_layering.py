@@ -21,7 +21,15 @@ ROOT = Path(__file__).resolve().parents[1] / "tformer"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "base",
-        ("tformer.config", "tformer.decode_config", "tformer.args", "tformer.logs", "tformer.files", "tformer.safeload"),
+        (
+            "tformer.config",
+            "tformer.config_checks",
+            "tformer.decode_config",
+            "tformer.args",
+            "tformer.logs",
+            "tformer.files",
+            "tformer.safeload",
+        ),
     ),
     ("nn", ("tformer.nn",)),
     ("models", ("tformer.models", "tformer.generate", "tformer.evaluate")),
@@ -33,7 +41,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # reports (observe/); what keeps it going through faults (resilience/); the loop that runs the
     # steps (loop/); and the trainer that puts them together (train/trainer.py, the package's
     # __init__ and any module directly in train/ not named here)
-    ("train: base", ("tformer.train.config", "tformer.train.recipe", "tformer.train.dist", "tformer.train.reference")),
+    (
+        "train: base",
+        (
+            "tformer.train.config",
+            "tformer.train.config_data",
+            "tformer.train.recipe",
+            "tformer.train.dist",
+            "tformer.train.reference",
+        ),
+    ),
     ("train: observe", ("tformer.train.observe",)),
     ("train: resilience", ("tformer.train.resilience",)),
     ("train: loop", ("tformer.train.loop",)),
