@@ -6,13 +6,11 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..config import AttnImpl, ConfigError, ModelConfig
 from ..data.config import AUTO_OBJECTIVE
 
-if TYPE_CHECKING:
-    from .config import TrainConfig
 
 DOC_MASK_IMPLS: tuple[AttnImpl, ...] = ("sdpa", "math")  # attention implementations that take a document mask
 
@@ -53,7 +51,7 @@ def _check_sources(entries: Any, where: str) -> list[str]:
     return names
 
 
-def check_mixture(cfg: "TrainConfig") -> None:
+def check_mixture(cfg: Any) -> None:
     d = cfg.data
     if (d.sources or d.stages) and d.source != "default":
         raise ConfigError("data.source and data.sources/data.stages are both set; give one (a single source, or a mixture)")
@@ -91,7 +89,7 @@ def check_mixture(cfg: "TrainConfig") -> None:
         )
 
 
-def check_synthetic(cfg: "TrainConfig") -> None:
+def check_synthetic(cfg: Any) -> None:
     """``data.source: synthetic`` draws random ids with no tokenizer and no documents: what needs
     either is refused here rather than silently ignored."""
     d = cfg.data
@@ -108,7 +106,7 @@ def check_synthetic(cfg: "TrainConfig") -> None:
             raise ConfigError(f"{name} is set but data.source=synthetic takes none: {why}")
 
 
-def check_document_mask(cfg: "TrainConfig", model: ModelConfig) -> None:
+def check_document_mask(cfg: Any, model: ModelConfig) -> None:
     d = cfg.data
     if not d.document_mask:
         if d.pack_len is not None:
