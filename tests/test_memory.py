@@ -199,7 +199,10 @@ def test_op_checkpointing_changes_no_gradient_and_recomputes_only_cheap_ops(name
     assert not set(ops - base) & SAVED, ops - base
     with OpCounter() as forward:
         model(**batch)
-    assert set(forward.ops) & ATTENTION_OPS  # the fused attention ran in forward ...
+    # latent attention's values are narrower than its queries and keys: SDPA runs its math kernel
+    # (matmuls, checked above not to run again), no fused op to count
+    if not model.config.latent_attention:
+        assert set(forward.ops) & ATTENTION_OPS  # the fused attention ran in forward ...
     assert not set(ops - base) & ATTENTION_OPS  # ... and not again in backward
     apply_activation_checkpointing(model, "full")
     grads, full = _backward_ops(model, batch)
