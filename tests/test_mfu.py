@@ -3,15 +3,14 @@ and thread count was measured to run, kept in ``$TFORMER_CACHE/cpu_peak.json``, 
 
 Measured before (the issue, 2-core EPYC, two replica groups side by side): the peak was a matmul
 timed at start-up, lower when another process computed, and MFU read 96-127%. Here a run beside two
-busy processes divides by the peak its quiet predecessor measured (the same denominator, so MFU
-only moves with the run's own speed), and a planted peak far too low is raised by the first step
-that beats it (MFU 100% at most, and the file corrected for later runs)."""
+busy processes divides by no lower a peak than its quiet predecessor measured (the best known), and
+a planted peak far too low is raised by the first step that beats it (MFU 100% at most, and the
+file corrected for later runs)."""
 
 from __future__ import annotations
 
 import json
 
-import pytest
 import subprocess
 import sys
 
@@ -45,8 +44,11 @@ def test_cpu_mfu_divides_by_the_quiet_peak_beside_busy_processes_and_never_excee
     finally:
         for p in busy:
             kill_group(p)
-    # MFU = tokens/s x FLOPs per token / peak: the same model, so tokens/s / MFU is the peak's scale
-    assert loaded["tokens_per_s"] / loaded["mfu"] == pytest.approx(quiet["tokens_per_s"] / quiet["mfu"], rel=0.01)
+    # MFU = tokens/s x FLOPs per token / peak: the same model, so tokens/s / MFU is the peak's
+    # scale. The loaded run divides by the best peak known (the quiet one's, or its own when its
+    # own start-up measured higher), never by a lower one taken beside the busy processes
+    assert loaded["tokens_per_s"] / loaded["mfu"] >= 0.99 * quiet["tokens_per_s"] / quiet["mfu"]
+    assert json.loads(peaks.read_text())[next(iter(measured))] >= next(iter(measured.values()))
     # a peak far below what a step achieves (a start-up measured on a saturated machine): raised
     peaks.write_text(json.dumps({key: 1e6 for key in measured}))
     low = _train(tmp_path / "low", cache)
