@@ -96,8 +96,9 @@ class CpuPeak:
             # GFLOP/s), while autocast's products of small operands take faster paths: against that figure a
             # tiny model's MFU read 1.8-2.6. The peak is the faster of the two measured products.
             now = max(now, measured_matmul_peak(torch.float32))
-        self.flops = max(now, self._known().get(self.key, 0.0))
-        if self.flops > self._known().get(self.key, 0.0):
+        known = self._known().get(self.key, 0.0)
+        self.flops = max(now, known)
+        if self.flops > known:
             self._keep()
 
     def _known(self) -> dict:
