@@ -163,7 +163,6 @@ class QuorumEpochs:
         self._client = client
         self._key: tuple | None = None
         self._id = 0
-        self.reconfigured = 0  # new configurations made (the first included)
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         got = self._client._quorum(*args, **kwargs)
@@ -171,7 +170,6 @@ class QuorumEpochs:
         behind = got.max_world_size < got.replica_world_size
         if key != self._key or behind:
             self._key, self._id = key, configuration_id(got)
-            self.reconfigured += 1
         out = SimpleNamespace(**{name: getattr(got, name) for name in dir(got) if not name.startswith("_")})
         out.quorum_id = self._id
         return out
@@ -291,8 +289,7 @@ class FaultTolerance:
             init_sync=False,  # every group starts from the same seed: the same weights
         )
         # a restarted lighthouse numbers its quorums from 1 again: see QuorumEpochs
-        self.epochs = QuorumEpochs(self.manager._client)
-        self.manager._client = self.epochs
+        self.manager._client = QuorumEpochs(self.manager._client)
         self._quiet(cfg.backend)
         self.semi_sync = cfg.semi_sync
         # a group resumed from disk stands at the checkpoint's step (the Manager counts commits:
