@@ -431,8 +431,8 @@ def test_bad_gpt_oss_switches_are_one_line(overrides, needle):
 @pytest.mark.parametrize(
     "flag,needle",
     [
-        ("model.attn_sinks=true", "parallel.cp=2 does not run with model.attn_sinks=true yet"),
-        ("model.attn_window=16", "parallel.cp=2 does not run with model.attn_window=16 yet"),
+        ("model.attn_sinks=true", "parallel.cp_kernel=torch does not run with model.attn_sinks=true"),
+        ("model.attn_window=16", "parallel.cp_kernel=torch does not run with model.attn_window=16"),
     ],
 )
 def test_sinks_and_windows_with_a_kernel_that_cannot_take_them_are_one_line(flag, needle, tmp_path, monkeypatch):
@@ -442,7 +442,9 @@ def test_sinks_and_windows_with_a_kernel_that_cannot_take_them_are_one_line(flag
     from train_helpers import CONFIGS, small_overrides
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg = load_config(CONFIGS / "gpt2-tiny.yaml", small_overrides("gpt2-tiny", tmp_path, "parallel.cp=2", flag))
+    cfg = load_config(
+        CONFIGS / "gpt2-tiny.yaml", small_overrides("gpt2-tiny", tmp_path, "parallel.cp=2", "parallel.cp_kernel=torch", flag)
+    )
     with pytest.raises(ConfigError) as e:
         Trainer(cfg)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)

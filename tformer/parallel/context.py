@@ -15,6 +15,17 @@ the gradients of the gathered K/V go back to their owners with one reduce-scatte
 causal diagonal are skipped, and no tensor wider than a chunk pair is built: masks (padding,
 documents, causal) and T5's relative bias are made per pair from global positions.
 
+**Windows and sinks** (gpt-oss). A block's local window is applied per chunk pair from the global
+positions of its queries and keys (``window_allowed``'s rule: causal, the ``window`` keys up to the
+query; bidirectional, ``window // 2`` either side), so a window that crosses a shard boundary sees
+exactly the keys one process sees, and pairs the window leaves empty are skipped. Attention sinks
+join the merged softmax: the pairs' log-sum-exp ``l`` becomes ``L = logaddexp(l, sink)`` and the
+output is scaled by ``exp(l - L)``; backward then runs with ``L`` and the scaled output (the sink
+is a key of score ``sink`` and value 0), and the sink's gradient is ``-sum exp(sink - L) * delta``
+over this rank's queries (``delta`` = rowsum(dout * out)), summed over the ranks with the other
+gradients. Latent attention (MLA) runs the same core over its expanded keys and values (heads of
+``qk_nope + qk_rope`` and ``v_head_dim``): the gathered K/V are the expanded heads, not the latent.
+
 A row with no key to attend to (a sequence of padding only) comes out as zeros here, where the
 single-device path spreads it evenly over the masked keys; such rows carry no label and are attended
 by no one, so losses and gradients are the same.
@@ -97,12 +108,20 @@ class _Keys:
     k_doc: torch.Tensor | None  # (B, S_k) of all keys, in sequence order
     k_pad: torch.Tensor | None  # (B, S_k) bool, True = real key
     bias: Any = None  # RelativePositionBias (its table is the Function's ``table`` input)
+    window: int | None = None  # a local window (``nn.attention.window_allowed``), by global position
+
+    def _outside_window(self, i: int, j: int) -> bool:
+        """True where no query of chunk ``i`` has a key of chunk ``j`` inside the window."""
+        if self.window is None or i == j:
+            return False
+        nearest = (abs(i - j) - 1) * self.k_chunk + 1  # the closest (query, key) distance of the pair
+        return nearest >= self.window if self.causal else nearest > self.window // 2
 
     def pairs(self):
         """(query half, key chunk) pairs that a causal mask leaves non-empty."""
         for a, i in enumerate(held_chunks(self.rank, self.cp)):
             for j in range(2 * self.cp):
-                if not (self.causal and j > i):
+                if not (self.causal and j > i) and not self._outside_window(i, j):
                     yield a, i, j
 
     def mask(self, a: int, i: int, j: int, table: torch.Tensor | None, dtype):
@@ -122,6 +141,11 @@ class _Keys:
             k_pos = torch.arange(j * self.k_chunk, (j + 1) * self.k_chunk, device=table.device)
             buckets = self.bias.buckets(self.q_pos[a], k_pos)
             bias = table[buckets].permute(2, 0, 1).unsqueeze(0).to(dtype)
+        if self.window is not None:
+            k_pos = torch.arange(j * self.k_chunk, (j + 1) * self.k_chunk, device=self.q_pos[a].device)
+            distance = self.q_pos[a][:, None] - k_pos[None, :]
+            inside = distance < self.window if self.causal else distance.abs() <= self.window // 2
+            allowed = inside if allowed is None else allowed & inside
         if diag and (allowed is not None or bias is not None):
             tri = torch.ones(self.k_chunk, self.k_chunk, dtype=torch.bool, device=self.q_pos[a].device).tril()
             allowed = tri if allowed is None else allowed & tri
@@ -210,7 +234,7 @@ def _key_chunks(gathered: torch.Tensor, chunk: int) -> list[torch.Tensor]:
 
 class _ShardedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, table, keys: _Keys):
+    def forward(ctx, q, k, v, table, sinks, keys: _Keys):
         c = q.shape[2] // 2
         ks = _key_chunks(_gather(k, keys.group, keys.cp), keys.k_chunk)
         vs = _key_chunks(_gather(v, keys.group, keys.cp), keys.k_chunk)
@@ -227,21 +251,28 @@ class _ShardedAttention(torch.autograd.Function):
             if acc[a] is None:  # every key masked for these queries
                 b, h = q.shape[:2]
                 acc[a] = (q.new_zeros((b, h, c, v.shape[-1]), dtype=torch.float32), q.new_full((b, h, c), float("-inf")))
-        out = torch.cat([o for o, _ in acc], 2).to(q.dtype)
+        out = torch.cat([o for o, _ in acc], 2)
         lse = torch.cat([s for _, s in acc], 2)
+        if sinks is not None:  # one more key of score ``sink`` and value 0 in every row's softmax
+            total = torch.logaddexp(lse, sinks.float()[None, :, None])
+            out, lse = out * torch.exp(lse - total)[..., None], total
+        out = out.to(q.dtype)
         ctx.keys = keys
-        ctx.save_for_backward(q, k, v, out, lse, table)
+        ctx.save_for_backward(q, k, v, out, lse, table, sinks)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, table = ctx.saved_tensors
+        q, k, v, out, lse, table, sinks = ctx.saved_tensors
         keys: _Keys = ctx.keys
         c, cp = q.shape[2] // 2, keys.cp
         ks = _key_chunks(_gather(k, keys.group, cp), keys.k_chunk)
         vs = _key_chunks(_gather(v, keys.group, cp), keys.k_chunk)
         lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
         delta = (dout.float() * out.float()).sum(-1)
+        dsinks = None
+        if sinks is not None:  # the sink's probability times its score gradient (0 - delta), per row
+            dsinks = -(torch.exp(sinks.float()[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         # the gathered keys' gradients, laid out as the reduce-scatter sends them (no staging copy)
         dk_all, dv_all = (torch.zeros((cp, *x.shape), dtype=torch.float32, device=x.device) for x in (k, v))
@@ -262,7 +293,8 @@ class _ShardedAttention(torch.autograd.Function):
             if ds is not None:
                 dtable.index_add_(0, buckets.flatten(), ds.sum(0).flatten(1).T)
         del ks, vs  # the gathered keys: freed before the reduce-scatters
-        return dq.to(q.dtype), _scatter_back(dk_all, keys, k), _scatter_back(dv_all, keys, v), dtable, None
+        dk, dv = _scatter_back(dk_all, keys, k), _scatter_back(dv_all, keys, v)
+        return dq.to(q.dtype), dk, dv, dtable, dsinks, None
 
 
 def _scatter_back(grads: torch.Tensor, keys: _Keys, like: torch.Tensor) -> torch.Tensor:
@@ -289,15 +321,25 @@ class ContextParallelAttention:
         self.mesh = mesh
         self._gathered: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def __call__(self, q, k, v, *, padding_mask, causal, attn_bias, doc_mask, scale, dropout_p, impl, training=True):
+    def __call__(
+        self, q, k, v, *, padding_mask, causal, attn_bias, doc_mask, scale, dropout_p, impl, training=True,
+        window=None, sinks=None, softcap=None,
+    ):  # fmt: skip
         if not training:  # evaluation and generation see whole sequences (see apply_context_parallel)
+            local = {n: x for n, x in (("window", window), ("sinks", sinks), ("softcap", softcap)) if x is not None}
             return local_attention(
                 q, k, v, padding_mask=padding_mask, causal=causal, attn_bias=attn_bias, doc_mask=doc_mask,
-                scale=scale, dropout_p=dropout_p, impl=impl,
+                scale=scale, dropout_p=dropout_p, impl=impl, **local,
             )  # fmt: skip
         if dropout_p:
             raise ConfigError("context parallelism has no attention dropout; set model.attn_dropout=0")
+        if softcap is not None:
+            raise ConfigError("context parallelism's attention takes no cap on the scores; set parallel.cp=1")
         if self.kernel == "torch":
+            if window is not None or sinks is not None:
+                raise ConfigError(
+                    "parallel.cp_kernel=torch takes no attention windows or sinks; use parallel.cp_kernel=tformer"
+                )
             return self._torch(q, k, v, padding_mask, causal, attn_bias, doc_mask, scale)
         if causal and q.shape[2] != k.shape[2]:
             raise ValueError("causal attention under context parallelism needs queries and keys of one sequence")
@@ -318,11 +360,17 @@ class ContextParallelAttention:
             k_doc=self._all_keys(doc_mask.k_ids) if doc_mask is not None else None,
             k_pad=self._all_keys(padding_mask).bool() if padding_mask is not None else None,
             bias=attn_bias,
+            window=window,
         )
         table = attn_bias.embedding.weight if attn_bias is not None else None
         if hasattr(table, "to_local"):  # tensor parallel: this rank's heads' columns (a DTensor)
             table = table.to_local()
-        return _ShardedAttention.apply(q, k, v, table, keys)
+        d_v = v.shape[-1]
+        if q.device.type == "cpu" and d_v != q.shape[-1]:  # latent attention's narrower values: the CPU
+            # kernel wants one head width; zero value columns attend to zeros and are cut off again
+            v = torch.nn.functional.pad(v, (0, q.shape[-1] - d_v))
+        out = _ShardedAttention.apply(q, k, v, table, sinks, keys)
+        return out[..., :d_v] if out.shape[-1] != d_v else out
 
     def _all_keys(self, local: torch.Tensor) -> torch.Tensor:
         """A (B, S_k/cp) per-key tensor of this rank -> (B, S_k) of the whole sequence. Every layer
@@ -406,12 +454,13 @@ def apply_context_parallel(model, group, kernel: str = "tformer", mesh=None) -> 
     locally, so evaluation and generation run whole sequences on every rank as before."""
     from ..nn.attention import MultiHeadAttention
     from ..nn.block import TransformerStack
+    from ..nn.latent import LatentAttention
 
     if model.config.attn_dropout:
         raise ConfigError("context parallelism has no attention dropout; set model.attn_dropout=0")
     core = ContextParallelAttention(group, kernel, mesh)
     for module in model.modules():
-        if isinstance(module, MultiHeadAttention):
+        if isinstance(module, (MultiHeadAttention, LatentAttention)):
             module.core = core
         elif isinstance(module, TransformerStack):
             module.bias_per_block = True
@@ -460,11 +509,11 @@ def check_context_parallel(cfg, dims) -> None:
         raise ConfigError(
             f"parallel.cp={cp} does not run with attention dropout yet; set model.attn_dropout=0, or parallel.cp=1"
         )
-    if cfg.model.attn_sinks or cfg.model.attn_window is not None:  # its kernels take neither (the core gets none)
+    if pcfg.cp_kernel == "torch" and (cfg.model.attn_sinks or cfg.model.attn_window is not None):
         field = "model.attn_sinks=true" if cfg.model.attn_sinks else f"model.attn_window={cfg.model.attn_window}"
         raise ConfigError(
-            f"parallel.cp={cp} does not run with {field} yet: context parallelism's attention kernels take no sinks "
-            "and no windows; set parallel.cp=1"
+            f"parallel.cp_kernel=torch does not run with {field}: torch's ring attention takes no sinks and no "
+            "windows; set parallel.cp_kernel=tformer"
         )
     if cfg.model.attn_softcap is not None:  # nor a cap on the scores (only the math path caps)
         raise ConfigError(

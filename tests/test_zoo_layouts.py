@@ -1,0 +1,313 @@
+"""The new decoders (qwen3, qwen3_moe, deepseek_v3, gpt_oss) under every parallel dimension, each
+equal to one process of the same global batch; context parallelism with windows that cross a shard
+boundary, attention sinks and latent attention; the loss-free routing bias bitwise across layouts.
+
+Gradient-level cases run on 2 gloo ranks (fp32) at odd widths and an odd length, and are held to
+``rounding.FACTOR`` times how far one process's fp32 result lies from the same model in float64
+(tests/rounding.py): a layout computes one process's mathematics in another summation order, so it
+lies within a few roundings of one process; its defects lie orders of magnitude further.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import tformer
+from tformer.nn.attention import local_attention
+from tformer.parallel.context import held_positions, shard_seq
+
+from rounding import FACTOR, FP32_ROUNDING, ZERO, float64_throughout, relative, yardstick
+from test_context_parallel import ATTENTION_FACTOR, close_group, init_group, run_group
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SEQ = 13  # padded to 16 over cp=2: four chunks of 4, so a window of 5 reaches across every border
+
+# -- context parallelism's attention core: windows, sinks, latent heads ---------------------------
+
+# name: (causal, window, sinks, (heads, kv heads), (qk width, v width))
+CORE_CASES = {
+    "causal-window": (True, 5, False, (4, 2), (8, 8)),
+    "causal-window-sinks": (True, 5, True, (4, 2), (8, 8)),
+    "sinks": (True, None, True, (4, 4), (8, 8)),
+    "bidirectional-window": (False, 6, False, (4, 2), (8, 8)),
+    "latent-heads-window": (True, 3, False, (3, 3), (10, 5)),  # MLA: values narrower than q/k
+}
+
+
+def _core_inputs(name, gen):
+    causal, window, sinks, (h, hk), (dk, dv) = CORE_CASES[name]
+    b = 2
+    q = torch.randn(b, h, SEQ, dk, generator=gen)
+    k = torch.randn(b, hk, SEQ, dk, generator=gen)
+    v = torch.randn(b, hk, SEQ, dv, generator=gen)
+    s = torch.randn(h, generator=gen) if sinks else None
+    return q, k, v, s, causal, window
+
+
+def _core_reference(name, seed, dtype):
+    q, k, v, s, causal, window = _core_inputs(name, torch.Generator().manual_seed(seed))
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v) + ((s,) if s is not None else ())]
+    pad = None if causal else torch.ones(2, SEQ, dtype=torch.long)
+    out = local_attention(
+        *leaves[:3], padding_mask=pad, causal=causal, attn_bias=None, doc_mask=None, scale=0.4, dropout_p=0.0,
+        impl="math", window=window, sinks=leaves[3] if s is not None else None,
+    )  # fmt: skip
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 100)).to(dtype)
+    return out.detach(), dout, torch.autograd.grad(out, leaves, dout)
+
+
+def _core_worker(rank, world, seq, out_dir):
+    init_group(rank, world, out_dir)
+    import torch.distributed as dist
+
+    from tformer.parallel.context import ContextParallelAttention
+
+    try:
+        core = ContextParallelAttention(dist.group.WORLD)
+        report = {}
+        for seed, name in enumerate(CORE_CASES):
+            ref_out, ref_dout, ref_grads = _core_reference(name, seed, torch.float32)
+            with float64_throughout():
+                exact_out, _, exact_grads = _core_reference(name, seed, torch.float64)
+            q, k, v, s, causal, window = _core_inputs(name, torch.Generator().manual_seed(seed))
+            # planted defects: the window one key wider each way than one process's, the sinks left out
+            for variant, win, sinks in (("ok", window, s), ("wide", window and window + 2, s), ("no-sinks", window, None)):
+                if variant != "ok" and (win == window and sinks is s):
+                    continue
+                ql, kl, vl = (shard_seq(x, rank, world, dim=2).requires_grad_() for x in (q, k, v))
+                sl = sinks.clone().requires_grad_() if sinks is not None else None
+                pad = None if causal else shard_seq(torch.ones(2, SEQ, dtype=torch.long), rank, world)
+                kw = {n: x for n, x in (("window", win), ("sinks", sl)) if x is not None}
+                out = core(
+                    ql, kl, vl, padding_mask=pad, causal=causal, attn_bias=None, doc_mask=None, scale=0.4,
+                    dropout_p=0.0, impl="math", **kw,
+                )  # fmt: skip
+                leaves = [ql, kl, vl] + ([sl] if sl is not None else [])
+                grads = list(torch.autograd.grad(out, leaves, shard_seq(ref_dout, rank, world, dim=2)))
+                real = held_positions(2 * out.shape[2], rank, world) < SEQ
+                errs = {
+                    "out": _ratio(out[:, :, real], shard_seq(ref_out, rank, world, dim=2)[:, :, real], ref_out, exact_out)
+                }
+                for what, got, want, exact in zip("qkv", grads, ref_grads, exact_grads):
+                    errs[f"d{what}"] = _ratio(got, shard_seq(want, rank, world, dim=2), want, exact)
+                if s is not None and sl is not None:  # every rank holds its queries' part of the sink's gradient
+                    dist.all_reduce(grads[3])
+                    errs["dsinks"] = _ratio(grads[3], ref_grads[3], ref_grads[3], exact_grads[3])
+                report[f"{name}/{variant}"] = errs
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        close_group()
+
+
+def _ratio(got, want, fp32, exact):
+    """Largest difference from one process's part, in yardsticks (its fp32 distance from float64)."""
+    yard = max((fp32.double() - exact).abs().max().item(), FP32_ROUNDING * exact.abs().max().item())
+    return (got.double() - want.double()).abs().max().item() / yard
+
+
+def test_cp_attention_with_windows_sinks_and_latent_heads_equals_one_process(tmp_path):
+    """cp=2 over 13 tokens: windows that cross the shard boundary (causal and bidirectional), sinks
+    merged into the pairs' log-sum-exp, MLA's narrower values: output and every gradient (the
+    sinks' summed over the ranks) within ATTENTION_FACTOR yardsticks of one process. The window one
+    key wider (each side, bidirectional), or the sinks left out, lie far outside. Measured on a 2-core AVX2 EPYC: see the
+    printed line."""
+    run_group(2, SEQ, str(tmp_path), _core_worker)
+    worst = 0.0
+    planted = {}
+    for rank in range(2):
+        for key, errs in json.loads(Path(tmp_path, f"rank{rank}.json").read_text()).items():
+            name, variant = key.split("/")
+            if variant == "ok":
+                bad = {w: e for w, e in errs.items() if not e <= ATTENTION_FACTOR}
+                assert not bad, (rank, name, bad)
+                worst = max(worst, *errs.values())
+            else:
+                planted[key] = max(planted.get(key, 0.0), *errs.values())
+    assert set(planted) == {f"{n}/wide" for n, c in CORE_CASES.items() if c[1]} | {
+        f"{n}/no-sinks" for n, c in CORE_CASES.items() if c[2]
+    }
+    assert all(e > 100 * ATTENTION_FACTOR for e in planted.values()), planted
+    print(f"cp=2 windows/sinks/latent: at most {worst:.2f} yardsticks; planted defects at least {min(planted.values()):.0f}")
+
+
+# -- the flavours' models: cp, tp and ep against one process, at the gradient ----------------------
+
+
+def _moved(model):
+    """Every norm gain, sink, bias and routing bias moved off its initial value, so that a layout
+    that drops or mis-splits one is seen."""
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.dim() == 1 and name.endswith("weight"):
+                t.normal_(1.0, 0.2)
+            elif name.endswith(("score_bias", "sinks.logits")) or (name.endswith("bias") and t.is_floating_point()):
+                t.normal_(0.0, 0.3)
+            elif name.endswith(("gate_bias", "up_bias", "down_bias")):
+                t.normal_(0.0, 0.1)
+    return model
+
+
+ODD_DENSE = dict(vocab_size=300, d_model=36, max_seq_len=32, init_std=0.1, num_layers=2)
+MODELS = {
+    # name: (preset, overrides); 4 heads over 2 KV heads where tp=2 splits them
+    "qwen3": ("qwen3-tiny", dict(ODD_DENSE, num_heads=4, num_kv_heads=2, d_head=10, d_ff=44)),
+    "qwen3_moe": (
+        "qwen3-moe-tiny",
+        dict(ODD_DENSE, num_heads=4, num_kv_heads=2, d_head=10, moe=dict(num_experts=6, top_k=2, d_expert=14)),
+    ),
+    "gpt_oss": (
+        "gpt-oss-tiny",  # window 5 on block 0, global block 1, sinks, biased experts, YaRN
+        dict(
+            ODD_DENSE,
+            num_heads=4,
+            num_kv_heads=2,
+            d_head=10,
+            attn_window=5,
+            rope_original_max_len=8,
+            moe=dict(num_experts=4, top_k=2, d_expert=14),
+        ),
+    ),  # fmt: skip
+    "deepseek_v3": (
+        "deepseek-v3-tiny",  # first block dense, then shared + routed experts, group-limited sigmoid routing
+        dict(
+            ODD_DENSE,
+            num_heads=4,
+            d_ff=52,
+            mtp_depth=0,
+            mla=dict(q_lora_rank=14, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5),
+            moe=dict(num_experts=6, n_group=3, topk_group=2, top_k=3, d_expert=20, routed_scaling_factor=1.7),
+        ),
+    ),  # fmt: skip
+}
+# the layouts run at the gradient (the default lane: one per mechanism and flavour that needs it)
+LAYOUTS = [
+    ("gpt_oss", "cp"),  # windows across the shard border, sinks
+    ("deepseek_v3", "cp"),  # latent attention
+    ("gpt_oss", "tp"),  # sinks split with their heads, biased q/k/v/o and experts
+    ("qwen3_moe", "ep"),
+    ("deepseek_v3", "ep"),  # shared experts beside the routed ones, the dense first block
+    ("gpt_oss", "ep"),  # expert biases sharded with their experts
+]
+
+
+def zoo_model(name, no_aux=False):
+    preset, overrides = MODELS[name]
+    overrides = copy.deepcopy(overrides)
+    if no_aux and "moe" in overrides:  # per-shard routing losses are not the sequence's (see _layout_worker)
+        overrides["moe"].update(aux_loss_coef=0.0, seq_aux_loss_coef=0.0)
+    torch.manual_seed(0)
+    return _moved(tformer.build_model(preset, dropout=0.0, attn_dropout=0.0, **overrides)).float()
+
+
+def _batch(vocab, rows, seed, length=SEQ):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (rows, length), generator=gen)
+    labels = torch.randint(3, vocab, (rows, length), generator=gen)
+    labels[0, :3] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def _grads(model, batches):
+    """Mean loss of ``batches`` (each one micro-batch) and every parameter's gradient."""
+    model.train()
+    total = 0.0
+    for batch in batches:
+        loss = model(**batch, return_logits=False).loss / len(batches)
+        loss.backward()
+        total = total + loss.detach()
+    return {"loss": total, **{n: p.grad.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _full(g):
+    return g.full_tensor() if hasattr(g, "full_tensor") else g
+
+
+def _layout_worker(rank, world, seq, out_dir):
+    init_group(rank, world, out_dir)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tformer.parallel.context import apply_context_parallel, loss_tokens, shard_batch
+    from tformer.parallel.ep import apply_expert_parallel
+    from tformer.parallel.tp import apply_tensor_parallel, loss_context
+
+    try:
+        report = {}
+        for seed, (name, layout) in enumerate(LAYOUTS):
+            # cp: each rank holds a shard of every sequence, whose routing losses are the sequence's
+            # only through the trainer's pool (test_moe_layouts): none here. ep: each rank holds
+            # half the batch, one process accumulates the two halves as two micro-batches.
+            no_aux = layout == "cp"
+            ref = zoo_model(name, no_aux)
+            # sequence parallelism splits the sequence evenly (the trainer pads it to a multiple of tp)
+            batch = _batch(ref.config.vocab_size, 4 if layout == "ep" else 2, seed, SEQ + (layout == "tp"))
+            halves = [{k: v[2 * r : 2 * r + 2] for k, v in batch.items()} for r in range(2)]
+            parts = halves if layout == "ep" else [batch]
+            exact_model = copy.deepcopy(ref).double()
+            model = copy.deepcopy(ref)
+            want = _grads(ref, parts)
+            with float64_throughout():
+                exact = _grads(exact_model, parts)
+            scale = max(g.abs().max().item() for n, g in want.items() if n != "loss")
+            model.train()
+            if layout == "cp":
+                apply_context_parallel(model, dist.group.WORLD)
+                shard = shard_batch(batch, rank, world, model.config)
+                count = loss_tokens(shard["labels"], dist.group.WORLD)
+                loss = model(**shard, return_logits=False, loss_tokens=count).loss
+                loss.backward()
+                dist.all_reduce(loss := loss.detach())
+                got = {"loss": loss}
+                for n, p in model.named_parameters():
+                    dist.all_reduce(p.grad)
+                    got[n] = p.grad
+            elif layout == "tp":
+                apply_tensor_parallel(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))["tp"], sp=True)
+                with loss_context(True):
+                    loss = model(**batch, return_logits=False).loss
+                    loss.backward()
+                got = {"loss": _full(loss.detach())}
+                got.update({n: _full(p.grad) for n, p in model.named_parameters()})
+            else:  # ep: this rank's half; the experts' gradients arrive summed over both halves
+                apply_expert_parallel(model, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))["ep"])
+                loss = model(**halves[rank], return_logits=False).loss / world
+                loss.backward()
+                dist.all_reduce(loss := loss.detach())
+                got = {"loss": loss}
+                for n, p in model.named_parameters():
+                    if hasattr(p.grad, "full_tensor"):
+                        got[n] = p.grad.full_tensor()
+                    else:
+                        dist.all_reduce(p.grad)
+                        got[n] = p.grad
+            assert got.keys() == want.keys(), set(got) ^ set(want)
+            yard = yardstick(want, exact, scale)
+            report[f"{name}/{layout}"] = {"yard": yard, **{n: relative(got[n], want[n], ZERO * scale) for n in got}}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        close_group()
+
+
+def test_flavours_under_cp_tp_and_ep_equal_one_process(tmp_path):
+    """Loss and every parameter's gradient of 2 ranks equal one process of the same global batch
+    within FACTOR yardsticks (tests/rounding.py): gpt-oss under cp (its window crossing the shard
+    border, sinks in the merged softmax) and tp + SP (sinks split with their heads); DeepSeek-V3's
+    latent attention under cp; qwen3-moe, DeepSeek-V3 (shared experts, group-limited routing, a
+    dense first block) and gpt-oss (expert biases) under ep."""
+    run_group(2, SEQ, str(tmp_path), _layout_worker)
+    report = json.loads(Path(tmp_path, "rank0.json").read_text())
+    assert list(report) == [f"{n}/{lay}" for n, lay in LAYOUTS]
+    lines = []
+    for case, errs in report.items():
+        yard = errs.pop("yard")
+        bad = {w: e for w, e in errs.items() if not e <= FACTOR * yard}
+        assert not bad, (case, bad, yard)
+        worst = max(errs, key=errs.get)
+        lines.append(f"{case} {errs[worst] / yard:.2f} ({worst})")
+    print("yardsticks: " + "; ".join(lines))
