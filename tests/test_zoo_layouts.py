@@ -311,3 +311,104 @@ def test_flavours_under_cp_tp_and_ep_equal_one_process(tmp_path):
         worst = max(errs, key=errs.get)
         lines.append(f"{case} {errs[worst] / yard:.2f} ({worst})")
     print("yardsticks: " + "; ".join(lines))
+
+
+# -- trainer runs: the loss-free bias bitwise across layouts and a resume; pipeline cuts -----------
+
+# DeepSeek-V3's tiny recipe at test size: a dense first block, then two MoE blocks (sigmoid routing,
+# the bias moved by 1e-3 after every step), one MTP depth where the layout allows it
+DEEPSEEK = ["model.num_layers=3", "model.moe.bias_update_rate=0.01"]
+
+
+def _bias_worker(rank, world, port, jobs, cache):
+    """test_mesh's worker, each run writing its routing biases (every rank) and, for ``planted``
+    runs, the balancer built to update from this rank's loads only."""
+    from train_helpers import become_rank
+
+    become_rank(rank, world, port, cache, 300)
+    import torch.distributed as dist
+
+    from tformer.parallel import balance
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+    from train_helpers import CONFIGS
+
+    try:
+        for recipe, overrides, out, planted in jobs:
+            of = balance.LoadBalancer.of
+            if planted:  # the planted defect: each rank updates from its own loads
+                balance.LoadBalancer.of = classmethod(_one_rank)  # type: ignore[method-assign]
+            trainer = Trainer(load_config(CONFIGS / f"{recipe}.yaml", overrides))
+            balance.LoadBalancer.of = of  # type: ignore[method-assign]
+            trainer.fit()
+            biases = {n: b.clone() for n, b in trainer.model.named_buffers() if n.endswith("score_bias")}
+            torch.save(biases, f"{out}/bias{rank}.pt")
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _one_rank(cls, model, moe_cfg, dist_info):
+    return cls(model, moe_cfg.bias_update_rate, None, reduce=False)
+
+
+def _train_one(recipe, out, *flags):
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+    from train_helpers import CONFIGS, losses, small_overrides
+
+    from test_mesh import COMMON
+
+    trainer = Trainer(load_config(CONFIGS / f"{recipe}.yaml", small_overrides(recipe, out, *COMMON, *flags)))
+    trainer.fit()
+    biases = {n: b.clone() for n, b in trainer.model.named_buffers() if n.endswith("score_bias")}
+    return losses(out), biases, trainer
+
+
+BIAS_LAYOUTS = [
+    ("ddp", ["parallel.strategy=ddp"], False),
+    ("fsdp", ["parallel.strategy=fsdp", "parallel.dp_shard=2"], False),
+    ("ep", ["parallel.strategy=fsdp", "parallel.dp_shard=2", "parallel.ep=2"], False),
+    ("planted-one-rank", ["parallel.strategy=ddp"], True),
+]
+
+
+@pytest.mark.parametrize(
+    "lane", [pytest.param(slice(0, 1), id="ddp"), pytest.param(slice(1, None), id="fsdp-ep", marks=pytest.mark.long)]
+)
+@pytest.mark.timeout(1200)
+def test_routing_bias_is_bitwise_one_process_across_layouts_and_a_resume(lane, cache, tmp_path):
+    """The loss-free bias after 4 steps of DeepSeek-V3's tiny recipe: DDP, FSDP2 and FSDP2 x ep=2
+    on 2 ranks hold, on every rank, bitwise the bias of one process accumulating the same global
+    batch (loads are integer counts, summed exactly in any order); so does a run saved at step 2
+    and resumed, whose losses are bitwise the uninterrupted run's too. Updated from one rank's
+    loads only (planted), the bias is another."""
+    from train_helpers import free_port, losses, small_overrides, spawn_ranks
+
+    from test_mesh import COMMON
+
+    recipe = "deepseek-v3-tiny"
+    ref_losses, ref, _ = _train_one(recipe, tmp_path / "one", *DEEPSEEK, "grad_accum=2", "save_every=2")
+    assert ref and all(b.abs().sum() > 0 for b in ref.values())
+    layouts = BIAS_LAYOUTS[lane] + ([BIAS_LAYOUTS[-1]] if lane.start == 0 else [])
+    jobs = []
+    for name, flags, planted in layouts:
+        out = tmp_path / name
+        jobs.append((recipe, small_overrides(recipe, out, *COMMON, *DEEPSEEK, *flags), str(out), planted))
+    spawn_ranks(_bias_worker, (2, free_port(), jobs, cache), 2, 900)
+    for name, _, planted in layouts:
+        for rank in range(2):
+            got = torch.load(tmp_path / name / f"bias{rank}.pt", weights_only=True)
+            same = got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+            assert same != planted, (name, rank)
+    if lane.start == 0:  # resume: the uninterrupted run's step-2 checkpoint, trained on to step 4
+        import shutil
+
+        out = tmp_path / "resumed"
+        shutil.copytree(tmp_path / "one", out)
+        shutil.rmtree(out / "checkpoints" / "step_00000004")
+        _, resumed, trainer = _train_one(recipe, out, *DEEPSEEK, "grad_accum=2", "save_every=2")
+        assert trainer.resumed_from is not None and trainer.resumed_from.name == "step_00000002"
+        assert losses(out) == ref_losses, (losses(out), ref_losses)  # steps 3 and 4 logged again
+        assert all(torch.equal(resumed[k], ref[k]) for k in ref)
