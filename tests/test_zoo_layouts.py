@@ -442,3 +442,65 @@ def test_pipeline_cuts_of_qwen3_and_deepseek_v3_equal_one_process(cache, tmp_pat
         for i, (name, _) in enumerate(PIPELINES):
             ref = test_mesh.reference(name, tmp_path_factory, 2)
             test_mesh.assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", ref)
+
+
+# -- float8's layer choice, activation checkpointing, compile -----------------------------------
+
+
+def test_float8_takes_the_new_linear_layers_that_fit_and_leaves_routers_and_sinks():
+    """MLA's low-rank projections are ordinary block linears: converted where both sizes are
+    multiples of 16 (deepseek-v3-tiny: q_down 64->32, q_up 32->96, kv_down 64->32, o_proj; kv_up
+    24->128 is not); routers stay fp32; gpt-oss's biased q/k/v/o are taken, its sinks (no linear)
+    and biased experts (stacked, not nn.Linear) are not."""
+    from tformer.parallel.float8 import float8_filter
+
+    ds = float8_filter(tformer.build_model("deepseek-v3-tiny", mtp_depth=0))
+    for attn in ("q_down", "q_up", "kv_down", "o_proj"):
+        assert f"decoder.layers.0.attn.{attn}" in ds and f"decoder.layers.2.attn.{attn}" in ds, (attn, sorted(ds))
+    assert not any(n.endswith(("kv_up", "router")) for n in ds), sorted(ds)
+    oss = float8_filter(tformer.build_model("gpt-oss-tiny"))
+    assert {f"decoder.layers.0.attn.{p}_proj" for p in "qkvo"} <= oss, sorted(oss)
+    assert not any(("sinks" in n) or ("experts" in n) or n.endswith("router") for n in oss), sorted(oss)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "deepseek_v3"])
+def test_activation_checkpointing_trains_what_the_plain_model_trains_bitwise(name):
+    """Full AC over every block: loss and gradients bitwise those without (the recomputed forward
+    is the same arithmetic; the routing loads are counted once, not again in the recomputation)."""
+    from tformer.parallel.ac import apply_activation_checkpointing
+
+    batch = _batch(300, 2, 0)
+    plain = zoo_model(name)
+    want = _grads(plain, [batch])
+    ac = zoo_model(name)
+    assert apply_activation_checkpointing(ac, "full") == 2
+    got = _grads(ac, [batch])
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+    loads = [m.load for m in ac.modules() if getattr(m, "load", None) is not None]
+    ref_loads = [m.load for m in plain.modules() if getattr(m, "load", None) is not None]
+    assert len(loads) == len(ref_loads) and all(torch.equal(a, b) for a, b in zip(loads, ref_loads))
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gpt_oss", "deepseek_v3"])
+def test_every_new_attention_and_dense_block_compiles_without_a_graph_break(name):
+    """The blocks per-block compile traces: QK-norm attention (and qwen3's whole training forward),
+    gpt-oss's windowed attention with sinks, MLA and DeepSeek-V3's dense first block; one graph
+    each. (An MoE layer's routing is left eager by design: parallel/compile.py.)"""
+    from tformer.parallel.compile import allow_dynamic_shapes
+
+    model = zoo_model(name).train()
+    allow_dynamic_shapes(model)
+    batch = _batch(300, 2, 0, 16)
+    x = torch.randn(2, 16, model.config.d_model)
+    layers = model.decoder.layers
+    targets = [("attn", layers[0].attn, (x,), {"causal": True})]
+    if name == "deepseek_v3":
+        targets.append(("dense block", layers[0], (x,), {}))
+    if name == "qwen3":
+        targets.append(("model", lambda **kw: model(**kw, return_logits=False).loss, (), batch))
+    for what, fn, args, kwargs in targets:
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(fn)(*args, **kwargs)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, (
+            what, [str(r.reason)[:200] for r in explained.break_reasons]
+        )  # fmt: skip
