@@ -164,12 +164,9 @@ def meaning(cfg):
     weights), YaRN's settings at their defaults where YaRN is off (unused)."""
     if cfg.moe.router_softmax == "topk":
         cfg = cfg.replace(moe={**dataclasses.asdict(cfg.moe), "router_softmax": "all", "renormalize": True})
-    if cfg.rope_scaling == "none":
-        cfg = cfg.replace(**{k: getattr(tformer.ModelConfig(), k) for k in YARN_KEYS})
+    if not cfg.yarn.enabled:
+        cfg = cfg.replace(yarn={})
     return cfg
-
-
-YARN_KEYS = ("rope_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow", "rope_truncate")
 
 
 # -- tformer -> HF -> tformer: export, parity, import bitwise ------------------------------------
@@ -190,7 +187,7 @@ EXPORTS = {
     ),
     "gpt-oss-tiny-every-third-no-yarn-tied": (
         "gpt-oss-tiny",
-        dict(vocab_size=512, num_layers=3, global_every=3, rope_scaling="none", tie_embeddings=True),
+        dict(vocab_size=512, num_layers=3, global_every=3, yarn=dict(factor=None), tie_embeddings=True),
     ),
     "qwen3-moe-tiny-all-not-renormalised-tied": (
         "qwen3-moe-tiny",
@@ -398,6 +395,7 @@ def test_yarn_frequencies_and_scale_are_hf_ones():
     from transformers import GptOssConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    from tformer.config import YarnConfig
     from tformer.nn import Rotary
 
     for truncate in (True, False):
@@ -406,7 +404,7 @@ def test_yarn_frequencies_and_scale_are_hf_ones():
         )
         hf = GptOssConfig(head_dim=64, rope_parameters=rope)
         want, scale = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
-        ours = Rotary(64, 150000.0, yarn_args=(32.0, 4096, 32.0, 1.0, truncate))
+        ours = Rotary(64, 150000.0, YarnConfig(factor=32.0, original_max_seq_len=4096, truncate=truncate))
         assert torch.equal(ours.inv_freq, want) and ours.scale == scale
     plain = Rotary(64, 150000.0)
     assert not torch.equal(plain.inv_freq, ours.inv_freq)  # planted: YaRN left out
@@ -416,7 +414,8 @@ BAD = [
     (dict(attn_window=129), "attn_window=129 is longer than max_seq_len=128"),
     (dict(attn_window=0), "attn_window=0 must be >= 1"),
     (dict(global_every=-1), "global_every=-1 must be >= 0"),
-    (dict(rope_factor=0.5), "rope_factor=0.5 must be >= 1"),
+    (dict(yarn=dict(factor=0.5)), "model.yarn.factor=0.5 must be > 1"),
+    (dict(rope_factor=32.0), "model.rope_factor has moved: write it as model.yarn.factor"),
     (dict(moe=dict(swiglu_limit=0.0)), "model.moe.swiglu_limit=0.0 must be > 0"),
 ]
 
