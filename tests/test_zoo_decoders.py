@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -481,3 +482,42 @@ def test_qwen3_under_fsdp2_and_tp_equals_one_process(cache, tmp_path_factory):
             test_mesh.assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", ref)
             if "parallel.tp=2" in flags:
                 test_mesh.assert_counts(tmp / f"report{i}", 2, 2)
+
+
+# -- the path users take after pretraining: the export fine-tuned by HF's own Trainer -------------
+
+
+@pytest.mark.parametrize("preset", ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny", "gpt-oss-tiny"])
+def test_export_fine_tunes_under_hf_trainer(preset, corpus, toks, tmp_path):  # noqa: F811
+    """An exported checkpoint loaded by ``AutoModelForCausalLM`` trains under ``transformers.Trainer``:
+    every parameter HF has gets a gradient (none left frozen or detached by the export) and the loss
+    on the repeated batch falls."""
+    torch.manual_seed(0)
+    model = tformer.build_model(preset, vocab_size=512).eval()
+    perturb(model)
+    out = export_hf(save_run(model, toks["bpe"], tmp_path / "run"), tmp_path / "hf")
+    hf = load_hf(out).train()
+    tok = load_tokenizer(toks["bpe"])
+    text = " ".join(corpus.read_text().split()[:2000])
+    ids = tok.encode(text).ids
+    rows = [{"input_ids": ids[k * 24 : (k + 1) * 24], "labels": ids[k * 24 : (k + 1) * 24]} for k in range(8)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "ft"),
+        max_steps=12,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+    )
+    untouched = {n: p.detach().clone() for n, p in hf.named_parameters()}
+    trainer = transformers.Trainer(model=hf, args=args, train_dataset=rows)
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 12 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < 0.8 * losses[0], losses
+    stuck = [n for n, p in hf.named_parameters() if torch.equal(p.detach(), untouched[n])]
+    assert not stuck, stuck
