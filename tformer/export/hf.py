@@ -208,6 +208,8 @@ def to_hf_model(model: TformerModel, attn_implementation: str = "sdpa"):
     state = {name: t.detach().cpu() for name, t in unique_tensors(model).items()}
     hf_config, hf_state = to_hf_state(cfg, state)
     cls = getattr(transformers, target_of(cfg).HF_CLASS)
+    if attn_implementation == "sdpa" and not cls._supports_sdpa:
+        attn_implementation = "eager"  # gpt-oss: its sinks have no SDPA path in transformers
     weight = state["embed.tok.weight"]
     with tempfile.TemporaryDirectory(prefix="tformer-hf-") as tmp:
         hf_config.save_pretrained(tmp)
