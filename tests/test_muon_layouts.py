@@ -196,3 +196,95 @@ def test_ep_equals_the_single_process_run(tmp_path_factory):
         run_cases(2, [("mixtral", [*flags, "grad_accum=4", "parallel.ep=2"])], tmp, os.environ["TFORMER_CACHE"])
         ref = reference("mixtral", tmp_path_factory, 8, *MUON, "micro_batch_size=1")
         assert_same_run("mixtral ep2", tmp / "run0", tmp / "report0", ref)
+
+
+# -- the rest of the mesh: FSDP2 x TP, pipeline stages, context parallel, DDP accumulating ----------
+
+MOE = ("mixtral-tiny", ["data.seq_len=32"])  # the MoE decoder (8 experts, top-2, the balancing loss on)
+# mechanism -> (ranks, the layout's flags, the 1-process run's grad_accum): the global batch is 8
+# sequences everywhere but DDP accumulating (16): micro-batches of 4 x data ranks x accumulation
+MECHANISMS = {
+    "fsdp x tp": (4, ["parallel.strategy=fsdp", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sp=true"], 2),
+    # each stage's optimizer over its own blocks' matrices (the tied embedding: AdamW, on both ends)
+    "pp": (2, ["parallel.pp=2", "grad_accum=2", "parallel.pp_schedule=1f1b"], 2),
+    "cp": (2, ["parallel.strategy=fsdp", "parallel.cp=2", "grad_accum=2"], 2),
+    "ddp accum": (2, ["grad_accum=2"], 4),
+}
+FAMILY_NAMES = ("gpt2", "mixtral", "bert", "t5")
+# the default lane: one case per mechanism (a dense decoder; activation checkpointing on the pipeline's
+# blocks); the long lane: every family at every mechanism, per-block compile, and a resume under TP
+FAST = [
+    ("gpt2", "fsdp x tp", ["save_every=2"]),
+    ("gpt2", "pp", ["parallel.activation_checkpointing=full"]),
+    ("gpt2", "cp", []),
+]
+FAST += [("gpt2", "ddp accum", [])]
+LONG = [(f, m, []) for f in FAMILY_NAMES for m in MECHANISMS if (f, m) not in {(c[0], c[1]) for c in FAST}]
+LONG += [("gpt2", "cp", ["parallel.activation_checkpointing=op", "compile=true"])]
+
+
+def _mesh_cases(cases, tmp_path_factory, tag):
+    """Run ``cases`` (family, mechanism, extra flags) grouped by rank count; assert each equals its
+    1-process run; returns the run directory of each case."""
+    tmp = tmp_path_factory.mktemp(f"muon-{tag}")
+    dirs = {}
+    for world in (2, 4):
+        mine = [c for c in cases if MECHANISMS[c[1]][0] == world]
+        if not mine:
+            continue
+        sub = tmp / f"w{world}"
+        run_cases(world, [(f, [*MUON, *MECHANISMS[m][1], *extra]) for f, m, extra in mine], sub, os.environ["TFORMER_CACHE"])
+        for i, (family, mech, extra) in enumerate(mine):
+            ref = reference(family, tmp_path_factory, MECHANISMS[mech][2], *MUON)
+            assert_same_run(f"muon {family} {mech} {extra}", sub / f"run{i}", sub / f"report{i}", ref)
+            dirs[(family, mech, tuple(extra))] = sub / f"run{i}"
+    return dirs
+
+
+@pytest.fixture
+def moe_family(monkeypatch):
+    monkeypatch.setitem(test_mesh.FAMILIES, "mixtral", MOE)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cache", "moe_family")
+def test_fsdp_x_tp_pp_cp_and_ddp_accumulating_equal_the_single_process_run(tmp_path_factory):
+    """gpt2-tiny with optim.name=muon at dp_shard 2 x tp 2 (4 ranks: strided FSDP2-over-TP shards to
+    balanced owners), pp=2 (each stage's optimizer over its own parameters, activation
+    checkpointing on), cp=2 and DDP accumulating 2 micro-batches: losses and updated parameters
+    of the 1-process run of the same global batch within test_mesh's layout bound. The
+    dp_shard x tp checkpoint of step 2 resumes on one process: steps 3 and 4 within the same bound."""
+    dirs = _mesh_cases(FAST, tmp_path_factory, "fast")
+    ckpt = dirs[("gpt2", "fsdp x tp", ("save_every=2",))] / "checkpoints" / "step_00000002"
+    _resume_elsewhere(tmp_path_factory, ckpt, 1, "grad_accum=2")
+
+
+def _resume_elsewhere(tmp_path_factory, ckpt, world, *flags):
+    """``ckpt`` (a step-2 checkpoint of gpt2 under Muon) resumed on ``world`` ranks with ``flags``:
+    steps 3 and 4 equal the uninterrupted 1-process run's (global batch 8) within the layout bound."""
+    out = tmp_path_factory.mktemp("muon-resume") / "run"
+    recipe, overrides = _resume("gpt2", out, ckpt, *MUON, *flags)
+    if world == 1:
+        Trainer(load_config(CONFIGS / f"{recipe}.yaml", overrides)).fit()
+    else:
+        test_mesh.run_ranks(world, [(recipe, overrides, None)], os.environ["TFORMER_CACHE"])
+    ref = reference("gpt2", tmp_path_factory, 2, *MUON)
+    got, bound = losses(out), loss_bound(ref)
+    assert list(got) == [3, 4], got
+    for step in got:
+        assert abs(got[step] - ref.losses[step]) / ref.losses[step] <= bound, (step, got, ref.losses, bound)
+
+
+@pytest.mark.long
+@pytest.mark.usefixtures("cache", "moe_family")
+def test_every_family_at_every_mechanism_equals_the_single_process_run(tmp_path_factory):
+    """The rest of the matrix: a dense decoder (gpt2), an MoE decoder (mixtral), an encoder (bert)
+    and an encoder-decoder (t5) at dp_shard x tp, pp, cp and DDP accumulating, and cp with op-level
+    checkpointing and per-block compile; a 2-rank FSDP2 checkpoint resumed at tp=2 continues the
+    uninterrupted run."""
+    dirs = _mesh_cases(LONG, tmp_path_factory, "long")
+    tmp = tmp_path_factory.mktemp("muon-fsdp-save")
+    run_cases(2, [("gpt2", [*MUON, *LAYOUTS["fsdp"]])], tmp, os.environ["TFORMER_CACHE"])
+    ckpt = tmp / "run0" / "checkpoints" / "step_00000002"
+    _resume_elsewhere(tmp_path_factory, ckpt, 2, "parallel.strategy=fsdp", "parallel.tp=2", "grad_accum=2")
+    assert dirs
