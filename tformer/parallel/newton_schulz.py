@@ -169,10 +169,6 @@ def owner_slots(count: int, loads: list[float], cost: float) -> tuple[list[int],
     return slots, per
 
 
-def _is_strided(pl) -> bool:
-    return isinstance(pl, _StridedShard)
-
-
 def whole_here(p: DTensor) -> bool:
     """Whether each rank's shard of ``p`` holds whole matrices: nothing split inside a matrix (the
     last two dimensions)."""
@@ -194,12 +190,12 @@ def claimed_layout(p: DTensor) -> Claimed | None:
     """``p``'s layout as plain placements and block swaps; None for a layout the owners do not take
     (a partial sum, a strided shard not followed by the shard it strides over, or uneven blocks)."""
     mesh, placements, swaps = p.device_mesh, list(p.placements), []
-    for a, pl in enumerate(placements):
+    for a, pl in enumerate(p.placements):
         if isinstance(pl, (Shard, Replicate)):
             continue
-        if not _is_strided(pl):
+        if not isinstance(pl, _StridedShard):
             return None
-        later = [b for b in range(a + 1, mesh.ndim) if type(placements[b]) is Shard and placements[b].dim == pl.dim]
+        later = [b for b, q in enumerate(p.placements) if b > a and type(q) is Shard and q.dim == pl.dim]
         if len(later) != 1 or pl.split_factor != mesh.size(later[0]):
             return None
         d = pl.dim % p.dim()
