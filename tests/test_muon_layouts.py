@@ -237,6 +237,8 @@ def _mesh_cases(cases, tmp_path_factory, tag):
         for i, (family, mech, extra) in enumerate(mine):
             ref = reference(family, tmp_path_factory, MECHANISMS[mech][2], *MUON)
             assert_same_run(f"muon {family} {mech} {extra}", sub / f"run{i}", sub / f"report{i}", ref)
+            if "compile=true" in extra:  # the blocks really ran compiled
+                assert all(int(Path(f"{sub}/report{i}.graphs{r}").read_text()) >= 1 for r in range(world))
             dirs[(family, mech, tuple(extra))] = sub / f"run{i}"
     return dirs
 
