@@ -169,7 +169,7 @@ MODELS = {
             num_kv_heads=2,
             d_head=10,
             attn_window=5,
-            rope_original_max_len=8,
+            yarn=dict(factor=4.0, original_max_seq_len=8, truncate=False),
             moe=dict(num_experts=4, top_k=2, d_expert=14),
         ),
     ),  # fmt: skip
