@@ -461,7 +461,8 @@ LAYOUTS = [
     # worst), FSDP2 losses bitwise and 1.3e-6 on the parameters; not asserted here because
     # test_mesh's parameter yardstick is degenerate for it (its attn_impl=math twin equals the SDPA
     # run bitwise on the explicit-mask path, a bound of one fp32 rounding): it waits for a twin that
-    # rounds differently
+    # rounds differently. At the gradient, against float64 (tests/test_zoo_layouts.py), gpt-oss
+    # under tp=2 + SP is 1.4 yardsticks from one process and FSDP2 0: a tolerance question, no defect
 ]
 
 

@@ -193,6 +193,10 @@ LAYOUTS = [
     ("qwen3_moe", "ep"),
     ("deepseek_v3", "ep"),  # shared experts beside the routed ones, the dense first block
     ("gpt_oss", "ep"),  # expert biases sharded with their experts
+    ("gpt_oss", "fsdp"),  # FSDP2: sinks, biases and stacked experts sharded as any parameter
+    ("deepseek_v3", "fsdp"),
+    # planted: latent attention left attending within each shard (as before cp replaced its core)
+    ("deepseek_v3", "cp-planted"),
 ]
 
 
@@ -233,6 +237,7 @@ def _layout_worker(rank, world, seq, out_dir):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from tformer.nn.latent import LatentAttention
     from tformer.parallel.context import apply_context_parallel, loss_tokens, shard_batch
     from tformer.parallel.ep import apply_expert_parallel
     from tformer.parallel.tp import apply_tensor_parallel, loss_context
@@ -243,12 +248,13 @@ def _layout_worker(rank, world, seq, out_dir):
             # cp: each rank holds a shard of every sequence, whose routing losses are the sequence's
             # only through the trainer's pool (test_moe_layouts): none here. ep: each rank holds
             # half the batch, one process accumulates the two halves as two micro-batches.
-            no_aux = layout == "cp"
+            no_aux = layout.startswith("cp")
             ref = zoo_model(name, no_aux)
             # sequence parallelism splits the sequence evenly (the trainer pads it to a multiple of tp)
-            batch = _batch(ref.config.vocab_size, 4 if layout == "ep" else 2, seed, SEQ + (layout == "tp"))
+            split = layout in ("ep", "fsdp")  # each rank a half of the batch
+            batch = _batch(ref.config.vocab_size, 4 if split else 2, seed, SEQ + (layout == "tp"))
             halves = [{k: v[2 * r : 2 * r + 2] for k, v in batch.items()} for r in range(2)]
-            parts = halves if layout == "ep" else [batch]
+            parts = halves if split else [batch]
             exact_model = copy.deepcopy(ref).double()
             model = copy.deepcopy(ref)
             want = _grads(ref, parts)
@@ -256,8 +262,12 @@ def _layout_worker(rank, world, seq, out_dir):
                 exact = _grads(exact_model, parts)
             scale = max(g.abs().max().item() for n, g in want.items() if n != "loss")
             model.train()
-            if layout == "cp":
+            if layout.startswith("cp"):
                 apply_context_parallel(model, dist.group.WORLD)
+                if layout == "cp-planted":
+                    for m in model.modules():
+                        if isinstance(m, LatentAttention):
+                            m.core = local_attention
                 shard = shard_batch(batch, rank, world, model.config)
                 count = loss_tokens(shard["labels"], dist.group.WORLD)
                 loss = model(**shard, return_logits=False, loss_tokens=count).loss
@@ -274,6 +284,17 @@ def _layout_worker(rank, world, seq, out_dir):
                     loss.backward()
                 got = {"loss": _full(loss.detach())}
                 got.update({n: _full(p.grad) for n, p in model.named_parameters()})
+            elif layout == "fsdp":  # this rank's half; FSDP2 averages the gradients over the ranks
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+                for block in model.decoder.layers:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+                loss = model(**halves[rank], return_logits=False).loss
+                loss.backward()
+                dist.all_reduce(loss := loss.detach())
+                got = {"loss": loss / world, **{n: _full(p.grad) for n, p in model.named_parameters()}}
             else:  # ep: this rank's half; the experts' gradients arrive summed over both halves
                 apply_expert_parallel(model, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))["ep"])
                 loss = model(**halves[rank], return_logits=False).loss / world
@@ -294,18 +315,23 @@ def _layout_worker(rank, world, seq, out_dir):
         close_group()
 
 
-def test_flavours_under_cp_tp_and_ep_equal_one_process(tmp_path):
+def test_flavours_under_cp_tp_ep_and_fsdp_equal_one_process(tmp_path):
     """Loss and every parameter's gradient of 2 ranks equal one process of the same global batch
     within FACTOR yardsticks (tests/rounding.py): gpt-oss under cp (its window crossing the shard
     border, sinks in the merged softmax) and tp + SP (sinks split with their heads); DeepSeek-V3's
     latent attention under cp; qwen3-moe, DeepSeek-V3 (shared experts, group-limited routing, a
-    dense first block) and gpt-oss (expert biases) under ep."""
+    dense first block) and gpt-oss (expert biases) under ep; gpt-oss and DeepSeek-V3 under FSDP2.
+    Latent attention left attending within each cp shard (planted) lies far outside."""
     run_group(2, SEQ, str(tmp_path), _layout_worker)
     report = json.loads(Path(tmp_path, "rank0.json").read_text())
     assert list(report) == [f"{n}/{lay}" for n, lay in LAYOUTS]
     lines = []
     for case, errs in report.items():
         yard = errs.pop("yard")
+        if case.endswith("planted"):
+            assert max(errs.values()) > 100 * FACTOR * yard, (case, max(errs.values()) / yard)
+            lines.append(f"{case} {max(errs.values()) / yard:.0f}")
+            continue
         bad = {w: e for w, e in errs.items() if not e <= FACTOR * yard}
         assert not bad, (case, bad, yard)
         worst = max(errs, key=errs.get)
