@@ -166,9 +166,11 @@ def _distance(got_losses, got_state, ref_losses, ref_state, name=""):
         if v.shape != ref_state[k].shape:  # a vocabulary padded by tp: its padding rows stay zero
             assert not v[ref_state[k].shape[0] :].any(), (name, k)
             v = v[: ref_state[k].shape[0]]
-        if k.endswith("k_proj.bias"):  # zero true gradient (softmax ignores a per-query constant):
-            # it stays at its initial 0 up to round-off in both runs, which is all there is to compare
-            assert v.abs().max() < 1e-3 and ref_state[k].abs().max() < 1e-3, (name, k)
+        if k.endswith("k_proj.bias") and ref_state[k].abs().max() < 1e-3:  # zero true gradient (softmax
+            # ignores a per-query constant): it stays at its initial 0 up to round-off in both runs,
+            # which is all there is to compare. Not so beside attention sinks (gpt-oss), which the
+            # constant does not reach: there it trains, and is compared as any parameter
+            assert v.abs().max() < 1e-3, (name, k)
             continue
         scale = ref_state[k].abs().max().clamp(min=1e-6)
         errs[k] = ((v - ref_state[k]).abs().max() / scale).item()

@@ -417,7 +417,11 @@ class MoEFeedForward(nn.Module):
         balance, z, chosen = routing_losses(sums)
         self.aux_loss = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z
         if self.training and cfg.seq_aux_loss_coef and len(shape) == 3:
-            self.aux_loss = self.aux_loss + cfg.seq_aux_loss_coef * sequence_balance_loss(routing, shape[0], cfg.top_k)
+            if pool is None:
+                seq_loss = sequence_balance_loss(routing, shape[0], cfg.top_k)
+            else:  # the sequences' sums over the layout's parts (and without its pad) first
+                seq_loss = pooled_sequence_balance_loss(routing, shape[0], cfg.top_k, pool, real)
+            self.aux_loss = self.aux_loss + cfg.seq_aux_loss_coef * seq_loss
         if self.score_bias is not None and self.training and torch.is_grad_enabled() and not in_backward():
             load = torch.bincount(routing.experts.reshape(-1), minlength=cfg.num_experts).float()
             self.load = load if self.load is None else self.load + load
@@ -445,6 +449,24 @@ def sequence_balance_loss(routing: Routing, batch: int, top_k: int) -> torch.Ten
     chosen = F.one_hot(routing.experts.view(batch, -1), num_experts).sum(1).to(probs.dtype)  # (B, E)
     f = chosen * (num_experts / (top_k * seq))
     return (f * probs.mean(1)).sum(-1).mean()
+
+
+def pooled_sequence_balance_loss(
+    routing: Routing, batch: int, top_k: int, pool: RoutingPool, real: torch.Tensor | None
+) -> torch.Tensor:
+    """``sequence_balance_loss`` of sequences a layout holds in parts (``pool``: the sum over the
+    ranks holding the other parts; ``real`` (S,): 1 on this part's real tokens, None: all): each
+    sequence's assignments, summed scores and tokens are summed over the parts before the
+    product, which is not linear in them."""
+    probs = routing.probs.view(batch, -1, routing.probs.shape[-1])  # (B, S, E)
+    num_experts, seq = probs.shape[-1], probs.shape[1]
+    weight = real.to(probs.dtype) if real is not None else probs.new_ones(seq)
+    per_choice = weight.repeat_interleave(routing.experts.shape[-1])[None, :, None]  # (1, S k, 1)
+    chosen = (F.one_hot(routing.experts.view(batch, -1), num_experts).to(probs.dtype) * per_choice).sum(1)
+    tokens = weight.sum().expand(batch, 1)
+    sums = pool(torch.cat((chosen, (probs * weight[None, :, None]).sum(1), tokens), -1))
+    chosen, prob_sums, tokens = sums[:, :num_experts].detach(), sums[:, num_experts:-1], sums[:, -1:].detach()
+    return ((chosen * (num_experts / top_k)) * prob_sums / tokens.square()).sum(-1).mean()
 
 
 @torch.no_grad()
