@@ -128,7 +128,10 @@ def test_export_matches_hf_and_imports_back_bitwise(case, toks, tmp_path):  # no
     pattern = ("attn_window", "global_every", "global_offset", "rope_local_theta")
     assert layers(back.config) == layers(model.config)
     assert back.config.replace(**{k: None for k in pattern[2:]}, global_every=0) == model.config.replace(
-        **{k: None for k in pattern[2:]}, global_every=0, bos_token_id=back.config.bos_token_id, eos_token_id=back.config.eos_token_id
+        **{k: None for k in pattern[2:]},
+        global_every=0,
+        bos_token_id=back.config.bos_token_id,
+        eos_token_id=back.config.eos_token_id,
     )
     theirs = back.state_dict()
     for key, value in model.state_dict().items():
@@ -151,3 +154,91 @@ def test_parameter_counts_equal_transformers_and_the_published_figures(preset):
     assert total == sum(p.numel() for p in hf.parameters())
     assert num_parameters(cfg) == total  # the planner's
     assert abs(total / PUBLISHED[preset] - 1) <= 0.01, total
+
+
+# -- packed encoder MLM: no padding computed, the padded batch's loss -----------------------------
+
+
+def mlm_documents(tok_path, seq_len=72, count=24):
+    """The first ``count`` verses of the bundled corpus as MLM documents (variable lengths)."""
+    import gzip
+    import itertools
+
+    from tformer.data import MLMDocuments, TokenizedCorpus, default_corpus_path
+
+    tok = load_tokenizer(tok_path)
+    with gzip.open(default_corpus_path(), "rt", encoding="utf-8") as f:
+        verses = [line.strip() for line in itertools.islice(f, count)]
+    corpus = TokenizedCorpus.from_docs(tok.encode(v, add_special_tokens=False).ids for v in verses)
+    return MLMDocuments(corpus, tok, seq_len, seed=3)
+
+
+def packed_and_padded(docs, packed, pad_id=0):
+    """The packed rows as one batch and the same documents, in the same order, one per padded row."""
+    from tformer.data import Collator
+
+    collate = Collator(pad_id=pad_id)
+    rows = collate([packed.sample(i) for i in range(len(packed))])
+    documents = collate([docs.sample(int(i)) for r in range(len(packed)) for i in packed.row_documents(r)])
+    return rows, documents
+
+
+def mlm_outputs(model, batch):
+    """(loss, logits at the masked positions in row-major order): packed rows and the padded
+    documents list their masked tokens in the same order."""
+    keys = ("input_ids", "attention_mask", "labels", "doc_ids", "position_ids")
+    out = model(**{k: batch[k] for k in keys if k in batch})
+    return out.loss, out.logits[batch["labels"] != -100]
+
+
+def test_packed_mlm_has_the_padded_loss_and_a_neighbour_in_view_does_not(toks):  # noqa: F811
+    """Documents packed into rows (document masks, RoPE restarting per document, 16-token windows
+    on the local blocks) give the loss and masked-token logits of the same documents, with the same
+    masked tokens, one per padded row: within FACTOR float64 yardsticks. Planted: the document ids
+    dropped (each document sees its neighbours): 1.2e5 yardsticks. (Positions left running across
+    the row are no defect under RoPE, which sees only distances: 1.0 yardstick, measured.)"""
+    from tformer.data import PackedMLM
+
+    torch.manual_seed(0)
+    model = tformer.build_model("modernbert-tiny", vocab_size=512).eval()
+    perturb(model)
+    docs = mlm_documents(toks["wordpiece"])
+    packed = PackedMLM(docs, seed=1)
+    assert sorted(int(i) for r in range(len(packed)) for i in packed.row_documents(r)) == list(range(len(docs)))
+    rows, padded = packed_and_padded(docs, packed)
+    with torch.no_grad():
+        ours = mlm_outputs(model, rows)
+        theirs = mlm_outputs(model, padded)
+        with float64_throughout():
+            exact = mlm_outputs(copy.deepcopy(model).double(), padded)
+        neighbours = mlm_outputs(model, {k: v for k, v in rows.items() if k != "doc_ids"})
+    for i, what in enumerate(("loss", "logits")):
+        yard = max(2.0**-24, relative(theirs[i], exact[i]))
+        err = relative(ours[i], exact[i])
+        print(f"packed {what}: {err / yard:.2f} yardsticks ({yard:.1e})")
+        assert err <= FACTOR * yard, (what, err, yard)
+    planted = relative(neighbours[1], exact[1]) / yard
+    print(f"planted, a neighbour in view: {planted:.1e} yardsticks")
+    assert planted > 1e3
+    slots, padded_slots = rows["input_ids"].numel(), padded["input_ids"].numel()
+    print(f"{slots} positions packed against {padded_slots} padded")
+    assert slots < 0.75 * padded_slots
+
+
+def test_pack_without_mlm_or_document_masks_is_one_line(tmp_path):
+    from tformer.train.config import load_config
+    from train_helpers import CONFIGS, small_overrides
+
+    for flags, needle in (
+        (
+            ["data.document_mask=false"],
+            "data.pack=true keeps the packed documents apart by their masks; set data.document_mask=true",
+        ),
+        (
+            ["data.pack=true", "data.document_mask=true", "data.objective=causal"],
+            "data.pack=true packs masked-LM documents, not causal",
+        ),
+    ):
+        with pytest.raises(tformer.ConfigError) as e:
+            load_config(CONFIGS / "modernbert-tiny.yaml", small_overrides("modernbert-tiny", tmp_path, *flags))
+        assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -97,7 +97,10 @@ def hf_config(cfg: ModelConfig):
 
 def rules(cfg: ModelConfig) -> list[Rule]:
     b, nb = cfg.bias, cfg.norm_bias
-    out = [rule("model.embeddings.tok_embeddings.weight", "embed.tok.weight"), *linear("model.embeddings.norm", "embed.norm", nb)]
+    out = [
+        rule("model.embeddings.tok_embeddings.weight", "embed.tok.weight"),
+        *linear("model.embeddings.norm", "embed.norm", nb),
+    ]
     for i in range(cfg.num_layers):
         h, o = f"model.layers.{i}.", f"encoder.layers.{i}."
         if i:
@@ -132,7 +135,9 @@ def window_pattern(types: list[str]) -> tuple[int, int | None]:
         for offset in range(every):
             if all(full[i] == (i % every == offset) for i in range(n)):
                 return every, (None if offset == every - 1 else offset)
-    raise ExportError(f"HF ModernBERT layer_types={types} is no periodic pattern of global blocks; tformer cannot express it")
+    raise ExportError(
+        f"HF ModernBERT layer_types={types} is no periodic pattern of global blocks; tformer cannot express it"
+    )
 
 
 def model_config(hf, tied: bool) -> ModelConfig:
@@ -142,13 +147,17 @@ def model_config(hf, tied: bool) -> ModelConfig:
     rope = hf.rope_parameters
     for kind in (FULL, SLIDING):
         if rope[kind].get("rope_type", "default") != "default":
-            raise ExportError(f"HF ModernBERT rope_parameters[{kind!r}].rope_type={rope[kind]['rope_type']!r} has no tformer equivalent")
+            raise ExportError(
+                f"HF ModernBERT rope_parameters[{kind!r}].rope_type={rope[kind]['rope_type']!r} has no tformer equivalent"
+            )
     if hf.hidden_activation not in HF_GATED:
         raise ExportError(
             f"HF ModernBERT hidden_activation={hf.hidden_activation!r} has no tformer equivalent (supported: {', '.join(HF_GATED)})"
         )
     if hf.classifier_activation != "gelu":
-        raise ExportError(f"HF ModernBERT classifier_activation={hf.classifier_activation!r}: tformer's head under a gated FFN is GELU")
+        raise ExportError(
+            f"HF ModernBERT classifier_activation={hf.classifier_activation!r}: tformer's head under a gated FFN is GELU"
+        )
     if not hf.decoder_bias:
         raise ExportError("HF ModernBERT decoder_bias=false has no tformer equivalent (our MLM head always has its bias)")
     if hf.attention_bias != hf.mlp_bias:
