@@ -274,3 +274,39 @@ def test_the_tiny_recipe_loss_falls_over_200_steps(cache, tmp_path):
     # MLM at 30% masking on 2-layer 64-wide blocks flattens near the unigram entropy (~6.1 here):
     # measured 7.42 -> 6.27 on a 2-core Xeon; an untrained model stays at ln(2048) = 7.6
     assert max(curve) == 200 and last < first - 0.8, curve
+
+
+def test_planted_block_defects_are_far_from_hf():
+    """The same weights with a local block given the global RoPE base, or a window one key wider
+    either side, lie >1e3 parity yardsticks from HF's logits: the parity bound sees each switch."""
+    from tformer.export import to_hf_model
+
+    torch.manual_seed(0)
+    model = tformer.build_model("modernbert-tiny", **EXPORTS["modernbert-tiny-odd"], rope_local_theta=50.0).eval()
+    perturb(model)
+    hf = to_hf_model(model).eval()
+    ids, mask, _, _ = batch_for(model.config)
+    keep = mask.bool()
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, attention_mask=mask).logits[keep]
+        yard = max(2.0**-24, relative(model(ids, mask).logits[keep], theirs))
+        for defect in (dict(rope_local_theta=None), dict(attn_window=model.config.attn_window + 2)):
+            broken = tformer.build_model(model.config.replace(**defect)).eval()
+            broken.load_state_dict(model.state_dict())
+            assert relative(broken(ids, mask).logits[keep], theirs) > 1e3 * yard, defect
+
+
+BAD = [
+    (dict(attn_window=129), "attn_window=129 is longer than max_seq_len=128"),
+    (dict(attn_window=15), "attn_window=15 must be even for a bidirectional (encoder) window"),
+    (dict(global_every=0), "global_offset=0 needs a global-layer period global_every > 0"),
+    (dict(embed_norm=False), "first_attn_norm=false leaves block 0's attention input to the embedding norm"),
+    (dict(activation="geglu_erf"), "activation='geglu_erf' is not allowed"),
+]
+
+
+@pytest.mark.parametrize("overrides,needle", BAD, ids=[n.split(" ")[0] for _, n in BAD])
+def test_bad_modernbert_switches_are_one_line(overrides, needle):
+    with pytest.raises(tformer.ConfigError) as e:
+        tformer.build_config("modernbert-tiny", **overrides)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
