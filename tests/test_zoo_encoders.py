@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -169,8 +168,8 @@ def mlm_documents(tok_path, seq_len=72, count=24):
     tok = load_tokenizer(tok_path)
     with gzip.open(default_corpus_path(), "rt", encoding="utf-8") as f:
         verses = [line.strip() for line in itertools.islice(f, count)]
-    corpus = TokenizedCorpus.from_docs(tok.encode(v, add_special_tokens=False).ids for v in verses)
-    return MLMDocuments(corpus, tok, seq_len, seed=3)
+    docs = TokenizedCorpus.from_docs(tok.encode(v, add_special_tokens=False).ids for v in verses)
+    return MLMDocuments(docs, tok, seq_len, seed=3)
 
 
 def packed_and_padded(docs, packed, pad_id=0):

@@ -13,6 +13,8 @@ our ``attn_window`` (HF ``local_attention``: |i - j| <= window // 2) on the bloc
 
 from __future__ import annotations
 
+from typing import Final
+
 from ..config import ModelConfig
 from .common import ExportError, Rule, build_config, default_head_dim, first_id, linear, need, raise_problems, rule
 
@@ -28,7 +30,8 @@ HEAD_BIAS_OFF = True
 # the gated FFN kinds <-> HF hidden_activation (the GLU's activation)
 GATED = {"geglu_exact": "gelu", "geglu": "gelu_pytorch_tanh", "swiglu": "silu"}
 HF_GATED = {"gelu": "geglu_exact", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu", "silu": "swiglu", "swish": "swiglu"}
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL: Final = "full_attention"
+SLIDING: Final = "sliding_attention"
 
 
 def check(cfg: ModelConfig) -> None:
@@ -152,7 +155,8 @@ def model_config(hf, tied: bool) -> ModelConfig:
             )
     if hf.hidden_activation not in HF_GATED:
         raise ExportError(
-            f"HF ModernBERT hidden_activation={hf.hidden_activation!r} has no tformer equivalent (supported: {', '.join(HF_GATED)})"
+            f"HF ModernBERT hidden_activation={hf.hidden_activation!r} has no tformer equivalent "
+            f"(supported: {', '.join(HF_GATED)})"
         )
     if hf.classifier_activation != "gelu":
         raise ExportError(
@@ -162,7 +166,8 @@ def model_config(hf, tied: bool) -> ModelConfig:
         raise ExportError("HF ModernBERT decoder_bias=false has no tformer equivalent (our MLM head always has its bias)")
     if hf.attention_bias != hf.mlp_bias:
         raise ExportError(
-            f"HF ModernBERT attention_bias={hf.attention_bias} with mlp_bias={hf.mlp_bias}: tformer has one bias switch for both"
+            f"HF ModernBERT attention_bias={hf.attention_bias} with mlp_bias={hf.mlp_bias}: "
+            "tformer has one bias switch for both"
         )
     every, offset = window_pattern(list(hf.layer_types))
     windowed = SLIDING in hf.layer_types
