@@ -102,9 +102,29 @@ TINY_ROWS = {
     "bert": ("bert-tiny", 64, None),
     "t5": ("t5-tiny", 64, 14),  # span corruption's target for 64 (data.t5_lengths), as 114 is for 512
 }
+# The zoo of [zoo-dec] ([gpu] item 4), `--family zoo`: published shapes; the MoEs cut to the layers
+# whose planned step fits one device (ZOO_CUT) -- a DeepSeek-V3-shaped model as Moonlight's 16B
+# dimensions (one DeepSeek-V3 MoE layer alone holds 11B parameters: ~180 GB of fp32 states)
+ZOO_ROWS = {
+    "qwen3": ("qwen3-0.6b", 2048, None),
+    "qwen3_moe": ("qwen3-30b-a3b", 2048, None),
+    "deepseek_v3": ("moonlight-16b-a3b", 2048, None),
+    "gpt_oss": ("gpt-oss-20b", 2048, None),
+}
+TINY_ZOO_ROWS = {
+    "qwen3": ("qwen3-tiny", 64, None),
+    "qwen3_moe": ("qwen3-moe-tiny", 64, None),
+    "deepseek_v3": ("deepseek-v3-tiny", 64, None),
+    "gpt_oss": ("gpt-oss-tiny", 64, None),
+}
+ROWS.update(ZOO_ROWS)
+TINY_ROWS.update(TINY_ZOO_ROWS)
+ZOO_CUT = {"qwen3_moe", "deepseek_v3", "gpt_oss"}
+ZOO_CUT_MICRO_BATCH = 4  # the layers kept leave room for at least this micro-batch
+ZOO_OVERRIDES = {"mtp_depth": 0}  # HF's DeepSeek-V3 has no MTP module: the same work on both sides
 MLM_SHARE = 0.15
 MAX_MICRO_BATCH = 256
-TARGETS = dict(llama_mfu=0.40, llama_vs_hf=1.1, vs_hf=1.0, plan=0.10, generate=1.0, trainer=0.95)
+TARGETS = dict(llama_mfu=0.40, llama_vs_hf=1.1, vs_hf=1.0, zoo_vs_hf=1.15, plan=0.10, generate=1.0, trainer=0.95)
 # --precision fp8: (preset whose width the row takes, sequence), the recipes in the order they run
 # (None: bf16), and each float8 recipe's target over bf16's tokens/s (issue #43)
 FP8_ROW = ("llama-8b", 2048)
@@ -279,8 +299,12 @@ def build_trainer(row: Row, device: torch.device, args, out: Path, log_every: in
     from tformer.train.config import load_config
     from tformer.train.trainer import Trainer
 
+    model = dict(preset=row.preset)
+    if row.family in ZOO_ROWS:  # the row's overrides and cut, as row_config made its model
+        model.update({k: v for k, v in ZOO_OVERRIDES.items() if hasattr(preset(row.preset), k)})
+        model.update({"num_layers": row.num_layers} if row.num_layers else {})
     base = dict(
-        model=dict(preset=row.preset),
+        model=model,
         data=dict(source="synthetic", seq_len=row.seq),
         output_dir=str(out),
         micro_batch_size=row.micro_batch,
@@ -396,9 +420,39 @@ def start_micro_batch(args, family: str, contender: str, compiled: bool, device_
     return None
 
 
+def row_config(family: str, name: str, s: int, device: torch.device, fill: float):
+    """The row's model: the preset, with a zoo row's overrides, a cut MoE row at the layers that fit."""
+    cfg = preset(name)
+    if family in ZOO_ROWS:
+        cfg = cfg.replace(**{k: v for k, v in ZOO_OVERRIDES.items() if hasattr(cfg, k)})
+    if family in ZOO_CUT and device.type == "cuda":
+        cfg = cfg.replace(num_layers=fit_layers(cfg, s, torch.cuda.mem_get_info(device)[0], fill))
+    return cfg
+
+
+def fit_layers(cfg, s: int, free: float, fill: float) -> int:
+    """The most of ``cfg``'s layers whose planned step at ``ZOO_CUT_MICRO_BATCH`` (the head chunked
+    by the trainer's rule) fits ``fill`` of ``free`` bytes; a one-line exit when not even one does."""
+
+    def fits(layers: int) -> bool:
+        c = cfg.replace(num_layers=layers)
+        b = ZOO_CUT_MICRO_BATCH
+        state_free = free_after_states(free, num_parameters(c), "ddp", 1, 1, 1)
+        chunk = auto_chunk_size(b * s, c.padded_vocab_size, 6, state_free)
+        return planned_bytes(c, torch.device("cuda"), b, s, None, chunk) <= fill * free
+
+    low, high = 0, cfg.num_layers  # the bytes grow with the layers: bisect for the last that fits
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    if not low:
+        raise SystemExit(f"{cfg.flavour}: not one layer fits {fill:.0%} of {free / 2**30:.1f} GiB free; free the device")
+    return low
+
+
 def bench_training(family: str, args, device: torch.device, peak: float, done=lambda row: None) -> list[Row]:
     name, s, t = (TINY_ROWS if args.tiny else ROWS)[family]
-    cfg = preset(name)
+    cfg = row_config(family, name, s, device, args.fill)
     torch.manual_seed(0)
     ours = theirs = None
     if {"tformer", "HF"} & set(args.contenders):
@@ -413,7 +467,10 @@ def bench_training(family: str, args, device: torch.device, peak: float, done=la
         b = int(args.micro_batch)
     how = f" (planner, fill {args.fill:.0%})" if args.micro_batch == "auto" and device.type == "cuda" else ""
     target = f" -> {t}" if t else ""
-    print(f"\n[{family}] {name}: {n / 1e6:.1f}M parameters, seq {s}{target}, micro-batch {b}{how}", flush=True)
+    cut = (
+        f" cut to {cfg.num_layers} of {preset(name).num_layers} layers" if cfg.num_layers != preset(name).num_layers else ""
+    )
+    print(f"\n[{family}] {name}{cut}: {n / 1e6:.1f}M parameters, seq {s}{target}, micro-batch {b}{how}", flush=True)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     rows = []
     for compiled in args.compile:
@@ -423,6 +480,7 @@ def bench_training(family: str, args, device: torch.device, peak: float, done=la
             if who == "trainer" and start is None and raw:
                 start = raw[0].micro_batch  # the same model and head as the raw loop: where it settled
             row = Row(family, name, who, compiled, min(b, start) if start else b, s, t)
+            row.num_layers = cfg.num_layers if cut else None
             rows.append(run_contender(row, base, cfg, device, args, peak))
             r = rows[-1]
             done(r)
@@ -550,8 +608,8 @@ def fp8_verdicts(rows: list[Row]) -> list[str]:
 # --------------------------------------------------------------------------------------------
 def bench_generate(family: str, args, device: torch.device) -> list[dict]:
     """Greedy KV-cached decoding, tformer ``generate`` against HF ``generate``, bf16 weights."""
-    name, _, _ = (TINY_ROWS if args.tiny else ROWS)[family]
-    cfg = preset(name)
+    name, s, _ = (TINY_ROWS if args.tiny else ROWS)[family]
+    cfg = row_config(family, name, s, device, args.fill)
     torch.manual_seed(0)
     ours = build_model(cfg)
     theirs = to_hf_model(ours)
@@ -621,7 +679,7 @@ def verdicts(rows: list[Row], gens: list[dict], device: torch.device) -> list[st
         ours, theirs = best(family, "tformer"), best(family, "HF")
         if ours and theirs:
             ratio = ours.tokens_per_s / theirs.tokens_per_s
-            target = TARGETS["vs_hf"]
+            target = TARGETS["zoo_vs_hf" if family in ZOO_ROWS else "vs_hf"]
             lines.append(f"{family}: best tformer / best HF tokens/s = {ratio:.2f} (>= {target}): {mark(ratio >= target)}")
         if family == "llama":
             compiled = best(family, "tformer", True)
@@ -674,7 +732,11 @@ def parse(argv=None) -> argparse.Namespace:
         choices=("bf16", "fp8"),
         help="bf16: every family; fp8: the 8B-shaped row in bf16, float8 tensorwise and rowwise (compiled by default)",
     )
-    p.add_argument("--family", default=None, help="comma list of gpt2, llama, bert, t5 (default: all four)")
+    p.add_argument(
+        "--family",
+        default=None,
+        help="comma list of gpt2, llama, bert, t5 (the default), qwen3, qwen3_moe, deepseek_v3, gpt_oss (zoo: those)",
+    )
     p.add_argument("--compile", default=None, help="comma list of off, on (default off,on; --precision fp8: on)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 10; --tiny 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps, compile included (default 3; --tiny 1)")
@@ -706,10 +768,11 @@ def parse(argv=None) -> argparse.Namespace:
     if args.precision == "fp8" and (args.family or args.contenders):
         p.error("--precision fp8 runs its own row (Llama-3-8B's width, tformer's loop): drop --family and --contenders")
     args.family = args.family or "gpt2,llama,bert,t5"
+    args.family = args.family.replace("zoo", ",".join(ZOO_ROWS))
     args.contenders = args.contenders or "tformer,trainer,HF"
     args.families = [f for f in args.family.split(",") if f]
     if bad := [f for f in args.families if f not in ROWS]:
-        p.error(f"unknown family {bad[0]!r}; use gpt2, llama, bert or t5")
+        p.error(f"unknown family {bad[0]!r}; use gpt2, llama, bert, t5, {', '.join(ZOO_ROWS)} or zoo (all four)")
     args.contenders = [c for c in args.contenders.split(",") if c]
     if bad := [c for c in args.contenders if c not in ("tformer", "trainer", "HF")]:
         p.error(f"unknown contender {bad[0]!r}; use tformer, trainer or HF")

@@ -18,6 +18,12 @@
 #                                      # (commit it as bench/results/DATE-DEVICE/more.json: the top
 #                                      # level holds one file a session, whose newest the README's
 #                                      # table and --start-from read)
+#   bash scripts/gpu_session.sh zoo    # a call of its own (a later session, or after `all` when
+#                                      # `more` ran before), under 9 minutes: the new decoders
+#                                      # (qwen3-0.6b; qwen3-30b-a3b, Moonlight's DeepSeek-V3 shape and
+#                                      # gpt-oss-20b cut to the layers that fit), tformer and HF, eager
+#                                      # and compiled -> zoo.json, zoo.log (commit it as
+#                                      # bench/results/DATE-DEVICE/zoo.json)
 #   bash scripts/gpu_session.sh tests               # every `gpu` test (pytest -m gpu)
 #   bash scripts/gpu_session.sh bench gpt2,bert     # bench/bench_gpu.py rows (extra flags pass on)
 #   bash scripts/gpu_session.sh profile [CONFIG]    # the trainer's profiler on one bench row (default
@@ -57,7 +63,7 @@
 # `carry`. Logs and JSON go to $OUT (or /tmp/gpu-out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: gpu_session.sh all | more | tests | bench FAMILIES [extra bench_gpu.py flags] | calibrate | profile [CONFIG]}
+part=${1:?usage: gpu_session.sh all | more | zoo | tests | bench FAMILIES [extra bench_gpu.py flags] | calibrate | profile [CONFIG]}
 out=${OUT:-/tmp/gpu-out}
 dry=${GPU_SESSION_DRY:-}
 work=${GPU_SESSION_WORK:-/tmp} # each step's own JSON, merged into $OUT's
@@ -73,12 +79,13 @@ mkdir -p "$out"
 case $part in
 all) log=session.log ;;
 more) log=more.log ;;
+zoo) log=zoo.log ;;
 tests) log=tests.log ;;
 bench) log="bench-${2//,/-}.log" ;;
 calibrate) log=calibrate.log ;;
 profile) log="profile-${2:-llama-1b}.log" ;;
 *)
-    echo "unknown part '$part': use all, more, tests, bench, calibrate or profile" >&2
+    echo "unknown part '$part': use all, more, zoo, tests, bench, calibrate or profile" >&2
     exit 2
     ;;
 esac
@@ -148,6 +155,20 @@ all)
         parts+=("$work/gpu-$family.json")
     done
     step 10 merge python3 scripts/gpu_merge.py "$out/session.json" "${parts[@]}"
+    budget 540
+    ;;
+zoo)
+    # as `all`, for the zoo: the MoE rows build tens of GB on the CPU first (the cut model), so
+    # their deadlines are longer than a family's of the same step time
+    parts=()
+    for family_s in qwen3:100 qwen3_moe:120 deepseek_v3:120 gpt_oss:120; do
+        family=${family_s%%:*}
+        rm -f "$work/gpu-$family.json"
+        step "${family_s##*:}" "$family" python3 bench/bench_gpu.py "${tiny[@]}" --family "$family" --compile off,on \
+            --contenders tformer,HF "${steps[@]}" --json "$work/gpu-$family.json"
+        parts+=("$work/gpu-$family.json")
+    done
+    step 10 merge python3 scripts/gpu_merge.py "$out/zoo.json" "${parts[@]}"
     budget 540
     ;;
 more)

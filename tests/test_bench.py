@@ -216,3 +216,12 @@ def test_packed_mlm_verdict_reads_miss_below_its_bar():
     assert bench_packed_mlm.packed_verdict(1.3, 0.52).startswith("MISS")  # padding allows 2.08x: the bar is 1.5x
     assert bench_packed_mlm.packed_verdict(1.15, 0.2).startswith("PASS")  # 1.25x is all packing can gain: 0.9 of it
     assert bench_packed_mlm.packed_verdict(1.0, 0.2).startswith("MISS")
+
+
+def test_zoo_verdict_reads_fail_for_a_step_that_did_not_train_and_miss_below_the_target():
+    import bench_zoo
+
+    row = dict(finite=True, med=1.2, noisy=False)
+    assert bench_zoo.verdict(row) == "PASS"
+    assert bench_zoo.verdict({**row, "med": 0.97}) == "MISS"
+    assert bench_zoo.verdict({**row, "finite": False}).startswith("FAIL")  # however fast

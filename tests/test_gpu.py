@@ -46,6 +46,7 @@ def cache(tmp_path_factory):
         pytest.param(["--compile", "off", "--family", "gpt2,t5"], id="eager"),
         pytest.param(["--compile", "off"], id="eager-every-family", marks=pytest.mark.long),
         pytest.param(["--compile", "on", "--family", "gpt2", "--no-generate"], id="compiled", marks=pytest.mark.long),
+        pytest.param(["--compile", "off", "--family", "zoo"], id="eager-zoo", marks=pytest.mark.long),
     ],
 )
 def test_gpu_benchmark_runs_every_family_on_tiny_presets(tmp_path, cache, extra):
@@ -59,6 +60,8 @@ def test_gpu_benchmark_runs_every_family_on_tiny_presets(tmp_path, cache, extra)
     result = json.loads(out.read_text())
     rows = result["training"]
     families = extra[extra.index("--family") + 1].split(",") if "--family" in extra else ["gpt2", "llama", "bert", "t5"]
+    if families == ["zoo"]:
+        families = ["qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss"]
     contenders = ("tformer", "trainer", "HF")
     assert [(r["family"], r["contender"]) for r in rows] == [(f, w) for f in families for w in contenders]
     for r in rows:
@@ -75,7 +78,7 @@ def test_gpu_benchmark_runs_every_family_on_tiny_presets(tmp_path, cache, extra)
         decoding = [f for f in families if f != "bert"]
         assert [(g["family"], g["batch"]) for g in gens] == [(f, b) for f in decoding for b in (1, 8)]
         assert all(g["tformer_tok_s"] > 0 and g["hf_tok_s"] > 0 for g in gens)
-        assert any(line.startswith("gpt2: best tformer / best HF") for line in result["verdicts"])
+        assert any(line.startswith(f"{families[0]}: best tformer / best HF") for line in result["verdicts"])
 
 
 def test_gpu_benchmark_refuses_bad_arguments_in_one_line(monkeypatch, capsys):
@@ -836,7 +839,7 @@ def test_the_fp32_line_matches_the_kernel_a_cuda_step_runs(name):
 
 
 # -- scripts/gpu_session.sh: the budget of each part, and its merge --------------------------------
-@pytest.mark.parametrize("part,limit", [("all", 540), ("more", 270)])
+@pytest.mark.parametrize("part,limit", [("all", 540), ("more", 270), ("zoo", 540)])
 def test_each_session_part_plans_its_steps_within_its_call(part, limit, tmp_path):
     """GPU_SESSION_DRY=1 prints every step and its deadline: `all` is tformer and HF of every
     family (no trainer rows, no tests) under 9 minutes; `more` the float8 row, the Trainer's rows,
@@ -852,10 +855,16 @@ def test_each_session_part_plans_its_steps_within_its_call(part, limit, tmp_path
     planned = int(lines[-1].split()[1])
     assert lines[-1] == f"budget: {planned} s of deadlines planned, limit {limit} s" and planned <= limit - 10
     assert int(steps[-1].split("deadline ")[1].split()[0]) == planned
-    assert [p.name for p in tmp_path.iterdir()] == [f"{'session' if part == 'all' else 'more'}.log"]
-    assert (tmp_path / f"{'session' if part == 'all' else 'more'}.log").read_text() == done.stdout
+    log = {"all": "session.log", "more": "more.log", "zoo": "zoo.log"}[part]
+    assert [p.name for p in tmp_path.iterdir()] == [log]
+    assert (tmp_path / log).read_text() == done.stdout
     bench = [line for line in steps if "bench/bench_gpu.py" in line]
-    if part == "all":
+    if part == "zoo":
+        zoo = ("qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss")
+        assert [line.split(":")[1].strip() for line in bench] == list(zoo)
+        assert all("--contenders tformer,HF" in line and "--compile off,on" in line for line in bench)
+        assert steps[-1].endswith(f"gpu_merge.py {tmp_path}/zoo.json " + " ".join(f"/tmp/gpu-{f}.json" for f in zoo))
+    elif part == "all":
         assert [line.split(":")[1].strip() for line in bench] == ["gpt2", "llama", "bert", "t5"]
         assert all("--contenders tformer,HF" in line and "--compile off,on" in line for line in bench)
         assert not any("-m pytest" in line for line in steps)
@@ -955,3 +964,28 @@ def test_both_session_parts_run_end_to_end_on_tiny_presets(tmp_path, cache):
     assert priced == [("more.json", r["contender"]) for r in more["training"]] + [("session.json", "tformer")] * 8
     assert all(e["error"] == "no datasheet profile for 'CPU'" for e in more["plan"])
     assert "skipped" in more["gpu_tests"]  # the gpu tests ran, and skipped without a GPU
+
+
+def test_zoo_rows_cut_the_moes_to_the_layers_the_planner_fits(monkeypatch):
+    """The layers a cut row keeps: the planner's step at micro-batch 4 fits an 80 GB card's share,
+    one layer more does not; a device too small for one layer is one line."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "bench_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_gpu", bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    cfg = bench.preset("moonlight-16b-a3b").replace(mtp_depth=0)
+    free, fill = 79.0 * 2**30, 0.85
+    layers = bench.fit_layers(cfg, 2048, free, fill)
+    assert 1 <= layers < cfg.num_layers  # the whole 16B model's states (~256 GB) do not fit
+
+    def planned(n):
+        c = cfg.replace(num_layers=n)
+        left = bench.free_after_states(free, bench.num_parameters(c), "ddp", 1, 1, 1)
+        chunk = bench.auto_chunk_size(4 * 2048, c.padded_vocab_size, 6, left)
+        return bench.planned_bytes(c, torch.device("cuda"), 4, 2048, None, chunk)
+
+    assert planned(layers) <= fill * free < planned(layers + 1)
+    with pytest.raises(SystemExit, match="not one layer fits"):
+        bench.fit_layers(cfg, 2048, 2.0 * 2**30, fill)

@@ -278,3 +278,29 @@ def test_the_planner_prices_muons_states_and_newton_schulz():
     assert fsdp.seconds == pytest.approx(ddp.seconds / 2) and ddp.comm_seconds == 0 < fsdp.comm_seconds
     assert fsdp.state_saving == 4 * fsdp.params / 2
     assert "momentum buffer" in memory_line(cfg, model.num_parameters(), 2, "fsdp")
+
+
+def test_float8_layers_keep_muons_matrices_and_step():
+    """precision=fp8's conversion (torchao's Float8Linear in the blocks, tformer/parallel/float8.py)
+    leaves Muon's split as it was (a converted layer is still an ``nn.Linear``, its weight the same
+    parameter name), and the optimizer's step on the converted model is bitwise the unconverted
+    model's for the same gradients: the optimizer sees parameters, not the layers' arithmetic."""
+    pytest.importorskip("torchao.float8")
+    from tformer.parallel.config import Float8Config
+    from tformer.parallel.float8 import convert_to_float8
+
+    torch.manual_seed(0)
+    model = build_model(build_config("qwen2-moe-tiny"))
+    twin = build_model(build_config("qwen2-moe-tiny"))
+    twin.load_state_dict(model.state_dict())
+    converted = convert_to_float8(model, Float8Config(), torch.device("cpu"))
+    names = lambda m: {n for n, p in m.named_parameters() if any(p is q for q in muon_parameters(m))}  # noqa: E731
+    assert names(model) == names(twin) and {f"{c}.weight" for c in converted} <= names(model)
+    opts = [build_muon(m, _optim(ns_dtype="fp32"), fused=False) for m in (model, twin)]
+    for step in range(2):
+        for m, opt in zip((model, twin), opts):
+            _random_grads(m.parameters(), torch.Generator().manual_seed(step))
+            opt.step()
+    twin_state = twin.state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, twin_state[k]), k

@@ -180,3 +180,9 @@ def atomic_write(
     except BaseException:
         remove(tmp)
         raise
+
+
+def cache_home(configured: str | Path | None = None) -> Path:
+    """tformer's cache directory: ``configured`` (``data.cache_dir``) if set, else ``$TFORMER_CACHE``,
+    else ``~/.cache/tformer`` (tokenized data, the CPU's measured matmul peak)."""
+    return Path(configured or os.environ.get("TFORMER_CACHE") or Path.home() / ".cache" / "tformer")

@@ -2,28 +2,34 @@
 on exactly one owner rank.
 
 A DTensor matrix sharded over its mesh (FSDP2's ``Shard(0)``, TP's ``Shard(0)`` / ``Shard(1)``,
-both on a 2-D mesh) is orthogonalised in batches of equal-shaped matrices of one layout (a multiple
-of the mesh's n ranks): the batch's shards are stacked into a DTensor ``(B, m, k)`` sharded as the
-matrices are, one ``redistribute`` to ``Shard(0)`` on every mesh dimension hands rank ``r`` matrices
-``r B/n`` to ``(r + 1) B/n - 1`` whole (an all-to-all: each rank sends each owner its shards of that
-owner's matrices), the owner runs Newton-Schulz, and the reverse ``redistribute`` sends every rank its
-shards of the results. So the owners are spread evenly over the ranks and each moves one matrix's
-worth of data per matrix it owns; a batch is padded with zero matrices to a multiple of n, which
-their owner does not orthogonalise.
+FSDP2 over TP's strided shards, on meshes of any dimension; 3-D expert stacks likewise) is
+orthogonalised in batches of equal-shaped matrices of one layout: the batch's shards are stacked into
+a DTensor ``(B, m, k)`` sharded as the matrices are, one ``redistribute`` to ``Shard(0)`` on every
+mesh dimension hands each rank its slots of the stack whole (an all-to-all: each rank sends each
+owner its shards of that owner's matrices), the owner runs Newton-Schulz, and the reverse
+``redistribute`` sends every rank its shards of the results. ``owner_plan`` places each batch's
+matrices in the slots of the least-loaded ranks (in Newton-Schulz FLOPs, over all batches of the
+step), so the work is balanced however many matrices of a shape there are; the empty slots are zero
+padding their owner does not orthogonalise. FSDP2's strided shard over TP (``_StridedShard``: rank
+(i, j) holds block ``j a + i`` of a dimension TP cut first) is declared as plain shards of the
+matrix with its blocks permuted; the owner puts the blocks back in order before Newton-Schulz and
+permutes the result again, so it is bitwise the whole matrix's.
 
 Plain tensors (one process, DDP: every rank holds the same reduced gradient) and DTensors whose
 matrices are whole on each rank (replicated, or EP's expert stacks sharded on the expert dimension
-only) are orthogonalised where they are. Anything else (a stack sharded inside its matrices, a
-strided FSDP-over-TP shard) is gathered whole on every rank (``full_tensor``) and cut back.
+only) are orthogonalised where they are. A layout the owners do not take (a partial sum, uneven
+strided blocks) is gathered whole on every rank (``full_tensor``) and cut back.
 """
 
 from __future__ import annotations
 
 import math
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_via_newtonschulz
 
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
@@ -81,66 +87,188 @@ def orthogonalise(
     """Newton-Schulz of each parameter's whole update, as this rank's part of it (``updates[i]``:
     this rank's local part of parameter ``i``'s update; the result has the same shape)."""
     out: list[torch.Tensor | None] = [None] * len(params)
-    batches: dict[tuple, list[int]] = {}
-    for i, (p, u) in enumerate(zip(params, updates)):
+    plan = owner_plan(params, [u.element_size() for u in updates])
+    for i in plan.here:
+        out[i] = orthogonalise_local(updates[i], steps, dtype)
+    for i in plan.everywhere:
+        out[i] = _gathered_everywhere(cast(DTensor, params[i]), updates[i], steps, dtype)
+    for batch in plan.batches:
+        like = cast(DTensor, params[batch.members[0]])
+        got = owner_orthogonalise(like, [updates[i] for i in batch.members], steps, dtype, batch.slots, batch.per)
+        for i, o in zip(batch.members, got):
+            out[i] = o
+    return out  # type: ignore[return-value]
+
+
+class Batch(NamedTuple):
+    """Equal-shaped matrices of one layout moved in one exchange: ``members`` (indices into the
+    parameters) go to stack slots ``slots``; rank r owns slots ``r * per`` to ``(r + 1) * per - 1``
+    of the ``per * n`` slots (the rest are zero padding)."""
+
+    members: list[int]
+    slots: list[int]
+    per: int
+
+
+class OwnerPlan(NamedTuple):
+    """Where each parameter's update is orthogonalised: ``here`` (whole on this rank already),
+    ``batches`` (gathered to owner ranks), ``everywhere`` (gathered whole on every rank: a layout
+    the owners do not take); ``flops[r]``: the Newton-Schulz FLOPs owner rank r runs for ``batches``
+    (rank = the row-major index on the batch's mesh)."""
+
+    here: list[int]
+    batches: list[Batch]
+    everywhere: list[int]
+    flops: dict[DeviceMesh, list[float]]  # per owner of each mesh
+
+
+def owner_plan(params: list[torch.Tensor], element_sizes: list[int]) -> OwnerPlan:
+    """The same plan on every rank (it reads only shapes and layouts, in the parameters' order):
+    equal-shaped sharded matrices batched, each batch's matrices handed to the least-loaded owners
+    of its mesh (the most expensive shapes first, the loads counted in Newton-Schulz FLOPs), so the
+    owners' work is balanced across batches too (a batch of 2 on 4 ranks gives its 2 matrices to
+    the 2 ranks with the least work so far, not always to ranks 0 and 1)."""
+    here, everywhere = [], []
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
         if not isinstance(p, DTensor) or whole_here(p):
-            out[i] = orthogonalise_local(u, steps, dtype)
-        elif p.dim() == 2 and all(type(pl) in (Shard, Replicate) for pl in p.placements):
-            key = (tuple(p.shape), id(p.device_mesh), tuple(p.placements), u.dtype)
-            batches.setdefault(key, []).append(i)
+            here.append(i)
+        elif claimed_layout(p) is not None:
+            key = (tuple(p.shape), p.device_mesh, tuple(map(str, p.placements)), element_sizes[i])
+            groups.setdefault(key, []).append(i)
         else:
-            out[i] = _gathered_everywhere(p, u, steps, dtype)
-    for members in batches.values():
+            everywhere.append(i)
+    loads: dict[DeviceMesh, list[float]] = {}
+    batches = []
+    for members in sorted(groups.values(), key=lambda m: -newton_schulz_flops(tuple(params[m[0]].shape))):
         like = cast(DTensor, params[members[0]])
         n = like.device_mesh.size()
-        size = like.numel() * updates[members[0]].element_size()
-        per_batch = n * max(1, BATCH_BYTES // (n * size))  # a multiple of the ranks
+        cost = newton_schulz_flops(tuple(like.shape))
+        per_batch = n * max(1, BATCH_BYTES // (n * like.numel() * element_sizes[members[0]]))  # a multiple of n
+        load = loads.setdefault(like.device_mesh, [0.0] * n)
         for start in range(0, len(members), per_batch):
-            batch = members[start : start + per_batch]
-            for i, o in zip(batch, owner_orthogonalise(like, [updates[i] for i in batch], steps, dtype)):
-                out[i] = o
-    return out  # type: ignore[return-value]
+            chunk = members[start : start + per_batch]
+            slots, per = owner_slots(len(chunk), load, cost)
+            batches.append(Batch(chunk, slots, per))
+    return OwnerPlan(here, batches, everywhere, loads)
+
+
+def owner_slots(count: int, loads: list[float], cost: float) -> tuple[list[int], int]:
+    """Slots for ``count`` matrices of ``cost`` FLOPs each over ``n = len(loads)`` owners of
+    ``per = ceil(count / n)`` slots each: the ``count - (per - 1) n`` least-loaded ranks take
+    ``per`` matrices, the others ``per - 1`` (ties to the lower rank); ``loads`` updated."""
+    n = len(loads)
+    per = -(-count // n)
+    full = count - (per - 1) * n
+    order = sorted(range(n), key=lambda r: (loads[r], r))
+    takes = {r: per if k < full else per - 1 for k, r in enumerate(order)}
+    slots = []
+    for r in range(n):
+        slots += [r * per + j for j in range(takes[r])]
+        loads[r] += takes[r] * cost
+    return slots, per
 
 
 def whole_here(p: DTensor) -> bool:
     """Whether each rank's shard of ``p`` holds whole matrices: nothing split inside a matrix (the
     last two dimensions)."""
-    return all(not isinstance(pl, Shard) or pl.dim % p.dim() < p.dim() - 2 for pl in p.placements)
+    return all(not isinstance(pl, (Shard, _StridedShard)) or pl.dim % p.dim() < p.dim() - 2 for pl in p.placements)
 
 
-def owner_orthogonalise(like: DTensor, locals_: list[torch.Tensor], steps: int, dtype: torch.dtype) -> list[torch.Tensor]:
+class Claimed(NamedTuple):
+    """A layout the owners take: ``placements`` (plain ``Shard`` / ``Replicate``) under which each
+    rank's shard is a shard of the matrix with its blocks permuted along ``swaps``' dimensions:
+    ``(dim, a, b)`` for FSDP2's strided shard over TP's (torch's ``_StridedShard``: the dimension
+    cut in ``b`` parts by TP first, each cut in ``a`` by FSDP2), whose rank (i, j) holds block
+    ``j a + i`` where the plain placements say ``i b + j``."""
+
+    placements: tuple
+    swaps: tuple[tuple[int, int, int], ...]
+
+
+def claimed_layout(p: DTensor) -> Claimed | None:
+    """``p``'s layout as plain placements and block swaps; None for a layout the owners do not take
+    (a partial sum, a strided shard not followed by the shard it strides over, or uneven blocks)."""
+    mesh, placements, swaps = p.device_mesh, list(p.placements), []
+    for a, pl in enumerate(p.placements):
+        if isinstance(pl, (Shard, Replicate)):
+            continue
+        if not isinstance(pl, _StridedShard):
+            return None
+        later = [b for b, q in enumerate(p.placements) if b > a and type(q) is Shard and q.dim == pl.dim]
+        if len(later) != 1 or pl.split_factor != mesh.size(later[0]):
+            return None
+        d = pl.dim % p.dim()
+        if p.shape[d] % (mesh.size(a) * mesh.size(later[0])):
+            return None
+        placements[a] = Shard(pl.dim)
+        swaps.append((d, mesh.size(a), mesh.size(later[0])))
+    return Claimed(tuple(placements), tuple(swaps))
+
+
+def _swap_blocks(x: torch.Tensor, swaps, back: bool) -> torch.Tensor:
+    """A whole matrix (or stack) as the plain placements gathered it -> its true layout (``back``:
+    the reverse); ``x`` has the parameter's shape."""
+    for d, a, b in swaps:
+        first, second = (b, a) if back else (a, b)
+        x = x.unflatten(d, (first, second, -1)).transpose(d, d + 1).flatten(d, d + 2)
+    return x
+
+
+def owner_orthogonalise(
+    like: DTensor,
+    locals_: list[torch.Tensor],
+    steps: int,
+    dtype: torch.dtype,
+    slots: list[int] | None = None,
+    per: int | None = None,
+) -> list[torch.Tensor]:
     """Matrices laid out as ``like``, given by this rank's shards, each orthogonalised whole on its
-    owner (the batch padded to a multiple of the n ranks, ``per = len / n`` matrices each: rank r
-    owns matrices ``r * per`` to ``(r + 1) * per - 1``), back as this rank's shards."""
-    count = len(locals_)
-    stacked, shape = gather_to_owners(like, locals_)
+    owner (``slots[i]``: matrix i's slot of the ``per * n`` slots; default: in order, ``per =
+    ceil(count / n)``), back as this rank's shards."""
+    n = like.device_mesh.size()
+    if slots is None or per is None:
+        slots, per = list(range(len(locals_))), -(-len(locals_) // n)
+    total = per * n
+    claimed = claimed_layout(like)
+    assert claimed is not None, like.placements
+    stack = [torch.zeros_like(locals_[0])] * total
+    for i, s in zip(range(len(locals_)), slots):
+        stack[s] = locals_[i]
+    stacked, shape = gather_to_owners(like, stack, claimed.placements)
     per, first = stacked.shape[0], owner_index(like.device_mesh) * stacked.shape[0]
+    used = set(slots)
     result = torch.stack(
-        [orthogonalise_local(m, steps, dtype) if first + j < count else torch.zeros_like(m) for j, m in enumerate(stacked)]
+        [
+            _swap_blocks(orthogonalise_local(_swap_blocks(m, claimed.swaps, False), steps, dtype), claimed.swaps, True)
+            if first + j in used
+            else torch.zeros_like(m)
+            for j, m in enumerate(stacked)
+        ]
     )
     assert result.shape[0] == per
-    return list(scatter_from_owners(like, result, shape).unbind(0)[:count])
+    back = scatter_from_owners(like, result, shape)
+    return [back[s] for s in slots]
 
 
-def _stacked_placements(like: DTensor) -> list:
-    return [Shard(pl.dim + 1) if isinstance(pl, Shard) else pl for pl in like.placements]
+def _stacked_placements(placements) -> list:
+    return [Shard(pl.dim + 1) if isinstance(pl, Shard) else pl for pl in placements]
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
 
-def gather_to_owners(like: DTensor, locals_: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """The stack of the batch's matrices, padded to a multiple of ``mesh.size()``, redistributed so
-    that this rank holds its own matrices whole: ``((per, m, k), stack shape)``."""
+def gather_to_owners(like: DTensor, stack: list[torch.Tensor], placements) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The stack of the batch's shards (a multiple of ``mesh.size()``, padding included) under
+    ``placements`` (``claimed_layout``'s), redistributed so that this rank holds its own matrices
+    whole: ``((per, m, k), stack shape)``."""
     mesh = like.device_mesh
-    total = -(-len(locals_) // mesh.size()) * mesh.size()
-    pad = [torch.zeros_like(locals_[0])] * (total - len(locals_))
-    shape = (total, *like.shape)
+    shape = (len(stack), *like.shape)
     stacked = DTensor.from_local(
-        torch.stack([*locals_, *pad]),
+        torch.stack(stack),
         mesh,
-        _stacked_placements(like),
+        _stacked_placements(placements),
         run_check=False,
         shape=torch.Size(shape),
         stride=_contiguous_stride(shape),
@@ -160,7 +288,7 @@ def scatter_from_owners(like: DTensor, result: torch.Tensor, shape: tuple[int, .
         shape=torch.Size(shape),
         stride=_contiguous_stride(shape),
     )
-    return owned.redistribute(mesh, _stacked_placements(like)).to_local()
+    return owned.redistribute(mesh, _stacked_placements(claimed_layout(like).placements)).to_local()  # type: ignore[union-attr]
 
 
 def owner_index(mesh) -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ...config import Family, ModelConfig, check_table
-from ...files import atomic_write
+from ...files import atomic_write, cache_home
 from ...data import (
     Collator,
     DataError,
@@ -121,8 +120,7 @@ def mixture_schedule(cfg: TrainConfig, names: list[str], world_size: int) -> Mix
 
 
 def cache_root(cfg: TrainConfig) -> Path:
-    root = cfg.data.cache_dir or os.environ.get("TFORMER_CACHE") or Path.home() / ".cache" / "tformer"
-    return Path(root)
+    return cache_home(cfg.data.cache_dir)
 
 
 def _source(cfg: TrainConfig, objective: str):

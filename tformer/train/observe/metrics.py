@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from ...files import cache_home
+
 # Dense peak FLOP/s per GPU (no sparsity) for MFU: (bf16/fp16 tensor core, fp32/tf32), from the
 # vendors' datasheets. Matched in order against ``torch.cuda.get_device_name``: the more specific
 # name first. An H100 or H200 that names no form factor ("NVIDIA H100 80GB HBM3") is the SXM part.
@@ -88,8 +90,7 @@ class CpuPeak:
 
     def __init__(self, dtype: torch.dtype, cache: Path | None = None):
         self.dtype, self.key = dtype, _cpu_key(dtype)
-        root = cache or Path(os.environ.get("TFORMER_CACHE") or Path.home() / ".cache" / "tformer")
-        self.path = Path(root) / CPU_PEAKS
+        self.path = cache_home(cache) / CPU_PEAKS
         now = measured_matmul_peak(dtype)
         if dtype != torch.float32:
             # A CPU without native bf16 GEMMs (AVX2) runs a bare bf16 torch.mm in a scalar fallback (~1-2
