@@ -205,6 +205,11 @@ def test_packed_mlm_has_the_padded_loss_and_a_neighbour_in_view_does_not(toks): 
     packed = PackedMLM(docs, seed=1)
     assert sorted(int(i) for r in range(len(packed)) for i in packed.row_documents(r)) == list(range(len(docs)))
     rows, padded = packed_and_padded(docs, packed)
+    from tformer.nn import positions_from_doc_ids
+
+    real = rows["doc_ids"] >= 0
+    assert rows["input_ids"].shape[1] <= docs.seq_len and int(real.sum()) == int(docs.lengths().sum())
+    assert torch.equal(rows["position_ids"][real], positions_from_doc_ids(rows["doc_ids"])[real])
     with torch.no_grad():
         ours = mlm_outputs(model, rows)
         theirs = mlm_outputs(model, padded)
