@@ -1,11 +1,12 @@
-"""Training step of the new decoders (Qwen3, Qwen3-MoE, DeepSeek-V3, gpt-oss) against HF's own.
+"""Training step of the new flavours (Qwen3, Qwen3-MoE, DeepSeek-V3, gpt-oss, ModernBERT) against HF's own.
 
-    python bench/bench_zoo.py [--flavour qwen3,qwen3_moe,deepseek_v3,gpt_oss] [--steps N] [--threads 1]
+    python bench/bench_zoo.py [--flavour qwen3,qwen3_moe,deepseek_v3,gpt_oss,modernbert] [--steps N] [--threads 1]
 
 Each flavour's tiny preset (the shapes of ``configs/*-tiny.yaml``) and the HF model its exporter
 configures (``TARGETS[flavour].hf_config``: the same architecture, the same parameter count, checked)
 take forward + backward + fused AdamW steps interleaved one by one on the same batch, in one process,
-as ``bench_models.py`` times its families; DeepSeek-V3 without its MTP module (HF has none). HF's
+as ``bench_models.py`` times its families; DeepSeek-V3 without its MTP module (HF has none);
+ModernBERT on 15% of positions labelled, HF's ``sparse_prediction`` on (its head at those only). HF's
 experts run its default implementation where that runs on this CPU, else its loop (said in the
 line). Target ([zoo-dec]): tformer's median step >= 1.0x HF's for every flavour, fp32, one thread.
 A row whose loss is not finite is FAIL; any MISS or FAIL sets the exit code. A benchmark, not a
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_models import NOISE, Contender, interleave, num_params, speedup  # noqa: E402
 
 from tformer import build_model  # noqa: E402
+from tformer.models import spec_of  # noqa: E402
 
 TARGET = 1.0
 PRESETS = {
@@ -34,6 +36,7 @@ PRESETS = {
     "qwen3_moe": ("qwen3-moe-tiny", {}),
     "deepseek_v3": ("deepseek-v3-tiny", {"mtp_depth": 0}),
     "gpt_oss": ("gpt-oss-tiny", {}),
+    "modernbert": ("modernbert-tiny", {}),
 }
 SIZES = dict(batch=8, seq=128)
 
@@ -47,6 +50,7 @@ def hf_twin(cfg, ids):
 
     target = TARGETS[cfg.flavour]
     hf_cfg = target.hf_config(cfg)
+    hf_cfg.sparse_prediction = True  # ModernBERT: the MLM head at labelled positions only, as ours (others ignore it)
     if cfg.moe.enabled and cfg.moe.aux_loss_coef:
         hf_cfg.output_router_logits = True  # HF adds its balance loss only then; tformer always does
     cls = getattr(transformers, target.HF_CLASS)
@@ -72,6 +76,9 @@ def bench_flavour(flavour: str, args) -> dict:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (b, s), generator=gen)
     shifted = torch.cat((ids[:, 1:], torch.full((b, 1), -100)), dim=1)  # HF shifts inside
+    hf_labels = ids
+    if spec_of(cfg).masked_lm:  # MLM: 15% of positions labelled, the same for both; HF's head at those only too
+        shifted = hf_labels = ids.masked_fill(torch.rand(b, s, generator=gen) >= 0.15, -100)
     hf, experts = hf_twin(cfg, ids)
     if num_params(ours) != num_params(hf):
         raise SystemExit(f"{flavour}: configurations differ: tformer {num_params(ours):,} vs HF {num_params(hf):,}")
@@ -83,7 +90,7 @@ def bench_flavour(flavour: str, args) -> dict:
         return loss
 
     def hf_loss():
-        loss = hf(input_ids=ids, labels=ids).loss
+        loss = hf(input_ids=ids, labels=hf_labels).loss
         losses["HF"].append(loss.item())
         return loss
 

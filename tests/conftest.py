@@ -25,6 +25,7 @@ def pytest_configure(config):
 
 TINY = [
     "bert-tiny",
+    "modernbert-tiny",
     "gpt2-tiny",
     "llama-tiny",
     "t5-tiny",

@@ -13,6 +13,7 @@ from train_helpers import ROOT, small_overrides
 sys.path.insert(0, str(ROOT / "bench"))
 
 import bench_memory  # noqa: E402
+import bench_packed_mlm  # noqa: E402
 import bench_trainer  # noqa: E402
 import bench_translate  # noqa: E402
 from bench_trainer import Rate, Start  # noqa: E402
@@ -208,6 +209,13 @@ def test_ft_outage_lines_and_stalls():
     assert ft_outage.outage_line(clean, slow, join_s=10.0, heartbeat_s=5.0).startswith("MISS")
     broken = OutageRun(wall=50.0, kills=[30], error="group 1 exit 1: ...")
     assert ft_outage.outage_line(clean, broken, 10.0, 5.0).startswith("FAIL")
+
+
+def test_packed_mlm_verdict_reads_miss_below_its_bar():
+    assert bench_packed_mlm.packed_verdict(2.1, 0.52).startswith("PASS")
+    assert bench_packed_mlm.packed_verdict(1.3, 0.52).startswith("MISS")  # padding allows 2.08x: the bar is 1.5x
+    assert bench_packed_mlm.packed_verdict(1.15, 0.2).startswith("PASS")  # 1.25x is all packing can gain: 0.9 of it
+    assert bench_packed_mlm.packed_verdict(1.0, 0.2).startswith("MISS")
 
 
 def test_zoo_verdict_reads_fail_for_a_step_that_did_not_train_and_miss_below_the_target():

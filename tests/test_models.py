@@ -206,6 +206,9 @@ def _hf_reference(name):
         from tformer.export.deepseek_v3 import hf_config
 
         return T.DeepseekV3ForCausalLM(hf_config(tformer.build_config(name)))
+    if p["flavour"] == "modernbert":  # ModernBertConfig's defaults are answerdotai/ModernBERT-base's
+        large = dict(hidden_size=1024, intermediate_size=2624, num_hidden_layers=28, num_attention_heads=16)
+        return T.ModernBertForMaskedLM(T.ModernBertConfig(**(large if name.endswith("large") else {})))
     if p["family"] == "encoder":
         return T.BertForMaskedLM(
             T.BertConfig(

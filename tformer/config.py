@@ -41,7 +41,8 @@ Family = Literal["encoder", "decoder", "encdec"]
 Position = Literal["none", "learned", "sinusoidal", "rotary", "relative"]
 Norm = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
-Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu"]
+# geglu: the gate through the tanh GELU (Gemma, T5 v1.1); geglu_exact: through the erf GELU (ModernBERT)
+Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "geglu_exact"]
 AttnImpl = Literal["sdpa", "math"]
 RouterSoftmax = Literal["all", "topk"]
 RouterScore = Literal["softmax", "sigmoid"]
@@ -301,6 +302,9 @@ class ModelConfig:
     tied_output_scale: bool = False  # scale by d_model**-0.5 before a tied LM head (T5 v1.0)
     type_vocab_size: int = ranged(0, "[0, inf)", note="0 = no token types")  # token-type (segment) embeddings, BERT uses 2
     embed_norm: bool = False  # norm right after the embedding sum (BERT)
+    # block 0 normalises its attention input; false: the embedding norm is its only norm (ModernBERT)
+    first_attn_norm: bool = True
+    head_bias: bool = True  # the MLM head's dense layer has a bias (BERT; ModernBERT: false)
     embed_scale: bool = False  # multiply token embeddings by sqrt(d_model) (the paper)
     embed_scale_dtype: bool = False  # with embed_scale: sqrt(d_model) rounded to the activations' dtype first (Gemma)
     init_std: float = ranged(0.02, "(0, inf)")  # standard deviation of the initial weights
@@ -420,6 +424,11 @@ class ModelConfig:
         if self.sandwich_norm and not self.pre_norm:
             raise ConfigError(
                 "sandwich_norm=true needs norm_position='pre' (post-norm blocks already normalise each output)"
+            )
+        if not self.first_attn_norm and not (self.pre_norm and self.embed_norm):
+            raise ConfigError(
+                "first_attn_norm=false leaves block 0's attention input to the embedding norm; it needs "
+                "norm_position='pre' and embed_norm=true (ModernBERT)"
             )
         if self.norm_unit_offset and self.norm != "rmsnorm":
             raise ConfigError(f"norm_unit_offset=true is for norm='rmsnorm' (Gemma's), not norm={self.norm!r}")

@@ -18,6 +18,7 @@ from .corpus import default_corpus_path, default_pairs_path, split_rows
 from .errors import DataError, check_seq_len
 from .loading import load_text_dataset
 from .mlm import MLMDataset
+from .mlm_pack import MLMDocuments, PackedMLM
 from .sampler import Collator, ResumableSampler, TokenBudgetSampler, collate
 from .mixture import MixtureDataset, MixtureSampler, MixtureSchedule
 from .seq2seq import PackedSeq2Seq, Seq2SeqPairs
@@ -51,6 +52,8 @@ __all__ = [
     "tokenize_pairs",
     "PackedCausalLM",
     "MLMDataset",
+    "MLMDocuments",
+    "PackedMLM",
     "SpanCorruptionDataset",
     "t5_lengths",
     "Seq2SeqPairs",

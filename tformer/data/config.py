@@ -52,4 +52,8 @@ class DataConfig:
     # seq2seq + document_mask: source / target tokens per packed row (default: data.seq_len /
     # data.target_len, the longest pair)
     pack_len: int | None = ranged(None, "[1, inf)")
+    # mlm + document_mask: one [CLS] document [SEP] sample per document, packed into rows of at most
+    # data.seq_len tokens (RoPE / positions restarting at each): no position computed on padding
+    # and the loss of the same documents padded (data/mlm_pack.py); false: cut from the token stream
+    pack: bool = False
     prepared: bool = False  # require the token cache of `tformer data prepare`; never tokenize here

@@ -57,29 +57,18 @@ class MLMDataset(KeyedDataset):
                 "[CLS] A [SEP] B [SEP] layout relates A and B across documents"
             )
         self.document_mask = document_mask
-        ids = special_tokens(tokenizer)
-        self.cls_id = ids.require("cls_id", "MLM samples")
-        self.sep_id = ids.require("sep_id", "MLM samples")
-        self.mask_id = ids.require("mask_id", "MLM samples")
-        if not 0.0 < mask_prob < 1.0:
-            raise DataError(f"mask_prob must be in (0, 1), got {mask_prob}")
+        self._masking(tokenizer, seed, mask_prob, whole_word)
         self.chunk = seq_len - (3 if pairs else 2)
         if self.chunk < (2 if pairs else 1):
             raise DataError(f"seq_len {seq_len} is too short for MLM samples: use at least {5 if pairs else 3}")
         self.tokens, self.offsets = corpus.tokens, np.asarray(corpus.offsets)
-        self.seq_len, self.seed, self.mask_prob = seq_len, seed, mask_prob
-        self.whole_word, self.pairs = whole_word, pairs
+        self.seq_len, self.pairs = seq_len, pairs
         self.num_samples = corpus.num_tokens // self.chunk
         if self.num_samples == 0:
             raise DataError(
                 f"the corpus has {corpus.num_tokens:,} tokens, fewer than one MLM sample "
                 f"needs ({self.chunk}): use a shorter seq_len or more data"
             )
-        n_vocab = vocab_size(tokenizer)
-        self.is_special = np.zeros(n_vocab, dtype=bool)
-        self.is_special[_special_ids(tokenizer)] = True
-        self.random_ids = np.flatnonzero(~self.is_special)
-        self.word_start = word_start_table(tokenizer) if whole_word else None
         left = corpus.num_tokens - self.num_samples * self.chunk
         log.info(
             "MLM: %d samples of %d tokens; the last %d tokens (%.3f%%) do not fill a sample and are left out",
@@ -88,6 +77,20 @@ class MLMDataset(KeyedDataset):
             left,
             100.0 * left / corpus.num_tokens,
         )
+
+    def _masking(self, tokenizer: Tokenizer, seed: int, mask_prob: float, whole_word: bool) -> None:
+        """What ``_mask`` reads: the special ids, the tokens a random replacement draws from."""
+        ids = special_tokens(tokenizer)
+        self.cls_id = ids.require("cls_id", "MLM samples")
+        self.sep_id = ids.require("sep_id", "MLM samples")
+        self.mask_id = ids.require("mask_id", "MLM samples")
+        if not 0.0 < mask_prob < 1.0:
+            raise DataError(f"mask_prob must be in (0, 1), got {mask_prob}")
+        self.seed, self.mask_prob, self.whole_word = seed, mask_prob, whole_word
+        self.is_special = np.zeros(vocab_size(tokenizer), dtype=bool)
+        self.is_special[_special_ids(tokenizer)] = True
+        self.random_ids = np.flatnonzero(~self.is_special)
+        self.word_start = word_start_table(tokenizer) if whole_word else None
 
     def __len__(self) -> int:
         return self.num_samples

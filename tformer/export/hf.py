@@ -143,6 +143,8 @@ SWITCHES = (
     ("sandwich_norm", False, "SANDWICH", "sandwich norms"),
     ("norm_unit_offset", False, "GEMMA_NORM", "RMSNorm gains as offsets from 1"),
     ("embed_scale_dtype", False, "GEMMA_NORM", "the embedding scale rounded to the activations' dtype"),
+    ("first_attn_norm", True, "FIRST_ATTN_NORM", "a block 0 whose attention input is the embedding norm's output"),
+    ("head_bias", True, "HEAD_BIAS_OFF", "an MLM head whose dense layer has no bias"),
 )
 
 

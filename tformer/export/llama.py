@@ -10,8 +10,14 @@ from .common import ExportError, Rule, build_config, first_id, linear, need, rai
 
 HF_CLASS = "LlamaForCausalLM"
 AUTO_CLASS = "AutoModelForCausalLM"
-GATED_ACTS = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}
-HF_GATED_ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
+GATED_ACTS = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh", "geglu_exact": "gelu"}
+HF_GATED_ACTS = {
+    "silu": "swiglu",
+    "swish": "swiglu",
+    "gelu_pytorch_tanh": "geglu",
+    "gelu_new": "geglu",
+    "gelu": "geglu_exact",
+}
 
 
 def check(cfg: ModelConfig) -> None:

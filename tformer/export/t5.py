@@ -38,6 +38,7 @@ def problems(cfg: ModelConfig) -> list[str | None]:
         need(cfg, "type_vocab_size", 0, "T5 has no token-type embeddings"),
         need(cfg, "embed_norm", False, "T5 has no norm after the embeddings"),
         need(cfg, "embed_scale", False, "T5 does not scale its embeddings"),
+        need(cfg, "activation", tuple(FF_PROJ), "HF T5's gated-gelu is the tanh GELU (geglu)"),
     ]
 
 

@@ -31,7 +31,7 @@ class EncoderModel(TformerModel):
         self.embed = Embeddings(cfg)
         self.encoder = TransformerStack(cfg, cfg.num_layers, causal=False)
         # BERT's MLM head: dense -> activation -> norm -> vocabulary projection (+ its own bias).
-        self.head_dense = nn.Linear(cfg.d_model, cfg.d_model)
+        self.head_dense = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.head_bias)
         act, gated = FFN_KINDS[cfg.activation]
         self.head_act = F.gelu if gated else act  # a gated kind is no one function: its head uses GELU
         self.head_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias, cfg.norm_unit_offset)

@@ -24,6 +24,35 @@ BERT = dict(
     dropout=0.1,
     attn_dropout=0.1,
 )
+# ModernBERT (Warner et al. 2024; HF ModernBertForMaskedLM, tformer/export/modernbert.py): pre-norm,
+# RoPE, GeGLU (erf GELU), no biases, LayerNorms without bias, the embeddings normed (that norm is
+# block 0's attention norm), every third block global from block 0 with RoPE base 160k, the others a
+# 128-token bidirectional window with base 10k, a final norm, a bias-free head dense layer
+MODERNBERT = dict(
+    family="encoder",
+    flavour="modernbert",
+    vocab_size=50368,
+    max_seq_len=8192,
+    position="rotary",
+    rope_theta=160000.0,
+    rope_local_theta=10000.0,
+    attn_window=128,
+    global_every=3,
+    global_offset=0,
+    norm="layernorm",
+    norm_eps=1e-5,
+    norm_bias=False,
+    norm_position="pre",
+    activation="geglu_exact",
+    bias=False,
+    embed_norm=True,
+    first_attn_norm=False,
+    head_bias=False,
+    tie_embeddings=True,
+    pad_token_id=50283,
+    bos_token_id=50281,
+    eos_token_id=50282,
+)
 GPT2 = dict(
     family="decoder",
     flavour="gpt2",
@@ -200,6 +229,9 @@ DEEPSEEK_V3 = dict(
 PRESETS: dict[str, dict] = {
     "bert-base": dict(BERT, d_model=768, num_layers=12, num_heads=12, d_ff=3072),
     "bert-large": dict(BERT, d_model=1024, num_layers=24, num_heads=16, d_ff=4096),
+    # ModernBERT-base / -large (HF answerdotai/ModernBERT-base, -large): 149M and 395M parameters
+    "modernbert-base": dict(MODERNBERT, d_model=768, num_layers=22, num_heads=12, d_ff=1152),
+    "modernbert-large": dict(MODERNBERT, d_model=1024, num_layers=28, num_heads=16, d_ff=2624),
     "gpt2-small": dict(GPT2, d_model=768, num_layers=12, num_heads=12, d_ff=3072),
     "gpt2-medium": dict(GPT2, d_model=1024, num_layers=24, num_heads=16, d_ff=4096),
     "gpt2-large": dict(GPT2, d_model=1280, num_layers=36, num_heads=20, d_ff=5120),
@@ -272,6 +304,20 @@ PRESETS: dict[str, dict] = {
         d_ff=128,
         dropout=0.0,
         attn_dropout=0.0,
+    ),
+    # three blocks: global, local, local; a 16-token window
+    "modernbert-tiny": dict(
+        MODERNBERT,
+        vocab_size=1024,
+        max_seq_len=128,
+        d_model=64,
+        num_layers=3,
+        num_heads=4,
+        d_ff=96,
+        attn_window=16,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
     ),
     "gpt2-tiny": dict(
         GPT2,

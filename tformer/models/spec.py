@@ -110,6 +110,7 @@ def spec_of(cfg: ModelConfig) -> ModelSpec:
 
 # the built-in flavours: one line each
 register(ModelSpec("bert", EncoderModel, "tformer.export.bert"))
+register(ModelSpec("modernbert", EncoderModel, "tformer.export.modernbert"))
 register(ModelSpec("gpt2", DecoderModel, "tformer.export.gpt2"))
 register(ModelSpec("llama", DecoderModel, "tformer.export.llama"))
 register(ModelSpec("mixtral", DecoderModel, "tformer.export.mixtral"))

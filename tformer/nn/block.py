@@ -87,7 +87,8 @@ class TransformerBlock(nn.Module):
             return norm() if present and cfg.sandwich_norm else None
 
         self.attn = _attention(cfg, index)
-        self.attn_norm = norm()
+        # ModernBERT's block 0 takes the normed embeddings as they are (first_attn_norm=false)
+        self.attn_norm = norm() if index or cfg.first_attn_norm else nn.Identity()
         self.attn_post_norm = post_norm()
         self.cross_attn = _attention(cfg.replace(attention="mha")) if cross else None
         self.cross_norm = norm() if cross else None

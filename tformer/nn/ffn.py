@@ -26,6 +26,7 @@ FFN_KINDS: dict[Activation, tuple[Callable[[torch.Tensor], torch.Tensor], bool]]
     "silu": (F.silu, False),
     "swiglu": (F.silu, True),
     "geglu": (gelu_tanh, True),
+    "geglu_exact": (F.gelu, True),  # ModernBERT
 }
 check_table(FFN_KINDS, Activation, "FFN_KINDS")
 

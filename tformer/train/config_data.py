@@ -108,11 +108,18 @@ def check_synthetic(cfg: Any) -> None:
 
 def check_document_mask(cfg: Any, model: ModelConfig) -> None:
     d = cfg.data
+    objective = d.objective if d.objective != "auto" else AUTO_OBJECTIVE[model.family]
+    if d.pack and objective != "mlm":
+        raise ConfigError(
+            f"data.pack=true packs masked-LM documents, not {objective} samples (causal rows are always packed; "
+            "seq2seq pairs pack with data.document_mask alone): unset data.pack"
+        )
+    if d.pack and not d.document_mask:
+        raise ConfigError("data.pack=true keeps the packed documents apart by their masks; set data.document_mask=true")
     if not d.document_mask:
         if d.pack_len is not None:
             raise ConfigError(f"data.pack_len={d.pack_len} sizes packed rows; it needs data.document_mask=true")
         return
-    objective = d.objective if d.objective != "auto" else AUTO_OBJECTIVE[model.family]
     if objective == "span":
         raise ConfigError(
             "data.document_mask=true cannot be honoured by span corruption (its spans are cut "

@@ -18,10 +18,12 @@ from ...data import (
     Collator,
     DataError,
     MLMDataset,
+    MLMDocuments,
     MixtureDataset,
     MixtureSampler,
     MixtureSchedule,
     PackedCausalLM,
+    PackedMLM,
     PackedSeq2Seq,
     ResumableSampler,
     Seq2SeqPairs,
@@ -239,6 +241,11 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> RunData:
         corpus = tokenize_corpus(source, tok, cache, column=column, split=name, **opts)
         if objective == "causal":
             return PackedCausalLM(corpus, seq_len, ids.require("eos_id", "causal LM packing"))
+        if objective == "mlm" and cfg.data.pack:
+            docs = MLMDocuments(
+                corpus, tok, seq_len, seed=cfg.seed, mask_prob=cfg.data.mlm_probability, whole_word=cfg.data.whole_word_mask
+            )
+            return PackedMLM(docs, seed=cfg.seed)
         if objective == "mlm":
             return MLMDataset(
                 corpus,
