@@ -115,8 +115,8 @@ def test_cp_attention_with_windows_sinks_and_latent_heads_equals_one_process(tmp
     """cp=2 over 13 tokens: windows that cross the shard boundary (causal and bidirectional), sinks
     merged into the pairs' log-sum-exp, MLA's narrower values: output and every gradient (the
     sinks' summed over the ranks) within ATTENTION_FACTOR yardsticks of one process. The window one
-    key wider (each side, bidirectional), or the sinks left out, lie far outside. Measured on a 2-core AVX2 EPYC: see the
-    printed line."""
+    key wider (each side, bidirectional), or the sinks left out, lie far outside. Measured on a
+    2-core AVX512 Xeon (2026-11-28): at most 3.0 yardsticks; the planted defects 6e6 and more."""
     run_group(2, SEQ, str(tmp_path), _core_worker)
     worst = 0.0
     planted = {}
@@ -543,7 +543,7 @@ def test_trainer_cp2_of_gpt_oss_and_deepseek_v3_equals_one_process(cache, tmp_pa
     """The trainer at cp=2 (61 tokens: gpt-oss's 16-token window crosses the shard borders, sinks;
     DeepSeek-V3's latent attention, its routing losses pooled over the whole sequence): losses and
     parameters within test_mesh's layout bound of one process over 4 AdamW steps. Measured on a
-    2-core AVX2 EPYC: 1.1 and 0.6 yardsticks; the sequence-wise balance loss taken per shard (as it
+    2-core AVX512 Xeon (2026-11-28): 1.1 and 0.6 yardsticks; the sequence-wise balance loss taken per shard (as it
     was before it was pooled) put DeepSeek-V3's routers 62 off, and gpt-oss's key bias, which
     trains beside sinks, broke test_mesh's rule that a key bias stays at 0."""
     import test_mesh
