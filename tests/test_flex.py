@@ -238,7 +238,7 @@ def test_a_model_through_flex_equals_the_math_path(name, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_takes_flex_and_it_equals_the_math_path(dtype, monkeypatch):
+def test_cuda_takes_flex_and_it_equals_the_math_path(dtype, monkeypatch, request):
     """On CUDA: windowed, capped and sinks layers take the compiled FlexAttention, plain causal
     ones SDPA's causal kernel (the line and the calls agree); forward and backward (through the
     kernel's log-sum-exp for the sinks) equal the math path, in fp32 and bf16, within the math
@@ -247,10 +247,14 @@ def test_cuda_takes_flex_and_it_equals_the_math_path(dtype, monkeypatch):
     assert attention_line(preset("llama-tiny"), "cuda") == "attention: every layer sdpa-causal"
     # each case's rules compile a kernel of their own: past dynamo's limit it would fall back to eager
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64, raising=False)
+    # fp32 products in fp32 (not TF32) in both kernels, whatever an earlier test left set
+    was = torch.get_float32_matmul_precision()
+    request.addfinalizer(lambda: torch.set_float32_matmul_precision(was))
+    torch.set_float32_matmul_precision("highest")
     for name, case in CASES.items():
         inputs = _inputs(dtype, "cuda")
         kw = _switches(case, inputs[3], inputs[4], device="cuda")
-        flags = {name: bool(case.get(name)) for name in ("sinks", "bias", "documents")}
+        flags = {switch: bool(case.get(switch)) for switch in ("sinks", "bias", "documents")}
         kernel = attention_kernel("cuda", "sdpa", causal=kw["causal"], window=kw["window"], softcap=kw["softcap"], **flags)
         assert kernel == "flex", name
         outs = {}
