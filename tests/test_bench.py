@@ -208,3 +208,12 @@ def test_ft_outage_lines_and_stalls():
     assert ft_outage.outage_line(clean, slow, join_s=10.0, heartbeat_s=5.0).startswith("MISS")
     broken = OutageRun(wall=50.0, kills=[30], error="group 1 exit 1: ...")
     assert ft_outage.outage_line(clean, broken, 10.0, 5.0).startswith("FAIL")
+
+
+def test_zoo_verdict_reads_fail_for_a_step_that_did_not_train_and_miss_below_the_target():
+    import bench_zoo
+
+    row = dict(finite=True, med=1.2, noisy=False)
+    assert bench_zoo.verdict(row) == "PASS"
+    assert bench_zoo.verdict({**row, "med": 0.97}) == "MISS"
+    assert bench_zoo.verdict({**row, "finite": False}).startswith("FAIL")  # however fast

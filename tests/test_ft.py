@@ -448,3 +448,88 @@ def test_ft_launcher_runs_the_lighthouse_and_two_groups(cache, ft_run, tmp_path)
         import socket
 
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+# -- the loss-free MoE bias across replica groups -------------------------------------------------
+
+
+class _TwoGroups:
+    """torchft's ``Manager`` as one of two groups sees it: ``allreduce`` averages this group's flat
+    buffer with the other group's (``other``), ``should_commit`` says yes."""
+
+    def __init__(self, other: torch.Tensor):
+        self.other = other
+
+    def allreduce(self, flat: torch.Tensor):
+        flat.add_(self.other).div_(2)
+        return type("Done", (), {"wait": lambda self: None})()
+
+    def should_commit(self) -> bool:
+        return True
+
+
+def test_expert_loads_ride_the_groups_all_reduce_and_come_back_summed():
+    """Each group's expert loads join the step's one all-reduce and come back as the sum over the
+    groups, whole (so every group moves its loss-free bias alike); the gradients stay averaged."""
+    from types import SimpleNamespace
+
+    from tformer.train.resilience.ft import FaultTolerance
+
+    model = torch.nn.Linear(3, 2)
+    model.weight.grad, model.bias.grad = torch.ones(2, 3), torch.ones(2)
+    stats = torch.tensor([2.0, 10.0, 0.0, 0.0, 0.0])
+    mine = torch.tensor([[3.0, 1.0, 0.0], [7.0, 2.0, 5.0]])
+    theirs = torch.tensor([[1.0, 4.0, 9.0], [0.0, 6.0, 1.0]])
+    ft = object.__new__(FaultTolerance)
+    other = torch.cat([torch.full((8,), 3.0), torch.tensor([4.0, 30.0, 0.0, 0.0, 0.0]), theirs.flatten()])
+    trainer = SimpleNamespace(cfg=SimpleNamespace(micro_batch_size=1, grad_accum=1), dist=SimpleNamespace(group_dp_size=1))
+    ft.semi, ft.manager, ft.participants, ft.replicas, ft.trainer = None, _TwoGroups(other), 2, 2, trainer
+    ft.commits = ft.samples_skipped = 0
+    loads = mine.clone()
+    summed, committed = ft.sync(model, stats, loads)
+    assert committed and torch.equal(loads, mine + theirs)  # planted: left averaged, they differ
+    assert torch.equal(model.weight.grad, torch.full((2, 3), 2.0)) and summed[1].item() == 40.0
+
+
+def test_semi_synchronous_groups_refuse_the_loss_free_bias(tmp_path, capsys, monkeypatch):
+    from tformer.cli import main
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    argv = ["train", str(CONFIGS / "deepseek-v3-tiny.yaml"), f"output_dir={tmp_path / 'run'}"]
+    argv += ["fault_tolerance.enabled=true", "fault_tolerance.lighthouse=http://x:1", "fault_tolerance.semi_sync=diloco"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "biases (a buffer) would drift apart" in err[0], err
+
+
+@pytest.mark.long
+def test_two_groups_move_the_loss_free_bias_alike(cache, tmp_path):
+    """DeepSeek-V3-tiny in two one-rank replica groups: after 6 steps both groups hold the same
+    routing biases, bit for bit, moved from the loads of both (each group's own loads alone, as
+    before, gave each its own biases)."""
+    port = free_port()
+    lh = lighthouse(port, 2)
+    steps = 6
+    try:
+        logs = [tmp_path / f"group{r}.log" for r in range(2)]
+        procs = []
+        for r in range(2):
+            args = small_overrides("deepseek-v3-tiny", tmp_path, "micro_batch_size=2", f"max_steps={steps}")
+            args += ["eval_every=0", "save_every=0", "fault_tolerance.enabled=true"]
+            args += [f"fault_tolerance.lighthouse=http://127.0.0.1:{port}", f"fault_tolerance.replica_id={r}"]
+            args += ["fault_tolerance.replicas=2", "fault_tolerance.timeout_s=10", "fault_tolerance.quorum_timeout_s=60"]
+            procs.append(
+                start(
+                    [sys.executable, WORKER, f"g{r}", CONFIGS / "deepseek-v3-tiny.yaml", *args],
+                    env=env(cache),
+                    stdout=open(logs[r], "w"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        wait_all(procs, 300, logs)
+    finally:
+        kill_group(lh)
+    a, b = (torch.load(tmp_path / f"final_g{r}.pt", weights_only=True)["model"] for r in (0, 1))
+    biases = [k for k in a if k.endswith("score_bias")]
+    assert biases and all(a[k].abs().sum() > 0 for k in biases)
+    assert all(torch.equal(a[k], b[k]) for k in biases)

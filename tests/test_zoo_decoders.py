@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -164,12 +165,9 @@ def meaning(cfg):
     weights), YaRN's settings at their defaults where YaRN is off (unused)."""
     if cfg.moe.router_softmax == "topk":
         cfg = cfg.replace(moe={**dataclasses.asdict(cfg.moe), "router_softmax": "all", "renormalize": True})
-    if cfg.rope_scaling == "none":
-        cfg = cfg.replace(**{k: getattr(tformer.ModelConfig(), k) for k in YARN_KEYS})
+    if not cfg.yarn.enabled:
+        cfg = cfg.replace(yarn={})
     return cfg
-
-
-YARN_KEYS = ("rope_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow", "rope_truncate")
 
 
 # -- tformer -> HF -> tformer: export, parity, import bitwise ------------------------------------
@@ -190,7 +188,7 @@ EXPORTS = {
     ),
     "gpt-oss-tiny-every-third-no-yarn-tied": (
         "gpt-oss-tiny",
-        dict(vocab_size=512, num_layers=3, global_every=3, rope_scaling="none", tie_embeddings=True),
+        dict(vocab_size=512, num_layers=3, global_every=3, yarn=dict(factor=None), tie_embeddings=True),
     ),
     "qwen3-moe-tiny-all-not-renormalised-tied": (
         "qwen3-moe-tiny",
@@ -398,6 +396,7 @@ def test_yarn_frequencies_and_scale_are_hf_ones():
     from transformers import GptOssConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    from tformer.config import YarnConfig
     from tformer.nn import Rotary
 
     for truncate in (True, False):
@@ -406,7 +405,7 @@ def test_yarn_frequencies_and_scale_are_hf_ones():
         )
         hf = GptOssConfig(head_dim=64, rope_parameters=rope)
         want, scale = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
-        ours = Rotary(64, 150000.0, yarn_args=(32.0, 4096, 32.0, 1.0, truncate))
+        ours = Rotary(64, 150000.0, YarnConfig(factor=32.0, original_max_seq_len=4096, truncate=truncate))
         assert torch.equal(ours.inv_freq, want) and ours.scale == scale
     plain = Rotary(64, 150000.0)
     assert not torch.equal(plain.inv_freq, ours.inv_freq)  # planted: YaRN left out
@@ -416,7 +415,8 @@ BAD = [
     (dict(attn_window=129), "attn_window=129 is longer than max_seq_len=128"),
     (dict(attn_window=0), "attn_window=0 must be >= 1"),
     (dict(global_every=-1), "global_every=-1 must be >= 0"),
-    (dict(rope_factor=0.5), "rope_factor=0.5 must be >= 1"),
+    (dict(yarn=dict(factor=0.5)), "model.yarn.factor=0.5 must be > 1"),
+    (dict(rope_factor=32.0), "model.rope_factor has moved: write it as model.yarn.factor"),
     (dict(moe=dict(swiglu_limit=0.0)), "model.moe.swiglu_limit=0.0 must be > 0"),
 ]
 
@@ -482,3 +482,42 @@ def test_qwen3_under_fsdp2_and_tp_equals_one_process(cache, tmp_path_factory):
             test_mesh.assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", ref)
             if "parallel.tp=2" in flags:
                 test_mesh.assert_counts(tmp / f"report{i}", 2, 2)
+
+
+# -- the path users take after pretraining: the export fine-tuned by HF's own Trainer -------------
+
+
+@pytest.mark.parametrize("preset", ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny", "gpt-oss-tiny"])
+def test_export_fine_tunes_under_hf_trainer(preset, corpus, toks, tmp_path):  # noqa: F811
+    """An exported checkpoint loaded by ``AutoModelForCausalLM`` trains under ``transformers.Trainer``:
+    every parameter HF has gets a gradient (none left frozen or detached by the export) and the loss
+    on the repeated batch falls."""
+    torch.manual_seed(0)
+    model = tformer.build_model(preset, vocab_size=512).eval()
+    perturb(model)
+    out = export_hf(save_run(model, toks["bpe"], tmp_path / "run"), tmp_path / "hf")
+    hf = load_hf(out).train()
+    tok = load_tokenizer(toks["bpe"])
+    text = " ".join(corpus.read_text().split()[:2000])
+    ids = tok.encode(text).ids
+    rows = [{"input_ids": ids[k * 24 : (k + 1) * 24], "labels": ids[k * 24 : (k + 1) * 24]} for k in range(8)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "ft"),
+        max_steps=12,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+    )
+    untouched = {n: p.detach().clone() for n, p in hf.named_parameters()}
+    trainer = transformers.Trainer(model=hf, args=args, train_dataset=rows)
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 12 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < 0.8 * losses[0], losses
+    stuck = [n for n, p in hf.named_parameters() if torch.equal(p.detach(), untouched[n])]
+    assert not stuck, stuck

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 from .config_checks import (  # noqa: F401 - re-exported: the rest of the house imports them from here
     ConfigError,
@@ -49,9 +49,6 @@ AttentionKind = Literal["mha", "mla"]
 # "head": an RMSNorm over each head's query and key (width d_head, one gain shared by the heads)
 # before RoPE (Qwen3, Gemma 3); "none": none
 QKNorm = Literal["none", "head"]
-# "yarn": YaRN's rotary table (Peng et al. 2023; gpt-oss, DeepSeek-V3): frequencies between the
-# original and 1/rope_factor of it, by wavelength, and cos/sin scaled by 0.1 ln(rope_factor) + 1
-RopeScaling = Literal["none", "yarn"]
 
 # -- training choices the lower layers act on ------------------------------------------------------
 # They live here, not in tformer/train/config.py (which re-exports them), because nn, models, data
@@ -74,7 +71,6 @@ ROUTER_SOFTMAXES: tuple[RouterSoftmax, ...] = get_args(RouterSoftmax)
 ROUTER_SCORES: tuple[RouterScore, ...] = get_args(RouterScore)
 ATTENTION_KINDS: tuple[AttentionKind, ...] = get_args(AttentionKind)
 QK_NORMS: tuple[QKNorm, ...] = get_args(QKNorm)
-ROPE_SCALINGS: tuple[RopeScaling, ...] = get_args(RopeScaling)
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 STRATEGIES: tuple[StrategyName, ...] = get_args(StrategyName)
 AC_MODES: tuple[ACMode, ...] = get_args(ACMode)
@@ -220,8 +216,8 @@ class MLAConfig:
 
 @dataclass
 class YarnConfig:
-    """YaRN RoPE scaling (``model.yarn.*``; DeepSeek-V3): frequencies interpolated by ``factor``
-    outside a band ramped between ``beta_fast`` and ``beta_slow`` rotations over
+    """YaRN RoPE scaling (``model.yarn.*``; DeepSeek-V3, gpt-oss): frequencies interpolated by
+    ``factor`` outside a band ramped between ``beta_fast`` and ``beta_slow`` rotations over
     ``original_max_seq_len``, cos/sin scaled by ``mscale``'s attention factor; ``factor: null`` is
     plain RoPE. MLA's softmax scale also takes ``mscale_all_dim``'s factor squared (HF's rule)."""
 
@@ -231,6 +227,7 @@ class YarnConfig:
     beta_slow: float = ranged(1.0, "(0, inf)")  # rotations where interpolation begins
     mscale: float = ranged(1.0, "[0, inf)")  # cos/sin scale 0.1 * mscale * ln(factor) + 1 (over mscale_all_dim's)
     mscale_all_dim: float = ranged(0.0, "[0, inf)")  # 0 = off; else the softmax scale's factor (0.1 m ln(factor) + 1)^2
+    truncate: bool = True  # the ramp's ends rounded outwards to whole pairs (DeepSeek-V3); gpt-oss: false
 
     @property
     def enabled(self) -> bool:
@@ -269,12 +266,6 @@ class ModelConfig:
     max_seq_len: int = positive(1024)  # longest sequence (size of a learned position table)
     position: Position = "learned"  # how positions enter: none, learned or sinusoidal tables, rotary, T5 relative bias
     rope_theta: float = ranged(10000.0, "(0, inf)")  # base of the rotary frequencies
-    rope_scaling: RopeScaling = "none"  # yarn: YaRN's table for contexts rope_factor x the original (gpt-oss)
-    rope_factor: float = ranged(1.0, "[1, inf)")  # yarn: context extension factor (gpt-oss 32)
-    rope_original_max_len: int = positive(4096)  # yarn: the context the frequencies were trained at
-    rope_beta_fast: float = ranged(32.0, "(0, inf)")  # yarn: rotations above which frequencies stay as trained
-    rope_beta_slow: float = ranged(1.0, "(0, inf)")  # yarn: rotations below which they are divided by rope_factor
-    rope_truncate: bool = True  # yarn: round the ramp's ends to whole dimensions (gpt-oss: false)
     rel_num_buckets: int = positive(32)  # T5 relative-position buckets
     rel_max_distance: int = positive(128)  # T5: distances beyond share the last bucket
     norm: Norm = "layernorm"  # the norm of every block and the final one
@@ -324,6 +315,16 @@ class ModelConfig:
     # decoder: multi-token prediction depth D (DeepSeek-V3: 1), extra modules each predicting one token further
     mtp_depth: int = ranged(0, "[0, inf)")
     mtp_loss_coef: float = ranged(0.3, "[0, inf)")  # the MTP depths' mean loss times this joins the training loss
+
+    # keys of an earlier release and where they went (``check_keys`` names the new place)
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "rope_scaling": "yarn.factor (null: no scaling)",
+        "rope_factor": "yarn.factor",
+        "rope_original_max_len": "yarn.original_max_seq_len",
+        "rope_beta_fast": "yarn.beta_fast",
+        "rope_beta_slow": "yarn.beta_slow",
+        "rope_truncate": "yarn.truncate",
+    }
 
     def __post_init__(self) -> None:
         self.moe = moe_config(self.moe)

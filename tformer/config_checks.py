@@ -107,7 +107,10 @@ def check_keys(data: dict[str, Any], cls: type, section: str) -> None:
     """Reject unknown keys with a did-you-mean suggestion."""
     known = [config_key(f) for f in fields(cls)]
     prefix = f"{section}." if section else ""
+    moved = getattr(cls, "MOVED_KEYS", {})
     for key in data:
+        if key in moved:
+            raise ConfigError(f"config key {prefix}{key} has moved: write it as {prefix}{moved[key]}")
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known keys: {', '.join(known)}"

@@ -171,6 +171,48 @@ def first_id(value: int | list[int] | None) -> int | None:
     return value
 
 
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """HF's ``rope_parameters`` of a rotary model: the plain table, or YaRN's (``model.yarn``)."""
+    y = cfg.yarn
+    if not y.enabled:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": cfg.rope_theta,
+        "factor": y.factor,
+        "original_max_position_embeddings": y.original_max_seq_len,
+        "beta_fast": y.beta_fast,
+        "beta_slow": y.beta_slow,
+        "truncate": y.truncate,
+    }
+    if y.mscale_all_dim:  # HF reads mscale only beside mscale_all_dim, as tformer does
+        rope.update(mscale=y.mscale, mscale_all_dim=y.mscale_all_dim)
+    return rope
+
+
+def yarn_fields(rope: dict, target: str) -> dict:
+    """``model.yarn`` from HF's ``rope_parameters`` (empty for the plain table); a kind tformer has
+    not, or an attention factor set by hand (tformer derives it), refused in one line."""
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return {}
+    if kind != "yarn":
+        raise ExportError(f"HF {target} rope_parameters.rope_type={kind!r} has no tformer equivalent (default or yarn)")
+    if rope.get("attention_factor") is not None:
+        raise ExportError(f"HF {target} rope_parameters sets YaRN's attention_factor; tformer derives it from mscale")
+    all_dim = float(rope.get("mscale_all_dim") or 0.0)
+    return {
+        "factor": float(rope["factor"]),
+        "original_max_seq_len": int(rope["original_max_position_embeddings"]),
+        "beta_fast": float(rope.get("beta_fast") or 32.0),
+        "beta_slow": float(rope.get("beta_slow") or 1.0),
+        # read only beside mscale_all_dim; there, unset is 0 (HF then scales cos/sin the plain way)
+        "mscale": float(rope.get("mscale") or 0.0) if all_dim else 1.0,
+        "mscale_all_dim": all_dim,
+        "truncate": bool(rope.get("truncate", True)),
+    }
+
+
 def build_config(source: str, **fields: Any) -> ModelConfig:
     try:
         return ModelConfig(**fields)

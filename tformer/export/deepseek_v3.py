@@ -17,7 +17,18 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from . import llama, mixtral
-from .common import ExportError, Rule, build_config, linear, need, need_moe, raise_problems, rule
+from .common import (
+    ExportError,
+    Rule,
+    build_config,
+    linear,
+    need,
+    need_moe,
+    raise_problems,
+    rope_parameters,
+    rule,
+    yarn_fields,
+)
 
 HF_CLASS = "DeepseekV3ForCausalLM"
 AUTO_CLASS = "AutoModelForCausalLM"
@@ -56,22 +67,6 @@ def check(cfg: ModelConfig) -> None:
 def drop_mtp(state: dict) -> dict:
     """The multi-token prediction modules left out: HF's DeepSeek-V3 has none (they stay in tformer's checkpoints)."""
     return {k: v for k, v in state.items() if not k.startswith("mtp.")}
-
-
-def rope_parameters(cfg: ModelConfig) -> dict:
-    y = cfg.yarn
-    if not y.enabled:
-        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    return {
-        "rope_type": "yarn",
-        "rope_theta": cfg.rope_theta,
-        "factor": y.factor,
-        "original_max_position_embeddings": y.original_max_seq_len,
-        "beta_fast": y.beta_fast,
-        "beta_slow": y.beta_slow,
-        "mscale": y.mscale,
-        "mscale_all_dim": y.mscale_all_dim,
-    }
 
 
 def hf_config(cfg: ModelConfig):
@@ -147,24 +142,6 @@ def rules(cfg: ModelConfig) -> list[Rule]:
     return out
 
 
-def yarn_fields(rope: dict) -> dict:
-    kind = rope.get("rope_type", "default")
-    if kind == "default":
-        return {}
-    if kind != "yarn":
-        raise ExportError(f"HF DeepSeek-V3 rope_parameters.rope_type={kind!r} has no tformer equivalent (default or yarn)")
-    if rope.get("attention_factor") is not None or rope.get("truncate", True) is not True:
-        raise ExportError("HF DeepSeek-V3 yarn attention_factor / truncate=false have no tformer equivalent")
-    return {
-        "factor": float(rope["factor"]),
-        "original_max_seq_len": int(rope["original_max_position_embeddings"]),
-        "beta_fast": float(rope.get("beta_fast") or 32.0),
-        "beta_slow": float(rope.get("beta_slow") or 1.0),
-        "mscale": float(rope.get("mscale") or 0.0),
-        "mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
-    }
-
-
 def model_config(hf, tied: bool) -> ModelConfig:
     if hf.attention_bias:
         raise ExportError("HF DeepSeek-V3 attention_bias=true has no tformer equivalent (use false)")
@@ -174,7 +151,7 @@ def model_config(hf, tied: bool) -> ModelConfig:
             "latent attention expands keys for every head"
         )
     rope = dict(hf.rope_parameters or {})
-    yarn = yarn_fields(rope)
+    yarn = yarn_fields(rope, "DeepSeek-V3")
     hf.rope_parameters = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0)}  # read below
     fields = llama.decoder_fields(hf, "deepseek_v3")
     hf.rope_parameters = rope

@@ -3,7 +3,7 @@
 Llama's layout with biases on q/k/v/o, a learned sink logit per head in every softmax
 (``attn_sinks``: HF's ``self_attn.sinks``), local attention on some blocks (``attn_window`` and
 ``global_every``: HF's ``sliding_window`` and ``layer_types``), YaRN's rotary table
-(``rope_scaling=yarn``) and an MoE FFN on every block: a router with a bias, softmax over the top-k
+(``model.yarn``) and an MoE FFN on every block: a router with a bias, softmax over the top-k
 logits, experts with biases and gpt-oss's clamped SwiGLU (``moe.swiglu_limit``, ``swiglu_alpha``).
 
 HF stores the experts transposed, ``(E, in, out)``, with gate and up interleaved column by column
@@ -17,7 +17,18 @@ import torch
 
 from ..config import ModelConfig
 from . import llama
-from .common import ExportError, Rule, build_config, linear, need, need_moe, raise_problems, rule
+from .common import (
+    ExportError,
+    Rule,
+    build_config,
+    linear,
+    need,
+    need_moe,
+    raise_problems,
+    rope_parameters,
+    rule,
+    yarn_fields,
+)
 
 HF_CLASS = "GptOssForCausalLM"
 AUTO_CLASS = "AutoModelForCausalLM"
@@ -59,20 +70,9 @@ def hf_config(cfg: ModelConfig):
 
     moe = cfg.moe
     assert moe.swiglu_limit is not None  # check() refused a model without it
-    rope: dict = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling == "yarn":
-        rope = dict(
-            rope_type="yarn",
-            rope_theta=cfg.rope_theta,
-            factor=cfg.rope_factor,
-            original_max_position_embeddings=cfg.rope_original_max_len,
-            beta_fast=cfg.rope_beta_fast,
-            beta_slow=cfg.rope_beta_slow,
-            truncate=cfg.rope_truncate,
-        )
     kinds = ["full_attention" if cfg.layer_window(i) is None else "sliding_attention" for i in range(cfg.num_layers)]
     return GptOssConfig(
-        **{**llama.decoder_config(cfg), "rope_parameters": rope},
+        **{**llama.decoder_config(cfg), "rope_parameters": rope_parameters(cfg)},
         head_dim=cfg.head_dim,
         intermediate_size=moe.d_expert or cfg.d_ff,
         num_local_experts=moe.num_experts,
@@ -154,24 +154,10 @@ def _window(hf) -> dict:
 
 def model_config(hf, tied: bool) -> ModelConfig:
     rope = dict(hf.rope_parameters or {})
-    kind = rope.get("rope_type", "default")
-    if kind not in ("default", "yarn"):
-        raise ExportError(f"HF gpt_oss rope_parameters.rope_type={kind!r} has no tformer equivalent (default, yarn)")
-    yarn = {}
-    if kind == "yarn":
-        if rope.get("attention_factor") is not None or rope.get("mscale") or rope.get("mscale_all_dim"):
-            raise ExportError(f"HF gpt_oss rope_parameters={rope} sets YaRN's attention factor; tformer derives it")
-        yarn = dict(
-            rope_scaling="yarn",
-            rope_factor=float(rope["factor"]),
-            rope_original_max_len=int(rope["original_max_position_embeddings"]),
-            rope_beta_fast=float(rope.get("beta_fast") or 32.0),
-            rope_beta_slow=float(rope.get("beta_slow") or 1.0),
-            rope_truncate=bool(rope.get("truncate", True)),
-        )
+    yarn = yarn_fields(rope, "gpt_oss")
     plain = {**rope, "rope_type": "default"}
     hf_plain = type(hf).from_dict({**hf.to_dict(), "rope_parameters": plain, "sliding_window": None})
-    fields = {**llama.decoder_fields(hf_plain, "gpt_oss"), **yarn, **_window(hf), "bias": True, "attn_sinks": True}
+    fields = {**llama.decoder_fields(hf_plain, "gpt_oss"), "yarn": yarn, **_window(hf), "bias": True, "attn_sinks": True}
     moe = dict(
         num_experts=hf.num_local_experts,
         top_k=hf.num_experts_per_tok,

@@ -109,12 +109,11 @@ def check_qkv_bias(cfg: ModelConfig, target) -> None:
 
 
 def check_blocks(cfg: ModelConfig, target) -> None:
-    """Latent attention, YaRN and DeepSeek-V3's routing go only to the HF classes that have them
-    (``MLA``, ``YARN``, ``SIGMOID_ROUTING`` = True)."""
+    """Latent attention and DeepSeek-V3's routing go only to the HF classes that have them
+    (``MLA``, ``SIGMOID_ROUTING`` = True)."""
     moe = cfg.moe
     found = [
         cfg.latent_attention and not getattr(target, "MLA", False) and "attention=mla (latent attention)",
-        cfg.yarn.enabled and not getattr(target, "YARN", False) and f"yarn=(factor={cfg.yarn.factor}) (YaRN RoPE)",
         moe.enabled
         and not getattr(target, "SIGMOID_ROUTING", False)
         and (moe.router_score == "sigmoid" or moe.first_dense or moe.routed_scaling_factor != 1.0)
@@ -133,7 +132,7 @@ SWITCHES = (
     ("qk_norm", "none", "QK_NORM", "a norm on each head's queries and keys"),
     ("attn_window", None, "WINDOW", "local (sliding-window) attention"),
     ("attn_sinks", False, "SINKS", "attention sinks"),
-    ("rope_scaling", "none", "YARN", "YaRN rotary scaling"),
+    ("yarn.factor", None, "YARN", "YaRN rotary scaling"),
     ("moe.expert_bias", False, "GPT_OSS_EXPERTS", "biases in the experts"),
     ("moe.swiglu_limit", None, "GPT_OSS_EXPERTS", "gpt-oss's clamped SwiGLU"),
     ("global_offset", None, "GLOBAL_OFFSET", "global blocks at an offset other than the last of each group"),
@@ -151,7 +150,8 @@ def check_switches(cfg: ModelConfig, target) -> None:
     """Each switch of ``SWITCHES`` that is on goes only to a class that has it: else one line
     naming the field and the flavours that do."""
     for field, off, attr, what in SWITCHES:
-        value = getattr(cfg.moe, field[4:]) if field.startswith("moe.") else getattr(cfg, field)
+        section, _, name = field.rpartition(".")
+        value = getattr(getattr(cfg, section) if section else cfg, name)
         if value != off and not getattr(target, attr, False):
             have = ", ".join(name for name, t in TARGETS.items() if getattr(t, attr, False))
             raise ExportError(

@@ -162,12 +162,7 @@ class TransformerStack(nn.Module):
             if cfg.position == "relative"
             else None
         )
-        flat = (cfg.rope_factor, cfg.rope_original_max_len, cfg.rope_beta_fast, cfg.rope_beta_slow, cfg.rope_truncate)
-        self.rotary = (
-            Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.yarn, flat if cfg.rope_scaling == "yarn" else None)
-            if cfg.position == "rotary"
-            else None
-        )
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.yarn) if cfg.position == "rotary" else None
         # Windowed blocks with a RoPE base of their own (Gemma 3, ModernBERT: 10k) take a second
         # table (unscaled, as HF's local rotary is); ``local_rotary[i]`` says which block takes it.
         self.rotary_local = None

@@ -36,47 +36,17 @@ class LearnedPositions(nn.Embedding):
         super().__init__(max_len, dim)
 
 
-def yarn_table(
-    inv_freq: torch.Tensor,
-    head_dim: int,
-    theta: float,
-    factor: float,
-    original_len: int,
-    beta_fast: float,
-    beta_slow: float,
-    truncate: bool,
-) -> tuple[torch.Tensor, float]:
-    """YaRN (Peng et al. 2023): pairs that turn more than ``beta_fast`` times over the original
-    context keep their frequency, those that turn fewer than ``beta_slow`` times are divided by
-    ``factor`` (interpolated), a linear ramp between; cos and sin are then scaled by
-    ``0.1 ln(factor) + 1`` (the attention temperature). Returns (frequencies, that scale)."""
-
-    def dim_of(rotations: float) -> float:  # the pair index that turns ``rotations`` times
-        return head_dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = dim_of(beta_fast), dim_of(beta_slow)
-    if truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    high = high + 0.001 if low == high else high
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp  # 1: the trained frequency, 0: divided by factor
-    scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-    return inv_freq / factor * (1 - keep) + inv_freq * keep, scale
-
-
 class Rotary(nn.Module):
     """Rotary position embedding in HF's rotate-half layout.
 
     The head dimension is split in two halves ``(x1, x2)`` and rotated as
     ``(x1 cos - x2 sin, x2 cos + x1 sin)`` with frequency ``theta^(-2i/d)`` for pair ``i``.
     ``forward(positions)`` returns ``(cos, sin)`` shaped to broadcast over ``(B, h, S, d)``.
-    ``yarn`` (a ``YarnConfig`` that is enabled: DeepSeek-V3's section) or ``yarn_args`` (factor,
-    original length, beta_fast, beta_slow, truncate: gpt-oss's flat keys) replace the frequencies
-    by YaRN's and scale cos and sin by its attention factor (``yarn_frequencies`` / ``yarn``).
+    ``yarn`` (a ``YarnConfig`` that is enabled: ``model.yarn``) replaces the frequencies by YaRN's
+    and scales cos and sin by its attention factor (``yarn_frequencies``).
     """
 
-    def __init__(self, head_dim: int, theta: float = 10000.0, yarn=None, yarn_args: tuple | None = None):
+    def __init__(self, head_dim: int, theta: float = 10000.0, yarn=None):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary needs an even head dimension, got {head_dim}")
@@ -84,8 +54,6 @@ class Rotary(nn.Module):
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         if yarn is not None and yarn.enabled:
             inv_freq, self.scale = yarn_frequencies(head_dim, theta, yarn)
-        elif yarn_args is not None:
-            inv_freq, self.scale = yarn_table(inv_freq, head_dim, theta, *yarn_args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,8 +66,7 @@ class Rotary(nn.Module):
         return angles.cos(), angles.sin()
 
 
-# -- YaRN (Peng et al. 2023), as DeepSeek-V3 configures it. Kept apart from the plain table so a
-# second YaRN user (gpt-oss) can share or replace it.
+# -- YaRN (Peng et al. 2023), as HF configures it for DeepSeek-V3 and gpt-oss (``model.yarn``).
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -111,7 +78,7 @@ def yarn_frequencies(dim: int, theta: float, yarn) -> tuple[torch.Tensor, float]
     """(inverse frequencies (dim/2,), cos/sin scale). Pair ``i`` keeps its frequency where it turns
     more than ``beta_fast`` times over ``original_max_seq_len`` positions, is divided by ``factor``
     where it turns fewer than ``beta_slow`` times, and is blended linearly between (the band's
-    ends rounded outwards, as HF's ``truncate``). The scale is ``mscale``'s correction over
+    ends rounded outwards to whole pairs when ``truncate``, as HF's). The scale is ``mscale``'s correction over
     ``mscale_all_dim``'s when both are set, else the plain one."""
     base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     extrapolated, interpolated = 1.0 / base, 1.0 / (yarn.factor * base)
@@ -119,8 +86,10 @@ def yarn_frequencies(dim: int, theta: float, yarn) -> tuple[torch.Tensor, float]
     def dim_of(rotations: float) -> float:  # the pair index that turns ``rotations`` times
         return dim * math.log(yarn.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(dim_of(yarn.beta_fast)), 0)
-    high = min(math.ceil(dim_of(yarn.beta_slow)), dim - 1)
+    low, high = dim_of(yarn.beta_fast), dim_of(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     span = (high - low) or 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / span).clamp(0, 1)
     keep = 1 - ramp  # 1: extrapolate (high frequencies), 0: interpolate

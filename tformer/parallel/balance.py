@@ -22,7 +22,9 @@ from ..nn.moe import moe_layers, update_score_bias
 
 
 class LoadBalancer:
-    """Call ``after_step()`` once after each optimizer step (the trainer does)."""
+    """Call ``after_step()`` once after each optimizer step; or, where the loads must join another
+    reduction first (the trainer's, across fault-tolerant replica groups), ``loads()`` before it
+    and ``apply(loads)`` after the step (not at all for a step that was not taken)."""
 
     def __init__(self, model: nn.Module | list, rate: float, group: Any = None, reduce: bool = False) -> None:
         modules = model if isinstance(model, (list, tuple)) else [model]
@@ -53,11 +55,14 @@ class LoadBalancer:
             dist.all_reduce(loads, group=self.group)
         return loads
 
-    def after_step(self) -> None:
-        if not self.layers:
-            return
-        for bias, load in zip(self.biases(), self.loads()):
+    def apply(self, loads: torch.Tensor) -> None:
+        """Move each layer's bias by ``+-rate`` from its row of ``loads`` (``loads()``'s shape)."""
+        for bias, load in zip(self.biases(), loads):
             update_score_bias(bias, load, self.rate)
+
+    def after_step(self) -> None:
+        if self.layers:
+            self.apply(self.loads())
 
 
 def stage_group(dims: Any) -> Any:

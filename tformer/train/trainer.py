@@ -247,7 +247,10 @@ class Trainer(Run):
         lr = self.optimizer.param_groups[0]["lr"]
         self.wrapped.train()
         loss_sum, tokens, flops = self._forward_backward(batches)
-        stats, committed = self._synchronise(loss_sum, tokens, flops)
+        # the step's expert loads for the loss-free MoE bias (summed over this stage's ranks; across
+        # replica groups with the step's figures), taken now so an uncommitted step's are dropped
+        loads = self.balancer.loads() if self.balancer is not None else None
+        stats, committed = self._synchronise(loss_sum, tokens, flops, loads)
         if not committed:  # a step torchft did not commit changes nothing (it was counted)
             self.optimizer.zero_grad(set_to_none=True)
             return {"step": self.step, "committed": False}
@@ -265,8 +268,8 @@ class Trainer(Run):
                 self.strategy, self.optimizer, self.scaler, self.prof, stats, clip, table, self.figures.mean_loss
             )
         self.scheduler.step()  # the schedule follows the step count, a skipped step's too
-        if self.balancer is not None:  # the loss-free MoE bias, from this step's expert loads
-            self.balancer.after_step()
+        if self.balancer is not None and loads is not None:  # the loss-free MoE bias, from this step's loads
+            self.balancer.apply(loads)
         self.step += 1
         # samples consumed, or with token-budget batches, batches consumed (the sampler's unit)
         per_batch = 1 if cfg.data.tokens_per_batch is not None else cfg.micro_batch_size
@@ -331,10 +334,13 @@ class Trainer(Run):
             loss_sum += loss.detach().float()
         return loss_sum, tokens, flops
 
-    def _synchronise(self, loss_sum: torch.Tensor, tokens: int, flops: float) -> tuple[torch.Tensor, bool]:
+    def _synchronise(
+        self, loss_sum: torch.Tensor, tokens: int, flops: float, loads: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, bool]:
         """The step's figures summed over the ranks, with its stop flags (a signal here, rank 0's
         clock past max_time), so that every rank decides a stop at the same step; under fault
-        tolerance, averaged over the quorum's groups with their commit vote."""
+        tolerance, averaged over the quorum's groups with their commit vote (``loads``, the MoE
+        expert loads, summed over the groups in place)."""
         self._beat("loss all-reduce")
         over_time = self.cfg.max_time is not None and time.perf_counter() - self._start >= self.cfg.max_time
         signal = 1.0 if self._signal else 0.0
@@ -342,7 +348,7 @@ class Trainer(Run):
         stats = torch.cat([loss_sum.reshape(1), on_device(host, self.device)])
         with self.times.closing_sync():  # what this rank waits here is the others' time, not its own
             all_reduce(stats)
-        stats, committed = self.replicas.sync(self.model, stats)  # gradients too, under fault tolerance
+        stats, committed = self.replicas.sync(self.model, stats, loads)  # gradients too, under fault tolerance
         flags = self._flags.push(stats[3:5])  # the flags of a step `lag` back (lagged.py)
         if flags is not None:
             self._note_stop(*flags)

@@ -141,7 +141,9 @@ class SingleGroup:
 
     quorum_s = 0.0
 
-    def sync(self, model: torch.nn.Module, stats: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def sync(
+        self, model: torch.nn.Module, stats: torch.Tensor, counts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, bool]:
         return stats, True
 
     def note_committed_time(self, seconds: float) -> None:

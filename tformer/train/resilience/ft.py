@@ -92,6 +92,12 @@ def check_fault_tolerance(cfg: Any, device: torch.device) -> None:
             "on_spike=rollback reloads a checkpoint from disk in one group only, which would leave the groups "
             "apart; use on_spike=warn or none with fault_tolerance.enabled=true"
         )
+    moe = cfg.model.moe
+    if ft.semi_sync != "none" and moe.score_bias and moe.bias_update_rate > 0:
+        raise ConfigError(
+            f"fault_tolerance.semi_sync={ft.semi_sync} averages parameters only: the groups' loss-free MoE "
+            "biases (a buffer) would drift apart; use semi_sync=none or model.moe.bias_update_rate=0"
+        )
     if ft.fragments != 1 and ft.semi_sync != "diloco":
         raise ConfigError(
             f"fault_tolerance.fragments={ft.fragments} streams DiLoCo's synchronisation; it needs "
@@ -471,10 +477,14 @@ class FaultTolerance:
         healed, self._healed = self._healed, False
         return healed
 
-    def sync(self, model: torch.nn.Module, stats: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def sync(
+        self, model: torch.nn.Module, stats: torch.Tensor, counts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, bool]:
         """The gradients and the step's statistics averaged over the participating groups (one
         all-reduce of one flat buffer), then the commit vote. Returns the statistics summed over the
-        groups (the loss, averaged: the caller divides by the ranks of one group) and the verdict."""
+        groups (the loss, averaged: the caller divides by the ranks of one group) and the verdict.
+        ``counts`` (the MoE expert loads) ride in the same buffer and come back summed, in place:
+        every group then moves the loss-free bias alike."""
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         if self.semi is not None:  # each group steps on its own; LocalSGD / DiLoCo synchronise
@@ -482,13 +492,17 @@ class FaultTolerance:
             self.commits += 1
             return stats, True
         grads = grads_of(model)
-        flat = _flatten_dense_tensors([*grads, stats.to(grads[0].dtype if grads else stats.dtype)])
+        dtype = grads[0].dtype if grads else stats.dtype
+        extra = [stats.to(dtype)] + ([counts.to(dtype)] if counts is not None else [])
+        flat = _flatten_dense_tensors([*grads, *extra])
         self.manager.allreduce(flat).wait()
-        pieces = _unflatten_dense_tensors(flat, [*grads, stats])
-        for g, new in zip(grads, pieces[:-1]):
+        pieces = _unflatten_dense_tensors(flat, [*grads, *extra])
+        for g, new in zip(grads, pieces[: len(grads)]):
             g.copy_(new)
         n = max(self.participants, 1)
-        stats = pieces[-1].to(stats.dtype)
+        if counts is not None:  # averaged by the all-reduce: whole counts again (exact below 2^24)
+            counts.copy_(torch.round(pieces[-1].to(counts.dtype) * n))
+        stats = pieces[len(grads)].to(stats.dtype)
         # the loss stays the mean over the groups; counts (tokens, signals, FLOPs) are sums
         summed = torch.cat([stats[:1], stats[1:] * n])
         committed = self.manager.should_commit()
