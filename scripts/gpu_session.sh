@@ -134,7 +134,7 @@ steps=(--no-generate --warmup 2 --steps 6 --compiled-warmup 1 --compiled-steps 4
 
 case $part in
 tests)
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_flex.py
     ;;
 bench)
     families=${2:?usage: gpu_session.sh bench FAMILIES (comma list of gpt2, llama, bert, t5)}

@@ -219,6 +219,8 @@ def test_flex_mask_mod_matches_boolean_mask(causal):
     float rounding (other kernels)."""
     from torch.nn.attention.flex_attention import create_mask
 
+    from tformer.nn.flex import flex_attend
+
     q_ids = torch.tensor([_ids(DOCS), _ids(ROW1)])
     k_ids = torch.tensor([_ids([4, 6, 3]), _ids([2, 2])]) if not causal else q_ids
     dm = DocumentMask(q_ids, k_ids, flex=False)
@@ -227,7 +229,7 @@ def test_flex_mask_mod_matches_boolean_mask(causal):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, S, 8, generator=g) for _ in range(3))
     bias = torch.randn(1, 4, S, S, generator=g)
-    flex = DocumentMask(q_ids, k_ids, flex=True).attend(q, k, v, causal, 0.5, bias)
+    flex = flex_attend(q, k, v, scale=0.5, causal=causal, doc_mask=DocumentMask(q_ids, k_ids), bias=bias)
     add = torch.zeros(2, 1, S, S).masked_fill(~dm.allowed(causal), torch.finfo(torch.float32).min) + bias
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=add, scale=0.5)
     real = (q_ids >= 0)[:, None, :, None]

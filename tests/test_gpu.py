@@ -784,10 +784,12 @@ def test_the_trainer_says_the_fallback_once_at_start_up(monkeypatch, tmp_path, c
         model=dict(preset="gpt2-tiny"), data=dict(source="synthetic", seq_len=32), output_dir=str(tmp_path),
         micro_batch_size=2, max_steps=1, precision="fp32", eval_every=0, save_every=0, progress=False, device="cpu",
     )  # fmt: skip
-    with caplog.at_level("WARNING", logger="tformer.train"):
+    with caplog.at_level("INFO", logger="tformer.train"):
         Trainer(load_config(base=run))
     assert asked == [("decoder", "fp32", "cpu")]
-    assert [r.message for r in caplog.records].count("precision=fp32 on CUDA: SDPA runs ... on its math kernel") == 1
+    said = [r.message for r in caplog.records]
+    assert said.count("precision=fp32 on CUDA: SDPA runs ... on its math kernel") == 1
+    assert said.count("attention: every layer sdpa-causal") == 1  # each layer kind's kernel (models/kernels.py)
 
 
 def test_a_profiles_sdpa_ops_name_their_kernels():

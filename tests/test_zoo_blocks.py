@@ -47,7 +47,7 @@ def test_attention_softcap_before_the_mask():
     got = math_attention(q, k, v, mask, scale, softcap=cap)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     assert (after - want).abs().max() > 1e-2  # the masked keys leak through a cap after the mask
-    # impl="sdpa" is routed to the math path: the same numbers (SDPA would ignore the cap)
+    # impl="sdpa" is routed to the math path on a CPU: the same numbers (SDPA would ignore the cap)
     kw = dict(padding_mask=None, attn_bias=None, doc_mask=None, scale=scale, dropout_p=0.0)
     sdpa = local_attention(q, k, v, causal=True, impl="sdpa", window=4, softcap=cap, **kw)
     torch.testing.assert_close(sdpa, want, atol=1e-6, rtol=1e-5)
@@ -155,10 +155,11 @@ def test_kernels_that_cannot_cap_refuse():
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="sandwich_norm=true yet"):
         check_tp(ModelConfig(**TINY, norm="rmsnorm", sandwich_norm=True), 2)
-    from tformer.train.loop.sdpa import math_fallback_line
+    from tformer.models.kernels import attention_line
 
-    line = math_fallback_line(model, "bf16", torch.device("cpu"))
-    assert line is not None and "math path" in line and "\n" not in line
+    line = attention_line(model, "cpu")  # no SDPA kernel caps: the math path here, FlexAttention on CUDA
+    assert line.startswith("attention: every layer math (model.attn_softcap=50.0") and "\n" not in line
+    assert attention_line(model.replace(num_heads=2), "cuda") == "attention: every layer flex"  # heads 16 wide
 
 
 def test_export_refuses_switches_its_class_lacks():

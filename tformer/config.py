@@ -288,8 +288,8 @@ class ModelConfig:
     global_offset: int | None = ranged(None, "[0, inf)", note="or null: global_every - 1")  # ModernBERT 0
     rope_local_theta: float | None = ranged(None, "(0, inf)", note="or null: rope_theta")  # windowed blocks' RoPE base
     attn_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
-    # cap * tanh(x / cap) on the attention logits, before the mask (Gemma 2 50.0); the math path
-    # computes it (SDPA cannot)
+    # cap * tanh(x / cap) on the attention logits, before the mask (Gemma 2 50.0); FlexAttention
+    # computes it on CUDA, the math path elsewhere (SDPA cannot)
     attn_softcap: float | None = ranged(None, "(0, inf)", note="or null: no cap")  # on the attention logits
     final_softcap: float | None = ranged(None, "(0, inf)", note="or null: no cap")  # on the output logits (Gemma 2 30)
     # the attention scale is query_pre_attn_scalar ** -0.5 rather than d_head ** -0.5 (Gemma)

@@ -1,8 +1,9 @@
 """Multi-head attention: self, causal and cross; padding + causal masks; GQA; KV cache.
 
 ``softmax(Q K^T / sqrt(d_k) + M) V`` per head, heads concatenated and projected by ``W^O``.
-Two interchangeable implementations: ``F.scaled_dot_product_attention`` (fast path) and the
-explicit math path (the reference the tests hold the fast path to).
+Three interchangeable kernels: ``F.scaled_dot_product_attention`` (the fast path), FlexAttention
+(``nn/flex.py``: windows, sinks, soft-caps and document masks on CUDA) and the explicit math path
+(the reference the tests hold the others to); ``flex.attention_kernel`` chooses.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from torch import nn
 
 from ..config import ATTN_IMPLS, AttnImpl
 from .cast import autocast_input
+from .flex import attention_kernel, flex_attend, in_window
+from .flex import soft_cap as soft_cap  # the cap's one definition, used by models/ for the output logits
 from .norm import RMSNorm
 from .position import apply_rotary
 
@@ -90,13 +93,7 @@ def window_allowed(q_len: int, k_len: int, window: int, causal: bool, device: to
     ``k_len`` positions. Causal: the ``window`` keys up to and including the query's position (HF's
     sliding window); bidirectional: the keys within ``window // 2`` either side (ModernBERT's)."""
     q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
-    distance = q_pos - torch.arange(k_len, device=device)[None, :]
-    return distance < window if causal else distance.abs() <= window // 2
-
-
-def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """``cap * tanh(x / cap)``: logits squashed smoothly into (-cap, cap) (Gemma 2); None: as they are."""
-    return x if cap is None else cap * torch.tanh(x / cap)
+    return in_window(q_pos - torch.arange(k_len, device=device)[None, :], window, causal)
 
 
 def math_attention(q, k, v, mask, scale: float, dropout_p: float = 0.0, training: bool = False, sinks=None, softcap=None):
@@ -160,22 +157,37 @@ def local_attention(
     ``attn_bias`` is a tensor broadcastable to the scores, or a module that builds it from the
     query and key counts (``RelativePositionBias`` of a stack whose ``bias_per_block`` is set).
     ``window``: local attention (``window_allowed``); ``sinks`` (h,): a logit per head in each
-    softmax's denominator. ``softcap``: the scores capped before the mask (``soft_cap``), which no
-    SDPA kernel does: the math path computes it whatever ``impl`` says. Windows and sinks take SDPA
-    with an explicit mask (sinks as one more key column, ``sink_column``) or the math path; plain
-    causal attention keeps SDPA's causal kernel.
+    softmax's denominator. ``softcap``: the scores capped before the mask (``soft_cap``).
+    The kernel is ``flex.attention_kernel``'s choice: on CUDA, windows, sinks, soft-caps and
+    document masks run FlexAttention (``flex_attend``); elsewhere windows, sinks and documents take
+    SDPA with an explicit mask (sinks as one more key column, ``sink_column``) and a soft-cap, which
+    no SDPA kernel applies, the math path; plain causal attention keeps SDPA's causal kernel.
     """
     q_len, k_len = q.shape[2], k.shape[2]
-    if softcap is not None:
-        impl = "math"  # SDPA and FlexAttention's document path take no cap (the start-up line says so)
     if attn_bias is not None and not isinstance(attn_bias, torch.Tensor):
         attn_bias = attn_bias(q_len, k_len, k_len - q_len)
     gqa = k.shape[1] != q.shape[1]
-    local = window is not None or sinks is not None
-    only_causal = causal and padding_mask is None and attn_bias is None and doc_mask is None and q_len == k_len and not local
-    if doc_mask is not None and doc_mask.flex and impl == "sdpa" and not dropout_p and not local:
-        return doc_mask.attend(q, k, v, causal, scale, attn_bias)
-    if impl == "sdpa" and only_causal:
+    kernel = attention_kernel(
+        q.device.type,
+        impl,
+        causal=causal,
+        same_length=q_len == k_len,
+        window=window,
+        sinks=sinks is not None,
+        softcap=softcap,
+        documents=doc_mask is not None,
+        padded=padding_mask is not None,
+        bias=attn_bias is not None,
+        dropout=dropout_p > 0,
+        head_dims=(q.shape[-1], v.shape[-1]),
+        flex=doc_mask is None or doc_mask.flex,
+    )
+    if kernel == "flex":
+        return flex_attend(
+            q, k, v, scale=scale, causal=causal, window=window, doc_mask=doc_mask, padding_mask=padding_mask,
+            bias=attn_bias, sinks=sinks, softcap=softcap,
+        )  # fmt: skip
+    if kernel == "sdpa-causal":
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=gqa)
     if doc_mask is not None:
         mask = doc_mask.additive(padding_mask, causal, attn_bias, q.dtype, additive_mask)
@@ -188,7 +200,7 @@ def local_attention(
             mask = additive_mask(inside, None, q.dtype)
         else:  # broadcast both ways: a padding mask is (B, 1, 1, S_k)
             mask = torch.where(inside, mask, torch.finfo(mask.dtype).min)
-    if impl == "sdpa":
+    if kernel == "sdpa":
         if sinks is not None:
             k, v, mask = sink_column(q, k, v, mask, sinks)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
@@ -331,7 +343,7 @@ class MultiHeadAttention(nn.Module):
         the new positions, applied to queries and the new keys. With ``cache`` the new keys/values
         are appended (self-attention) or, for a static cache already filled, reused as they are.
         ``doc_mask`` (a ``tformer.nn.docmask.DocumentMask``) keeps packed documents apart: on CUDA
-        through FlexAttention, elsewhere as a boolean mask for SDPA / math.
+        through FlexAttention, elsewhere as a boolean mask for SDPA / math (``local_attention``).
         """
         key = query if key is None else key
         value = key if value is None else value

@@ -8,12 +8,12 @@ encoder ids), and every layer of a stack shares it.
 
 The rule is written once, as a FlexAttention ``mask_mod``. Two ways to apply it:
 
-- on CUDA, ``flex_attention`` (compiled) with a ``BlockMask`` built from it, so fully masked
-  tiles are skipped instead of computed;
+- on CUDA, FlexAttention (compiled, ``nn/flex.py``) with a ``BlockMask`` built from it and the
+  layer's other rules (causal, window, padding), so fully masked tiles are skipped, not computed;
 - elsewhere, the same ``mask_mod`` evaluated over broadcast index grids gives a boolean
   ``(B, 1, S_q, S_k)`` mask for SDPA or the math path (FlexAttention has no CPU backward).
 
-``flex`` (default: the ids live on a CUDA device) is the switch between them.
+``flex.attention_kernel`` chooses (the first on CUDA); ``flex=False`` keeps a mask to the second.
 """
 
 from __future__ import annotations
@@ -37,14 +37,13 @@ def same_document(q_ids: torch.Tensor, k_ids: torch.Tensor) -> torch.Tensor:
 
 
 class DocumentMask:
-    def __init__(self, q_ids: torch.Tensor, k_ids: torch.Tensor | None = None, *, flex: bool | None = None):
+    def __init__(self, q_ids: torch.Tensor, k_ids: torch.Tensor | None = None, *, flex: bool = True):
         if q_ids.dim() != 2:
             raise ValueError(f"document ids must be (batch, seq), got shape {tuple(q_ids.shape)}")
         self.q_ids = q_ids
         self.k_ids = q_ids if k_ids is None else k_ids
-        self.flex = q_ids.is_cuda if flex is None else flex
+        self.flex = flex  # False: never through FlexAttention
         self._dense: dict[bool, torch.Tensor] = {}
-        self._blocks: dict[bool, object] = {}
         self._additive: tuple | None = None
 
     def mask_mod(self, causal: bool):
@@ -81,49 +80,3 @@ class DocumentMask:
                 allowed = allowed & padding_mask.bool()[:, None, None, :]
             self._additive = (key, build(allowed, bias, dtype))
         return self._additive[1]
-
-    def block_mask(self, causal: bool):
-        if causal not in self._blocks:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            (b, sq), sk = self.q_ids.shape, self.k_ids.shape[1]
-            self._blocks[causal] = create_block_mask(
-                self.mask_mod(causal), b, None, sq, sk, device=self.q_ids.device, _compile=self.q_ids.is_cuda
-            )
-        return self._blocks[causal]
-
-    def attend(self, q, k, v, causal: bool, scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """FlexAttention over ``(B, h, S, d)`` heads with this mask (+ an additive ``(1|B, h, S_q, S_k)``
-        bias, e.g. T5's relative positions). Padding keys must carry id -1."""
-        score_mod = None
-        if bias is not None:
-            bias = bias.to(q.dtype)
-            expand = bias.shape[0] == 1
-
-            def score_mod(score, b, h, q_idx, kv_idx):
-                return score + bias[0 if expand else b, h, q_idx, kv_idx]
-
-        return _flex_fn(q.is_cuda)(
-            q,
-            k,
-            v,
-            score_mod=score_mod,
-            block_mask=self.block_mask(causal),
-            scale=scale,
-            enable_gqa=k.shape[1] != q.shape[1],
-        )
-
-
-_COMPILED = None
-
-
-def _flex_fn(compiled: bool):
-    """The compiled FlexAttention on CUDA (its fused kernel); eager elsewhere (reference, forward only)."""
-    global _COMPILED
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if not compiled:
-        return flex_attention
-    if _COMPILED is None:
-        _COMPILED = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED

@@ -21,6 +21,7 @@ from ...checkpoint.manager import CheckpointManager
 from ...checkpoint.state import TrainerState
 from ...config import ConfigError
 from ...models import build_model
+from ...models.kernels import attention_line
 from ...models.padding import pad_sequences
 from ...parallel.balance import LoadBalancer
 from ...parallel.build import build_strategy
@@ -174,9 +175,16 @@ class Run:
             )
 
     def _say_attention_kernel(self) -> None:
-        """fp32 on CUDA: one line when SDPA will run this model's attention on its math kernel."""
+        """One line naming the attention kernel of each kind of layer (``models/kernels.py``); and
+        fp32 on CUDA, one more when SDPA will run this model's attention on its math kernel."""
+        if not self.dist.is_main:
+            return
+        said = attention_line(self.model_cfg, self.device.type, documents=self.cfg.data.document_mask)
+        if self.cfg.parallel.cp > 1:  # training steps take context parallelism's attention instead
+            said += f"; in training steps parallel.cp={self.cfg.parallel.cp}'s {self.cfg.parallel.cp_kernel} kernel"
+        log.info("%s", said)
         line = math_fallback_line(self.model_cfg, self.precision, self.device)
-        if line and self.dist.is_main:
+        if line:
             log.warning(line)
 
     def _offload(self):

@@ -104,13 +104,9 @@ def math_fallback_line(
 ) -> str | None:
     """One line when an fp32 run on CUDA sends its attention to SDPA's math kernel, else None.
     ``checks``/``order``/``tensors_on`` replace the device's (a CPU test fakes them). A model with
-    ``attn_softcap`` runs its attention on tformer's math path on every device: the line says so."""
-    if cfg.attn_softcap is not None and cfg.attn_impl == "sdpa":
-        return (
-            f"model.attn_softcap={cfg.attn_softcap}: every attention layer runs on the math path (scores materialised): "
-            "SDPA cannot cap the scores"
-        )
-    if device.type != "cuda" or precision != "fp32" or cfg.attn_impl != "sdpa":
+    ``attn_softcap`` runs no SDPA on CUDA (FlexAttention, or the math path where Flex cannot run):
+    the kernel line (``models/kernels.py``) names them, this one has nothing to add."""
+    if device.type != "cuda" or precision != "fp32" or cfg.attn_impl != "sdpa" or cfg.attn_softcap is not None:
         return None
     order = tuple(priority_order() if order is None else order)
     calls = attention_calls(cfg, torch.float32, tensors_on or device)
