@@ -133,7 +133,6 @@ SWITCHES = (
     ("qk_norm", "none", "QK_NORM", "a norm on each head's queries and keys"),
     ("attn_window", None, "WINDOW", "local (sliding-window) attention"),
     ("attn_sinks", False, "SINKS", "attention sinks"),
-    ("rope_scaling", "none", "YARN", "YaRN rotary scaling"),
     ("moe.expert_bias", False, "GPT_OSS_EXPERTS", "biases in the experts"),
     ("moe.swiglu_limit", None, "GPT_OSS_EXPERTS", "gpt-oss's clamped SwiGLU"),
     ("global_offset", None, "GLOBAL_OFFSET", "global blocks at an offset other than the last of each group"),
@@ -144,7 +143,13 @@ SWITCHES = (
     ("sandwich_norm", False, "SANDWICH", "sandwich norms"),
     ("norm_unit_offset", False, "GEMMA_NORM", "RMSNorm gains as offsets from 1"),
     ("embed_scale_dtype", False, "GEMMA_NORM", "the embedding scale rounded to the activations' dtype"),
+    ("shared_embeddings", True, "OWN_ENCODER_EMBED", "an encoder token embedding apart from the decoder's"),
 )
+
+
+def rope_scalings(target) -> tuple[str, ...]:
+    """The rotary scalings an HF class has: its ``ROPE_SCALINGS``, or YaRN where it says ``YARN``."""
+    return getattr(target, "ROPE_SCALINGS", ("yarn",) if getattr(target, "YARN", False) else ())
 
 
 def check_switches(cfg: ModelConfig, target) -> None:
@@ -158,6 +163,12 @@ def check_switches(cfg: ModelConfig, target) -> None:
                 f"cannot export to HF {target.HF_CLASS}: {field}={value!r}: it has no {what}; "
                 f"set {field}={'null' if off is None else off} or use a flavour that has it ({have or 'none'})"
             )
+    if cfg.rope_scaling != "none" and cfg.rope_scaling not in rope_scalings(target):
+        have = ", ".join(name for name, t in TARGETS.items() if cfg.rope_scaling in rope_scalings(t))
+        raise ExportError(
+            f"cannot export to HF {target.HF_CLASS}: rope_scaling={cfg.rope_scaling!r}: it has no such rotary scaling; "
+            f"set rope_scaling=none or use a flavour that has it ({have or 'none'})"
+        )
 
 
 def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]):
@@ -273,7 +284,9 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, force: bool = False) -> P
         raise ExportError(
             f"cannot read a HF config from {hf_dir} ({str(e).splitlines()[0]}); pass a directory holding config.json"
         ) from None
-    target = TARGETS.get(hf_config.model_type)
+    target = TARGETS.get(hf_config.model_type) or next(
+        (t for t in TARGETS.values() if getattr(t, "HF_MODEL_TYPE", None) == hf_config.model_type), None
+    )
     if target is None:
         raise ExportError(f"HF model_type={hf_config.model_type!r} cannot be imported; tformer imports {', '.join(TARGETS)}")
     hf_state, tied = read_hf_weights(str(hf_dir), target.HF_CLASS, hf_config, getattr(target, "HF_BUFFERS", ()))

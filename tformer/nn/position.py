@@ -74,9 +74,12 @@ class Rotary(nn.Module):
     ``yarn`` (a ``YarnConfig`` that is enabled: DeepSeek-V3's section) or ``yarn_args`` (factor,
     original length, beta_fast, beta_slow, truncate: gpt-oss's flat keys) replace the frequencies
     by YaRN's and scale cos and sin by its attention factor (``yarn_frequencies`` / ``yarn``).
+    ``linear`` divides every frequency by it (positions interpolated linearly; Gemma 3 4B's 8).
     """
 
-    def __init__(self, head_dim: int, theta: float = 10000.0, yarn=None, yarn_args: tuple | None = None):
+    def __init__(
+        self, head_dim: int, theta: float = 10000.0, yarn=None, yarn_args: tuple | None = None, linear: float = 1.0
+    ):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary needs an even head dimension, got {head_dim}")
@@ -86,6 +89,8 @@ class Rotary(nn.Module):
             inv_freq, self.scale = yarn_frequencies(head_dim, theta, yarn)
         elif yarn_args is not None:
             inv_freq, self.scale = yarn_table(inv_freq, head_dim, theta, *yarn_args)
+        if linear != 1.0:
+            inv_freq = inv_freq / linear
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
