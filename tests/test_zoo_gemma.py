@@ -84,7 +84,8 @@ def hf_configs():
 
 
 def hf_class(config):
-    return getattr(transformers, {"gemma3_text": "Gemma3ForCausalLM", "t5gemma": "T5GemmaForConditionalGeneration"}[config.model_type])
+    names = {"gemma3_text": "Gemma3ForCausalLM", "t5gemma": "T5GemmaForConditionalGeneration"}
+    return getattr(transformers, names[config.model_type])
 
 
 def load_hf(out):
@@ -156,14 +157,34 @@ EXPORTS = {
     # odd widths, windows of 5, RoPE linear x4 on the global blocks, capped output logits
     "gemma3-tiny-odd-linear-capped": (
         "gemma3-tiny",
-        dict(vocab_size=512, d_model=40, d_head=14, d_ff=90, attn_window=5, rope_scaling="linear", rope_factor=4.0,
-             final_softcap=3.0, tie_embeddings=False),
+        dict(
+            vocab_size=512,
+            d_model=40,
+            d_head=14,
+            d_ff=90,
+            attn_window=5,
+            rope_scaling="linear",
+            rope_factor=4.0,
+            final_softcap=3.0,
+            tie_embeddings=False,
+        ),
     ),  # fmt: skip
     # encoder 3 blocks (window 6: 3 either side), decoder 2 (window 3), GQA, untied
     "t5gemma-tiny-odd": (
         "t5gemma-tiny",
-        dict(vocab_size=512, d_model=40, d_head=14, d_ff=90, num_layers=3, num_decoder_layers=2, attn_window=3,
-             encoder_window=6, attn_softcap=5.0, final_softcap=3.0, tie_embeddings=False),
+        dict(
+            vocab_size=512,
+            d_model=40,
+            d_head=14,
+            d_ff=90,
+            num_layers=3,
+            num_decoder_layers=2,
+            attn_window=3,
+            encoder_window=6,
+            attn_softcap=5.0,
+            final_softcap=3.0,
+            tie_embeddings=False,
+        ),
     ),  # fmt: skip
 }
 
@@ -328,7 +349,7 @@ def test_gemma3_under_fsdp2_and_tp_equals_one_process(cache, tmp_path_factory):
     """Sandwich norms under TP: whole on every rank, acting on the sub-layer's all-reduced output
     (without SP) or on this rank's positions of its reduce-scattered output, their gains' gradients
     summed over the sequence shards (SP); one windowed and one global block. Measured on a 2-core
-    CPU (see the report): tp=2 with SP 1.23 yardsticks on the parameters (the losses bitwise), without
+    AVX512-BF16 Xeon: tp=2 with SP 1.23 yardsticks on the parameters (the losses bitwise), without
     SP 0.99, FSDP2 1.04 (losses) and 0.39; planted (the post-norms left out of the SP plan, each
     rank's gains updated from its own positions only) 495 yardsticks (losses) and 2.5e5 (parameters)."""
     import test_mesh
@@ -343,3 +364,43 @@ def test_gemma3_under_fsdp2_and_tp_equals_one_process(cache, tmp_path_factory):
             test_mesh.assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", ref)
             if "parallel.tp=2" in flags:
                 test_mesh.assert_counts(tmp / f"report{i}", 2, 2)
+
+
+# -- the fine-tuning path users take: an export loaded by the Auto class, trained by HF's Trainer ---
+
+
+@pytest.mark.parametrize("preset", ["t5gemma-tiny", pytest.param("gemma3-tiny", marks=pytest.mark.long)])
+def test_an_export_fine_tunes_under_hf_trainer(preset, toks, tmp_path):  # noqa: F811
+    """A few steps of ``transformers.Trainer`` on one repeated batch: the loss the Auto class
+    computes starts at ours and falls."""
+    torch.manual_seed(0)
+    model = tformer.build_model(preset, vocab_size=512).eval()
+    family = model.config.family
+    out = export_hf(save_run(model, toks[KIND[family]], tmp_path / "run"), tmp_path / "hf")
+    auto = transformers.AutoModelForSeq2SeqLM if family == "encdec" else transformers.AutoModelForCausalLM
+    hf = auto.from_pretrained(out, attn_implementation="eager")
+    ids, mask, labels, dmask = batch_for(model.config)
+    if family == "encdec":
+        row = dict(input_ids=ids, attention_mask=mask, labels=labels, decoder_attention_mask=dmask)
+        with torch.no_grad():
+            ours = model(ids, mask, labels=labels, decoder_attention_mask=dmask).loss
+    else:
+        ids, mask = ids[:, 3:], mask[:, 3:]  # right padding only
+        row = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+        with torch.no_grad():
+            aligned = torch.cat((row["labels"][:, 1:], torch.full_like(ids[:, :1], -100)), 1)
+            ours = model(ids, mask, labels=aligned).loss
+    data = [{k: v[i] for k, v in row.items()} for i in range(ids.shape[0])] * 8
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "ft"), per_device_train_batch_size=3, max_steps=8, learning_rate=3e-3,
+        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model=hf, args=args, train_dataset=data)
+    with torch.no_grad():
+        hf.eval()
+        first = hf(**row).loss
+    assert abs(first.item() - ours.item()) <= 1e-4 * ours.item(), (first, ours)
+    trainer.train()
+    curve = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    print(f"{preset}: HF Trainer loss {curve[0]:.3f} -> {curve[-1]:.3f} over {len(curve)} steps")
+    assert len(curve) == 8 and curve[-1] < curve[0] - 0.5, curve

@@ -34,7 +34,8 @@ OUR_ACTS = {"gelu_pytorch_tanh": "geglu", "gelu_new": "geglu", "gelu": None, "si
 
 
 def check(cfg: ModelConfig) -> None:
-    llama_lines = [p for p in llama.problems(cfg) if p and not p.startswith("embed_scale=")]  # Gemma scales
+    # Llama's refusals, less its unscaled embedding (Gemma scales it)
+    llama_lines: list[str | None] = [p for p in llama.problems(cfg) if p and not p.startswith("embed_scale=")]
     raise_problems(HF_CLASS, llama_lines + problems(cfg))
 
 
@@ -146,7 +147,9 @@ def model_config(hf, tied: bool) -> ModelConfig:
     if full.get("rope_type", "default") == "linear":
         scaling = dict(rope_scaling="linear", rope_factor=float(full["factor"]))
     elif full.get("rope_type", "default") != "default":
-        raise ExportError(f"HF gemma3 full_attention rope_type={full['rope_type']!r} has no tformer equivalent (default, linear)")
+        raise ExportError(
+            f"HF gemma3 full_attention rope_type={full['rope_type']!r} has no tformer equivalent (default, linear)"
+        )
     if sliding.get("rope_type", "default") != "default":
         raise ExportError(f"HF gemma3 sliding_attention rope_type={sliding['rope_type']!r} has no tformer equivalent")
     layers = _layers(hf)

@@ -36,10 +36,10 @@ def check(cfg: ModelConfig) -> None:
             need(cfg, "position", "rotary", "T5Gemma uses rotary positions"),
             need(cfg, "norm", "rmsnorm", "T5Gemma uses RMSNorm"),
             need(cfg, "norm_position", "pre", "T5Gemma is pre-norm; train with norm_position=pre"),
-            need(cfg, "sandwich_norm", True, "every T5Gemma block normalises its sub-layers' outputs; set sandwich_norm=true"),
+            need(cfg, "sandwich_norm", True, "T5Gemma normalises each sub-layer's output; set sandwich_norm=true"),
             need(cfg, "norm_unit_offset", True, "T5Gemma's RMSNorm gains are offsets from 1; set norm_unit_offset=true"),
             need(cfg, "embed_scale", True, "T5Gemma scales its embeddings by sqrt(d_model); set embed_scale=true"),
-            need(cfg, "embed_scale_dtype", True, "T5Gemma rounds that scale to the weights' dtype; set embed_scale_dtype=true"),
+            need(cfg, "embed_scale_dtype", True, "T5Gemma rounds it to the weight dtype; set embed_scale_dtype=true"),
             need(cfg, "activation", tuple(HF_ACTS), "T5Gemma's MLP is gated; set activation=geglu"),
             need(cfg, "bias", False, "T5Gemma has no biases; train with bias=false"),
             need(cfg, "qkv_bias", (None, False), "T5Gemma has no q/k/v biases; set qkv_bias=null"),
@@ -93,6 +93,13 @@ def hf_config(cfg: ModelConfig):
     from transformers import T5GemmaConfig
 
     encoder_window = cfg.encoder_window or cfg.attn_window
+    # special ids the base config class takes (T5GemmaConfig's own signature does not list them)
+    ids: dict = dict(
+        pad_token_id=cfg.pad_token_id,
+        eos_token_id=cfg.eos_token_id,
+        bos_token_id=cfg.decoder_start_token_id,
+        decoder_start_token_id=cfg.decoder_start_token_id,
+    )
     return T5GemmaConfig(
         encoder=_module(cfg, cfg.num_layers, encoder_window // 2 if encoder_window else None).to_dict(),
         decoder=_module(cfg, cfg.decoder_layers, cfg.attn_window).to_dict(),
@@ -100,10 +107,7 @@ def hf_config(cfg: ModelConfig):
         dropout_rate=cfg.dropout,
         attention_dropout=cfg.attn_dropout,
         tie_word_embeddings=cfg.tie_embeddings,
-        pad_token_id=cfg.pad_token_id,
-        eos_token_id=cfg.eos_token_id,
-        bos_token_id=cfg.decoder_start_token_id,
-        decoder_start_token_id=cfg.decoder_start_token_id,
+        **ids,
         architectures=[HF_CLASS],
     )
 
@@ -123,7 +127,7 @@ def rules(cfg: ModelConfig) -> list[Rule]:
             for theirs, ours in sublayers:
                 for x in "qkvo":
                     out += linear(f"{h}{theirs}.{x}_proj", f"{o}{ours}.{x}_proj", False)
-                norm = ours.replace("_attn", "").replace("attn", "attn")  # attn -> attn, cross_attn -> cross
+                norm = "cross" if ours == "cross_attn" else "attn"
                 out += [
                     rule(f"{h}pre_{theirs}_layernorm.weight", f"{o}{norm}_norm.weight"),
                     rule(f"{h}post_{theirs}_layernorm.weight", f"{o}{norm}_post_norm.weight"),
