@@ -29,8 +29,8 @@ With degree ``t`` on the mesh's ``tp`` dimension:
   the projections' weight gradients need it (``KeepSequenceShard``, Megatron-LM's way): torch's
   sequence parallel alone would keep the whole gathered input of every sub-layer on every rank.
 
-What stays replicated on every TP rank: norms (their gradients are summed over the sequence shards
-under SP; QK-norm's gains over the ranks' heads, always; the attention sinks are split with their
+What stays replicated on every TP rank: norms, sandwich norms (Gemma) included (their gradients
+are summed over the sequence shards under SP; QK-norm's gains over the ranks' heads, always; the attention sinks are split with their
 heads), position and token-type embeddings,
 BERT's MLM transform, the biases of row-wise projections, and mixture-of-experts FFNs (router,
 experts, shared experts; ``nn/moe.py``): each TP rank runs the whole MoE FFN on the whole sequence
