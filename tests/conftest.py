@@ -35,6 +35,8 @@ TINY = [
     "deepseek-v3-tiny",
     "qwen3-tiny",
     "qwen3-moe-tiny",
+    "gemma3-tiny",
+    "t5gemma-tiny",
 ]
 
 

@@ -30,6 +30,7 @@ def shrunk(name):
         **({k: 1 for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k)}),
         **({"mla": _shrunk_mla(cfg["mla"])} if cfg.get("attention") == "mla" else {}),
         **({"attn_window": 8} if cfg.get("attn_window") else {}),  # shorter than the 12 tokens run
+        **({"encoder_window": 6} if cfg.get("encoder_window") else {}),
     )
 
 
@@ -202,6 +203,11 @@ def _hf_reference(name):
     import transformers as T
 
     p = PRESETS[name]
+    if p["flavour"] in ("gemma3", "t5gemma"):  # from the exporter (tests/test_zoo_gemma.py checks its parity)
+        from tformer.export.hf import TARGETS
+
+        target = TARGETS[p["flavour"]]
+        return getattr(T, target.HF_CLASS)(target.hf_config(tformer.build_config(name)))
     if p["flavour"] == "deepseek_v3":  # its config from the exporter (tests/test_deepseek.py checks that one)
         from tformer.export.deepseek_v3 import hf_config
 

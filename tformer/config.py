@@ -267,6 +267,9 @@ class ModelConfig:
     max_seq_len: int = positive(1024)  # longest sequence (size of a learned position table)
     position: Position = "learned"  # how positions enter: none, learned or sinusoidal tables, rotary, T5 relative bias
     rope_theta: float = ranged(10000.0, "(0, inf)")  # base of the rotary frequencies
+    # every rotary frequency divided by this (positions interpolated linearly; Gemma 3 4B: 8, on its
+    # global blocks only where rope_local_theta gives the windowed ones their own table); 1: off
+    rope_linear: float = ranged(1.0, "[1, inf)")
     rel_num_buckets: int = positive(32)  # T5 relative-position buckets
     rel_max_distance: int = positive(128)  # T5: distances beyond share the last bucket
     norm: Norm = "layernorm"  # the norm of every block and the final one
@@ -282,6 +285,9 @@ class ModelConfig:
     # Local attention: a query sees the attn_window keys up to itself (causal; bidirectional: those
     # within attn_window // 2 either side), on every block but the global ones (global_every)
     attn_window: int | None = ranged(None, "[1, inf)", note="or null: every block global")  # gpt-oss 128
+    # encdec: the encoder's window where it differs from the decoder's attn_window (T5Gemma: twice it,
+    # HF counting a bidirectional window as the keys up to that far either side); null: attn_window
+    encoder_window: int | None = ranged(None, "[2, inf)", note="or null: attn_window")
     global_every: int = ranged(0, "[0, inf)")  # with attn_window: blocks k-1, 2k-1, ... global (gpt-oss 2); 0: none
     # with global_every: block i is global when i % global_every == global_offset (ModernBERT 0:
     # blocks 0, 3, 6, ...); null: global_every - 1 (gpt-oss, Gemma 3: the last of each group)
@@ -307,6 +313,8 @@ class ModelConfig:
     head_bias: bool = True  # the MLM head's dense layer has a bias (BERT; ModernBERT: false)
     embed_scale: bool = False  # multiply token embeddings by sqrt(d_model) (the paper)
     embed_scale_dtype: bool = False  # with embed_scale: sqrt(d_model) rounded to the activations' dtype first (Gemma)
+    # encdec: the encoder reads the decoder's token embedding; false: it has one of its own (T5Gemma)
+    shared_embeddings: bool = True
     init_std: float = ranged(0.02, "(0, inf)")  # standard deviation of the initial weights
     pad_token_id: int = ranged(0, "[0, inf)")  # padding id (masked out, ignored by the loss)
     bos_token_id: int | None = ranged(None, "[0, inf)")  # beginning-of-sequence id, if the tokenizer has one
@@ -322,8 +330,8 @@ class ModelConfig:
 
     # keys of an earlier release and where they went (``check_keys`` names the new place)
     MOVED_KEYS: ClassVar[dict[str, str]] = {
-        "rope_scaling": "yarn.factor (null: no scaling)",
-        "rope_factor": "yarn.factor",
+        "rope_scaling": "yarn.factor (YaRN; null: none) or model.rope_linear (linear)",
+        "rope_factor": "yarn.factor (YaRN) or model.rope_linear (linear)",
         "rope_original_max_len": "yarn.original_max_seq_len",
         "rope_beta_fast": "yarn.beta_fast",
         "rope_beta_slow": "yarn.beta_slow",
@@ -367,6 +375,13 @@ class ModelConfig:
             return None
         return self.attn_window
 
+    def stack_config(self, causal: bool) -> "ModelConfig":
+        """The config a stack's blocks are built from: an encoder-decoder's encoder takes
+        ``encoder_window`` as its window where set."""
+        if causal or self.encoder_window is None:
+            return self
+        return dataclasses.replace(self, attn_window=self.encoder_window, encoder_window=None)
+
     @property
     def global_layer_offset(self) -> int:
         return self.global_every - 1 if self.global_offset is None else self.global_offset
@@ -406,15 +421,23 @@ class ModelConfig:
             )
         if self.position == "rotary" and self.head_dim % 2 and not self.latent_attention:
             raise ConfigError(f"position='rotary' needs an even head width, got d_head={self.head_dim}")
-        if self.attn_window is not None and self.attn_window > self.max_seq_len:
+        for name in ("attn_window", "encoder_window"):
+            window = getattr(self, name)
+            if window is not None and window > self.max_seq_len:
+                raise ConfigError(
+                    f"{name}={window} is longer than max_seq_len={self.max_seq_len}; a window that long "
+                    f"is full attention: set {name}=null or a shorter window"
+                )
+        if self.encoder_window is not None and (self.family != "encdec" or self.attn_window is None):
             raise ConfigError(
-                f"attn_window={self.attn_window} is longer than max_seq_len={self.max_seq_len}; a window that long "
-                "is full attention: set attn_window=null or a shorter window"
+                f"encoder_window={self.encoder_window} is an encoder-decoder's encoder window beside attn_window; "
+                f"set attn_window (family={self.family!r}, attn_window={self.attn_window}) or encoder_window=null"
             )
-        if self.attn_window is not None and self.attn_window % 2 and self.family != "decoder":
+        bidirectional = ("encoder_window", self.encoder_window) if self.encoder_window else ("attn_window", self.attn_window)
+        if bidirectional[1] is not None and bidirectional[1] % 2 and self.family != "decoder":
             raise ConfigError(
-                f"attn_window={self.attn_window} must be even for a bidirectional ({self.family}) window: it spans "
-                "attn_window // 2 keys either side of the query (ModernBERT 128)"
+                f"{bidirectional[0]}={bidirectional[1]} must be even for a bidirectional ({self.family}) window: it spans "
+                f"{bidirectional[0]} // 2 keys either side of the query (ModernBERT 128)"
             )
         if self.global_offset is not None and not self.global_offset < self.global_every:
             raise ConfigError(
@@ -434,6 +457,11 @@ class ModelConfig:
             raise ConfigError(f"norm_unit_offset=true is for norm='rmsnorm' (Gemma's), not norm={self.norm!r}")
         if self.position == "relative" and self.family == "encoder" and self.rel_num_buckets < 2:
             raise ConfigError("rel_num_buckets must be >= 2 for bidirectional relative positions")
+        if self.family != "encdec" and not self.shared_embeddings:
+            raise ConfigError(
+                f"shared_embeddings=false gives an encoder-decoder's encoder its own embedding; family={self.family!r} "
+                "has one stack: set shared_embeddings=true"
+            )
         if self.family != "encdec" and self.num_decoder_layers is not None:
             raise ConfigError(
                 f"num_decoder_layers is only for family='encdec' (family={self.family!r}); remove it or set num_layers"

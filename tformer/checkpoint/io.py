@@ -176,7 +176,8 @@ def read_trainer_state(ckpt: str | Path) -> dict:
         raise CheckpointError(f"checkpoint file {path} is corrupt (invalid JSON); use an earlier checkpoint") from None
 
 
-VOCAB_ROWS = ("embed.tok.weight", "lm_head.weight", "lm_head.bias")  # tensors with one row per (padded) token
+# tensors with one row per (padded) token
+VOCAB_ROWS = ("embed.tok.weight", "encoder_embed.tok.weight", "lm_head.weight", "lm_head.bias")
 
 
 def is_vocab_rows(name: str) -> bool:

@@ -276,7 +276,7 @@ def unpad_vocab(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, t
     if cfg.padded_vocab_size == cfg.vocab_size:
         return state
     out = dict(state)
-    for name in ("embed.tok.weight", "lm_head.weight", "lm_head.bias"):
+    for name in ("embed.tok.weight", "encoder_embed.tok.weight", "lm_head.weight", "lm_head.bias"):
         if name in out:
             out[name] = out[name][: cfg.vocab_size]
     return out

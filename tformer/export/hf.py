@@ -145,6 +145,8 @@ SWITCHES = (
     ("embed_scale_dtype", False, "GEMMA_NORM", "the embedding scale rounded to the activations' dtype"),
     ("first_attn_norm", True, "FIRST_ATTN_NORM", "a block 0 whose attention input is the embedding norm's output"),
     ("head_bias", True, "HEAD_BIAS_OFF", "an MLM head whose dense layer has no bias"),
+    ("shared_embeddings", True, "OWN_ENCODER_EMBED", "an encoder token embedding apart from the decoder's"),
+    ("rope_linear", 1.0, "LINEAR_ROPE", "linear rotary scaling"),
 )
 
 
@@ -277,7 +279,9 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, force: bool = False) -> P
         raise ExportError(
             f"cannot read a HF config from {hf_dir} ({str(e).splitlines()[0]}); pass a directory holding config.json"
         ) from None
-    target = TARGETS.get(hf_config.model_type)
+    target = TARGETS.get(hf_config.model_type) or next(
+        (t for t in TARGETS.values() if getattr(t, "HF_MODEL_TYPE", None) == hf_config.model_type), None
+    )
     if target is None:
         raise ExportError(f"HF model_type={hf_config.model_type!r} cannot be imported; tformer imports {', '.join(TARGETS)}")
     hf_state, tied = read_hf_weights(str(hf_dir), target.HF_CLASS, hf_config, getattr(target, "HF_BUFFERS", ()))

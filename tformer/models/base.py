@@ -205,7 +205,7 @@ class TformerModel(nn.Module):
                 std = cfg.init_std
                 if name.endswith(("o_proj", "ffn.down", "ffn.shared.down")):
                     std /= math.sqrt(2 * depth)
-                if cfg.embed_scale and name == "embed.tok":
+                if cfg.embed_scale and name in ("embed.tok", "encoder_embed.tok"):
                     std = cfg.d_model**-0.5
                 nn.init.normal_(self._real_rows(name, module.weight), 0.0, std)
                 if getattr(module, "bias", None) is not None:
@@ -224,7 +224,7 @@ class TformerModel(nn.Module):
         predicted, stay) at zero. So padding draws no random numbers and changes nothing else a run
         trains: a tp=3 run pads 2,048 rows to 2,049 and starts from the 1-process model's weights."""
         cfg = self.config
-        vocab_rows = name == "embed.tok" or name.endswith("lm_head")
+        vocab_rows = name in ("embed.tok", "encoder_embed.tok") or name.endswith("lm_head")
         if not vocab_rows or weight.shape[0] != cfg.padded_vocab_size or cfg.padded_vocab_size == cfg.vocab_size:
             return weight
         with torch.no_grad():

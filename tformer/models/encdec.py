@@ -1,5 +1,6 @@
 """Encoder-decoder family (T5-like): bidirectional encoder, causal decoder with cross-attention,
-one embedding shared by both stacks and (v1.0) the LM head."""
+one embedding shared by both stacks (or, ``shared_embeddings: false``, one per stack: T5Gemma)
+and (v1.0) the LM head."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class EncoderDecoderModel(TformerModel):
     SEQ2SEQ = True
     encoder: Any  # None in pipeline stage 1, like ``decoder`` in stage 0 (``cut_stage``)
     decoder: Any
+    encoder_embed: Any  # the encoder's own token embedding (``shared_embeddings: false``), else None
 
     @classmethod
     def stack_shapes(cls, cfg: ModelConfig, seq: int, target: int | None) -> list[tuple[int, int, int | None]]:
@@ -54,13 +56,16 @@ class EncoderDecoderModel(TformerModel):
         runs the decoder, the head and the loss."""
         if stage == 0:
             self.decoder, self.lm_head = None, None
+            if self.encoder_embed is not None:
+                self.embed = None
         else:
-            self.encoder = None
+            self.encoder, self.encoder_embed = None, None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
         self.embed = Embeddings(cfg)
+        self.encoder_embed = None if cfg.shared_embeddings else Embeddings(cfg)
         self.encoder = TransformerStack(cfg, cfg.num_layers, causal=False)
         self.decoder = TransformerStack(cfg, cfg.decoder_layers, causal=True, cross=True)
         self.lm_head = vocab_rows(nn.Linear(cfg.d_model, cfg.vocab_size, bias=False), cfg)
@@ -83,7 +88,8 @@ class EncoderDecoderModel(TformerModel):
         self._check_length(input_ids.shape[1])
         positions = _positions(input_ids, doc_ids, position_ids)
         doc_mask = DocumentMask(doc_ids) if doc_ids is not None else None
-        return self.encoder(self.embed(input_ids, positions), attention_mask, positions=positions, doc_mask=doc_mask)
+        embed = self.embed if self.encoder_embed is None else self.encoder_embed
+        return self.encoder(embed(input_ids, positions), attention_mask, positions=positions, doc_mask=doc_mask)
 
     def decode(
         self,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 
 from ..config import ConfigError, ModelConfig
+from .presets_gemma import GEMMA_PRESETS
 
 BERT = dict(
     family="encoder",
@@ -576,6 +577,8 @@ PRESETS: dict[str, dict] = {
         TRANSFORMER, vocab_size=1024, max_seq_len=128, d_model=64, num_layers=2, num_heads=4, d_ff=128, dropout=0.0
     ),
 }
+
+PRESETS.update(GEMMA_PRESETS)  # Gemma 3 and T5Gemma (presets_gemma.py)
 
 
 def preset(name: str, **overrides) -> ModelConfig:

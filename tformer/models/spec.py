@@ -119,6 +119,8 @@ register(ModelSpec("deepseek_v3", DecoderModel, "tformer.export.deepseek_v3"))
 register(ModelSpec("qwen3", DecoderModel, "tformer.export.qwen3"))
 register(ModelSpec("qwen3_moe", DecoderModel, "tformer.export.qwen3_moe"))
 register(ModelSpec("gpt_oss", DecoderModel, "tformer.export.gpt_oss"))
+register(ModelSpec("gemma3", DecoderModel, "tformer.export.gemma3"))  # Gemma3ForCausalLM (text)
 register(ModelSpec("t5", EncoderDecoderModel, "tformer.export.t5"))  # v1.0 (tied) and v1.1 (untied)
 register(ModelSpec("switch_transformers", EncoderDecoderModel, "tformer.export.switch_transformers"))
+register(ModelSpec("t5gemma", EncoderDecoderModel, "tformer.export.t5gemma"))
 register(ModelSpec("marian", EncoderDecoderModel, "tformer.export.marian"))  # the paper's Transformer

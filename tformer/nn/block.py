@@ -155,6 +155,7 @@ class TransformerStack(nn.Module):
 
     def __init__(self, cfg, num_layers: int, *, causal: bool, cross: bool = False):
         super().__init__()
+        cfg = cfg.stack_config(causal)  # an encoder's own window (T5Gemma)
         self.causal = causal
         self.layers = nn.ModuleList(TransformerBlock(cfg, causal=causal, cross=cross, index=i) for i in range(num_layers))
         # T5 keeps one bias table per stack (HF stores it in block 0 and reuses it).
@@ -163,14 +164,14 @@ class TransformerStack(nn.Module):
             if cfg.position == "relative"
             else None
         )
-        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.yarn) if cfg.position == "rotary" else None
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.yarn, cfg.rope_linear) if cfg.position == "rotary" else None
         # Windowed blocks with a RoPE base of their own (Gemma 3, ModernBERT: 10k) take a second
         # table (unscaled, as HF's local rotary is); ``local_rotary[i]`` says which block takes it.
         self.rotary_local = None
         self.local_rotary = [False] * num_layers
         if cfg.position == "rotary" and cfg.rope_local_theta is not None:
             self.rotary_local = Rotary(cfg.head_dim, cfg.rope_local_theta)
-            self.local_rotary = [cfg.layer_rope_theta(i) != cfg.rope_theta for i in range(num_layers)]
+            self.local_rotary = [cfg.layer_window(i) is not None for i in range(num_layers)]
         # Pre-norm stacks end with a norm; post-norm blocks already end normalised.
         self.final_norm = (
             make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias, cfg.norm_unit_offset) if cfg.pre_norm else None

@@ -43,10 +43,11 @@ class Rotary(nn.Module):
     ``(x1 cos - x2 sin, x2 cos + x1 sin)`` with frequency ``theta^(-2i/d)`` for pair ``i``.
     ``forward(positions)`` returns ``(cos, sin)`` shaped to broadcast over ``(B, h, S, d)``.
     ``yarn`` (a ``YarnConfig`` that is enabled: ``model.yarn``) replaces the frequencies by YaRN's
-    and scales cos and sin by its attention factor (``yarn_frequencies``).
+    and scales cos and sin by its attention factor (``yarn_frequencies``). ``linear`` divides every
+    frequency by it (positions interpolated linearly; Gemma 3 4B's global blocks: 8).
     """
 
-    def __init__(self, head_dim: int, theta: float = 10000.0, yarn=None):
+    def __init__(self, head_dim: int, theta: float = 10000.0, yarn=None, linear: float = 1.0):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary needs an even head dimension, got {head_dim}")
@@ -54,6 +55,8 @@ class Rotary(nn.Module):
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         if yarn is not None and yarn.enabled:
             inv_freq, self.scale = yarn_frequencies(head_dim, theta, yarn)
+        if linear != 1.0:
+            inv_freq = inv_freq / linear
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,10 +29,10 @@ With degree ``t`` on the mesh's ``tp`` dimension:
   the projections' weight gradients need it (``KeepSequenceShard``, Megatron-LM's way): torch's
   sequence parallel alone would keep the whole gathered input of every sub-layer on every rank.
 
-What stays replicated on every TP rank: norms (their gradients are summed over the sequence shards
-under SP; QK-norm's gains over the ranks' heads, always; the attention sinks are split with their
-heads), position and token-type embeddings,
-BERT's MLM transform, the biases of row-wise projections, and mixture-of-experts FFNs (router,
+What stays replicated on every TP rank: norms, sandwich norms (Gemma) included (their gradients
+are summed over the sequence shards under SP; QK-norm's gains over the ranks' heads, always; the
+attention sinks are split with their heads), position and token-type embeddings, BERT's MLM
+transform, the biases of row-wise projections, and mixture-of-experts FFNs (router,
 experts, shared experts; ``nn/moe.py``): each TP rank runs the whole MoE FFN on the whole sequence
 (under SP its input is gathered before it and its output cut back to the rank's slice after it), so
 routing, capacity groups and auxiliary losses are the unsplit model's, and its plain parameters get
@@ -69,8 +69,6 @@ def check_tp(cfg: ModelConfig, tp: int, sp: bool = False) -> None:
     """One line for each model shape that ``tp`` ranks cannot split evenly."""
     if tp == 1:
         return
-    if cfg.sandwich_norm:  # the post-norms' gains are not in the TP plan yet (their gradients would go unsummed)
-        raise ConfigError(f"parallel.tp={tp} does not run with model.sandwich_norm=true yet; set parallel.tp=1")
     for name, value, fix in (
         ("model.num_heads", cfg.num_heads, "a tp that divides the head count"),
         ("model.num_kv_heads", cfg.kv_heads, "a tp that divides the KV head count (a GQA group cannot straddle ranks)"),
@@ -129,6 +127,8 @@ def tp_plan(model, sp: bool, loss_parallel: bool) -> dict:
     plan: dict = {}
     if getattr(model, "embed", None) is not None:  # (a pipeline stage may hold neither of these)
         plan["embed.tok"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if getattr(model, "encoder_embed", None) is not None:  # an encoder's own token embedding (T5Gemma)
+        plan["encoder_embed.tok"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if getattr(model, "lm_head", None) is not None and loss_parallel:
         plan["lm_head"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)
     elif getattr(model, "lm_head", None) is not None:
@@ -161,7 +161,9 @@ def tp_plan(model, sp: bool, loss_parallel: bool) -> dict:
                 plan[f"{p}.ffn.down"] = RowwiseParallel(output_layouts=between)
             if not sp:
                 continue  # an MoE FFN gets the whole (replicated) stream as a plain tensor already
-            for norm in ("attn_norm", "cross_norm", "ffn_norm"):
+            # sandwich norms (Gemma) act on a sub-layer's output, which the row-wise projection
+            # reduce-scattered to this rank's positions: sharded on the sequence like the others
+            for norm in ("attn_norm", "cross_norm", "ffn_norm", "attn_post_norm", "cross_post_norm", "ffn_post_norm"):
                 if getattr(block, norm) is not None:
                     plan[f"{p}.{norm}"] = SequenceParallel(use_local_output=True)
             # each sub-layer gathers its (sequence-sharded) query stream once; memory is whole

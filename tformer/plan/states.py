@@ -104,7 +104,12 @@ def _module_counts(fields: tuple) -> dict[str, int]:
     def count(module) -> int:
         return sum(p.numel() for p in module.parameters()) if module is not None else 0
 
-    out = {"all": model.num_parameters(), "embed": count(model.embed), "tok": model.embed.tok.weight.numel()}
+    own = getattr(model, "encoder_embed", None)  # an encoder's own token embedding (T5Gemma) counts with the embeddings
+    out = {
+        "all": model.num_parameters(),
+        "embed": count(model.embed) + count(own),
+        "tok": model.embed.tok.weight.numel() + (own.tok.weight.numel() if own is not None else 0),
+    }
     for i, stack in enumerate(model.stacks()):
         out[f"block{i}"] = count(stack.layers[0])  # the blocks of a stack are alike
         out[f"norm{i}"] = count(stack.final_norm)
@@ -123,8 +128,6 @@ def tp_blocker(cfg: ModelConfig, tp: int) -> str | None:
     """The first size that ``tp`` does not divide (TP splits heads, KV heads and the FFN width;
     the vocabulary it pads itself, ``pad_vocab_for_tp``), as ``name=value``; None when ``tp`` can
     split them all."""
-    if tp > 1 and cfg.sandwich_norm:  # not laid out under TP yet (parallel/tp.py check_tp)
-        return "sandwich_norm=True"
     for name, value in (
         ("num_heads", cfg.num_heads),
         ("num_kv_heads", cfg.kv_heads),
@@ -150,7 +153,8 @@ def _tp_sharded_parts(cfg: ModelConfig) -> dict[str, int]:
     relative = cfg.rel_num_buckets * h if cfg.position == "relative" else 0
     spec = spec_of(cfg)
     head = (0 if cfg.tie_embeddings else vocab * d) + (vocab if spec.model.LM_HEAD_BIAS else 0)
-    out = {"embed": vocab * d, "tok": vocab * d, "head": head}
+    tables = 1 if cfg.shared_embeddings else 2  # T5Gemma's encoder has a token embedding of its own
+    out = {"embed": tables * vocab * d, "tok": tables * vocab * d, "head": head}
     for i, (_, _, cross) in enumerate(spec.stack_shapes(cfg, 1, None)):
         out.update({f"block{i}": (2 if cross is not None else 1) * attention + ffn, f"stack{i}": relative, f"norm{i}": 0})
     return out
