@@ -293,6 +293,9 @@ COLUMN_WISE = (
     "ffn.up.bias",
     "ffn.gate.weight",
     "ffn.gate.bias",
+    "q_up.weight",  # latent attention's up projections
+    "kv_up.weight",
+    "attn.sinks.logits",  # one per query head, split with them
 )
 ROW_WISE = ("o_proj.weight", "ffn.down.weight")
 VOCABULARY = ("embed.tok.weight", "lm_head.weight", "lm_head.bias")
@@ -334,6 +337,10 @@ MESH_MODELS = [
     ("t5-tiny", dict(num_decoder_layers=3, attn_impl="math")),
     ("mixtral-tiny", {}),  # MoE FFNs: whole on every TP rank, attention split
     ("qwen2-moe-tiny", {}),  # + a shared expert and its gate, whole as well
+    # latent attention (up projections split, down projections whole), the first block dense, and
+    # a multi-token prediction depth (its block split like the trunk's, its projection whole)
+    ("deepseek-v3-tiny", dict(mtp_depth=1)),
+    ("gpt-oss-tiny", {}),  # sinks split with their heads
 ]
 
 
@@ -496,6 +503,9 @@ PP_MODELS = [
     ("bert-tiny", dict(num_layers=4, tie_embeddings=False)),
     ("t5-tiny", {}),
     ("t5-v1.1-tiny", {}),
+    # the first block dense, the rest MoE: stages of equal block counts hold unequal parameters
+    ("deepseek-v3-tiny", dict(num_layers=5)),
+    ("deepseek-v3-tiny", dict(num_layers=4, moe=dict(first_dense=2, num_experts=8, top_k=2, d_expert=32))),
 ]
 
 

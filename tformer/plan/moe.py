@@ -19,6 +19,13 @@ from ..nn.ffn import FFN_KINDS
 from .states import model_state_bytes
 
 
+def moe_layers(cfg: ModelConfig) -> int:
+    """MoE layers of the whole model: the stacks' and each multi-token prediction depth's whose
+    block is MoE (DeepSeek-V3's is: an index past the trunk's last)."""
+    mtp = sum(cfg.moe.is_moe_layer(cfg.num_layers + k) for k in range(cfg.mtp_depth))
+    return spec_of(cfg).model.moe_layer_count(cfg) + mtp
+
+
 def expert_parameters(cfg: ModelConfig) -> int:
     """Routed experts' parameters of the whole model (the part expert parallelism splits)."""
     moe = cfg.moe
@@ -27,7 +34,7 @@ def expert_parameters(cfg: ModelConfig) -> int:
     matrices = 3 if FFN_KINDS[moe.activation or cfg.activation][1] else 2
     d_expert = moe.d_expert or cfg.d_ff
     per_expert = matrices * cfg.d_model * d_expert + ((matrices - 1) * d_expert + cfg.d_model if moe.expert_bias else 0)
-    return spec_of(cfg).model.moe_layer_count(cfg) * moe.num_experts * per_expert
+    return moe_layers(cfg) * moe.num_experts * per_expert
 
 
 def active_parameters(cfg: ModelConfig, total: int) -> int:
@@ -75,7 +82,7 @@ def ep_activation_bytes(cfg: ModelConfig, tokens: int, ep: int, elt: int, ac: st
     extra = dispatch_buffer_bytes(cfg, MoELayout(ep, ep, tokens, 1, elt)) - dispatch_buffer_bytes(
         cfg, MoELayout(1, ep, tokens, 1, elt)
     )
-    return extra * (spec_of(cfg).model.moe_layer_count(cfg) if ac == "none" else 1)
+    return extra * (moe_layers(cfg) if ac == "none" else 1)
 
 
 def all_to_all_bytes_per_step(cfg: ModelConfig, layout: MoELayout) -> float:
@@ -84,7 +91,7 @@ def all_to_all_bytes_per_step(cfg: ModelConfig, layout: MoELayout) -> float:
         return 0.0
     rows = layout.tokens * cfg.moe.top_k
     per_exchange = rows * cfg.d_model * layout.elt * (layout.ep - 1) / layout.ep
-    return 4 * per_exchange * spec_of(cfg).model.moe_layer_count(cfg) * layout.micro_batches
+    return 4 * per_exchange * moe_layers(cfg) * layout.micro_batches
 
 
 def moe_lines(cfg: ModelConfig, total: int, devices: int, tokens: int, mixed: bool) -> list[str]:
@@ -95,7 +102,7 @@ def moe_lines(cfg: ModelConfig, total: int, devices: int, tokens: int, mixed: bo
     experts = expert_parameters(cfg)
     lines = [
         f"mixture of experts: {total / 1e9:.2f}B parameters, {active_parameters(cfg, total) / 1e9:.2f}B active "
-        f"per token; routed experts {experts / 1e9:.2f}B in {spec_of(cfg).model.moe_layer_count(cfg)} MoE layers"
+        f"per token; routed experts {experts / 1e9:.2f}B in {moe_layers(cfg)} MoE layers"
     ]
     per_param = model_state_bytes("fsdp", 1, 1, mixed)
     elt = 2 if mixed else 4
