@@ -38,7 +38,10 @@ def expert_parameters(cfg: ModelConfig) -> int:
 
 
 def active_parameters(cfg: ModelConfig, total: int) -> int:
-    """Parameters one token passes through: all but the experts it is not routed to."""
+    """Parameters one token passes through: all but the experts it is not routed to (the input
+    embedding and the output head included, each multi-token prediction depth's block too).
+    Publishers differ on the embedding (docs/planning.md, "Published parameter counts"):
+    ``tformer plan`` prints the count without it as well."""
     if not cfg.moe.enabled:
         return total
     return total - expert_parameters(cfg) * (cfg.moe.num_experts - cfg.moe.top_k) // cfg.moe.num_experts
@@ -99,10 +102,12 @@ def moe_lines(cfg: ModelConfig, total: int, devices: int, tokens: int, mixed: bo
     devices allow (FSDP2 over all of them), the per-rank expert states and exchange volume."""
     if not cfg.moe.enabled:
         return []
-    experts = expert_parameters(cfg)
+    experts, active = expert_parameters(cfg), active_parameters(cfg, total)
+    lookup = cfg.padded_vocab_size * cfg.d_model  # the input embedding: read, not multiplied
     lines = [
-        f"mixture of experts: {total / 1e9:.2f}B parameters, {active_parameters(cfg, total) / 1e9:.2f}B active "
-        f"per token; routed experts {experts / 1e9:.2f}B in {moe_layers(cfg)} MoE layers"
+        f"mixture of experts: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token "
+        f"({(active - lookup) / 1e9:.2f}B without the input embedding); routed experts {experts / 1e9:.2f}B "
+        f"in {moe_layers(cfg)} MoE layers"
     ]
     per_param = model_state_bytes("fsdp", 1, 1, mixed)
     elt = 2 if mixed else 4
