@@ -5,6 +5,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tformer import build_model
+from tformer.models import spec_of
+from tformer.models.block_flops import keys_per_query
 from tformer.models.flops import training_flops, training_flops_per_token
 from tformer.nn.moe import Experts
 
@@ -58,3 +60,85 @@ def test_moe_flops_and_parameters_are_the_active_ones():
         dense = build_model("t5-tiny", d_ff=128)
         switch = build_model("switch-tiny")
     assert training_flops(switch.config, 2, 24, 10) > training_flops(dense.config, 2, 24, 10)  # + routers
+
+
+def _counted(model, b, s, t=None):
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.grouped = False
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (b, s))
+    labels = torch.randint(0, vocab, (b, t if model.config.family == "encdec" else s))
+    with FlopCounterMode(display=False) as counter:
+        model(ids, labels=labels).loss.backward()
+    return counter.get_total_flops()
+
+
+# (preset, overrides): causal windows on every other block with sinks (gpt-oss); bidirectional
+# windows with every third block global from block 0 (ModernBERT's pattern); an encoder-decoder whose
+# two stacks window differently (causal decoder, bidirectional encoder)
+WINDOWED = [
+    ("gpt-oss-tiny", {}),
+    ("bert-tiny", {"attn_window": 8, "global_every": 3, "global_offset": 0, "position": "rotary"}),
+    ("t5-v1.1-tiny", {"attn_window": 6, "global_every": 2}),
+]
+
+
+@pytest.mark.parametrize("name, overrides", WINDOWED, ids=[w[0] for w in WINDOWED])
+def test_a_windowed_blocks_attention_flops_grow_with_the_window_not_the_sequence(name, overrides):
+    """The math path multiplies every query by every key and masks afterwards, so FlopCounterMode
+    sees the whole S x S; the count takes each windowed block's queries against the keys of its
+    window only (``keys_per_query``): the two differ by exactly the keys outside the windows, in
+    QK^T and PV, forward and backward (3x)."""
+    model = build_model(name, attn_impl="math", **overrides)
+    cfg = model.config
+    b, s, t = 2, 24, 20
+    h, dk, spec = cfg.num_heads, cfg.head_dim, spec_of(cfg)
+    outside = 0
+    for stack, (blocks, length, _) in enumerate(spec.stack_shapes(cfg, s, t)):
+        causal = spec.causal_lm or (spec.seq2seq and stack == 1)  # an encoder-decoder's decoder
+        for i in range(blocks):
+            w = cfg.layer_window(i)
+            if w is not None:
+                keys = keys_per_query(cfg, i, length, causal)
+                assert keys == (w if causal else 2 * (w // 2) + 1) < length  # narrower than the sequence
+                assert keys_per_query(cfg, i, 100 * length, causal) == keys  # the window's, whatever the length
+                outside += 2 * (2 * b * length * (length - keys) * h * dk)  # scores and values
+    assert outside > 0
+    assert _counted(model, b, s, t) == training_flops(cfg, b, s, t) + 3 * outside
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"mtp_depth": 1}, {"mtp_depth": 2, "mla": {"q_lora_rank": None}}],
+    ids=["mtp1", "mtp2-no-q-lora"],
+)
+def test_latent_attention_and_multi_token_prediction_flops_match_flop_counter(overrides):
+    """DeepSeek-V3's blocks (latent attention with and without the query's low-rank pair, the first
+    block dense, shared experts) plus each MTP depth: its projection, its block (MoE, the index after
+    the trunk's) and the shared head, counted as torch counts the real forward and backward."""
+    model = build_model("deepseek-v3-tiny", attn_impl="math", **overrides)
+    model.train()
+    b, s = 2, 24
+    assert _counted(model, b, s) == training_flops(model.config, b, s)
+    plain = build_model("deepseek-v3-tiny", attn_impl="math", **{**overrides, "mtp_depth": 0}).config
+    assert training_flops(model.config, b, s) > training_flops(plain, b, s)
+
+
+def test_latent_attention_flops_by_hand():
+    """One MLA layer at small shapes, counted from its matrices: q down (d x r_q) and up
+    (r_q x h(nope + rope)), the latent and rope key down (d x (r_kv + rope)), the latent's up to
+    each head's key part and value (r_kv x h(nope + v)), scores at width nope + rope, values at v,
+    the output (h v x d): 2 FLOPs per multiply-add."""
+    from tformer.models.block_flops import attention_flops
+
+    cfg = build_model("deepseek-v3-tiny").config
+    m, d, h, n = cfg.mla, cfg.d_model, cfg.num_heads, 10  # tokens = keys per query = 10
+    assert (d, h, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (
+        64, 4, 32, 24, 16, 8, 16
+    )  # fmt: skip
+    q = 2 * n * (64 * 32 + 32 * 4 * 24)
+    kv = 2 * n * (64 * (24 + 8) + 24 * 4 * (16 + 16))
+    core = 2 * n * n * 4 * 24 + 2 * n * n * 4 * 16
+    out = 2 * n * 4 * 16 * 64
+    assert attention_flops(cfg, n, n, n) == q + kv + core + out

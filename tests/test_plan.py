@@ -83,6 +83,10 @@ def test_planned_activation_peak_is_the_measured_one(name, ac):
     assert planned == pytest.approx(tracker.peak_activations, rel=0.15), (planned, tracker.peak_activations)
 
 
+DENSE = {"num_experts": 0}  # (the MoE FFN's activations are moe.py's terms)
+MLA_SQUARE = dict(q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24)
+
+
 def _saved_per_layer(name, extra, stack, b=2, s=64, t=32, mixed=False):
     """Bytes autograd saves for one more block of ``stack`` (0: encoder or only stack, 1: T5's
     decoder), measured as the difference of two models: what the planner must predict. ``mixed``:
@@ -121,6 +125,10 @@ def _saved_per_layer(name, extra, stack, b=2, s=64, t=32, mixed=False):
         ("t5-tiny", {"d_head": 32}, 0),
         ("t5-tiny", {"d_head": 32}, 1),
         ("t5-tiny", {"d_head": 32, "activation": "geglu", "attn_impl": "math"}, 1),
+        ("llama-tiny", {"attn_window": 16}, 0),  # SDPA's explicit window mask, S x S per block
+        ("gpt-oss-tiny", {"global_every": 0, "moe": DENSE}, 0),  # sinks: the math path, one more key
+        ("deepseek-v3-tiny", {"moe": DENSE}, 0),  # latent attention, values narrower: SDPA's math kernel
+        ("deepseek-v3-tiny", {"moe": DENSE, "mla": dict(MLA_SQUARE, q_lora_rank=None)}, 0),  # flash, one q projection
     ],
 )
 def test_one_block_activations_are_what_autograd_saves(name, extra, stack):
@@ -293,6 +301,9 @@ COLUMN_WISE = (
     "ffn.up.bias",
     "ffn.gate.weight",
     "ffn.gate.bias",
+    "q_up.weight",  # latent attention's up projections
+    "kv_up.weight",
+    "attn.sinks.logits",  # one per query head, split with them
 )
 ROW_WISE = ("o_proj.weight", "ffn.down.weight")
 VOCABULARY = ("embed.tok.weight", "lm_head.weight", "lm_head.bias")
@@ -334,6 +345,10 @@ MESH_MODELS = [
     ("t5-tiny", dict(num_decoder_layers=3, attn_impl="math")),
     ("mixtral-tiny", {}),  # MoE FFNs: whole on every TP rank, attention split
     ("qwen2-moe-tiny", {}),  # + a shared expert and its gate, whole as well
+    # latent attention (up projections split, down projections whole), the first block dense, and
+    # a multi-token prediction depth (its block split like the trunk's, its projection whole)
+    ("deepseek-v3-tiny", dict(mtp_depth=1)),
+    ("gpt-oss-tiny", {}),  # sinks split with their heads
 ]
 
 
@@ -496,6 +511,9 @@ PP_MODELS = [
     ("bert-tiny", dict(num_layers=4, tie_embeddings=False)),
     ("t5-tiny", {}),
     ("t5-v1.1-tiny", {}),
+    # the first block dense, the rest MoE: stages of equal block counts hold unequal parameters
+    ("deepseek-v3-tiny", dict(num_layers=5)),
+    ("deepseek-v3-tiny", dict(num_layers=4, moe=dict(first_dense=2, num_experts=8, top_k=2, d_expert=32))),
 ]
 
 

@@ -144,7 +144,7 @@ class TformerModel(nn.Module):
     def forward_flops(cls, cfg: ModelConfig, batch: int, seq: int, target: int | None) -> int:
         """Forward FLOPs of a batch (models/flops.py's conventions): the stack and the head."""
         tokens = batch * seq
-        return stack_flops(cfg, tokens, seq, cfg.num_layers) + head_flops(cfg, tokens)
+        return stack_flops(cfg, tokens, seq, cfg.num_layers, cls.CAUSAL_LM) + head_flops(cfg, tokens)
 
     def stacks(self) -> list:
         return [getattr(self, name) for name in self.STACKS]

@@ -9,10 +9,25 @@ from ..config import ModelConfig
 from ..nn.ffn import FFN_KINDS
 
 
-def attention_flops(cfg: ModelConfig, q_tokens: int, kv_tokens: int, keys_per_query: int) -> int:
+def keys_per_query(cfg: ModelConfig, index: int | None, seq_len: int, causal: bool) -> int:
+    """Keys each query of block ``index`` is counted against (None: a cross-attention, every key):
+    the whole sequence on a global block; on a windowed one (``cfg.layer_window``) the keys its
+    window holds, the band a block-sparse kernel computes: ``window`` causal (the keys up to and
+    including the query), ``2 * (window // 2) + 1`` bidirectional, at most the sequence. A window's
+    FLOPs grow with the window, not the sequence (the explicit-mask SDPA path executes the whole
+    S x S nonetheless: more work done than counted)."""
+    window = cfg.layer_window(index) if index is not None else None
+    if window is None:
+        return seq_len
+    return min(seq_len, window if causal else 2 * (window // 2) + 1)
+
+
+def attention_flops(cfg: ModelConfig, q_tokens: int, kv_tokens: int, keys_per_query: int, cross: bool = False) -> int:
     """Forward FLOPs of one attention layer: projections of queries and keys/values, the two
-    score matmuls (QK^T and PV) and the output projection."""
-    if cfg.latent_attention:
+    score matmuls (QK^T and PV) and the output projection. Sinks (one logit per head) and
+    soft-capping (a tanh per score) are elementwise: no matmul, not counted. ``cross``: a
+    cross-attention, multi-head whatever the self-attention is (nn/block.py)."""
+    if cfg.latent_attention and not cross:
         return latent_attention_flops(cfg, q_tokens, kv_tokens, keys_per_query)
     d, h, hkv, dk = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_dim
     q_and_out = 2 * q_tokens * d * h * dk * 2
@@ -63,9 +78,17 @@ def ffn_flops(cfg: ModelConfig, tokens: int, layers: int | range) -> int:
     return (layers - n_moe) * dense + n_moe * sparse
 
 
-def stack_flops(cfg: ModelConfig, tokens: int, seq_len: int, layers: int) -> int:
-    """Forward FLOPs of a self-attention stack of ``layers`` blocks over ``tokens`` (``seq_len`` keys each)."""
-    return layers * attention_flops(cfg, tokens, tokens, seq_len) + ffn_flops(cfg, tokens, layers)
+def self_attention_flops(cfg: ModelConfig, tokens: int, seq_len: int, layers: int | range, causal: bool) -> int:
+    """Forward FLOPs of the self-attention of ``layers`` blocks (or of the blocks at these indices)
+    over ``tokens`` in sequences of ``seq_len``, each block against the keys its window holds."""
+    indices = layers if isinstance(layers, range) else range(layers)
+    return sum(attention_flops(cfg, tokens, tokens, keys_per_query(cfg, i, seq_len, causal)) for i in indices)
+
+
+def stack_flops(cfg: ModelConfig, tokens: int, seq_len: int, layers: int, causal: bool = True) -> int:
+    """Forward FLOPs of a self-attention stack of ``layers`` blocks over ``tokens`` (sequences of
+    ``seq_len``; ``causal``: the stack's windows look back only)."""
+    return self_attention_flops(cfg, tokens, seq_len, layers, causal) + ffn_flops(cfg, tokens, layers)
 
 
 def head_flops(cfg: ModelConfig, tokens: int) -> int:

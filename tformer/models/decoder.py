@@ -9,7 +9,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..nn import DocumentMask, StackCache, TransformerStack, positions_from_doc_ids
 from .base import Embeddings, ModelOutput, TformerModel, default_positions, vocab_rows
-from .block_flops import attention_flops, ffn_flops, head_flops
+from .block_flops import ffn_flops, head_flops, self_attention_flops
 from .mtp import MultiTokenPrediction
 
 
@@ -37,9 +37,8 @@ class DecoderModel(TformerModel):
         flops = super().forward_flops(cfg, batch, seq, target)
         tokens = batch * seq
         for k in range(cfg.mtp_depth):
-            block = attention_flops(cfg, tokens, tokens, seq) + ffn_flops(
-                cfg, tokens, range(cfg.num_layers + k, cfg.num_layers + k + 1)
-            )
+            index = range(cfg.num_layers + k, cfg.num_layers + k + 1)
+            block = self_attention_flops(cfg, tokens, seq, index, causal=True) + ffn_flops(cfg, tokens, index)
             flops += 2 * tokens * 2 * cfg.d_model * cfg.d_model + block + head_flops(cfg, tokens)
         return flops
 

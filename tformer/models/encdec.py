@@ -12,7 +12,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..nn import DocumentMask, StackCache, TransformerStack, positions_from_doc_ids
 from .base import Embeddings, ModelOutput, TformerModel, default_positions, vocab_rows
-from .block_flops import attention_flops, ffn_flops, head_flops, stack_flops
+from .block_flops import attention_flops, head_flops, stack_flops
 
 
 def shift_right(labels: torch.Tensor, start_id: int, pad_id: int) -> torch.Tensor:
@@ -46,9 +46,9 @@ class EncoderDecoderModel(TformerModel):
         if target is None:
             raise ValueError("encoder-decoder FLOPs need target_len (the decoder sequence length)")
         tokens, t_tokens = batch * seq, batch * target
-        attention = attention_flops(cfg, t_tokens, t_tokens, target) + attention_flops(cfg, t_tokens, tokens, seq)
-        decoder = cfg.decoder_layers * attention + ffn_flops(cfg, t_tokens, cfg.decoder_layers)
-        return stack_flops(cfg, tokens, seq, cfg.num_layers) + decoder + head_flops(cfg, t_tokens)
+        cross = cfg.decoder_layers * attention_flops(cfg, t_tokens, tokens, seq, cross=True)
+        decoder = stack_flops(cfg, t_tokens, target, cfg.decoder_layers, causal=True) + cross
+        return stack_flops(cfg, tokens, seq, cfg.num_layers, causal=False) + decoder + head_flops(cfg, t_tokens)
 
     def cut_stage(self, stage: int, stages: int, pp_layers: list | None = None) -> None:
         """Split at the encoder/decoder boundary (``pipeline.check_pipeline`` refuses any other):

@@ -3,7 +3,11 @@
 Counts matrix multiplications only (2 FLOPs per multiply-add), the convention of
 ``torch.utils.flop_counter.FlopCounterMode`` and of MFU as usually reported. The backward pass costs
 twice the forward (gradients for inputs and for weights). Causal attention is counted as full
-S x S scores, as the dense kernels compute it. Each family counts itself (its model class's
+S x S scores, as the dense kernels compute it; a windowed block (local attention) counts each query
+against the keys of its window (``block_flops.keys_per_query``), so its attention FLOPs grow with
+the window, not the sequence. Latent attention (MLA) counts its low-rank projections and its scores
+at qk_nope + qk_rope width; each multi-token prediction depth its projection, block and the shared
+head; sinks and soft-capping are elementwise (not counted). Each family counts itself (its model class's
 ``forward_flops``, from the parts in ``block_flops.py``), reached through its spec.
 """
 

@@ -57,12 +57,17 @@ def _block_parts(
 
     def attention(keys: int, self_attention: bool) -> float:
         """q, k, v (cross-attention's k, v are counted per source token by the caller) and the
-        output (= the o_proj input)."""
+        output (= the o_proj input). Sinks send SDPA to the math path (one more key column: a zero
+        key and value per head, repeated to every query head)."""
+        if self_attention and cfg.latent_attention:
+            return _latent_heads(cfg, keys, elt)
+        sinks = self_attention and cfg.attn_sinks
         out: float = h * dk + (2 * kv if self_attention else 0) + h * dk
-        if cfg.attn_impl == "math":
-            out += h * keys * (1 + (1 / elt + 1 if cfg.attn_dropout > 0 else 0))  # probs (+ mask, dropped)
-            if self_attention and kv != h * dk:
-                out += 2 * (h * dk - kv)  # repeat_interleave'd keys and values
+        if cfg.attn_impl == "math" or sinks:
+            column = 1 if sinks else 0
+            out += h * (keys + column) * (1 + (1 / elt + 1 if cfg.attn_dropout > 0 else 0))  # probs (+ mask, dropped)
+            if self_attention and (kv != h * dk or sinks):
+                out += 2 * (h * dk * (keys + column) / keys - kv)  # keys and values repeated to every head
         elif cfg.position == "relative" and self_attention:
             out += h * keys
         return out
@@ -70,7 +75,7 @@ def _block_parts(
     ffn: float = (2 if _gated(cfg) else 1) * ff
     if tp > 1 and cfg.activation != "relu":
         ffn += ff
-    whole: float = 2 * d  # attention and FFN norm outputs
+    whole: float = 2 * d + _latent_whole(cfg)  # attention and FFN norm outputs (MLA's latents)
     sequence = 2 * norm_in + 2 * mask  # attention and FFN norm inputs; the dropout masks
     heads = attention(seq, True) + ffn
     if cross_len is not None:  # cross-attention norm and dropout, queries, output (K/V: the caller)
@@ -80,13 +85,49 @@ def _block_parts(
     return whole, sequence, heads
 
 
+def _latent_whole(cfg: ModelConfig) -> float:
+    """Elements per token latent attention keeps whole on every TP rank (its down projections are
+    replicated): the query's low-rank output, normalised value and norm output, the latent and
+    rotary key (kv_down's output), the latent's normalised value and norm output."""
+    if not cfg.latent_attention:
+        return 0
+    m = cfg.mla
+    return 3 * (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim + 2 * m.kv_lora_rank
+
+
+def _latent_heads(cfg: ModelConfig, keys: int, elt: int) -> float:
+    """Elements per token latent attention keeps per head (split by TP): the queries and keys at
+    qk_nope + qk_rope width, the values, the output and the o_proj's input (a copy: the output is
+    transposed). Queries and values of different widths send SDPA on this CPU to its math kernel,
+    which keeps the probabilities and a contiguous copy of the values instead of the output and of
+    kv_up's output (CUDA's memory-efficient kernel takes unequal widths: an over-estimate there);
+    measured in tests/test_plan.py."""
+    m, h = cfg.mla, cfg.num_heads
+    qk, v = m.qk_head_dim, m.v_head_dim
+    out = 2 * h * qk + h * v  # q, k, the o_proj input
+    if cfg.attn_impl == "math" or qk != v:
+        return out + h * v + h * keys * (1 + (1 / elt + 1 if cfg.attn_dropout > 0 else 0))  # values, probs
+    return out + h * (m.qk_nope_head_dim + v) + h * v  # kv_up's output (the values' storage), the output
+
+
+def _self_attention_weights(cfg: ModelConfig, tp: int) -> int:
+    """Weights one self-attention layer's matmuls read on one TP rank."""
+    d, q, kv = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    if not cfg.latent_attention:
+        return (2 * d * q + 2 * d * kv) // tp
+    m, h = cfg.mla, cfg.num_heads
+    down = d * (m.q_lora_rank or 0) + d * (m.kv_lora_rank + m.qk_rope_head_dim)  # whole on every rank
+    up = (m.q_lora_rank or d) * h * m.qk_head_dim + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim)
+    return down + (up + h * m.v_head_dim * d) // tp
+
+
 def block_matmul_parameters(cfg: ModelConfig, cross: bool = False, tp: int = 1) -> int:
     """Weights one block's matmuls read (on one TP rank): what bf16 autocast over fp32 weights
     keeps a bf16 copy of, from the forward to the block's backward (2 bytes each)."""
     d, q, kv = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    attention = 2 * d * q + 2 * d * kv
+    cross_attention = (2 * d * q + 2 * d * kv) // tp if cross else 0
     ffn = (3 if _gated(cfg) else 2) * d * cfg.d_ff
-    return (attention * (2 if cross else 1) + ffn) // tp
+    return _self_attention_weights(cfg, tp) + cross_attention + ffn // tp
 
 
 def _op_ac_parts(cfg: ModelConfig, cross_len: int | None = None, res: float = 1) -> tuple[float, float, float]:
@@ -98,6 +139,10 @@ def _op_ac_parts(cfg: ModelConfig, cross_len: int | None = None, res: float = 1)
     kv = cfg.kv_heads * cfg.head_dim
     heads = (h * dk + 2 * kv) + h * dk + (2 * ff if _gated(cfg) else ff)
     whole, sequence = 2 * d, d * res  # o_proj and down outputs; the block input (``res``: fp32, in elements)
+    if cfg.latent_attention:  # q_down, kv_down (whole); q_up / q_proj, kv_up, attention (per head)
+        m = cfg.mla
+        whole += (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim
+        heads += h * (m.qk_head_dim + m.qk_nope_head_dim + 2 * m.v_head_dim) - (2 * h * dk + 2 * kv)
     if cross_len is not None:
         whole, heads = whole + d, heads + h * dk + h * dk  # cross o_proj output; q, attention
     return whole, sequence, heads
@@ -119,8 +164,10 @@ def _block_elements_per_token(
 ) -> float:
     """Elements autograd keeps per token for one block on one TP rank (``res``: ``_block_parts``)."""
     whole, sequence, heads = _block_parts(cfg, seq, cross_len, elt, tp, res)
-    if sp:  # the gathered norm outputs are kept as sequence shards (tp.KeepSequenceShard)
-        whole, sequence = 0, sequence + whole
+    if sp:  # the gathered norm outputs are kept as sequence shards (tp.KeepSequenceShard); the
+        # latents are computed from the gathered stream, whole on every rank
+        latent = _latent_whole(cfg)
+        whole, sequence = latent, sequence + whole - latent
     return _split((whole, sequence, heads), tp, sp)
 
 
@@ -292,4 +339,21 @@ def activation_bytes(
             weights += 2 * max(copies)
         if head:
             weights += 2 * cfg.padded_vocab_size * cfg.d_model / vocab_split
-    return micro_batch * total + weights + scores_kept
+    return micro_batch * total + weights + scores_kept + _window_mask_bytes(cfg, counts, shapes, ac, elt)
+
+
+def _window_mask_bytes(cfg: ModelConfig, counts, shapes, ac: str, elt: int) -> float:
+    """SDPA's explicit (S x S) mask of each windowed block, built by the block in the activations'
+    dtype and kept for its backward (one per micro-batch, shared by its samples): S^2 per block, not
+    per token, so a long sequence pays for it (8192: 128 MiB per block in bf16). None under
+    activation checkpointing (rebuilt with the block), on the math path (it keeps the
+    probabilities) or with sinks (the math path too). A pipeline stage holds its share of the
+    stack's windowed blocks."""
+    if ac != "none" or cfg.attn_impl == "math" or cfg.attn_sinks or cfg.attn_window is None:
+        return 0.0
+    out = 0.0
+    for count, (n, tokens, _) in zip(counts, shapes):
+        if count and n:
+            windowed = sum(cfg.layer_window(i) is not None and cfg.layer_window(i) < tokens for i in range(n))
+            out += round(windowed * count / n) * tokens * tokens * elt
+    return out

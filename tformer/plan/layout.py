@@ -18,7 +18,7 @@ from ..models import spec_of
 from ..parallel.pipeline import stage_layers, stages_of_rank
 from .hardware import Hardware
 from .memory import check_expert_parallel
-from .moe import expert_parameters
+from .moe import expert_parameters, moe_layers
 from .states import STRATEGY_NAMES, stage_parameters, tp_blocker, tp_local_parameters
 
 
@@ -180,7 +180,7 @@ def rank_stages(cfg: ModelConfig, layout: Layout) -> list[Stage]:
     pp, v = layout.pp, (layout.stages_per_rank if layout.schedule == "interleaved_1f1b" else 1)
     spec = spec_of(cfg)
     stacks = [n for n, _, _ in spec.stack_shapes(cfg, 1, None)]
-    per_layer = expert_parameters(cfg) // max(1, spec.model.moe_layer_count(cfg))
+    per_layer = expert_parameters(cfg) // max(1, moe_layers(cfg))
 
     def moe_in(blocks) -> int:  # MoE blocks among these block indices of a stack
         return sum(cfg.moe.is_moe_layer(i) for i in blocks)
@@ -188,7 +188,8 @@ def rank_stages(cfg: ModelConfig, layout: Layout) -> list[Stage]:
     if pp == 1:
         both = (stacks[0], stacks[1] if len(stacks) > 1 else 0)
         moe = (moe_in(range(both[0])), moe_in(range(both[1])))
-        return [Stage(both, True, True, tp_local_parameters(cfg, layout.tp), moe, per_layer * sum(moe))]
+        # (the experts of a multi-token prediction depth too: held, though not a stack's block)
+        return [Stage(both, True, True, tp_local_parameters(cfg, layout.tp), moe, per_layer * moe_layers(cfg))]
     params = stage_parameters(cfg, pp * v, layout.tp)
     if len(stacks) > 1:  # one stage per stack (the model's ``cut_stage``)
         m0, m1 = moe_in(range(stacks[0])), moe_in(range(stacks[1]))

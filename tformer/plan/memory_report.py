@@ -92,6 +92,7 @@ def _pp_refused(cfg) -> str | None:
         (data.tokens_per_batch is not None, "data.tokens_per_batch"),
         (bool(cfg.eval_bleu), "eval_bleu"),
         (bool(data.document_mask), "data.document_mask"),
+        (bool(cfg.model.mtp_depth), "model.mtp_depth"),
     ):
         if refused:
             return why
@@ -208,6 +209,10 @@ def plan_main(
     from .moe import moe_lines  # MoE terms: total vs active, expert states under ep, all-to-all
 
     for line in moe_lines(model_cfg, num_parameters(model_cfg), devices, cfg.micro_batch_size * cfg.data.seq_len, mixed):
+        print(line)
+    from .kvcache import kv_cache_line
+
+    if (line := kv_cache_line(model_cfg, cfg.data.seq_len, mixed)) is not None:
         print(line)
     if cfg.optim.name == "muon":
         from .optimizer import memory_line

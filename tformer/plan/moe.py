@@ -19,6 +19,13 @@ from ..nn.ffn import FFN_KINDS
 from .states import model_state_bytes
 
 
+def moe_layers(cfg: ModelConfig) -> int:
+    """MoE layers of the whole model: the stacks' and each multi-token prediction depth's whose
+    block is MoE (DeepSeek-V3's is: an index past the trunk's last)."""
+    mtp = sum(cfg.moe.is_moe_layer(cfg.num_layers + k) for k in range(cfg.mtp_depth))
+    return spec_of(cfg).model.moe_layer_count(cfg) + mtp
+
+
 def expert_parameters(cfg: ModelConfig) -> int:
     """Routed experts' parameters of the whole model (the part expert parallelism splits)."""
     moe = cfg.moe
@@ -27,11 +34,14 @@ def expert_parameters(cfg: ModelConfig) -> int:
     matrices = 3 if FFN_KINDS[moe.activation or cfg.activation][1] else 2
     d_expert = moe.d_expert or cfg.d_ff
     per_expert = matrices * cfg.d_model * d_expert + ((matrices - 1) * d_expert + cfg.d_model if moe.expert_bias else 0)
-    return spec_of(cfg).model.moe_layer_count(cfg) * moe.num_experts * per_expert
+    return moe_layers(cfg) * moe.num_experts * per_expert
 
 
 def active_parameters(cfg: ModelConfig, total: int) -> int:
-    """Parameters one token passes through: all but the experts it is not routed to."""
+    """Parameters one token passes through: all but the experts it is not routed to (the input
+    embedding and the output head included, each multi-token prediction depth's block too).
+    Publishers differ on the embedding (docs/planning.md, "Published parameter counts"):
+    ``tformer plan`` prints the count without it as well."""
     if not cfg.moe.enabled:
         return total
     return total - expert_parameters(cfg) * (cfg.moe.num_experts - cfg.moe.top_k) // cfg.moe.num_experts
@@ -75,7 +85,7 @@ def ep_activation_bytes(cfg: ModelConfig, tokens: int, ep: int, elt: int, ac: st
     extra = dispatch_buffer_bytes(cfg, MoELayout(ep, ep, tokens, 1, elt)) - dispatch_buffer_bytes(
         cfg, MoELayout(1, ep, tokens, 1, elt)
     )
-    return extra * (spec_of(cfg).model.moe_layer_count(cfg) if ac == "none" else 1)
+    return extra * (moe_layers(cfg) if ac == "none" else 1)
 
 
 def all_to_all_bytes_per_step(cfg: ModelConfig, layout: MoELayout) -> float:
@@ -84,7 +94,7 @@ def all_to_all_bytes_per_step(cfg: ModelConfig, layout: MoELayout) -> float:
         return 0.0
     rows = layout.tokens * cfg.moe.top_k
     per_exchange = rows * cfg.d_model * layout.elt * (layout.ep - 1) / layout.ep
-    return 4 * per_exchange * spec_of(cfg).model.moe_layer_count(cfg) * layout.micro_batches
+    return 4 * per_exchange * moe_layers(cfg) * layout.micro_batches
 
 
 def moe_lines(cfg: ModelConfig, total: int, devices: int, tokens: int, mixed: bool) -> list[str]:
@@ -92,10 +102,12 @@ def moe_lines(cfg: ModelConfig, total: int, devices: int, tokens: int, mixed: bo
     devices allow (FSDP2 over all of them), the per-rank expert states and exchange volume."""
     if not cfg.moe.enabled:
         return []
-    experts = expert_parameters(cfg)
+    experts, active = expert_parameters(cfg), active_parameters(cfg, total)
+    lookup = cfg.padded_vocab_size * cfg.d_model  # the input embedding: read, not multiplied
     lines = [
-        f"mixture of experts: {total / 1e9:.2f}B parameters, {active_parameters(cfg, total) / 1e9:.2f}B active "
-        f"per token; routed experts {experts / 1e9:.2f}B in {spec_of(cfg).model.moe_layer_count(cfg)} MoE layers"
+        f"mixture of experts: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token "
+        f"({(active - lookup) / 1e9:.2f}B without the input embedding); routed experts {experts / 1e9:.2f}B "
+        f"in {moe_layers(cfg)} MoE layers"
     ]
     per_param = model_state_bytes("fsdp", 1, 1, mixed)
     elt = 2 if mixed else 4

@@ -90,12 +90,14 @@ def config_of(fields: tuple) -> ModelConfig:
 
 
 @functools.lru_cache(maxsize=16)
-def _module_counts(fields: tuple) -> dict[str, int]:
+def _module_counts(fields: tuple) -> dict[str, Any]:
     """Elements of the model's parts, by module: ``all``; ``embed`` (token, position, type
     embeddings and their norm) and ``tok`` (the token embedding alone); per stack i (encoder or the
-    one stack, then T5's decoder) ``block{i}`` (one block), ``norm{i}`` (its final norm) and
+    one stack, then T5's decoder) ``blocks{i}`` (each block's, in order: the first ``first_dense``
+    blocks of a DeepSeek-V3 stack are dense, the rest MoE), ``norm{i}`` (its final norm) and
     ``stack{i}`` (what every stage of it holds: T5's relative-bias table); ``head`` (an untied LM
-    head weight, the head's bias, BERT's head dense and norm; a tied weight counts in ``embed``)."""
+    head weight, the head's bias, BERT's head dense and norm; a tied weight counts in ``embed``);
+    ``mtp`` (the multi-token prediction depths: their norms, projections and blocks)."""
     import torch
 
     with torch.device("meta"):
@@ -105,15 +107,12 @@ def _module_counts(fields: tuple) -> dict[str, int]:
         return sum(p.numel() for p in module.parameters()) if module is not None else 0
 
     own = getattr(model, "encoder_embed", None)  # an encoder's own token embedding (T5Gemma) counts with the embeddings
-    out = {
-        "all": model.num_parameters(),
-        "embed": count(model.embed) + count(own),
-        "tok": model.embed.tok.weight.numel() + (own.tok.weight.numel() if own is not None else 0),
-    }
+    out: dict[str, Any] = {"all": model.num_parameters(), "embed": count(model.embed) + count(own)}
+    out["tok"] = model.embed.tok.weight.numel() + (own.tok.weight.numel() if own is not None else 0)
     for i, stack in enumerate(model.stacks()):
-        out[f"block{i}"] = count(stack.layers[0])  # the blocks of a stack are alike
+        out[f"blocks{i}"] = tuple(count(block) for block in stack.layers)
         out[f"norm{i}"] = count(stack.final_norm)
-        out[f"stack{i}"] = count(stack) - len(stack.layers) * out[f"block{i}"] - out[f"norm{i}"]
+        out[f"stack{i}"] = count(stack) - sum(out[f"blocks{i}"]) - out[f"norm{i}"]
     embedded = {id(p) for p in model.embed.parameters()}
     out["head"] = sum(
         p.numel()
@@ -121,6 +120,7 @@ def _module_counts(fields: tuple) -> dict[str, int]:
         for p in (getattr(model, name).parameters() if getattr(model, name, None) is not None else ())
         if id(p) not in embedded
     )
+    out["mtp"] = count(getattr(model, "mtp", None))
     return out
 
 
@@ -138,25 +138,44 @@ def tp_blocker(cfg: ModelConfig, tp: int) -> str | None:
     return None
 
 
-def _tp_sharded_parts(cfg: ModelConfig) -> dict[str, int]:
-    """Of each part of ``_module_counts``, the elements tensor parallelism splits over the TP ranks
-    (the rest is whole on every rank): q/k/v weights and biases, o_proj and FFN down weights, FFN
-    up/gate weights and biases, in self- and cross-attention; the token embedding, an untied LM head,
-    BERT's head bias; T5's relative-bias tables (one per stack)."""
-    d, h, kv, dk, ff, vocab = (cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff, cfg.padded_vocab_size)
-    bias = int(cfg.bias)
+def _attention_sharded(cfg: ModelConfig) -> int:
+    """Elements of one self-attention layer TP splits: MHA's q/k/v weights and biases, o_proj's
+    weight, the sinks with their heads; MLA's up projections (the query's, or its one projection,
+    and the latent's to keys and values) and o_proj's weight, its down projections and their norms
+    staying whole (parallel/tp.py)."""
+    d, h = cfg.d_model, cfg.num_heads
+    if cfg.latent_attention:
+        m = cfg.mla
+        q = h * m.qk_head_dim * (m.q_lora_rank or d)
+        return q + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * d
+    kv, dk = cfg.kv_heads, cfg.head_dim
     attention = (h + 2 * kv) * dk * (d + int(cfg.attn_qkv_bias)) + h * dk * d  # (Qwen: q/k/v biases alone)
-    attention += h if cfg.attn_sinks else 0  # the sinks, split with their heads
-    ffn = (2 if FFN_KINDS[cfg.activation][1] else 1) * ff * (d + bias) + ff * d
-    if cfg.moe.is_moe_layer(0):  # an MoE FFN runs whole on every TP rank (parallel/tp.py); blocks as block 0
-        ffn = 0
-    relative = cfg.rel_num_buckets * h if cfg.position == "relative" else 0
+    return attention + (h if cfg.attn_sinks else 0)  # the sinks, split with their heads
+
+
+def _tp_sharded_parts(cfg: ModelConfig) -> dict[str, Any]:
+    """Of each part of ``_module_counts``, the elements tensor parallelism splits over the TP ranks
+    (the rest is whole on every rank): the self-attention's (``_attention_sharded``) and a
+    cross-attention's (MHA), a dense FFN's up/gate weights and biases and down weight (an MoE FFN
+    runs whole on every TP rank); the token embedding, an untied LM head, BERT's head bias; T5's
+    relative-bias tables (one per stack); the MTP depths' blocks (their projections stay whole)."""
+    d, ff, vocab = cfg.d_model, cfg.d_ff, cfg.padded_vocab_size
+    bias = int(cfg.bias)
+    dense_ffn = (2 if FFN_KINDS[cfg.activation][1] else 1) * ff * (d + bias) + ff * d
+    relative = cfg.rel_num_buckets * cfg.num_heads if cfg.position == "relative" else 0
     spec = spec_of(cfg)
     head = (0 if cfg.tie_embeddings else vocab * d) + (vocab if spec.model.LM_HEAD_BIAS else 0)
     tables = 1 if cfg.shared_embeddings else 2  # T5Gemma's encoder has a token embedding of its own
-    out = {"embed": tables * vocab * d, "tok": tables * vocab * d, "head": head}
-    for i, (_, _, cross) in enumerate(spec.stack_shapes(cfg, 1, None)):
-        out.update({f"block{i}": (2 if cross is not None else 1) * attention + ffn, f"stack{i}": relative, f"norm{i}": 0})
+    out: dict[str, Any] = {"embed": tables * vocab * d, "tok": tables * vocab * d, "head": head}
+
+    def block(index: int, cross: bool) -> int:
+        ffn = 0 if cfg.moe.is_moe_layer(index) else dense_ffn
+        return _attention_sharded(cfg) + (_attention_sharded(cfg.replace(attention="mha")) if cross else 0) + ffn
+
+    for i, (n, _, cross) in enumerate(spec.stack_shapes(cfg, 1, None)):
+        out[f"blocks{i}"] = tuple(block(j, cross is not None) for j in range(n))
+        out.update({f"stack{i}": relative, f"norm{i}": 0})
+    out["mtp"] = sum(block(cfg.num_layers + k, False) for k in range(cfg.mtp_depth))
     return out
 
 
@@ -164,8 +183,8 @@ def tp_sharded_parameters(cfg: ModelConfig) -> int:
     """Parameters tensor parallelism splits over the TP ranks (``_tp_sharded_parts`` of the whole
     model)."""
     parts = _tp_sharded_parts(cfg)
-    stacks = enumerate(n for n, _, _ in spec_of(cfg).stack_shapes(cfg, 1, None))
-    return parts["embed"] + parts["head"] + sum(n * parts[f"block{i}"] + parts[f"stack{i}"] for i, n in stacks)
+    stacks = range(len(spec_of(cfg).stack_shapes(cfg, 1, None)))
+    return parts["embed"] + parts["head"] + parts["mtp"] + sum(sum(parts[f"blocks{i}"]) + parts[f"stack{i}"] for i in stacks)
 
 
 def tp_local_parameters(cfg: ModelConfig, tp: int) -> int:
@@ -181,25 +200,29 @@ def stage_parameters(cfg: ModelConfig, stages: int, tp: int = 1) -> list[int]:
     and the head on the last, with the token embedding again when the head is tied to it; an
     encoder-decoder model's encoder (with the embedding) and decoder (with the embedding and head)."""
     counts, sharded = _module_counts(_fields(cfg)), _tp_sharded_parts(cfg)
-    local = {k: counts[k] - n + n // tp for k, n in sharded.items()}
+
+    def local(key: str, index: int | None = None) -> int:
+        whole, split = (counts[key], sharded[key]) if index is None else (counts[key][index], sharded[key][index])
+        return whole - split + split // tp
+
     if stages == 1:
         return [tp_local_parameters(cfg, tp)]
     shapes = spec_of(cfg).stack_shapes(cfg, 1, None)
     if len(shapes) > 1:  # one stage per stack (``cut_stage``), each with the shared embedding
         return [
-            local["embed"]
-            + local[f"stack{i}"]
-            + n * local[f"block{i}"]
-            + local[f"norm{i}"]
-            + (local["head"] if i == len(shapes) - 1 else 0)
+            local("embed")
+            + local(f"stack{i}")
+            + sum(local(f"blocks{i}", j) for j in range(n))
+            + local(f"norm{i}")
+            + (local("head") if i == len(shapes) - 1 else 0)
             for i, (n, _, _) in enumerate(shapes)
         ]
     out = []
     for stage, blocks in enumerate(stage_layers(cfg.num_layers, stages)):
-        n = local["stack0"] + len(blocks) * local["block0"]
+        n = local("stack0") + sum(local("blocks0", j) for j in blocks)
         if stage == 0:
-            n += local["embed"]
+            n += local("embed")
         if stage == stages - 1:
-            n += local["norm0"] + local["head"] + (local["tok"] if cfg.tie_embeddings else 0)
+            n += local("norm0") + local("head") + (local("tok") if cfg.tie_embeddings else 0)
         out.append(n)
     return out
