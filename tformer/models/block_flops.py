@@ -16,7 +16,8 @@ def keys_per_query(cfg: ModelConfig, index: int | None, seq_len: int, causal: bo
     including the query), ``2 * (window // 2) + 1`` bidirectional, at most the sequence. A window's
     FLOPs grow with the window, not the sequence (the explicit-mask SDPA path executes the whole
     S x S nonetheless: more work done than counted)."""
-    window = cfg.layer_window(index) if index is not None else None
+    # a bidirectional stack's window is the encoder's own where set (T5Gemma's encoder_window)
+    window = cfg.stack_config(causal).layer_window(index) if index is not None else None
     if window is None:
         return seq_len
     return min(seq_len, window if causal else 2 * (window // 2) + 1)
