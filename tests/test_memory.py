@@ -293,7 +293,8 @@ def test_ffn_rebuilds_its_activation_in_backward_with_the_same_gradients(name, a
     if ac == "none" and not offload and not model.config.moe.enabled:  # dense FFNs: d_ff wide
         cfg = model.config  # _batch: 2 x 12 tokens (encoder-decoder: 2 x 7 target tokens)
         block_tokens = cfg.num_layers * 2 * 12 + (cfg.decoder_layers * 2 * 7 if cfg.family == "encdec" else 0)
-        per_token = {"relu": 0, "swiglu": 2, "geglu": 2, "geglu_exact": 2}.get(cfg.activation, 1) * cfg.d_ff * (2 if autocast else 4)
+        kept_per_unit = {"relu": 0, "swiglu": 2, "geglu": 2, "geglu_exact": 2}.get(cfg.activation, 1)
+        per_token = kept_per_unit * cfg.d_ff * (2 if autocast else 4)
         assert kept - rebuilt == block_tokens * per_token, (kept, rebuilt)
 
 

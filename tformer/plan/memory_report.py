@@ -212,8 +212,8 @@ def plan_main(
         print(line)
     from .kvcache import kv_cache_line
 
-    if (line := kv_cache_line(model_cfg, cfg.data.seq_len, mixed)) is not None:
-        print(line)
+    if (kv_line := kv_cache_line(model_cfg, cfg.data.seq_len, mixed)) is not None:
+        print(kv_line)
     if cfg.optim.name == "muon":
         from .optimizer import memory_line
 
