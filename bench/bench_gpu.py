@@ -110,12 +110,16 @@ ZOO_ROWS = {
     "qwen3_moe": ("qwen3-30b-a3b", 2048, None),
     "deepseek_v3": ("moonlight-16b-a3b", 2048, None),
     "gpt_oss": ("gpt-oss-20b", 2048, None),
+    "modernbert": ("modernbert-base", 1024, None),  # [zoo-enc]: its pretraining length before 8k
+    "t5gemma": ("t5gemma-s-s", 512, 114),
 }
 TINY_ZOO_ROWS = {
     "qwen3": ("qwen3-tiny", 64, None),
     "qwen3_moe": ("qwen3-moe-tiny", 64, None),
     "deepseek_v3": ("deepseek-v3-tiny", 64, None),
     "gpt_oss": ("gpt-oss-tiny", 64, None),
+    "modernbert": ("modernbert-tiny", 64, None),
+    "t5gemma": ("t5gemma-tiny", 64, 14),
 }
 ROWS.update(ZOO_ROWS)
 TINY_ROWS.update(TINY_ZOO_ROWS)
@@ -735,7 +739,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--family",
         default=None,
-        help="comma list of gpt2, llama, bert, t5 (the default), qwen3, qwen3_moe, deepseek_v3, gpt_oss (zoo: those)",
+        help="comma list of gpt2, llama, bert, t5 (the default); zoo rows: " + ", ".join(ZOO_ROWS) + " (zoo: all)",
     )
     p.add_argument("--compile", default=None, help="comma list of off, on (default off,on; --precision fp8: on)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 10; --tiny 2)")
@@ -768,11 +772,11 @@ def parse(argv=None) -> argparse.Namespace:
     if args.precision == "fp8" and (args.family or args.contenders):
         p.error("--precision fp8 runs its own row (Llama-3-8B's width, tformer's loop): drop --family and --contenders")
     args.family = args.family or "gpt2,llama,bert,t5"
-    args.family = args.family.replace("zoo", ",".join(ZOO_ROWS))
+    args.family = args.family.replace("zoo", ",".join(ZOO_ROWS))  # every zoo row
     args.contenders = args.contenders or "tformer,trainer,HF"
     args.families = [f for f in args.family.split(",") if f]
     if bad := [f for f in args.families if f not in ROWS]:
-        p.error(f"unknown family {bad[0]!r}; use gpt2, llama, bert, t5, {', '.join(ZOO_ROWS)} or zoo (all four)")
+        p.error(f"unknown family {bad[0]!r}; use gpt2, llama, bert, t5, {', '.join(ZOO_ROWS)} or zoo (all of those)")
     args.contenders = [c for c in args.contenders.split(",") if c]
     if bad := [c for c in args.contenders if c not in ("tformer", "trainer", "HF")]:
         p.error(f"unknown contender {bad[0]!r}; use tformer, trainer or HF")
@@ -865,7 +869,7 @@ def main(argv=None) -> dict:
     else:
         for family in args.families:
             bench_training(family, args, device, peak, done)
-            if not args.no_generate and family != "bert":
+            if not args.no_generate and preset(ROWS[family][0]).family != "encoder":  # encoders do not generate
                 gens += bench_generate(family, args, device)
                 save([])
         lines = verdicts(rows, gens, device)

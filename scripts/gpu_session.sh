@@ -24,6 +24,8 @@
 #                                      # gpt-oss-20b cut to the layers that fit), tformer and HF, eager
 #                                      # and compiled -> zoo.json, zoo.log (commit it as
 #                                      # bench/results/DATE-DEVICE/zoo.json)
+#   bash scripts/gpu_session.sh zoo-enc  # under 4.5 minutes: modernbert-base (seq 1,024) and
+#                                      # t5gemma-s-s (512 -> 114) likewise -> zoo-enc.json, zoo-enc.log
 #   bash scripts/gpu_session.sh tests               # every `gpu` test (pytest -m gpu)
 #   bash scripts/gpu_session.sh bench gpt2,bert     # bench/bench_gpu.py rows (extra flags pass on)
 #   bash scripts/gpu_session.sh profile [CONFIG]    # the trainer's profiler on one bench row (default
@@ -63,7 +65,7 @@
 # `carry`. Logs and JSON go to $OUT (or /tmp/gpu-out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: gpu_session.sh all | more | zoo | tests | bench FAMILIES [extra bench_gpu.py flags] | calibrate | profile [CONFIG]}
+part=${1:?usage: gpu_session.sh all | more | zoo | zoo-enc | tests | bench FAMILIES [extra bench_gpu.py flags] | calibrate | profile [CONFIG]}
 out=${OUT:-/tmp/gpu-out}
 dry=${GPU_SESSION_DRY:-}
 work=${GPU_SESSION_WORK:-/tmp} # each step's own JSON, merged into $OUT's
@@ -80,12 +82,13 @@ case $part in
 all) log=session.log ;;
 more) log=more.log ;;
 zoo) log=zoo.log ;;
+zoo-enc) log=zoo-enc.log ;;
 tests) log=tests.log ;;
 bench) log="bench-${2//,/-}.log" ;;
 calibrate) log=calibrate.log ;;
 profile) log="profile-${2:-llama-1b}.log" ;;
 *)
-    echo "unknown part '$part': use all, more, zoo, tests, bench, calibrate or profile" >&2
+    echo "unknown part '$part': use all, more, zoo, zoo-enc, tests, bench, calibrate or profile" >&2
     exit 2
     ;;
 esac
@@ -157,19 +160,25 @@ all)
     step 10 merge python3 scripts/gpu_merge.py "$out/session.json" "${parts[@]}"
     budget 540
     ;;
-zoo)
+zoo | zoo-enc)
     # as `all`, for the zoo: the MoE rows build tens of GB on the CPU first (the cut model), so
     # their deadlines are longer than a family's of the same step time
     parts=()
-    for family_s in qwen3:100 qwen3_moe:120 deepseek_v3:120 gpt_oss:120; do
+    zoo_rows=(qwen3:100 qwen3_moe:120 deepseek_v3:120 gpt_oss:120)
+    limit=540
+    if [ "$part" = zoo-enc ]; then
+        zoo_rows=(modernbert:110 t5gemma:130)
+        limit=270
+    fi
+    for family_s in "${zoo_rows[@]}"; do
         family=${family_s%%:*}
         rm -f "$work/gpu-$family.json"
         step "${family_s##*:}" "$family" python3 bench/bench_gpu.py "${tiny[@]}" --family "$family" --compile off,on \
             --contenders tformer,HF "${steps[@]}" --json "$work/gpu-$family.json"
         parts+=("$work/gpu-$family.json")
     done
-    step 10 merge python3 scripts/gpu_merge.py "$out/zoo.json" "${parts[@]}"
-    budget 540
+    step 10 merge python3 scripts/gpu_merge.py "$out/$part.json" "${parts[@]}"
+    budget "$limit"
     ;;
 more)
     session="$out/session.json" # `all`'s, when it ran on this machine: where tformer settled

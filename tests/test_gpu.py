@@ -46,7 +46,13 @@ def cache(tmp_path_factory):
         pytest.param(["--compile", "off", "--family", "gpt2,t5"], id="eager"),
         pytest.param(["--compile", "off"], id="eager-every-family", marks=pytest.mark.long),
         pytest.param(["--compile", "on", "--family", "gpt2", "--no-generate"], id="compiled", marks=pytest.mark.long),
-        pytest.param(["--compile", "off", "--family", "zoo"], id="eager-zoo", marks=pytest.mark.long),
+        # T5Gemma's row is left out here: its bf16 first losses stand 0.055 apart (soft-capped logits,
+        # HF's order of casts), to be explained before a tolerance is set
+        pytest.param(
+            ["--compile", "off", "--family", "qwen3,qwen3_moe,deepseek_v3,gpt_oss,modernbert"],
+            id="eager-zoo",
+            marks=pytest.mark.long,
+        ),
     ],
 )
 def test_gpu_benchmark_runs_every_family_on_tiny_presets(tmp_path, cache, extra):
@@ -60,8 +66,6 @@ def test_gpu_benchmark_runs_every_family_on_tiny_presets(tmp_path, cache, extra)
     result = json.loads(out.read_text())
     rows = result["training"]
     families = extra[extra.index("--family") + 1].split(",") if "--family" in extra else ["gpt2", "llama", "bert", "t5"]
-    if families == ["zoo"]:
-        families = ["qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss"]
     contenders = ("tformer", "trainer", "HF")
     assert [(r["family"], r["contender"]) for r in rows] == [(f, w) for f in families for w in contenders]
     for r in rows:
@@ -75,7 +79,7 @@ def test_gpu_benchmark_runs_every_family_on_tiny_presets(tmp_path, cache, extra)
         assert ours["plan_mb"] > 0 and math.isnan(theirs["plan_mb"])
     if extra[1] == "off":
         gens = result["generation"]
-        decoding = [f for f in families if f != "bert"]
+        decoding = [f for f in families if f not in ("bert", "modernbert")]
         assert [(g["family"], g["batch"]) for g in gens] == [(f, b) for f in decoding for b in (1, 8)]
         assert all(g["tformer_tok_s"] > 0 and g["hf_tok_s"] > 0 for g in gens)
         assert any(line.startswith(f"{families[0]}: best tformer / best HF") for line in result["verdicts"])
@@ -841,7 +845,7 @@ def test_the_fp32_line_matches_the_kernel_a_cuda_step_runs(name):
 
 
 # -- scripts/gpu_session.sh: the budget of each part, and its merge --------------------------------
-@pytest.mark.parametrize("part,limit", [("all", 540), ("more", 270), ("zoo", 540)])
+@pytest.mark.parametrize("part,limit", [("all", 540), ("more", 270), ("zoo", 540), ("zoo-enc", 270)])
 def test_each_session_part_plans_its_steps_within_its_call(part, limit, tmp_path):
     """GPU_SESSION_DRY=1 prints every step and its deadline: `all` is tformer and HF of every
     family (no trainer rows, no tests) under 9 minutes; `more` the float8 row, the Trainer's rows,
@@ -857,15 +861,15 @@ def test_each_session_part_plans_its_steps_within_its_call(part, limit, tmp_path
     planned = int(lines[-1].split()[1])
     assert lines[-1] == f"budget: {planned} s of deadlines planned, limit {limit} s" and planned <= limit - 10
     assert int(steps[-1].split("deadline ")[1].split()[0]) == planned
-    log = {"all": "session.log", "more": "more.log", "zoo": "zoo.log"}[part]
+    log = {"all": "session.log", "more": "more.log", "zoo": "zoo.log", "zoo-enc": "zoo-enc.log"}[part]
     assert [p.name for p in tmp_path.iterdir()] == [log]
     assert (tmp_path / log).read_text() == done.stdout
     bench = [line for line in steps if "bench/bench_gpu.py" in line]
-    if part == "zoo":
-        zoo = ("qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss")
+    if part.startswith("zoo"):
+        zoo = ("qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss") if part == "zoo" else ("modernbert", "t5gemma")
         assert [line.split(":")[1].strip() for line in bench] == list(zoo)
         assert all("--contenders tformer,HF" in line and "--compile off,on" in line for line in bench)
-        assert steps[-1].endswith(f"gpu_merge.py {tmp_path}/zoo.json " + " ".join(f"/tmp/gpu-{f}.json" for f in zoo))
+        assert steps[-1].endswith(f"gpu_merge.py {tmp_path}/{part}.json " + " ".join(f"/tmp/gpu-{f}.json" for f in zoo))
     elif part == "all":
         assert [line.split(":")[1].strip() for line in bench] == ["gpt2", "llama", "bert", "t5"]
         assert all("--contenders tformer,HF" in line and "--compile off,on" in line for line in bench)
