@@ -218,6 +218,21 @@ def assert_same_run(name, got_dir, report, ref: Reference):
     return assert_same_state(name, losses(got_dir), state, ref)
 
 
+def assert_layouts_equal_one_process(name, preset_flags, layouts, tmp_path_factory, cache):
+    """A flavour outside ``FAMILIES`` (``name`` -> (preset, flags)) run at each of ``layouts``
+    ((name, flags, grad_accum of its 1-process reference)) on 2 ranks, each equal to one process
+    (``assert_same_run``); a tensor-parallel run also holds half of the sharded parameters a rank."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(FAMILIES, name, preset_flags)
+        tmp = tmp_path_factory.mktemp(f"{name}-layouts")
+        run_cases(2, [(case, flags) for case, flags, _ in layouts], tmp, cache)
+        for i, (case, flags, dp) in enumerate(layouts):
+            ref = reference(case, tmp_path_factory, dp)
+            assert_same_run(case, tmp / f"run{i}", tmp / f"report{i}", ref)
+            if "parallel.tp=2" in flags:
+                assert_counts(tmp / f"report{i}", 2, 2)
+
+
 def assert_same_state(name, got_losses: dict, state: dict, ref: Reference):
     """``assert_same_run`` of losses by step and full parameters already read."""
     assert state.keys() >= {k for k in ref.state if k != "lm_head.weight"}, (name, set(ref.state) - set(state))

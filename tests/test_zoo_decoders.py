@@ -478,18 +478,24 @@ def test_qwen3_under_fsdp2_and_tp_equals_one_process(cache, tmp_path_factory):
     (parameters)."""
     import test_mesh
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(test_mesh.FAMILIES, "qwen3", ("qwen3-tiny", ["model.d_head=16"]))
-        tmp = tmp_path_factory.mktemp("qwen3-layouts")
-        test_mesh.run_cases(2, [(name, flags) for name, flags, _ in LAYOUTS], tmp, cache)
-        for i, (name, flags, dp) in enumerate(LAYOUTS):
-            ref = test_mesh.reference(name, tmp_path_factory, dp)
-            test_mesh.assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", ref)
-            if "parallel.tp=2" in flags:
-                test_mesh.assert_counts(tmp / f"report{i}", 2, 2)
+    test_mesh.assert_layouts_equal_one_process(
+        "qwen3", ("qwen3-tiny", ["model.d_head=16"]), LAYOUTS, tmp_path_factory, cache
+    )
 
 
 # -- the path users take after pretraining: the export fine-tuned by HF's own Trainer -------------
+
+
+def hf_trainer_losses(hf, rows: list[dict], out, *, steps: int, batch: int, lr: float = 3e-3, **extra) -> list[float]:
+    """``transformers.Trainer`` on ``hf`` over ``rows`` (dicts of tensors) for ``steps`` steps on the
+    CPU, nothing saved or reported: the loss it logged at every step."""
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=batch, learning_rate=lr, logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True, **extra,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model=hf, args=args, train_dataset=rows)
+    trainer.train()
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
 
 
 @pytest.mark.parametrize("preset", ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny", "gpt-oss-tiny"])
@@ -506,22 +512,8 @@ def test_export_fine_tunes_under_hf_trainer(preset, corpus, toks, tmp_path):  # 
     text = " ".join(corpus.read_text().split()[:2000])
     ids = tok.encode(text).ids
     rows = [{"input_ids": ids[k * 24 : (k + 1) * 24], "labels": ids[k * 24 : (k + 1) * 24]} for k in range(8)]
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "ft"),
-        max_steps=12,
-        per_device_train_batch_size=8,
-        learning_rate=3e-3,
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-    )
     untouched = {n: p.detach().clone() for n, p in hf.named_parameters()}
-    trainer = transformers.Trainer(model=hf, args=args, train_dataset=rows)
-    trainer.train()
-    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    losses = hf_trainer_losses(hf, rows, tmp_path / "ft", steps=12, batch=8, lr_scheduler_type="constant")
     assert len(losses) == 12 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < 0.8 * losses[0], losses
     stuck = [n for n, p in hf.named_parameters() if torch.equal(p.detach(), untouched[n])]

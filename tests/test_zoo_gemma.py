@@ -14,7 +14,7 @@ import torch
 import transformers
 from rounding import FACTOR, float64_throughout, relative
 from safetensors.torch import load_file
-from test_zoo_decoders import assert_greedy, assert_parity, perturb
+from test_zoo_decoders import assert_greedy, assert_parity, hf_trainer_losses, perturb
 
 import tformer
 from tformer.data import hf_tokenizer, load_tokenizer
@@ -358,15 +358,7 @@ def test_gemma3_under_fsdp2_and_tp_equals_one_process(cache, tmp_path_factory):
     import test_mesh
 
     flags = ["model.global_every=2", "model.attn_window=16"]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(test_mesh.FAMILIES, "gemma3", ("gemma3-tiny", flags))
-        tmp = tmp_path_factory.mktemp("gemma3-layouts")
-        test_mesh.run_cases(2, [(name, flags) for name, flags, _ in LAYOUTS], tmp, cache)
-        for i, (name, flags, dp) in enumerate(LAYOUTS):
-            ref = test_mesh.reference(name, tmp_path_factory, dp)
-            test_mesh.assert_same_run(name, tmp / f"run{i}", tmp / f"report{i}", ref)
-            if "parallel.tp=2" in flags:
-                test_mesh.assert_counts(tmp / f"report{i}", 2, 2)
+    test_mesh.assert_layouts_equal_one_process("gemma3", ("gemma3-tiny", flags), LAYOUTS, tmp_path_factory, cache)
 
 
 # -- the fine-tuning path users take: an export loaded by the Auto class, trained by HF's Trainer ---
@@ -394,16 +386,10 @@ def test_an_export_fine_tunes_under_hf_trainer(preset, toks, tmp_path):  # noqa:
             aligned = torch.cat((row["labels"][:, 1:], torch.full_like(ids[:, :1], -100)), 1)
             ours = model(ids, mask, labels=aligned).loss
     data = [{k: v[i] for k, v in row.items()} for i in range(ids.shape[0])] * 8
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "ft"), per_device_train_batch_size=3, max_steps=8, learning_rate=3e-3,
-        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
-    )  # fmt: skip
-    trainer = transformers.Trainer(model=hf, args=args, train_dataset=data)
     with torch.no_grad():
         hf.eval()
         first = hf(**row).loss
     assert abs(first.item() - ours.item()) <= 1e-4 * ours.item(), (first, ours)
-    trainer.train()
-    curve = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    curve = hf_trainer_losses(hf, data, tmp_path / "ft", steps=8, batch=3)
     print(f"{preset}: HF Trainer loss {curve[0]:.3f} -> {curve[-1]:.3f} over {len(curve)} steps")
     assert len(curve) == 8 and curve[-1] < curve[0] - 0.5, curve
