@@ -16,6 +16,7 @@ test: the figures depend on the machine and what else runs on it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -97,7 +98,7 @@ def bench_flavour(flavour: str, args) -> dict:
     contenders = [Contender("tformer", ours, ours_loss, 0.0, b * s), Contender("HF", hf, hf_loss, 0.0, b * s)]
     kept = None
     for attempt in range(args.retries + 1):
-        interleave(contenders, args.steps, args.warmup if attempt == 0 else 1, _no_autocast)
+        interleave(contenders, args.steps, args.warmup if attempt == 0 else 1, contextlib.nullcontext)
         spread = max(c.spread() for c in contenders)
         if kept is None or spread < kept[0]:
             kept = (spread, [list(c.times) for c in contenders])
@@ -119,14 +120,6 @@ def bench_flavour(flavour: str, args) -> dict:
         noisy=kept[0] > NOISE,
         finite=finite,
     )
-
-
-class _no_autocast:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def verdict(row: dict) -> str:
