@@ -305,7 +305,7 @@ def build_trainer(row: Row, device: torch.device, args, out: Path, log_every: in
 
     model = dict(preset=row.preset)
     if row.family in ZOO_ROWS:  # the row's overrides and cut, as row_config made its model
-        model.update({k: v for k, v in ZOO_OVERRIDES.items() if hasattr(preset(row.preset), k)})
+        model.update(ZOO_OVERRIDES)
         model.update({"num_layers": row.num_layers} if row.num_layers else {})
     base = dict(
         model=model,
@@ -428,7 +428,7 @@ def row_config(family: str, name: str, s: int, device: torch.device, fill: float
     """The row's model: the preset, with a zoo row's overrides, a cut MoE row at the layers that fit."""
     cfg = preset(name)
     if family in ZOO_ROWS:
-        cfg = cfg.replace(**{k: v for k, v in ZOO_OVERRIDES.items() if hasattr(cfg, k)})
+        cfg = cfg.replace(**ZOO_OVERRIDES)
     if family in ZOO_CUT and device.type == "cuda":
         cfg = cfg.replace(num_layers=fit_layers(cfg, s, torch.cuda.mem_get_info(device)[0], fill))
     return cfg
@@ -471,9 +471,8 @@ def bench_training(family: str, args, device: torch.device, peak: float, done=la
         b = int(args.micro_batch)
     how = f" (planner, fill {args.fill:.0%})" if args.micro_batch == "auto" and device.type == "cuda" else ""
     target = f" -> {t}" if t else ""
-    cut = (
-        f" cut to {cfg.num_layers} of {preset(name).num_layers} layers" if cfg.num_layers != preset(name).num_layers else ""
-    )
+    full = preset(name).num_layers
+    cut = f" cut to {cfg.num_layers} of {full} layers" if cfg.num_layers != full else ""
     print(f"\n[{family}] {name}{cut}: {n / 1e6:.1f}M parameters, seq {s}{target}, micro-batch {b}{how}", flush=True)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     rows = []
