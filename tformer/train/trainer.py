@@ -247,8 +247,7 @@ class Trainer(Run):
         lr = self.optimizer.param_groups[0]["lr"]
         self.wrapped.train()
         loss_sum, tokens, flops = self._forward_backward(batches)
-        # the step's expert loads for the loss-free MoE bias (summed over this stage's ranks; across
-        # replica groups with the step's figures), taken now so an uncommitted step's are dropped
+        # the loss-free MoE bias's expert loads, before the sync that sums them over replica groups
         loads = self.balancer.loads() if self.balancer is not None else None
         stats, committed = self._synchronise(loss_sum, tokens, flops, loads)
         if not committed:  # a step torchft did not commit changes nothing (it was counted)
