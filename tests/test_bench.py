@@ -176,7 +176,7 @@ def test_ft_bench_verdicts_read_miss_or_fail():
 
 def test_muon_bench_verdicts_read_miss_or_fail():
     """bench_muon's lines: the step-time ratio against its 1.3x target, the convergence sweep's best
-    runs; an untimed or unfinished side is a FAIL."""
+    runs, the planner's predicted optimizer step against +-35%; an untimed or unfinished side is a FAIL."""
     import bench_muon
 
     assert bench_muon.ratio_line([0.10, 0.11], [0.12, 0.13]).startswith("PASS")
@@ -186,6 +186,9 @@ def test_muon_bench_verdicts_read_miss_or_fail():
     assert bench_muon.best_line({("adamw", 1e-3): 5.0, ("muon", 1e-3): 4.9}).startswith("PASS")
     assert bench_muon.best_line({("adamw", 1e-3): 4.8, ("muon", 1e-3): 4.9}).startswith("MISS")
     assert bench_muon.best_line({("adamw", 1e-3): 4.8, ("muon", 1e-3): nan}).startswith("FAIL")
+    assert bench_muon.predicted_line("muon", 0.0013, 0.001).startswith("PASS")  # +30%
+    assert bench_muon.predicted_line("muon", 0.0006, 0.001).startswith("MISS")  # -40%
+    assert bench_muon.predicted_line("muon", 0.001, 0.0).startswith("FAIL")
 
 
 def test_ft_outage_lines_and_stalls():

@@ -280,6 +280,31 @@ def test_the_planner_prices_muons_states_and_newton_schulz():
     assert "momentum buffer" in memory_line(cfg, model.num_parameters(), 2, "fsdp")
 
 
+def test_the_planners_muon_host_ops_leave_the_iterations_to_newton_schulzs_time():
+    """Muon's host term counts the ops of its loop outside Newton-Schulz's iterations (the
+    iterations' products are priced with their dispatch in ``_ns_seconds``): a real step's ops are
+    those plus ``ns_steps`` iterations' own ops, neither counted twice nor left out; the plan's time
+    line gives the optimizer's share of the step."""
+    from tformer.parallel.newton_schulz import iterate
+    from tformer.plan.hardware import profile
+    from tformer.plan.host import _counting_mode
+    from tformer.plan.layout import Layout
+    from tformer.plan.optimizer import _count_step_ops, muon_ops_per_matrix, time_line
+
+    def iteration_ops(steps: int) -> int:
+        mode = _counting_mode()
+        with mode:
+            iterate(torch.ones(4, 8), steps, torch.float32)
+        return mode.total
+
+    per_iteration = iteration_ops(2) - iteration_ops(1)
+    assert per_iteration >= 3  # the Gram matrix, its polynomial, the product with X
+    per_matrix = (_count_step_ops(5, 8) - _count_step_ops(5, 4)) / 4
+    assert per_matrix == muon_ops_per_matrix() + 5 * per_iteration
+    line = time_line(build_config("llama-tiny"), Layout(strategy="fsdp", dp_shard=2), profile("h100-sxm"), 0.1, 5, "auto")
+    assert "of the step (Newton-Schulz" in line, line
+
+
 def test_float8_layers_keep_muons_matrices_and_step():
     """precision=fp8's conversion (torchao's Float8Linear in the blocks, tformer/parallel/float8.py)
     leaves Muon's split as it was (a converted layer is still an ``nn.Linear``, its weight the same
