@@ -148,9 +148,9 @@ def test_bad_input_one_line(overrides, words):
 
 def test_kernels_that_cannot_cap_refuse():
     model = ModelConfig(**TINY, attn_softcap=50.0)
-    with pytest.raises(ConfigError, match="^parallel.cp=2 cannot apply model.attn_softcap=50.0") as err:
+    with pytest.raises(ConfigError, match="^parallel.cp_kernel=torch does not run with model.attn_softcap=50.0") as err:
         check_context_parallel(
-            SimpleNamespace(model=model, parallel=SimpleNamespace(cp_kernel="tformer")), SimpleNamespace(cp=2)
+            SimpleNamespace(model=model, parallel=SimpleNamespace(cp_kernel="torch")), SimpleNamespace(cp=2)
         )
     assert "\n" not in str(err.value)
     check_tp(ModelConfig(**TINY, norm="rmsnorm", sandwich_norm=True), 2)  # laid out under TP (test_zoo_gemma)

@@ -339,10 +339,7 @@ LAYOUTS = [
     ("gemma3", ["parallel.tp=2", "parallel.sp=true"], 1),
     ("gemma3", ["parallel.tp=2", "parallel.sp=false"], 1),
     ("gemma3", ["parallel.strategy=fsdp", "parallel.dp_shard=2"], 2),
-    # t5gemma (its encoder's own embedding vocabulary-parallel) ran on 2026-11-28 against one
-    # process: tp=2 + SP 2.2 yardsticks on the losses and 4.8e-6 relative on the parameters, FSDP2
-    # losses bitwise and 1.2e-6; not asserted: its soft-cap runs every attention on the math path,
-    # so test_mesh's attn_impl=math twin is the same run bitwise (a yardstick of one fp32 rounding)
+    # T5Gemma's layouts and Gemma 3 at cp=2: tests/test_zoo_enc_layouts.py
 ]
 
 

@@ -30,18 +30,21 @@ SEQ = 13  # padded to 16 over cp=2: four chunks of 4, so a window of 5 reaches a
 
 # -- context parallelism's attention core: windows, sinks, latent heads ---------------------------
 
-# name: (causal, window, sinks, (heads, kv heads), (qk width, v width))
+# name: (causal, window, sinks, (heads, kv heads), (qk width, v width), soft-cap)
 CORE_CASES = {
-    "causal-window": (True, 5, False, (4, 2), (8, 8)),
-    "causal-window-sinks": (True, 5, True, (4, 2), (8, 8)),
-    "sinks": (True, None, True, (4, 4), (8, 8)),
-    "bidirectional-window": (False, 6, False, (4, 2), (8, 8)),
-    "latent-heads-window": (True, 3, False, (3, 3), (10, 5)),  # MLA: values narrower than q/k
+    "causal-window": (True, 5, False, (4, 2), (8, 8), None),
+    "causal-window-sinks": (True, 5, True, (4, 2), (8, 8), None),
+    "sinks": (True, None, True, (4, 4), (8, 8), None),
+    "bidirectional-window": (False, 6, False, (4, 2), (8, 8), None),
+    "latent-heads-window": (True, 3, False, (3, 3), (10, 5), None),  # MLA: values narrower than q/k
+    # Gemma's cap on the scores (std ~1.1 here: a cap of 1.5 bends most of them), windowed both ways
+    "softcap-causal-window": (True, 5, False, (4, 2), (8, 8), 1.5),
+    "softcap-bidirectional-window": (False, 6, False, (4, 2), (8, 8), 1.5),
 }
 
 
 def _core_inputs(name, gen):
-    causal, window, sinks, (h, hk), (dk, dv) = CORE_CASES[name]
+    causal, window, sinks, (h, hk), (dk, dv), _ = CORE_CASES[name]
     b = 2
     q = torch.randn(b, h, SEQ, dk, generator=gen)
     k = torch.randn(b, hk, SEQ, dk, generator=gen)
@@ -56,7 +59,7 @@ def _core_reference(name, seed, dtype):
     pad = None if causal else torch.ones(2, SEQ, dtype=torch.long)
     out = local_attention(
         *leaves[:3], padding_mask=pad, causal=causal, attn_bias=None, doc_mask=None, scale=0.4, dropout_p=0.0,
-        impl="math", window=window, sinks=leaves[3] if s is not None else None,
+        impl="math", window=window, sinks=leaves[3] if s is not None else None, softcap=CORE_CASES[name][5],
     )  # fmt: skip
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 100)).to(dtype)
     return out.detach(), dout, torch.autograd.grad(out, leaves, dout)
@@ -76,14 +79,22 @@ def _core_worker(rank, world, seq, out_dir):
             with float64_throughout():
                 exact_out, _, exact_grads = _core_reference(name, seed, torch.float64)
             q, k, v, s, causal, window = _core_inputs(name, torch.Generator().manual_seed(seed))
-            # planted defects: the window one key wider each way than one process's, the sinks left out
-            for variant, win, sinks in (("ok", window, s), ("wide", window and window + 2, s), ("no-sinks", window, None)):
-                if variant != "ok" and (win == window and sinks is s):
+            cap = CORE_CASES[name][5]
+            # planted defects: the window one key wider each way than one process's, the sinks left
+            # out, the cap left out
+            variants = (
+                ("ok", window, s, cap),
+                ("wide", window and window + 2, s, cap),
+                ("no-sinks", window, None, cap),
+                ("no-cap", window, s, None),
+            )
+            for variant, win, sinks, capped in variants:
+                if variant != "ok" and (win == window and sinks is s and capped == cap):
                     continue
                 ql, kl, vl = (shard_seq(x, rank, world, dim=2).requires_grad_() for x in (q, k, v))
                 sl = sinks.clone().requires_grad_() if sinks is not None else None
                 pad = None if causal else shard_seq(torch.ones(2, SEQ, dtype=torch.long), rank, world)
-                kw = {n: x for n, x in (("window", win), ("sinks", sl)) if x is not None}
+                kw = {n: x for n, x in (("window", win), ("sinks", sl), ("softcap", capped)) if x is not None}
                 out = core(
                     ql, kl, vl, padding_mask=pad, causal=causal, attn_bias=None, doc_mask=None, scale=0.4,
                     dropout_p=0.0, impl="math", **kw,
@@ -113,10 +124,11 @@ def _ratio(got, want, fp32, exact):
 
 def test_cp_attention_with_windows_sinks_and_latent_heads_equals_one_process(tmp_path):
     """cp=2 over 13 tokens: windows that cross the shard boundary (causal and bidirectional), sinks
-    merged into the pairs' log-sum-exp, MLA's narrower values: output and every gradient (the
-    sinks' summed over the ranks) within ATTENTION_FACTOR yardsticks of one process. The window one
-    key wider (each side, bidirectional), or the sinks left out, lie far outside. Measured on a
-    2-core AVX512 Xeon (2026-11-28): at most 3.0 yardsticks; the planted defects 6e6 and more."""
+    merged into the pairs' log-sum-exp, MLA's narrower values, soft-capped scores (capped before
+    the masks, the gradient through tanh): output and every gradient (the sinks' summed over the
+    ranks) within ATTENTION_FACTOR yardsticks of one process. The window one key wider (each side,
+    bidirectional), the sinks or the cap left out, lie far outside. Measured on a 2-core AVX512
+    Xeon (2026-11-28): at most 3.0 yardsticks; the planted defects 6e6 and more."""
     run_group(2, SEQ, str(tmp_path), _core_worker)
     worst = 0.0
     planted = {}
@@ -129,9 +141,12 @@ def test_cp_attention_with_windows_sinks_and_latent_heads_equals_one_process(tmp
                 worst = max(worst, *errs.values())
             else:
                 planted[key] = max(planted.get(key, 0.0), *errs.values())
-    assert set(planted) == {f"{n}/wide" for n, c in CORE_CASES.items() if c[1]} | {
-        f"{n}/no-sinks" for n, c in CORE_CASES.items() if c[2]
-    }
+    assert set(planted) == (
+        {f"{n}/wide" for n, c in CORE_CASES.items() if c[1]}
+        | {f"{n}/no-sinks" for n, c in CORE_CASES.items() if c[2]}
+        | {f"{n}/no-cap" for n, c in CORE_CASES.items() if c[5]}
+    )
+    print(f"cp=2 attention: at most {worst:.2f} yardsticks; planted defects from {min(planted.values()):.1e}")
     assert all(e > 100 * ATTENTION_FACTOR for e in planted.values()), planted
     print(f"cp=2 windows/sinks/latent: at most {worst:.2f} yardsticks; planted defects at least {min(planted.values()):.0f}")
 

@@ -44,6 +44,7 @@ from ..config import ConfigError
 from ..nn.attention import local_attention
 from ..models import spec_of
 from ..nn.docmask import same_document
+from ..nn.flex import soft_cap
 
 # ----------------------------------------------------------------------------------------------
 # The layout of a sequence over cp ranks
@@ -109,6 +110,7 @@ class _Keys:
     k_pad: torch.Tensor | None  # (B, S_k) bool, True = real key
     bias: Any = None  # RelativePositionBias (its table is the Function's ``table`` input)
     window: int | None = None  # a local window (``nn.attention.window_allowed``), by global position
+    softcap: float | None = None  # scores capped (``cap * tanh(s / cap)``) before the masks are added
 
     def _outside_window(self, i: int, j: int) -> bool:
         """True where no query of chunk ``i`` has a key of chunk ``j`` inside the window."""
@@ -160,20 +162,27 @@ def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def _pair_forward(q, k, v, mask, is_causal: bool, scale: float):
+def _pair_forward(q, k, v, mask, is_causal: bool, scale: float, softcap: float | None = None):
     """(out, log-sum-exp) of one chunk pair with the device's memory-efficient kernel."""
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and softcap is None:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
         )
-    # elsewhere the chunk pair's scores written out (a chunk-pair-sized tensor, as the mask is)
-    s = _scores(q, k, mask, is_causal, scale)
+    # elsewhere (and under a cap, which no kernel takes) the chunk pair's scores written out (a
+    # chunk-pair-sized tensor, as the mask is)
+    s = _scores(q, k, mask, is_causal, scale, softcap)
     lse = torch.logsumexp(s, -1)
     return torch.matmul(torch.exp(s - lse[..., None]).to(v.dtype), _expand_heads(v, q.shape[1])), lse
 
 
-def _scores(q, k, mask, is_causal: bool, scale: float) -> torch.Tensor:
-    s = torch.matmul(q.float(), _expand_heads(k, q.shape[1]).float().transpose(-2, -1)) * scale
+def _raw_scores(q, k, scale: float) -> torch.Tensor:
+    return torch.matmul(q.float(), _expand_heads(k, q.shape[1]).float().transpose(-2, -1)) * scale
+
+
+def _scores(q, k, mask, is_causal: bool, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """The pair's scores as the softmax takes them: capped (``nn.attention.soft_cap``), then
+    masked, as the math path orders them."""
+    s = soft_cap(_raw_scores(q, k, scale), softcap)
     if mask is not None:
         s = s + mask
     if is_causal:
@@ -187,21 +196,27 @@ def _fold_heads(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return g if h == kv_heads else g.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
-def _pair_backward(dout, q, k, v, out, lse, mask, is_causal: bool, scale: float, delta, need_ds: bool):
+def _pair_backward(
+    dout, q, k, v, out, lse, mask, is_causal: bool, scale: float, delta, need_ds: bool, softcap: float | None = None
+):
     """dq, dk, dv (and the score gradient when a bias needs it) of one pair, from the merged output
-    and the merged log-sum-exp (+inf on rows with no key: their probabilities are 0)."""
-    if q.device.type == "cpu" and not need_ds:
+    and the merged log-sum-exp (+inf on rows with no key: their probabilities are 0). Under a cap
+    the gradient reaches the raw scores through ``tanh``'s derivative, ``1 - (capped / cap)^2``."""
+    if q.device.type == "cpu" and not need_ds and softcap is None:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
         )
         return dq, dk, dv, None
-    p = torch.exp(_scores(q, k, mask, is_causal, scale) - lse[..., None])
+    p = torch.exp(_scores(q, k, mask, is_causal, scale, softcap) - lse[..., None])
     dv = _fold_heads(torch.matmul(p.transpose(-2, -1), dout.float()), k.shape[1])
     dp = torch.matmul(dout.float(), _expand_heads(v, q.shape[1]).float().transpose(-2, -1))
     ds = p * (dp - delta[..., None])
-    dq = torch.matmul(ds, _expand_heads(k, q.shape[1]).float()) * scale
-    dk = _fold_heads(torch.matmul(ds.transpose(-2, -1), q.float()) * scale, k.shape[1])
-    return dq, dk, dv, ds
+    d_raw = ds
+    if softcap is not None:
+        d_raw = ds * (1 - torch.tanh(_raw_scores(q, k, scale) / softcap).square())
+    dq = torch.matmul(d_raw, _expand_heads(k, q.shape[1]).float()) * scale
+    dk = _fold_heads(torch.matmul(d_raw.transpose(-2, -1), q.float()) * scale, k.shape[1])
+    return dq, dk, dv, ds if need_ds else None
 
 
 def _merge(acc, out: torch.Tensor, lse: torch.Tensor):
@@ -243,7 +258,7 @@ class _ShardedAttention(torch.autograd.Function):
             mask, is_causal, rows, _ = keys.mask(a, i, j, table, q.dtype)
             if rows is not None and not rows.any():
                 continue  # a pair the masks empty entirely (documents that do not meet)
-            out, lse = _pair_forward(q[:, :, a * c : (a + 1) * c], ks[j], vs[j], mask, is_causal, keys.scale)
+            out, lse = _pair_forward(q[:, :, a * c : (a + 1) * c], ks[j], vs[j], mask, is_causal, keys.scale, keys.softcap)
             if rows is not None:
                 out, lse = out.masked_fill(~rows[..., None], 0.0), lse.masked_fill(~rows, float("-inf"))
             acc[a] = _merge(acc[a], out, lse)
@@ -285,7 +300,7 @@ class _ShardedAttention(torch.autograd.Function):
             qs = slice(a * c, (a + 1) * c)
             dqa, dk, dv, ds = _pair_backward(
                 dout[:, :, qs], q[:, :, qs], ks[j], vs[j], out[:, :, qs], lse[:, :, qs], mask, is_causal,
-                keys.scale, delta[:, :, qs], dtable is not None,
+                keys.scale, delta[:, :, qs], dtable is not None, keys.softcap,
             )  # fmt: skip
             dq[:, :, qs] += dqa
             dks[j] += dk
@@ -333,12 +348,10 @@ class ContextParallelAttention:
             )  # fmt: skip
         if dropout_p:
             raise ConfigError("context parallelism has no attention dropout; set model.attn_dropout=0")
-        if softcap is not None:
-            raise ConfigError("context parallelism's attention takes no cap on the scores; set parallel.cp=1")
         if self.kernel == "torch":
-            if window is not None or sinks is not None:
+            if window is not None or sinks is not None or softcap is not None:
                 raise ConfigError(
-                    "parallel.cp_kernel=torch takes no attention windows or sinks; use parallel.cp_kernel=tformer"
+                    "parallel.cp_kernel=torch takes no attention windows, sinks or soft-caps; use parallel.cp_kernel=tformer"
                 )
             return self._torch(q, k, v, padding_mask, causal, attn_bias, doc_mask, scale)
         if causal and q.shape[2] != k.shape[2]:
@@ -361,6 +374,7 @@ class ContextParallelAttention:
             k_pad=self._all_keys(padding_mask).bool() if padding_mask is not None else None,
             bias=attn_bias,
             window=window,
+            softcap=softcap,
         )
         table = attn_bias.embedding.weight if attn_bias is not None else None
         if hasattr(table, "to_local"):  # tensor parallel: this rank's heads' columns (a DTensor)
@@ -509,16 +523,18 @@ def check_context_parallel(cfg, dims) -> None:
         raise ConfigError(
             f"parallel.cp={cp} does not run with attention dropout yet; set model.attn_dropout=0, or parallel.cp=1"
         )
-    if pcfg.cp_kernel == "torch" and (cfg.model.attn_sinks or cfg.model.attn_window is not None):
-        field = "model.attn_sinks=true" if cfg.model.attn_sinks else f"model.attn_window={cfg.model.attn_window}"
-        raise ConfigError(
-            f"parallel.cp_kernel=torch does not run with {field}: torch's ring attention takes no sinks and no "
-            "windows; set parallel.cp_kernel=tformer"
+    m = cfg.model
+    if pcfg.cp_kernel == "torch" and (m.attn_sinks or m.attn_window is not None or m.attn_softcap is not None):
+        field = (
+            "model.attn_sinks=true"
+            if m.attn_sinks
+            else f"model.attn_window={m.attn_window}"
+            if m.attn_window is not None
+            else f"model.attn_softcap={m.attn_softcap}"
         )
-    if cfg.model.attn_softcap is not None:  # nor a cap on the scores (only the math path caps)
         raise ConfigError(
-            f"parallel.cp={cp} cannot apply model.attn_softcap={cfg.model.attn_softcap}: context parallelism's attention "
-            "kernels take no cap on the scores; set parallel.cp=1"
+            f"parallel.cp_kernel=torch does not run with {field}: torch's ring attention takes no sinks, windows or "
+            "soft-caps; set parallel.cp_kernel=tformer"
         )
     if pcfg.strategy == "ddp" and (dims.tp > 1 or dims.pp > 1):
         raise ConfigError(

@@ -200,6 +200,8 @@ MODEL_KWARGS = (
     "decoder_input_ids",
     "decoder_position_ids",
     "loss_tokens",
+    "doc_ids",
+    "decoder_doc_ids",
 )
 
 

@@ -54,12 +54,6 @@ def check_support(cfg: TrainConfig, precision: str, device: torch.device) -> Par
                 "parallel.backend unset (nccl on CUDA, gloo on CPU)"
             )
     check_pipeline(cfg.model, cfg.parallel, cfg.parallel.strategy)
-    if (cfg.parallel.pp > 1 or cfg.parallel.sp) and cfg.data.document_mask:
-        raise ConfigError(
-            "data.document_mask=true does not compose with parallel."
-            f"{'pp' if cfg.parallel.pp > 1 else 'sp'} yet (the document ids are not split "
-            "with the sequence / sent between stages); turn one of them off"
-        )
     if cfg.model.mtp_depth and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
         dim = "pp" if cfg.parallel.pp > 1 else "cp"
         raise ConfigError(
