@@ -216,6 +216,33 @@ def test_resume_is_exact_and_a_switch_of_optimizer_is_refused(tmp_path):
     assert "would switch optim.name adamw -> muon" in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_qk_clips_maxima_are_over_the_pairs_attention_sees(causal):
+    """A head's largest logit counts only the pairs its softmax takes: inside the window (causal: the
+    3 keys up to the query; bidirectional: 1 either side) and the query's own document, written
+    out pair by pair; the same maxima over every pair lie higher (what a window-blind count clips)."""
+    from tformer.nn import DocumentMask
+    from tformer.nn.attention import head_max_logits
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 9, 8, generator=gen), torch.randn(2, 2, 9, 8, generator=gen)
+    docs = torch.tensor([[0] * 5 + [1] * 4, [0] * 9])
+    window = 3 if causal else 2
+    got = head_max_logits(q, k, 0.5, causal, None, DocumentMask(docs), window)
+    want = torch.full((4,), float("-inf"))
+    for b in range(2):
+        for h in range(4):
+            for i in range(9):
+                for j in range(9):
+                    d = i - j
+                    if docs[b, i] != docs[b, j] or (causal and not 0 <= d < 3) or (not causal and abs(d) > 1):
+                        continue
+                    want[h] = max(want[h], float(q[b, h, i] @ k[b, h // 2, j]) * 0.5)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), (got, want)
+    blind = head_max_logits(q, k, 0.5, causal, None)
+    assert (blind > want + 0.1).any(), (blind, want)
+
+
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])  # MHA with q/k biases; GQA (4 heads over 2)
 def test_qk_clip_rescales_the_head_above_tau_to_tau_and_nothing_else(preset):
     """Head 1 of the first block forced far above TAU: after the clip its largest logit on the same

@@ -153,6 +153,13 @@ LAYOUTS = {  # global batch 8 on each: micro-batches of 4, one per data-parallel
     "fsdp": ["parallel.strategy=fsdp", "grad_accum=1", "save_every=2"],
     "tp": ["parallel.strategy=fsdp", "parallel.tp=2", "grad_accum=2"],
 }
+# QK-clip where a rank holds part of the heads (tp: their columns of the table), of the layers (pp: a
+# stage's rows) or of the sequence (cp: its queries against every key, the core's max_logits)
+QK_CLIP_SPLIT = {
+    "tp": LAYOUTS["tp"],
+    "pp": ["parallel.pp=2", "grad_accum=2"],
+    "cp": ["parallel.strategy=fsdp", "parallel.cp=2", "grad_accum=2"],
+}
 
 
 @pytest.mark.slow
@@ -162,17 +169,21 @@ def test_ddp_fsdp_and_tp_equal_the_single_process_run(tmp_path_factory):
     and TP (the TP group's shards to their owners): losses and updated parameters of the 1-process
     run of the same global batch, within test_mesh.LAYOUT_FACTOR of its rounding yardstick. The
     FSDP2 run's step-2 checkpoint (momentum buffers as DTensor shards) resumes on one process: steps
-    3 and 4 within the same bound of the uninterrupted run. DDP and FSDP2 with QK-clip on (every
-    rank clips by the maxima of all ranks' sequences) equal one process with it on."""
+    3 and 4 within the same bound of the uninterrupted run. DDP, FSDP2, TP, PP and CP with QK-clip on
+    (every rank clips by the maxima of all ranks' sequences, heads, layers and positions) equal one
+    process with it on."""
     tmp = tmp_path_factory.mktemp("muon-layouts")
     cases = [("gpt2", [*MUON, *flags]) for flags in LAYOUTS.values()]
     cases += [("gpt2", [*MUON, QK_CLIP, *LAYOUTS[name]]) for name in ("ddp", "fsdp")]
+    cases += [("gpt2", [*MUON, QK_CLIP, *flags]) for flags in QK_CLIP_SPLIT.values()]
     run_cases(2, cases, tmp, os.environ["TFORMER_CACHE"])
     ref = reference("gpt2", tmp_path_factory, 2, *MUON)
     clipped = reference("gpt2", tmp_path_factory, 2, *MUON, QK_CLIP)
     for i, layout in enumerate(LAYOUTS):
         assert_same_run(f"gpt2 {layout}", tmp / f"run{i}", tmp / f"report{i}", ref)
-    for i, layout in enumerate(("ddp", "fsdp"), start=len(LAYOUTS)):  # each rank clipped by every rank's maxima
+    for i, layout in enumerate(
+        ("ddp", "fsdp", *QK_CLIP_SPLIT), start=len(LAYOUTS)
+    ):  # each rank clipped by every rank's maxima
         assert_same_run(f"gpt2 {layout} qk_clip", tmp / f"run{i}", tmp / f"report{i}", clipped)
     ckpt = tmp / "run1" / "checkpoints" / "step_00000002"
     recipe, flags = _resume("gpt2", tmp / "one", ckpt, *MUON, "grad_accum=2")

@@ -455,6 +455,29 @@ def test_routing_bias_is_bitwise_one_process_across_layouts_and_a_resume(lane, c
         assert all(torch.equal(resumed[k], ref[k]) for k in ref)
 
 
+@pytest.mark.timeout(1200)
+def test_routing_bias_through_a_pipeline_is_bitwise_one_process(cache, tmp_path):
+    """DeepSeek-V3's tiny recipe (no MTP: refused with pipelines) cut into 2 stages: each stage's
+    routing biases after 4 steps are bitwise those of one process accumulating the same micro-
+    batches; what torch's shape-inference forward would count is put back (pipeline.py)."""
+    from tformer.parallel.pipeline import Parts
+    from train_helpers import free_port, small_overrides, spawn_ranks
+
+    from test_mesh import COMMON
+
+    recipe, flags = "deepseek-v3-tiny", [*DEEPSEEK, "model.mtp_depth=0", "grad_accum=2"]
+    _, ref, _ = _train_one(recipe, tmp_path / "one", *flags)
+    out = tmp_path / "pp"
+    pp = ["parallel.pp=2", "parallel.pp_schedule=gpipe"]
+    jobs = [(recipe, small_overrides(recipe, out, *COMMON, *flags, *pp), str(out), False)]
+    spawn_ranks(_bias_worker, (2, free_port(), jobs, cache), 2, 900)
+    got = {}
+    for rank in range(2):
+        got.update({Parts.strip(k): v for k, v in torch.load(out / f"bias{rank}.pt", weights_only=True).items()})
+    assert ref and got.keys() == ref.keys(), (sorted(got), sorted(ref))
+    assert all(torch.equal(got[k], ref[k]) for k in ref), {k: (got[k] - ref[k]).abs().max().item() for k in ref}
+
+
 PIPELINES = [
     ("qwen3", ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
     # 3 blocks cut 2 + 1: the dense first block and an MoE block on stage 0, an MoE block on stage 1
@@ -465,18 +488,16 @@ PIPELINES = [
 @pytest.mark.timeout(1800)
 def test_pipeline_cuts_of_qwen3_and_deepseek_v3_equal_one_process(cache, tmp_path_factory):
     """pp=2 (grad_accum=2 micro-batches) of qwen3 and of DeepSeek-V3 without MTP (refused with
-    pipelines in one line, test_deepseek): losses and parameters within test_mesh's layout bound
-    of one process. The loss-free bias is held still here (rate 0): a pipeline's gradients are one
-    process's within rounding, not bitwise (the schedule scales each micro-batch's loss itself), and
-    an integer load at its mean flips sign on one routing near-tie: measured with rate 0.01, stage
-    0's bias bitwise, stage 1's one expert of 8 off by 0.02 at step 4, the run then 640 yardsticks
-    off. Under DDP, FSDP2 and ep the bias is bitwise (test_routing_bias_is_bitwise_...)."""
+    pipelines in one line, test_deepseek), the loss-free bias moving: losses and parameters within
+    test_mesh's layout bound of one process. Measured on a 2-core AVX512 Xeon (2026-11-28): 0.03
+    and 0.10 yardsticks on the parameters; with the loads that torch's shape-inference forward
+    counts on a later stage's uninitialised inputs left in (pipeline._leave_no_record undone), the
+    bias 1.0 off and the run 640 yardsticks."""
     import test_mesh
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(test_mesh.FAMILIES, "qwen3", ("qwen3-tiny", ["model.d_head=16"]))
-        # the bias held still: see the docstring
-        deepseek = ["model.num_layers=3", "model.moe.bias_update_rate=0", "model.mtp_depth=0"]
+        deepseek = ["model.num_layers=3", "model.moe.bias_update_rate=0.01", "model.mtp_depth=0"]
         patch.setitem(test_mesh.FAMILIES, "deepseek_v3", ("deepseek-v3-tiny", deepseek))
         tmp = tmp_path_factory.mktemp("zoo-pp")
         test_mesh.run_cases(2, PIPELINES, tmp, cache, "grad_accum=2")

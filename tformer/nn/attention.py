@@ -211,22 +211,45 @@ def local_attention(
 AttentionCore = Callable[..., torch.Tensor]
 
 
+def allowed_pairs(
+    q_len: int, k_len: int, *, padding_mask, causal: bool, doc_mask, window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """The (query, key) pairs attention may see, as a boolean broadcastable to (B, h, S_q, S_k)
+    (None: all): padding, the causal rule, packed documents and the window, as ``local_attention``
+    masks them."""
+    if doc_mask is not None:
+        allowed = doc_mask.allowed(causal)
+        if padding_mask is not None:
+            allowed = allowed & padding_mask.bool()[:, None, None, :]
+    else:
+        allowed = build_mask(padding_mask, causal and q_len > 1, q_len, k_len, device)
+    if window is not None:
+        inside = window_allowed(q_len, k_len, window, causal, device)
+        allowed = inside if allowed is None else allowed & inside
+    return allowed
+
+
 @torch.no_grad()
 def head_max_logits(
-    q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, padding_mask: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    causal: bool,
+    padding_mask: torch.Tensor | None,
+    doc_mask=None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Each query head's largest logit ``q . k x scale`` over the (B, H, S_q, S_k) pairs attention
-    may see (causal and padding masks applied; a position bias, which no projection scales, left
-    out): (H,), in fp32."""
+    may see (``allowed_pairs``: padding, causal, documents, the window; a position bias, which no
+    projection scales, and a soft-cap, applied after, left out): (H,), in fp32."""
     if k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    s_q, s_k = scores.shape[-2:]
-    if causal:
-        seen = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
-        scores = scores.masked_fill(~seen, float("-inf"))
-    if padding_mask is not None:
-        scores = scores.masked_fill(~padding_mask.bool()[:, None, None, :], float("-inf"))
+    allowed = allowed_pairs(
+        q.shape[2], k.shape[2], padding_mask=padding_mask, causal=causal, doc_mask=doc_mask, window=window, device=q.device
+    )
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     return scores.amax(dim=(0, 2, 3))
 
 
@@ -367,7 +390,10 @@ class MultiHeadAttention(nn.Module):
         if rotary is not None:
             q = apply_rotary(q, *rotary)
         if self.max_logit is not None and self.training:
-            self.max_logit = torch.maximum(self.max_logit, head_max_logits(q, k, self.scale, causal, padding_mask))
+            # the core's own count where it has one (context parallelism's: its keys are spread over ranks)
+            count = getattr(self.core, "max_logits", head_max_logits)
+            seen = count(q, k, self.scale, causal, padding_mask, doc_mask, self.window)
+            self.max_logit = torch.maximum(self.max_logit, seen)
         dropout_p = self.attn_dropout if self.training else 0.0
         # only where set, so a core that cannot take them (context parallelism's) is never handed them
         sinks = self.sinks() if self.sinks is not None else None

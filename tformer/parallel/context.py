@@ -44,7 +44,7 @@ from ..config import ConfigError
 from ..nn.attention import local_attention
 from ..models import spec_of
 from ..nn.docmask import same_document
-from ..nn.flex import soft_cap
+from ..nn.flex import in_window, soft_cap
 
 # ----------------------------------------------------------------------------------------------
 # The layout of a sequence over cp ranks
@@ -385,6 +385,29 @@ class ContextParallelAttention:
             v = torch.nn.functional.pad(v, (0, q.shape[-1] - d_v))
         out = _ShardedAttention.apply(q, k, v, table, sinks, keys)
         return out[..., :d_v] if out.shape[-1] != d_v else out
+
+    @torch.no_grad()
+    def max_logits(self, q, k, scale: float, causal: bool, padding_mask, doc_mask, window) -> torch.Tensor:
+        """Each query head's largest logit over the pairs attention sees (``nn.attention.
+        head_max_logits`` for QK-clip), this rank's queries against every key of the sequence: the
+        keys gathered (no gradient), the pairs masked by global position, padding and document."""
+        if k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        keys = torch.cat(_key_chunks(_gather(k, self.group, self.cp), k.shape[2] // 2), dim=2)
+        q_pos = held_positions(q.shape[2] * self.cp, self.rank, self.cp, q.device)
+        distance = q_pos[:, None] - torch.arange(keys.shape[2], device=q.device)[None, :]
+        allowed = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
+        if window is not None:
+            allowed = allowed & in_window(distance, window, causal)
+        allowed = allowed[None, None]
+        if padding_mask is not None:
+            allowed = allowed & self._all_keys(padding_mask).bool()[:, None, None, :]
+        if doc_mask is not None:
+            allowed = allowed & same_document(
+                doc_mask.q_ids[:, None, :, None], self._all_keys(doc_mask.k_ids)[:, None, None, :]
+            )
+        scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
+        return scores.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
 
     def _all_keys(self, local: torch.Tensor) -> torch.Tensor:
         """A (B, S_k/cp) per-key tensor of this rank -> (B, S_k) of the whole sequence. Every layer

@@ -179,6 +179,8 @@ def make_schedule(stage_modules: list[nn.Module], stage_ids: list[int], stages: 
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     pipe_stages: list[Any] = [PipelineStage(m, s, stages, device, group=group) for m, s in zip(stage_modules, stage_ids)]
+    for stage in pipe_stages:
+        _leave_no_record(stage)
 
     def passthrough(loss, _target):  # the last stage's forward already returns the loss
         return loss
@@ -187,6 +189,34 @@ def make_schedule(stage_modules: list[nn.Module], stage_ids: list[int], stages: 
         return ScheduleInterleaved1F1B(pipe_stages, n_micro, loss_fn=passthrough)
     cls = ScheduleGPipe if pcfg.pp_schedule == "gpipe" else Schedule1F1B
     return cls(pipe_stages[0], n_micro, loss_fn=passthrough)
+
+
+# What a training forward records for its step beside its output: each attention head's largest
+# logit (QK-clip, ``nn.attention``) and each routed layer's expert loads (the loss-free bias,
+# ``nn.moe``). Each is replaced, never changed in place, when a forward adds to it.
+STEP_RECORDS = ("max_logit", "load")
+
+
+def _leave_no_record(stage) -> None:
+    """torch's first schedule step runs each stage's forward once more to learn its shapes (a
+    later stage's on uninitialised ``torch.empty`` inputs): what that forward records (``STEP_
+    RECORDS``) is put back as it was, or QK-clip's maxima and the expert loads of the step would
+    count garbage. (``_forward_metadata_inference`` in torch 2.13, ``_shape_inference`` before.)"""
+    for name in ("_forward_metadata_inference", "_shape_inference"):
+        infer = getattr(stage, name, None)
+        if infer is None:
+            continue
+
+        def wrapped(*args, _infer=infer, **kwargs):
+            kept = [(m, a, getattr(m, a)) for m in stage.submod.modules() for a in STEP_RECORDS if hasattr(m, a)]
+            try:
+                return _infer(*args, **kwargs)
+            finally:
+                for m, a, value in kept:
+                    setattr(m, a, value)
+
+        setattr(stage, name, wrapped)
+        return
 
 
 # A context-parallel shard (``context.context_shard``) adds its positions (rotary blocks need them

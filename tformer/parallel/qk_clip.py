@@ -14,9 +14,18 @@ grouped-query attention a key head serves several query heads, so the query rows
 ``gamma`` and the key rows none (the head's logits scale by ``gamma`` either way; its neighbours'
 do not move). Biases of the projections are scaled with their rows (the logit is bilinear in the
 projected ``q`` and ``k``; RoPE is linear).
+
+Every layout clips what one process clips. The maxima go into one (layers, heads) table of the whole
+model, -inf where a rank holds nothing, and one MAX all-reduce over every rank fills it: under TP a
+rank writes its heads' columns (its column-wise share of ``q_proj``), under a pipeline its stage's
+rows (each layer by its name in the unsplit model, learned once at start), under context parallelism
+each rank's queries count against every key of the sequence (the core's ``max_logits``). The factors
+then reach each rank's rows of the projections through the parameters' own placements.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,13 +51,46 @@ def _scale_rows(linear: nn.Linear, per_head: torch.Tensor, width: int) -> None:
             w.mul_(_local_rows(rows.to(w.dtype), p))
 
 
+def _unsplit_name(name: str) -> str:
+    """A module's name in the unsplit model: without a pipeline's ``parts.N.`` prefix and the
+    wrappers' own segments (activation checkpointing, compile)."""
+    if name.startswith("parts."):
+        name = name.split(".", 2)[2]
+    return ".".join(s for s in name.split(".") if s not in ("_checkpoint_wrapped_module", "_orig_mod"))
+
+
+def _tp_share(m: MultiHeadAttention) -> tuple[int, int]:
+    """(this rank's place in the TP group, the group's size) of ``m``'s heads (0, 1 without TP)."""
+    w = m.q_proj.weight
+    if isinstance(w, DTensor) and w.device_mesh.mesh_dim_names and "tp" in w.device_mesh.mesh_dim_names:
+        return w.device_mesh.get_local_rank("tp"), w.device_mesh.size(w.device_mesh.mesh_dim_names.index("tp"))
+    return 0, 1
+
+
 class QKClip:
     """The clip of every attention module of ``model`` at threshold ``tau``; call after each step."""
 
     def __init__(self, model: nn.Module, tau: float):
         self.tau = tau
-        self.layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+        named = [(_unsplit_name(n), m) for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+        self.layers = [m for _, m in named]
         self.last_max: torch.Tensor | None = None
+        self.world = dist.is_initialized() and dist.get_world_size() > 1
+        names = sorted({n for n, _ in named})
+        if self.world:  # a pipeline rank holds its stage's layers: the table names every rank's
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, names)
+            names = sorted({n for ns in every for n in ns})
+        row = {n: i for i, n in enumerate(names)}
+        self.rows = [row[n] for n, _ in named]
+        self.shares = [_tp_share(m) for m in self.layers]
+        heads = [m.num_heads * size for m, (_, size) in zip(self.layers, self.shares)]
+        width = max(heads, default=0)
+        if self.world:
+            got = torch.tensor([width])
+            dist.all_reduce(got, op=dist.ReduceOp.MAX)
+            width = int(got)
+        self.shape = (len(names), width)
         for m in self.layers:
             m.max_logit = self._fresh(m)
 
@@ -59,14 +101,19 @@ class QKClip:
 
     @torch.no_grad()
     def __call__(self) -> None:
-        if not self.layers:
+        if not self.shape[0]:
             return
-        maxima = torch.stack([m.max_logit for m in self.layers])  # type: ignore[misc]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-        self.last_max = maxima.amax()
-        gamma = torch.where(maxima > self.tau, self.tau / maxima, torch.ones_like(maxima))
-        for m, g in zip(self.layers, gamma):
+        device = self.layers[0].q_proj.weight.device if self.layers else torch.device("cpu")
+        table = torch.full(self.shape, float("-inf"), device=device)
+        for m, row, (place, _) in zip(self.layers, self.rows, self.shares):
+            n = m.num_heads  # this rank's heads: columns place * n onwards
+            table[row, place * n : (place + 1) * n] = torch.maximum(table[row, place * n : (place + 1) * n], m.max_logit)  # type: ignore[arg-type]
+        if self.world:
+            dist.all_reduce(table, op=dist.ReduceOp.MAX)
+        self.last_max = table.amax()
+        gamma = torch.where(table > self.tau, self.tau / table, torch.ones_like(table))
+        for m, row, (_, size) in zip(self.layers, self.rows, self.shares):
+            g = gamma[row, : m.num_heads * size]  # every head of the layer: the rows' placements pick this rank's
             if m.num_kv_heads == m.num_heads:
                 _scale_rows(m.q_proj, g.sqrt(), m.d_k)
                 _scale_rows(m.k_proj, g.sqrt(), m.d_k)

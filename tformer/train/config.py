@@ -329,11 +329,10 @@ class TrainConfig:
                 f"optim.muon.qk_clip={self.optim.muon.qk_clip} is Muon's (Kimi K2's QK-clip); set "
                 "optim.name=muon, or optim.muon.qk_clip=null"
             )
-        split = [f"parallel.{k}={getattr(self.parallel, k)}" for k in ("tp", "pp", "cp") if getattr(self.parallel, k) > 1]
-        if self.optim.muon.qk_clip is not None and split:
+        if self.optim.muon.qk_clip is not None and self.model.attention == "mla":
             raise ConfigError(
-                f"optim.muon.qk_clip does not compose with {', '.join(split)} yet (each rank sees part of a head's "
-                "logits or of the layers); set optim.muon.qk_clip=null there"
+                "optim.muon.qk_clip does not reach latent attention (model.attention=mla) yet: its heads' query and "
+                "key rows are not scaled; set optim.muon.qk_clip=null, or model.attention=mha"
             )
 
     def _check_batching(self) -> None:
