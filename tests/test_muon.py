@@ -163,6 +163,10 @@ def test_a_non_finite_step_on_the_device_leaves_everything():
         ({"optim": {"name": "muon", "muon": {"momentum": 1.0}}}, "optim.muon.momentum=1.0 must be in [0, 1)"),
         ({"optim": {"name": "muon"}, "parallel": {"strategy": "deepspeed"}}, "optim.name=muon does not run under"),
         ({"optim": {"muon": {"qk_clip": 50}}}, "optim.muon.qk_clip=50.0 is Muon's"),
+        (
+            {"optim": {"name": "muon", "muon": {"qk_clip": 50}}, "model": {"preset": "deepseek-v3-tiny"}},
+            "optim.muon.qk_clip does not reach latent attention",
+        ),
     ],
 )
 def test_bad_muon_config_is_one_line(flags, needle):
