@@ -55,15 +55,22 @@ def test_t5gemma_layouts_equal_one_process(cache, tmp_path_factory):
     )
 
 
+GEMMA3_LAYOUTS = [
+    ("gemma3", ["parallel.cp=2"], 1),
+    ("gemma3", ["parallel.pp=2", "parallel.pp_schedule=1f1b", "grad_accum=2"], 2),
+]
+
+
 @pytest.mark.timeout(1800)
-def test_gemma3_under_cp_equals_one_process(cache, tmp_path_factory):
-    """Gemma 3's causal windows and soft-capped scores across cp=2's shards."""
+def test_gemma3_under_cp_and_pp_equals_one_process(cache, tmp_path_factory):
+    """Gemma 3's causal windows and soft-capped scores across cp=2's shards, and its sandwich-normed
+    blocks cut into 2 pipeline stages (TP and FSDP2: tests/test_zoo_gemma.py)."""
     import test_mesh
 
     # a cap that bends the tiny model's scores (Gemma 2's 50 would barely touch them)
     flags = ["model.global_every=2", "model.attn_window=16", "model.attn_softcap=2.0"]
     test_mesh.assert_layouts_equal_one_process(
-        "gemma3", ("gemma3-tiny", flags), [("gemma3", ["parallel.cp=2"], 1)], tmp_path_factory, cache
+        "gemma3", ("gemma3-tiny", flags), GEMMA3_LAYOUTS, tmp_path_factory, cache
     )
 
 
