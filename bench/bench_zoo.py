@@ -1,14 +1,18 @@
-"""Training step of the new flavours (Qwen3, Qwen3-MoE, DeepSeek-V3, gpt-oss, ModernBERT) against HF's own.
+"""Training step of the new flavours (Qwen3, Qwen3-MoE, DeepSeek-V3, gpt-oss, ModernBERT, Gemma 3,
+T5Gemma) against HF's own.
 
-    python bench/bench_zoo.py [--flavour qwen3,qwen3_moe,deepseek_v3,gpt_oss,modernbert] [--steps N] [--threads 1]
+    python bench/bench_zoo.py [--flavour qwen3,qwen3_moe,deepseek_v3,gpt_oss,modernbert,gemma3,t5gemma]
+        [--steps N] [--threads 1]
 
 Each flavour's tiny preset (the shapes of ``configs/*-tiny.yaml``) and the HF model its exporter
 configures (``TARGETS[flavour].hf_config``: the same architecture, the same parameter count, checked)
 take forward + backward + fused AdamW steps interleaved one by one on the same batch, in one process,
 as ``bench_models.py`` times its families; DeepSeek-V3 without its MTP module (HF has none);
-ModernBERT on 15% of positions labelled, HF's ``sparse_prediction`` on (its head at those only). HF's
-experts run its default implementation where that runs on this CPU, else its loop (said in the
-line). Target ([zoo-dec]): tformer's median step >= 1.0x HF's for every flavour, fp32, one thread.
+ModernBERT on 15% of positions labelled, HF's ``sparse_prediction`` on (its head at those only);
+T5Gemma on targets a quarter of the sources' length, each side shifting them behind its start token.
+HF's experts run its default implementation where that runs on this CPU, else its loop (said in the
+line). Target ([zoo-dec], [zoo-enc]): tformer's median step >= 1.0x HF's for every flavour, fp32,
+one thread.
 A row whose loss is not finite is FAIL; any MISS or FAIL sets the exit code. A benchmark, not a
 test: the figures depend on the machine and what else runs on it.
 """
@@ -38,6 +42,8 @@ PRESETS = {
     "deepseek_v3": ("deepseek-v3-tiny", {"mtp_depth": 0}),
     "gpt_oss": ("gpt-oss-tiny", {}),
     "modernbert": ("modernbert-tiny", {}),
+    "gemma3": ("gemma3-tiny", {}),
+    "t5gemma": ("t5gemma-tiny", {}),
 }
 SIZES = dict(batch=8, seq=128)
 
@@ -80,6 +86,8 @@ def bench_flavour(flavour: str, args) -> dict:
     hf_labels = ids
     if spec_of(cfg).masked_lm:  # MLM: 15% of positions labelled, the same for both; HF's head at those only too
         shifted = hf_labels = ids.masked_fill(torch.rand(b, s, generator=gen) >= 0.15, -100)
+    if cfg.family == "encdec":  # targets: both shift them right behind the decoder's start token
+        shifted = hf_labels = torch.randint(2, cfg.vocab_size, (b, s // 4), generator=gen)
     hf, experts = hf_twin(cfg, ids)
     if num_params(ours) != num_params(hf):
         raise SystemExit(f"{flavour}: configurations differ: tformer {num_params(ours):,} vs HF {num_params(hf):,}")

@@ -9,6 +9,11 @@ backward recomputes it (elementwise and deterministic: bitwise the same gradient
 quarter of what a GPT-2 block keeps and a third of a Llama block's, for one elementwise op per
 backward.
 
+A recipe's input may itself be a registered tensor (the gated product ``act * up`` from ``act``):
+it is kept as its own recipe, one per tensor however many ops save it, and rebuilt once per
+backward (the first op that needs it rebuilds it, the next reuses it while any op still holds it),
+so a gated FFN's backward runs its activation once, not once per tensor rebuilt from it.
+
 It composes with whatever saved-tensor hooks are already active (activation checkpointing, CPU
 offload, memory probes): those see the recipe's inputs instead of the tensor. Tensor subclasses
 (a tensor-parallel DTensor) are saved as they are.
@@ -22,10 +27,11 @@ import torch
 
 
 class _Recipe:
-    __slots__ = ("fn", "inputs", "shape", "dtype")
+    __slots__ = ("fn", "inputs", "shape", "dtype", "value")
 
     def __init__(self, fn, inputs, shape, dtype):
         self.fn, self.inputs, self.shape, self.dtype = fn, inputs, shape, dtype
+        self.value: torch.Tensor | None = None  # rebuilt once, while the recipe lives
 
 
 class Rebuild:
@@ -33,6 +39,7 @@ class Rebuild:
 
     def __init__(self):
         self._recipes: dict[int, tuple[torch.Tensor, Callable, tuple]] = {}
+        self._made: dict[int, _Recipe] = {}  # one recipe per registered tensor, however many ops save it
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self._outer_pack, self._outer_unpack = outer if outer is not None else (None, None)
 
@@ -49,17 +56,22 @@ class Rebuild:
 
     def _pack(self, t: torch.Tensor):
         if type(t) is torch.Tensor and t.is_contiguous() and t.storage_offset() == 0:
-            entry = self._recipes.get(t.untyped_storage().data_ptr())
+            ptr = t.untyped_storage().data_ptr()
+            entry = self._recipes.get(ptr)
             if entry is not None and entry[0].numel() == t.numel() and entry[0].dtype == t.dtype:
-                _, fn, inputs = entry
-                return _Recipe(fn, tuple(self._save(i) for i in inputs), t.shape, t.dtype)
+                if ptr not in self._made:
+                    _, fn, inputs = entry
+                    self._made[ptr] = _Recipe(fn, tuple(self._pack(i) for i in inputs), t.shape, t.dtype)
+                return self._made[ptr]
         return self._save(t)
 
     def _unpack(self, packed):
         if isinstance(packed, _Recipe):
-            with torch.no_grad():
-                out = packed.fn(*(self._load(i) for i in packed.inputs))
-            return out.to(packed.dtype).view(packed.shape)
+            if packed.value is None:
+                with torch.no_grad():
+                    out = packed.fn(*(self._unpack(i) for i in packed.inputs))
+                packed.value = out.to(packed.dtype).view(packed.shape)
+            return packed.value
         return self._load(packed)
 
     def __enter__(self) -> Rebuild:
@@ -70,3 +82,4 @@ class Rebuild:
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
         self._recipes.clear()
+        self._made.clear()
