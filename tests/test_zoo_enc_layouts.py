@@ -69,9 +69,7 @@ def test_gemma3_under_cp_and_pp_equals_one_process(cache, tmp_path_factory):
 
     # a cap that bends the tiny model's scores (Gemma 2's 50 would barely touch them)
     flags = ["model.global_every=2", "model.attn_window=16", "model.attn_softcap=2.0"]
-    test_mesh.assert_layouts_equal_one_process(
-        "gemma3", ("gemma3-tiny", flags), GEMMA3_LAYOUTS, tmp_path_factory, cache
-    )
+    test_mesh.assert_layouts_equal_one_process("gemma3", ("gemma3-tiny", flags), GEMMA3_LAYOUTS, tmp_path_factory, cache)
 
 
 # -- activation checkpointing, compile, float8's layer choice ------------------------------------
