@@ -28,10 +28,17 @@ def _batch(model, b=2, s=32, seed=0):
     return {"input_ids": ids, "labels": labels}
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+# the routed ones: Mixtral's softmax top-k, Qwen3-MoE's, DeepSeek-V3's grouped sigmoid routing with
+# its loss-free bias (loads counted in the graph) and MTP, gpt-oss's biased clamped experts
+MOE_PRESETS = ["mixtral-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny", "gpt-oss-tiny"]
+
+
+@pytest.mark.parametrize("preset", PRESETS + MOE_PRESETS)
 def test_the_whole_training_forward_is_one_graph_under_bf16(preset):
-    """The trainer's forward (loss only, chunked head) of every dense family: one graph, no break (a
-    break would cut it in two and return to Python between the parts)."""
+    """The trainer's forward (loss only, chunked head) of every family: one graph, no break (a
+    break would cut it in two and return to Python between the parts). A routed layer too: its
+    counts have a fixed shape (``moe.expert_counts``), its experts run one grouped matmul in the
+    autocast dtype, and the loss-free bias's recomputation check reads a flag, not autograd's task."""
     torch.manual_seed(0)
     model = build_model(preset).train()
     allow_dynamic_shapes(model)

@@ -543,6 +543,28 @@ def test_activation_checkpointing_trains_what_the_plain_model_trains_bitwise(nam
     assert len(loads) == len(ref_loads) and all(torch.equal(a, b) for a, b in zip(loads, ref_loads))
 
 
+@pytest.mark.parametrize("mode", ["full", "op"])
+def test_compiled_blocks_under_checkpointing_count_each_routing_load_once(mode):
+    """DeepSeek-V3's blocks compiled (aot_eager) under full or op-level activation checkpointing:
+    the expert loads that move the loss-free bias are the eager model's, bitwise (moe.in_backward
+    does not read autograd's task while compiling; a recomputation must not count again)."""
+    from tformer.parallel.ac import apply_activation_checkpointing
+    from tformer.parallel.compile import compile_blocks
+
+    batch = _batch(300, 2, 0, 16)
+    plain = zoo_model("deepseek_v3")
+    compiled = zoo_model("deepseek_v3")
+    apply_activation_checkpointing(compiled, mode)
+    torch._dynamo.reset()
+    compile_blocks(compiled, backend="aot_eager")
+    for model in (plain, compiled):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(**batch, return_logits=False).loss.backward()
+    want = [m.load for m in plain.modules() if getattr(m, "load", None) is not None]
+    got = [m.load for m in compiled.modules() if getattr(m, "load", None) is not None]
+    assert want and len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)), (got, want)
+
+
 @pytest.mark.parametrize("name", ["qwen3", "gpt_oss", "deepseek_v3"])
 def test_every_new_attention_and_dense_block_compiles_without_a_graph_break(name):
     """The blocks per-block compile traces: QK-norm attention (and qwen3's whole training forward),

@@ -142,13 +142,22 @@ def capacity_mask(experts: torch.Tensor, num_experts: int, capacity: int) -> tor
     return (position <= capacity).view(g, k, s).transpose(1, 2)
 
 
+def expert_counts(ids: torch.Tensor, num_experts: int, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.bincount(ids, weight, minlength=num_experts)`` for ids below ``num_experts``, of a
+    shape that does not depend on the data (``scatter_add_`` into ``num_experts`` slots), so that
+    compile traces it without a graph break. Exact: integer counts, or sums of 0/1 weights."""
+    if weight is None:
+        return torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+    return torch.zeros(num_experts, dtype=weight.dtype, device=ids.device).scatter_add_(0, ids, weight)
+
+
 def dispatch(routing: Routing, num_experts: int) -> Dispatch:
     """Sort the kept (token, choice) assignments by expert (stable: token order inside each)."""
     k = routing.experts.shape[-1]
     ids = routing.experts.reshape(-1)
     if routing.keep is not None:
         ids = ids.masked_fill(~routing.keep.reshape(-1), num_experts)  # dropped rows sort last
-    counts = torch.bincount(ids, minlength=num_experts + 1)[:num_experts]
+    counts = expert_counts(ids, num_experts + 1)[:num_experts]
     order = ids.argsort(stable=True)
     if routing.keep is not None:
         order = order[: int(counts.sum())]
@@ -268,9 +277,16 @@ class Experts(nn.Module):
     def ffn(self, x: torch.Tensor, counts: torch.Tensor, gate, up, down, *biases) -> torch.Tensor:
         """The experts' FFNs on rows sorted by expert, with the given (stacked) weights and biases:
         this module's own, or under expert parallelism the rank's slice of them."""
+        gate_b, up_b, down_b = biases or (None, None, None)
+        if torch.is_autocast_enabled(x.device.type):
+            # autocast leaves ``_grouped_mm`` in fp32 (as the weights are); the per-expert matmuls
+            # it casts: both paths in its dtype, biases too, as autocast runs a biased linear
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, gate, up, down, gate_b, up_b, down_b = (
+                w if w is None else w.to(dtype) for w in (x, gate, up, down, gate_b, up_b, down_b)
+            )
         present = [w for w in (gate, up, down) if w is not None]
         grouped = grouped_mm_ok(x, *present) if self.grouped is None else self.grouped
-        gate_b, up_b, down_b = biases or (None, None, None)
 
         def project(rows, w, b):
             out = expert_matmul(rows, w, counts, grouped)
@@ -291,7 +307,7 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts:
     tokens that chose expert e among their top k (before capacity), ``P_e`` its mean router
     probability. 1 when perfectly balanced at k = 1 (k at top-k, as HF's Mixtral writes it)."""
     tokens = probs.shape[0]
-    f = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype) / tokens
+    f = expert_counts(experts.reshape(-1), num_experts).to(probs.dtype) / tokens
     return num_experts * (f * probs.mean(0)).sum()
 
 
@@ -311,12 +327,12 @@ def routing_sums(
     num_experts = probs.shape[-1]
     z = torch.logsumexp(logits, dim=-1).square()
     if weight is None:
-        counts = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype)
+        counts = expert_counts(experts.reshape(-1), num_experts).to(probs.dtype)
         tokens = torch.full((1,), probs.shape[0], dtype=probs.dtype, device=probs.device)
         return torch.cat((counts, probs.sum(0), z.sum()[None], tokens))
     weight = weight.to(probs.dtype)
     per_choice = weight[:, None].expand(experts.shape).reshape(-1)
-    counts = torch.bincount(experts.reshape(-1), per_choice, minlength=num_experts).to(probs.dtype)
+    counts = expert_counts(experts.reshape(-1), num_experts, per_choice).to(probs.dtype)
     # weighted sums, not matmuls: autocast would run those in bf16
     return torch.cat((counts, (probs * weight[:, None]).sum(0), (z * weight).sum()[None], weight.sum()[None]))
 
@@ -423,7 +439,7 @@ class MoEFeedForward(nn.Module):
                 seq_loss = pooled_sequence_balance_loss(routing, shape[0], cfg.top_k, pool, real)
             self.aux_loss = self.aux_loss + cfg.seq_aux_loss_coef * seq_loss
         if self.score_bias is not None and self.training and torch.is_grad_enabled() and not in_backward():
-            load = torch.bincount(routing.experts.reshape(-1), minlength=cfg.num_experts).float()
+            load = expert_counts(routing.experts.reshape(-1), cfg.num_experts).float()
             self.load = load if self.load is None else self.load + load
         assignments = routing.experts.numel()
         self.stats = {
@@ -436,8 +452,11 @@ class MoEFeedForward(nn.Module):
 
 def in_backward() -> bool:
     """Inside autograd's backward: activation checkpointing recomputing a forward, whose routing
-    is already counted."""
-    return torch._C._current_graph_task_id() != -1
+    is already counted (autograd's running graph task). Never while compiling: dynamo cannot trace
+    the task id (a break there cut every routed block in two), and a compiled block's recomputation
+    runs its graph, not the Python that adds to ``load`` (full and op-level checkpointing of
+    compiled blocks count each load once: tests/test_zoo_layouts.py)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def sequence_balance_loss(routing: Routing, batch: int, top_k: int) -> torch.Tensor:

@@ -10,9 +10,11 @@
 Either way the forward of every dense family has no graph break under bf16 autocast
 (tests/test_compile.py): BERT's labelled positions (boolean indexing) have a data-dependent count,
 which dynamo traces once ``capture_dynamic_output_shape_ops`` is on; the chunked loss skips its
-host-side shortcut while compiling (``models/loss.py``). A mixture-of-experts layer's routing
-(``bincount``, grouped matmuls over data-dependent slices) traces too, but inductor cannot lower it
-on torch 2.13, so there it stays a graph break between compiled parts.
+host-side shortcut while compiling (``models/loss.py``). So does a mixture-of-experts model under
+bf16 autocast (tests/test_compile.py, the four routed presets): its counts have a fixed shape
+(``nn.moe.expert_counts``) and its experts run one ``torch._grouped_mm`` in the autocast dtype,
+which inductor lowers. In fp32 (torch 2.13's meta kernel of ``_grouped_mm`` takes bf16 only) the
+experts loop over data-dependent slices instead, which inductor cannot lower: a graph break there.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from ..nn.moe import moe_layers
 
 def allow_dynamic_shapes(model: torch.nn.Module | None = None) -> None:
     """Let dynamo trace ops whose output shape depends on the data (BERT's labelled rows), except in
-    a mixture-of-experts model: dynamo traces its dispatch, but inductor (torch 2.13) cannot lower the
-    data-dependent slices of its grouped matmuls, so its routing stays a graph break. A process-wide
-    setting, set for the model being compiled."""
+    a mixture-of-experts model: where its experts loop over data-dependent slices (fp32, see the
+    module doc) inductor (torch 2.13) cannot lower them, so there they stay a graph break. A
+    process-wide setting, set for the model being compiled."""
     dense = model is None or not moe_layers(model)
     torch._dynamo.config.capture_dynamic_output_shape_ops = dense
     torch._dynamo.config.capture_scalar_outputs = dense

@@ -125,7 +125,7 @@ def _moe_traffic(cfg: ModelConfig) -> tuple[float, int]:
     router's softmax and top-k over the expert logits (about 3 reads and writes of num_experts);
     dispatch gathers each of the token's top_k rows into expert order (read + write); combine
     scales each row by its weight (read + write) and adds it into a zeroed output (2 reads, 1
-    write of the rows; the zeros). Kernels: about a dozen (softmax, top-k, bincount, argsort,
+    write of the rows; the zeros). Kernels: about a dozen (softmax, top-k, the counts, argsort,
     gathers, the weighted index_add)."""
     moe, d = cfg.moe, cfg.d_model
     return 3 * moe.num_experts + moe.top_k * (2 + 2 + 3) * d + d, 12
