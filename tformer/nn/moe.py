@@ -282,8 +282,9 @@ class Experts(nn.Module):
             # autocast leaves ``_grouped_mm`` in fp32 (as the weights are); the per-expert matmuls
             # it casts: both paths in its dtype, biases too, as autocast runs a biased linear
             dtype = torch.get_autocast_dtype(x.device.type)
-            x, gate, up, down, gate_b, up_b, down_b = (
-                w if w is None else w.to(dtype) for w in (x, gate, up, down, gate_b, up_b, down_b)
+            x = x.to(dtype)
+            gate, up, down, gate_b, up_b, down_b = (
+                w if w is None else w.to(dtype) for w in (gate, up, down, gate_b, up_b, down_b)
             )
         present = [w for w in (gate, up, down) if w is not None]
         grouped = grouped_mm_ok(x, *present) if self.grouped is None else self.grouped
