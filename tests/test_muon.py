@@ -163,10 +163,6 @@ def test_a_non_finite_step_on_the_device_leaves_everything():
         ({"optim": {"name": "muon", "muon": {"momentum": 1.0}}}, "optim.muon.momentum=1.0 must be in [0, 1)"),
         ({"optim": {"name": "muon"}, "parallel": {"strategy": "deepspeed"}}, "optim.name=muon does not run under"),
         ({"optim": {"muon": {"qk_clip": 50}}}, "optim.muon.qk_clip=50.0 is Muon's"),
-        (
-            {"optim": {"name": "muon", "muon": {"qk_clip": 50}}, "model": {"preset": "deepseek-v3-tiny"}},
-            "optim.muon.qk_clip does not reach latent attention",
-        ),
     ],
 )
 def test_bad_muon_config_is_one_line(flags, needle):
@@ -245,6 +241,52 @@ def test_qk_clips_maxima_are_over_the_pairs_attention_sees(causal):
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), (got, want)
     blind = head_max_logits(q, k, 0.5, causal, None)
     assert (blind > want + 0.1).any(), (blind, want)
+
+
+def test_qk_clip_of_latent_attention_rescales_one_head_and_leaves_the_shared_rotary_key():
+    """MLA (DeepSeek-V3's shape; Kimi K2's): head 1 of the first block forced above TAU is clipped to
+    TAU; only its rows move (its q_nope and k_nope rows by sqrt(gamma), its q_rope rows by gamma,
+    its value rows not at all); the latent and the rotary key all heads share (kv_down) stay."""
+    from tformer.parallel.qk_clip import QKClip
+
+    torch.manual_seed(0)
+    model = build_model(build_config("deepseek-v3-tiny", dropout=0.0, mtp_depth=0)).train()
+    clip = QKClip(model, tau=1e9)
+    ids = torch.randint(0, 1000, (2, 24))
+    attn = clip.layers[0]
+    q_rows = attn.q_up if attn.q_up is not None else attn.q_proj
+    width, kv_width = attn.nope + attn.rope, attn.nope + attn.d_v
+    model(ids)
+    with torch.no_grad():  # head 1's queries 20x: its logits 20x
+        q_rows.weight[width : 2 * width] *= 20
+    attn.max_logit = clip._fresh(attn)
+    model(ids)
+    forced = attn.max_logit.clone()
+    tau = float(forced[1]) / 4
+    clip.tau = tau
+    others = [h for h in range(forced.shape[0]) if h != 1]
+    assert (forced[others] < tau).all(), (forced, tau)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    clip()
+    gamma = tau / float(forced[1])
+    model(ids)
+    assert abs(float(attn.max_logit[1]) - tau) <= 1e-5 * tau, (attn.max_logit, tau)
+    assert torch.equal(attn.max_logit[others], forced[others])
+    after = model.state_dict()
+    prefix = "decoder.layers.0.attn."
+    for k, v in after.items():
+        if k not in (prefix + "q_up.weight", prefix + "q_proj.weight", prefix + "kv_up.weight"):
+            assert torch.equal(v, before[k]), k
+    q_key = prefix + ("q_up.weight" if attn.q_up is not None else "q_proj.weight")
+    head_q, was_q = after[q_key][width : 2 * width], before[q_key][width : 2 * width]
+    torch.testing.assert_close(head_q[: attn.nope], was_q[: attn.nope] * gamma**0.5, rtol=1e-6, atol=0)
+    torch.testing.assert_close(head_q[attn.nope :], was_q[attn.nope :] * gamma, rtol=1e-6, atol=0)
+    kv, was_kv = after[prefix + "kv_up.weight"], before[prefix + "kv_up.weight"]
+    torch.testing.assert_close(kv[kv_width : kv_width + attn.nope], was_kv[kv_width : kv_width + attn.nope] * gamma**0.5)
+    assert torch.equal(kv[kv_width + attn.nope : 2 * kv_width], was_kv[kv_width + attn.nope : 2 * kv_width])  # values
+    keep = torch.ones(kv.shape[0], dtype=torch.bool)
+    keep[kv_width : kv_width + attn.nope] = False
+    assert torch.equal(kv[keep], was_kv[keep])
 
 
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])  # MHA with q/k biases; GQA (4 heads over 2)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .attention import AttentionCore, KVCache, local_attention
+from .attention import AttentionCore, KVCache, head_max_logits, local_attention
 from .cast import autocast_input
 from .norm import RMSNorm
 from .position import apply_rotary, apply_rotary_interleaved, yarn_softmax_scale
@@ -74,6 +74,9 @@ class LatentAttention(nn.Module):
         # backward sums the rotary key's gradient over the TP ranks (each uses it for its own heads;
         # the latent's gradient is summed by the column-wise kv_up itself)
         self.shared_key_grad: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Muon's QK-clip (tformer/parallel/qk_clip.py), as MultiHeadAttention.max_logit: each head's
+        # largest logit of the step over its full query and key heads, tracked while training
+        self.max_logit: torch.Tensor | None = None
 
     def _rotate(self, x: torch.Tensor, rotary) -> torch.Tensor:
         if rotary is None:
@@ -134,6 +137,9 @@ class LatentAttention(nn.Module):
         if cache is not None:
             c, k_rope = cache.update(c, k_rope)
         k, v = self.expand(c, k_rope)
+        if self.max_logit is not None and self.training:
+            count = getattr(self.core, "max_logits", head_max_logits)
+            self.max_logit = torch.maximum(self.max_logit, count(q, k, self.scale, causal, padding_mask, doc_mask, None))
         dropout_p = self.attn_dropout if self.training else 0.0
         out = self.core(
             q,

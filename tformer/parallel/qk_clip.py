@@ -13,7 +13,10 @@ With as many key heads as query heads each projection takes ``sqrt(gamma)`` (Kim
 grouped-query attention a key head serves several query heads, so the query rows take all of
 ``gamma`` and the key rows none (the head's logits scale by ``gamma`` either way; its neighbours'
 do not move). Biases of the projections are scaled with their rows (the logit is bilinear in the
-projected ``q`` and ``k``; RoPE is linear).
+projected ``q`` and ``k``; RoPE is linear). Latent attention (MLA; Kimi K2's own case) splits a
+head's logit into ``q_nope . k_nope + q_rope . k_rope``: the head's ``q_nope`` rows (of ``q_up`` or
+``q_proj``) and ``k_nope`` rows (of ``kv_up``) take ``sqrt(gamma)``, its ``q_rope`` rows ``gamma``, and
+the rotary key every head shares, none.
 
 Every layout clips what one process clips. The maxima go into one (layers, heads) table of the whole
 model, -inf where a rank holds nothing, and one MAX all-reduce over every rank fills it: under TP a
@@ -33,6 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..nn.attention import MultiHeadAttention
+from ..nn.latent import LatentAttention
 
 
 def _local_rows(factor: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -44,7 +48,13 @@ def _local_rows(factor: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_rows(linear: nn.Linear, per_head: torch.Tensor, width: int) -> None:
-    rows = per_head.repeat_interleave(width)
+    _scale_by_row(linear, per_head.repeat_interleave(width))
+
+
+def _scale_by_row(linear: nn.Linear, factors: torch.Tensor) -> None:
+    """Every output row of ``linear`` (weight and bias) times its factor (``factors`` flattened, one
+    per row of the whole layer)."""
+    rows = factors.reshape(-1)
     for p in (linear.weight, linear.bias):
         if p is not None:
             w = p.to_local() if isinstance(p, DTensor) else p
@@ -59,9 +69,16 @@ def _unsplit_name(name: str) -> str:
     return ".".join(s for s in name.split(".") if s not in ("_checkpoint_wrapped_module", "_orig_mod"))
 
 
-def _tp_share(m: MultiHeadAttention) -> tuple[int, int]:
+def _query_rows(m: MultiHeadAttention | LatentAttention) -> nn.Linear:
+    """The projection whose rows are ``m``'s query heads."""
+    linear = m.q_proj if m.q_proj is not None else getattr(m, "q_up", None)
+    assert linear is not None
+    return linear
+
+
+def _tp_share(m: MultiHeadAttention | LatentAttention) -> tuple[int, int]:
     """(this rank's place in the TP group, the group's size) of ``m``'s heads (0, 1 without TP)."""
-    w = m.q_proj.weight
+    w = _query_rows(m).weight
     if isinstance(w, DTensor) and w.device_mesh.mesh_dim_names and "tp" in w.device_mesh.mesh_dim_names:
         return w.device_mesh.get_local_rank("tp"), w.device_mesh.size(w.device_mesh.mesh_dim_names.index("tp"))
     return 0, 1
@@ -72,7 +89,8 @@ class QKClip:
 
     def __init__(self, model: nn.Module, tau: float):
         self.tau = tau
-        named = [(_unsplit_name(n), m) for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+        kinds = (MultiHeadAttention, LatentAttention)
+        named = [(_unsplit_name(n), m) for n, m in model.named_modules() if isinstance(m, kinds)]
         self.layers = [m for _, m in named]
         self.last_max: torch.Tensor | None = None
         self.world = dist.is_initialized() and dist.get_world_size() > 1
@@ -95,15 +113,15 @@ class QKClip:
             m.max_logit = self._fresh(m)
 
     @staticmethod
-    def _fresh(m: MultiHeadAttention) -> torch.Tensor:
-        device = m.q_proj.weight.device
+    def _fresh(m: MultiHeadAttention | LatentAttention) -> torch.Tensor:
+        device = _query_rows(m).weight.device
         return torch.full((m.num_heads,), float("-inf"), device=device)
 
     @torch.no_grad()
     def __call__(self) -> None:
         if not self.shape[0]:
             return
-        device = self.layers[0].q_proj.weight.device if self.layers else torch.device("cpu")
+        device = _query_rows(self.layers[0]).weight.device if self.layers else torch.device("cpu")
         table = torch.full(self.shape, float("-inf"), device=device)
         for m, row, (place, _) in zip(self.layers, self.rows, self.shares):
             n = m.num_heads  # this rank's heads: columns place * n onwards
@@ -114,7 +132,13 @@ class QKClip:
         gamma = torch.where(table > self.tau, self.tau / table, torch.ones_like(table))
         for m, row, (_, size) in zip(self.layers, self.rows, self.shares):
             g = gamma[row, : m.num_heads * size]  # every head of the layer: the rows' placements pick this rank's
-            if m.num_kv_heads == m.num_heads:
+            if isinstance(m, LatentAttention):
+                root, heads = g.sqrt()[:, None], g.shape[0]
+                _scale_by_row(_query_rows(m), torch.cat((root.expand(heads, m.nope), g[:, None].expand(heads, m.rope)), 1))
+                _scale_by_row(
+                    m.kv_up, torch.cat((root.expand(heads, m.nope), torch.ones_like(g)[:, None].expand(heads, m.d_v)), 1)
+                )
+            elif m.num_kv_heads == m.num_heads:
                 _scale_rows(m.q_proj, g.sqrt(), m.d_k)
                 _scale_rows(m.k_proj, g.sqrt(), m.d_k)
             else:

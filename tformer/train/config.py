@@ -329,11 +329,6 @@ class TrainConfig:
                 f"optim.muon.qk_clip={self.optim.muon.qk_clip} is Muon's (Kimi K2's QK-clip); set "
                 "optim.name=muon, or optim.muon.qk_clip=null"
             )
-        if self.optim.muon.qk_clip is not None and self.model.attention == "mla":
-            raise ConfigError(
-                "optim.muon.qk_clip does not reach latent attention (model.attention=mla) yet: its heads' query and "
-                "key rows are not scaled; set optim.muon.qk_clip=null, or model.attention=mha"
-            )
 
     def _check_batching(self) -> None:
         """Rules between keys of different sections (each key's own range is on its field)."""
