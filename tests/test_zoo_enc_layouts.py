@@ -1,12 +1,16 @@
-"""[zoo-enc]'s encoder and encoder-decoder under every parallel dimension, each equal to one process
-of the same global batch (tests/test_mesh.py's bound): ModernBERT (local and global layers, packed
-MLM rows) and T5Gemma (Gemma 2 blocks in both stacks, soft-capped attention and logits, the
-encoder's own window)."""
+"""[zoo-enc]'s flavours under every parallel dimension, each equal to one process of the same global
+batch (tests/test_mesh.py's bound): ModernBERT (local and global layers, packed MLM rows), T5Gemma
+(Gemma 2 blocks in both stacks, soft-capped attention and logits, the encoder's own window) and
+Gemma 3 (CP and PP; its TP and FSDP2 in test_zoo_gemma.py); and activation checkpointing, compile
+and float8's layer choice for the three."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from test_zoo_layouts import _batch as zoo_batch
+from test_zoo_layouts import _grads
 
 # ModernBERT at test size: one global and one local block (window 16, bidirectional: 8 keys each
 # side), packed rows of whole documents with document masks (the recipe's own data path)
@@ -96,20 +100,8 @@ def _model(name):
     return model
 
 
-def _batch(model, rows=2, length=24, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    ids = torch.randint(3, vocab, (rows, length), generator=gen)
-    labels = torch.randint(3, vocab, (rows, length), generator=gen)
-    labels[0, :5] = -100
-    return {"input_ids": ids, "labels": labels}
-
-
-def _grads(model, batch):
-    model.train()
-    loss = model(**batch, return_logits=False).loss
-    loss.backward()
-    return {"loss": loss.detach(), **{n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}}
+def _batch(model):
+    return zoo_batch(model.config.vocab_size, 2, 0, 24)
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -119,9 +111,9 @@ def test_activation_checkpointing_trains_what_the_plain_model_trains_bitwise(nam
 
     plain, ac = _model(name), _model(name)
     batch = _batch(plain)
-    want = _grads(plain, batch)
+    want = _grads(plain, [batch])
     assert apply_activation_checkpointing(ac, "full") == plain.config.num_layers * (2 if name == "t5gemma" else 1)
-    got = _grads(ac, batch)
+    got = _grads(ac, [batch])
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), [
         k for k in want if not torch.equal(got[k], want[k])
     ]
