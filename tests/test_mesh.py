@@ -266,11 +266,17 @@ def assert_same_state(name, got_losses: dict, state: dict, ref: Reference):
 
 
 def sharded(name: str) -> bool:
-    """Parameters tensor parallelism splits (see tformer/parallel/tp.py)."""
-    if name.endswith(("o_proj.bias", "down.bias")) or "norm" in name:
+    """Parameters tensor parallelism splits (see tformer/parallel/tp.py); latent attention's down
+    projections are whole on every rank, its up projections split by head; an MoE layer's shared
+    experts are whole on every rank."""
+    if name.endswith(("o_proj.bias", "down.bias", "q_down.weight", "kv_down.weight", "kv_down.bias")) or "norm" in name:
+        return False
+    if ".shared." in name:
         return False
     return name.endswith(
         (
+            "q_up.weight",
+            "kv_up.weight",
             "q_proj.weight",
             "k_proj.weight",
             "v_proj.weight",

@@ -301,3 +301,19 @@ def test_every_family_at_every_mechanism_equals_the_single_process_run(tmp_path_
     ckpt = tmp / "run0" / "checkpoints" / "step_00000002"
     _resume_elsewhere(tmp_path_factory, ckpt, 2, "parallel.strategy=fsdp", "parallel.tp=2", "grad_accum=2")
     assert dirs
+
+
+@pytest.mark.long
+@pytest.mark.usefixtures("cache")
+def test_qk_clip_of_latent_attention_under_tp_and_cp_equals_one_process(tmp_path_factory):
+    """DeepSeek-V3's latent attention with Muon and QK-clip (Kimi K2's recipe) at tp=2 (each rank its
+    heads' q_up / kv_up rows) and cp=2 (its queries against every expanded key): within the layout
+    bound of one process."""
+    flags = ["model.num_layers=3", "model.mtp_depth=0", "model.moe.bias_update_rate=0", *MUON, QK_CLIP]
+    layouts = [
+        ("deepseek", ["parallel.strategy=fsdp", "parallel.tp=2", "grad_accum=2"], 2),
+        ("deepseek", ["parallel.strategy=fsdp", "parallel.cp=2", "grad_accum=2"], 2),
+    ]
+    test_mesh.assert_layouts_equal_one_process(
+        "deepseek", ("deepseek-v3-tiny", flags), layouts, tmp_path_factory, os.environ["TFORMER_CACHE"]
+    )
