@@ -322,10 +322,12 @@ def test_the_trainer_feeds_packed_documents_to_every_family(recipe, tmp_path, mo
 @pytest.mark.timeout(900)
 def test_packed_documents_under_sequence_and_pipeline_parallelism_equal_one_process(cache, tmp_path_factory):
     """A decoder's packed documents at tp=2 + SP (the ids whole on every rank, the activations
-    split) and through a 2-stage pipeline (every stage takes the ids with its micro-batch,
-    pipeline.MODEL_KWARGS) within test_mesh's layout bound of one process. Measured on a 2-core
-    AVX512 Xeon (2026-11-28): 1.01 and 1.07 yardsticks on the losses, 0.91 and 1.27 on the
-    parameters; the stages run without the ids (planted, ModernBERT's packed MLM) 44 and 6.5e4."""
+    split; 63 positions, so SP pads the ids, the document ids and the positions alike) and through a
+    2-stage pipeline (every stage takes the ids with its micro-batch, pipeline.MODEL_KWARGS) within
+    test_mesh's layout bound of one process. Measured on a 2-core AVX512 Xeon (2026-11-28): SP 1.06
+    yardsticks on the losses and 2.87 on the parameters, PP 0 and 1.14; SP without the document ids
+    and positions padded with the ids (before models.padding did) a shape error; the stages without
+    the ids (planted, ModernBERT's packed MLM) 44 and 6.5e4 yardsticks."""
     import test_mesh
 
     layouts = [
@@ -333,5 +335,29 @@ def test_packed_documents_under_sequence_and_pipeline_parallelism_equal_one_proc
         ("llama-docs", ["parallel.pp=2", "parallel.pp_schedule=gpipe", "grad_accum=2"], 2),
     ]
     test_mesh.assert_layouts_equal_one_process(
-        "llama-docs", ("llama-tiny", ["data.document_mask=true"]), layouts, tmp_path_factory, cache
+        "llama-docs", ("llama-tiny", ["data.document_mask=true", "data.seq_len=63"]), layouts, tmp_path_factory, cache
     )
+
+
+def test_padding_for_sp_pads_the_document_ids_and_positions_with_the_ids():
+    """``pad_sequences`` (SP's multiple of tp) grows every per-position field alike: ids with the
+    pad id, a packed row's document ids with -1 (nobody attends to them), positions with 0, labels
+    with -100; an encoder-decoder's target fields with its labels."""
+    from tformer.models.padding import pad_sequences
+
+    row = torch.tensor([[5, 6, 7]])
+    dec = {"input_ids": row, "labels": row, "doc_ids": torch.tensor([[0, 0, 1]]), "position_ids": torch.tensor([[0, 1, 0]])}
+    got = pad_sequences(dec, 2, 9, "decoder")
+    assert got["input_ids"].tolist() == [[5, 6, 7, 9]] and got["labels"].tolist() == [[5, 6, 7, -100]]
+    assert got["doc_ids"].tolist() == [[0, 0, 1, -1]] and got["position_ids"].tolist() == [[0, 1, 0, 0]]
+    pairs = {
+        "input_ids": row,
+        "doc_ids": torch.tensor([[0, 0, 1]]),
+        "labels": torch.tensor([[4, 4, 4, 4, 4]]),
+        "decoder_input_ids": torch.tensor([[0, 4, 4, 0, 4]]),
+        "decoder_doc_ids": torch.tensor([[0, 0, 0, 1, 1]]),
+    }
+    got = pad_sequences(pairs, 2, 9, "encdec")
+    assert got["doc_ids"].tolist() == [[0, 0, 1, -1]] and got["attention_mask"].tolist() == [[1, 1, 1, 0]]
+    assert got["labels"].shape[1] == got["decoder_input_ids"].shape[1] == got["decoder_doc_ids"].shape[1] == 6
+    assert got["decoder_doc_ids"][0, -1] == -1 and got["decoder_input_ids"][0, -1] == 9
