@@ -80,6 +80,13 @@ def _fp8_vs_bf16(preset: str, recipe: str, seed: int = 0) -> tuple[float, dict[s
         ("mixtral-tiny", "tensorwise"),
         ("llama-tiny", "rowwise"),
         ("t5-tiny", "rowwise_with_gw_hp"),
+        # the zoo's new linears: MLA's low-rank projections, gpt-oss's biased q/k/v/o beside sinks
+        ("deepseek-v3-tiny", "tensorwise"),
+        ("gpt-oss-tiny", "tensorwise"),
+        *(
+            pytest.param(p, "tensorwise", marks=pytest.mark.long)
+            for p in ("qwen3-tiny", "qwen3-moe-tiny", "modernbert-tiny", "gemma3-tiny", "t5gemma-tiny")
+        ),
     ],
 )
 def test_a_step_of_each_family_in_fp8_stays_close_to_bf16(preset, recipe):
