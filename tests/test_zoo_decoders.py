@@ -327,13 +327,9 @@ def test_a_target_without_qk_norm_refuses_it_naming_the_field(preset, toks, tmp_
 @pytest.mark.long
 @pytest.mark.parametrize("recipe", ["qwen3-tiny", "qwen3-moe-tiny", "gpt-oss-tiny"])
 def test_the_tiny_recipe_loss_falls_over_200_steps(recipe, cache, tmp_path):
-    from tformer.train.config import load_config
-    from tformer.train.trainer import Trainer
-    from train_helpers import CONFIGS, losses, small_overrides
+    from train_helpers import recipe_curve
 
-    overrides = small_overrides(recipe, tmp_path, "max_steps=200", "eval_every=0", "save_every=0", "log_every=10")
-    Trainer(load_config(CONFIGS / f"{recipe}.yaml", overrides)).fit()
-    curve = losses(tmp_path)
+    curve = recipe_curve(recipe, tmp_path)
     first, last = curve[min(curve)], curve[max(curve)]
     print(f"{recipe}: loss {first:.3f} -> {last:.3f} over 200 steps")
     assert max(curve) == 200 and last < first - 1.5, curve

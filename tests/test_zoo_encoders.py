@@ -265,14 +265,10 @@ def test_hf_trainer_fine_tunes_an_exported_modernbert_for_classification(trained
 
 @pytest.mark.long
 def test_the_tiny_recipe_loss_falls_over_200_steps(cache, tmp_path):
-    from tformer.train.config import load_config
-    from tformer.train.trainer import Trainer
-    from train_helpers import CONFIGS, losses, small_overrides
+    from train_helpers import recipe_curve
 
     recipe = "modernbert-tiny"
-    overrides = small_overrides(recipe, tmp_path, "max_steps=200", "eval_every=0", "save_every=0", "log_every=10")
-    Trainer(load_config(CONFIGS / f"{recipe}.yaml", overrides)).fit()
-    curve = losses(tmp_path)
+    curve = recipe_curve(recipe, tmp_path)
     first, last = curve[min(curve)], sum(curve[s] for s in (180, 190, 200)) / 3
     print(f"{recipe}: loss {first:.3f} -> {last:.3f} (the last three logged) over 200 steps")
     # MLM at 30% masking on 2-layer 64-wide blocks flattens near the unigram entropy (~6.1 here):

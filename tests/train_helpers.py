@@ -315,6 +315,17 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics(run_dir)}
 
 
+def recipe_curve(recipe: str, out: Path, steps: int = 200) -> dict[int, float]:
+    """The training loss by step (every 10th) of ``configs/{recipe}.yaml`` at test size
+    (``small_overrides``), ``steps`` steps in one process, no evaluation or checkpoint."""
+    from tformer.train.config import load_config
+    from tformer.train.trainer import Trainer
+
+    overrides = small_overrides(recipe, out, f"max_steps={steps}", "eval_every=0", "save_every=0", "log_every=10")
+    Trainer(load_config(CONFIGS / f"{recipe}.yaml", overrides)).fit()
+    return losses(out)
+
+
 def free_port() -> int:
     import socket
 

@@ -242,15 +242,32 @@ def head_max_logits(
     """Each query head's largest logit ``q . k x scale`` over the (B, H, S_q, S_k) pairs attention
     may see (``allowed_pairs``: padding, causal, documents, the window; a position bias, which no
     projection scales, and a soft-cap, applied after, left out): (H,), in fp32."""
-    if k.shape[1] != q.shape[1]:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     allowed = allowed_pairs(
         q.shape[2], k.shape[2], padding_mask=padding_mask, causal=causal, doc_mask=doc_mask, window=window, device=q.device
     )
+    return masked_head_max(q, k, scale, allowed)
+
+
+@torch.no_grad()
+def masked_head_max(q: torch.Tensor, k: torch.Tensor, scale: float, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Each query head's largest ``q . k x scale`` over the pairs ``allowed`` keeps (None: all): (H,)."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     return scores.amax(dim=(0, 2, 3))
+
+
+def track_max_logit(module: nn.Module, q, k, causal: bool, padding_mask, doc_mask, window: int | None) -> None:
+    """Raise ``module.max_logit`` (set from outside by Muon's QK-clip; None: not tracked) to each
+    head's largest logit of this forward, while training: the core's own count where it has one
+    (context parallelism's, whose keys are spread over the ranks), else ``head_max_logits``."""
+    if module.max_logit is None or not module.training:
+        return
+    count = getattr(module.core, "max_logits", head_max_logits)
+    seen = count(q, k, module.scale, causal, padding_mask, doc_mask, window)
+    module.max_logit = torch.maximum(module.max_logit, seen)
 
 
 class HeadLogits(nn.Module):
@@ -389,11 +406,7 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.update(k, v)
         if rotary is not None:
             q = apply_rotary(q, *rotary)
-        if self.max_logit is not None and self.training:
-            # the core's own count where it has one (context parallelism's: its keys are spread over ranks)
-            count = getattr(self.core, "max_logits", head_max_logits)
-            seen = count(q, k, self.scale, causal, padding_mask, doc_mask, self.window)
-            self.max_logit = torch.maximum(self.max_logit, seen)
+        track_max_logit(self, q, k, causal, padding_mask, doc_mask, self.window)
         dropout_p = self.attn_dropout if self.training else 0.0
         # only where set, so a core that cannot take them (context parallelism's) is never handed them
         sinks = self.sinks() if self.sinks is not None else None

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .attention import AttentionCore, KVCache, head_max_logits, local_attention
+from .attention import AttentionCore, KVCache, local_attention, track_max_logit
 from .cast import autocast_input
 from .norm import RMSNorm
 from .position import apply_rotary, apply_rotary_interleaved, yarn_softmax_scale
@@ -137,9 +137,7 @@ class LatentAttention(nn.Module):
         if cache is not None:
             c, k_rope = cache.update(c, k_rope)
         k, v = self.expand(c, k_rope)
-        if self.max_logit is not None and self.training:
-            count = getattr(self.core, "max_logits", head_max_logits)
-            self.max_logit = torch.maximum(self.max_logit, count(q, k, self.scale, causal, padding_mask, doc_mask, None))
+        track_max_logit(self, q, k, causal, padding_mask, doc_mask, None)
         dropout_p = self.attn_dropout if self.training else 0.0
         out = self.core(
             q,

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
-from ..nn.attention import local_attention
+from ..nn.attention import local_attention, masked_head_max
 from ..models import spec_of
 from ..nn.docmask import same_document
 from ..nn.flex import in_window, soft_cap
@@ -182,7 +182,10 @@ def _raw_scores(q, k, scale: float) -> torch.Tensor:
 def _scores(q, k, mask, is_causal: bool, scale: float, softcap: float | None = None) -> torch.Tensor:
     """The pair's scores as the softmax takes them: capped (``nn.attention.soft_cap``), then
     masked, as the math path orders them."""
-    s = soft_cap(_raw_scores(q, k, scale), softcap)
+    return _masked(soft_cap(_raw_scores(q, k, scale), softcap), mask, is_causal)
+
+
+def _masked(s: torch.Tensor, mask, is_causal: bool) -> torch.Tensor:
     if mask is not None:
         s = s + mask
     if is_causal:
@@ -207,13 +210,12 @@ def _pair_backward(
             dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
         )
         return dq, dk, dv, None
-    p = torch.exp(_scores(q, k, mask, is_causal, scale, softcap) - lse[..., None])
+    capped = soft_cap(_raw_scores(q, k, scale), softcap)
+    p = torch.exp(_masked(capped, mask, is_causal) - lse[..., None])
     dv = _fold_heads(torch.matmul(p.transpose(-2, -1), dout.float()), k.shape[1])
     dp = torch.matmul(dout.float(), _expand_heads(v, q.shape[1]).float().transpose(-2, -1))
     ds = p * (dp - delta[..., None])
-    d_raw = ds
-    if softcap is not None:
-        d_raw = ds * (1 - torch.tanh(_raw_scores(q, k, scale) / softcap).square())
+    d_raw = ds if softcap is None else ds * (1 - (capped / softcap).square())
     dq = torch.matmul(d_raw, _expand_heads(k, q.shape[1]).float()) * scale
     dk = _fold_heads(torch.matmul(d_raw.transpose(-2, -1), q.float()) * scale, k.shape[1])
     return dq, dk, dv, ds if need_ds else None
@@ -391,9 +393,7 @@ class ContextParallelAttention:
         """Each query head's largest logit over the pairs attention sees (``nn.attention.
         head_max_logits`` for QK-clip), this rank's queries against every key of the sequence: the
         keys gathered (no gradient), the pairs masked by global position, padding and document."""
-        if k.shape[1] != q.shape[1]:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        keys = torch.cat(_key_chunks(_gather(k, self.group, self.cp), k.shape[2] // 2), dim=2)
+        keys = unshard_seq(_gather(k, self.group, self.cp), dim=2)
         q_pos = held_positions(q.shape[2] * self.cp, self.rank, self.cp, q.device)
         distance = q_pos[:, None] - torch.arange(keys.shape[2], device=q.device)[None, :]
         allowed = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
@@ -406,8 +406,7 @@ class ContextParallelAttention:
             allowed = allowed & same_document(
                 doc_mask.q_ids[:, None, :, None], self._all_keys(doc_mask.k_ids)[:, None, None, :]
             )
-        scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
-        return scores.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
+        return masked_head_max(q, keys, scale, allowed)
 
     def _all_keys(self, local: torch.Tensor) -> torch.Tensor:
         """A (B, S_k/cp) per-key tensor of this rank -> (B, S_k) of the whole sequence. Every layer
@@ -547,17 +546,19 @@ def check_context_parallel(cfg, dims) -> None:
             f"parallel.cp={cp} does not run with attention dropout yet; set model.attn_dropout=0, or parallel.cp=1"
         )
     m = cfg.model
-    if pcfg.cp_kernel == "torch" and (m.attn_sinks or m.attn_window is not None or m.attn_softcap is not None):
-        field = (
-            "model.attn_sinks=true"
-            if m.attn_sinks
-            else f"model.attn_window={m.attn_window}"
-            if m.attn_window is not None
-            else f"model.attn_softcap={m.attn_softcap}"
+    ring_lacks = [
+        field
+        for field, on in (
+            ("model.attn_sinks=true", m.attn_sinks),
+            (f"model.attn_window={m.attn_window}", m.attn_window is not None),
+            (f"model.attn_softcap={m.attn_softcap}", m.attn_softcap is not None),
         )
+        if on
+    ]
+    if pcfg.cp_kernel == "torch" and ring_lacks:
         raise ConfigError(
-            f"parallel.cp_kernel=torch does not run with {field}: torch's ring attention takes no sinks, windows or "
-            "soft-caps; set parallel.cp_kernel=tformer"
+            f"parallel.cp_kernel=torch does not run with {ring_lacks[0]}: torch's ring attention takes no sinks, "
+            "windows or soft-caps; set parallel.cp_kernel=tformer"
         )
     if pcfg.strategy == "ddp" and (dims.tp > 1 or dims.pp > 1):
         raise ConfigError(

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..nn.attention import MultiHeadAttention
 from ..nn.latent import LatentAttention
+from .pipeline import Parts
 
 
 def _local_rows(factor: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -62,11 +63,9 @@ def _scale_by_row(linear: nn.Linear, factors: torch.Tensor) -> None:
 
 
 def _unsplit_name(name: str) -> str:
-    """A module's name in the unsplit model: without a pipeline's ``parts.N.`` prefix and the
-    wrappers' own segments (activation checkpointing, compile)."""
-    if name.startswith("parts."):
-        name = name.split(".", 2)[2]
-    return ".".join(s for s in name.split(".") if s not in ("_checkpoint_wrapped_module", "_orig_mod"))
+    """A module's name in the unsplit model: without a pipeline's ``parts.N.`` prefix
+    (``Parts.strip``) and the wrappers' own segments (activation checkpointing, compile)."""
+    return ".".join(s for s in Parts.strip(name).split(".") if s not in ("_checkpoint_wrapped_module", "_orig_mod"))
 
 
 def _query_rows(m: MultiHeadAttention | LatentAttention) -> nn.Linear:
@@ -93,22 +92,17 @@ class QKClip:
         named = [(_unsplit_name(n), m) for n, m in model.named_modules() if isinstance(m, kinds)]
         self.layers = [m for _, m in named]
         self.last_max: torch.Tensor | None = None
+        self.shares = [_tp_share(m) for m in self.layers]
+        # each layer's name and every head of it (a TP rank holds 1/size of them)
+        heads = {n: m.num_heads * size for (n, m), (_, size) in zip(named, self.shares)}
         self.world = dist.is_initialized() and dist.get_world_size() > 1
-        names = sorted({n for n, _ in named})
         if self.world:  # a pipeline rank holds its stage's layers: the table names every rank's
             every: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(every, names)
-            names = sorted({n for ns in every for n in ns})
-        row = {n: i for i, n in enumerate(names)}
+            dist.all_gather_object(every, heads)
+            heads = {n: h for rank in every for n, h in rank.items()}
+        row = {n: i for i, n in enumerate(sorted(heads))}
         self.rows = [row[n] for n, _ in named]
-        self.shares = [_tp_share(m) for m in self.layers]
-        heads = [m.num_heads * size for m, (_, size) in zip(self.layers, self.shares)]
-        width = max(heads, default=0)
-        if self.world:
-            got = torch.tensor([width])
-            dist.all_reduce(got, op=dist.ReduceOp.MAX)
-            width = int(got)
-        self.shape = (len(names), width)
+        self.shape = (len(heads), max(heads.values(), default=0))
         for m in self.layers:
             m.max_logit = self._fresh(m)
 
@@ -125,7 +119,7 @@ class QKClip:
         table = torch.full(self.shape, float("-inf"), device=device)
         for m, row, (place, _) in zip(self.layers, self.rows, self.shares):
             n = m.num_heads  # this rank's heads: columns place * n onwards
-            table[row, place * n : (place + 1) * n] = torch.maximum(table[row, place * n : (place + 1) * n], m.max_logit)  # type: ignore[arg-type]
+            table[row, place * n : (place + 1) * n] = m.max_logit  # type: ignore[assignment]
         if self.world:
             dist.all_reduce(table, op=dist.ReduceOp.MAX)
         self.last_max = table.amax()
@@ -135,9 +129,7 @@ class QKClip:
             if isinstance(m, LatentAttention):
                 root, heads = g.sqrt()[:, None], g.shape[0]
                 _scale_by_row(_query_rows(m), torch.cat((root.expand(heads, m.nope), g[:, None].expand(heads, m.rope)), 1))
-                _scale_by_row(
-                    m.kv_up, torch.cat((root.expand(heads, m.nope), torch.ones_like(g)[:, None].expand(heads, m.d_v)), 1)
-                )
+                _scale_by_row(m.kv_up, torch.cat((root.expand(heads, m.nope), g.new_ones(heads, m.d_v)), 1))
             elif m.num_kv_heads == m.num_heads:
                 _scale_rows(m.q_proj, g.sqrt(), m.d_k)
                 _scale_rows(m.k_proj, g.sqrt(), m.d_k)

@@ -36,8 +36,9 @@ from ..parallel.newton_schulz import newton_schulz_flops
 from .comm import link_of
 from .compute import gemm_efficiency
 from .hardware import Hardware
-from .layout import Layout
+from .layout import Layout, rank_stages
 from .states import _fields, config_of
+from .time import ADAMW_BYTES, adamw_step_seconds
 
 
 @functools.lru_cache(maxsize=16)
@@ -57,9 +58,8 @@ def muon_shapes(cfg: ModelConfig) -> tuple[tuple[int, ...], ...]:
 # fp32 bytes per matrix element of Muon's elementwise step (parallel/muon.py): the momentum lerp_
 # (read g, read and write the buffer: 12), Nesterov's lerp (read g and the buffer, write u: 12), the
 # normalisation (a norm and a division: 12), the decay (read and write p: 8), the update (read p and
-# the result, write p: 12); AdamW's 28 (time.py's OPTIMIZER_BYTES) are priced already
+# the result, write p: 12); AdamW's (time.py's ADAMW_BYTES, in its OPTIMIZER_BYTES) are priced already
 MUON_BYTES = 56
-ADAMW_BYTES = 28
 
 
 def _count_step_ops(ns_steps: int, matrices: int) -> int:
@@ -171,15 +171,9 @@ def memory_line(cfg: ModelConfig, total_params: int, devices: int, strategy: str
 
 
 def adamw_seconds(cfg: ModelConfig, layout: Layout, hw: Hardware) -> float:
-    """The time model's AdamW optimizer step on one rank (time.py): its traffic and its host ops
-    (the gradient clip, the fused AdamW, the zeroing)."""
-    from .layout import rank_stages
-    from .time import OPTIMIZER_BYTES, _host_optimizer
-
-    stage = max(rank_stages(cfg, layout), key=lambda st: st.params)
-    shard = 1 if layout.strategy == "ddp" else layout.dp_shard * layout.cp
-    traffic = stage.params / shard * OPTIMIZER_BYTES / (hw.hbm_bandwidth * hw.hbm_efficiency)
-    return traffic + _host_optimizer(cfg, layout, hw, stage)
+    """The time model's AdamW optimizer step (``time.adamw_step_seconds``) on the rank with the
+    most parameters: its traffic and its host ops."""
+    return sum(adamw_step_seconds(cfg, layout, hw, max(rank_stages(cfg, layout), key=lambda st: st.params)))
 
 
 def optimizer_seconds(cfg: ModelConfig, layout: Layout, hw: Hardware, name: str, ns_steps: int = 5) -> float:

@@ -79,9 +79,9 @@ from .memory_bound import (
 )
 
 
-OPTIMIZER_BYTES = (
-    44  # per fp32 parameter: AdamW reads p, g, m, v and writes p, m, v (28); grad norm + clip (12); zeroing (4)
-)
+# per fp32 parameter: AdamW reads p, g, m, v and writes p, m, v (28); grad norm + clip (12); zeroing (4)
+ADAMW_BYTES = 28
+OPTIMIZER_BYTES = ADAMW_BYTES + 12 + 4
 
 # per fp32 weight under bf16 autocast where the weights stay fp32 (DDP, one device; FSDP2 and
 # DeepSpeed gather bf16 copies instead): the step's first use casts it to bf16 (read 4, write 2;
@@ -226,6 +226,18 @@ def _host_optimizer(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: Stage
     return optimizer_ops(kind).ops(params) * (hw.op_overhead + dtensors * hw.dtensor_optimizer_overhead)
 
 
+def adamw_step_seconds(cfg: ModelConfig, layout: Layout, hw: Hardware, stage: Stage) -> tuple[float, float]:
+    """(memory traffic, host) seconds of the optimizer step on the rank holding ``stage``: AdamW,
+    the clip and the zeroing over its shard of the parameters (``OPTIMIZER_BYTES``; under bf16
+    autocast over fp32 weights also their casts, ``AUTOCAST_WEIGHT_BYTES``), and their host ops."""
+    bandwidth = hw.hbm_bandwidth * hw.hbm_efficiency
+    shard = 1 if layout.strategy == "ddp" else layout.dp_shard * layout.cp
+    traffic = stage.params / shard * OPTIMIZER_BYTES / bandwidth
+    if layout.mixed and layout.strategy == "ddp":  # autocast over fp32 weights: AUTOCAST_WEIGHT_BYTES
+        traffic += stage.params * AUTOCAST_WEIGHT_BYTES / bandwidth
+    return traffic, _host_optimizer(cfg, layout, hw, stage)
+
+
 def _pipeline_alone(shared: dict, alone: dict, layout: Layout, m: int) -> dict:
     """A CPU pipeline stage's compute and memory-bound work: while its peer idles in the bubble it
     has the machine's caches and memory to itself. With a bubble share b of the step, a stage is
@@ -268,10 +280,7 @@ def step_time(
     busy = ("compute", "memory-bound", "tp", "cp", "ep") + (("host",) if hw.device == "cpu" else ())
     mb, dp, stage = max(ranks, key=lambda r: sum(r[0][k] for k in busy) + sum(r[1].values()))
     parts = {k: m * mb[k] for k in busy if k in ("compute", "memory-bound", "tp") or mb[k] > 0}
-    shard = 1 if layout.strategy == "ddp" else layout.dp_shard * layout.cp
-    parts["optimizer"] = stage.params / shard * OPTIMIZER_BYTES / (hw.hbm_bandwidth * hw.hbm_efficiency)
-    if layout.mixed and layout.strategy == "ddp":  # autocast over fp32 weights: AUTOCAST_WEIGHT_BYTES
-        parts["optimizer"] += stage.params * AUTOCAST_WEIGHT_BYTES / (hw.hbm_bandwidth * hw.hbm_efficiency)
+    parts["optimizer"], host_optimizer = adamw_step_seconds(cfg, layout, hw, stage)
     if layout.pp > 1:
         v = layout.stages_per_rank if layout.schedule == "interleaved_1f1b" else 1
         b = bubble(layout.schedule, layout.pp, m, v)
@@ -284,7 +293,7 @@ def step_time(
         link = link_of(hw, stride, 2)
         parts["pp"] = 2 * (layout.pp * v - 1) * (link.latency + send / link.bandwidth)
     parts.update(dp)
-    host = m * mb["host"] + _host_optimizer(cfg, layout, hw, stage)
+    host = m * mb["host"] + host_optimizer
     # the host's time (plan/host.py): on the CPU it runs the kernels itself, so it adds; a GPU's
     # host issues work ahead of the device and shows only where it outruns the device's work
     device = sum(parts.values()) - parts.pop("host", 0.0)
